@@ -1,0 +1,14 @@
+//! Errors of the attention kernels: every message names the value and the rule it breaks.
+
+/// An invalid attention problem or input.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum KernelError {
+    #[error("invalid mask '{mask}': {reason}")]
+    InvalidMask { mask: String, reason: String },
+    #[error("invalid packing: {0}")]
+    InvalidPacking(String),
+    #[error("invalid shape: {0}")]
+    InvalidShape(String),
+    #[error("invalid dtype: {0}")]
+    InvalidDType(String),
+}

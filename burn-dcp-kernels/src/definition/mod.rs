@@ -1,0 +1,11 @@
+//! What an attention call computes: masks, the packing of tokens into sequences, the problem.
+
+pub mod error;
+pub mod mask;
+pub mod packing;
+pub mod problem;
+
+pub use error::KernelError;
+pub use mask::{KeyRanges, MaskSpec};
+pub use packing::{validate_cu_seqlens, Segment, TokenPositions};
+pub use problem::{AttentionShape, VarlenAttention};

@@ -1,0 +1,21 @@
+//! Attention kernels for context parallelism: forward with log-sum-exp, backward from
+//! `(out, lse)`, and the merge of partial results, over packed variable-length sequences with
+//! global query/key positions, grouped-query attention and the mask family of [`MaskSpec`].
+//!
+//! ```text
+//! definition  problem (VarlenAttention), packing (Segment), masks (MaskSpec), errors
+//! ops         FlashOps: the backend extension trait every CP strategy calls
+//! portable    host implementation (CPU backends, e.g. burn Flex)
+//! reference   naive dense f64 oracle for tests
+//! ```
+
+pub mod definition;
+pub mod ops;
+pub mod portable;
+pub mod reference;
+
+pub use definition::{
+    validate_cu_seqlens, AttentionShape, KernelError, KeyRanges, MaskSpec, Segment, TokenPositions,
+    VarlenAttention,
+};
+pub use ops::{FlashGradients, FlashOps, FlashOutput};

@@ -1,0 +1,190 @@
+//! The backend extension trait: attention with LSE, its backward and the merge, on burn tensors.
+//!
+//! Strategies (Ulysses, ring, all-gather, USP) call only these three operations, so a backend with
+//! its own kernels (the cubecl kernels for wgpu/CUDA) slots in by implementing [`FlashOps`], and
+//! every strategy runs on it unchanged. The provided methods run the portable host implementation
+//! ([`crate::portable`]), which is the implementation for CPU backends such as burn Flex.
+
+use burn::prelude::{Backend, Tensor};
+use burn::tensor::{DType, TensorCreationOptions, TensorData};
+
+use crate::definition::{AttentionShape, KernelError, VarlenAttention};
+use crate::portable;
+
+/// Forward result: `out [q_tokens, heads, value_dim]` (input dtype), `lse [heads, q_tokens]` (f32).
+#[derive(Clone, Debug)]
+pub struct FlashOutput<B: Backend> {
+    pub out: Tensor<B, 3>,
+    pub lse: Tensor<B, 2>,
+}
+
+/// Backward result, each in the dtype and shape of its input: `dq [q_tokens, heads, head_dim]`,
+/// `dk [kv_tokens, kv_heads, head_dim]`, `dv [kv_tokens, kv_heads, value_dim]`.
+#[derive(Clone, Debug)]
+pub struct FlashGradients<B: Backend> {
+    pub dq: Tensor<B, 3>,
+    pub dk: Tensor<B, 3>,
+    pub dv: Tensor<B, 3>,
+}
+
+/// Attention with LSE over packed varlen sequences (see [`VarlenAttention`] for the layout).
+pub trait FlashOps: Backend {
+    /// `softmax(scale·q·kᵀ + mask)·v` and the natural-log LSE of every (head, query).
+    /// Queries with no allowed key get `out = 0`, `lse = −∞`.
+    fn flash_forward(
+        q: Tensor<Self, 3>,
+        k: Tensor<Self, 3>,
+        v: Tensor<Self, 3>,
+        problem: &VarlenAttention,
+    ) -> Result<FlashOutput<Self>, KernelError> {
+        host_forward(q, k, v, problem)
+    }
+
+    /// Gradients of the forward pass given the *final* `out`/`lse` (after any merge) and `dout`.
+    /// With a subset of the keys (a ring step) it returns that subset's exact share of the
+    /// gradients: `dq` partial sums, `dk`/`dv` for those keys.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_backward(
+        q: Tensor<Self, 3>,
+        k: Tensor<Self, 3>,
+        v: Tensor<Self, 3>,
+        out: Tensor<Self, 3>,
+        lse: Tensor<Self, 2>,
+        dout: Tensor<Self, 3>,
+        problem: &VarlenAttention,
+    ) -> Result<FlashGradients<Self>, KernelError> {
+        host_backward(q, k, v, out, lse, dout, problem)
+    }
+
+    /// Merges two partial results over disjoint key sets of the same queries.
+    fn flash_merge(
+        a: FlashOutput<Self>,
+        b: FlashOutput<Self>,
+    ) -> Result<FlashOutput<Self>, KernelError> {
+        host_merge(a, b)
+    }
+}
+
+impl FlashOps for burn::backend::Flex {}
+
+/// Checks that tensors share one float dtype and returns it.
+pub fn common_float_dtype(named: &[(&str, DType)]) -> Result<DType, KernelError> {
+    let (first_name, first) = named[0];
+    if !first.is_float() {
+        return Err(KernelError::InvalidDType(format!("{first_name} has dtype {first:?}, expected a float dtype")));
+    }
+    if let Some((name, dtype)) = named.iter().find(|(_, d)| *d != first) {
+        return Err(KernelError::InvalidDType(format!(
+            "{name} has dtype {dtype:?} but {first_name} has {first:?}: all attention inputs must share one dtype"
+        )));
+    }
+    Ok(first)
+}
+
+fn host_f32<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
+    tensor
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("data converted to f32 reads back as f32")
+}
+
+fn from_host<B: Backend, const D: usize>(
+    values: Vec<f32>,
+    dims: [usize; D],
+    dtype: DType,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    let data = TensorData::new(values, dims).convert_dtype(dtype);
+    Tensor::from_data(data, TensorCreationOptions::new(device.clone()).with_dtype(dtype))
+}
+
+fn shape_of(q: &Tensor<impl Backend, 3>, k: &Tensor<impl Backend, 3>, v: &Tensor<impl Backend, 3>) -> Result<AttentionShape, KernelError> {
+    AttentionShape::from_dims(&q.dims(), &k.dims(), &v.dims())
+}
+
+/// [`FlashOps::flash_forward`] on the host: reads the tensors, runs [`portable::forward`].
+pub fn host_forward<B: Backend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    problem: &VarlenAttention,
+) -> Result<FlashOutput<B>, KernelError> {
+    let dtype = common_float_dtype(&[("q", q.dtype()), ("k", k.dtype()), ("v", v.dtype())])?;
+    let shape = shape_of(&q, &k, &v)?;
+    let device = q.device();
+    let result = portable::forward(&host_f32(q), &host_f32(k), &host_f32(v), &shape, problem)?;
+    Ok(FlashOutput {
+        out: from_host(result.out, [shape.q_tokens, shape.heads, shape.value_dim], dtype, &device),
+        lse: from_host(result.lse, [shape.heads, shape.q_tokens], DType::F32, &device),
+    })
+}
+
+/// [`FlashOps::flash_backward`] on the host: reads the tensors, runs [`portable::backward`].
+pub fn host_backward<B: Backend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    out: Tensor<B, 3>,
+    lse: Tensor<B, 2>,
+    dout: Tensor<B, 3>,
+    problem: &VarlenAttention,
+) -> Result<FlashGradients<B>, KernelError> {
+    let dtype = common_float_dtype(&[
+        ("q", q.dtype()),
+        ("k", k.dtype()),
+        ("v", v.dtype()),
+        ("out", out.dtype()),
+        ("dout", dout.dtype()),
+    ])?;
+    let shape = shape_of(&q, &k, &v)?;
+    let expected_out = [shape.q_tokens, shape.heads, shape.value_dim];
+    let expected_lse = [shape.heads, shape.q_tokens];
+    if out.dims() != expected_out || dout.dims() != expected_out || lse.dims() != expected_lse {
+        return Err(KernelError::InvalidShape(format!(
+            "out {:?}, dout {:?} and lse {:?} must be {expected_out:?}, {expected_out:?} and {expected_lse:?}",
+            out.dims(),
+            dout.dims(),
+            lse.dims()
+        )));
+    }
+    let device = q.device();
+    let grads = portable::backward(
+        &host_f32(q),
+        &host_f32(k),
+        &host_f32(v),
+        &host_f32(out),
+        &host_f32(lse),
+        &host_f32(dout),
+        &shape,
+        problem,
+    )?;
+    let q_dims = [shape.q_tokens, shape.heads, shape.head_dim];
+    Ok(FlashGradients {
+        dq: from_host(grads.dq, q_dims, dtype, &device),
+        dk: from_host(grads.dk, [shape.kv_tokens, shape.kv_heads, shape.head_dim], dtype, &device),
+        dv: from_host(grads.dv, [shape.kv_tokens, shape.kv_heads, shape.value_dim], dtype, &device),
+    })
+}
+
+/// [`FlashOps::flash_merge`] on the host: runs [`portable::merge`].
+pub fn host_merge<B: Backend>(a: FlashOutput<B>, b: FlashOutput<B>) -> Result<FlashOutput<B>, KernelError> {
+    let dtype = common_float_dtype(&[("out a", a.out.dtype()), ("out b", b.out.dtype())])?;
+    let [tokens, heads, value_dim] = a.out.dims();
+    if b.out.dims() != a.out.dims() || a.lse.dims() != [heads, tokens] || b.lse.dims() != [heads, tokens] {
+        return Err(KernelError::InvalidShape(format!(
+            "merge needs equal shapes: out {:?} / {:?}, lse {:?} / {:?} (lse is [heads, tokens])",
+            a.out.dims(),
+            b.out.dims(),
+            a.lse.dims(),
+            b.lse.dims()
+        )));
+    }
+    let device = a.out.device();
+    let (mut out, mut lse) = (host_f32(a.out), host_f32(a.lse));
+    portable::merge(&mut out, &mut lse, &host_f32(b.out), &host_f32(b.lse), heads, value_dim)?;
+    Ok(FlashOutput {
+        out: from_host(out, [tokens, heads, value_dim], dtype, &device),
+        lse: from_host(lse, [heads, tokens], DType::F32, &device),
+    })
+}
