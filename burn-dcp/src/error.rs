@@ -1,0 +1,20 @@
+//! Errors of context-parallel attention.
+
+use burn_dcp_kernels::KernelError;
+
+use crate::comm::CommError;
+
+/// Why a context-parallel attention call (or its configuration) was refused or failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CpError {
+    /// The configuration breaks a rule; the message names the values and the rule.
+    #[error("invalid context-parallel configuration: {0}")]
+    Config(String),
+    /// Inputs do not match the configuration (shapes, dtypes, token counts).
+    #[error("invalid input: {0}")]
+    Input(String),
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+}

@@ -1,0 +1,255 @@
+//! Run context-parallel attention end to end on in-process ranks: shard packed inputs by the
+//! layout, run forward and backward on one thread per rank, unshard the results, count bytes.
+//! Used by the `cp_attention` example and the tests; handy to check a configuration by hand.
+
+use std::time::{Duration, Instant};
+
+use burn::prelude::Tensor;
+use burn::tensor::TensorData;
+use burn_dcp_kernels::{FlashOps, MaskSpec, VarlenAttention};
+
+use crate::comm::{CommStats, InProcessWorld, WorldConfig};
+use crate::error::CpError;
+use crate::layout::{Layout, Sharding};
+use crate::strategy::{cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy};
+
+/// A packed micro-batch's attention inputs, token-major f32:
+/// `q [T, H, D]`, `k [T, K, D]`, `v [T, K, Dv]`, `dout [T, H, Dv]`, `T = Σ seq_lens`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedInputs {
+    pub seq_lens: Vec<usize>,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub dout: Vec<f32>,
+}
+
+/// Results in the packed layout: `out [T, H, Dv]`, `lse [H, T]`, `dq`, `dk`, `dv` like their inputs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedOutputs {
+    pub out: Vec<f32>,
+    pub lse: Vec<f32>,
+    pub dq: Vec<f32>,
+    pub dk: Vec<f32>,
+    pub dv: Vec<f32>,
+}
+
+/// How to run: CP size, strategy, layout, masks (one per sequence or one for all), scale.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunSpec {
+    pub cp: usize,
+    pub strategy: Strategy,
+    pub layout: Layout,
+    pub masks: Vec<MaskSpec>,
+    pub scale: Option<f64>,
+    pub timeout: Duration,
+}
+
+/// A CP run: packed results, bytes each rank sent (forward, backward) and the slowest rank's times.
+#[derive(Clone, Debug)]
+pub struct RunReport {
+    pub outputs: PackedOutputs,
+    pub bytes_forward: Vec<u64>,
+    pub bytes_backward: Vec<u64>,
+    pub stats: Vec<CommStats>,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+}
+
+impl PackedInputs {
+    pub fn tokens(&self) -> usize {
+        self.seq_lens.iter().sum()
+    }
+
+    fn validate(&self) -> Result<(), CpError> {
+        let t = self.tokens();
+        let expected = [
+            ("q", &self.q, t * self.heads * self.head_dim),
+            ("k", &self.k, t * self.kv_heads * self.head_dim),
+            ("v", &self.v, t * self.kv_heads * self.value_dim),
+            ("dout", &self.dout, t * self.heads * self.value_dim),
+        ];
+        for (name, data, count) in expected {
+            if data.len() != count {
+                return Err(CpError::Input(format!(
+                    "{name} holds {} values; {t} tokens × its heads × dim need {count}",
+                    data.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn tensor<B: FlashOps, const D: usize>(values: Vec<f32>, dims: [usize; D], device: &B::Device) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(values, dims), device)
+}
+
+fn host<B: FlashOps, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec::<f32>().expect("f32 data")
+}
+
+/// Rows `indices` of a token-major buffer with `width` values per token.
+fn gather_rows(data: &[f32], width: usize, indices: &[usize]) -> Vec<f32> {
+    indices.iter().flat_map(|&i| data[i * width..(i + 1) * width].iter().copied()).collect()
+}
+
+/// Writes `rows` (token-major) to rows `indices` of `full`.
+fn scatter_rows(full: &mut [f32], width: usize, indices: &[usize], rows: &[f32]) {
+    for (local, &i) in indices.iter().enumerate() {
+        full[i * width..(i + 1) * width].copy_from_slice(&rows[local * width..(local + 1) * width]);
+    }
+}
+
+/// Single-device attention (the oracle of CP runs): the whole micro-batch on one device.
+pub fn run_single_device<B: FlashOps>(
+    device: &B::Device,
+    inputs: &PackedInputs,
+    masks: &[MaskSpec],
+    scale: Option<f64>,
+) -> Result<PackedOutputs, CpError> {
+    inputs.validate()?;
+    let x = inputs;
+    let t = x.tokens();
+    let problem = VarlenAttention::packed(x.seq_lens.clone(), masks.to_vec()).with_scale(scale);
+    let q = tensor::<B, 3>(x.q.clone(), [t, x.heads, x.head_dim], device);
+    let k = tensor::<B, 3>(x.k.clone(), [t, x.kv_heads, x.head_dim], device);
+    let v = tensor::<B, 3>(x.v.clone(), [t, x.kv_heads, x.value_dim], device);
+    let dout = tensor::<B, 3>(x.dout.clone(), [t, x.heads, x.value_dim], device);
+    let fwd = B::flash_forward(q.clone(), k.clone(), v.clone(), &problem)?;
+    let grads = B::flash_backward(q, k, v, fwd.out.clone(), fwd.lse.clone(), dout, &problem)?;
+    Ok(PackedOutputs {
+        out: host(fwd.out),
+        lse: host(fwd.lse),
+        dq: host(grads.dq),
+        dk: host(grads.dk),
+        dv: host(grads.dv),
+    })
+}
+
+/// One rank's results and measurements.
+struct RankResult {
+    indices: Vec<usize>,
+    out: Vec<f32>,
+    lse: Vec<f32>,
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+    bytes: (u64, u64),
+    times: (f64, f64),
+}
+
+/// Context-parallel forward and backward on `spec.cp` in-process ranks.
+pub fn run_context_parallel<B: FlashOps>(device: &B::Device, inputs: &PackedInputs, spec: &RunSpec) -> Result<RunReport, CpError> {
+    inputs.validate()?;
+    spec.strategy.validate_mesh(spec.cp)?;
+    spec.strategy.validate_heads(inputs.heads, inputs.kv_heads, spec.cp)?;
+    let sharding = Sharding::new(&inputs.seq_lens, spec.cp, spec.layout)?;
+    let mut batch = CpBatch::new(sharding, spec.masks.clone());
+    batch.scale = spec.scale;
+    let world = InProcessWorld::new(spec.cp, WorldConfig { timeout: spec.timeout })?;
+    let results = world.run(|comm| run_rank::<B>(device, inputs, &batch, comm, spec.strategy));
+    let mut ranks = Vec::with_capacity(spec.cp);
+    for result in results {
+        ranks.push(result.map_err(|reason| CpError::Input(format!("context-parallel run failed: {reason}")))?);
+    }
+    Ok(assemble(inputs, ranks, world.stats()))
+}
+
+fn run_rank<B: FlashOps>(
+    device: &B::Device,
+    x: &PackedInputs,
+    batch: &CpBatch,
+    comm: crate::comm::Comm,
+    strategy: Strategy,
+) -> Result<RankResult, CpError> {
+    let rank = comm.rank();
+    let indices = batch.sharding.packed_indices(rank);
+    let n = indices.len();
+    let local = |data: &[f32], heads: usize, dim: usize| tensor::<B, 3>(gather_rows(data, heads * dim, &indices), [n, heads, dim], device);
+    let (q, k, v) = (local(&x.q, x.heads, x.head_dim), local(&x.k, x.kv_heads, x.head_dim), local(&x.v, x.kv_heads, x.value_dim));
+    let dout = local(&x.dout, x.heads, x.value_dim);
+    let group = CpGroup::new(comm.clone(), strategy)?;
+    let start_bytes = comm.stats().total_bytes();
+    let started = Instant::now();
+    let fwd = cp_attention_forward(&group, batch, q.clone(), k.clone(), v.clone())?;
+    let forward_ms = started.elapsed().as_secs_f64() * 1e3;
+    let mid_bytes = comm.stats().total_bytes();
+    let started = Instant::now();
+    let inputs = BackwardInputs { q, k, v, out: fwd.out.clone(), lse: fwd.lse.clone(), dout };
+    let grads = cp_attention_backward(&group, batch, inputs)?;
+    let backward_ms = started.elapsed().as_secs_f64() * 1e3;
+    let end_bytes = comm.stats().total_bytes();
+    Ok(RankResult {
+        indices,
+        out: host(fwd.out),
+        lse: host(fwd.lse),
+        dq: host(grads.dq),
+        dk: host(grads.dk),
+        dv: host(grads.dv),
+        bytes: (mid_bytes - start_bytes, end_bytes - mid_bytes),
+        times: (forward_ms, backward_ms),
+    })
+}
+
+fn assemble(x: &PackedInputs, ranks: Vec<RankResult>, stats: Vec<CommStats>) -> RunReport {
+    let t = x.tokens();
+    let mut outputs = PackedOutputs {
+        out: vec![0.0; t * x.heads * x.value_dim],
+        lse: vec![0.0; x.heads * t],
+        dq: vec![0.0; t * x.heads * x.head_dim],
+        dk: vec![0.0; t * x.kv_heads * x.head_dim],
+        dv: vec![0.0; t * x.kv_heads * x.value_dim],
+    };
+    for r in &ranks {
+        let idx = &r.indices;
+        scatter_rows(&mut outputs.out, x.heads * x.value_dim, idx, &r.out);
+        scatter_rows(&mut outputs.dq, x.heads * x.head_dim, idx, &r.dq);
+        scatter_rows(&mut outputs.dk, x.kv_heads * x.head_dim, idx, &r.dk);
+        scatter_rows(&mut outputs.dv, x.kv_heads * x.value_dim, idx, &r.dv);
+        for h in 0..x.heads {
+            for (local, &i) in idx.iter().enumerate() {
+                outputs.lse[h * t + i] = r.lse[h * idx.len() + local];
+            }
+        }
+    }
+    RunReport {
+        outputs,
+        bytes_forward: ranks.iter().map(|r| r.bytes.0).collect(),
+        bytes_backward: ranks.iter().map(|r| r.bytes.1).collect(),
+        stats,
+        forward_ms: ranks.iter().map(|r| r.times.0).fold(0.0, f64::max),
+        backward_ms: ranks.iter().map(|r| r.times.1).fold(0.0, f64::max),
+    }
+}
+
+/// `max |got − want| / max |want|` over entries where `want` is finite; a non-finite `want` must
+/// be matched exactly (−∞ LSE of fully masked rows) and NaN never passes.
+pub fn max_rel_err(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let (mut diff, mut scale) = (0.0f64, 0.0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        if g.is_nan() || w.is_nan() {
+            return f64::INFINITY;
+        }
+        if !w.is_finite() {
+            if g != w {
+                return f64::INFINITY;
+            }
+            continue;
+        }
+        diff = diff.max((g as f64 - w as f64).abs());
+        scale = scale.max((w as f64).abs());
+    }
+    if scale == 0.0 {
+        diff
+    } else {
+        diff / scale
+    }
+}

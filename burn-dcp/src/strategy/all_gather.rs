@@ -1,0 +1,59 @@
+//! All-gather KV (llama3-style): every rank gathers all keys/values, computes its queries against
+//! them, and in backward reduce-scatters dK/dV back to their owners.
+//!
+//! Friendly to varlen: no step structure, one kernel call per pass; the kernel skips masked work.
+//! Backward gathers the keys/values again instead of keeping the gathered copy from forward
+//! (memory of one shard, not of the whole sequence, between the passes).
+
+use burn::prelude::Tensor;
+use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, VarlenAttention};
+
+use crate::error::CpError;
+use crate::strategy::exchange::{all_gather, cat_tokens, concat_segments, split_sizes};
+use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup};
+
+/// All-gather KV over the whole CP group.
+pub struct AllGatherKv;
+
+impl AllGatherKv {
+    fn problem(group: &CpGroup, batch: &CpBatch) -> VarlenAttention {
+        let sharding = &batch.sharding;
+        let mine = sharding.segments(group.comm.rank()).to_vec();
+        batch.problem(mine, concat_segments(sharding.ranks.iter().map(Vec::as_slice)))
+    }
+}
+
+impl AttentionStrategy for AllGatherKv {
+    fn forward<B: FlashOps>(
+        &self,
+        group: &CpGroup,
+        batch: &CpBatch,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+    ) -> Result<FlashOutput<B>, CpError> {
+        let (k, v) = (
+            cat_tokens(all_gather(&group.comm, k)?, 0),
+            cat_tokens(all_gather(&group.comm, v)?, 0),
+        );
+        Ok(B::flash_forward(q, k, v, &Self::problem(group, batch))?)
+    }
+
+    fn backward<B: FlashOps>(&self, group: &CpGroup, batch: &CpBatch, x: BackwardInputs<B>) -> Result<FlashGradients<B>, CpError> {
+        let device = x.q.device();
+        let k = cat_tokens(all_gather(&group.comm, x.k)?, 0);
+        let v = cat_tokens(all_gather(&group.comm, x.v)?, 0);
+        let grads = B::flash_backward(x.q, k, v, x.out, x.lse, x.dout, &Self::problem(group, batch))?;
+        let sizes: Vec<usize> = (0..group.cp()).map(|r| batch.sharding.tokens(r)).collect();
+        let scatter = |full: Tensor<B, 3>| -> Result<Tensor<B, 3>, CpError> {
+            let parts = split_sizes(full, 0, &sizes).into_iter().map(Tensor::into_data).collect();
+            let summed = group.comm.reduce_scatter(parts)?;
+            Ok(crate::strategy::exchange::tensor_from(summed, &device))
+        };
+        Ok(FlashGradients {
+            dq: grads.dq,
+            dk: scatter(grads.dk)?,
+            dv: scatter(grads.dv)?,
+        })
+    }
+}

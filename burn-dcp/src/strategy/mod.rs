@@ -1,0 +1,323 @@
+//! Context-parallel attention strategies: how ranks holding shards of a packed micro-batch
+//! cooperate to compute exact attention (forward and backward).
+//!
+//! | strategy   | file            | communication |
+//! |------------|-----------------|---------------|
+//! | Ulysses    | `ulysses.rs`    | all-to-all sequence ↔ heads |
+//! | ring       | `ring.rs`       | P−1 point-to-point KV passes, merged with LSE |
+//! | all-gather | `all_gather.rs` | all-gather KV, reduce-scatter dK/dV |
+//! | USP        | `usp.rs`        | Ulysses inside, ring outside (2D mesh) |
+//!
+//! Every strategy works with every [`Layout`](crate::layout::Layout): tokens are described by
+//! (sequence, position) segments, so the kernels apply masks on global positions whatever the
+//! placement. The layout decides balance (zigzag balances causal work), not correctness.
+
+pub mod all_gather;
+pub mod exchange;
+pub mod ring;
+pub mod ulysses;
+pub mod usp;
+
+use std::fmt;
+use std::sync::Arc;
+
+use burn::prelude::Tensor;
+use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, MaskSpec, Segment, VarlenAttention};
+
+use crate::comm::Comm;
+use crate::error::CpError;
+use crate::layout::Sharding;
+
+/// Which algorithm computes attention across the CP group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// All-to-all from sequence shards to head shards; needs `heads % cp == 0`.
+    Ulysses,
+    /// Key/value blocks travel around a ring of all CP ranks.
+    Ring,
+    /// Every rank gathers all keys/values (llama3-style).
+    AllGather,
+    /// Ulysses within groups of `ulysses_degree` ranks, ring across `ring_degree` such groups.
+    Usp {
+        ulysses_degree: usize,
+        ring_degree: usize,
+    },
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Strategy::Ulysses => f.write_str("ulysses"),
+            Strategy::Ring => f.write_str("ring"),
+            Strategy::AllGather => f.write_str("all-gather"),
+            Strategy::Usp {
+                ulysses_degree,
+                ring_degree,
+            } => write!(f, "usp({ulysses_degree}x{ring_degree})"),
+        }
+    }
+}
+
+impl Strategy {
+    /// Parses a strategy name for a CP group of `cp` ranks. `usp` needs `ulysses_degree` (the
+    /// ring degree is `cp / ulysses_degree`); the other strategies reject it, so a degree is never
+    /// silently ignored.
+    pub fn parse(name: &str, ulysses_degree: Option<usize>, cp: usize) -> Result<Self, CpError> {
+        let strategy = match (name, ulysses_degree) {
+            ("ulysses", None) => Strategy::Ulysses,
+            ("ring", None) => Strategy::Ring,
+            ("all-gather", None) => Strategy::AllGather,
+            ("usp", Some(ulysses_degree)) => {
+                if ulysses_degree == 0 || cp % ulysses_degree != 0 {
+                    return Err(CpError::Config(format!(
+                        "cp size {cp} is not divisible by ulysses degree {ulysses_degree}"
+                    )));
+                }
+                Strategy::Usp {
+                    ulysses_degree,
+                    ring_degree: cp / ulysses_degree,
+                }
+            }
+            ("usp", None) => {
+                return Err(CpError::Config(
+                    "strategy usp needs the ulysses degree (ulysses_degree × ring_degree = cp); none was given".into(),
+                ))
+            }
+            ("ulysses" | "ring" | "all-gather", Some(degree)) => {
+                return Err(CpError::Config(format!(
+                    "a ulysses degree ({degree}) only applies to strategy usp, not {name}"
+                )))
+            }
+            (other, _) => {
+                return Err(CpError::Config(format!(
+                    "unknown strategy '{other}': expected ulysses, ring, all-gather or usp"
+                )))
+            }
+        };
+        strategy.validate_mesh(cp)?;
+        Ok(strategy)
+    }
+
+    /// Checks the strategy against the CP size.
+    pub fn validate_mesh(&self, cp: usize) -> Result<(), CpError> {
+        if cp == 0 {
+            return Err(CpError::Config("cp size must be at least 1, got 0".into()));
+        }
+        if let Strategy::Usp {
+            ulysses_degree,
+            ring_degree,
+        } = self
+        {
+            if ulysses_degree * ring_degree != cp {
+                return Err(CpError::Config(format!(
+                    "ulysses_degree {ulysses_degree} × ring_degree {ring_degree} = {} does not equal the cp size {cp}",
+                    ulysses_degree * ring_degree
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the head counts against the strategy.
+    pub fn validate_heads(&self, heads: usize, kv_heads: usize, cp: usize) -> Result<(), CpError> {
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(CpError::Config(format!(
+                "kv heads {kv_heads} must divide q heads {heads} (grouped-query attention)"
+            )));
+        }
+        let degree = match self {
+            Strategy::Ulysses => cp,
+            Strategy::Usp { ulysses_degree, .. } => *ulysses_degree,
+            Strategy::Ring | Strategy::AllGather => 1,
+        };
+        if heads % degree != 0 {
+            return Err(CpError::Config(format!(
+                "q heads {heads} are not divisible by the ulysses degree {degree} (strategy {self})"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One rank's membership of a CP group, with the sub-groups its strategy needs.
+#[derive(Clone, Debug)]
+pub struct CpGroup {
+    pub comm: Comm,
+    pub strategy: Strategy,
+    /// USP only: this rank's Ulysses group (ranks `g·U .. g·U+U`) and ring group (ranks `u, u+U, …`).
+    pub(crate) usp_groups: Option<(Comm, Comm)>,
+}
+
+impl CpGroup {
+    /// Builds the group. For USP this is a collective call (it splits `comm`): every rank of
+    /// `comm` must call it with the same strategy.
+    pub fn new(comm: Comm, strategy: Strategy) -> Result<Self, CpError> {
+        strategy.validate_mesh(comm.size())?;
+        let usp_groups = match strategy {
+            Strategy::Usp { ulysses_degree, .. } => {
+                let rank = comm.rank();
+                let ulysses = comm.split(rank / ulysses_degree, rank % ulysses_degree)?;
+                let ring = comm.split(rank % ulysses_degree, rank / ulysses_degree)?;
+                Some((ulysses, ring))
+            }
+            _ => None,
+        };
+        Ok(Self {
+            comm,
+            strategy,
+            usp_groups,
+        })
+    }
+
+    pub fn cp(&self) -> usize {
+        self.comm.size()
+    }
+}
+
+/// What a micro-batch's attention needs besides the tensors: where tokens live, the masks, the
+/// scale. Identical on every rank of the group.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CpBatch {
+    pub sharding: Arc<Sharding>,
+    /// One mask per sequence, or one for all.
+    pub masks: Vec<MaskSpec>,
+    /// Softmax scale; `None` is `1/√head_dim`.
+    pub scale: Option<f64>,
+}
+
+impl CpBatch {
+    pub fn new(sharding: Sharding, masks: Vec<MaskSpec>) -> Self {
+        Self {
+            sharding: Arc::new(sharding),
+            masks,
+            scale: None,
+        }
+    }
+
+    /// The kernel problem: queries `q_segments` against keys `kv_segments`.
+    pub(crate) fn problem(&self, q_segments: Vec<Segment>, kv_segments: Vec<Segment>) -> VarlenAttention {
+        VarlenAttention {
+            seq_lens: self.sharding.seq_lens.clone(),
+            masks: self.masks.clone(),
+            q_segments,
+            kv_segments,
+            scale: self.scale,
+        }
+    }
+}
+
+/// Inputs of a backward pass, all local to this rank: `q [T, H, D]`, `k`/`v [T, K, D]`,
+/// `out`/`dout [T, H, Dv]`, `lse [H, T]` (the forward's final output and LSE).
+#[derive(Clone, Debug)]
+pub struct BackwardInputs<B: FlashOps> {
+    pub q: Tensor<B, 3>,
+    pub k: Tensor<B, 3>,
+    pub v: Tensor<B, 3>,
+    pub out: Tensor<B, 3>,
+    pub lse: Tensor<B, 2>,
+    pub dout: Tensor<B, 3>,
+}
+
+/// A CP attention algorithm: forward and backward over this rank's shard.
+pub trait AttentionStrategy {
+    fn forward<B: FlashOps>(
+        &self,
+        group: &CpGroup,
+        batch: &CpBatch,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+    ) -> Result<FlashOutput<B>, CpError>;
+
+    fn backward<B: FlashOps>(
+        &self,
+        group: &CpGroup,
+        batch: &CpBatch,
+        inputs: BackwardInputs<B>,
+    ) -> Result<FlashGradients<B>, CpError>;
+}
+
+/// Context-parallel attention forward on this rank's shard: `q [T, H, D]`, `k`/`v [T, K, D]`
+/// (this rank's tokens in [`Sharding`] order) → `out [T, H, Dv]`, `lse [H, T]`.
+pub fn cp_attention_forward<B: FlashOps>(
+    group: &CpGroup,
+    batch: &CpBatch,
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+) -> Result<FlashOutput<B>, CpError> {
+    validate_inputs(group, batch, &q, &k, &v)?;
+    match group.strategy {
+        Strategy::Ulysses => ulysses::Ulysses.forward(group, batch, q, k, v),
+        Strategy::Ring => ring::Ring.forward(group, batch, q, k, v),
+        Strategy::AllGather => all_gather::AllGatherKv.forward(group, batch, q, k, v),
+        Strategy::Usp { .. } => usp::Usp.forward(group, batch, q, k, v),
+    }
+}
+
+/// Context-parallel attention backward on this rank's shard (see [`BackwardInputs`]).
+pub fn cp_attention_backward<B: FlashOps>(
+    group: &CpGroup,
+    batch: &CpBatch,
+    inputs: BackwardInputs<B>,
+) -> Result<FlashGradients<B>, CpError> {
+    validate_inputs(group, batch, &inputs.q, &inputs.k, &inputs.v)?;
+    let tokens = inputs.q.dims()[0];
+    let [heads, value_dim] = [inputs.q.dims()[1], inputs.v.dims()[2]];
+    let expected = [tokens, heads, value_dim];
+    if inputs.out.dims() != expected || inputs.dout.dims() != expected || inputs.lse.dims() != [heads, tokens] {
+        return Err(CpError::Input(format!(
+            "out {:?}, dout {:?} and lse {:?} must be {expected:?}, {expected:?} and {:?}",
+            inputs.out.dims(),
+            inputs.dout.dims(),
+            inputs.lse.dims(),
+            [heads, tokens]
+        )));
+    }
+    match group.strategy {
+        Strategy::Ulysses => ulysses::Ulysses.backward(group, batch, inputs),
+        Strategy::Ring => ring::Ring.backward(group, batch, inputs),
+        Strategy::AllGather => all_gather::AllGatherKv.backward(group, batch, inputs),
+        Strategy::Usp { .. } => usp::Usp.backward(group, batch, inputs),
+    }
+}
+
+fn validate_inputs<B: FlashOps>(
+    group: &CpGroup,
+    batch: &CpBatch,
+    q: &Tensor<B, 3>,
+    k: &Tensor<B, 3>,
+    v: &Tensor<B, 3>,
+) -> Result<(), CpError> {
+    let cp = group.cp();
+    if batch.sharding.cp() != cp {
+        return Err(CpError::Config(format!(
+            "the micro-batch is sharded over {} ranks but the CP group has {cp}",
+            batch.sharding.cp()
+        )));
+    }
+    group.strategy.validate_mesh(cp)?;
+    let shape = burn_dcp_kernels::AttentionShape::from_dims(&q.dims(), &k.dims(), &v.dims())?;
+    group.strategy.validate_heads(shape.heads, shape.kv_heads, cp)?;
+    burn_dcp_kernels::ops::common_float_dtype(&[("q", q.dtype()), ("k", k.dtype()), ("v", v.dtype())])?;
+    let rank = group.comm.rank();
+    let expected = batch.sharding.tokens(rank);
+    if shape.q_tokens != expected || shape.kv_tokens != expected {
+        return Err(CpError::Input(format!(
+            "rank {rank} holds {expected} tokens under the {} layout, but q has {} and k/v have {} tokens",
+            batch.sharding.layout, shape.q_tokens, shape.kv_tokens
+        )));
+    }
+    let seqs = batch.sharding.seq_lens.len();
+    if batch.masks.len() != 1 && batch.masks.len() != seqs {
+        return Err(CpError::Config(format!(
+            "{} masks for {seqs} sequences: give one mask per sequence or a single mask for all",
+            batch.masks.len()
+        )));
+    }
+    for (seq, &len) in batch.sharding.seq_lens.iter().enumerate() {
+        batch.masks[if batch.masks.len() == 1 { 0 } else { seq }].validate(len)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,162 @@
+//! Ring attention: key/value blocks travel around the ring; each rank merges the partial
+//! attention of its queries against every block with the LSE merge.
+//!
+//! Forward, rank `r` of `R`: at step `s` it holds the key/values of rank `(r − s) mod R`. It first
+//! posts the send of that block to `r + 1` and the receive from `r − 1` (step `s + 1`'s block),
+//! then computes, then waits — so communication of step `s + 1` overlaps computation of step `s`.
+//! `R − 1` passes. A step whose (query, key) pairs are all masked (e.g. causal, later chunks) is
+//! skipped: no kernel call.
+//!
+//! Backward: the same rotation of key/values; next to each block travel its dK/dV accumulators.
+//! At step `s`, rank `r` adds its contribution to the accumulators of block `(r − s) mod R` and
+//! passes them on; the send after the last step delivers them to the block's owner.
+//! dQ stays local. Gradients use the final `out`/`lse`, so each step's share is exact.
+//!
+//! The ring runs over any group whose member `p` holds the tokens `members[p]` (a list of
+//! segments): the CP group for the ring strategy, a ring group of Ulysses groups for USP.
+
+use burn::prelude::Tensor;
+use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment};
+
+use crate::comm::{Comm, PendingRecv};
+use crate::error::CpError;
+use crate::strategy::exchange::tensor_from;
+use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup};
+
+/// A ring over `comm` whose member `p` holds the tokens `members[p]`.
+pub struct RingPass<'a> {
+    pub comm: &'a Comm,
+    pub batch: &'a CpBatch,
+    pub members: Vec<Vec<Segment>>,
+}
+
+/// Receives of the pieces of one block (in flight).
+struct InFlight(Vec<PendingRecv>);
+
+impl InFlight {
+    fn wait<B: FlashOps>(self, device: &B::Device) -> Result<Vec<Tensor<B, 3>>, CpError> {
+        self.0
+            .into_iter()
+            .map(|pending| Ok(tensor_from(pending.wait()?, device)))
+            .collect()
+    }
+}
+
+impl RingPass<'_> {
+    fn next(&self) -> usize {
+        (self.comm.rank() + 1) % self.comm.size()
+    }
+
+    fn prev(&self) -> usize {
+        (self.comm.rank() + self.comm.size() - 1) % self.comm.size()
+    }
+
+    /// Member whose block this rank holds at `step`.
+    fn owner(&self, step: usize) -> usize {
+        (self.comm.rank() + self.comm.size() - step % self.comm.size()) % self.comm.size()
+    }
+
+    /// Posts the sends of `pieces` to the next rank and the receives of as many from the previous.
+    fn rotate<B: FlashOps>(&self, pieces: &[&Tensor<B, 3>]) -> Result<InFlight, CpError> {
+        for piece in pieces {
+            // In-process sends are eager; a send handle only guards buffer reuse, and the data
+            // was copied into the message, so it need not be kept.
+            self.comm.isend(self.next(), (*piece).clone().into_data())?.wait()?;
+        }
+        let receives = pieces
+            .iter()
+            .map(|_| self.comm.irecv(self.prev()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(InFlight(receives))
+    }
+
+    fn step_problem(&self, owner: usize) -> burn_dcp_kernels::VarlenAttention {
+        let me = self.comm.rank();
+        self.batch.problem(self.members[me].clone(), self.members[owner].clone())
+    }
+
+    pub fn forward<B: FlashOps>(&self, q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>) -> Result<FlashOutput<B>, CpError> {
+        let device = q.device();
+        let [tokens, heads, _] = q.dims();
+        let value_dim = v.dims()[2];
+        let mut merged: Option<FlashOutput<B>> = None;
+        let (mut k, mut v) = (k, v);
+        for step in 0..self.comm.size() {
+            let last = step + 1 == self.comm.size();
+            let in_flight = if last { None } else { Some(self.rotate(&[&k, &v])?) };
+            let problem = self.step_problem(self.owner(step));
+            if problem.has_work() {
+                let part = B::flash_forward(q.clone(), k.clone(), v.clone(), &problem)?;
+                merged = Some(match merged {
+                    None => part,
+                    Some(acc) => B::flash_merge(acc, part)?,
+                });
+            }
+            if let Some(in_flight) = in_flight {
+                let mut block = in_flight.wait::<B>(&device)?.into_iter();
+                (k, v) = (block.next().expect("k received"), block.next().expect("v received"));
+            }
+        }
+        Ok(merged.unwrap_or_else(|| FlashOutput {
+            out: Tensor::zeros([tokens, heads, value_dim], (&device, q.dtype())),
+            lse: Tensor::full([heads, tokens], f32::NEG_INFINITY, (&device, burn::tensor::DType::F32)),
+        }))
+    }
+
+    pub fn backward<B: FlashOps>(&self, x: BackwardInputs<B>) -> Result<FlashGradients<B>, CpError> {
+        let device = x.q.device();
+        let mut dq = x.q.zeros_like();
+        let (mut k, mut v) = (x.k.clone(), x.v.clone());
+        let (mut dk, mut dv) = (x.k.zeros_like(), x.v.zeros_like());
+        for step in 0..self.comm.size() {
+            let last = step + 1 == self.comm.size();
+            let kv_in_flight = if last { None } else { Some(self.rotate(&[&k, &v])?) };
+            let problem = self.step_problem(self.owner(step));
+            if problem.has_work() {
+                let part = B::flash_backward(x.q.clone(), k.clone(), v.clone(), x.out.clone(), x.lse.clone(), x.dout.clone(), &problem)?;
+                dq = dq + part.dq;
+                dk = dk + part.dk;
+                dv = dv + part.dv;
+            }
+            // The accumulators follow their block; after the last step they reach its owner.
+            let grads_in_flight = self.rotate(&[&dk, &dv])?;
+            if let Some(in_flight) = kv_in_flight {
+                let mut block = in_flight.wait::<B>(&device)?.into_iter();
+                (k, v) = (block.next().expect("k received"), block.next().expect("v received"));
+            }
+            let mut grads = grads_in_flight.wait::<B>(&device)?.into_iter();
+            (dk, dv) = (grads.next().expect("dk received"), grads.next().expect("dv received"));
+        }
+        Ok(FlashGradients { dq, dk, dv })
+    }
+}
+
+/// Ring attention over the whole CP group.
+pub struct Ring;
+
+impl Ring {
+    fn pass<'a>(group: &'a CpGroup, batch: &'a CpBatch) -> RingPass<'a> {
+        RingPass {
+            comm: &group.comm,
+            batch,
+            members: batch.sharding.ranks.clone(),
+        }
+    }
+}
+
+impl AttentionStrategy for Ring {
+    fn forward<B: FlashOps>(
+        &self,
+        group: &CpGroup,
+        batch: &CpBatch,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+    ) -> Result<FlashOutput<B>, CpError> {
+        Self::pass(group, batch).forward(q, k, v)
+    }
+
+    fn backward<B: FlashOps>(&self, group: &CpGroup, batch: &CpBatch, inputs: BackwardInputs<B>) -> Result<FlashGradients<B>, CpError> {
+        Self::pass(group, batch).backward(inputs)
+    }
+}

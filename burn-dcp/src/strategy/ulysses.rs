@@ -1,0 +1,234 @@
+//! Ulysses (DeepSpeed-Ulysses): all-to-all from sequence shards to head shards, full attention on
+//! `H/P` heads over all tokens, all-to-all back.
+//!
+//! Rank `p` computes query heads `p·H/P .. (p+1)·H/P`. Key/value heads it needs:
+//! - `K % P == 0`: kv heads `p·K/P .. (p+1)·K/P` (each rank a disjoint share);
+//! - a slice inside one kv head's group (`(H/K) % (H/P) == 0`): that one kv head (shared, i.e.
+//!   replicated on several ranks — GQA with Ulysses degree > kv heads);
+//! - otherwise one kv head per query head of the slice (replicated to keep the local GQA mapping
+//!   uniform). Gradients of replicated heads are summed back onto their owner.
+//!
+//! The [`UlyssesStage`] is shared with USP, which runs it inside each Ulysses group.
+
+use std::ops::Range;
+
+use burn::prelude::{Backend, Int, Tensor};
+use burn::tensor::IndexingUpdateOp;
+use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput};
+
+use crate::comm::Comm;
+use crate::error::CpError;
+use crate::strategy::exchange::{all_to_all, cat_tokens, concat_segments, narrow, split_sizes};
+use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup};
+
+/// Which heads each rank of a Ulysses group computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadSplit {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub degree: usize,
+}
+
+impl HeadSplit {
+    /// Query heads of rank `slice`.
+    pub fn q_heads(&self, slice: usize) -> Range<usize> {
+        let per = self.heads / self.degree;
+        slice * per..(slice + 1) * per
+    }
+
+    /// Key/value heads rank `slice` needs, in local order (see the module docs).
+    pub fn kv_heads(&self, slice: usize) -> Vec<usize> {
+        let per = self.heads / self.degree;
+        let group = self.heads / self.kv_heads;
+        if self.kv_heads % self.degree == 0 {
+            let kv_per = self.kv_heads / self.degree;
+            (slice * kv_per..(slice + 1) * kv_per).collect()
+        } else if group % per == 0 {
+            vec![slice * per / group]
+        } else {
+            self.q_heads(slice).map(|h| h / group).collect()
+        }
+    }
+}
+
+/// Selects `heads` (indices into dim 1) of `[T, heads, D]`.
+fn select_heads<B: Backend>(tensor: Tensor<B, 3>, heads: &[usize]) -> Tensor<B, 3> {
+    if is_range(heads) {
+        return narrow(tensor, 1, heads[0], heads.len());
+    }
+    let device = tensor.device();
+    let indices: Vec<i64> = heads.iter().map(|&h| h as i64).collect();
+    tensor.select(1, Tensor::<B, 1, Int>::from_data(indices.as_slice(), &device))
+}
+
+fn is_range(heads: &[usize]) -> bool {
+    !heads.is_empty() && heads.windows(2).all(|w| w[1] == w[0] + 1)
+}
+
+/// One rank's side of the all-to-alls of a Ulysses group whose member `p` holds
+/// `member_tokens[p]` tokens.
+pub struct UlyssesStage<'a> {
+    pub comm: &'a Comm,
+    pub split: HeadSplit,
+    pub member_tokens: Vec<usize>,
+}
+
+impl UlyssesStage<'_> {
+    fn me(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Sequence → heads with explicit per-rank head sets: `[T_me, *, D]` → `[ΣT_p, |heads(me)|, D]`.
+    fn to_heads<B: Backend>(&self, x: Tensor<B, 3>, heads_of: impl Fn(usize) -> Vec<usize>) -> Result<Tensor<B, 3>, CpError> {
+        let device = x.device();
+        let parts = (0..self.comm.size()).map(|p| select_heads(x.clone(), &heads_of(p))).collect();
+        // Received piece p: [T_p, |heads(me)|, D]; tokens in member order.
+        Ok(cat_tokens(all_to_all(self.comm, parts, &device)?, 0))
+    }
+
+    /// Queries (or out/dout): `[T_me, H, D]` → `[ΣT_p, H/P, D]`.
+    pub fn q_to_heads<B: Backend>(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, CpError> {
+        self.to_heads(x, |p| self.split.q_heads(p).collect())
+    }
+
+    /// Keys/values: `[T_me, K, D]` → `[ΣT_p, K_me, D]` (see [`HeadSplit::kv_heads`]).
+    pub fn kv_to_heads<B: Backend>(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, CpError> {
+        self.to_heads(x, |p| self.split.kv_heads(p))
+    }
+
+    /// LSE: `[H, T_me]` → `[H/P, ΣT_p]`.
+    pub fn lse_to_heads<B: Backend>(&self, lse: Tensor<B, 2>) -> Result<Tensor<B, 2>, CpError> {
+        let [heads, tokens] = lse.dims();
+        // [H, T] → [T, H, 1] so the lse travels like a head-sharded tensor.
+        let as_3d = lse.transpose().reshape([tokens, heads, 1]);
+        let gathered = self.q_to_heads(as_3d)?;
+        let [total, local_heads, _] = gathered.dims();
+        Ok(gathered.reshape([total, local_heads]).transpose())
+    }
+
+    /// Heads → sequence: `[ΣT_p, h, D]` → the pieces `[T_me, h_p, D]` every rank `p` sent here.
+    fn to_sequence<B: Backend>(&self, x: Tensor<B, 3>) -> Result<Vec<Tensor<B, 3>>, CpError> {
+        let device = x.device();
+        let parts = split_sizes(x, 0, &self.member_tokens);
+        Ok(all_to_all(self.comm, parts, &device)?)
+    }
+
+    /// Outputs (or dq): `[ΣT_p, H/P, D]` → `[T_me, H, D]`.
+    pub fn q_to_sequence<B: Backend>(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, CpError> {
+        // Piece p holds query heads q_heads(p): concatenating by rank restores head order.
+        Ok(Tensor::cat(self.to_sequence(x)?, 1))
+    }
+
+    /// LSE: `[H/P, ΣT_p]` → `[H, T_me]`.
+    pub fn lse_to_sequence<B: Backend>(&self, lse: Tensor<B, 2>) -> Result<Tensor<B, 2>, CpError> {
+        let [local_heads, total] = lse.dims();
+        let as_3d = lse.transpose().reshape([total, local_heads, 1]);
+        let restored = self.q_to_sequence(as_3d)?;
+        let [tokens, heads, _] = restored.dims();
+        Ok(restored.reshape([tokens, heads]).transpose())
+    }
+
+    /// Key/value gradients: `[ΣT_p, K_me, D]` → `[T_me, K, D]`, summing replicated heads.
+    pub fn kv_grad_to_sequence<B: Backend>(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, CpError> {
+        let dim = x.dims()[2];
+        let pieces = self.to_sequence(x)?;
+        let tokens = self.member_tokens[self.me()];
+        let device = pieces[0].device();
+        let mut grad = Tensor::<B, 3>::zeros([tokens, self.split.kv_heads, dim], (&device, pieces[0].dtype()));
+        if tokens == 0 {
+            return Ok(grad);
+        }
+        for (p, piece) in pieces.into_iter().enumerate() {
+            let heads = self.split.kv_heads(p);
+            let indices: Vec<i64> = heads.iter().map(|&h| h as i64).collect();
+            let indices = Tensor::<B, 1, Int>::from_data(indices.as_slice(), &device);
+            // Add-update accumulates repeated indices (replicated heads) on every backend
+            // that implements select_assign's Add, which burn's backends do sequentially.
+            grad = grad.select_assign(1, indices, piece, IndexingUpdateOp::Add);
+        }
+        Ok(grad)
+    }
+}
+
+/// Ulysses over the whole CP group.
+pub struct Ulysses;
+
+impl Ulysses {
+    fn stage<'a>(group: &'a CpGroup, batch: &CpBatch, heads: usize, kv_heads: usize) -> UlyssesStage<'a> {
+        let sharding = &batch.sharding;
+        UlyssesStage {
+            comm: &group.comm,
+            split: HeadSplit {
+                heads,
+                kv_heads,
+                degree: group.cp(),
+            },
+            member_tokens: (0..sharding.cp()).map(|r| sharding.tokens(r)).collect(),
+        }
+    }
+
+    fn problem(batch: &CpBatch) -> burn_dcp_kernels::VarlenAttention {
+        let all = concat_segments(batch.sharding.ranks.iter().map(Vec::as_slice));
+        batch.problem(all.clone(), all)
+    }
+}
+
+impl AttentionStrategy for Ulysses {
+    fn forward<B: FlashOps>(
+        &self,
+        group: &CpGroup,
+        batch: &CpBatch,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+    ) -> Result<FlashOutput<B>, CpError> {
+        let stage = Self::stage(group, batch, q.dims()[1], k.dims()[1]);
+        let (q, k, v) = (stage.q_to_heads(q)?, stage.kv_to_heads(k)?, stage.kv_to_heads(v)?);
+        let result = B::flash_forward(q, k, v, &Self::problem(batch))?;
+        Ok(FlashOutput {
+            out: stage.q_to_sequence(result.out)?,
+            lse: stage.lse_to_sequence(result.lse)?,
+        })
+    }
+
+    fn backward<B: FlashOps>(&self, group: &CpGroup, batch: &CpBatch, x: BackwardInputs<B>) -> Result<FlashGradients<B>, CpError> {
+        let stage = Self::stage(group, batch, x.q.dims()[1], x.k.dims()[1]);
+        let grads = B::flash_backward(
+            stage.q_to_heads(x.q)?,
+            stage.kv_to_heads(x.k)?,
+            stage.kv_to_heads(x.v)?,
+            stage.q_to_heads(x.out)?,
+            stage.lse_to_heads(x.lse)?,
+            stage.q_to_heads(x.dout)?,
+            &Self::problem(batch),
+        )?;
+        Ok(FlashGradients {
+            dq: stage.q_to_sequence(grads.dq)?,
+            dk: stage.kv_grad_to_sequence(grads.dk)?,
+            dv: stage.kv_grad_to_sequence(grads.dv)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_query_head_finds_its_kv_head_locally() {
+        for (heads, kv_heads) in [(8, 8), (8, 4), (8, 2), (8, 1), (12, 3), (12, 4), (6, 2), (16, 4)] {
+            for degree in (1..=heads).filter(|d| heads % d == 0) {
+                let split = HeadSplit { heads, kv_heads, degree };
+                for slice in 0..degree {
+                    let kv = split.kv_heads(slice);
+                    let q: Vec<usize> = split.q_heads(slice).collect();
+                    assert_eq!(q.len() % kv.len(), 0, "H{heads} K{kv_heads} P{degree}");
+                    let local_group = q.len() / kv.len();
+                    for (local, &h) in q.iter().enumerate() {
+                        assert_eq!(kv[local / local_group], h / (heads / kv_heads), "H{heads} K{kv_heads} P{degree} slice {slice}");
+                    }
+                }
+            }
+        }
+    }
+}

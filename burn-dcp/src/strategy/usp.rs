@@ -1,0 +1,90 @@
+//! USP (unified sequence parallelism, a.k.a. hierarchical a2a+p2p): a 2D mesh of
+//! `ulysses_degree × ring_degree = cp` ranks. Rank `r` is Ulysses rank `u = r mod U` of Ulysses
+//! group `g = ⌊r/U⌋` (ranks `g·U .. g·U+U`, typically one node) and ring rank `g` of ring group `u`.
+//!
+//! 1. Ulysses all-to-all inside the Ulysses group: this rank now holds all tokens of its group
+//!    (the group members' segments, in member order) for query heads `u·H/U .. (u+1)·H/U`.
+//! 2. Ring attention across the ring group (same head slice on every member): member `g'` holds
+//!    the tokens of Ulysses group `g'`.
+//! 3. Ulysses all-to-all back.
+//!
+//! Backward mirrors it: all-to-all of q, k, v, out, dout and lse to heads, ring backward, dq and
+//! dk/dv back to sequence shards.
+
+use burn::prelude::Tensor;
+use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput};
+
+use crate::error::CpError;
+use crate::strategy::exchange::concat_segments;
+use crate::strategy::ring::RingPass;
+use crate::strategy::ulysses::{HeadSplit, UlyssesStage};
+use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup, Strategy};
+
+/// Ulysses inside, ring outside.
+pub struct Usp;
+
+struct Mesh<'a> {
+    stage: UlyssesStage<'a>,
+    ring: RingPass<'a>,
+}
+
+impl Usp {
+    fn mesh<'a>(group: &'a CpGroup, batch: &'a CpBatch, heads: usize, kv_heads: usize) -> Result<Mesh<'a>, CpError> {
+        let Strategy::Usp { ulysses_degree, ring_degree } = group.strategy else {
+            return Err(CpError::Config(format!("USP called with strategy {}", group.strategy)));
+        };
+        let (ulysses, ring) = group.usp_groups.as_ref().ok_or_else(|| {
+            CpError::Config("USP needs its Ulysses and ring sub-groups; build the group with CpGroup::new".into())
+        })?;
+        let sharding = &batch.sharding;
+        let ranks_of = |g: usize| g * ulysses_degree..(g + 1) * ulysses_degree;
+        let g = group.comm.rank() / ulysses_degree;
+        let stage = UlyssesStage {
+            comm: ulysses,
+            split: HeadSplit { heads, kv_heads, degree: ulysses_degree },
+            member_tokens: ranks_of(g).map(|r| sharding.tokens(r)).collect(),
+        };
+        let members = (0..ring_degree)
+            .map(|g| concat_segments(ranks_of(g).map(|r| sharding.segments(r))))
+            .collect();
+        Ok(Mesh {
+            stage,
+            ring: RingPass { comm: ring, batch, members },
+        })
+    }
+}
+
+impl AttentionStrategy for Usp {
+    fn forward<B: FlashOps>(
+        &self,
+        group: &CpGroup,
+        batch: &CpBatch,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+    ) -> Result<FlashOutput<B>, CpError> {
+        let Mesh { stage, ring } = Self::mesh(group, batch, q.dims()[1], k.dims()[1])?;
+        let result = ring.forward(stage.q_to_heads(q)?, stage.kv_to_heads(k)?, stage.kv_to_heads(v)?)?;
+        Ok(FlashOutput {
+            out: stage.q_to_sequence(result.out)?,
+            lse: stage.lse_to_sequence(result.lse)?,
+        })
+    }
+
+    fn backward<B: FlashOps>(&self, group: &CpGroup, batch: &CpBatch, x: BackwardInputs<B>) -> Result<FlashGradients<B>, CpError> {
+        let Mesh { stage, ring } = Self::mesh(group, batch, x.q.dims()[1], x.k.dims()[1])?;
+        let grads = ring.backward(BackwardInputs {
+            q: stage.q_to_heads(x.q)?,
+            k: stage.kv_to_heads(x.k)?,
+            v: stage.kv_to_heads(x.v)?,
+            out: stage.q_to_heads(x.out)?,
+            lse: stage.lse_to_heads(x.lse)?,
+            dout: stage.q_to_heads(x.dout)?,
+        })?;
+        Ok(FlashGradients {
+            dq: stage.q_to_sequence(grads.dq)?,
+            dk: stage.kv_grad_to_sequence(grads.dk)?,
+            dv: stage.kv_grad_to_sequence(grads.dv)?,
+        })
+    }
+}

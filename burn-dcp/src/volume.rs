@@ -1,0 +1,140 @@
+//! Analytic communication volume: the bytes each rank sends, per strategy, forward and backward.
+//!
+//! Notation: `P` ranks, rank `p` holds `T_p` tokens, `H`/`K` query/kv heads, `D`/`Dv` head and
+//! value dims, `b` bytes per element of the inputs (the LSE is always f32, 4 bytes). Only bytes
+//! sent to *other* ranks count. `kv(p) = T_p·K·(D + Dv)·b` is rank `p`'s key/value block.
+//!
+//! - **Ulysses** (`Hs = H/P`, `K_p` = kv heads rank `p` computes, see
+//!   [`HeadSplit::kv_heads`]): forward sends, for every peer `p ≠ r`,
+//!   `T_r·(Hs·D + K_p·(D+Dv))·b` (q, k, v to heads) and `T_p·Hs·(Dv·b + 4)` (out and lse back).
+//!   Backward: `T_r·(Hs·(D + 2·Dv)·b + Hs·4 + K_p·(D+Dv)·b)` (q, out, dout, lse, k, v to heads)
+//!   plus `T_p·(Hs·D + K_r·(D+Dv))·b` (dq, dk, dv back).
+//! - **Ring**: forward sends the blocks of steps `0..P−1`: `Σ_{s=0}^{P−2} kv(r−s)` = every block
+//!   but `kv(r+1)`. Backward: the same plus the dK/dV accumulators at every step,
+//!   `Σ_{s=0}^{P−1} kv(r−s)` = every block (for `P > 1`).
+//! - **All-gather**: forward `(P−1)·kv(r)`; backward `(P−1)·kv(r) + Σ_{p≠r} kv(p)` (gather again,
+//!   reduce-scatter dK/dV).
+//! - **USP** (`U × R`): the Ulysses formulas inside the Ulysses group (degree `U`, its members'
+//!   token counts) plus the ring formulas across the ring group, whose member `g` holds
+//!   `T_g = Σ_u T_{g,u}` tokens with `Hs = H/U` heads and `K_u` kv heads.
+//!
+//! The all-to-alls of Ulysses move exactly the tensors, nothing else; ring steps that are skipped
+//! for lack of unmasked work still pass their block on (the next rank may need it).
+
+use crate::layout::Sharding;
+use crate::strategy::ulysses::HeadSplit;
+use crate::strategy::Strategy;
+
+/// Tensor sizes entering the volume formulas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VolumeShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    /// Bytes per element of q, k, v, out and their gradients.
+    pub element_bytes: usize,
+}
+
+/// Bytes one rank sends in the forward and in the backward pass.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RankVolume {
+    pub forward: u64,
+    pub backward: u64,
+}
+
+const LSE_BYTES: u64 = 4;
+
+/// Analytic bytes per rank (index = CP rank) for `strategy` on `sharding`.
+pub fn analytic_volume(strategy: Strategy, sharding: &Sharding, shape: &VolumeShape) -> Vec<RankVolume> {
+    let tokens: Vec<u64> = (0..sharding.cp()).map(|r| sharding.tokens(r) as u64).collect();
+    match strategy {
+        Strategy::Ulysses => ulysses(&tokens, shape, shape.heads, sharding.cp()),
+        Strategy::Ring => ring(&tokens, shape, shape.kv_heads as u64),
+        Strategy::AllGather => all_gather(&tokens, shape),
+        Strategy::Usp {
+            ulysses_degree,
+            ring_degree,
+        } => usp(&tokens, shape, ulysses_degree, ring_degree),
+    }
+}
+
+fn ulysses(tokens: &[u64], s: &VolumeShape, heads: usize, degree: usize) -> Vec<RankVolume> {
+    let split = HeadSplit {
+        heads,
+        kv_heads: s.kv_heads,
+        degree,
+    };
+    let hs = (heads / degree) as u64;
+    let (d, dv, b) = (s.head_dim as u64, s.value_dim as u64, s.element_bytes as u64);
+    let kv_heads = |p: usize| split.kv_heads(p).len() as u64;
+    (0..degree)
+        .map(|r| {
+            let mut volume = RankVolume::default();
+            for p in (0..degree).filter(|&p| p != r) {
+                let (mine, theirs) = (tokens[r], tokens[p]);
+                volume.forward += mine * (hs * d + kv_heads(p) * (d + dv)) * b + theirs * hs * (dv * b + LSE_BYTES);
+                volume.backward += mine * (hs * (d + 2 * dv) * b + hs * LSE_BYTES + kv_heads(p) * (d + dv) * b)
+                    + theirs * (hs * d + kv_heads(r) * (d + dv)) * b;
+            }
+            volume
+        })
+        .collect()
+}
+
+fn ring(tokens: &[u64], s: &VolumeShape, kv_heads: u64) -> Vec<RankVolume> {
+    let size = tokens.len();
+    let block = |p: usize| tokens[p] * kv_heads * (s.head_dim + s.value_dim) as u64 * s.element_bytes as u64;
+    let owner = |r: usize, step: usize| (r + size - step) % size;
+    (0..size)
+        .map(|r| {
+            if size == 1 {
+                return RankVolume::default();
+            }
+            let kv_passes: u64 = (0..size - 1).map(|step| block(owner(r, step))).sum();
+            let grad_passes: u64 = (0..size).map(|step| block(owner(r, step))).sum();
+            RankVolume {
+                forward: kv_passes,
+                backward: kv_passes + grad_passes,
+            }
+        })
+        .collect()
+}
+
+fn all_gather(tokens: &[u64], s: &VolumeShape) -> Vec<RankVolume> {
+    let size = tokens.len() as u64;
+    let block = |t: u64| t * s.kv_heads as u64 * (s.head_dim + s.value_dim) as u64 * s.element_bytes as u64;
+    let total: u64 = tokens.iter().map(|&t| block(t)).sum();
+    tokens
+        .iter()
+        .map(|&t| RankVolume {
+            forward: (size - 1) * block(t),
+            backward: (size - 1) * block(t) + total - block(t),
+        })
+        .collect()
+}
+
+fn usp(tokens: &[u64], s: &VolumeShape, ulysses_degree: usize, ring_degree: usize) -> Vec<RankVolume> {
+    let split = HeadSplit {
+        heads: s.heads,
+        kv_heads: s.kv_heads,
+        degree: ulysses_degree,
+    };
+    let group_tokens = |g: usize| &tokens[g * ulysses_degree..(g + 1) * ulysses_degree];
+    let ring_tokens: Vec<u64> = (0..ring_degree).map(|g| group_tokens(g).iter().sum()).collect();
+    let ring_shape = VolumeShape {
+        heads: s.heads / ulysses_degree,
+        ..*s
+    };
+    (0..tokens.len())
+        .map(|r| {
+            let (g, u) = (r / ulysses_degree, r % ulysses_degree);
+            let inner = ulysses(group_tokens(g), s, s.heads, ulysses_degree)[u];
+            let outer = ring(&ring_tokens, &ring_shape, split.kv_heads(u).len() as u64)[g];
+            RankVolume {
+                forward: inner.forward + outer.forward,
+                backward: inner.backward + outer.backward,
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,69 @@
+//! Shared helpers of the integration tests.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use burn::backend::Flex;
+use burn_dcp::harness::{max_rel_err, PackedInputs, PackedOutputs, RunSpec};
+use burn_dcp::kernels::MaskSpec;
+use burn_dcp::{Layout, Strategy};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+pub type B = Flex;
+
+pub const TOLERANCE: f64 = 1e-5;
+
+pub fn masks() -> Vec<MaskSpec> {
+    ["full", "causal", "sliding:5", "lambda:2,4", "blockwise:3,2", "shared-question:0.2,4", "shared-question:0.5,2"]
+        .iter()
+        .map(|m| m.parse().unwrap())
+        .collect()
+}
+
+pub fn layouts() -> [Layout; 3] {
+    [Layout::Contiguous, Layout::Zigzag, Layout::Stripe]
+}
+
+pub fn random_inputs(seq_lens: &[usize], heads: usize, kv_heads: usize, head_dim: usize, seed: u64) -> PackedInputs {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let t: usize = seq_lens.iter().sum();
+    let mut values = |n: usize| (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>();
+    PackedInputs {
+        seq_lens: seq_lens.to_vec(),
+        heads,
+        kv_heads,
+        head_dim,
+        value_dim: head_dim,
+        q: values(t * heads * head_dim),
+        k: values(t * kv_heads * head_dim),
+        v: values(t * kv_heads * head_dim),
+        dout: values(t * heads * head_dim),
+    }
+}
+
+pub fn spec(cp: usize, strategy: Strategy, layout: Layout, mask: &MaskSpec) -> RunSpec {
+    RunSpec {
+        cp,
+        strategy,
+        layout,
+        masks: vec![mask.clone()],
+        scale: None,
+        timeout: Duration::from_secs(60),
+    }
+}
+
+/// Asserts every output of `got` is within `TOLERANCE` of `want`.
+pub fn assert_close(got: &PackedOutputs, want: &PackedOutputs, what: &str) {
+    let pairs = [
+        ("out", &got.out, &want.out),
+        ("lse", &got.lse, &want.lse),
+        ("dq", &got.dq, &want.dq),
+        ("dk", &got.dk, &want.dk),
+        ("dv", &got.dv, &want.dv),
+    ];
+    for (name, g, w) in pairs {
+        let err = max_rel_err(g, w);
+        assert!(err <= TOLERANCE, "{what}: {name} max_rel_err {err:e} > {TOLERANCE:e}");
+    }
+}

@@ -1,0 +1,76 @@
+//! Every strategy × layout × mask × {MHA, GQA} × {even, ragged} batch: CP forward and backward
+//! against the single-device run, and the single-device run against the naive dense oracle.
+
+mod common;
+
+use burn_dcp::harness::{run_context_parallel, run_single_device, PackedInputs, PackedOutputs};
+use burn_dcp::kernels::{reference, AttentionShape, MaskSpec, VarlenAttention};
+use burn_dcp::Strategy;
+use common::*;
+
+/// Even lengths (multiples of 2·cp) and ragged ones, including sequences shorter than cp.
+const BATCHES: [&[usize]; 2] = [&[16, 8], &[13, 3, 1, 6]];
+/// (heads, kv_heads): MHA and GQA with fewer kv heads than the Ulysses degree.
+const HEADS: [(usize, usize); 2] = [(4, 4), (4, 2)];
+
+fn naive(inputs: &PackedInputs, mask: &MaskSpec) -> PackedOutputs {
+    let problem = VarlenAttention::packed(inputs.seq_lens.clone(), vec![mask.clone()]);
+    let t = inputs.tokens();
+    let shape = AttentionShape {
+        q_tokens: t,
+        kv_tokens: t,
+        heads: inputs.heads,
+        kv_heads: inputs.kv_heads,
+        head_dim: inputs.head_dim,
+        value_dim: inputs.value_dim,
+    };
+    let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
+    let fwd = reference::forward(q, k, v, &problem, &shape).unwrap();
+    let grads = reference::backward(q, k, v, &inputs.dout, &problem, &shape).unwrap();
+    PackedOutputs { out: fwd.out, lse: fwd.lse, dq: grads.dq, dk: grads.dk, dv: grads.dv }
+}
+
+fn check_strategy(strategy: Strategy, cp: usize) {
+    let device = Default::default();
+    let mut seed = 0;
+    for seq_lens in BATCHES {
+        for (heads, kv_heads) in HEADS {
+            for mask in masks() {
+                seed += 1;
+                let inputs = random_inputs(seq_lens, heads, kv_heads, 8, seed);
+                let single = run_single_device::<B>(&device, &inputs, &[mask.clone()], None).unwrap();
+                let what = format!("{strategy} cp {cp} H{heads} K{kv_heads} {seq_lens:?} {mask}");
+                assert_close(&single, &naive(&inputs, &mask), &format!("single device vs naive, {what}"));
+                for layout in layouts() {
+                    let report = run_context_parallel::<B>(&device, &inputs, &spec(cp, strategy, layout, &mask)).unwrap();
+                    assert_close(&report.outputs, &single, &format!("{what} {layout}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ulysses_matches_single_device() {
+    check_strategy(Strategy::Ulysses, 4);
+    check_strategy(Strategy::Ulysses, 2);
+}
+
+#[test]
+fn ring_matches_single_device() {
+    check_strategy(Strategy::Ring, 4);
+    check_strategy(Strategy::Ring, 3);
+}
+
+#[test]
+fn all_gather_matches_single_device() {
+    check_strategy(Strategy::AllGather, 4);
+    check_strategy(Strategy::AllGather, 3);
+}
+
+#[test]
+fn usp_matches_single_device() {
+    check_strategy(Strategy::Usp { ulysses_degree: 2, ring_degree: 2 }, 4);
+    check_strategy(Strategy::Usp { ulysses_degree: 4, ring_degree: 2 }, 8);
+    check_strategy(Strategy::Usp { ulysses_degree: 1, ring_degree: 2 }, 2);
+}
