@@ -27,7 +27,13 @@ fn naive(inputs: &PackedInputs, mask: &MaskSpec) -> PackedOutputs {
     let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
     let fwd = reference::forward(q, k, v, &problem, &shape).unwrap();
     let grads = reference::backward(q, k, v, &inputs.dout, &problem, &shape).unwrap();
-    PackedOutputs { out: fwd.out, lse: fwd.lse, dq: grads.dq, dk: grads.dk, dv: grads.dv }
+    PackedOutputs {
+        out: fwd.out,
+        lse: fwd.lse,
+        dq: grads.dq,
+        dk: grads.dk,
+        dv: grads.dv,
+    }
 }
 
 fn check_strategy(strategy: Strategy, cp: usize) {
@@ -38,11 +44,22 @@ fn check_strategy(strategy: Strategy, cp: usize) {
             for mask in masks() {
                 seed += 1;
                 let inputs = random_inputs(seq_lens, heads, kv_heads, 8, seed);
-                let single = run_single_device::<B>(&device, &inputs, &[mask.clone()], None).unwrap();
+                let single =
+                    run_single_device::<B>(&device, &inputs, std::slice::from_ref(&mask), None)
+                        .unwrap();
                 let what = format!("{strategy} cp {cp} H{heads} K{kv_heads} {seq_lens:?} {mask}");
-                assert_close(&single, &naive(&inputs, &mask), &format!("single device vs naive, {what}"));
+                assert_close(
+                    &single,
+                    &naive(&inputs, &mask),
+                    &format!("single device vs naive, {what}"),
+                );
                 for layout in layouts() {
-                    let report = run_context_parallel::<B>(&device, &inputs, &spec(cp, strategy, layout, &mask)).unwrap();
+                    let report = run_context_parallel::<B>(
+                        &device,
+                        &inputs,
+                        &spec(cp, strategy, layout, &mask),
+                    )
+                    .unwrap();
                     assert_close(&report.outputs, &single, &format!("{what} {layout}"));
                 }
             }
@@ -70,7 +87,25 @@ fn all_gather_matches_single_device() {
 
 #[test]
 fn usp_matches_single_device() {
-    check_strategy(Strategy::Usp { ulysses_degree: 2, ring_degree: 2 }, 4);
-    check_strategy(Strategy::Usp { ulysses_degree: 4, ring_degree: 2 }, 8);
-    check_strategy(Strategy::Usp { ulysses_degree: 1, ring_degree: 2 }, 2);
+    check_strategy(
+        Strategy::Usp {
+            ulysses_degree: 2,
+            ring_degree: 2,
+        },
+        4,
+    );
+    check_strategy(
+        Strategy::Usp {
+            ulysses_degree: 4,
+            ring_degree: 2,
+        },
+        8,
+    );
+    check_strategy(
+        Strategy::Usp {
+            ulysses_degree: 1,
+            ring_degree: 2,
+        },
+        2,
+    );
 }

@@ -21,22 +21,54 @@ fn bytes_sent_match_the_analytic_volume() {
         (Strategy::Ulysses, 4),
         (Strategy::Ring, 4),
         (Strategy::AllGather, 4),
-        (Strategy::Usp { ulysses_degree: 2, ring_degree: 2 }, 4),
-        (Strategy::Usp { ulysses_degree: 4, ring_degree: 2 }, 8),
+        (
+            Strategy::Usp {
+                ulysses_degree: 2,
+                ring_degree: 2,
+            },
+            4,
+        ),
+        (
+            Strategy::Usp {
+                ulysses_degree: 4,
+                ring_degree: 2,
+            },
+            8,
+        ),
     ];
     for (heads, kv_heads) in [(8, 8), (8, 2), (8, 1)] {
         let inputs = random_inputs(&[37, 5, 22], heads, kv_heads, 8, 11);
         for (strategy, cp) in strategies {
             for layout in layouts() {
-                let report = run_context_parallel::<B>(&device, &inputs, &spec(cp, strategy, layout, &MaskSpec::Causal)).unwrap();
+                let report = run_context_parallel::<B>(
+                    &device,
+                    &inputs,
+                    &spec(cp, strategy, layout, &MaskSpec::Causal),
+                )
+                .unwrap();
                 let sharding = Sharding::new(&inputs.seq_lens, cp, layout).unwrap();
-                let shape = VolumeShape { heads, kv_heads, head_dim: 8, value_dim: 8, element_bytes: 4 };
+                let shape = VolumeShape {
+                    heads,
+                    kv_heads,
+                    head_dim: 8,
+                    value_dim: 8,
+                    element_bytes: 4,
+                };
                 let expected = analytic_volume(strategy, &sharding, &shape);
-                for rank in 0..cp {
+                for (rank, expected) in expected.iter().enumerate() {
                     let what = format!("{strategy} {layout} H{heads} K{kv_heads} rank {rank}");
-                    assert!(report.bytes_forward[rank] > 0, "{what}: no forward communication");
-                    assert_eq!(report.bytes_forward[rank], expected[rank].forward, "{what} forward");
-                    assert_eq!(report.bytes_backward[rank], expected[rank].backward, "{what} backward");
+                    assert!(
+                        report.bytes_forward[rank] > 0,
+                        "{what}: no forward communication"
+                    );
+                    assert_eq!(
+                        report.bytes_forward[rank], expected.forward,
+                        "{what} forward"
+                    );
+                    assert_eq!(
+                        report.bytes_backward[rank], expected.backward,
+                        "{what} backward"
+                    );
                 }
             }
         }
@@ -54,15 +86,37 @@ fn config_error(result: Result<impl std::fmt::Debug, CpError>) -> String {
 fn invalid_configurations_are_rejected_with_the_rule() {
     let device = Default::default();
     let inputs = random_inputs(&[8, 4], 6, 2, 8, 1);
-    let run = |cp, strategy| run_context_parallel::<B>(&device, &inputs, &spec(cp, strategy, Layout::Zigzag, &MaskSpec::Causal)).map(|_| ());
-    let err = config_error(run(4, Strategy::Usp { ulysses_degree: 2, ring_degree: 3 }));
-    assert!(err.contains("ulysses_degree 2 × ring_degree 3 = 6 does not equal the cp size 4"), "{err}");
+    let run = |cp, strategy| {
+        run_context_parallel::<B>(
+            &device,
+            &inputs,
+            &spec(cp, strategy, Layout::Zigzag, &MaskSpec::Causal),
+        )
+        .map(|_| ())
+    };
+    let err = config_error(run(
+        4,
+        Strategy::Usp {
+            ulysses_degree: 2,
+            ring_degree: 3,
+        },
+    ));
+    assert!(
+        err.contains("ulysses_degree 2 × ring_degree 3 = 6 does not equal the cp size 4"),
+        "{err}"
+    );
     let err = config_error(run(4, Strategy::Ulysses));
-    assert!(err.contains("q heads 6 are not divisible by the ulysses degree 4"), "{err}");
+    assert!(
+        err.contains("q heads 6 are not divisible by the ulysses degree 4"),
+        "{err}"
+    );
     let err = config_error(Strategy::parse("usp", None, 4));
     assert!(err.contains("needs the ulysses degree"), "{err}");
     let err = config_error(Strategy::parse("usp", Some(3), 4));
-    assert!(err.contains("cp size 4 is not divisible by ulysses degree 3"), "{err}");
+    assert!(
+        err.contains("cp size 4 is not divisible by ulysses degree 3"),
+        "{err}"
+    );
     let err = config_error(Strategy::parse("ring", Some(2), 4));
     assert!(err.contains("only applies to strategy usp"), "{err}");
     let err = config_error(Strategy::parse("a2a+p2p", None, 4));
@@ -71,23 +125,37 @@ fn invalid_configurations_are_rejected_with_the_rule() {
     assert!(err.contains("unknown layout 'diagonal'"), "{err}");
 
     let gqa = random_inputs(&[8, 4], 6, 4, 8, 1);
-    let err = config_error(run_context_parallel::<B>(&device, &gqa, &spec(2, Strategy::Ring, Layout::Zigzag, &MaskSpec::Causal)));
+    let err = config_error(run_context_parallel::<B>(
+        &device,
+        &gqa,
+        &spec(2, Strategy::Ring, Layout::Zigzag, &MaskSpec::Causal),
+    ));
     assert!(err.contains("kv heads 4 must divide q heads 6"), "{err}");
 
     let mut short = random_inputs(&[8, 4], 4, 2, 8, 1);
     short.q.pop();
-    let err = config_error(run_context_parallel::<B>(&device, &short, &spec(2, Strategy::Ring, Layout::Zigzag, &MaskSpec::Causal)));
+    let err = config_error(run_context_parallel::<B>(
+        &device,
+        &short,
+        &spec(2, Strategy::Ring, Layout::Zigzag, &MaskSpec::Causal),
+    ));
     assert!(err.contains("q holds"), "{err}");
 
-    let err = burn_dcp::kernels::validate_cu_seqlens(&[0, 5, 3, 12], 12).unwrap_err().to_string();
+    let err = burn_dcp::kernels::validate_cu_seqlens(&[0, 5, 3, 12], 12)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("non-decreasing"), "{err}");
-    let err = burn_dcp::kernels::validate_cu_seqlens(&[0, 5, 11], 12).unwrap_err().to_string();
+    let err = burn_dcp::kernels::validate_cu_seqlens(&[0, 5, 11], 12)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("must end at the token count 12"), "{err}");
 
     let masks = vec![MaskSpec::Causal; 3];
     let mut bad = spec(2, Strategy::Ring, Layout::Zigzag, &MaskSpec::Causal);
     bad.masks = masks;
-    let err = config_error(run_context_parallel::<B>(&device, &random_inputs(&[8, 4], 4, 2, 8, 1), &bad).map(|_| ()));
+    let err = config_error(
+        run_context_parallel::<B>(&device, &random_inputs(&[8, 4], 4, 2, 8, 1), &bad).map(|_| ()),
+    );
     assert!(err.contains("3 masks for 2 sequences"), "{err}");
 }
 
@@ -104,7 +172,10 @@ fn a_world_of_the_wrong_size_is_rejected() {
     });
     for result in results {
         let err = result.unwrap_err();
-        assert!(err.contains("sharded over 4 ranks but the CP group has 2"), "{err}");
+        assert!(
+            err.contains("sharded over 4 ranks but the CP group has 2"),
+            "{err}"
+        );
     }
 }
 
@@ -121,7 +192,10 @@ fn a_failing_rank_makes_its_peers_fail_instead_of_hanging() {
         comm.all_gather(TensorData::new(vec![1.0f32; 4], [4]))?;
         Ok(())
     });
-    assert!(started.elapsed() < timeout, "peers waited for the timeout instead of the failure");
+    assert!(
+        started.elapsed() < timeout,
+        "peers waited for the timeout instead of the failure"
+    );
     for (rank, result) in results.iter().enumerate() {
         let err = result.as_ref().unwrap_err();
         if rank == 2 {
@@ -134,7 +208,13 @@ fn a_failing_rank_makes_its_peers_fail_instead_of_hanging() {
 
 #[test]
 fn an_erroring_rank_fails_pending_receives_of_its_peers() {
-    let world = InProcessWorld::new(3, WorldConfig { timeout: Duration::from_secs(20) }).unwrap();
+    let world = InProcessWorld::new(
+        3,
+        WorldConfig {
+            timeout: Duration::from_secs(20),
+        },
+    )
+    .unwrap();
     let started = Instant::now();
     let results = world.run(|comm| -> Result<(), String> {
         match comm.rank() {
@@ -147,16 +227,31 @@ fn an_erroring_rank_fails_pending_receives_of_its_peers() {
         }
     });
     assert!(started.elapsed() < Duration::from_secs(10));
-    assert!(results[1].as_ref().unwrap_err().contains("global rank 0 failed"));
-    assert!(results[2].as_ref().unwrap_err().contains("bad batch on rank 0"));
+    assert!(results[1]
+        .as_ref()
+        .unwrap_err()
+        .contains("global rank 0 failed"));
+    assert!(results[2]
+        .as_ref()
+        .unwrap_err()
+        .contains("bad batch on rank 0"));
 }
 
 #[test]
 fn a_missing_peer_times_out_with_an_error_naming_it() {
-    let world = InProcessWorld::new(2, WorldConfig { timeout: Duration::from_millis(200) }).unwrap();
+    let world = InProcessWorld::new(
+        2,
+        WorldConfig {
+            timeout: Duration::from_millis(200),
+        },
+    )
+    .unwrap();
     let comms = world.communicators();
     let err = comms[0].irecv(1).unwrap().wait().unwrap_err().to_string();
-    assert!(err.contains("from peer rank 1") && err.contains("timed out"), "{err}");
+    assert!(
+        err.contains("from peer rank 1") && err.contains("timed out"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -165,22 +260,50 @@ fn collectives_compute_the_right_values() {
     let results = world.run(|comm| -> Result<_, CommError> {
         let r = comm.rank() as f32;
         let reduced = comm.all_reduce(TensorData::new(vec![r, 2.0 * r, 1.0, 5.0, r], [5]))?;
-        let parts = (0..3).map(|p| TensorData::new(vec![r * 10.0 + p as f32], [1])).collect();
+        let parts = (0..3)
+            .map(|p| TensorData::new(vec![r * 10.0 + p as f32], [1]))
+            .collect();
         let scattered = comm.reduce_scatter(parts)?;
-        let swapped = comm.all_to_all((0..3).map(|p| TensorData::new(vec![r, p as f32], [2])).collect())?;
+        let swapped = comm.all_to_all(
+            (0..3)
+                .map(|p| TensorData::new(vec![r, p as f32], [2]))
+                .collect(),
+        )?;
         let sub = comm.split(comm.rank() % 2, comm.rank())?;
         let gathered = sub.all_gather(TensorData::new(vec![r], [1]))?;
         comm.barrier()?;
-        Ok((reduced, scattered, swapped, gathered, Arc::strong_count(&sub)))
+        Ok((
+            reduced,
+            scattered,
+            swapped,
+            gathered,
+            Arc::strong_count(&sub),
+        ))
     });
     for (rank, result) in results.into_iter().enumerate() {
         let (reduced, scattered, swapped, gathered, _) = result.unwrap();
-        assert_eq!(reduced.to_vec::<f32>().unwrap(), vec![3.0, 6.0, 3.0, 15.0, 3.0]);
-        assert_eq!(scattered.to_vec::<f32>().unwrap(), vec![30.0 + 3.0 * rank as f32]);
+        assert_eq!(
+            reduced.to_vec::<f32>().unwrap(),
+            vec![3.0, 6.0, 3.0, 15.0, 3.0]
+        );
+        assert_eq!(
+            scattered.to_vec::<f32>().unwrap(),
+            vec![30.0 + 3.0 * rank as f32]
+        );
         for (p, data) in swapped.iter().enumerate() {
             assert_eq!(data.to_vec::<f32>().unwrap(), vec![p as f32, rank as f32]);
         }
-        let members: Vec<f32> = gathered.iter().map(|d| d.to_vec::<f32>().unwrap()[0]).collect();
-        assert_eq!(members, if rank % 2 == 0 { vec![0.0, 2.0] } else { vec![1.0] });
+        let members: Vec<f32> = gathered
+            .iter()
+            .map(|d| d.to_vec::<f32>().unwrap()[0])
+            .collect();
+        assert_eq!(
+            members,
+            if rank % 2 == 0 {
+                vec![0.0, 2.0]
+            } else {
+                vec![1.0]
+            }
+        );
     }
 }

@@ -71,7 +71,9 @@ impl FlashOps for burn::backend::Flex {}
 pub fn common_float_dtype(named: &[(&str, DType)]) -> Result<DType, KernelError> {
     let (first_name, first) = named[0];
     if !first.is_float() {
-        return Err(KernelError::InvalidDType(format!("{first_name} has dtype {first:?}, expected a float dtype")));
+        return Err(KernelError::InvalidDType(format!(
+            "{first_name} has dtype {first:?}, expected a float dtype"
+        )));
     }
     if let Some((name, dtype)) = named.iter().find(|(_, d)| *d != first) {
         return Err(KernelError::InvalidDType(format!(
@@ -96,10 +98,17 @@ fn from_host<B: Backend, const D: usize>(
     device: &B::Device,
 ) -> Tensor<B, D> {
     let data = TensorData::new(values, dims).convert_dtype(dtype);
-    Tensor::from_data(data, TensorCreationOptions::new(device.clone()).with_dtype(dtype))
+    Tensor::from_data(
+        data,
+        TensorCreationOptions::new(device.clone()).with_dtype(dtype),
+    )
 }
 
-fn shape_of(q: &Tensor<impl Backend, 3>, k: &Tensor<impl Backend, 3>, v: &Tensor<impl Backend, 3>) -> Result<AttentionShape, KernelError> {
+fn shape_of(
+    q: &Tensor<impl Backend, 3>,
+    k: &Tensor<impl Backend, 3>,
+    v: &Tensor<impl Backend, 3>,
+) -> Result<AttentionShape, KernelError> {
     AttentionShape::from_dims(&q.dims(), &k.dims(), &v.dims())
 }
 
@@ -115,8 +124,18 @@ pub fn host_forward<B: Backend>(
     let device = q.device();
     let result = portable::forward(&host_f32(q), &host_f32(k), &host_f32(v), &shape, problem)?;
     Ok(FlashOutput {
-        out: from_host(result.out, [shape.q_tokens, shape.heads, shape.value_dim], dtype, &device),
-        lse: from_host(result.lse, [shape.heads, shape.q_tokens], DType::F32, &device),
+        out: from_host(
+            result.out,
+            [shape.q_tokens, shape.heads, shape.value_dim],
+            dtype,
+            &device,
+        ),
+        lse: from_host(
+            result.lse,
+            [shape.heads, shape.q_tokens],
+            DType::F32,
+            &device,
+        ),
     })
 }
 
@@ -162,16 +181,32 @@ pub fn host_backward<B: Backend>(
     let q_dims = [shape.q_tokens, shape.heads, shape.head_dim];
     Ok(FlashGradients {
         dq: from_host(grads.dq, q_dims, dtype, &device),
-        dk: from_host(grads.dk, [shape.kv_tokens, shape.kv_heads, shape.head_dim], dtype, &device),
-        dv: from_host(grads.dv, [shape.kv_tokens, shape.kv_heads, shape.value_dim], dtype, &device),
+        dk: from_host(
+            grads.dk,
+            [shape.kv_tokens, shape.kv_heads, shape.head_dim],
+            dtype,
+            &device,
+        ),
+        dv: from_host(
+            grads.dv,
+            [shape.kv_tokens, shape.kv_heads, shape.value_dim],
+            dtype,
+            &device,
+        ),
     })
 }
 
 /// [`FlashOps::flash_merge`] on the host: runs [`portable::merge`].
-pub fn host_merge<B: Backend>(a: FlashOutput<B>, b: FlashOutput<B>) -> Result<FlashOutput<B>, KernelError> {
+pub fn host_merge<B: Backend>(
+    a: FlashOutput<B>,
+    b: FlashOutput<B>,
+) -> Result<FlashOutput<B>, KernelError> {
     let dtype = common_float_dtype(&[("out a", a.out.dtype()), ("out b", b.out.dtype())])?;
     let [tokens, heads, value_dim] = a.out.dims();
-    if b.out.dims() != a.out.dims() || a.lse.dims() != [heads, tokens] || b.lse.dims() != [heads, tokens] {
+    if b.out.dims() != a.out.dims()
+        || a.lse.dims() != [heads, tokens]
+        || b.lse.dims() != [heads, tokens]
+    {
         return Err(KernelError::InvalidShape(format!(
             "merge needs equal shapes: out {:?} / {:?}, lse {:?} / {:?} (lse is [heads, tokens])",
             a.out.dims(),
@@ -182,7 +217,14 @@ pub fn host_merge<B: Backend>(a: FlashOutput<B>, b: FlashOutput<B>) -> Result<Fl
     }
     let device = a.out.device();
     let (mut out, mut lse) = (host_f32(a.out), host_f32(a.lse));
-    portable::merge(&mut out, &mut lse, &host_f32(b.out), &host_f32(b.lse), heads, value_dim)?;
+    portable::merge(
+        &mut out,
+        &mut lse,
+        &host_f32(b.out),
+        &host_f32(b.lse),
+        heads,
+        value_dim,
+    )?;
     Ok(FlashOutput {
         out: from_host(out, [tokens, heads, value_dim], dtype, &device),
         lse: from_host(lse, [heads, tokens], DType::F32, &device),

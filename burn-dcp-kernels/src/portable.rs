@@ -112,7 +112,12 @@ fn to_token_major(per_head: &[Vec<f32>], tokens: usize, dim: usize) -> Vec<f32> 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = a8.remainder().iter().zip(b8.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = a8
+        .remainder()
+        .iter()
+        .zip(b8.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
     for (x, y) in a8.zip(b8) {
         for i in 0..8 {
             acc[i] += x[i] * y[i];
@@ -139,7 +144,14 @@ fn parallel_map<T: Send>(count: usize, task: impl Fn(usize) -> T + Sync) -> Vec<
     let task = &task;
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..workers)
-            .map(|w| scope.spawn(move || (w..count).step_by(workers).map(|i| (i, task(i))).collect::<Vec<_>>()))
+            .map(|w| {
+                scope.spawn(move || {
+                    (w..count)
+                        .step_by(workers)
+                        .map(|i| (i, task(i)))
+                        .collect::<Vec<_>>()
+                })
+            })
             .collect();
         let mut results: Vec<(usize, T)> = handles
             .into_iter()
@@ -208,7 +220,10 @@ fn forward_head(
         let q_row = &q[t * d..(t + 1) * d];
         scores.clear();
         for span in spans.of(t) {
-            scores.extend(span.clone().map(|j| scale * dot(q_row, &k[j * d..(j + 1) * d])));
+            scores.extend(
+                span.clone()
+                    .map(|j| scale * dot(q_row, &k[j * d..(j + 1) * d])),
+            );
         }
         if scores.is_empty() {
             continue;
@@ -361,7 +376,9 @@ pub fn merge(
                 ((a - merged).exp(), (b - merged).exp())
             };
             let at = (t * heads + h) * value_dim;
-            let rows = out_a[at..at + value_dim].iter_mut().zip(&out_b[at..at + value_dim]);
+            let rows = out_a[at..at + value_dim]
+                .iter_mut()
+                .zip(&out_b[at..at + value_dim]);
             for (oa, ob) in rows {
                 *oa = wa * *oa + wb * ob;
             }

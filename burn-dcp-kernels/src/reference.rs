@@ -35,7 +35,9 @@ fn dense(q: &[f32], k: &[f32], s: &AttentionShape, problem: &VarlenAttention) ->
         for i in 0..s.q_tokens {
             let (seq, len) = (qp.seq[i], problem.seq_lens[qp.seq[i]]);
             let allowed: Vec<usize> = (0..s.kv_tokens)
-                .filter(|&j| kp.seq[j] == seq && problem.mask(seq).allows(qp.pos[i], kp.pos[j], len))
+                .filter(|&j| {
+                    kp.seq[j] == seq && problem.mask(seq).allows(qp.pos[i], kp.pos[j], len)
+                })
                 .collect();
             if allowed.is_empty() {
                 continue;

@@ -14,9 +14,18 @@ fn masks() -> Vec<MaskSpec> {
         MaskSpec::Causal,
         MaskSpec::Sliding { window: 3 },
         MaskSpec::Lambda { sink: 2, window: 3 },
-        MaskSpec::Blockwise { block: 3, local_blocks: 2 },
-        MaskSpec::SharedQuestion { question_fraction: 0.2, answers: 4 },
-        MaskSpec::SharedQuestion { question_fraction: 0.5, answers: 3 },
+        MaskSpec::Blockwise {
+            block: 3,
+            local_blocks: 2,
+        },
+        MaskSpec::SharedQuestion {
+            question_fraction: 0.2,
+            answers: 4,
+        },
+        MaskSpec::SharedQuestion {
+            question_fraction: 0.5,
+            answers: 3,
+        },
     ]
 }
 
@@ -53,8 +62,14 @@ fn key_ranges_agree_with_the_mask_rule() {
         .into();
     let mut all = masks();
     all.push(MaskSpec::KeyRanges(custom));
-    all.push(MaskSpec::SharedQuestion { question_fraction: 0.0, answers: 20 });
-    all.push(MaskSpec::SharedQuestion { question_fraction: 1.0, answers: 2 });
+    all.push(MaskSpec::SharedQuestion {
+        question_fraction: 0.0,
+        answers: 20,
+    });
+    all.push(MaskSpec::SharedQuestion {
+        question_fraction: 1.0,
+        answers: 2,
+    });
     for mask in &all {
         for len in [1usize, 2, 7, 13] {
             if matches!(mask, MaskSpec::KeyRanges(r) if r.len() != len) {
@@ -63,7 +78,11 @@ fn key_ranges_agree_with_the_mask_rule() {
             for i in 0..len {
                 let ranges = mask.key_ranges(i, len);
                 for j in 0..len {
-                    assert_eq!(ranges.contains(j), mask.allows(i, j, len), "{mask} len {len} i {i} j {j}");
+                    assert_eq!(
+                        ranges.contains(j),
+                        mask.allows(i, j, len),
+                        "{mask} len {len} i {i} j {j}"
+                    );
                 }
             }
         }
@@ -75,7 +94,14 @@ fn mask_parsing_round_trips_and_rejects_bad_specs() {
     for mask in masks() {
         assert_eq!(mask.to_string().parse::<MaskSpec>().unwrap(), mask);
     }
-    for bad in ["sliding:0", "lambda:4", "blockwise:0,2", "shared-question:1.5,2", "diagonal", "causal:3"] {
+    for bad in [
+        "sliding:0",
+        "lambda:4",
+        "blockwise:0,2",
+        "shared-question:1.5,2",
+        "diagonal",
+        "causal:3",
+    ] {
         let err = bad.parse::<MaskSpec>().unwrap_err().to_string();
         assert!(err.contains(bad.split(':').next().unwrap()), "{bad}: {err}");
     }
@@ -92,16 +118,36 @@ fn ragged_case(mask: MaskSpec, heads: usize, kv_heads: usize) -> Case {
     let q_segments = vec![
         Segment::contiguous(0, 3, 8),
         Segment::contiguous(1, 0, 1),
-        Segment { seq: 2, start: 1, len: 3, stride: 2 },
+        Segment {
+            seq: 2,
+            start: 1,
+            len: 3,
+            stride: 2,
+        },
         Segment::contiguous(3, 0, 9),
     ];
     let kv_segments = vec![
         Segment::contiguous(3, 0, 9),
-        Segment { seq: 2, start: 0, len: 2, stride: 3 },
+        Segment {
+            seq: 2,
+            start: 0,
+            len: 2,
+            stride: 3,
+        },
         Segment::contiguous(0, 0, 11),
         Segment::contiguous(1, 0, 1),
-        Segment { seq: 2, start: 1, len: 2, stride: 4 },
-        Segment { seq: 2, start: 4, len: 1, stride: 1 },
+        Segment {
+            seq: 2,
+            start: 1,
+            len: 2,
+            stride: 4,
+        },
+        Segment {
+            seq: 2,
+            start: 4,
+            len: 1,
+            stride: 1,
+        },
     ];
     let problem = VarlenAttention {
         seq_lens,
@@ -137,7 +183,8 @@ fn forward_and_backward_match_the_naive_reference() {
             let what = format!("{mask} H{heads} K{kv_heads}");
             assert!(rel_err(&got.out, &want.out) <= 1e-5, "out {what}");
             assert!(rel_err(&got.lse, &want.lse) <= 1e-5, "lse {what}");
-            let grads = portable::backward(&q, &k, &v, &got.out, &got.lse, &dout, s, &problem).unwrap();
+            let grads =
+                portable::backward(&q, &k, &v, &got.out, &got.lse, &dout, s, &problem).unwrap();
             let want = reference::backward(&q, &k, &v, &dout, &problem, s).unwrap();
             assert!(rel_err(&grads.dq, &want.dq) <= 1e-5, "dq {what}");
             assert!(rel_err(&grads.dk, &want.dk) <= 1e-5, "dk {what}");
@@ -149,23 +196,64 @@ fn forward_and_backward_match_the_naive_reference() {
 #[test]
 fn fully_masked_rows_give_zero_and_minus_infinity() {
     // Queries at positions 0..4 against keys 5..8 under a causal mask: nothing allowed.
-    let problem = VarlenAttention::from_cu_seqlens(vec![8], vec![MaskSpec::Causal], &[0, 4], &[0], &[0, 3], &[5]).unwrap();
-    let shape = AttentionShape { q_tokens: 4, kv_tokens: 3, heads: 2, kv_heads: 1, head_dim: 4, value_dim: 4 };
+    let problem = VarlenAttention::from_cu_seqlens(
+        vec![8],
+        vec![MaskSpec::Causal],
+        &[0, 4],
+        &[0],
+        &[0, 3],
+        &[5],
+    )
+    .unwrap();
+    let shape = AttentionShape {
+        q_tokens: 4,
+        kv_tokens: 3,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 4,
+        value_dim: 4,
+    };
     let mut rng = SmallRng::seed_from_u64(1);
-    let (q, k, v) = (random(&mut rng, 32), random(&mut rng, 12), random(&mut rng, 12));
+    let (q, k, v) = (
+        random(&mut rng, 32),
+        random(&mut rng, 12),
+        random(&mut rng, 12),
+    );
     let HostForward { out, lse } = portable::forward(&q, &k, &v, &shape, &problem).unwrap();
     assert!(out.iter().all(|&x| x == 0.0));
     assert!(lse.iter().all(|&x| x == f32::NEG_INFINITY));
     assert!(!problem.has_work());
-    let grads = portable::backward(&q, &k, &v, &out, &lse, &random(&mut rng, 32), &shape, &problem).unwrap();
-    assert!(grads.dq.iter().chain(&grads.dk).chain(&grads.dv).all(|&x| x == 0.0));
+    let grads = portable::backward(
+        &q,
+        &k,
+        &v,
+        &out,
+        &lse,
+        &random(&mut rng, 32),
+        &shape,
+        &problem,
+    )
+    .unwrap();
+    assert!(grads
+        .dq
+        .iter()
+        .chain(&grads.dk)
+        .chain(&grads.dv)
+        .all(|&x| x == 0.0));
 }
 
 #[test]
 fn merging_two_key_halves_equals_attention_over_all_keys() {
     let mut rng = SmallRng::seed_from_u64(3);
     let seq_lens = vec![10, 7];
-    let shape_all = AttentionShape { q_tokens: 17, kv_tokens: 17, heads: 2, kv_heads: 2, head_dim: 8, value_dim: 8 };
+    let shape_all = AttentionShape {
+        q_tokens: 17,
+        kv_tokens: 17,
+        heads: 2,
+        kv_heads: 2,
+        head_dim: 8,
+        value_dim: 8,
+    };
     for mask in masks() {
         let all = VarlenAttention::packed(seq_lens.clone(), vec![mask.clone()]);
         let q = random(&mut rng, 17 * 16);
@@ -180,9 +268,20 @@ fn merging_two_key_halves_equals_attention_over_all_keys() {
             } else {
                 vec![Segment::contiguous(0, 5, 5), Segment::contiguous(1, 3, 4)]
             };
-            let rows: Vec<usize> = if first { (0..5).chain(10..13).collect() } else { (5..10).chain(13..17).collect() };
-            let pick = |x: &[f32]| rows.iter().flat_map(|&t| x[t * 16..(t + 1) * 16].to_vec()).collect::<Vec<_>>();
-            let shape = AttentionShape { kv_tokens: rows.len(), ..shape_all };
+            let rows: Vec<usize> = if first {
+                (0..5).chain(10..13).collect()
+            } else {
+                (5..10).chain(13..17).collect()
+            };
+            let pick = |x: &[f32]| {
+                rows.iter()
+                    .flat_map(|&t| x[t * 16..(t + 1) * 16].to_vec())
+                    .collect::<Vec<_>>()
+            };
+            let shape = AttentionShape {
+                kv_tokens: rows.len(),
+                ..shape_all
+            };
             portable::forward(&q, &pick(&k), &pick(&v), &shape, &problem).unwrap()
         };
         let (mut a, b) = (split(true), split(false));
@@ -194,13 +293,37 @@ fn merging_two_key_halves_equals_attention_over_all_keys() {
 
 #[test]
 fn invalid_problems_are_rejected_with_the_rule() {
-    let shape = AttentionShape { q_tokens: 4, kv_tokens: 4, heads: 2, kv_heads: 2, head_dim: 4, value_dim: 4 };
+    let shape = AttentionShape {
+        q_tokens: 4,
+        kv_tokens: 4,
+        heads: 2,
+        kv_heads: 2,
+        head_dim: 4,
+        value_dim: 4,
+    };
     let mut problem = VarlenAttention::packed(vec![4], vec![MaskSpec::Causal]);
     problem.kv_segments = vec![Segment::contiguous(0, 0, 3), Segment::contiguous(0, 2, 1)];
-    assert!(problem.validate(&shape).unwrap_err().to_string().contains("appears twice"));
+    assert!(problem
+        .validate(&shape)
+        .unwrap_err()
+        .to_string()
+        .contains("appears twice"));
     let problem = VarlenAttention::packed(vec![5], vec![MaskSpec::Causal]);
-    assert!(problem.validate(&shape).unwrap_err().to_string().contains("5 query"));
+    assert!(problem
+        .validate(&shape)
+        .unwrap_err()
+        .to_string()
+        .contains("5 query"));
     let problem = VarlenAttention::packed(vec![2, 2], vec![MaskSpec::Causal; 3]);
-    assert!(problem.validate(&shape).unwrap_err().to_string().contains("3 masks for 2 sequences"));
-    assert!(AttentionShape::from_dims(&[4, 6, 4], &[4, 4, 4], &[4, 4, 4]).unwrap_err().to_string().contains("must divide"));
+    assert!(problem
+        .validate(&shape)
+        .unwrap_err()
+        .to_string()
+        .contains("3 masks for 2 sequences"));
+    assert!(
+        AttentionShape::from_dims(&[4, 6, 4], &[4, 4, 4], &[4, 4, 4])
+            .unwrap_err()
+            .to_string()
+            .contains("must divide")
+    );
 }

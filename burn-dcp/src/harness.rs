@@ -11,7 +11,9 @@ use burn_dcp_kernels::{FlashOps, MaskSpec, VarlenAttention};
 use crate::comm::{CommStats, InProcessWorld, WorldConfig};
 use crate::error::CpError;
 use crate::layout::{Layout, Sharding};
-use crate::strategy::{cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy};
+use crate::strategy::{
+    cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy,
+};
 
 /// A packed micro-batch's attention inputs, token-major f32:
 /// `q [T, H, D]`, `k [T, K, D]`, `v [T, K, Dv]`, `dout [T, H, Dv]`, `T = Σ seq_lens`.
@@ -85,17 +87,27 @@ impl PackedInputs {
     }
 }
 
-fn tensor<B: FlashOps, const D: usize>(values: Vec<f32>, dims: [usize; D], device: &B::Device) -> Tensor<B, D> {
+fn tensor<B: FlashOps, const D: usize>(
+    values: Vec<f32>,
+    dims: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
     Tensor::from_data(TensorData::new(values, dims), device)
 }
 
 fn host<B: FlashOps, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().into_vec::<f32>().expect("f32 data")
+    t.into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32 data")
 }
 
 /// Rows `indices` of a token-major buffer with `width` values per token.
 fn gather_rows(data: &[f32], width: usize, indices: &[usize]) -> Vec<f32> {
-    indices.iter().flat_map(|&i| data[i * width..(i + 1) * width].iter().copied()).collect()
+    indices
+        .iter()
+        .flat_map(|&i| data[i * width..(i + 1) * width].iter().copied())
+        .collect()
 }
 
 /// Writes `rows` (token-major) to rows `indices` of `full`.
@@ -144,18 +156,32 @@ struct RankResult {
 }
 
 /// Context-parallel forward and backward on `spec.cp` in-process ranks.
-pub fn run_context_parallel<B: FlashOps>(device: &B::Device, inputs: &PackedInputs, spec: &RunSpec) -> Result<RunReport, CpError> {
+pub fn run_context_parallel<B: FlashOps>(
+    device: &B::Device,
+    inputs: &PackedInputs,
+    spec: &RunSpec,
+) -> Result<RunReport, CpError> {
     inputs.validate()?;
     spec.strategy.validate_mesh(spec.cp)?;
-    spec.strategy.validate_heads(inputs.heads, inputs.kv_heads, spec.cp)?;
+    spec.strategy
+        .validate_heads(inputs.heads, inputs.kv_heads, spec.cp)?;
     let sharding = Sharding::new(&inputs.seq_lens, spec.cp, spec.layout)?;
     let mut batch = CpBatch::new(sharding, spec.masks.clone());
     batch.scale = spec.scale;
-    let world = InProcessWorld::new(spec.cp, WorldConfig { timeout: spec.timeout })?;
+    let world = InProcessWorld::new(
+        spec.cp,
+        WorldConfig {
+            timeout: spec.timeout,
+        },
+    )?;
     let results = world.run(|comm| run_rank::<B>(device, inputs, &batch, comm, spec.strategy));
     let mut ranks = Vec::with_capacity(spec.cp);
     for result in results {
-        ranks.push(result.map_err(|reason| CpError::Input(format!("context-parallel run failed: {reason}")))?);
+        ranks.push(
+            result.map_err(|reason| {
+                CpError::Input(format!("context-parallel run failed: {reason}"))
+            })?,
+        );
     }
     Ok(assemble(inputs, ranks, world.stats()))
 }
@@ -170,8 +196,18 @@ fn run_rank<B: FlashOps>(
     let rank = comm.rank();
     let indices = batch.sharding.packed_indices(rank);
     let n = indices.len();
-    let local = |data: &[f32], heads: usize, dim: usize| tensor::<B, 3>(gather_rows(data, heads * dim, &indices), [n, heads, dim], device);
-    let (q, k, v) = (local(&x.q, x.heads, x.head_dim), local(&x.k, x.kv_heads, x.head_dim), local(&x.v, x.kv_heads, x.value_dim));
+    let local = |data: &[f32], heads: usize, dim: usize| {
+        tensor::<B, 3>(
+            gather_rows(data, heads * dim, &indices),
+            [n, heads, dim],
+            device,
+        )
+    };
+    let (q, k, v) = (
+        local(&x.q, x.heads, x.head_dim),
+        local(&x.k, x.kv_heads, x.head_dim),
+        local(&x.v, x.kv_heads, x.value_dim),
+    );
     let dout = local(&x.dout, x.heads, x.value_dim);
     let group = CpGroup::new(comm.clone(), strategy)?;
     let start_bytes = comm.stats().total_bytes();
@@ -180,7 +216,14 @@ fn run_rank<B: FlashOps>(
     let forward_ms = started.elapsed().as_secs_f64() * 1e3;
     let mid_bytes = comm.stats().total_bytes();
     let started = Instant::now();
-    let inputs = BackwardInputs { q, k, v, out: fwd.out.clone(), lse: fwd.lse.clone(), dout };
+    let inputs = BackwardInputs {
+        q,
+        k,
+        v,
+        out: fwd.out.clone(),
+        lse: fwd.lse.clone(),
+        dout,
+    };
     let grads = cp_attention_backward(&group, batch, inputs)?;
     let backward_ms = started.elapsed().as_secs_f64() * 1e3;
     let end_bytes = comm.stats().total_bytes();

@@ -129,7 +129,10 @@ fn chunk(seq: usize, len: usize, chunk: usize, chunks: usize) -> Segment {
 fn rank_segments(seq: usize, len: usize, rank: usize, cp: usize, layout: Layout) -> Vec<Segment> {
     match layout {
         Layout::Contiguous => vec![chunk(seq, len, rank, cp)],
-        Layout::Zigzag => vec![chunk(seq, len, rank, 2 * cp), chunk(seq, len, 2 * cp - 1 - rank, 2 * cp)],
+        Layout::Zigzag => vec![
+            chunk(seq, len, rank, 2 * cp),
+            chunk(seq, len, 2 * cp - 1 - rank, 2 * cp),
+        ],
         Layout::Stripe => vec![Segment {
             seq,
             start: rank,
@@ -164,6 +167,9 @@ mod tests {
     #[test]
     fn zigzag_holds_head_and_tail_chunks() {
         let sharding = Sharding::new(&[16], 4, Layout::Zigzag).unwrap();
-        assert_eq!(sharding.segments(1), &[Segment::contiguous(0, 2, 2), Segment::contiguous(0, 12, 2)]);
+        assert_eq!(
+            sharding.segments(1),
+            &[Segment::contiguous(0, 2, 2), Segment::contiguous(0, 12, 2)]
+        );
     }
 }

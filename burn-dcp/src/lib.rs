@@ -22,4 +22,6 @@ pub mod volume;
 pub use burn_dcp_kernels as kernels;
 pub use error::CpError;
 pub use layout::{Layout, Sharding};
-pub use strategy::{cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy};
+pub use strategy::{
+    cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy,
+};

@@ -46,8 +46,14 @@ pub struct RankVolume {
 const LSE_BYTES: u64 = 4;
 
 /// Analytic bytes per rank (index = CP rank) for `strategy` on `sharding`.
-pub fn analytic_volume(strategy: Strategy, sharding: &Sharding, shape: &VolumeShape) -> Vec<RankVolume> {
-    let tokens: Vec<u64> = (0..sharding.cp()).map(|r| sharding.tokens(r) as u64).collect();
+pub fn analytic_volume(
+    strategy: Strategy,
+    sharding: &Sharding,
+    shape: &VolumeShape,
+) -> Vec<RankVolume> {
+    let tokens: Vec<u64> = (0..sharding.cp())
+        .map(|r| sharding.tokens(r) as u64)
+        .collect();
     match strategy {
         Strategy::Ulysses => ulysses(&tokens, shape, shape.heads, sharding.cp()),
         Strategy::Ring => ring(&tokens, shape, shape.kv_heads as u64),
@@ -66,15 +72,21 @@ fn ulysses(tokens: &[u64], s: &VolumeShape, heads: usize, degree: usize) -> Vec<
         degree,
     };
     let hs = (heads / degree) as u64;
-    let (d, dv, b) = (s.head_dim as u64, s.value_dim as u64, s.element_bytes as u64);
+    let (d, dv, b) = (
+        s.head_dim as u64,
+        s.value_dim as u64,
+        s.element_bytes as u64,
+    );
     let kv_heads = |p: usize| split.kv_heads(p).len() as u64;
     (0..degree)
         .map(|r| {
             let mut volume = RankVolume::default();
             for p in (0..degree).filter(|&p| p != r) {
                 let (mine, theirs) = (tokens[r], tokens[p]);
-                volume.forward += mine * (hs * d + kv_heads(p) * (d + dv)) * b + theirs * hs * (dv * b + LSE_BYTES);
-                volume.backward += mine * (hs * (d + 2 * dv) * b + hs * LSE_BYTES + kv_heads(p) * (d + dv) * b)
+                volume.forward += mine * (hs * d + kv_heads(p) * (d + dv)) * b
+                    + theirs * hs * (dv * b + LSE_BYTES);
+                volume.backward += mine
+                    * (hs * (d + 2 * dv) * b + hs * LSE_BYTES + kv_heads(p) * (d + dv) * b)
                     + theirs * (hs * d + kv_heads(r) * (d + dv)) * b;
             }
             volume
@@ -84,7 +96,9 @@ fn ulysses(tokens: &[u64], s: &VolumeShape, heads: usize, degree: usize) -> Vec<
 
 fn ring(tokens: &[u64], s: &VolumeShape, kv_heads: u64) -> Vec<RankVolume> {
     let size = tokens.len();
-    let block = |p: usize| tokens[p] * kv_heads * (s.head_dim + s.value_dim) as u64 * s.element_bytes as u64;
+    let block = |p: usize| {
+        tokens[p] * kv_heads * (s.head_dim + s.value_dim) as u64 * s.element_bytes as u64
+    };
     let owner = |r: usize, step: usize| (r + size - step) % size;
     (0..size)
         .map(|r| {
@@ -103,7 +117,8 @@ fn ring(tokens: &[u64], s: &VolumeShape, kv_heads: u64) -> Vec<RankVolume> {
 
 fn all_gather(tokens: &[u64], s: &VolumeShape) -> Vec<RankVolume> {
     let size = tokens.len() as u64;
-    let block = |t: u64| t * s.kv_heads as u64 * (s.head_dim + s.value_dim) as u64 * s.element_bytes as u64;
+    let block =
+        |t: u64| t * s.kv_heads as u64 * (s.head_dim + s.value_dim) as u64 * s.element_bytes as u64;
     let total: u64 = tokens.iter().map(|&t| block(t)).sum();
     tokens
         .iter()
@@ -114,14 +129,21 @@ fn all_gather(tokens: &[u64], s: &VolumeShape) -> Vec<RankVolume> {
         .collect()
 }
 
-fn usp(tokens: &[u64], s: &VolumeShape, ulysses_degree: usize, ring_degree: usize) -> Vec<RankVolume> {
+fn usp(
+    tokens: &[u64],
+    s: &VolumeShape,
+    ulysses_degree: usize,
+    ring_degree: usize,
+) -> Vec<RankVolume> {
     let split = HeadSplit {
         heads: s.heads,
         kv_heads: s.kv_heads,
         degree: ulysses_degree,
     };
     let group_tokens = |g: usize| &tokens[g * ulysses_degree..(g + 1) * ulysses_degree];
-    let ring_tokens: Vec<u64> = (0..ring_degree).map(|g| group_tokens(g).iter().sum()).collect();
+    let ring_tokens: Vec<u64> = (0..ring_degree)
+        .map(|g| group_tokens(g).iter().sum())
+        .collect();
     let ring_shape = VolumeShape {
         heads: s.heads / ulysses_degree,
         ..*s

@@ -15,20 +15,38 @@ pub type B = Flex;
 pub const TOLERANCE: f64 = 1e-5;
 
 pub fn masks() -> Vec<MaskSpec> {
-    ["full", "causal", "sliding:5", "lambda:2,4", "blockwise:3,2", "shared-question:0.2,4", "shared-question:0.5,2"]
-        .iter()
-        .map(|m| m.parse().unwrap())
-        .collect()
+    [
+        "full",
+        "causal",
+        "sliding:5",
+        "lambda:2,4",
+        "blockwise:3,2",
+        "shared-question:0.2,4",
+        "shared-question:0.5,2",
+    ]
+    .iter()
+    .map(|m| m.parse().unwrap())
+    .collect()
 }
 
 pub fn layouts() -> [Layout; 3] {
     [Layout::Contiguous, Layout::Zigzag, Layout::Stripe]
 }
 
-pub fn random_inputs(seq_lens: &[usize], heads: usize, kv_heads: usize, head_dim: usize, seed: u64) -> PackedInputs {
+pub fn random_inputs(
+    seq_lens: &[usize],
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    seed: u64,
+) -> PackedInputs {
     let mut rng = SmallRng::seed_from_u64(seed);
     let t: usize = seq_lens.iter().sum();
-    let mut values = |n: usize| (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>();
+    let mut values = |n: usize| {
+        (0..n)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect::<Vec<_>>()
+    };
     PackedInputs {
         seq_lens: seq_lens.to_vec(),
         heads,
@@ -64,6 +82,9 @@ pub fn assert_close(got: &PackedOutputs, want: &PackedOutputs, what: &str) {
     ];
     for (name, g, w) in pairs {
         let err = max_rel_err(g, w);
-        assert!(err <= TOLERANCE, "{what}: {name} max_rel_err {err:e} > {TOLERANCE:e}");
+        assert!(
+            err <= TOLERANCE,
+            "{what}: {name} max_rel_err {err:e} > {TOLERANCE:e}"
+        );
     }
 }

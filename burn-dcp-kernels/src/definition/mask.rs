@@ -134,9 +134,9 @@ impl MaskSpec {
                     (Some(a), Some(b)) => a == b && j <= i,
                 }
             }
-            MaskSpec::KeyRanges(ranges) => ranges
-                .get(i)
-                .is_some_and(|r| r.normalized(len).contains(j)),
+            MaskSpec::KeyRanges(ranges) => {
+                ranges.get(i).is_some_and(|r| r.normalized(len).contains(j))
+            }
         }
     }
 
@@ -207,7 +207,9 @@ impl MaskSpec {
             MaskSpec::Sliding { window } | MaskSpec::Lambda { window, .. } if *window == 0 => {
                 invalid("the window must be at least 1 token".into())
             }
-            MaskSpec::Blockwise { block: 0, .. } => invalid("the block size must be at least 1".into()),
+            MaskSpec::Blockwise { block: 0, .. } => {
+                invalid("the block size must be at least 1".into())
+            }
             MaskSpec::Blockwise {
                 local_blocks: 0, ..
             } => invalid("the number of local blocks must be at least 1".into()),
@@ -302,7 +304,9 @@ impl FromStr for MaskSpec {
         let numbers = |count: usize| -> Result<Vec<&str>, KernelError> {
             let parts: Vec<&str> = args.split(',').map(str::trim).collect();
             if parts.len() != count || parts.iter().any(|p| p.is_empty()) {
-                return Err(bad(&format!("expected {count} comma-separated parameter(s) after ':'")));
+                return Err(bad(&format!(
+                    "expected {count} comma-separated parameter(s) after ':'"
+                )));
             }
             Ok(parts)
         };

@@ -94,7 +94,11 @@ pub fn token_count(segments: &[Segment]) -> usize {
 /// Checks `cu_seqlens` (cumulative sequence lengths: starts at 0, non-decreasing, ends at the token
 /// count) and returns the sequence lengths.
 pub fn validate_cu_seqlens(cu_seqlens: &[i64], tokens: usize) -> Result<Vec<usize>, KernelError> {
-    let bad = |reason: String| Err(KernelError::InvalidPacking(format!("cu_seqlens {cu_seqlens:?}: {reason}")));
+    let bad = |reason: String| {
+        Err(KernelError::InvalidPacking(format!(
+            "cu_seqlens {cu_seqlens:?}: {reason}"
+        )))
+    };
     if cu_seqlens.len() < 2 {
         return bad("needs at least two entries (0 and the token count)".into());
     }
@@ -102,13 +106,21 @@ pub fn validate_cu_seqlens(cu_seqlens: &[i64], tokens: usize) -> Result<Vec<usiz
         return bad(format!("must start at 0, starts at {}", cu_seqlens[0]));
     }
     if let Some(w) = cu_seqlens.windows(2).find(|w| w[1] < w[0]) {
-        return bad(format!("must be non-decreasing, but {} follows {}", w[1], w[0]));
+        return bad(format!(
+            "must be non-decreasing, but {} follows {}",
+            w[1], w[0]
+        ));
     }
     let last = *cu_seqlens.last().unwrap_or(&0);
     if last != tokens as i64 {
-        return bad(format!("must end at the token count {tokens}, ends at {last}"));
+        return bad(format!(
+            "must end at the token count {tokens}, ends at {last}"
+        ));
     }
-    Ok(cu_seqlens.windows(2).map(|w| (w[1] - w[0]) as usize).collect())
+    Ok(cu_seqlens
+        .windows(2)
+        .map(|w| (w[1] - w[0]) as usize)
+        .collect())
 }
 
 /// One contiguous segment per sequence: the whole micro-batch, packed.
@@ -128,13 +140,22 @@ mod tests {
     fn tokens_in_matches_a_scan_for_strided_segments() {
         for stride in 1..5 {
             for start in 0..6 {
-                let segment = Segment { seq: 0, start, len: 7, stride };
+                let segment = Segment {
+                    seq: 0,
+                    start,
+                    len: 7,
+                    stride,
+                };
                 for a in 0..40 {
                     for b in a..40 {
-                        let expected: Vec<usize> =
-                            (0..7).filter(|&t| (a..b).contains(&segment.position(t))).collect();
+                        let expected: Vec<usize> = (0..7)
+                            .filter(|&t| (a..b).contains(&segment.position(t)))
+                            .collect();
                         let got: Vec<usize> = segment.tokens_in(&(a..b)).collect();
-                        assert_eq!(got, expected, "start {start} stride {stride} range {a}..{b}");
+                        assert_eq!(
+                            got, expected,
+                            "start {start} stride {stride} range {a}..{b}"
+                        );
                     }
                 }
             }
@@ -143,9 +164,21 @@ mod tests {
 
     #[test]
     fn cu_seqlens_errors_name_the_rule() {
-        assert!(validate_cu_seqlens(&[0, 3, 2, 5], 5).unwrap_err().to_string().contains("non-decreasing"));
-        assert!(validate_cu_seqlens(&[0, 3, 4], 5).unwrap_err().to_string().contains("token count 5"));
-        assert!(validate_cu_seqlens(&[1, 5], 5).unwrap_err().to_string().contains("start at 0"));
-        assert_eq!(validate_cu_seqlens(&[0, 3, 3, 5], 5).unwrap(), vec![3, 0, 2]);
+        assert!(validate_cu_seqlens(&[0, 3, 2, 5], 5)
+            .unwrap_err()
+            .to_string()
+            .contains("non-decreasing"));
+        assert!(validate_cu_seqlens(&[0, 3, 4], 5)
+            .unwrap_err()
+            .to_string()
+            .contains("token count 5"));
+        assert!(validate_cu_seqlens(&[1, 5], 5)
+            .unwrap_err()
+            .to_string()
+            .contains("start at 0"));
+        assert_eq!(
+            validate_cu_seqlens(&[0, 3, 3, 5], 5).unwrap(),
+            vec![3, 0, 2]
+        );
     }
 }

@@ -54,9 +54,12 @@ impl AttentionShape {
             return bad("k and v must have the same tokens and heads".into());
         }
         if q[2] != k[2] {
-            return bad(format!("q head dim {} differs from k head dim {}", q[2], k[2]));
+            return bad(format!(
+                "q head dim {} differs from k head dim {}",
+                q[2], k[2]
+            ));
         }
-        if k[1] == 0 || q[1] % k[1] != 0 {
+        if k[1] == 0 || !q[1].is_multiple_of(k[1]) {
             return bad(format!(
                 "kv heads {} must divide q heads {} (grouped-query attention)",
                 k[1], q[1]
@@ -179,7 +182,9 @@ impl VarlenAttention {
         }
         if let Some(scale) = self.scale {
             if !scale.is_finite() {
-                return Err(KernelError::InvalidShape(format!("softmax scale {scale} must be finite")));
+                return Err(KernelError::InvalidShape(format!(
+                    "softmax scale {scale} must be finite"
+                )));
             }
         }
         self.validate_segments(&self.q_segments, "query")?;
@@ -199,10 +204,16 @@ impl VarlenAttention {
         let mut seen: Vec<Vec<bool>> = self.seq_lens.iter().map(|&len| vec![false; len]).collect();
         for segment in segments {
             let bad = |reason: String| {
-                Err(KernelError::InvalidPacking(format!("{what} segment {segment:?}: {reason}")))
+                Err(KernelError::InvalidPacking(format!(
+                    "{what} segment {segment:?}: {reason}"
+                )))
             };
             if segment.seq >= self.seq_lens.len() {
-                return bad(format!("sequence {} does not exist ({} sequences)", segment.seq, self.seq_lens.len()));
+                return bad(format!(
+                    "sequence {} does not exist ({} sequences)",
+                    segment.seq,
+                    self.seq_lens.len()
+                ));
             }
             if segment.stride == 0 {
                 return bad("stride must be at least 1".into());
@@ -216,7 +227,10 @@ impl VarlenAttention {
             for t in 0..segment.len {
                 let pos = segment.position(t);
                 if std::mem::replace(&mut seen[segment.seq][pos], true) {
-                    return bad(format!("position {pos} of sequence {} appears twice", segment.seq));
+                    return bad(format!(
+                        "position {pos} of sequence {} appears twice",
+                        segment.seq
+                    ));
                 }
             }
         }
@@ -228,13 +242,16 @@ impl VarlenAttention {
         self.q_segments.iter().any(|qs| {
             let len = self.seq_lens[qs.seq];
             let mask = self.mask(qs.seq);
-            self.kv_segments.iter().filter(|ks| ks.seq == qs.seq && ks.len > 0).any(|ks| {
-                (0..qs.len).any(|t| {
-                    mask.key_ranges(qs.position(t), len)
-                        .iter()
-                        .any(|r| !ks.tokens_in(&r).is_empty())
+            self.kv_segments
+                .iter()
+                .filter(|ks| ks.seq == qs.seq && ks.len > 0)
+                .any(|ks| {
+                    (0..qs.len).any(|t| {
+                        mask.key_ranges(qs.position(t), len)
+                            .iter()
+                            .any(|r| !ks.tokens_in(&r).is_empty())
+                    })
                 })
-            })
         })
     }
 

@@ -71,7 +71,9 @@ impl World {
     fn lock(&self) -> MutexGuard<'_, WorldState> {
         // A panic while holding the lock cannot leave the mailboxes inconsistent (every critical
         // section is a single insert/remove), so a poisoned lock is still usable.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn mark_failed(&self, global_rank: usize, reason: String) {
@@ -99,7 +101,9 @@ impl InProcessWorld {
             config,
             state: Mutex::new(WorldState::default()),
             wake: Condvar::new(),
-            stats: (0..size).map(|_| Mutex::new(CommStats::default())).collect(),
+            stats: (0..size)
+                .map(|_| Mutex::new(CommStats::default()))
+                .collect(),
         };
         Ok(Self {
             world: Arc::new(world),
@@ -142,11 +146,18 @@ impl InProcessWorld {
                     std::thread::Builder::new()
                         .name(format!("rank-{rank}"))
                         .spawn_scoped(scope, move || {
-                            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(comm)));
+                            let outcome =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    task(comm)
+                                }));
                             let result = match outcome {
                                 Ok(Ok(value)) => Ok(value),
-                                Ok(Err(error)) => Err(format!("rank {rank} returned an error: {error}")),
-                                Err(panic) => Err(format!("rank {rank} panicked: {}", panic_message(&panic))),
+                                Ok(Err(error)) => {
+                                    Err(format!("rank {rank} returned an error: {error}"))
+                                }
+                                Err(panic) => {
+                                    Err(format!("rank {rank} panicked: {}", panic_message(&panic)))
+                                }
                             };
                             if let Err(reason) = &result {
                                 world.mark_failed(rank, reason.clone());
@@ -158,14 +169,21 @@ impl InProcessWorld {
                 .collect();
             handles
                 .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("rank thread could not be joined".into())))
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err("rank thread could not be joined".into()))
+                })
                 .collect()
         })
     }
 
     /// Bytes sent by each world rank so far.
     pub fn stats(&self) -> Vec<CommStats> {
-        self.world.stats.iter().map(|s| s.lock().map(|s| s.clone()).unwrap_or_default()).collect()
+        self.world
+            .stats
+            .iter()
+            .map(|s| s.lock().map(|s| s.clone()).unwrap_or_default())
+            .collect()
     }
 }
 
@@ -191,7 +209,13 @@ pub struct InProcessComm {
 
 impl fmt::Debug for InProcessComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "InProcessComm(group '{}', rank {}/{})", self.name, self.rank, self.members.len())
+        write!(
+            f,
+            "InProcessComm(group '{}', rank {}/{})",
+            self.name,
+            self.rank,
+            self.members.len()
+        )
     }
 }
 
@@ -213,7 +237,10 @@ impl InProcessComm {
         if peer >= self.members.len() {
             return Err(CommError::Invalid {
                 group: self.name.clone(),
-                message: format!("{op}: peer rank {peer} does not exist in a group of {} ranks", self.members.len()),
+                message: format!(
+                    "{op}: peer rank {peer} does not exist in a group of {} ranks",
+                    self.members.len()
+                ),
             });
         }
         Ok(())
@@ -223,7 +250,11 @@ impl InProcessComm {
         if parts.len() != self.members.len() {
             return Err(CommError::Invalid {
                 group: self.name.clone(),
-                message: format!("{op} needs one part per rank ({}), got {}", self.members.len(), parts.len()),
+                message: format!(
+                    "{op} needs one part per rank ({}), got {}",
+                    self.members.len(),
+                    parts.len()
+                ),
             });
         }
         Ok(())
@@ -231,7 +262,11 @@ impl InProcessComm {
 
     /// Fails if any member of this group has failed.
     fn check_group(&self, state: &WorldState, op: &str) -> Result<(), CommError> {
-        match self.members.iter().find_map(|m| state.failed.get(m).map(|r| (*m, r))) {
+        match self
+            .members
+            .iter()
+            .find_map(|m| state.failed.get(m).map(|r| (*m, r)))
+        {
             Some((failed_global, reason)) => Err(CommError::PeerFailed {
                 group: self.name.clone(),
                 rank: self.rank,
@@ -243,20 +278,31 @@ impl InProcessComm {
         }
     }
 
-    fn post(&self, peer: usize, channel: Channel, data: TensorData, op: Option<OpKind>) -> Result<(), CommError> {
+    fn post(
+        &self,
+        peer: usize,
+        channel: Channel,
+        data: TensorData,
+        op: Option<OpKind>,
+    ) -> Result<(), CommError> {
         let (me, to) = (self.me(), self.members[peer]);
         let bytes = data.bytes.len() as u64;
         {
             let mut state = self.world.lock();
             self.check_group(&state, "send")?;
-            let mailbox = state.mailboxes.entry((self.name.clone(), me, to, channel)).or_default();
+            let mailbox = state
+                .mailboxes
+                .entry((self.name.clone(), me, to, channel))
+                .or_default();
             let seq = mailbox.sent;
             mailbox.sent += 1;
             mailbox.messages.insert(seq, data);
         }
         self.world.wake.notify_all();
         if let (Some(op), true) = (op, me != to) {
-            let mut stats = self.world.stats[me].lock().unwrap_or_else(|p| p.into_inner());
+            let mut stats = self.world.stats[me]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             *stats.bytes_by_op.entry(op).or_default() += bytes;
             stats.messages += 1;
         }
@@ -272,8 +318,23 @@ impl InProcessComm {
         mailbox.posted - 1
     }
 
-    fn wait_for(&self, peer: usize, channel: Channel, seq: u64, op: &str) -> Result<TensorData, CommError> {
-        wait_message(&self.world, &self.name, &self.members, self.rank, peer, channel, seq, op)
+    fn wait_for(
+        &self,
+        peer: usize,
+        channel: Channel,
+        seq: u64,
+        op: &str,
+    ) -> Result<TensorData, CommError> {
+        wait_message(
+            &self.world,
+            &self.name,
+            &self.members,
+            self.rank,
+            peer,
+            channel,
+            seq,
+            op,
+        )
     }
 
     fn recv_now(&self, peer: usize, channel: Channel, op: &str) -> Result<TensorData, CommError> {
@@ -282,11 +343,18 @@ impl InProcessComm {
     }
 
     /// Sends `parts[p]` to every `p` and receives one message from every rank (itself included).
-    fn exchange(&self, parts: Vec<TensorData>, channel: Channel, op: OpKind) -> Result<Vec<TensorData>, CommError> {
+    fn exchange(
+        &self,
+        parts: Vec<TensorData>,
+        channel: Channel,
+        op: OpKind,
+    ) -> Result<Vec<TensorData>, CommError> {
         for (peer, part) in parts.into_iter().enumerate() {
             self.post(peer, channel, part, Some(op))?;
         }
-        (0..self.members.len()).map(|peer| self.recv_now(peer, channel, &op.to_string())).collect()
+        (0..self.members.len())
+            .map(|peer| self.recv_now(peer, channel, &op.to_string()))
+            .collect()
     }
 }
 
@@ -306,10 +374,17 @@ fn wait_message(
     let deadline = Instant::now() + world.config.timeout;
     let mut state = world.lock();
     loop {
-        if let Some(data) = state.mailboxes.get_mut(&key).and_then(|m| m.messages.remove(&seq)) {
+        if let Some(data) = state
+            .mailboxes
+            .get_mut(&key)
+            .and_then(|m| m.messages.remove(&seq))
+        {
             return Ok(data);
         }
-        if let Some((failed_global, reason)) = members.iter().find_map(|m| state.failed.get(m).map(|r| (*m, r.clone()))) {
+        if let Some((failed_global, reason)) = members
+            .iter()
+            .find_map(|m| state.failed.get(m).map(|r| (*m, r.clone())))
+        {
             return Err(CommError::PeerFailed {
                 group: group.to_string(),
                 rank,
@@ -364,9 +439,23 @@ impl Communicator for InProcessComm {
     fn irecv(&self, peer: usize) -> Result<PendingRecv, CommError> {
         self.check_peer(peer, "irecv")?;
         let seq = self.reserve(peer, Channel::PointToPoint);
-        let (world, name, members, rank) = (self.world.clone(), self.name.clone(), self.members.clone(), self.rank);
+        let (world, name, members, rank) = (
+            self.world.clone(),
+            self.name.clone(),
+            self.members.clone(),
+            self.rank,
+        );
         Ok(PendingRecv::new(move || {
-            wait_message(&world, &name, &members, rank, peer, Channel::PointToPoint, seq, "recv")
+            wait_message(
+                &world,
+                &name,
+                &members,
+                rank,
+                peer,
+                Channel::PointToPoint,
+                seq,
+                "recv",
+            )
         }))
     }
 
@@ -402,13 +491,19 @@ impl Communicator for InProcessComm {
         let chunks = split_flat(&flat, size).map_err(invalid)?;
         let mine = self.exchange(chunks, Channel::Collective, OpKind::AllReduce)?;
         let reduced = sum_tensor_data(mine).map_err(invalid)?;
-        let gathered = self.exchange(vec![reduced; size], Channel::Collective, OpKind::AllReduce)?;
+        let gathered =
+            self.exchange(vec![reduced; size], Channel::Collective, OpKind::AllReduce)?;
         concat_flat(gathered, shape.as_slice(), dtype).map_err(invalid)
     }
 
     fn barrier(&self) -> Result<(), CommError> {
         for peer in 0..self.members.len() {
-            self.post(peer, Channel::Control, TensorData::new(Vec::<i64>::new(), [0]), None)?;
+            self.post(
+                peer,
+                Channel::Control,
+                TensorData::new(Vec::<i64>::new(), [0]),
+                None,
+            )?;
         }
         for peer in 0..self.members.len() {
             self.recv_now(peer, Channel::Control, "barrier")?;
@@ -433,8 +528,14 @@ impl Communicator for InProcessComm {
             }
         }
         same_color.sort();
-        let members: Arc<[usize]> = same_color.iter().map(|&(_, peer)| self.members[peer]).collect();
-        let rank = same_color.iter().position(|&(_, peer)| peer == self.rank).unwrap_or(0);
+        let members: Arc<[usize]> = same_color
+            .iter()
+            .map(|&(_, peer)| self.members[peer])
+            .collect();
+        let rank = same_color
+            .iter()
+            .position(|&(_, peer)| peer == self.rank)
+            .unwrap_or(0);
         let index = {
             let mut splits = self.splits.lock().unwrap_or_else(|p| p.into_inner());
             *splits += 1;
@@ -450,11 +551,15 @@ impl Communicator for InProcessComm {
     }
 
     fn stats(&self) -> CommStats {
-        self.world.stats[self.me()].lock().map(|s| s.clone()).unwrap_or_default()
+        self.world.stats[self.me()]
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_default()
     }
 
     fn abort(&self, reason: &str) {
-        self.world.mark_failed(self.me(), format!("rank {} aborted: {reason}", self.me()));
+        self.world
+            .mark_failed(self.me(), format!("rank {} aborted: {reason}", self.me()));
     }
 }
 
@@ -471,16 +576,27 @@ fn split_flat(flat: &TensorData, parts: usize) -> Result<Vec<TensorData>, String
     Ok((0..parts)
         .map(|p| {
             let (start, end) = (p * count / parts, (p + 1) * count / parts);
-            TensorData::from_bytes_vec(bytes[start * width..end * width].to_vec(), [end - start], flat.dtype)
+            TensorData::from_bytes_vec(
+                bytes[start * width..end * width].to_vec(),
+                [end - start],
+                flat.dtype,
+            )
         })
         .collect())
 }
 
-fn concat_flat(chunks: Vec<TensorData>, shape: &[usize], dtype: burn::tensor::DType) -> Result<TensorData, String> {
+fn concat_flat(
+    chunks: Vec<TensorData>,
+    shape: &[usize],
+    dtype: burn::tensor::DType,
+) -> Result<TensorData, String> {
     let mut bytes = Vec::new();
     for chunk in &chunks {
         if chunk.dtype != dtype {
-            return Err(format!("chunk dtype {:?} differs from {dtype:?}", chunk.dtype));
+            return Err(format!(
+                "chunk dtype {:?} differs from {dtype:?}",
+                chunk.dtype
+            ));
         }
         bytes.extend_from_slice(chunk.as_bytes());
     }

@@ -163,10 +163,16 @@ pub fn sum_tensor_data(parts: Vec<TensorData>) -> Result<TensorData, String> {
         }
         return Ok(TensorData::new(acc, shape));
     }
-    let mut acc = first.convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+    let mut acc = first
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| format!("{e:?}"))?;
     for part in iter {
         check_same(&shape, dtype, &part)?;
-        let values = part.convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+        let values = part
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| format!("{e:?}"))?;
         acc.iter_mut().zip(values).for_each(|(a, b)| *a += b);
     }
     Ok(TensorData::new(acc, shape).convert_dtype(dtype))

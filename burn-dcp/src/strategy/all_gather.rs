@@ -19,7 +19,10 @@ impl AllGatherKv {
     fn problem(group: &CpGroup, batch: &CpBatch) -> VarlenAttention {
         let sharding = &batch.sharding;
         let mine = sharding.segments(group.comm.rank()).to_vec();
-        batch.problem(mine, concat_segments(sharding.ranks.iter().map(Vec::as_slice)))
+        batch.problem(
+            mine,
+            concat_segments(sharding.ranks.iter().map(Vec::as_slice)),
+        )
     }
 }
 
@@ -39,14 +42,30 @@ impl AttentionStrategy for AllGatherKv {
         Ok(B::flash_forward(q, k, v, &Self::problem(group, batch))?)
     }
 
-    fn backward<B: FlashOps>(&self, group: &CpGroup, batch: &CpBatch, x: BackwardInputs<B>) -> Result<FlashGradients<B>, CpError> {
+    fn backward<B: FlashOps>(
+        &self,
+        group: &CpGroup,
+        batch: &CpBatch,
+        x: BackwardInputs<B>,
+    ) -> Result<FlashGradients<B>, CpError> {
         let device = x.q.device();
         let k = cat_tokens(all_gather(&group.comm, x.k)?, 0);
         let v = cat_tokens(all_gather(&group.comm, x.v)?, 0);
-        let grads = B::flash_backward(x.q, k, v, x.out, x.lse, x.dout, &Self::problem(group, batch))?;
+        let grads = B::flash_backward(
+            x.q,
+            k,
+            v,
+            x.out,
+            x.lse,
+            x.dout,
+            &Self::problem(group, batch),
+        )?;
         let sizes: Vec<usize> = (0..group.cp()).map(|r| batch.sharding.tokens(r)).collect();
         let scatter = |full: Tensor<B, 3>| -> Result<Tensor<B, 3>, CpError> {
-            let parts = split_sizes(full, 0, &sizes).into_iter().map(Tensor::into_data).collect();
+            let parts = split_sizes(full, 0, &sizes)
+                .into_iter()
+                .map(Tensor::into_data)
+                .collect();
             let summed = group.comm.reduce_scatter(parts)?;
             Ok(crate::strategy::exchange::tensor_from(summed, &device))
         };

@@ -69,7 +69,7 @@ impl Strategy {
             ("ring", None) => Strategy::Ring,
             ("all-gather", None) => Strategy::AllGather,
             ("usp", Some(ulysses_degree)) => {
-                if ulysses_degree == 0 || cp % ulysses_degree != 0 {
+                if ulysses_degree == 0 || !cp.is_multiple_of(ulysses_degree) {
                     return Err(CpError::Config(format!(
                         "cp size {cp} is not divisible by ulysses degree {ulysses_degree}"
                     )));
@@ -121,7 +121,7 @@ impl Strategy {
 
     /// Checks the head counts against the strategy.
     pub fn validate_heads(&self, heads: usize, kv_heads: usize, cp: usize) -> Result<(), CpError> {
-        if kv_heads == 0 || heads % kv_heads != 0 {
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(CpError::Config(format!(
                 "kv heads {kv_heads} must divide q heads {heads} (grouped-query attention)"
             )));
@@ -131,7 +131,7 @@ impl Strategy {
             Strategy::Usp { ulysses_degree, .. } => *ulysses_degree,
             Strategy::Ring | Strategy::AllGather => 1,
         };
-        if heads % degree != 0 {
+        if !heads.is_multiple_of(degree) {
             return Err(CpError::Config(format!(
                 "q heads {heads} are not divisible by the ulysses degree {degree} (strategy {self})"
             )));
@@ -196,7 +196,11 @@ impl CpBatch {
     }
 
     /// The kernel problem: queries `q_segments` against keys `kv_segments`.
-    pub(crate) fn problem(&self, q_segments: Vec<Segment>, kv_segments: Vec<Segment>) -> VarlenAttention {
+    pub(crate) fn problem(
+        &self,
+        q_segments: Vec<Segment>,
+        kv_segments: Vec<Segment>,
+    ) -> VarlenAttention {
         VarlenAttention {
             seq_lens: self.sharding.seq_lens.clone(),
             masks: self.masks.clone(),
@@ -266,7 +270,10 @@ pub fn cp_attention_backward<B: FlashOps>(
     let tokens = inputs.q.dims()[0];
     let [heads, value_dim] = [inputs.q.dims()[1], inputs.v.dims()[2]];
     let expected = [tokens, heads, value_dim];
-    if inputs.out.dims() != expected || inputs.dout.dims() != expected || inputs.lse.dims() != [heads, tokens] {
+    if inputs.out.dims() != expected
+        || inputs.dout.dims() != expected
+        || inputs.lse.dims() != [heads, tokens]
+    {
         return Err(CpError::Input(format!(
             "out {:?}, dout {:?} and lse {:?} must be {expected:?}, {expected:?} and {:?}",
             inputs.out.dims(),
@@ -299,8 +306,14 @@ fn validate_inputs<B: FlashOps>(
     }
     group.strategy.validate_mesh(cp)?;
     let shape = burn_dcp_kernels::AttentionShape::from_dims(&q.dims(), &k.dims(), &v.dims())?;
-    group.strategy.validate_heads(shape.heads, shape.kv_heads, cp)?;
-    burn_dcp_kernels::ops::common_float_dtype(&[("q", q.dtype()), ("k", k.dtype()), ("v", v.dtype())])?;
+    group
+        .strategy
+        .validate_heads(shape.heads, shape.kv_heads, cp)?;
+    burn_dcp_kernels::ops::common_float_dtype(&[
+        ("q", q.dtype()),
+        ("k", k.dtype()),
+        ("v", v.dtype()),
+    ])?;
     let rank = group.comm.rank();
     let expected = batch.sharding.tokens(rank);
     if shape.q_tokens != expected || shape.kv_tokens != expected {

@@ -61,7 +61,9 @@ impl RingPass<'_> {
         for piece in pieces {
             // In-process sends are eager; a send handle only guards buffer reuse, and the data
             // was copied into the message, so it need not be kept.
-            self.comm.isend(self.next(), (*piece).clone().into_data())?.wait()?;
+            self.comm
+                .isend(self.next(), (*piece).clone().into_data())?
+                .wait()?;
         }
         let receives = pieces
             .iter()
@@ -72,10 +74,16 @@ impl RingPass<'_> {
 
     fn step_problem(&self, owner: usize) -> burn_dcp_kernels::VarlenAttention {
         let me = self.comm.rank();
-        self.batch.problem(self.members[me].clone(), self.members[owner].clone())
+        self.batch
+            .problem(self.members[me].clone(), self.members[owner].clone())
     }
 
-    pub fn forward<B: FlashOps>(&self, q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>) -> Result<FlashOutput<B>, CpError> {
+    pub fn forward<B: FlashOps>(
+        &self,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+    ) -> Result<FlashOutput<B>, CpError> {
         let device = q.device();
         let [tokens, heads, _] = q.dims();
         let value_dim = v.dims()[2];
@@ -83,7 +91,11 @@ impl RingPass<'_> {
         let (mut k, mut v) = (k, v);
         for step in 0..self.comm.size() {
             let last = step + 1 == self.comm.size();
-            let in_flight = if last { None } else { Some(self.rotate(&[&k, &v])?) };
+            let in_flight = if last {
+                None
+            } else {
+                Some(self.rotate(&[&k, &v])?)
+            };
             let problem = self.step_problem(self.owner(step));
             if problem.has_work() {
                 let part = B::flash_forward(q.clone(), k.clone(), v.clone(), &problem)?;
@@ -94,26 +106,48 @@ impl RingPass<'_> {
             }
             if let Some(in_flight) = in_flight {
                 let mut block = in_flight.wait::<B>(&device)?.into_iter();
-                (k, v) = (block.next().expect("k received"), block.next().expect("v received"));
+                (k, v) = (
+                    block.next().expect("k received"),
+                    block.next().expect("v received"),
+                );
             }
         }
         Ok(merged.unwrap_or_else(|| FlashOutput {
             out: Tensor::zeros([tokens, heads, value_dim], (&device, q.dtype())),
-            lse: Tensor::full([heads, tokens], f32::NEG_INFINITY, (&device, burn::tensor::DType::F32)),
+            lse: Tensor::full(
+                [heads, tokens],
+                f32::NEG_INFINITY,
+                (&device, burn::tensor::DType::F32),
+            ),
         }))
     }
 
-    pub fn backward<B: FlashOps>(&self, x: BackwardInputs<B>) -> Result<FlashGradients<B>, CpError> {
+    pub fn backward<B: FlashOps>(
+        &self,
+        x: BackwardInputs<B>,
+    ) -> Result<FlashGradients<B>, CpError> {
         let device = x.q.device();
         let mut dq = x.q.zeros_like();
         let (mut k, mut v) = (x.k.clone(), x.v.clone());
         let (mut dk, mut dv) = (x.k.zeros_like(), x.v.zeros_like());
         for step in 0..self.comm.size() {
             let last = step + 1 == self.comm.size();
-            let kv_in_flight = if last { None } else { Some(self.rotate(&[&k, &v])?) };
+            let kv_in_flight = if last {
+                None
+            } else {
+                Some(self.rotate(&[&k, &v])?)
+            };
             let problem = self.step_problem(self.owner(step));
             if problem.has_work() {
-                let part = B::flash_backward(x.q.clone(), k.clone(), v.clone(), x.out.clone(), x.lse.clone(), x.dout.clone(), &problem)?;
+                let part = B::flash_backward(
+                    x.q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    x.out.clone(),
+                    x.lse.clone(),
+                    x.dout.clone(),
+                    &problem,
+                )?;
                 dq = dq + part.dq;
                 dk = dk + part.dk;
                 dv = dv + part.dv;
@@ -122,10 +156,16 @@ impl RingPass<'_> {
             let grads_in_flight = self.rotate(&[&dk, &dv])?;
             if let Some(in_flight) = kv_in_flight {
                 let mut block = in_flight.wait::<B>(&device)?.into_iter();
-                (k, v) = (block.next().expect("k received"), block.next().expect("v received"));
+                (k, v) = (
+                    block.next().expect("k received"),
+                    block.next().expect("v received"),
+                );
             }
             let mut grads = grads_in_flight.wait::<B>(&device)?.into_iter();
-            (dk, dv) = (grads.next().expect("dk received"), grads.next().expect("dv received"));
+            (dk, dv) = (
+                grads.next().expect("dk received"),
+                grads.next().expect("dv received"),
+            );
         }
         Ok(FlashGradients { dq, dk, dv })
     }
@@ -156,7 +196,12 @@ impl AttentionStrategy for Ring {
         Self::pass(group, batch).forward(q, k, v)
     }
 
-    fn backward<B: FlashOps>(&self, group: &CpGroup, batch: &CpBatch, inputs: BackwardInputs<B>) -> Result<FlashGradients<B>, CpError> {
+    fn backward<B: FlashOps>(
+        &self,
+        group: &CpGroup,
+        batch: &CpBatch,
+        inputs: BackwardInputs<B>,
+    ) -> Result<FlashGradients<B>, CpError> {
         Self::pass(group, batch).backward(inputs)
     }
 }

@@ -40,10 +40,10 @@ impl HeadSplit {
     pub fn kv_heads(&self, slice: usize) -> Vec<usize> {
         let per = self.heads / self.degree;
         let group = self.heads / self.kv_heads;
-        if self.kv_heads % self.degree == 0 {
+        if self.kv_heads.is_multiple_of(self.degree) {
             let kv_per = self.kv_heads / self.degree;
             (slice * kv_per..(slice + 1) * kv_per).collect()
-        } else if group % per == 0 {
+        } else if group.is_multiple_of(per) {
             vec![slice * per / group]
         } else {
             self.q_heads(slice).map(|h| h / group).collect()
@@ -58,7 +58,10 @@ fn select_heads<B: Backend>(tensor: Tensor<B, 3>, heads: &[usize]) -> Tensor<B, 
     }
     let device = tensor.device();
     let indices: Vec<i64> = heads.iter().map(|&h| h as i64).collect();
-    tensor.select(1, Tensor::<B, 1, Int>::from_data(indices.as_slice(), &device))
+    tensor.select(
+        1,
+        Tensor::<B, 1, Int>::from_data(indices.as_slice(), &device),
+    )
 }
 
 fn is_range(heads: &[usize]) -> bool {
@@ -79,9 +82,15 @@ impl UlyssesStage<'_> {
     }
 
     /// Sequence → heads with explicit per-rank head sets: `[T_me, *, D]` → `[ΣT_p, |heads(me)|, D]`.
-    fn to_heads<B: Backend>(&self, x: Tensor<B, 3>, heads_of: impl Fn(usize) -> Vec<usize>) -> Result<Tensor<B, 3>, CpError> {
+    fn to_heads<B: Backend>(
+        &self,
+        x: Tensor<B, 3>,
+        heads_of: impl Fn(usize) -> Vec<usize>,
+    ) -> Result<Tensor<B, 3>, CpError> {
         let device = x.device();
-        let parts = (0..self.comm.size()).map(|p| select_heads(x.clone(), &heads_of(p))).collect();
+        let parts = (0..self.comm.size())
+            .map(|p| select_heads(x.clone(), &heads_of(p)))
+            .collect();
         // Received piece p: [T_p, |heads(me)|, D]; tokens in member order.
         Ok(cat_tokens(all_to_all(self.comm, parts, &device)?, 0))
     }
@@ -129,12 +138,18 @@ impl UlyssesStage<'_> {
     }
 
     /// Key/value gradients: `[ΣT_p, K_me, D]` → `[T_me, K, D]`, summing replicated heads.
-    pub fn kv_grad_to_sequence<B: Backend>(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, CpError> {
+    pub fn kv_grad_to_sequence<B: Backend>(
+        &self,
+        x: Tensor<B, 3>,
+    ) -> Result<Tensor<B, 3>, CpError> {
         let dim = x.dims()[2];
         let pieces = self.to_sequence(x)?;
         let tokens = self.member_tokens[self.me()];
         let device = pieces[0].device();
-        let mut grad = Tensor::<B, 3>::zeros([tokens, self.split.kv_heads, dim], (&device, pieces[0].dtype()));
+        let mut grad = Tensor::<B, 3>::zeros(
+            [tokens, self.split.kv_heads, dim],
+            (&device, pieces[0].dtype()),
+        );
         if tokens == 0 {
             return Ok(grad);
         }
@@ -154,7 +169,12 @@ impl UlyssesStage<'_> {
 pub struct Ulysses;
 
 impl Ulysses {
-    fn stage<'a>(group: &'a CpGroup, batch: &CpBatch, heads: usize, kv_heads: usize) -> UlyssesStage<'a> {
+    fn stage<'a>(
+        group: &'a CpGroup,
+        batch: &CpBatch,
+        heads: usize,
+        kv_heads: usize,
+    ) -> UlyssesStage<'a> {
         let sharding = &batch.sharding;
         UlyssesStage {
             comm: &group.comm,
@@ -183,7 +203,11 @@ impl AttentionStrategy for Ulysses {
         v: Tensor<B, 3>,
     ) -> Result<FlashOutput<B>, CpError> {
         let stage = Self::stage(group, batch, q.dims()[1], k.dims()[1]);
-        let (q, k, v) = (stage.q_to_heads(q)?, stage.kv_to_heads(k)?, stage.kv_to_heads(v)?);
+        let (q, k, v) = (
+            stage.q_to_heads(q)?,
+            stage.kv_to_heads(k)?,
+            stage.kv_to_heads(v)?,
+        );
         let result = B::flash_forward(q, k, v, &Self::problem(batch))?;
         Ok(FlashOutput {
             out: stage.q_to_sequence(result.out)?,
@@ -191,7 +215,12 @@ impl AttentionStrategy for Ulysses {
         })
     }
 
-    fn backward<B: FlashOps>(&self, group: &CpGroup, batch: &CpBatch, x: BackwardInputs<B>) -> Result<FlashGradients<B>, CpError> {
+    fn backward<B: FlashOps>(
+        &self,
+        group: &CpGroup,
+        batch: &CpBatch,
+        x: BackwardInputs<B>,
+    ) -> Result<FlashGradients<B>, CpError> {
         let stage = Self::stage(group, batch, x.q.dims()[1], x.k.dims()[1]);
         let grads = B::flash_backward(
             stage.q_to_heads(x.q)?,
@@ -216,16 +245,33 @@ mod tests {
 
     #[test]
     fn every_query_head_finds_its_kv_head_locally() {
-        for (heads, kv_heads) in [(8, 8), (8, 4), (8, 2), (8, 1), (12, 3), (12, 4), (6, 2), (16, 4)] {
+        for (heads, kv_heads) in [
+            (8, 8),
+            (8, 4),
+            (8, 2),
+            (8, 1),
+            (12, 3),
+            (12, 4),
+            (6, 2),
+            (16, 4),
+        ] {
             for degree in (1..=heads).filter(|d| heads % d == 0) {
-                let split = HeadSplit { heads, kv_heads, degree };
+                let split = HeadSplit {
+                    heads,
+                    kv_heads,
+                    degree,
+                };
                 for slice in 0..degree {
                     let kv = split.kv_heads(slice);
                     let q: Vec<usize> = split.q_heads(slice).collect();
                     assert_eq!(q.len() % kv.len(), 0, "H{heads} K{kv_heads} P{degree}");
                     let local_group = q.len() / kv.len();
                     for (local, &h) in q.iter().enumerate() {
-                        assert_eq!(kv[local / local_group], h / (heads / kv_heads), "H{heads} K{kv_heads} P{degree} slice {slice}");
+                        assert_eq!(
+                            kv[local / local_group],
+                            h / (heads / kv_heads),
+                            "H{heads} K{kv_heads} P{degree} slice {slice}"
+                        );
                     }
                 }
             }

@@ -29,19 +29,38 @@ struct Mesh<'a> {
 }
 
 impl Usp {
-    fn mesh<'a>(group: &'a CpGroup, batch: &'a CpBatch, heads: usize, kv_heads: usize) -> Result<Mesh<'a>, CpError> {
-        let Strategy::Usp { ulysses_degree, ring_degree } = group.strategy else {
-            return Err(CpError::Config(format!("USP called with strategy {}", group.strategy)));
+    fn mesh<'a>(
+        group: &'a CpGroup,
+        batch: &'a CpBatch,
+        heads: usize,
+        kv_heads: usize,
+    ) -> Result<Mesh<'a>, CpError> {
+        let Strategy::Usp {
+            ulysses_degree,
+            ring_degree,
+        } = group.strategy
+        else {
+            return Err(CpError::Config(format!(
+                "USP called with strategy {}",
+                group.strategy
+            )));
         };
         let (ulysses, ring) = group.usp_groups.as_ref().ok_or_else(|| {
-            CpError::Config("USP needs its Ulysses and ring sub-groups; build the group with CpGroup::new".into())
+            CpError::Config(
+                "USP needs its Ulysses and ring sub-groups; build the group with CpGroup::new"
+                    .into(),
+            )
         })?;
         let sharding = &batch.sharding;
         let ranks_of = |g: usize| g * ulysses_degree..(g + 1) * ulysses_degree;
         let g = group.comm.rank() / ulysses_degree;
         let stage = UlyssesStage {
             comm: ulysses,
-            split: HeadSplit { heads, kv_heads, degree: ulysses_degree },
+            split: HeadSplit {
+                heads,
+                kv_heads,
+                degree: ulysses_degree,
+            },
             member_tokens: ranks_of(g).map(|r| sharding.tokens(r)).collect(),
         };
         let members = (0..ring_degree)
@@ -49,7 +68,11 @@ impl Usp {
             .collect();
         Ok(Mesh {
             stage,
-            ring: RingPass { comm: ring, batch, members },
+            ring: RingPass {
+                comm: ring,
+                batch,
+                members,
+            },
         })
     }
 }
@@ -64,14 +87,23 @@ impl AttentionStrategy for Usp {
         v: Tensor<B, 3>,
     ) -> Result<FlashOutput<B>, CpError> {
         let Mesh { stage, ring } = Self::mesh(group, batch, q.dims()[1], k.dims()[1])?;
-        let result = ring.forward(stage.q_to_heads(q)?, stage.kv_to_heads(k)?, stage.kv_to_heads(v)?)?;
+        let result = ring.forward(
+            stage.q_to_heads(q)?,
+            stage.kv_to_heads(k)?,
+            stage.kv_to_heads(v)?,
+        )?;
         Ok(FlashOutput {
             out: stage.q_to_sequence(result.out)?,
             lse: stage.lse_to_sequence(result.lse)?,
         })
     }
 
-    fn backward<B: FlashOps>(&self, group: &CpGroup, batch: &CpBatch, x: BackwardInputs<B>) -> Result<FlashGradients<B>, CpError> {
+    fn backward<B: FlashOps>(
+        &self,
+        group: &CpGroup,
+        batch: &CpBatch,
+        x: BackwardInputs<B>,
+    ) -> Result<FlashGradients<B>, CpError> {
         let Mesh { stage, ring } = Self::mesh(group, batch, x.q.dims()[1], x.k.dims()[1])?;
         let grads = ring.backward(BackwardInputs {
             q: stage.q_to_heads(x.q)?,

@@ -1,0 +1,409 @@
+//! Context-parallel attention on in-process ranks (threads), checked against one device.
+//!
+//! Mode 1 (default): random inputs; runs the chosen strategy's forward and backward on `--cp`
+//! threads-as-ranks and the single-device reference, and reports the max relative error of
+//! out, lse, dq, dk, dv, the bytes each rank sent (measured and analytic) and timings.
+//!
+//!     cargo run --release --example cp_attention -- --strategy ring --layout zigzag --cp 4 \
+//!         --heads 8 --kv-heads 2 --seqlens 1000,3000,517 --mask causal --json
+//!
+//! Mode 2: `--inputs IN.safetensors --output OUT.safetensors` (see `--help` for the layout).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use burn::backend::Flex;
+use burn::tensor::{DType, TensorData};
+use burn_dcp::harness::{
+    max_rel_err, run_context_parallel, run_single_device, PackedInputs, PackedOutputs, RunReport,
+    RunSpec,
+};
+use burn_dcp::kernels::{validate_cu_seqlens, MaskSpec};
+use burn_dcp::volume::{analytic_volume, VolumeShape};
+use burn_dcp::{Layout, Sharding, Strategy};
+use clap::Parser;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde_json::json;
+
+const INPUT_LAYOUT: &str = "\
+Mode 2 tensors (safetensors, token-major packed tokens, no padding; T = total tokens):
+  inputs:  q [T, H, D], k [T, K, D], v [T, K, D], dout [T, H, D]  (f32; f16/bf16/f64 are converted)
+           cu_seqlens [S+1] (i64 or i32): 0, len_0, len_0+len_1, ..., T
+  outputs: out [T, H, D], lse [H, T] (f32, natural log; -inf for queries with no allowed key),
+           dq [T, H, D], dk [T, K, D], dv [T, K, D]  (f32)
+  H must be a multiple of K; --mask applies to every sequence; positions restart at 0 per sequence.";
+
+/// Context-parallel attention (forward and backward) on threads-as-ranks, checked against one device.
+#[derive(Parser, Debug)]
+#[command(after_help = INPUT_LAYOUT)]
+struct Args {
+    /// ulysses | ring | all-gather | usp
+    #[arg(long, default_value = "ring")]
+    strategy: String,
+    /// contiguous | zigzag | stripe
+    #[arg(long, default_value = "zigzag")]
+    layout: String,
+    /// Number of ranks.
+    #[arg(long, default_value_t = 4)]
+    cp: usize,
+    /// Ulysses degree of USP (ring degree = cp / ulysses degree). Required for usp only.
+    #[arg(long)]
+    ulysses_degree: Option<usize>,
+    /// Query heads (mode 1).
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    /// Key/value heads (mode 1); defaults to --heads.
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Head dimension (mode 1).
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    /// Sequence lengths of the packed batch (mode 1).
+    #[arg(long, default_value = "1000,3000,517", value_delimiter = ',')]
+    seqlens: Vec<usize>,
+    /// full | causal | sliding:W | lambda:S,W | blockwise:B,L | shared-question:F,N
+    #[arg(long, default_value = "causal")]
+    mask: String,
+    /// Softmax scale (default 1/sqrt(head_dim)).
+    #[arg(long)]
+    scale: Option<f64>,
+    /// Seed of the random inputs (mode 1).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Backend: flex (CPU). wgpu and cuda come with the cubecl kernels.
+    #[arg(long, default_value = "flex")]
+    backend: String,
+    /// Timeout of every communication wait, in seconds.
+    #[arg(long, default_value_t = 60)]
+    timeout_secs: u64,
+    /// Mode 2: read q, k, v, dout, cu_seqlens from this safetensors file.
+    #[arg(long, requires = "output")]
+    inputs: Option<PathBuf>,
+    /// Mode 2: write out, lse, dq, dk, dv to this safetensors file.
+    #[arg(long, requires = "inputs")]
+    output: Option<PathBuf>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Err(message) = run(&args) {
+        eprintln!("error: {message}");
+        std::process::exit(2);
+    }
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    if args.backend != "flex" {
+        return Err(format!(
+            "backend '{}' is not available: this build runs the portable kernels on burn Flex (--backend flex); \
+             the wgpu/cuda kernels are not implemented yet",
+            args.backend
+        ));
+    }
+    let strategy =
+        Strategy::parse(&args.strategy, args.ulysses_degree, args.cp).map_err(|e| e.to_string())?;
+    let layout: Layout = args
+        .layout
+        .parse()
+        .map_err(|e: burn_dcp::CpError| e.to_string())?;
+    let mask: MaskSpec = args
+        .mask
+        .parse()
+        .map_err(|e: burn_dcp::kernels::KernelError| e.to_string())?;
+    let inputs = match &args.inputs {
+        Some(path) => read_inputs(path)?,
+        None => random_inputs(args)?,
+    };
+    let spec = RunSpec {
+        cp: args.cp,
+        strategy,
+        layout,
+        masks: vec![mask],
+        scale: args.scale,
+        timeout: Duration::from_secs(args.timeout_secs),
+    };
+    let device = Default::default();
+    let started = Instant::now();
+    let reference = run_single_device::<Flex>(&device, &inputs, &spec.masks, spec.scale)
+        .map_err(|e| e.to_string())?;
+    let reference_ms = started.elapsed().as_secs_f64() * 1e3;
+    let report =
+        run_context_parallel::<Flex>(&device, &inputs, &spec).map_err(|e| e.to_string())?;
+    if let Some(path) = &args.output {
+        write_outputs(path, &inputs, &report.outputs)?;
+    }
+    let summary = summarize(args, &inputs, &spec, &report, &reference, reference_ms)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?
+        );
+    } else {
+        print_text(&summary);
+    }
+    Ok(())
+}
+
+fn random_inputs(args: &Args) -> Result<PackedInputs, String> {
+    let kv_heads = args.kv_heads.unwrap_or(args.heads);
+    if args.seqlens.is_empty() || args.head_dim == 0 || args.heads == 0 {
+        return Err("--seqlens, --heads and --head-dim must be non-empty / positive".into());
+    }
+    let mut rng = SmallRng::seed_from_u64(args.seed);
+    let t: usize = args.seqlens.iter().sum();
+    let d = args.head_dim;
+    let mut values = |n: usize| {
+        (0..n)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect::<Vec<_>>()
+    };
+    Ok(PackedInputs {
+        seq_lens: args.seqlens.clone(),
+        heads: args.heads,
+        kv_heads,
+        head_dim: d,
+        value_dim: d,
+        q: values(t * args.heads * d),
+        k: values(t * kv_heads * d),
+        v: values(t * kv_heads * d),
+        dout: values(t * args.heads * d),
+    })
+}
+
+fn summarize(
+    args: &Args,
+    inputs: &PackedInputs,
+    spec: &RunSpec,
+    report: &RunReport,
+    reference: &PackedOutputs,
+    reference_ms: f64,
+) -> Result<serde_json::Value, String> {
+    let got = &report.outputs;
+    let sharding =
+        Sharding::new(&inputs.seq_lens, spec.cp, spec.layout).map_err(|e| e.to_string())?;
+    let shape = VolumeShape {
+        heads: inputs.heads,
+        kv_heads: inputs.kv_heads,
+        head_dim: inputs.head_dim,
+        value_dim: inputs.value_dim,
+        element_bytes: 4,
+    };
+    let analytic = analytic_volume(spec.strategy, &sharding, &shape);
+    let total: Vec<u64> = report
+        .bytes_forward
+        .iter()
+        .zip(&report.bytes_backward)
+        .map(|(f, b)| f + b)
+        .collect();
+    let (ulysses_degree, ring_degree) = match spec.strategy {
+        Strategy::Ulysses => (spec.cp, 1),
+        Strategy::Usp {
+            ulysses_degree,
+            ring_degree,
+        } => (ulysses_degree, ring_degree),
+        Strategy::Ring | Strategy::AllGather => (1, spec.cp),
+    };
+    Ok(json!({
+        "mode": if args.inputs.is_some() { "inputs" } else { "random" },
+        "strategy": args.strategy,
+        "layout": spec.layout.to_string(),
+        "cp": spec.cp,
+        "ulysses_degree": ulysses_degree,
+        "ring_degree": ring_degree,
+        "heads": inputs.heads,
+        "kv_heads": inputs.kv_heads,
+        "head_dim": inputs.head_dim,
+        "seqlens": inputs.seq_lens,
+        "tokens": inputs.tokens(),
+        "mask": spec.masks[0].to_string(),
+        "backend": args.backend,
+        "seed": args.seed,
+        "max_rel_err": {
+            "out": max_rel_err(&got.out, &reference.out),
+            "lse": max_rel_err(&got.lse, &reference.lse),
+            "dq": max_rel_err(&got.dq, &reference.dq),
+            "dk": max_rel_err(&got.dk, &reference.dk),
+            "dv": max_rel_err(&got.dv, &reference.dv),
+        },
+        "bytes_sent_per_rank": total,
+        "bytes_forward_per_rank": report.bytes_forward,
+        "bytes_backward_per_rank": report.bytes_backward,
+        "analytic_bytes_per_rank": analytic.iter().map(|v| v.forward + v.backward).collect::<Vec<_>>(),
+        "timings_ms": {
+            "cp_forward": report.forward_ms,
+            "cp_backward": report.backward_ms,
+            "reference_forward_backward": reference_ms,
+        },
+    }))
+}
+
+fn print_text(summary: &serde_json::Value) {
+    println!(
+        "{} ({} layout), cp {} [ulysses {} x ring {}], H {} K {} D {}, seqlens {}, mask {}",
+        summary["strategy"].as_str().unwrap_or_default(),
+        summary["layout"].as_str().unwrap_or_default(),
+        summary["cp"],
+        summary["ulysses_degree"],
+        summary["ring_degree"],
+        summary["heads"],
+        summary["kv_heads"],
+        summary["head_dim"],
+        summary["seqlens"],
+        summary["mask"].as_str().unwrap_or_default()
+    );
+    println!("max relative error vs single device:");
+    for name in ["out", "lse", "dq", "dk", "dv"] {
+        println!(
+            "  {name:<4} {:.3e}",
+            summary["max_rel_err"][name].as_f64().unwrap_or(f64::NAN)
+        );
+    }
+    println!(
+        "bytes sent per rank:     {}",
+        summary["bytes_sent_per_rank"]
+    );
+    println!(
+        "analytic bytes per rank: {}",
+        summary["analytic_bytes_per_rank"]
+    );
+    let t = &summary["timings_ms"];
+    println!(
+        "time: cp forward {:.1} ms, cp backward {:.1} ms, single-device forward+backward {:.1} ms",
+        t["cp_forward"].as_f64().unwrap_or(0.0),
+        t["cp_backward"].as_f64().unwrap_or(0.0),
+        t["reference_forward_backward"].as_f64().unwrap_or(0.0)
+    );
+}
+
+/// Reads a float tensor as f32 values with its shape.
+fn read_float(
+    file: &SafeTensors,
+    name: &str,
+    path: &Path,
+) -> Result<(Vec<f32>, Vec<usize>), String> {
+    let view = file.tensor(name).map_err(|e| {
+        format!(
+            "{}: tensor '{name}' is missing or unreadable ({e})",
+            path.display()
+        )
+    })?;
+    let dtype = match view.dtype() {
+        Dtype::F32 => DType::F32,
+        Dtype::F64 => DType::F64,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        other => {
+            return Err(format!(
+                "{}: tensor '{name}' has dtype {other:?}; expected f32 (or f16/bf16/f64)",
+                path.display()
+            ))
+        }
+    };
+    let shape = view.shape().to_vec();
+    let data =
+        TensorData::from_bytes_vec(view.data().to_vec(), shape.clone(), dtype).convert::<f32>();
+    let values = data
+        .into_vec::<f32>()
+        .map_err(|e| format!("{}: tensor '{name}': {e:?}", path.display()))?;
+    Ok((values, shape))
+}
+
+fn read_cu_seqlens(file: &SafeTensors, path: &Path) -> Result<Vec<i64>, String> {
+    let view = file.tensor("cu_seqlens").map_err(|e| {
+        format!(
+            "{}: tensor 'cu_seqlens' is missing or unreadable ({e})",
+            path.display()
+        )
+    })?;
+    let bytes = view.data();
+    match view.dtype() {
+        Dtype::I64 => Ok(bytes
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect()),
+        Dtype::I32 => Ok(bytes
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64)
+            .collect()),
+        other => Err(format!(
+            "{}: cu_seqlens has dtype {other:?}; expected i64 or i32",
+            path.display()
+        )),
+    }
+}
+
+fn read_inputs(path: &Path) -> Result<PackedInputs, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let file = SafeTensors::deserialize(&bytes)
+        .map_err(|e| format!("{} is not a safetensors file: {e}", path.display()))?;
+    let (q, q_shape) = read_float(&file, "q", path)?;
+    let (k, k_shape) = read_float(&file, "k", path)?;
+    let (v, v_shape) = read_float(&file, "v", path)?;
+    let (dout, dout_shape) = read_float(&file, "dout", path)?;
+    let bad = |reason: String| Err(format!("{}: {reason}", path.display()));
+    if q_shape.len() != 3 || k_shape.len() != 3 || v_shape.len() != 3 {
+        return bad(format!(
+            "q {q_shape:?}, k {k_shape:?}, v {v_shape:?} must be rank 3 [T, heads, dim]"
+        ));
+    }
+    let [t, heads, head_dim] = [q_shape[0], q_shape[1], q_shape[2]];
+    if k_shape[0] != t || v_shape[0] != t || k_shape[2] != head_dim || v_shape[..2] != k_shape[..2]
+    {
+        return bad(format!("q {q_shape:?}, k {k_shape:?}, v {v_shape:?} disagree: expected k and v [{t}, K, {head_dim}]"));
+    }
+    if dout_shape != [t, heads, v_shape[2]] {
+        return bad(format!(
+            "dout {dout_shape:?} must be {:?}",
+            [t, heads, v_shape[2]]
+        ));
+    }
+    let cu_seqlens = read_cu_seqlens(&file, path)?;
+    let seq_lens =
+        validate_cu_seqlens(&cu_seqlens, t).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(PackedInputs {
+        seq_lens,
+        heads,
+        kv_heads: k_shape[1],
+        head_dim,
+        value_dim: v_shape[2],
+        q,
+        k,
+        v,
+        dout,
+    })
+}
+
+fn write_outputs(path: &Path, x: &PackedInputs, outputs: &PackedOutputs) -> Result<(), String> {
+    let t = x.tokens();
+    let bytes = |values: &[f32]| {
+        values
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    let tensors = [
+        ("out", bytes(&outputs.out), vec![t, x.heads, x.value_dim]),
+        ("lse", bytes(&outputs.lse), vec![x.heads, t]),
+        ("dq", bytes(&outputs.dq), vec![t, x.heads, x.head_dim]),
+        ("dk", bytes(&outputs.dk), vec![t, x.kv_heads, x.head_dim]),
+        ("dv", bytes(&outputs.dv), vec![t, x.kv_heads, x.value_dim]),
+    ];
+    let views = tensors
+        .iter()
+        .map(|(name, data, shape)| {
+            Ok((
+                name.to_string(),
+                TensorView::new(Dtype::F32, shape.clone(), data)?,
+            ))
+        })
+        .collect::<Result<HashMap<_, _>, safetensors::SafeTensorError>>()
+        .map_err(|e| format!("cannot build output tensors: {e}"))?;
+    safetensors::serialize_to_file(views, None, path)
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
