@@ -109,3 +109,65 @@ fn usp_matches_single_device() {
         2,
     );
 }
+
+/// A general "≤ 2 key ranges" mask with fully masked queries, different per sequence: CP must give
+/// out = 0 and lse = −∞ for those rows (never NaN) and match the oracle elsewhere.
+#[test]
+fn key_range_masks_with_fully_masked_rows() {
+    use std::sync::Arc;
+
+    use burn_dcp::kernels::KeyRanges;
+
+    let device = Default::default();
+    let seq_lens = [13usize, 6];
+    let ranges = |len: usize| -> MaskSpec {
+        let rows: Vec<KeyRanges> = (0..len)
+            .map(|i| match i % 4 {
+                0 => KeyRanges::default(),
+                1 => KeyRanges::two(0..1, i.saturating_sub(2)..i + 1),
+                2 => KeyRanges::one(i..len),
+                _ => KeyRanges::two(len - 2..len, 0..i / 2),
+            })
+            .collect();
+        MaskSpec::KeyRanges(Arc::<[KeyRanges]>::from(rows))
+    };
+    let masks = vec![ranges(seq_lens[0]), ranges(seq_lens[1])];
+    let inputs = random_inputs(&seq_lens, 4, 2, 8, 99);
+    let single = run_single_device::<B>(&device, &inputs, &masks, None).unwrap();
+    assert!(
+        single.lse.iter().any(|x| *x == f32::NEG_INFINITY),
+        "the mask must leave rows empty"
+    );
+    for (strategy, cp) in [
+        (Strategy::Ulysses, 2),
+        (Strategy::Ring, 4),
+        (Strategy::AllGather, 3),
+        (
+            Strategy::Usp {
+                ulysses_degree: 2,
+                ring_degree: 2,
+            },
+            4,
+        ),
+    ] {
+        for layout in layouts() {
+            let mut run = spec(cp, strategy, layout, &MaskSpec::Full);
+            run.masks = masks.clone();
+            let report = run_context_parallel::<B>(&device, &inputs, &run).unwrap();
+            assert_close(
+                &report.outputs,
+                &single,
+                &format!("{strategy} {layout} key ranges"),
+            );
+            let t = inputs.tokens();
+            for (index, lse) in report.outputs.lse.iter().enumerate() {
+                if *lse == f32::NEG_INFINITY {
+                    let token = index % t;
+                    let h = index / t;
+                    let row = &report.outputs.out[(token * 4 + h) * 8..(token * 4 + h + 1) * 8];
+                    assert!(row.iter().all(|x| *x == 0.0), "fully masked row must be 0");
+                }
+            }
+        }
+    }
+}
