@@ -12,6 +12,7 @@
 //! micro-batch ([`layout::Sharding`] and masks). [`volume`] gives the analytic bytes each strategy
 //! sends.
 
+pub mod backend;
 pub mod comm;
 pub mod error;
 pub mod harness;

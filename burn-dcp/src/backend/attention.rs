@@ -1,0 +1,230 @@
+//! The interception of `ModuleOps::attention`: the only logic of the decorator.
+//!
+//! burn calls `attention(q, k, v, mask, bias, options)` with `q [batch, heads, seq, dim]`. Under a
+//! CP context, `batch` must be 1 and `seq` is this rank's tokens of the packed micro-batch (in
+//! [`Sharding::packed_indices`](crate::layout::Sharding::packed_indices) order); the masks come from
+//! the context (per sequence, on global positions), so `mask`/`attn_bias` tensors — dense masks of
+//! the local shard that cannot describe cross-rank attention — are rejected with an error, never
+//! ignored. `options.scale` is honoured; `options.softcap` is rejected (not supported yet);
+//! `options.is_causal` must agree with the context's masks.
+
+use std::sync::Arc;
+
+use burn::prelude::Tensor;
+use burn::tensor::TensorPrimitive;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_autodiff::Autodiff;
+use burn_backend::ops::AttentionModuleOptions;
+use burn_backend::tensor::{BoolTensor, FloatTensor};
+use burn_backend::{Backend, TensorMetadata};
+use burn_dcp_kernels::{FlashOps, MaskSpec};
+
+use crate::backend::context::{current_context, CpContext};
+use crate::strategy::{cp_attention_backward, cp_attention_forward, BackwardInputs};
+
+/// Backends `ContextParallel` can wrap: they know how to run CP attention on their primitives.
+/// Implemented for `Autodiff<B: FlashOps>` (one autodiff node whose backward runs the strategy's
+/// backward) and for plain [`FlashOps`] backends (forward only: burn Flex; the cubecl backends
+/// with the kernels). A blanket impl over `FlashOps` is impossible next to the `Autodiff` one
+/// (coherence: `FlashOps` lives in another crate), so plain backends use [`cp_attention_forward_only`].
+pub trait CpInner: Backend {
+    /// CP attention on `q [1, H, T, D]`, `k`/`v [1, K, T, D]` (this rank's tokens).
+    fn cp_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        context: Arc<CpContext>,
+    ) -> FloatTensor<Self>;
+}
+
+/// Where the panic of a failed CP attention call points (op boundary: burn ops cannot return errors).
+fn fail(what: &str, context: &CpContext, shape: &[usize], error: impl std::fmt::Display) -> ! {
+    panic!(
+        "ContextParallel attention {what} failed on CP rank {} of {} (strategy {}, q shape {shape:?}): {error}",
+        context.group.comm.rank(),
+        context.group.cp(),
+        context.group.strategy
+    )
+}
+
+/// `[1, H, T, D]` → `[T, H, D]`.
+fn to_tokens<B: Backend>(tensor: FloatTensor<B>) -> Tensor<B, 3> {
+    let tensor = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(tensor));
+    let [_, heads, tokens, dim] = tensor.dims();
+    tensor.reshape([heads, tokens, dim]).swap_dims(0, 1)
+}
+
+/// `[T, H, D]` → `[1, H, T, D]`.
+fn to_heads<B: Backend>(tensor: Tensor<B, 3>) -> FloatTensor<B> {
+    let [tokens, heads, dim] = tensor.dims();
+    tensor.swap_dims(0, 1).reshape([1, heads, tokens, dim]).into_primitive().tensor()
+}
+
+/// [`CpInner::cp_attention`] of a backend without autodiff: the strategy's forward only.
+pub fn cp_attention_forward_only<B: FlashOps>(
+    query: FloatTensor<B>,
+    key: FloatTensor<B>,
+    value: FloatTensor<B>,
+    context: Arc<CpContext>,
+) -> FloatTensor<B> {
+    let shape = query.shape().to_vec();
+    let (q, k, v) = (to_tokens::<B>(query), to_tokens::<B>(key), to_tokens::<B>(value));
+    match cp_attention_forward(&context.group, &context.batch, q, k, v) {
+        Ok(result) => to_heads(result.out),
+        Err(error) => fail("forward", &context, &shape, error),
+    }
+}
+
+impl CpInner for burn::backend::Flex {
+    fn cp_attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, context: Arc<CpContext>) -> FloatTensor<Self> {
+        cp_attention_forward_only::<Self>(query, key, value, context)
+    }
+}
+
+/// What the backward of one CP attention call needs: the forward's inputs and outputs in token
+/// layout, and the context it ran with.
+#[derive(Clone, Debug)]
+struct SavedAttention<B: Backend> {
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    out: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    context: Arc<CpContext>,
+}
+
+#[derive(Debug)]
+struct CpAttentionBackward;
+
+impl<B: FlashOps> Backward<B, 3> for CpAttentionBackward {
+    type State = SavedAttention<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut burn_autodiff::checkpoint::base::Checkpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let grad_out = grads.consume::<B>(&ops.node);
+        let saved = ops.state;
+        let tensor = |t: FloatTensor<B>| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(t));
+        let shape = saved.q.shape().to_vec();
+        let inputs = BackwardInputs {
+            q: tensor(saved.q),
+            k: tensor(saved.k),
+            v: tensor(saved.v),
+            out: tensor(saved.out),
+            lse: Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(saved.lse)),
+            dout: to_tokens::<B>(grad_out),
+        };
+        let context = saved.context;
+        let grads_out = cp_attention_backward(&context.group, &context.batch, inputs)
+            .unwrap_or_else(|error| fail("backward", &context, &shape, error));
+        for (node, grad) in [(node_q, grads_out.dq), (node_k, grads_out.dk), (node_v, grads_out.dv)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, to_heads(grad));
+            }
+        }
+    }
+}
+
+impl<B: FlashOps, C: CheckpointStrategy> CpInner for Autodiff<B, C> {
+    fn cp_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        context: Arc<CpContext>,
+    ) -> FloatTensor<Self> {
+        let shape = query.primitive.shape().to_vec();
+        let (q, k, v) = (to_tokens::<B>(query.primitive), to_tokens::<B>(key.primitive), to_tokens::<B>(value.primitive));
+        let result = cp_attention_forward(&context.group, &context.batch, q.clone(), k.clone(), v.clone())
+            .unwrap_or_else(|error| fail("forward", &context, &shape, error));
+        let out = to_heads(result.out.clone());
+        let nodes = [query.node.clone(), key.node.clone(), value.node.clone()];
+        match CpAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let saved = SavedAttention {
+                    q: q.into_primitive().tensor(),
+                    k: k.into_primitive().tensor(),
+                    v: v.into_primitive().tensor(),
+                    out: result.out.into_primitive().tensor(),
+                    lse: result.lse.into_primitive().tensor(),
+                    context,
+                };
+                prep.finish(saved, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+}
+
+/// `ModuleOps::attention` of `ContextParallel<B>`.
+pub fn attention<B: CpInner>(
+    query: FloatTensor<B>,
+    key: FloatTensor<B>,
+    value: FloatTensor<B>,
+    mask: Option<BoolTensor<B>>,
+    attn_bias: Option<FloatTensor<B>>,
+    options: burn_backend::ops::AttentionModuleOptions,
+) -> FloatTensor<B> {
+    let Some(context) = current_context() else {
+        return B::attention(query, key, value, mask, attn_bias, options);
+    };
+    let shape = query.shape().to_vec();
+    if let Err(message) = check_call(&context, &shape, mask.is_some(), attn_bias.is_some(), &options) {
+        fail("call", &context, &shape, message);
+    }
+    let context = match options.scale {
+        Some(scale) if context.batch.scale != Some(scale) => {
+            let mut with_scale = (*context).clone();
+            with_scale.batch.scale = Some(scale);
+            Arc::new(with_scale)
+        }
+        _ => context,
+    };
+    B::cp_attention(query, key, value, context)
+}
+
+/// The rules of a CP attention call (see the module docs).
+fn check_call(
+    context: &CpContext,
+    shape: &[usize],
+    has_mask: bool,
+    has_bias: bool,
+    options: &AttentionModuleOptions,
+) -> Result<(), String> {
+    if has_mask || has_bias {
+        return Err(format!(
+            "an explicit dense {} tensor cannot be sharded across CP ranks; describe the mask per sequence in the CP context (MaskSpec) instead",
+            if has_mask { "mask" } else { "attn_bias" }
+        ));
+    }
+    if let Some(softcap) = options.softcap {
+        return Err(format!("softcap {softcap} is not supported by context-parallel attention yet"));
+    }
+    if shape.first() != Some(&1) {
+        return Err(format!(
+            "CP attention takes the packed micro-batch as batch size 1 ([1, heads, tokens, dim]); got batch {}",
+            shape.first().copied().unwrap_or(0)
+        ));
+    }
+    let seq_lens = &context.batch.sharding.seq_lens;
+    for seq in 0..seq_lens.len() {
+        let mask = &context.batch.masks[if context.batch.masks.len() == 1 { 0 } else { seq }];
+        let causal = is_causal_mask(mask, seq_lens[seq]);
+        if options.is_causal && !causal {
+            return Err(format!("attention was called with is_causal = true but the CP context's mask of sequence {seq} is {mask}, which lets queries attend later keys"));
+        }
+        if !options.is_causal && causal && *mask != MaskSpec::Full {
+            return Err(format!("attention was called with is_causal = false but the CP context's mask of sequence {seq} is the causal-family mask {mask}"));
+        }
+    }
+    Ok(())
+}
+
+/// Whether every allowed key of the mask is at or before its query.
+fn is_causal_mask(mask: &MaskSpec, len: usize) -> bool {
+    match mask {
+        MaskSpec::Full => len <= 1,
+        MaskSpec::KeyRanges(_) => (0..len).all(|i| mask.key_ranges(i, len).iter().all(|r| r.end <= i + 1)),
+        _ => true,
+    }
+}

@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Generates the plain-forwarding op files of `ContextParallel<B>` from burn-backend 0.21.0's traits.
+
+Every method of every op trait (required and defaulted, so the inner backend's fast paths survive)
+becomes `fn m(args) -> R { B::m(args) }`. Types generic over the backend (not plain associated
+types) get converted by helpers in `burn-dcp/src/backend/convert.rs`. `ModuleOps::attention` is
+routed to the hand-written interception in `burn-dcp/src/backend/attention.rs`.
+
+Usage: python3 scripts/gen_forwarding.py [PATH_TO_burn-backend-0.21.0/src]
+Rerun after changing it; the output is committed (burn-dcp/src/backend/ops/*.rs).
+"""
+import glob
+import os
+import re
+import sys
+
+SRC = sys.argv[1] if len(sys.argv) > 1 else glob.glob(
+    os.path.expanduser("~/.cargo/registry/src/*/burn-backend-0.21.0/src"))[0]
+OUT = os.path.join(os.path.dirname(__file__), "..", "burn-dcp", "src", "backend", "ops")
+
+# (source file, trait, output file)
+TRAITS = [
+    ("backend/ops/tensor.rs", "FloatTensorOps", "tensor.rs"),
+    ("backend/ops/int_tensor.rs", "IntTensorOps", "int_tensor.rs"),
+    ("backend/ops/bool_tensor.rs", "BoolTensorOps", "bool_tensor.rs"),
+    ("backend/ops/qtensor.rs", "QTensorOps", "qtensor.rs"),
+    ("backend/ops/activation.rs", "ActivationOps", "activation.rs"),
+    ("backend/ops/transaction.rs", "TransactionOps", "transaction.rs"),
+    ("backend/ops/modules/base.rs", "ModuleOps", "module.rs"),
+]
+
+# Types generic over the backend: (type after B -> Self, convert into B's, convert from B's).
+CONVERSIONS = {
+    "TensorPrimitive<Self>": ("convert::primitive_in", "convert::primitive_out"),
+    "QuantizationParametersPrimitive<Self>": ("convert::qparams_in", None),
+    "TransactionPrimitive<Self>": ("convert::transaction_in", None),
+    "MaxPool1dWithIndices<Self>": (None, "convert::max_pool1d_with_indices_out"),
+    "MaxPool1dBackward<Self>": (None, "convert::max_pool1d_backward_out"),
+    "MaxPool2dWithIndices<Self>": (None, "convert::max_pool2d_with_indices_out"),
+    "MaxPool2dBackward<Self>": (None, "convert::max_pool2d_backward_out"),
+    "DeformConv2dBackward<Self>": (None, "convert::deform_conv2d_backward_out"),
+}
+
+INTERCEPTED = {"attention": "crate::backend::attention::attention::<B>"}
+
+
+def find_trait_body(text, trait):
+    start = re.search(r"pub trait " + trait + r"\b[^{]*\{", text)
+    if not start:
+        raise SystemExit(f"trait {trait} not found")
+    i, depth = start.end(), 1
+    body_start = i
+    while depth:
+        c = text[i]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        i += 1
+    return text[body_start:i - 1]
+
+
+def strip_comments(text):
+    text = re.sub(r"//[^\n]*", "", text)
+    return re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+
+
+def methods(body):
+    """Yields signatures `fn ...` (up to, not including, the body or ';') at depth 0 of the trait."""
+    i, depth = 0, 0
+    while i < len(body):
+        c = body[i]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        elif depth == 0 and body.startswith("fn ", i) and (i == 0 or not body[i - 1].isalnum()):
+            j, paren = i, 0
+            while True:
+                d = body[j]
+                if d in "([":
+                    paren += 1
+                elif d in ")]":
+                    paren -= 1
+                elif paren == 0 and d in "{;":
+                    break
+                j += 1
+            yield body[i:j].strip()
+            i = j
+            continue
+        i += 1
+
+
+def split_top(text, sep=","):
+    parts, depth, cur = [], 0, ""
+    text = text.replace("->", "\u2192")
+    for c in text:
+        if c in "(<[":
+            depth += 1
+        elif c in ")>]":
+            depth -= 1
+        if c == sep and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += c
+    if cur.strip():
+        parts.append(cur)
+    return [p.replace("\u2192", "->").strip() for p in parts]
+
+
+def parse(signature):
+    m = re.match(r"fn\s+(\w+)\s*", signature)
+    name = m.group(1)
+    rest = signature[m.end():]
+    generics = ""
+    if rest.startswith("<"):
+        depth, k = 0, 0
+        tmp = rest.replace("->", "\u2192")
+        for k, c in enumerate(tmp):
+            if c == "<":
+                depth += 1
+            elif c == ">":
+                depth -= 1
+                if depth == 0:
+                    break
+        generics = rest[:k + 1]
+        rest = rest[k + 1:].lstrip()
+    assert rest.startswith("("), signature
+    depth = 0
+    for k, c in enumerate(rest):
+        if c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                break
+    params = split_top(rest[1:k])
+    tail = rest[k + 1:].strip()
+    ret, where = "", ""
+    if tail.startswith("->"):
+        tail = tail[2:].strip()
+        w = re.search(r"\bwhere\b", tail)
+        ret, where = (tail[:w.start()].strip(), tail[w.start():].strip()) if w else (tail.strip(), "")
+    elif tail.startswith("where"):
+        where = tail
+    return name, generics, params, ret, where
+
+
+def to_self(text):
+    return re.sub(r"\bB\b", "Self", text).replace("crate::", "burn_backend::")
+
+
+def render(trait, signature):
+    name, generics, params, ret, where = parse(signature)
+    args, decls = [], []
+    for p in params:
+        pname, ptype = [x.strip() for x in p.split(":", 1)]
+        pname = pname.replace("mut ", "").strip()
+        ptype = to_self(ptype)
+        decls.append(f"{pname}: {ptype}")
+        conv = CONVERSIONS.get(ptype, (None, None))[0]
+        args.append(f"{conv}({pname})" if conv else pname)
+    ret = to_self(ret)
+    call = f"B::{name}({', '.join(args)})"
+    if name in INTERCEPTED and trait == "ModuleOps":
+        call = f"{INTERCEPTED[name]}({', '.join(args)})"
+    for ty, (_, out) in CONVERSIONS.items():
+        if out and ret == ty:
+            call = f"{out}({call})"
+    if ret.startswith("Option<") and ret[7:-1] in CONVERSIONS and CONVERSIONS[ret[7:-1]][1]:
+        call = f"{call}.map({CONVERSIONS[ret[7:-1]][1]})"
+    head = f"fn {name}{to_self(generics)}({', '.join(decls)})"
+    if ret:
+        head += f" -> {ret}"
+    if where:
+        head += f" {to_self(where)}"
+    return f"    {head} {{\n        {call}\n    }}\n"
+
+
+HEADER = """//! Generated by `scripts/gen_forwarding.py` from burn-backend 0.21.0: every method of `{trait}`
+//! (required and defaulted) forwards to the inner backend `B`.{extra}
+//! Do not edit by hand; rerun the script.
+
+#![allow(unused_imports, clippy::too_many_arguments, clippy::type_complexity)]
+
+use burn_backend::ops::*;
+use burn_backend::quantization::*;
+use burn_backend::tensor::Device;
+use burn_backend::tensor::*;
+use burn_backend::*;
+use burn_std::*;
+use std::future::Future;
+use std::ops::Range;
+
+use crate::backend::{{convert, ContextParallel, CpInner}};
+
+impl<B: CpInner> {trait}<Self> for ContextParallel<B> {{
+"""
+
+
+def main():
+    os.makedirs(OUT, exist_ok=True)
+    total = 0
+    for source, trait, output in TRAITS:
+        text = strip_comments(open(os.path.join(SRC, source)).read())
+        body = find_trait_body(text, trait)
+        rendered = [render(trait, s) for s in methods(body)]
+        extra = ""
+        if trait == "ModuleOps":
+            extra = "\n//! Except `attention`, which `crate::backend::attention` intercepts for context parallelism."
+        with open(os.path.join(OUT, output), "w") as f:
+            f.write(HEADER.format(trait=trait, extra=extra))
+            f.write("\n".join(rendered))
+            f.write("}\n")
+        total += len(rendered)
+        print(f"{output}: {len(rendered)} methods of {trait}")
+    print(f"{total} methods in all")
+
+
+if __name__ == "__main__":
+    main()
