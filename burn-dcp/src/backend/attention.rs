@@ -59,7 +59,11 @@ fn to_tokens<B: Backend>(tensor: FloatTensor<B>) -> Tensor<B, 3> {
 /// `[T, H, D]` → `[1, H, T, D]`.
 fn to_heads<B: Backend>(tensor: Tensor<B, 3>) -> FloatTensor<B> {
     let [tokens, heads, dim] = tensor.dims();
-    tensor.swap_dims(0, 1).reshape([1, heads, tokens, dim]).into_primitive().tensor()
+    tensor
+        .swap_dims(0, 1)
+        .reshape([1, heads, tokens, dim])
+        .into_primitive()
+        .tensor()
 }
 
 /// [`CpInner::cp_attention`] of a backend without autodiff: the strategy's forward only.
@@ -70,7 +74,11 @@ pub fn cp_attention_forward_only<B: FlashOps>(
     context: Arc<CpContext>,
 ) -> FloatTensor<B> {
     let shape = query.shape().to_vec();
-    let (q, k, v) = (to_tokens::<B>(query), to_tokens::<B>(key), to_tokens::<B>(value));
+    let (q, k, v) = (
+        to_tokens::<B>(query),
+        to_tokens::<B>(key),
+        to_tokens::<B>(value),
+    );
     match cp_attention_forward(&context.group, &context.batch, q, k, v) {
         Ok(result) => to_heads(result.out),
         Err(error) => fail("forward", &context, &shape, error),
@@ -78,7 +86,12 @@ pub fn cp_attention_forward_only<B: FlashOps>(
 }
 
 impl CpInner for burn::backend::Flex {
-    fn cp_attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, context: Arc<CpContext>) -> FloatTensor<Self> {
+    fn cp_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        context: Arc<CpContext>,
+    ) -> FloatTensor<Self> {
         cp_attention_forward_only::<Self>(query, key, value, context)
     }
 }
@@ -101,7 +114,12 @@ struct CpAttentionBackward;
 impl<B: FlashOps> Backward<B, 3> for CpAttentionBackward {
     type State = SavedAttention<B>;
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut burn_autodiff::checkpoint::base::Checkpointer) {
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        _checkpointer: &mut burn_autodiff::checkpoint::base::Checkpointer,
+    ) {
         let [node_q, node_k, node_v] = ops.parents;
         let grad_out = grads.consume::<B>(&ops.node);
         let saved = ops.state;
@@ -118,7 +136,11 @@ impl<B: FlashOps> Backward<B, 3> for CpAttentionBackward {
         let context = saved.context;
         let grads_out = cp_attention_backward(&context.group, &context.batch, inputs)
             .unwrap_or_else(|error| fail("backward", &context, &shape, error));
-        for (node, grad) in [(node_q, grads_out.dq), (node_k, grads_out.dk), (node_v, grads_out.dv)] {
+        for (node, grad) in [
+            (node_q, grads_out.dq),
+            (node_k, grads_out.dk),
+            (node_v, grads_out.dv),
+        ] {
             if let Some(node) = node {
                 grads.register::<B>(node.id, to_heads(grad));
             }
@@ -134,12 +156,26 @@ impl<B: FlashOps, C: CheckpointStrategy> CpInner for Autodiff<B, C> {
         context: Arc<CpContext>,
     ) -> FloatTensor<Self> {
         let shape = query.primitive.shape().to_vec();
-        let (q, k, v) = (to_tokens::<B>(query.primitive), to_tokens::<B>(key.primitive), to_tokens::<B>(value.primitive));
-        let result = cp_attention_forward(&context.group, &context.batch, q.clone(), k.clone(), v.clone())
-            .unwrap_or_else(|error| fail("forward", &context, &shape, error));
+        let (q, k, v) = (
+            to_tokens::<B>(query.primitive),
+            to_tokens::<B>(key.primitive),
+            to_tokens::<B>(value.primitive),
+        );
+        let result = cp_attention_forward(
+            &context.group,
+            &context.batch,
+            q.clone(),
+            k.clone(),
+            v.clone(),
+        )
+        .unwrap_or_else(|error| fail("forward", &context, &shape, error));
         let out = to_heads(result.out.clone());
         let nodes = [query.node.clone(), key.node.clone(), value.node.clone()];
-        match CpAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
+        match CpAttentionBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
             OpsKind::Tracked(prep) => {
                 let saved = SavedAttention {
                     q: q.into_primitive().tensor(),
@@ -169,7 +205,13 @@ pub fn attention<B: CpInner>(
         return B::attention(query, key, value, mask, attn_bias, options);
     };
     let shape = query.shape().to_vec();
-    if let Err(message) = check_call(&context, &shape, mask.is_some(), attn_bias.is_some(), &options) {
+    if let Err(message) = check_call(
+        &context,
+        &shape,
+        mask.is_some(),
+        attn_bias.is_some(),
+        &options,
+    ) {
         fail("call", &context, &shape, message);
     }
     let context = match options.scale {
@@ -198,7 +240,9 @@ fn check_call(
         ));
     }
     if let Some(softcap) = options.softcap {
-        return Err(format!("softcap {softcap} is not supported by context-parallel attention yet"));
+        return Err(format!(
+            "softcap {softcap} is not supported by context-parallel attention yet"
+        ));
     }
     if shape.first() != Some(&1) {
         return Err(format!(
@@ -208,7 +252,11 @@ fn check_call(
     }
     let seq_lens = &context.batch.sharding.seq_lens;
     for seq in 0..seq_lens.len() {
-        let mask = &context.batch.masks[if context.batch.masks.len() == 1 { 0 } else { seq }];
+        let mask = &context.batch.masks[if context.batch.masks.len() == 1 {
+            0
+        } else {
+            seq
+        }];
         let causal = is_causal_mask(mask, seq_lens[seq]);
         if options.is_causal && !causal {
             return Err(format!("attention was called with is_causal = true but the CP context's mask of sequence {seq} is {mask}, which lets queries attend later keys"));
@@ -224,7 +272,9 @@ fn check_call(
 fn is_causal_mask(mask: &MaskSpec, len: usize) -> bool {
     match mask {
         MaskSpec::Full => len <= 1,
-        MaskSpec::KeyRanges(_) => (0..len).all(|i| mask.key_ranges(i, len).iter().all(|r| r.end <= i + 1)),
+        MaskSpec::KeyRanges(_) => {
+            (0..len).all(|i| mask.key_ranges(i, len).iter().all(|r| r.end <= i + 1))
+        }
         _ => true,
     }
 }

@@ -1,7 +1,10 @@
 //! Conversions of the few op types that are generic over the backend (not plain associated types):
 //! `ContextParallel<B>` uses `B`'s primitives, so these only re-wrap the same values.
 
-use burn_backend::ops::{DeformConv2dBackward, MaxPool1dBackward, MaxPool1dWithIndices, MaxPool2dBackward, MaxPool2dWithIndices, TransactionPrimitive};
+use burn_backend::ops::{
+    DeformConv2dBackward, MaxPool1dBackward, MaxPool1dWithIndices, MaxPool2dBackward,
+    MaxPool2dWithIndices, TransactionPrimitive,
+};
 use burn_backend::quantization::QuantizationParametersPrimitive;
 use burn_backend::TensorPrimitive;
 
@@ -23,7 +26,9 @@ pub fn primitive_out<B: CpInner>(p: TensorPrimitive<B>) -> TensorPrimitive<Cp<B>
     }
 }
 
-pub fn qparams_in<B: CpInner>(p: QuantizationParametersPrimitive<Cp<B>>) -> QuantizationParametersPrimitive<B> {
+pub fn qparams_in<B: CpInner>(
+    p: QuantizationParametersPrimitive<Cp<B>>,
+) -> QuantizationParametersPrimitive<B> {
     QuantizationParametersPrimitive { scales: p.scales }
 }
 
@@ -33,23 +38,35 @@ pub fn transaction_in<B: CpInner>(t: TransactionPrimitive<Cp<B>>) -> Transaction
     TransactionPrimitive::new(t.read_floats, t.read_qfloats, t.read_ints, t.read_bools)
 }
 
-pub fn max_pool1d_with_indices_out<B: CpInner>(r: MaxPool1dWithIndices<B>) -> MaxPool1dWithIndices<Cp<B>> {
-    MaxPool1dWithIndices { output: r.output, indices: r.indices }
+pub fn max_pool1d_with_indices_out<B: CpInner>(
+    r: MaxPool1dWithIndices<B>,
+) -> MaxPool1dWithIndices<Cp<B>> {
+    MaxPool1dWithIndices {
+        output: r.output,
+        indices: r.indices,
+    }
 }
 
 pub fn max_pool1d_backward_out<B: CpInner>(r: MaxPool1dBackward<B>) -> MaxPool1dBackward<Cp<B>> {
     MaxPool1dBackward { x_grad: r.x_grad }
 }
 
-pub fn max_pool2d_with_indices_out<B: CpInner>(r: MaxPool2dWithIndices<B>) -> MaxPool2dWithIndices<Cp<B>> {
-    MaxPool2dWithIndices { output: r.output, indices: r.indices }
+pub fn max_pool2d_with_indices_out<B: CpInner>(
+    r: MaxPool2dWithIndices<B>,
+) -> MaxPool2dWithIndices<Cp<B>> {
+    MaxPool2dWithIndices {
+        output: r.output,
+        indices: r.indices,
+    }
 }
 
 pub fn max_pool2d_backward_out<B: CpInner>(r: MaxPool2dBackward<B>) -> MaxPool2dBackward<Cp<B>> {
     MaxPool2dBackward { x_grad: r.x_grad }
 }
 
-pub fn deform_conv2d_backward_out<B: CpInner>(r: DeformConv2dBackward<B>) -> DeformConv2dBackward<Cp<B>> {
+pub fn deform_conv2d_backward_out<B: CpInner>(
+    r: DeformConv2dBackward<B>,
+) -> DeformConv2dBackward<Cp<B>> {
     DeformConv2dBackward {
         x_grad: r.x_grad,
         offset_grad: r.offset_grad,

@@ -26,7 +26,9 @@ mod ops;
 use std::marker::PhantomData;
 
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor, QuantizedTensor};
-use burn_backend::{AutodiffBackend, Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError, TensorData};
+use burn_backend::{
+    AutodiffBackend, Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError, TensorData,
+};
 
 pub use attention::CpInner;
 pub use context::{clear_context, current_context, set_context, CpContext, CpContextGuard};
@@ -54,7 +56,11 @@ impl<B: CpInner> Backend for ContextParallel<B> {
         B::ad_enabled(device)
     }
 
-    fn memory_persistent_allocations<Output: Send, Input: Send, Func: Fn(Input) -> Output + Send>(
+    fn memory_persistent_allocations<
+        Output: Send,
+        Input: Send,
+        Func: Fn(Input) -> Output + Send,
+    >(
         device: &Self::Device,
         input: Input,
         func: Func,
@@ -106,15 +112,25 @@ impl<B: CpInner + AutodiffBackend> AutodiffBackend for ContextParallel<B> {
         B::backward(tensor)
     }
 
-    fn grad(tensor: &FloatTensor<Self>, grads: &Self::Gradients) -> Option<FloatTensor<Self::InnerBackend>> {
+    fn grad(
+        tensor: &FloatTensor<Self>,
+        grads: &Self::Gradients,
+    ) -> Option<FloatTensor<Self::InnerBackend>> {
         B::grad(tensor, grads)
     }
 
-    fn grad_remove(tensor: &FloatTensor<Self>, grads: &mut Self::Gradients) -> Option<FloatTensor<Self::InnerBackend>> {
+    fn grad_remove(
+        tensor: &FloatTensor<Self>,
+        grads: &mut Self::Gradients,
+    ) -> Option<FloatTensor<Self::InnerBackend>> {
         B::grad_remove(tensor, grads)
     }
 
-    fn grad_replace(tensor: &FloatTensor<Self>, grads: &mut Self::Gradients, grad: FloatTensor<Self::InnerBackend>) {
+    fn grad_replace(
+        tensor: &FloatTensor<Self>,
+        grads: &mut Self::Gradients,
+        grad: FloatTensor<Self::InnerBackend>,
+    ) {
         B::grad_replace(tensor, grads, grad)
     }
 

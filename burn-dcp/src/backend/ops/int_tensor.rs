@@ -20,7 +20,9 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_empty(shape, device, dtype)
     }
 
-    fn int_into_data(tensor: IntTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    fn int_into_data(
+        tensor: IntTensor<Self>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         B::int_into_data(tensor)
     }
 
@@ -44,7 +46,11 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_slice(tensor, slices)
     }
 
-    fn int_slice_assign(tensor: IntTensor<Self>, slices: &[Slice], value: IntTensor<Self>) -> IntTensor<Self> {
+    fn int_slice_assign(
+        tensor: IntTensor<Self>,
+        slices: &[Slice],
+        value: IntTensor<Self>,
+    ) -> IntTensor<Self> {
         B::int_slice_assign(tensor, slices, value)
     }
 
@@ -52,23 +58,45 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_into_float(tensor, out_dtype)
     }
 
-    fn int_mask_where(tensor: IntTensor<Self>, mask: BoolTensor<Self>, value: IntTensor<Self>) -> IntTensor<Self> {
+    fn int_mask_where(
+        tensor: IntTensor<Self>,
+        mask: BoolTensor<Self>,
+        value: IntTensor<Self>,
+    ) -> IntTensor<Self> {
         B::int_mask_where(tensor, mask, value)
     }
 
-    fn int_mask_fill(tensor: IntTensor<Self>, mask: BoolTensor<Self>, value: Scalar) -> IntTensor<Self> {
+    fn int_mask_fill(
+        tensor: IntTensor<Self>,
+        mask: BoolTensor<Self>,
+        value: Scalar,
+    ) -> IntTensor<Self> {
         B::int_mask_fill(tensor, mask, value)
     }
 
-    fn int_gather(dim: usize, tensor: IntTensor<Self>, indices: IntTensor<Self>) -> IntTensor<Self> {
+    fn int_gather(
+        dim: usize,
+        tensor: IntTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> IntTensor<Self> {
         B::int_gather(dim, tensor, indices)
     }
 
-    fn int_scatter_add(dim: usize, tensor: IntTensor<Self>, indices: IntTensor<Self>, value: IntTensor<Self>) -> IntTensor<Self> {
+    fn int_scatter_add(
+        dim: usize,
+        tensor: IntTensor<Self>,
+        indices: IntTensor<Self>,
+        value: IntTensor<Self>,
+    ) -> IntTensor<Self> {
         B::int_scatter_add(dim, tensor, indices, value)
     }
 
-    fn int_scatter_nd(_data: IntTensor<Self>, _indices: IntTensor<Self>, _values: IntTensor<Self>, _reduction: burn_backend::tensor::IndexingUpdateOp) -> IntTensor<Self> {
+    fn int_scatter_nd(
+        _data: IntTensor<Self>,
+        _indices: IntTensor<Self>,
+        _values: IntTensor<Self>,
+        _reduction: burn_backend::tensor::IndexingUpdateOp,
+    ) -> IntTensor<Self> {
         B::int_scatter_nd(_data, _indices, _values, _reduction)
     }
 
@@ -76,11 +104,20 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_gather_nd(_data, _indices)
     }
 
-    fn int_select(tensor: IntTensor<Self>, dim: usize, indices: IntTensor<Self>) -> IntTensor<Self> {
+    fn int_select(
+        tensor: IntTensor<Self>,
+        dim: usize,
+        indices: IntTensor<Self>,
+    ) -> IntTensor<Self> {
         B::int_select(tensor, dim, indices)
     }
 
-    fn int_select_add(tensor: IntTensor<Self>, dim: usize, indices: IntTensor<Self>, value: IntTensor<Self>) -> IntTensor<Self> {
+    fn int_select_add(
+        tensor: IntTensor<Self>,
+        dim: usize,
+        indices: IntTensor<Self>,
+        value: IntTensor<Self>,
+    ) -> IntTensor<Self> {
         B::int_select_add(tensor, dim, indices, value)
     }
 
@@ -92,11 +129,19 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_cat(tensors, dim)
     }
 
-    fn int_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_equal(
+        lhs: IntTensor<Self>,
+        rhs: IntTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_equal(lhs, rhs, out_dtype)
     }
 
-    fn int_not_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_not_equal(
+        lhs: IntTensor<Self>,
+        rhs: IntTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_not_equal(lhs, rhs, out_dtype)
     }
 
@@ -104,27 +149,51 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_equal_elem(lhs, rhs, out_dtype)
     }
 
-    fn int_not_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_not_equal_elem(
+        lhs: IntTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_not_equal_elem(lhs, rhs, out_dtype)
     }
 
-    fn int_greater(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_greater(
+        lhs: IntTensor<Self>,
+        rhs: IntTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_greater(lhs, rhs, out_dtype)
     }
 
-    fn int_greater_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_greater_elem(
+        lhs: IntTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_greater_elem(lhs, rhs, out_dtype)
     }
 
-    fn int_greater_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_greater_equal(
+        lhs: IntTensor<Self>,
+        rhs: IntTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_greater_equal(lhs, rhs, out_dtype)
     }
 
-    fn int_greater_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_greater_equal_elem(
+        lhs: IntTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_greater_equal_elem(lhs, rhs, out_dtype)
     }
 
-    fn int_lower(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_lower(
+        lhs: IntTensor<Self>,
+        rhs: IntTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_lower(lhs, rhs, out_dtype)
     }
 
@@ -132,11 +201,19 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_lower_elem(lhs, rhs, out_dtype)
     }
 
-    fn int_lower_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_lower_equal(
+        lhs: IntTensor<Self>,
+        rhs: IntTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_lower_equal(lhs, rhs, out_dtype)
     }
 
-    fn int_lower_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_lower_equal_elem(
+        lhs: IntTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_lower_equal_elem(lhs, rhs, out_dtype)
     }
 
@@ -220,7 +297,12 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_ones(shape, device, dtype)
     }
 
-    fn int_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+    fn int_full(
+        shape: Shape,
+        fill_value: Scalar,
+        device: &Device<Self>,
+        dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::int_full(shape, fill_value, device, dtype)
     }
 
@@ -288,7 +370,10 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_max_dim(tensor, dim)
     }
 
-    fn int_max_dim_with_indices(tensor: IntTensor<Self>, dim: usize) -> (IntTensor<Self>, IntTensor<Self>) {
+    fn int_max_dim_with_indices(
+        tensor: IntTensor<Self>,
+        dim: usize,
+    ) -> (IntTensor<Self>, IntTensor<Self>) {
         B::int_max_dim_with_indices(tensor, dim)
     }
 
@@ -308,7 +393,10 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_min_dim(tensor, dim)
     }
 
-    fn int_min_dim_with_indices(tensor: IntTensor<Self>, dim: usize) -> (IntTensor<Self>, IntTensor<Self>) {
+    fn int_min_dim_with_indices(
+        tensor: IntTensor<Self>,
+        dim: usize,
+    ) -> (IntTensor<Self>, IntTensor<Self>) {
         B::int_min_dim_with_indices(tensor, dim)
     }
 
@@ -332,11 +420,21 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_flip(tensor, axes)
     }
 
-    fn int_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+    fn int_random(
+        shape: Shape,
+        distribution: Distribution,
+        device: &Device<Self>,
+        dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::int_random(shape, distribution, device, dtype)
     }
 
-    fn int_arange_step(range: Range<i64>, step: usize, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+    fn int_arange_step(
+        range: Range<i64>,
+        step: usize,
+        device: &Device<Self>,
+        dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::int_arange_step(range, step, device, dtype)
     }
 
@@ -372,7 +470,11 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_sort(tensor, dim, descending)
     }
 
-    fn int_sort_with_indices(tensor: IntTensor<Self>, dim: usize, descending: bool) -> (IntTensor<Self>, IntTensor<Self>) {
+    fn int_sort_with_indices(
+        tensor: IntTensor<Self>,
+        dim: usize,
+        descending: bool,
+    ) -> (IntTensor<Self>, IntTensor<Self>) {
         B::int_sort_with_indices(tensor, dim, descending)
     }
 
@@ -428,7 +530,12 @@ impl<B: CpInner> IntTensorOps<Self> for ContextParallel<B> {
         B::int_cast(tensor, dtype)
     }
 
-    fn int_unfold(tensor: IntTensor<Self>, dim: usize, size: usize, step: usize) -> IntTensor<Self> {
+    fn int_unfold(
+        tensor: IntTensor<Self>,
+        dim: usize,
+        size: usize,
+        step: usize,
+    ) -> IntTensor<Self> {
         B::int_unfold(tensor, dim, size, step)
     }
 }

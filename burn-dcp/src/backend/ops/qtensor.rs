@@ -20,7 +20,11 @@ impl<B: CpInner> QTensorOps<Self> for ContextParallel<B> {
         B::q_from_data(data, device)
     }
 
-    fn quantize(tensor: FloatTensor<Self>, scheme: &QuantScheme, qparams: QuantizationParametersPrimitive<Self>) -> QuantizedTensor<Self> {
+    fn quantize(
+        tensor: FloatTensor<Self>,
+        scheme: &QuantScheme,
+        qparams: QuantizationParametersPrimitive<Self>,
+    ) -> QuantizedTensor<Self> {
         B::quantize(tensor, scheme, convert::qparams_in(qparams))
     }
 
@@ -44,7 +48,9 @@ impl<B: CpInner> QTensorOps<Self> for ContextParallel<B> {
         B::q_reshape(tensor, shape)
     }
 
-    fn q_into_data(tensor: QuantizedTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    fn q_into_data(
+        tensor: QuantizedTensor<Self>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         B::q_into_data(tensor)
     }
 
@@ -52,7 +58,10 @@ impl<B: CpInner> QTensorOps<Self> for ContextParallel<B> {
         B::q_detach(tensor)
     }
 
-    fn q_set_require_grad(tensor: QuantizedTensor<Self>, _require_grad: bool) -> QuantizedTensor<Self> {
+    fn q_set_require_grad(
+        tensor: QuantizedTensor<Self>,
+        _require_grad: bool,
+    ) -> QuantizedTensor<Self> {
         B::q_set_require_grad(tensor, _require_grad)
     }
 
@@ -68,7 +77,11 @@ impl<B: CpInner> QTensorOps<Self> for ContextParallel<B> {
         B::q_transpose(tensor)
     }
 
-    fn q_swap_dims(tensor: QuantizedTensor<Self>, dim1: usize, dim2: usize) -> QuantizedTensor<Self> {
+    fn q_swap_dims(
+        tensor: QuantizedTensor<Self>,
+        dim1: usize,
+        dim2: usize,
+    ) -> QuantizedTensor<Self> {
         B::q_swap_dims(tensor, dim1, dim2)
     }
 
@@ -80,7 +93,11 @@ impl<B: CpInner> QTensorOps<Self> for ContextParallel<B> {
         B::q_flip(tensor, axes)
     }
 
-    fn q_select(tensor: QuantizedTensor<Self>, dim: usize, indices: IntTensor<Self>) -> QuantizedTensor<Self> {
+    fn q_select(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        indices: IntTensor<Self>,
+    ) -> QuantizedTensor<Self> {
         B::q_select(tensor, dim, indices)
     }
 
@@ -88,11 +105,19 @@ impl<B: CpInner> QTensorOps<Self> for ContextParallel<B> {
         B::q_slice(tensor, slices)
     }
 
-    fn q_gather(dim: usize, tensor: QuantizedTensor<Self>, indices: IntTensor<Self>) -> QuantizedTensor<Self> {
+    fn q_gather(
+        dim: usize,
+        tensor: QuantizedTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> QuantizedTensor<Self> {
         B::q_gather(dim, tensor, indices)
     }
 
-    fn q_repeat_dim(tensor: QuantizedTensor<Self>, dim: usize, times: usize) -> QuantizedTensor<Self> {
+    fn q_repeat_dim(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        times: usize,
+    ) -> QuantizedTensor<Self> {
         B::q_repeat_dim(tensor, dim, times)
     }
 
@@ -141,7 +166,10 @@ impl<B: CpInner> QTensorOps<Self> for ContextParallel<B> {
     }
 
     fn q_matmul(lhs: TensorPrimitive<Self>, rhs: TensorPrimitive<Self>) -> TensorPrimitive<Self> {
-        convert::primitive_out(B::q_matmul(convert::primitive_in(lhs), convert::primitive_in(rhs)))
+        convert::primitive_out(B::q_matmul(
+            convert::primitive_in(lhs),
+            convert::primitive_in(rhs),
+        ))
     }
 
     fn q_neg(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
@@ -264,7 +292,12 @@ impl<B: CpInner> QTensorOps<Self> for ContextParallel<B> {
         B::q_argmax(tensor, dim, out_dtype)
     }
 
-    fn q_argtopk(tensor: QuantizedTensor<Self>, dim: usize, k: usize, out_dtype: IntDType) -> IntTensor<Self> {
+    fn q_argtopk(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        k: usize,
+        out_dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::q_argtopk(tensor, dim, k, out_dtype)
     }
 
@@ -284,7 +317,11 @@ impl<B: CpInner> QTensorOps<Self> for ContextParallel<B> {
         B::q_max_dim(tensor, dim)
     }
 
-    fn q_max_dim_with_indices(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> (QuantizedTensor<Self>, IntTensor<Self>) {
+    fn q_max_dim_with_indices(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        out_dtype: IntDType,
+    ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
         B::q_max_dim_with_indices(tensor, dim, out_dtype)
     }
 
@@ -296,7 +333,11 @@ impl<B: CpInner> QTensorOps<Self> for ContextParallel<B> {
         B::q_min_dim(tensor, dim)
     }
 
-    fn q_min_dim_with_indices(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> (QuantizedTensor<Self>, IntTensor<Self>) {
+    fn q_min_dim_with_indices(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        out_dtype: IntDType,
+    ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
         B::q_min_dim_with_indices(tensor, dim, out_dtype)
     }
 
@@ -312,7 +353,11 @@ impl<B: CpInner> QTensorOps<Self> for ContextParallel<B> {
         B::q_any(tensor, out_dtype)
     }
 
-    fn q_any_dim(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn q_any_dim(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::q_any_dim(tensor, dim, out_dtype)
     }
 
@@ -320,19 +365,37 @@ impl<B: CpInner> QTensorOps<Self> for ContextParallel<B> {
         B::q_all(tensor, out_dtype)
     }
 
-    fn q_all_dim(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn q_all_dim(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::q_all_dim(tensor, dim, out_dtype)
     }
 
-    fn q_sort(tensor: QuantizedTensor<Self>, dim: usize, descending: bool) -> QuantizedTensor<Self> {
+    fn q_sort(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        descending: bool,
+    ) -> QuantizedTensor<Self> {
         B::q_sort(tensor, dim, descending)
     }
 
-    fn q_sort_with_indices(tensor: QuantizedTensor<Self>, dim: usize, descending: bool, out_dtype: IntDType) -> (QuantizedTensor<Self>, IntTensor<Self>) {
+    fn q_sort_with_indices(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        descending: bool,
+        out_dtype: IntDType,
+    ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
         B::q_sort_with_indices(tensor, dim, descending, out_dtype)
     }
 
-    fn q_argsort(tensor: QuantizedTensor<Self>, dim: usize, descending: bool, out_dtype: IntDType) -> IntTensor<Self> {
+    fn q_argsort(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        descending: bool,
+        out_dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::q_argsort(tensor, dim, descending, out_dtype)
     }
 }

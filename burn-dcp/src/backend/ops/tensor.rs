@@ -20,7 +20,12 @@ impl<B: CpInner> FloatTensorOps<Self> for ContextParallel<B> {
         B::float_from_data(data, device)
     }
 
-    fn float_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+    fn float_random(
+        shape: Shape,
+        distribution: Distribution,
+        device: &Device<Self>,
+        dtype: FloatDType,
+    ) -> FloatTensor<Self> {
         B::float_random(shape, distribution, device, dtype)
     }
 
@@ -32,11 +37,18 @@ impl<B: CpInner> FloatTensorOps<Self> for ContextParallel<B> {
         B::float_ones(shape, device, dtype)
     }
 
-    fn float_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+    fn float_full(
+        shape: Shape,
+        fill_value: Scalar,
+        device: &Device<Self>,
+        dtype: FloatDType,
+    ) -> FloatTensor<Self> {
         B::float_full(shape, fill_value, device, dtype)
     }
 
-    fn float_into_data(tensor: FloatTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    fn float_into_data(
+        tensor: FloatTensor<Self>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         B::float_into_data(tensor)
     }
 
@@ -116,7 +128,11 @@ impl<B: CpInner> FloatTensorOps<Self> for ContextParallel<B> {
         B::float_matmul(lhs, rhs)
     }
 
-    fn float_cross(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+    fn float_cross(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        dim: usize,
+    ) -> FloatTensor<Self> {
         B::float_cross(lhs, rhs, dim)
     }
 
@@ -148,15 +164,29 @@ impl<B: CpInner> FloatTensorOps<Self> for ContextParallel<B> {
         B::float_reshape(tensor, shape)
     }
 
-    fn float_gather(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
+    fn float_gather(
+        dim: usize,
+        tensor: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
         B::float_gather(dim, tensor, indices)
     }
 
-    fn float_scatter_add(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn float_scatter_add(
+        dim: usize,
+        tensor: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         B::float_scatter_add(dim, tensor, indices, value)
     }
 
-    fn float_scatter_nd(_data: FloatTensor<Self>, _indices: IntTensor<Self>, _values: FloatTensor<Self>, _reduction: burn_backend::tensor::IndexingUpdateOp) -> FloatTensor<Self> {
+    fn float_scatter_nd(
+        _data: FloatTensor<Self>,
+        _indices: IntTensor<Self>,
+        _values: FloatTensor<Self>,
+        _reduction: burn_backend::tensor::IndexingUpdateOp,
+    ) -> FloatTensor<Self> {
         B::float_scatter_nd(_data, _indices, _values, _reduction)
     }
 
@@ -164,11 +194,20 @@ impl<B: CpInner> FloatTensorOps<Self> for ContextParallel<B> {
         B::float_gather_nd(_data, _indices)
     }
 
-    fn float_select(tensor: FloatTensor<Self>, dim: usize, indices: IntTensor<Self>) -> FloatTensor<Self> {
+    fn float_select(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
         B::float_select(tensor, dim, indices)
     }
 
-    fn float_select_add(tensor: FloatTensor<Self>, dim: usize, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn float_select_add(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        indices: IntTensor<Self>,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         B::float_select_add(tensor, dim, indices, value)
     }
 
@@ -176,63 +215,123 @@ impl<B: CpInner> FloatTensorOps<Self> for ContextParallel<B> {
         B::float_slice(tensor, slices)
     }
 
-    fn float_slice_assign(tensor: FloatTensor<Self>, slices: &[Slice], value: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn float_slice_assign(
+        tensor: FloatTensor<Self>,
+        slices: &[Slice],
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         B::float_slice_assign(tensor, slices, value)
     }
 
-    fn float_mask_where(tensor: FloatTensor<Self>, mask: BoolTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn float_mask_where(
+        tensor: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         B::float_mask_where(tensor, mask, value)
     }
 
-    fn float_mask_fill(tensor: FloatTensor<Self>, mask: BoolTensor<Self>, value: Scalar) -> FloatTensor<Self> {
+    fn float_mask_fill(
+        tensor: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        value: Scalar,
+    ) -> FloatTensor<Self> {
         B::float_mask_fill(tensor, mask, value)
     }
 
-    fn float_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_equal(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_equal(lhs, rhs, out_dtype)
     }
 
-    fn float_not_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_not_equal(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_not_equal(lhs, rhs, out_dtype)
     }
 
-    fn float_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_equal_elem(
+        lhs: FloatTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_equal_elem(lhs, rhs, out_dtype)
     }
 
-    fn float_not_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_not_equal_elem(
+        lhs: FloatTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_not_equal_elem(lhs, rhs, out_dtype)
     }
 
-    fn float_greater(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_greater(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_greater(lhs, rhs, out_dtype)
     }
 
-    fn float_greater_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_greater_elem(
+        lhs: FloatTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_greater_elem(lhs, rhs, out_dtype)
     }
 
-    fn float_greater_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_greater_equal(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_greater_equal(lhs, rhs, out_dtype)
     }
 
-    fn float_greater_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_greater_equal_elem(
+        lhs: FloatTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_greater_equal_elem(lhs, rhs, out_dtype)
     }
 
-    fn float_lower(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_lower(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_lower(lhs, rhs, out_dtype)
     }
 
-    fn float_lower_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_lower_elem(
+        lhs: FloatTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_lower_elem(lhs, rhs, out_dtype)
     }
 
-    fn float_lower_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_lower_equal(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_lower_equal(lhs, rhs, out_dtype)
     }
 
-    fn float_lower_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_lower_equal_elem(
+        lhs: FloatTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_lower_equal_elem(lhs, rhs, out_dtype)
     }
 
@@ -416,7 +515,12 @@ impl<B: CpInner> FloatTensorOps<Self> for ContextParallel<B> {
         B::float_argmax(tensor, dim, out_dtype)
     }
 
-    fn float_argtopk(tensor: FloatTensor<Self>, dim: usize, k: usize, out_dtype: IntDType) -> IntTensor<Self> {
+    fn float_argtopk(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        k: usize,
+        out_dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::float_argtopk(tensor, dim, k, out_dtype)
     }
 
@@ -436,7 +540,11 @@ impl<B: CpInner> FloatTensorOps<Self> for ContextParallel<B> {
         B::float_max_dim(tensor, dim)
     }
 
-    fn float_max_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) {
+    fn float_max_dim_with_indices(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        indices_dtype: IntDType,
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
         B::float_max_dim_with_indices(tensor, dim, indices_dtype)
     }
 
@@ -448,7 +556,11 @@ impl<B: CpInner> FloatTensorOps<Self> for ContextParallel<B> {
         B::float_min_dim(tensor, dim)
     }
 
-    fn float_min_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) {
+    fn float_min_dim_with_indices(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        indices_dtype: IntDType,
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
         B::float_min_dim_with_indices(tensor, dim, indices_dtype)
     }
 
@@ -464,7 +576,11 @@ impl<B: CpInner> FloatTensorOps<Self> for ContextParallel<B> {
         B::float_any(tensor, out_dtype)
     }
 
-    fn float_any_dim(tensor: FloatTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_any_dim(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_any_dim(tensor, dim, out_dtype)
     }
 
@@ -472,7 +588,11 @@ impl<B: CpInner> FloatTensorOps<Self> for ContextParallel<B> {
         B::float_all(tensor, out_dtype)
     }
 
-    fn float_all_dim(tensor: FloatTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_all_dim(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_all_dim(tensor, dim, out_dtype)
     }
 
@@ -488,19 +608,38 @@ impl<B: CpInner> FloatTensorOps<Self> for ContextParallel<B> {
         B::float_sort(tensor, dim, descending)
     }
 
-    fn float_sort_with_indices(tensor: FloatTensor<Self>, dim: usize, descending: bool, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) {
+    fn float_sort_with_indices(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        descending: bool,
+        indices_dtype: IntDType,
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
         B::float_sort_with_indices(tensor, dim, descending, indices_dtype)
     }
 
-    fn float_argsort(tensor: FloatTensor<Self>, dim: usize, descending: bool, out_dtype: IntDType) -> IntTensor<Self> {
+    fn float_argsort(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        descending: bool,
+        out_dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::float_argsort(tensor, dim, descending, out_dtype)
     }
 
-    fn float_grid_sample_2d(tensor: FloatTensor<Self>, grid: FloatTensor<Self>, options: GridSampleOptions) -> FloatTensor<Self> {
+    fn float_grid_sample_2d(
+        tensor: FloatTensor<Self>,
+        grid: FloatTensor<Self>,
+        options: GridSampleOptions,
+    ) -> FloatTensor<Self> {
         B::float_grid_sample_2d(tensor, grid, options)
     }
 
-    fn float_unfold(tensor: FloatTensor<Self>, dim: usize, size: usize, step: usize) -> FloatTensor<Self> {
+    fn float_unfold(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        size: usize,
+        step: usize,
+    ) -> FloatTensor<Self> {
         B::float_unfold(tensor, dim, size, step)
     }
 

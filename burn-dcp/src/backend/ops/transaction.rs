@@ -16,7 +16,9 @@ use std::ops::Range;
 use crate::backend::{convert, ContextParallel, CpInner};
 
 impl<B: CpInner> TransactionOps<Self> for ContextParallel<B> {
-    fn tr_execute(transaction: TransactionPrimitive<Self>) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
+    fn tr_execute(
+        transaction: TransactionPrimitive<Self>,
+    ) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
         B::tr_execute(convert::transaction_in(transaction))
     }
 }

@@ -1,0 +1,270 @@
+//! `ContextParallel<Autodiff<Flex>>`: burn's own `attention` call runs the CP strategy (bytes are
+//! communicated, exactly the analytic volume) and its gradients equal the single-device ones.
+
+mod common;
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Tensor, TensorData};
+use burn_dcp::backend::{set_context, ContextParallel, CpContext};
+use burn_dcp::comm::{InProcessWorld, WorldConfig};
+use burn_dcp::harness::{max_rel_err, run_single_device, PackedInputs};
+use burn_dcp::kernels::MaskSpec;
+use burn_dcp::volume::{analytic_volume, VolumeShape};
+use burn_dcp::{CpBatch, CpGroup, Layout, Sharding, Strategy};
+use common::*;
+
+type Cp = ContextParallel<Autodiff<Flex>>;
+
+fn options(is_causal: bool) -> AttentionModuleOptions {
+    AttentionModuleOptions {
+        scale: None,
+        softcap: None,
+        is_causal,
+    }
+}
+
+/// Rows `indices` of a token-major `[T, H, D]` buffer as a `[1, H, n, D]` tensor.
+fn local<B: burn::tensor::backend::Backend>(
+    data: &[f32],
+    heads: usize,
+    dim: usize,
+    indices: &[usize],
+) -> Tensor<B, 4> {
+    let rows: Vec<f32> = indices
+        .iter()
+        .flat_map(|&i| data[i * heads * dim..(i + 1) * heads * dim].to_vec())
+        .collect();
+    let t = Tensor::<B, 3>::from_data(
+        TensorData::new(rows, [indices.len(), heads, dim]),
+        &Default::default(),
+    );
+    t.swap_dims(0, 1).unsqueeze_dim(0)
+}
+
+/// `[1, H, n, D]` → token-major host rows.
+fn rows<B: burn::tensor::backend::Backend>(t: Tensor<B, 4>) -> Vec<f32> {
+    let [_, h, n, d] = t.dims();
+    t.reshape([h, n, d])
+        .swap_dims(0, 1)
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .unwrap()
+}
+
+struct RankGrads {
+    indices: Vec<usize>,
+    out: Vec<f32>,
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+    bytes: u64,
+}
+
+fn run_decorated(
+    inputs: &PackedInputs,
+    cp: usize,
+    strategy: Strategy,
+    layout: Layout,
+    mask: &MaskSpec,
+) -> Vec<RankGrads> {
+    let world = InProcessWorld::new(cp, WorldConfig::default()).unwrap();
+    let results = world.run(|comm| -> Result<RankGrads, burn_dcp::CpError> {
+        let x = inputs;
+        let sharding = Sharding::new(&x.seq_lens, cp, layout)?;
+        let indices = sharding.packed_indices(comm.rank());
+        let group = CpGroup::new(comm.clone(), strategy)?;
+        let _context = set_context(CpContext {
+            group,
+            batch: CpBatch::new(sharding, vec![mask.clone()]),
+        });
+        let q = local::<Cp>(&x.q, x.heads, x.head_dim, &indices).require_grad();
+        let k = local::<Cp>(&x.k, x.kv_heads, x.head_dim, &indices).require_grad();
+        let v = local::<Cp>(&x.v, x.kv_heads, x.value_dim, &indices).require_grad();
+        let dout = local::<Cp>(&x.dout, x.heads, x.value_dim, &indices);
+        let before = comm.stats().total_bytes();
+        let out = attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            None,
+            None,
+            options(*mask != MaskSpec::Full),
+        );
+        let grads = (out.clone() * dout).sum().backward();
+        let grad = |t: &Tensor<Cp, 4>| rows(t.grad(&grads).expect("gradient"));
+        Ok(RankGrads {
+            out: rows(out),
+            dq: grad(&q),
+            dk: grad(&k),
+            dv: grad(&v),
+            bytes: comm.stats().total_bytes() - before,
+            indices,
+        })
+    });
+    results.into_iter().map(|r| r.unwrap()).collect()
+}
+
+fn unshard(
+    ranks: &[RankGrads],
+    field: impl Fn(&RankGrads) -> &Vec<f32>,
+    width: usize,
+    tokens: usize,
+) -> Vec<f32> {
+    let mut full = vec![0.0; tokens * width];
+    for r in ranks {
+        for (local, &i) in r.indices.iter().enumerate() {
+            full[i * width..(i + 1) * width]
+                .copy_from_slice(&field(r)[local * width..(local + 1) * width]);
+        }
+    }
+    full
+}
+
+#[test]
+fn decorated_attention_gradients_equal_single_device() {
+    let device = Default::default();
+    let cases = [
+        (Strategy::Ulysses, 4, Layout::Zigzag),
+        (Strategy::Ring, 4, Layout::Zigzag),
+        (Strategy::Ring, 3, Layout::Stripe),
+        (Strategy::AllGather, 2, Layout::Contiguous),
+        (
+            Strategy::Usp {
+                ulysses_degree: 2,
+                ring_degree: 2,
+            },
+            4,
+            Layout::Zigzag,
+        ),
+    ];
+    for mask in [
+        MaskSpec::Causal,
+        MaskSpec::Full,
+        "lambda:2,5".parse().unwrap(),
+    ] {
+        for (strategy, cp, layout) in cases {
+            let inputs = random_inputs(&[17, 6, 2], 4, 4, 8, 21);
+            let want =
+                run_single_device::<Flex>(&device, &inputs, std::slice::from_ref(&mask), None)
+                    .unwrap();
+            let ranks = run_decorated(&inputs, cp, strategy, layout, &mask);
+            let t = inputs.tokens();
+            let what = format!("{strategy} cp {cp} {layout} {mask}");
+            for (name, got, want) in [
+                ("out", unshard(&ranks, |r| &r.out, 32, t), &want.out),
+                ("dq", unshard(&ranks, |r| &r.dq, 32, t), &want.dq),
+                ("dk", unshard(&ranks, |r| &r.dk, 32, t), &want.dk),
+                ("dv", unshard(&ranks, |r| &r.dv, 32, t), &want.dv),
+            ] {
+                let err = max_rel_err(&got, want);
+                assert!(err <= TOLERANCE, "{what}: {name} max_rel_err {err:e}");
+            }
+            // The strategy really ran: every rank sent exactly its analytic forward + backward volume.
+            let sharding = Sharding::new(&inputs.seq_lens, cp, layout).unwrap();
+            let shape = VolumeShape {
+                heads: 4,
+                kv_heads: 4,
+                head_dim: 8,
+                value_dim: 8,
+                element_bytes: 4,
+            };
+            let expected = analytic_volume(strategy, &sharding, &shape);
+            for (rank, r) in ranks.iter().enumerate() {
+                assert!(r.bytes > 0, "{what}: rank {rank} sent nothing");
+                assert_eq!(
+                    r.bytes,
+                    expected[rank].forward + expected[rank].backward,
+                    "{what}: rank {rank} bytes"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn without_a_context_attention_is_the_inner_backends() {
+    let inputs = random_inputs(&[9], 2, 2, 8, 3);
+    let all: Vec<usize> = (0..9).collect();
+    let run = |causal| {
+        let ours = attention(
+            local::<Cp>(&inputs.q, 2, 8, &all),
+            local::<Cp>(&inputs.k, 2, 8, &all),
+            local::<Cp>(&inputs.v, 2, 8, &all),
+            None,
+            None,
+            options(causal),
+        );
+        let theirs = attention(
+            local::<Autodiff<Flex>>(&inputs.q, 2, 8, &all),
+            local::<Autodiff<Flex>>(&inputs.k, 2, 8, &all),
+            local::<Autodiff<Flex>>(&inputs.v, 2, 8, &all),
+            None,
+            None,
+            options(causal),
+        );
+        (rows(ours), rows(theirs))
+    };
+    for causal in [false, true] {
+        let (ours, theirs) = run(causal);
+        assert_eq!(ours, theirs, "causal {causal}");
+    }
+}
+
+fn panic_message(result: std::thread::Result<()>) -> String {
+    let payload = result.expect_err("expected a panic");
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+#[test]
+fn dense_masks_softcap_and_causality_conflicts_are_rejected() {
+    let world = InProcessWorld::new(1, WorldConfig::default()).unwrap();
+    let comm = world.communicators().remove(0);
+    let inputs = random_inputs(&[6], 2, 2, 4, 3);
+    let all: Vec<usize> = (0..6).collect();
+    let call = |mask: MaskSpec, with_mask: bool, opts: AttentionModuleOptions| {
+        let comm = comm.clone();
+        let inputs = inputs.clone();
+        let all = all.clone();
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let sharding = Sharding::new(&[6], 1, Layout::Contiguous).unwrap();
+            let group = CpGroup::new(comm, Strategy::Ring).unwrap();
+            let _context = set_context(CpContext {
+                group,
+                batch: CpBatch::new(sharding, vec![mask]),
+            });
+            let q = local::<Cp>(&inputs.q, 2, 4, &all);
+            let dense = with_mask.then(|| {
+                Tensor::<Cp, 4, burn::tensor::Bool>::empty([1, 2, 6, 6], &Default::default())
+            });
+            let _ = attention(q.clone(), q.clone(), q, dense, None, opts);
+        }))
+    };
+    let msg = panic_message(call(MaskSpec::Causal, true, options(true)));
+    assert!(
+        msg.contains("explicit dense mask tensor cannot be sharded"),
+        "{msg}"
+    );
+    let msg = panic_message(call(
+        MaskSpec::Causal,
+        false,
+        AttentionModuleOptions {
+            softcap: Some(30.0),
+            ..options(true)
+        },
+    ));
+    assert!(msg.contains("softcap 30 is not supported"), "{msg}");
+    let msg = panic_message(call(MaskSpec::Full, false, options(true)));
+    assert!(
+        msg.contains("is_causal = true but the CP context's mask of sequence 0 is full"),
+        "{msg}"
+    );
+    let msg = panic_message(call(MaskSpec::Causal, false, options(false)));
+    assert!(msg.contains("is_causal = false"), "{msg}");
+}
