@@ -1,5 +1,6 @@
-//! Models for burn-dcp: a GPT for long-context training (token embedding, RoPE with global
-//! positions, pre-norm blocks calling burn's `attention` op, GQA, MLP, LM head).
-//!
-//! Not implemented yet: it comes with the `ContextParallel<B>` decorator issue. The crate exists so
-//! the workspace layout is in place.
+//! Models for burn-dcp: ordinary burn models with no context-parallel code in them. CP comes only
+//! from the backend type (`ContextParallel<Autodiff<B>>`) and the per-rank CP context.
+
+pub mod gpt;
+
+pub use gpt::{Gpt, GptConfig};

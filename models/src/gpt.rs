@@ -1,0 +1,299 @@
+//! A GPT for long-context training, written as an ordinary burn model generic over `B: Backend`.
+//!
+//! Token embedding → `n_layers` pre-norm blocks (RMSNorm → multi-head attention with RoPE on the
+//! tokens' *global* positions → residual; RMSNorm → GELU MLP → residual) → RMSNorm → LM head (tied
+//! to the embedding or untied). Attention calls burn's `attention` op with `is_causal = true` and
+//! no mask tensor. There is no context-parallel code here: under `ContextParallel<Autodiff<B>>`
+//! with a CP context, the same call runs the CP strategy on this rank's tokens.
+//!
+//! Inputs are one packed micro-batch (or this rank's shard of it): `tokens [T]`, `positions [T]`
+//! (each token's position within its own sequence, which is what makes RoPE correct when a shard
+//! holds non-contiguous tokens), `labels [T]` with `-1` where there is no next token.
+
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
+use burn::prelude::{Backend, Config, Int, Tensor, TensorData};
+use burn::tensor::activation::{gelu, log_softmax};
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+/// Model hyper-parameters.
+#[derive(Config, Debug, PartialEq)]
+pub struct GptConfig {
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    /// Key/value heads (grouped-query attention); must divide `n_heads`.
+    pub n_kv_heads: usize,
+    pub d_ff: usize,
+    #[config(default = 10000.0)]
+    pub rope_theta: f64,
+    /// Share the LM head with the token embedding.
+    #[config(default = true)]
+    pub tied_embeddings: bool,
+}
+
+impl GptConfig {
+    /// Named sizes: `tiny`, `small`, `base`.
+    pub fn sized(name: &str, vocab_size: usize) -> Result<Self, String> {
+        let (d_model, n_layers, n_heads, n_kv_heads) = match name {
+            "tiny" => (64, 2, 4, 2),
+            "small" => (128, 4, 8, 4),
+            "base" => (256, 6, 8, 4),
+            other => {
+                return Err(format!(
+                    "unknown model size '{other}': expected tiny, small or base"
+                ))
+            }
+        };
+        Ok(Self::new(
+            vocab_size,
+            d_model,
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            4 * d_model,
+        ))
+    }
+
+    /// Checks the shape rules, naming the values.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.n_heads == 0 || self.d_model % self.n_heads != 0 {
+            return Err(format!(
+                "d_model {} must be a multiple of n_heads {}",
+                self.d_model, self.n_heads
+            ));
+        }
+        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+            return Err(format!(
+                "n_kv_heads {} must divide n_heads {}",
+                self.n_kv_heads, self.n_heads
+            ));
+        }
+        if (self.d_model / self.n_heads) % 2 != 0 {
+            return Err(format!(
+                "the head dim {} must be even for RoPE",
+                self.d_model / self.n_heads
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads
+    }
+
+    /// Builds the model with weights drawn from a generator seeded with `seed` (not from the
+    /// backend's global RNG), so every rank thread builds identical weights independently.
+    pub fn init<B: Backend>(&self, seed: u64, device: &B::Device) -> Result<Gpt<B>, String> {
+        self.validate()?;
+        let mut init = Init {
+            rng: SmallRng::seed_from_u64(seed),
+            device: device.clone(),
+        };
+        let kv_dim = self.n_kv_heads * self.head_dim();
+        let blocks = (0..self.n_layers)
+            .map(|_| Block {
+                attn_norm: RmsNormConfig::new(self.d_model).init(device),
+                q: init.linear(self.d_model, self.d_model),
+                k: init.linear(self.d_model, kv_dim),
+                v: init.linear(self.d_model, kv_dim),
+                o: init.linear(self.d_model, self.d_model),
+                mlp_norm: RmsNormConfig::new(self.d_model).init(device),
+                up: init.linear(self.d_model, self.d_ff),
+                down: init.linear(self.d_ff, self.d_model),
+            })
+            .collect();
+        let mut embedding = EmbeddingConfig::new(self.vocab_size, self.d_model).init(device);
+        embedding.weight = init.param([self.vocab_size, self.d_model], 0.02);
+        let head = (!self.tied_embeddings).then(|| init.linear(self.d_model, self.vocab_size));
+        Ok(Gpt {
+            embedding,
+            blocks,
+            norm: RmsNormConfig::new(self.d_model).init(device),
+            head,
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            rope_theta: self.rope_theta,
+        })
+    }
+}
+
+struct Init<B: Backend> {
+    rng: SmallRng,
+    device: B::Device,
+}
+
+impl<B: Backend> Init<B> {
+    /// Uniform in `[-std·√3, std·√3]` (variance `std²`).
+    fn param(&mut self, dims: [usize; 2], std: f64) -> Param<Tensor<B, 2>> {
+        let bound = (std * 3f64.sqrt()) as f32;
+        let values: Vec<f32> = (0..dims[0] * dims[1])
+            .map(|_| self.rng.random_range(-bound..bound))
+            .collect();
+        Param::from_tensor(Tensor::from_data(
+            TensorData::new(values, dims),
+            &self.device,
+        ))
+    }
+
+    fn linear(&mut self, d_in: usize, d_out: usize) -> Linear<B> {
+        let mut linear = LinearConfig::new(d_in, d_out)
+            .with_bias(false)
+            .init(&self.device);
+        linear.weight = self.param([d_in, d_out], (1.0 / d_in as f64).sqrt());
+        linear
+    }
+}
+
+/// One pre-norm transformer block.
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    attn_norm: RmsNorm<B>,
+    q: Linear<B>,
+    k: Linear<B>,
+    v: Linear<B>,
+    o: Linear<B>,
+    mlp_norm: RmsNorm<B>,
+    up: Linear<B>,
+    down: Linear<B>,
+}
+
+/// The GPT.
+#[derive(Module, Debug)]
+pub struct Gpt<B: Backend> {
+    embedding: Embedding<B>,
+    blocks: Vec<Block<B>>,
+    norm: RmsNorm<B>,
+    head: Option<Linear<B>>,
+    n_heads: usize,
+    n_kv_heads: usize,
+    rope_theta: f64,
+}
+
+/// RoPE rotation tables for given positions: `cos`, `sin` of shape `[1, 1, T, head_dim/2]`.
+struct Rope<B: Backend> {
+    cos: Tensor<B, 4>,
+    sin: Tensor<B, 4>,
+}
+
+impl<B: Backend> Rope<B> {
+    fn new(positions: &Tensor<B, 1, Int>, head_dim: usize, theta: f64) -> Self {
+        let half = head_dim / 2;
+        let device = positions.device();
+        let inverse_frequencies: Vec<f32> = (0..half)
+            .map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32)
+            .collect();
+        let frequencies =
+            Tensor::<B, 1>::from_data(TensorData::new(inverse_frequencies, [half]), &device);
+        let tokens = positions.dims()[0];
+        // angle[t, i] = position[t] · θ^(−2i/D)
+        let angles =
+            positions.clone().float().reshape([tokens, 1]) * frequencies.reshape([1, half]);
+        Self {
+            cos: angles.clone().cos().reshape([1, 1, tokens, half]),
+            sin: angles.sin().reshape([1, 1, tokens, half]),
+        }
+    }
+
+    /// Rotates `x [1, heads, T, head_dim]` (half-split convention).
+    fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [_, _, _, dim] = x.dims();
+        let half = dim / 2;
+        let x1 = x.clone().narrow(3, 0, half);
+        let x2 = x.narrow(3, half, half);
+        let rotated_1 = x1.clone() * self.cos.clone() - x2.clone() * self.sin.clone();
+        let rotated_2 = x1 * self.sin.clone() + x2 * self.cos.clone();
+        Tensor::cat(vec![rotated_1, rotated_2], 3)
+    }
+}
+
+impl<B: Backend> Block<B> {
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        n_heads: usize,
+        n_kv_heads: usize,
+    ) -> Tensor<B, 3> {
+        let [_, tokens, d_model] = x.dims();
+        let head_dim = d_model / n_heads;
+        let h = self.attn_norm.forward(x.clone());
+        // [1, T, heads·Dh] → [1, heads, T, Dh]
+        let split =
+            |t: Tensor<B, 3>, heads: usize| t.reshape([1, tokens, heads, head_dim]).swap_dims(1, 2);
+        let q = rope.apply(split(self.q.forward(h.clone()), n_heads));
+        let k = rope.apply(split(self.k.forward(h.clone()), n_kv_heads));
+        let v = split(self.v.forward(h), n_kv_heads);
+        // burn's attention takes equal head counts: repeat each kv head for its query group.
+        let group = n_heads / n_kv_heads;
+        let (k, v) = (repeat_heads(k, group), repeat_heads(v, group));
+        let options = AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal: true,
+        };
+        let attended = attention(q, k, v, None, None, options);
+        let merged = attended.swap_dims(1, 2).reshape([1, tokens, d_model]);
+        let x = x + self.o.forward(merged);
+        let h = self.mlp_norm.forward(x.clone());
+        x.clone() + self.down.forward(gelu(self.up.forward(h)))
+    }
+}
+
+/// `[1, K, T, D]` → `[1, K·group, T, D]`, each kv head repeated `group` times in place.
+fn repeat_heads<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
+    if group == 1 {
+        return x;
+    }
+    let [batch, heads, tokens, dim] = x.dims();
+    x.reshape([batch, heads, 1, tokens, dim])
+        .repeat_dim(2, group)
+        .reshape([batch, heads * group, tokens, dim])
+}
+
+impl<B: Backend> Gpt<B> {
+    /// Logits `[T, vocab]` of `tokens [T]` at `positions [T]`.
+    pub fn forward(&self, tokens: Tensor<B, 1, Int>, positions: Tensor<B, 1, Int>) -> Tensor<B, 2> {
+        let count = tokens.dims()[0];
+        let rope = Rope::new(&positions, self.head_dim(), self.rope_theta);
+        let mut x = self.embedding.forward(tokens.reshape([1, count]));
+        for block in &self.blocks {
+            x = block.forward(x, &rope, self.n_heads, self.n_kv_heads);
+        }
+        let x = self.norm.forward(x).reshape([count, self.d_model()]);
+        match &self.head {
+            Some(head) => head.forward(x),
+            None => x.matmul(self.embedding.weight.val().transpose()),
+        }
+    }
+
+    /// Sum of the next-token cross-entropy over tokens whose label is `≥ 0` (labels `< 0` are
+    /// ignored), as a `[1]` tensor. Divide by the *global* label count of the step (all CP and DP
+    /// ranks) to get the mean loss; gradients summed over ranks are then the mean's gradients.
+    pub fn loss_sum(
+        &self,
+        tokens: Tensor<B, 1, Int>,
+        positions: Tensor<B, 1, Int>,
+        labels: Tensor<B, 1, Int>,
+    ) -> Tensor<B, 1> {
+        let count = tokens.dims()[0];
+        let log_probs = log_softmax(self.forward(tokens, positions), 1);
+        let valid = labels.clone().greater_equal_elem(0);
+        let targets = labels.clamp_min(0).reshape([count, 1]);
+        let picked = log_probs.gather(1, targets).reshape([count]);
+        let zeros = picked.zeros_like();
+        zeros.mask_where(valid, picked).sum().neg()
+    }
+
+    fn d_model(&self) -> usize {
+        self.embedding.weight.dims()[1]
+    }
+
+    fn head_dim(&self) -> usize {
+        self.d_model() / self.n_heads
+    }
+}
