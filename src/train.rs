@@ -61,7 +61,7 @@ impl TrainConfig {
                 self.cp, self.dp
             ));
         }
-        if self.micro_batches == 0 || self.micro_batches % self.dp != 0 {
+        if self.micro_batches == 0 || !self.micro_batches.is_multiple_of(self.dp) {
             return Err(format!(
                 "the global batch of {} micro-batches must be a positive multiple of dp {}",
                 self.micro_batches, self.dp

@@ -140,3 +140,50 @@ fn sparse_masks_train_the_same_under_cp() {
         assert_same_step(&got, &reference, mask);
     }
 }
+
+struct Quiet(std::sync::Mutex<Vec<f64>>);
+
+impl burn_dcp_suite::train::StepObserver for Quiet {
+    fn on_step(&self, metrics: &burn_dcp_suite::train::StepMetrics) {
+        self.0.lock().unwrap().push(metrics.loss);
+    }
+
+    fn total_bytes(&self) -> u64 {
+        0
+    }
+}
+
+fn train(
+    config: &TrainConfig,
+    resume: Option<&std::path::Path>,
+    out: Option<&std::path::Path>,
+) -> Vec<f64> {
+    let world = InProcessWorld::new(config.world_size(), WorldConfig::default()).unwrap();
+    let observer = Quiet(Default::default());
+    let device = Default::default();
+    for result in world.run(|comm| {
+        burn_dcp_suite::train::train_rank(comm, config, resume, out, &observer, &device)
+    }) {
+        result.unwrap();
+    }
+    observer.0.into_inner().unwrap()
+}
+
+#[test]
+fn resuming_continues_the_loss_curve_exactly() {
+    let dir = std::env::temp_dir().join(format!("burn-dcp-resume-{}", std::process::id()));
+    let mut config = config(2, 1, Strategy::Ring, Layout::Zigzag, "causal");
+    config.steps = 6;
+    let uninterrupted = train(&config, None, None);
+    config.steps = 3;
+    let first = train(&config, None, Some(&dir));
+    config.steps = 6;
+    let rest = train(&config, Some(&dir), None);
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(first, uninterrupted[..3]);
+    assert_eq!(
+        rest,
+        uninterrupted[3..],
+        "resumed steps 4..6 differ from the uninterrupted run"
+    );
+}

@@ -61,19 +61,19 @@ impl GptConfig {
 
     /// Checks the shape rules, naming the values.
     pub fn validate(&self) -> Result<(), String> {
-        if self.n_heads == 0 || self.d_model % self.n_heads != 0 {
+        if self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) {
             return Err(format!(
                 "d_model {} must be a multiple of n_heads {}",
                 self.d_model, self.n_heads
             ));
         }
-        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(format!(
                 "n_kv_heads {} must divide n_heads {}",
                 self.n_kv_heads, self.n_heads
             ));
         }
-        if (self.d_model / self.n_heads) % 2 != 0 {
+        if !(self.d_model / self.n_heads).is_multiple_of(2) {
             return Err(format!(
                 "the head dim {} must be even for RoPE",
                 self.d_model / self.n_heads

@@ -251,13 +251,9 @@ fn check_call(
         ));
     }
     let seq_lens = &context.batch.sharding.seq_lens;
-    for seq in 0..seq_lens.len() {
-        let mask = &context.batch.masks[if context.batch.masks.len() == 1 {
-            0
-        } else {
-            seq
-        }];
-        let causal = is_causal_mask(mask, seq_lens[seq]);
+    for (seq, &len) in seq_lens.iter().enumerate() {
+        let mask = context.batch.mask(seq);
+        let causal = is_causal_mask(mask, len);
         if options.is_causal && !causal {
             return Err(format!("attention was called with is_causal = true but the CP context's mask of sequence {seq} is {mask}, which lets queries attend later keys"));
         }

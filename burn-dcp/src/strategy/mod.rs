@@ -195,6 +195,11 @@ impl CpBatch {
         }
     }
 
+    /// The mask of sequence `seq` (the single mask when one is given for all).
+    pub fn mask(&self, seq: usize) -> &MaskSpec {
+        &self.masks[if self.masks.len() == 1 { 0 } else { seq }]
+    }
+
     /// The kernel problem: queries `q_segments` against keys `kv_segments`.
     pub(crate) fn problem(
         &self,
@@ -330,7 +335,7 @@ fn validate_inputs<B: FlashOps>(
         )));
     }
     for (seq, &len) in batch.sharding.seq_lens.iter().enumerate() {
-        batch.masks[if batch.masks.len() == 1 { 0 } else { seq }].validate(len)?;
+        batch.mask(seq).validate(len)?;
     }
     Ok(())
 }

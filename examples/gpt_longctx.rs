@@ -1,0 +1,398 @@
+//! Long-context GPT training with context parallelism, threads as ranks, on the CPU (burn Flex).
+//!
+//!     cargo run --release --example gpt_longctx                     # defaults: cp 4, ring zigzag
+//!     cargo run --release --example gpt_longctx -- --cp 4 --strategy usp --ulysses-degree 2 \
+//!         --steps 30 --out runs/usp --json
+//!
+//! The model is an ordinary burn GPT; context parallelism comes from the backend type
+//! `ContextParallel<Autodiff<Flex>>` and the per-rank CP context the training loop sets.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use burn_dcp::comm::{InProcessWorld, WorldConfig};
+use burn_dcp::{Layout, Strategy};
+use burn_dcp_suite::train::{
+    read_json, train_rank, write_json, StepMetrics, StepObserver, TrainConfig,
+};
+use clap::Parser;
+use serde_json::json;
+
+/// Train a GPT on long packed documents with context parallelism (threads as ranks).
+#[derive(Parser, Debug)]
+struct Args {
+    /// Context-parallel ranks per replica [default: 4]
+    #[arg(long)]
+    cp: Option<usize>,
+    /// Data-parallel replicas [default: 1]
+    #[arg(long)]
+    dp: Option<usize>,
+    /// ulysses | ring | all-gather | usp, or ring-zigzag | ring-contiguous | ring-stripe [default: ring]
+    #[arg(long)]
+    strategy: Option<String>,
+    /// contiguous | zigzag | stripe [default: zigzag]
+    #[arg(long)]
+    layout: Option<String>,
+    /// Ulysses degree of USP (ring degree = cp / ulysses degree)
+    #[arg(long)]
+    ulysses_degree: Option<usize>,
+    /// Optimizer steps (the total, also when resuming) [default: 30]
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Tokens per packed micro-batch [default: 8192]
+    #[arg(long, conflicts_with = "max_tokens_per_rank")]
+    seq_len: Option<usize>,
+    /// Tokens each CP rank holds: sets --seq-len to this × cp
+    #[arg(long)]
+    max_tokens_per_rank: Option<usize>,
+    /// Micro-batches per optimizer step over all replicas (the global batch; a multiple of dp) [default: 2]
+    #[arg(long)]
+    micro_batches: Option<usize>,
+    /// tiny | small | base [default: tiny]
+    #[arg(long)]
+    model_size: Option<String>,
+    /// Seed of the weights and the data [default: 0]
+    #[arg(long)]
+    seed: Option<u64>,
+    /// AdamW learning rate [default: 0.003]
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Mask of every document: causal | sliding:W | lambda:S,W | blockwise:B,L | shared-question:F,N [default: causal]
+    #[arg(long)]
+    mask: Option<String>,
+    /// Timeout of every communication wait, seconds [default: 60]
+    #[arg(long)]
+    timeout_secs: Option<u64>,
+    /// flex (CPU) | wgpu | cuda
+    #[arg(long, default_value = "flex")]
+    backend: String,
+    /// Write config.json, metrics.jsonl and a checkpoint here
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Continue the run saved in this directory (its config.json; --steps is the new total)
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Print the final summary as JSON on stdout
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Err(message) = run(&args) {
+        eprintln!("error: {message}");
+        std::process::exit(2);
+    }
+}
+
+fn check_backend(backend: &str) -> Result<(), String> {
+    match backend {
+        "flex" => Ok(()),
+        "wgpu" | "cuda" if !cfg!(feature = "wgpu") && backend == "wgpu" || !cfg!(feature = "cuda") && backend == "cuda" => Err(format!(
+            "backend '{backend}' needs the cargo feature `{backend}`: cargo run --release --features {backend} --example gpt_longctx -- --backend {backend}"
+        )),
+        "wgpu" | "cuda" => Err(format!(
+            "backend '{backend}': the cubecl attention kernels are not implemented yet, so training runs on --backend flex only"
+        )),
+        other => Err(format!("unknown backend '{other}': expected flex, wgpu or cuda")),
+    }
+}
+
+/// Strategy and layout from the flags (`ring-zigzag` is ring with the zigzag layout).
+fn strategy_and_layout(args: &Args, cp: usize) -> Result<(Strategy, Layout), String> {
+    let name = args.strategy.as_deref().unwrap_or("ring");
+    let (name, implied_layout) = match name.strip_prefix("ring-") {
+        Some(layout) => (
+            "ring",
+            Some(layout.parse::<Layout>().map_err(|e| e.to_string())?),
+        ),
+        None => (name, None),
+    };
+    let layout = match (&args.layout, implied_layout) {
+        (Some(given), Some(implied))
+            if given.parse::<Layout>().map_err(|e| e.to_string())? != implied =>
+        {
+            return Err(format!(
+                "--strategy {} implies the {implied} layout but --layout is {given}",
+                args.strategy.as_deref().unwrap_or_default()
+            ))
+        }
+        (Some(given), _) => given
+            .parse()
+            .map_err(|e: burn_dcp::CpError| e.to_string())?,
+        (None, Some(implied)) => implied,
+        (None, None) => Layout::Zigzag,
+    };
+    let strategy = Strategy::parse(name, args.ulysses_degree, cp).map_err(|e| e.to_string())?;
+    Ok((strategy, layout))
+}
+
+fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
+    let cp = args.cp.unwrap_or(4);
+    let (strategy, layout) = strategy_and_layout(args, cp)?;
+    let seq_len = match (args.seq_len, args.max_tokens_per_rank) {
+        (Some(n), _) => n,
+        (None, Some(per_rank)) => per_rank * cp,
+        (None, None) => 8192,
+    };
+    Ok(TrainConfig {
+        cp,
+        dp: args.dp.unwrap_or(1),
+        strategy,
+        layout,
+        seq_len,
+        micro_batches: args.micro_batches.unwrap_or(2),
+        steps: args.steps.unwrap_or(30),
+        model_size: args.model_size.clone().unwrap_or_else(|| "tiny".into()),
+        seed: args.seed.unwrap_or(0),
+        learning_rate: args.lr.unwrap_or(3e-3),
+        mask: args.mask.clone().unwrap_or_else(|| "causal".into()),
+        timeout_secs: args.timeout_secs.unwrap_or(60),
+    })
+}
+
+/// On resume: the saved config, with `--steps` as the new total; any other flag must agree.
+fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
+    let saved: TrainConfig = read_json(&dir.join("config.json"))?;
+    let mut config = saved.clone();
+    if let Some(steps) = args.steps {
+        config.steps = steps;
+    }
+    let given = config_from_args(args)?;
+    let checks: [(&str, bool, String, String); 9] = [
+        (
+            "--cp",
+            args.cp.is_some() && given.cp != saved.cp,
+            given.cp.to_string(),
+            saved.cp.to_string(),
+        ),
+        (
+            "--dp",
+            args.dp.is_some() && given.dp != saved.dp,
+            given.dp.to_string(),
+            saved.dp.to_string(),
+        ),
+        (
+            "--strategy",
+            args.strategy.is_some() && given.strategy != saved.strategy,
+            given.strategy.to_string(),
+            saved.strategy.to_string(),
+        ),
+        (
+            "--layout",
+            args.layout.is_some() && given.layout != saved.layout,
+            given.layout.to_string(),
+            saved.layout.to_string(),
+        ),
+        (
+            "--seq-len",
+            (args.seq_len.is_some() || args.max_tokens_per_rank.is_some())
+                && given.seq_len != saved.seq_len,
+            given.seq_len.to_string(),
+            saved.seq_len.to_string(),
+        ),
+        (
+            "--micro-batches",
+            args.micro_batches.is_some() && given.micro_batches != saved.micro_batches,
+            given.micro_batches.to_string(),
+            saved.micro_batches.to_string(),
+        ),
+        (
+            "--model-size",
+            args.model_size.is_some() && given.model_size != saved.model_size,
+            given.model_size.clone(),
+            saved.model_size.clone(),
+        ),
+        (
+            "--seed",
+            args.seed.is_some() && given.seed != saved.seed,
+            given.seed.to_string(),
+            saved.seed.to_string(),
+        ),
+        (
+            "--mask",
+            args.mask.is_some() && given.mask != saved.mask,
+            given.mask.clone(),
+            saved.mask.clone(),
+        ),
+    ];
+    if let Some((flag, _, value, saved_value)) = checks.into_iter().find(|c| c.1) {
+        return Err(format!(
+            "{flag} {value} differs from the resumed run's {saved_value} (saved in {})",
+            dir.display()
+        ));
+    }
+    if args.lr.is_some_and(|lr| lr != saved.learning_rate) {
+        return Err(format!(
+            "--lr differs from the resumed run's {}",
+            saved.learning_rate
+        ));
+    }
+    Ok(config)
+}
+
+/// Rank 0's view of the run: progress bar, metrics.jsonl, byte totals.
+struct Reporter<'a> {
+    world: &'a InProcessWorld,
+    metrics_file: Option<Mutex<std::fs::File>>,
+    steps: usize,
+    started: Instant,
+    error: Mutex<Option<String>>,
+}
+
+impl StepObserver for Reporter<'_> {
+    fn on_step(&self, m: &StepMetrics) {
+        let width = 30;
+        let done = m.step * width / self.steps.max(1);
+        let tokens_per_second = m.tokens as f64 / (m.step_ms / 1e3);
+        eprint!(
+            "\r[{}{}] step {}/{} | loss {:.4} | {:.0} tok/s | {:.1} MB sent ",
+            "#".repeat(done),
+            ".".repeat(width - done),
+            m.step,
+            self.steps,
+            m.loss,
+            tokens_per_second,
+            m.bytes_communicated as f64 / 1e6
+        );
+        if let Some(file) = &self.metrics_file {
+            let line = serde_json::to_string(m).expect("metrics serialize");
+            let mut file = file.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = writeln!(file, "{line}") {
+                *self.error.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(format!("cannot write metrics.jsonl: {e}"));
+            }
+        }
+    }
+
+    fn total_bytes(&self) -> u64 {
+        self.world.stats().iter().map(|s| s.total_bytes()).sum()
+    }
+}
+
+fn open_metrics(out: &Path, append: bool) -> Result<std::fs::File, String> {
+    let path = out.join("metrics.jsonl");
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(append)
+        .write(true)
+        .truncate(!append)
+        .open(&path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    check_backend(&args.backend)?;
+    let config = match &args.resume {
+        Some(dir) => resumed_config(args, dir)?,
+        None => config_from_args(args)?,
+    };
+    config.validate()?;
+    let out = args.out.clone().or_else(|| args.resume.clone());
+    if let Some(out) = &out {
+        std::fs::create_dir_all(out)
+            .map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+        write_json(&out.join("config.json"), &config)?;
+    }
+    let appending = args.resume.is_some() && out == args.resume;
+    let world = InProcessWorld::new(
+        config.world_size(),
+        WorldConfig {
+            timeout: Duration::from_secs(config.timeout_secs),
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let reporter = Reporter {
+        world: &world,
+        metrics_file: out
+            .as_deref()
+            .map(|o| open_metrics(o, appending))
+            .transpose()?
+            .map(Mutex::new),
+        steps: config.steps,
+        started: Instant::now(),
+        error: Mutex::new(None),
+    };
+    eprintln!(
+        "gpt_longctx: {} model, world {} = dp {} × cp {} ({} strategy, {} layout), {} tokens/micro-batch, {} micro-batches/step, mask {}",
+        config.model_size, config.world_size(), config.dp, config.cp, config.strategy, config.layout, config.seq_len, config.micro_batches, config.mask
+    );
+    let device = Default::default();
+    let results = world.run(|comm| {
+        train_rank(
+            comm,
+            &config,
+            args.resume.as_deref(),
+            out.as_deref(),
+            &reporter,
+            &device,
+        )
+    });
+    eprintln!();
+    let mut metrics = Vec::new();
+    for (rank, result) in results.into_iter().enumerate() {
+        let outcome = result.map_err(|e| format!("training failed: {e}"))?;
+        if rank == 0 {
+            metrics = outcome.metrics;
+        }
+    }
+    if let Some(error) = reporter
+        .error
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+    {
+        return Err(error);
+    }
+    summarize(
+        args,
+        &config,
+        &metrics,
+        reporter.started.elapsed().as_secs_f64(),
+        out.as_deref(),
+    )
+}
+
+fn summarize(
+    args: &Args,
+    config: &TrainConfig,
+    metrics: &[StepMetrics],
+    wall: f64,
+    out: Option<&Path>,
+) -> Result<(), String> {
+    let tokens: usize = metrics.iter().map(|m| m.tokens).sum();
+    let bytes: u64 = metrics.iter().map(|m| m.bytes_communicated).sum();
+    let train_seconds: f64 = metrics.iter().map(|m| m.step_ms).sum::<f64>() / 1e3;
+    let summary = json!({
+        "config": config,
+        "steps_run": metrics.len(),
+        "first_step": metrics.first().map(|m| m.step),
+        "last_step": metrics.last().map(|m| m.step),
+        "losses": metrics.iter().map(|m| m.loss).collect::<Vec<_>>(),
+        "final_loss": metrics.last().map(|m| m.loss),
+        "tokens": tokens,
+        "tokens_per_second": if train_seconds > 0.0 { tokens as f64 / train_seconds } else { 0.0 },
+        "bytes_communicated": bytes,
+        "wall_seconds": wall,
+        "out": out.map(|p| p.display().to_string()),
+    });
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?
+        );
+    } else {
+        let first = metrics.first().map_or(f64::NAN, |m| m.loss);
+        let last = metrics.last().map_or(f64::NAN, |m| m.loss);
+        println!(
+            "done: {} steps, loss {first:.4} → {last:.4}, {tokens} tokens at {:.0} tok/s, {:.1} MB communicated, {wall:.1} s{}",
+            metrics.len(),
+            summary["tokens_per_second"].as_f64().unwrap_or(0.0),
+            bytes as f64 / 1e6,
+            out.map(|p| format!(", saved to {}", p.display())).unwrap_or_default()
+        );
+    }
+    Ok(())
+}

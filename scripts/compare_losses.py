@@ -1,0 +1,39 @@
+#!/usr/bin/env python3
+"""Runs gpt_longctx for several parallel configurations at the same seed and data and checks that
+every step's loss agrees with the cp 1 × dp 1 run to ≤ 1e-4 relative.
+
+Usage: python3 scripts/compare_losses.py [BIN] [--steps N]
+(default BIN: target/release/examples/gpt_longctx)
+"""
+import json
+import subprocess
+import sys
+
+args = sys.argv[1:]
+binary = args[0] if args and not args[0].startswith("--") else "target/release/examples/gpt_longctx"
+steps = args[args.index("--steps") + 1] if "--steps" in args else "30"
+common = ["--steps", steps, "--seed", "7", "--json"]
+
+
+def losses(*flags):
+    out = subprocess.run([binary, *flags, *common], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)["losses"]
+
+
+runs = {
+    "cp4 ulysses": ["--cp", "4", "--strategy", "ulysses"],
+    "cp4 ring-zigzag": ["--cp", "4", "--strategy", "ring-zigzag"],
+    "cp4 usp 2x2": ["--cp", "4", "--strategy", "usp", "--ulysses-degree", "2"],
+    "cp4 all-gather": ["--cp", "4", "--strategy", "all-gather"],
+    "cp2 dp2 ring": ["--cp", "2", "--dp", "2"],
+}
+reference = losses("--cp", "1", "--dp", "1")
+worst_all = 0.0
+for name, flags in runs.items():
+    got = losses(*flags)
+    assert len(got) == len(reference), (name, len(got))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, reference))
+    worst_all = max(worst_all, worst)
+    print(f"{name:<16} steps {len(got)}  max relative loss difference vs cp1 dp1: {worst:.2e}  final loss {got[-1]:.4f}")
+print(f"reference final loss {reference[-1]:.4f}; worst {worst_all:.2e}")
+sys.exit(0 if worst_all <= 1e-4 else 1)
