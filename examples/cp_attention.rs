@@ -99,13 +99,7 @@ fn main() {
 }
 
 fn run(args: &Args) -> Result<(), String> {
-    if args.backend != "flex" {
-        return Err(format!(
-            "backend '{}' is not available: this build runs the portable kernels on burn Flex (--backend flex); \
-             the wgpu/cuda kernels are not implemented yet",
-            args.backend
-        ));
-    }
+    burn_dcp_suite::check_backend(&args.backend, "cp_attention")?;
     let strategy =
         Strategy::parse(&args.strategy, args.ulysses_degree, args.cp).map_err(|e| e.to_string())?;
     let layout: Layout = args

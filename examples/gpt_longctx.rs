@@ -87,19 +87,6 @@ fn main() {
     }
 }
 
-fn check_backend(backend: &str) -> Result<(), String> {
-    match backend {
-        "flex" => Ok(()),
-        "wgpu" | "cuda" if !cfg!(feature = "wgpu") && backend == "wgpu" || !cfg!(feature = "cuda") && backend == "cuda" => Err(format!(
-            "backend '{backend}' needs the cargo feature `{backend}`: cargo run --release --features {backend} --example gpt_longctx -- --backend {backend}"
-        )),
-        "wgpu" | "cuda" => Err(format!(
-            "backend '{backend}': the cubecl attention kernels are not implemented yet, so training runs on --backend flex only"
-        )),
-        other => Err(format!("unknown backend '{other}': expected flex, wgpu or cuda")),
-    }
-}
-
 /// Strategy and layout from the flags (`ring-zigzag` is ring with the zigzag layout).
 fn strategy_and_layout(args: &Args, cp: usize) -> Result<(Strategy, Layout), String> {
     let name = args.strategy.as_deref().unwrap_or("ring");
@@ -284,7 +271,7 @@ fn open_metrics(out: &Path, append: bool) -> Result<std::fs::File, String> {
 }
 
 fn run(args: &Args) -> Result<(), String> {
-    check_backend(&args.backend)?;
+    burn_dcp_suite::check_backend(&args.backend, "gpt_longctx")?;
     let config = match &args.resume {
         Some(dir) => resumed_config(args, dir)?,
         None => config_from_args(args)?,

@@ -3,6 +3,29 @@
 
 pub mod train;
 
+/// Checks a `--backend` flag of the examples: `flex` runs; `wgpu`/`cuda` name the cargo feature
+/// they need, and until the cubecl kernels exist, say so instead of silently running on the CPU.
+pub fn check_backend(backend: &str, example: &str) -> Result<(), String> {
+    let compiled = match backend {
+        "flex" => return Ok(()),
+        "wgpu" => cfg!(feature = "wgpu"),
+        "cuda" => cfg!(feature = "cuda"),
+        other => {
+            return Err(format!(
+                "unknown backend '{other}': expected flex, wgpu or cuda"
+            ))
+        }
+    };
+    if !compiled {
+        return Err(format!(
+            "backend '{backend}' needs the cargo feature `{backend}`: cargo run --release --features {backend} --example {example} -- --backend {backend}"
+        ));
+    }
+    Err(format!(
+        "backend '{backend}': the cubecl attention kernels are not implemented yet, so this build runs on --backend flex only"
+    ))
+}
+
 pub use burn_dcp;
 pub use burn_dcp_datasets as datasets;
 pub use burn_dcp_kernels as kernels;
