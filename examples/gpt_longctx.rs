@@ -1,6 +1,6 @@
 //! Long-context GPT training with context parallelism, threads as ranks, on the CPU (burn Flex).
 //!
-//!     cargo run --release --example gpt_longctx                     # defaults: cp 4, ring zigzag
+//!     cargo run --release --example gpt_longctx      # defaults: cp 4, ring zigzag, Vim help corpus
 //!     cargo run --release --example gpt_longctx -- --cp 4 --strategy usp --ulysses-degree 2 \
 //!         --steps 30 --out runs/usp --json
 //!
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use burn_dcp::comm::{InProcessWorld, WorldConfig};
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::train::{
-    read_json, train_rank, write_json, StepMetrics, StepObserver, TrainConfig,
+    read_json, train_rank, write_json, StepMetrics, StepObserver, TrainConfig, TrainData,
 };
 use clap::Parser;
 use serde_json::json;
@@ -41,7 +41,7 @@ struct Args {
     /// Optimizer steps (the total, also when resuming) [default: 30]
     #[arg(long)]
     steps: Option<usize>,
-    /// Tokens per packed micro-batch [default: 8192]
+    /// Tokens per packed micro-batch (at most; documents are packed, longer ones split) [default: 4096]
     #[arg(long, conflicts_with = "max_tokens_per_rank")]
     seq_len: Option<usize>,
     /// Tokens each CP rank holds: sets --seq-len to this × cp
@@ -59,9 +59,15 @@ struct Args {
     /// AdamW learning rate [default: 0.003]
     #[arg(long)]
     lr: Option<f64>,
-    /// Mask of every document: causal | sliding:W | lambda:S,W | blockwise:B,L | shared-question:F,N [default: causal]
+    /// Mask of every sequence: causal | lambda | blockwise | shared-question (DCP defaults) | mixed (one of those per sequence) | full | a spec such as lambda:64,4096 [default: causal]
     #[arg(long)]
     mask: Option<String>,
+    /// Training text: default (Vim help files, Debian vim-runtime) | builtin (this repository's text) | a directory of text files | a .jsonl file [default: default]
+    #[arg(long)]
+    corpus: Option<String>,
+    /// gpt2 (r50k BPE) | bytes [default: gpt2]
+    #[arg(long)]
+    tokenizer: Option<String>,
     /// Timeout of every communication wait, seconds [default: 60]
     #[arg(long)]
     timeout_secs: Option<u64>,
@@ -122,7 +128,7 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
     let seq_len = match (args.seq_len, args.max_tokens_per_rank) {
         (Some(n), _) => n,
         (None, Some(per_rank)) => per_rank * cp,
-        (None, None) => 8192,
+        (None, None) => 4096,
     };
     Ok(TrainConfig {
         cp,
@@ -136,6 +142,8 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
         seed: args.seed.unwrap_or(0),
         learning_rate: args.lr.unwrap_or(3e-3),
         mask: args.mask.clone().unwrap_or_else(|| "causal".into()),
+        corpus: args.corpus.clone().unwrap_or_else(|| "default".into()),
+        tokenizer: args.tokenizer.clone().unwrap_or_else(|| "gpt2".into()),
         timeout_secs: args.timeout_secs.unwrap_or(60),
     })
 }
@@ -148,7 +156,19 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
         config.steps = steps;
     }
     let given = config_from_args(args)?;
-    let checks: [(&str, bool, String, String); 9] = [
+    let checks: [(&str, bool, String, String); 11] = [
+        (
+            "--corpus",
+            args.corpus.is_some() && given.corpus != saved.corpus,
+            given.corpus.clone(),
+            saved.corpus.clone(),
+        ),
+        (
+            "--tokenizer",
+            args.tokenizer.is_some() && given.tokenizer != saved.tokenizer,
+            given.tokenizer.clone(),
+            saved.tokenizer.clone(),
+        ),
         (
             "--cp",
             args.cp.is_some() && given.cp != saved.cp,
@@ -306,11 +326,20 @@ fn run(args: &Args) -> Result<(), String> {
         "gpt_longctx: {} model, world {} = dp {} × cp {} ({} strategy, {} layout), {} tokens/micro-batch, {} micro-batches/step, mask {}",
         config.model_size, config.world_size(), config.dp, config.cp, config.strategy, config.layout, config.seq_len, config.micro_batches, config.mask
     );
+    let data = TrainData::load(&config)?;
+    eprintln!(
+        "data: corpus {} ({} tokenizer) packed into {} micro-batches of at most {} tokens",
+        config.corpus,
+        config.tokenizer,
+        data.len(),
+        config.seq_len
+    );
     let device = Default::default();
     let results = world.run(|comm| {
         train_rank(
             comm,
             &config,
+            &data,
             args.resume.as_deref(),
             out.as_deref(),
             &reporter,

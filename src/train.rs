@@ -22,9 +22,10 @@ use burn_dcp::comm::{Comm, CommError};
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::shard::PackedMicroBatch;
 use burn_dcp::{CpBatch, CpError, CpGroup, Layout, Strategy};
+use burn_dcp_datasets::corpus::{open_documents, Document};
+use burn_dcp_datasets::tokenizer::{cache_dir, default_tokenized, files_identity, tokenize_cached};
+use burn_dcp_datasets::{pack_corpus, MaskPolicy, PackingConfig, TokenizedCorpus, Tokenizer};
 use burn_dcp_models::{Gpt, GptConfig};
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 /// The training backend: the decorator over autodiff over burn Flex (CPU). The cubecl kernels
@@ -47,8 +48,14 @@ pub struct TrainConfig {
     pub model_size: String,
     pub seed: u64,
     pub learning_rate: f64,
-    /// Mask of every sequence, e.g. `causal`, `lambda:64,4096`.
+    /// Mask policy: `causal`, `lambda`, `blockwise`, `shared-question` (DCP defaults), `mixed`
+    /// (one of those per sequence), `full`, or a spec such as `lambda:64,4096`.
     pub mask: String,
+    /// `default` (Vim help files, Debian vim-runtime), `builtin` (this repository's text), or a
+    /// directory of text files / a `.jsonl` file.
+    pub corpus: String,
+    /// `gpt2` (r50k BPE) or `bytes`.
+    pub tokenizer: String,
     pub timeout_secs: u64,
 }
 
@@ -80,18 +87,20 @@ impl TrainConfig {
         self.strategy
             .validate_heads(model.n_heads, model.n_heads, self.cp)
             .map_err(|e| e.to_string())?;
-        self.mask_spec()?;
+        self.mask_policy()?;
         Ok(())
     }
 
     pub fn model_config(&self) -> Result<GptConfig, String> {
-        GptConfig::sized(&self.model_size, VOCAB_SIZE)
+        GptConfig::sized(&self.model_size, self.tokenizer()?.vocab_size())
     }
 
-    pub fn mask_spec(&self) -> Result<MaskSpec, String> {
-        self.mask
-            .parse()
-            .map_err(|e: burn_dcp::kernels::KernelError| e.to_string())
+    pub fn mask_policy(&self) -> Result<MaskPolicy, String> {
+        MaskPolicy::parse(&self.mask).map_err(|e| e.to_string())
+    }
+
+    pub fn tokenizer(&self) -> Result<Tokenizer, String> {
+        Tokenizer::from_name(&self.tokenizer).map_err(|e| e.to_string())
     }
 
     pub fn world_size(&self) -> usize {
@@ -99,54 +108,107 @@ impl TrainConfig {
     }
 }
 
-/// Byte-level tokens: the vocabulary is the 256 byte values.
-pub const VOCAB_SIZE: usize = 256;
-
-/// The built-in corpus: this repository's own design notes and sources, as byte tokens. Real text
-/// with long and short documents; the datasets crate replaces it with a larger corpus.
-pub fn builtin_corpus() -> Vec<Vec<i64>> {
+/// The `builtin` corpus: this repository's own design notes and sources (small; for tests).
+pub fn builtin_documents() -> Vec<Document> {
     [
-        include_str!("../README.md"),
-        include_str!("../burn-dcp/src/strategy/ring.rs"),
-        include_str!("../burn-dcp/src/strategy/ulysses.rs"),
-        include_str!("../burn-dcp/src/comm/in_process.rs"),
-        include_str!("../burn-dcp-kernels/src/portable.rs"),
-        include_str!("../burn-dcp-kernels/src/definition/mask.rs"),
-        include_str!("../models/src/gpt.rs"),
+        ("README.md", include_str!("../README.md")),
+        ("ring.rs", include_str!("../burn-dcp/src/strategy/ring.rs")),
+        (
+            "ulysses.rs",
+            include_str!("../burn-dcp/src/strategy/ulysses.rs"),
+        ),
+        (
+            "in_process.rs",
+            include_str!("../burn-dcp/src/comm/in_process.rs"),
+        ),
+        (
+            "portable.rs",
+            include_str!("../burn-dcp-kernels/src/portable.rs"),
+        ),
+        (
+            "mask.rs",
+            include_str!("../burn-dcp-kernels/src/definition/mask.rs"),
+        ),
+        ("gpt.rs", include_str!("../models/src/gpt.rs")),
     ]
     .iter()
-    .map(|text| text.bytes().map(i64::from).collect())
+    .map(|(name, text)| Document {
+        name: name.to_string(),
+        text: text.to_string(),
+    })
     .collect()
 }
 
-/// Micro-batch `index` of optimizer step `step`: documents of long-tailed lengths (log-uniform
-/// between 16 tokens and the whole micro-batch) cut from the corpus, packed to exactly `seq_len`
-/// tokens. A pure function of `(seed, step, index)`, so any cp/dp split and a resumed run see the
-/// same data.
-pub fn micro_batch(
-    corpus: &[Vec<i64>],
-    seed: u64,
-    step: usize,
-    index: usize,
-    seq_len: usize,
-) -> PackedMicroBatch {
-    let mut rng = SmallRng::seed_from_u64(
-        seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            ^ (index as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F),
-    );
-    let mut documents = Vec::new();
-    let mut remaining = seq_len;
-    while remaining > 0 {
-        let log_len = rng.random_range(4.0f64..=(seq_len as f64).log2().max(4.0));
-        let len = (log_len.exp2() as usize).clamp(1, remaining);
-        let source = &corpus[rng.random_range(0..corpus.len())];
-        let start = rng.random_range(0..source.len().saturating_sub(len).max(1));
-        let mut document: Vec<i64> = source[start..].iter().copied().take(len).collect();
-        document.resize(len, i64::from(b' '));
-        documents.push(document);
-        remaining -= len;
+/// A packed micro-batch and the mask of each of its sequences.
+#[derive(Clone, Debug)]
+pub struct TrainBatch {
+    pub packed: PackedMicroBatch,
+    pub masks: Vec<MaskSpec>,
+}
+
+/// The training data: the corpus tokenized and packed once into micro-batches of at most
+/// `seq_len` tokens (long documents split; see `burn_dcp_datasets::packing`). Step `s` uses
+/// micro-batches `(s−1)·n .. s·n` (cyclically), `n` = micro-batches per step, so any cp/dp split
+/// and a resumed run see the same data.
+pub struct TrainData {
+    batches: Vec<TrainBatch>,
+}
+
+impl TrainData {
+    pub fn load(config: &TrainConfig) -> Result<Self, String> {
+        let tokenizer = config.tokenizer()?;
+        let corpus = match config.corpus.as_str() {
+            "builtin" => {
+                TokenizedCorpus::tokenize(builtin_documents().into_iter().map(Ok), tokenizer)
+            }
+            "default" => default_tokenized(tokenizer),
+            path => {
+                let identity = format!("{path}:{}", files_identity(&[path.into()]));
+                tokenize_cached(&identity, || open_documents(path), tokenizer, &cache_dir())
+            }
+        }
+        .map_err(|e| e.to_string())?;
+        let packing = PackingConfig {
+            max_tokens_per_rank: config.seq_len,
+            ranks: 1,
+            max_seq_len: None,
+            seed: config.seed,
+        };
+        let packing =
+            pack_corpus(&corpus, &packing, &config.mask_policy()?).map_err(|e| e.to_string())?;
+        let batches: Vec<TrainBatch> = packing
+            .micro_batches
+            .into_iter()
+            .map(|b| TrainBatch {
+                packed: PackedMicroBatch {
+                    tokens: b.tokens.iter().map(|&t| i64::from(t)).collect(),
+                    labels: b.labels.clone(),
+                    positions: b.positions.iter().map(|&p| p as i64).collect(),
+                    seq_lens: b.seq_lens(),
+                },
+                masks: b.masks,
+            })
+            .collect();
+        if batches.is_empty() {
+            return Err(format!("corpus '{}' holds no tokens", config.corpus));
+        }
+        Ok(Self { batches })
     }
-    PackedMicroBatch::from_documents(&documents)
+
+    /// The micro-batches of optimizer step `step` (1-based).
+    pub fn step_batches(&self, step: usize, count: usize) -> Vec<&TrainBatch> {
+        (0..count)
+            .map(|i| &self.batches[((step - 1) * count + i) % self.batches.len()])
+            .collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.batches.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.batches.is_empty()
+    }
 }
 
 /// One optimizer step's measurements (a line of `metrics.jsonl`).
@@ -191,17 +253,16 @@ fn int_tensor<B: burn::prelude::Backend>(values: &[i64], device: &B::Device) -> 
 fn micro_batch_gradients(
     model: &Gpt<TrainBackend>,
     groups: &RankGroups,
-    batch: &PackedMicroBatch,
+    batch: &TrainBatch,
     config: &TrainConfig,
     global_labels: usize,
     device: &Device,
 ) -> Result<(f64, GradientsParams), CpError> {
-    let sharding = batch.sharding(config.cp, config.layout)?;
-    let shard = batch.shard(&sharding, groups.cp.comm.rank());
-    let mask = config.mask_spec().map_err(CpError::Config)?;
+    let sharding = batch.packed.sharding(config.cp, config.layout)?;
+    let shard = batch.packed.shard(&sharding, groups.cp.comm.rank());
     let _context = set_context(CpContext {
         group: groups.cp.clone(),
-        batch: CpBatch::new(sharding, vec![mask]),
+        batch: CpBatch::new(sharding, batch.masks.clone()),
     });
     let loss_sum = model.loss_sum(
         int_tensor(&shard.tokens, device),
@@ -247,17 +308,20 @@ pub fn step_gradients(
     model: &Gpt<TrainBackend>,
     groups: &RankGroups,
     config: &TrainConfig,
-    corpus: &[Vec<i64>],
+    data: &TrainData,
     step: usize,
     device: &Device,
 ) -> Result<(f64, GradientsParams, usize), CpError> {
-    let batches: Vec<PackedMicroBatch> = (0..config.micro_batches)
-        .map(|index| micro_batch(corpus, config.seed, step, index, config.seq_len))
-        .collect();
-    let global_labels: usize = batches.iter().map(PackedMicroBatch::label_count).sum();
+    let batches = data.step_batches(step, config.micro_batches);
+    let global_labels: usize = batches.iter().map(|b| b.packed.label_count()).sum();
     let mut accumulator = GradientsAccumulator::<Gpt<TrainBackend>>::new();
     let mut loss_sum = 0.0;
-    for batch in batches.iter().skip(groups.dp_rank).step_by(config.dp) {
+    for batch in batches
+        .iter()
+        .copied()
+        .skip(groups.dp_rank)
+        .step_by(config.dp)
+    {
         let (value, grads) =
             micro_batch_gradients(model, groups, batch, config, global_labels, device)?;
         loss_sum += value;
@@ -279,7 +343,7 @@ pub fn step_gradients(
     let total: f64 = total
         .to_vec::<f64>()
         .map_err(|e| CpError::Input(format!("{e:?}")))?[0];
-    let tokens = batches.iter().map(|b| b.tokens.len()).sum();
+    let tokens = batches.iter().map(|b| b.packed.tokens.len()).sum();
     Ok((total / global_labels as f64, reducer.grads, tokens))
 }
 
@@ -313,6 +377,7 @@ pub trait StepObserver: Sync {
 pub fn train_rank(
     world: Comm,
     config: &TrainConfig,
+    data: &TrainData,
     resume: Option<&Path>,
     out: Option<&Path>,
     observer: &dyn StepObserver,
@@ -346,14 +411,13 @@ pub fn train_rank(
         let state: TrainState = read_json(&checkpoint.join("state.json"))?;
         first_step = state.step + 1;
     }
-    let corpus = builtin_corpus();
     let mut metrics = Vec::new();
     for step in first_step..=config.steps {
         let started = Instant::now();
         groups.world.barrier().map_err(|e| e.to_string())?;
         let bytes_before = (groups.world.rank() == 0).then(|| observer.total_bytes());
         groups.world.barrier().map_err(|e| e.to_string())?;
-        let (loss, grads, tokens) = step_gradients(&model, &groups, config, &corpus, step, device)
+        let (loss, grads, tokens) = step_gradients(&model, &groups, config, data, step, device)
             .map_err(|e| e.to_string())?;
         model = optimizer.step(config.learning_rate, model, grads);
         groups.world.barrier().map_err(|e| e.to_string())?;

@@ -6,9 +6,7 @@ use std::time::Duration;
 
 use burn_dcp::comm::{InProcessWorld, WorldConfig};
 use burn_dcp::{Layout, Strategy};
-use burn_dcp_suite::train::{
-    builtin_corpus, gradient_values, step_gradients, RankGroups, TrainConfig,
-};
+use burn_dcp_suite::train::{gradient_values, step_gradients, RankGroups, TrainConfig, TrainData};
 
 fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) -> TrainConfig {
     TrainConfig {
@@ -23,6 +21,8 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         seed: 5,
         learning_rate: 1e-3,
         mask: mask.into(),
+        corpus: "builtin".into(),
+        tokenizer: "bytes".into(),
         timeout_secs: 60,
     }
 }
@@ -36,12 +36,12 @@ fn one_step(config: &TrainConfig) -> (f64, Vec<Vec<f32>>, u64) {
         },
     )
     .unwrap();
-    let corpus = builtin_corpus();
+    let data = TrainData::load(config).unwrap();
     let device = Default::default();
     let results = world.run(|comm| -> Result<_, String> {
         let groups = RankGroups::new(comm, config).map_err(|e| e.to_string())?;
         let model = config.model_config()?.init(config.seed, &device)?;
-        let (loss, grads, _) = step_gradients(&model, &groups, config, &corpus, 1, &device)
+        let (loss, grads, _) = step_gradients(&model, &groups, config, &data, 1, &device)
             .map_err(|e| e.to_string())?;
         Ok((loss, gradient_values(&model, &grads)))
     });
@@ -161,8 +161,9 @@ fn train(
     let world = InProcessWorld::new(config.world_size(), WorldConfig::default()).unwrap();
     let observer = Quiet(Default::default());
     let device = Default::default();
+    let data = TrainData::load(config).unwrap();
     for result in world.run(|comm| {
-        burn_dcp_suite::train::train_rank(comm, config, resume, out, &observer, &device)
+        burn_dcp_suite::train::train_rank(comm, config, &data, resume, out, &observer, &device)
     }) {
         result.unwrap();
     }

@@ -1,0 +1,212 @@
+//! Packing documents into micro-batches by token budget.
+//!
+//! 1. **Split**: a document longer than `max_seq_len` becomes consecutive pieces of exactly
+//!    `max_seq_len` tokens plus a shorter last piece; each piece is its own sequence (positions
+//!    restart at 0, its last token has no label). Empty documents are dropped.
+//! 2. **Order**: pieces are shuffled with `seed` (so equal lengths do not keep corpus order), then
+//!    sorted by length, longest first (stable).
+//! 3. **Best fit**: each piece goes to the open micro-batch with the least room that still fits
+//!    it, or opens a new one. Budget = `max_tokens_per_rank × ranks` tokens per micro-batch.
+//! 4. Micro-batches are shuffled with `seed` (training order).
+//!
+//! Packing efficiency = real tokens / (micro-batches × budget). Everything is a pure function of
+//! the lengths, the budget and the seed.
+
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use burn_dcp_kernels::MaskSpec;
+
+use crate::error::DataError;
+use crate::masks::MaskPolicy;
+use crate::tokenizer::TokenizedCorpus;
+
+/// How to pack.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackingConfig {
+    pub max_tokens_per_rank: usize,
+    pub ranks: usize,
+    /// Longest sequence; longer documents are split. Defaults to the budget.
+    pub max_seq_len: Option<usize>,
+    pub seed: u64,
+}
+
+impl PackingConfig {
+    pub fn budget(&self) -> usize {
+        self.max_tokens_per_rank * self.ranks
+    }
+
+    pub fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+            .unwrap_or_else(|| self.budget())
+            .min(self.budget())
+    }
+
+    pub fn validate(&self) -> Result<(), DataError> {
+        if self.max_tokens_per_rank == 0 || self.ranks == 0 {
+            return Err(DataError::Invalid(format!(
+                "max_tokens_per_rank ({}) and ranks ({}) must be at least 1",
+                self.max_tokens_per_rank, self.ranks
+            )));
+        }
+        if self.max_seq_len == Some(0) {
+            return Err(DataError::Invalid("max_seq_len must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// A piece of a document: tokens `start..start + len` of document `doc`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Piece {
+    pub doc: usize,
+    pub start: usize,
+    pub len: usize,
+}
+
+/// Splits documents of the given lengths into pieces of at most `max_seq_len` tokens.
+pub fn split_documents(lengths: &[usize], max_seq_len: usize) -> Vec<Piece> {
+    lengths
+        .iter()
+        .enumerate()
+        .flat_map(|(doc, &len)| {
+            (0..len.div_ceil(max_seq_len)).map(move |i| Piece {
+                doc,
+                start: i * max_seq_len,
+                len: max_seq_len.min(len - i * max_seq_len),
+            })
+        })
+        .collect()
+}
+
+/// Packs pieces into micro-batches (lists of pieces) of at most `budget` tokens (see module docs).
+pub fn pack_pieces(mut pieces: Vec<Piece>, budget: usize, seed: u64) -> Vec<Vec<Piece>> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    pieces.shuffle(&mut rng);
+    pieces.sort_by_key(|piece| std::cmp::Reverse(piece.len));
+    let mut bins: Vec<(usize, Vec<Piece>)> = Vec::new();
+    for piece in pieces {
+        let best = bins
+            .iter()
+            .enumerate()
+            .filter(|(_, (used, _))| used + piece.len <= budget)
+            .min_by_key(|(_, (used, _))| budget - used)
+            .map(|(index, _)| index);
+        match best {
+            Some(index) => {
+                bins[index].0 += piece.len;
+                bins[index].1.push(piece);
+            }
+            None => bins.push((piece.len, vec![piece])),
+        }
+    }
+    let mut bins: Vec<Vec<Piece>> = bins.into_iter().map(|(_, pieces)| pieces).collect();
+    bins.shuffle(&mut rng);
+    bins
+}
+
+/// A packed micro-batch: sequences end to end, no padding.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MicroBatch {
+    pub tokens: Vec<u32>,
+    /// Next token within the same sequence; `-1` at a sequence's last token.
+    pub labels: Vec<i64>,
+    /// Position of each token within its sequence.
+    pub positions: Vec<usize>,
+    /// `0, len_0, len_0 + len_1, …, tokens.len()`.
+    pub cu_seqlens: Vec<usize>,
+    /// One mask per sequence.
+    pub masks: Vec<MaskSpec>,
+    /// Where each sequence came from.
+    pub pieces: Vec<Piece>,
+}
+
+impl MicroBatch {
+    pub fn seq_lens(&self) -> Vec<usize> {
+        self.cu_seqlens.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+
+    fn from_pieces(
+        corpus: &TokenizedCorpus,
+        pieces: Vec<Piece>,
+        masks: &MaskPolicy,
+        seed: u64,
+    ) -> Self {
+        let mut batch = Self {
+            tokens: Vec::new(),
+            labels: Vec::new(),
+            positions: Vec::new(),
+            cu_seqlens: vec![0],
+            masks: Vec::new(),
+            pieces: Vec::new(),
+        };
+        for piece in pieces {
+            let tokens = &corpus.documents[piece.doc][piece.start..piece.start + piece.len];
+            batch.tokens.extend_from_slice(tokens);
+            batch.labels.extend(tokens[1..].iter().map(|&t| t as i64));
+            batch.labels.push(-1);
+            batch.positions.extend(0..piece.len);
+            batch.cu_seqlens.push(batch.tokens.len());
+            batch.masks.push(masks.mask_for(piece, seed));
+            batch.pieces.push(piece);
+        }
+        batch
+    }
+}
+
+/// The packing of a corpus.
+#[derive(Clone, Debug)]
+pub struct Packing {
+    pub micro_batches: Vec<MicroBatch>,
+    pub budget: usize,
+}
+
+impl Packing {
+    /// Real tokens / (micro-batches × budget).
+    pub fn efficiency(&self) -> f64 {
+        efficiency(
+            self.micro_batches.iter().map(|b| b.tokens.len()).sum(),
+            self.micro_batches.len(),
+            self.budget,
+        )
+    }
+}
+
+/// Real tokens / (micro-batches × budget).
+pub fn efficiency(tokens: usize, micro_batches: usize, budget: usize) -> f64 {
+    if micro_batches == 0 {
+        return 0.0;
+    }
+    tokens as f64 / (micro_batches * budget) as f64
+}
+
+/// Packs a tokenized corpus into micro-batches with per-sequence masks.
+pub fn pack_corpus(
+    corpus: &TokenizedCorpus,
+    config: &PackingConfig,
+    masks: &MaskPolicy,
+) -> Result<Packing, DataError> {
+    config.validate()?;
+    let pieces = split_documents(&corpus.lengths(), config.max_seq_len());
+    let micro_batches = pack_pieces(pieces, config.budget(), config.seed)
+        .into_iter()
+        .map(|pieces| MicroBatch::from_pieces(corpus, pieces, masks, config.seed))
+        .collect();
+    Ok(Packing {
+        micro_batches,
+        budget: config.budget(),
+    })
+}
+
+/// Packing efficiency of documents of the given lengths (no tokens needed).
+pub fn packing_efficiency(
+    lengths: &[usize],
+    config: &PackingConfig,
+) -> Result<(f64, usize), DataError> {
+    config.validate()?;
+    let pieces = split_documents(lengths, config.max_seq_len());
+    let tokens: usize = pieces.iter().map(|p| p.len).sum();
+    let bins = pack_pieces(pieces, config.budget(), config.seed).len();
+    Ok((efficiency(tokens, bins, config.budget()), bins))
+}

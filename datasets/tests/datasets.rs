@@ -1,0 +1,167 @@
+//! Packing puts every token in exactly one micro-batch (property test); cu_seqlens, positions and
+//! labels agree; the mask specs match a naive dense mask; loaders reject malformed input naming the
+//! file and line.
+
+use std::io::Write;
+
+use burn_dcp_datasets::corpus::{jsonl_documents, read_text_file, text_directory};
+use burn_dcp_datasets::masks::{blockwise_default, lambda_default, shared_question_default};
+use burn_dcp_datasets::packing::{pack_pieces, split_documents};
+use burn_dcp_datasets::{pack_corpus, MaskPolicy, MaskSpec, PackingConfig, TokenizedCorpus};
+use proptest::prelude::*;
+
+fn corpus(lengths: &[usize]) -> TokenizedCorpus {
+    TokenizedCorpus {
+        names: (0..lengths.len()).map(|i| format!("doc{i}")).collect(),
+        // Token value encodes (document, position) so placement can be checked exactly.
+        documents: lengths
+            .iter()
+            .enumerate()
+            .map(|(d, &len)| (0..len).map(|p| (d * 100_000 + p) as u32).collect())
+            .collect(),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn every_token_lands_in_exactly_one_micro_batch(
+        lengths in proptest::collection::vec(0usize..3000, 1..40),
+        per_rank in 1usize..600,
+        ranks in 1usize..5,
+        max_seq_len in proptest::option::of(1usize..2000),
+        seed in 0u64..1000,
+    ) {
+        let config = PackingConfig { max_tokens_per_rank: per_rank, ranks, max_seq_len, seed };
+        let corpus = corpus(&lengths);
+        let packing = pack_corpus(&corpus, &config, &MaskPolicy::Same(MaskSpec::Causal)).unwrap();
+        let mut seen: Vec<Vec<u8>> = lengths.iter().map(|&l| vec![0; l]).collect();
+        for batch in &packing.micro_batches {
+            prop_assert!(batch.tokens.len() <= config.budget());
+            prop_assert_eq!(batch.cu_seqlens[0], 0);
+            prop_assert_eq!(*batch.cu_seqlens.last().unwrap(), batch.tokens.len());
+            prop_assert_eq!(batch.masks.len(), batch.pieces.len());
+            for (s, w) in batch.cu_seqlens.windows(2).enumerate() {
+                prop_assert!(w[1] - w[0] <= config.max_seq_len());
+                prop_assert!(w[1] > w[0]);
+                for t in w[0]..w[1] {
+                    let position = t - w[0];
+                    prop_assert_eq!(batch.positions[t], position);
+                    let expected_label = if t + 1 < w[1] { batch.tokens[t + 1] as i64 } else { -1 };
+                    prop_assert_eq!(batch.labels[t], expected_label);
+                    let (doc, at) = ((batch.tokens[t] / 100_000) as usize, (batch.tokens[t] % 100_000) as usize);
+                    prop_assert_eq!(doc, batch.pieces[s].doc);
+                    seen[doc][at] += 1;
+                }
+            }
+        }
+        prop_assert!(seen.iter().flatten().all(|&n| n == 1), "a token is missing or duplicated");
+    }
+
+    #[test]
+    fn packing_is_deterministic(lengths in proptest::collection::vec(1usize..500, 1..30), seed in 0u64..100) {
+        let pieces = split_documents(&lengths, 300);
+        prop_assert_eq!(pack_pieces(pieces.clone(), 700, seed), pack_pieces(pieces, 700, seed));
+    }
+}
+
+#[test]
+fn dcp_default_masks_match_a_naive_dense_mask() {
+    // The rules as written in the DCP paper's evaluation, evaluated densely.
+    let len = 1500;
+    let naive: [(MaskSpec, Box<dyn Fn(usize, usize) -> bool>); 3] = [
+        (
+            lambda_default(),
+            Box::new(|i, j| j <= i && (j < 64 || i - j < 4096)),
+        ),
+        (
+            blockwise_default(),
+            Box::new(|i, j| j <= i && (j / 256 == 0 || i / 256 - j / 256 < 2)),
+        ),
+        (
+            shared_question_default(),
+            Box::new(move |i, j| {
+                let q = 300; // 20% of 1500
+                let answer = |x: usize| (x >= q).then(|| ((x - q) / 300).min(3));
+                match (answer(i), answer(j)) {
+                    (None, None) => j <= i,
+                    (Some(_), None) => true,
+                    (None, Some(_)) => false,
+                    (Some(a), Some(b)) => a == b && j <= i,
+                }
+            }),
+        ),
+    ];
+    for (spec, rule) in &naive {
+        for i in (0..len).step_by(7) {
+            let ranges = spec.key_ranges(i, len);
+            for j in 0..len {
+                assert_eq!(ranges.contains(j), rule(i, j), "{spec} i {i} j {j}");
+            }
+        }
+    }
+}
+
+fn temp(name: &str, content: &[u8]) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("bdcp-datasets-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::File::create(&path)
+        .unwrap()
+        .write_all(content)
+        .unwrap();
+    path
+}
+
+#[test]
+fn jsonl_loader_reads_text_and_chat_and_names_bad_lines() {
+    let path = temp(
+        "good.jsonl",
+        b"{\"text\": \"hello\"}\n\n{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n",
+    );
+    let docs: Vec<_> = jsonl_documents(&path)
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(docs[0].text, "hello");
+    assert_eq!(docs[1].text, "user: hi\n\nassistant: yo");
+    for (content, reason) in [
+        (
+            "{\"text\": \"ok\"}\n{\"text\": 3}\n",
+            "\"text\" must be a string",
+        ),
+        ("{\"text\": \"ok\"}\nnot json\n", "not valid JSON"),
+        (
+            "{\"text\": \"ok\"}\n{\"other\": 1}\n",
+            "expected a \"text\" string or a \"messages\" array",
+        ),
+        (
+            "{\"text\": \"ok\"}\n{\"messages\": [{\"role\": \"user\"}]}\n",
+            "message 0 needs string fields",
+        ),
+    ] {
+        let path = temp("bad.jsonl", content.as_bytes());
+        let err = jsonl_documents(&path)
+            .unwrap()
+            .find_map(Result::err)
+            .expect("an error")
+            .to_string();
+        assert!(
+            err.contains("bad.jsonl:2:") && err.contains(reason),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn text_loader_names_the_line_of_invalid_utf8() {
+    let path = temp("latin1.txt", b"line one\nline two\nbad \xff byte\n");
+    let err = read_text_file(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("latin1.txt:3:") && err.contains("invalid UTF-8"),
+        "{err}"
+    );
+    let dir = path.parent().unwrap();
+    assert!(text_directory(dir).unwrap().any(|d| d.is_err()));
+}

@@ -1,0 +1,153 @@
+//! Statistics of a long-context corpus: document count, tokens, length percentiles, a histogram
+//! and the packing efficiency at a token budget.
+//!
+//!     cargo run --release --example dataset_stats -- --corpus default --json
+//!     cargo run --release --example dataset_stats -- --corpus ldc-like --samples 20000 --svg ldc.svg
+
+use std::path::PathBuf;
+
+use burn_dcp_datasets::packing::packing_efficiency;
+use burn_dcp_datasets::stats::{histogram_svg, histogram_text, log2_histogram, LengthStats};
+use burn_dcp_datasets::tokenizer::{cache_dir, files_identity, tokenize_cached};
+use burn_dcp_datasets::{corpus, LengthMix, LengthSampler, PackingConfig, Tokenizer};
+use clap::Parser;
+use serde_json::json;
+
+/// Length statistics and packing efficiency of a corpus.
+#[derive(Parser, Debug)]
+struct Args {
+    /// default (Vim help files, Debian vim-runtime) | PATH (directory of text files, .jsonl or text file) | longalign-like | ldc-like
+    #[arg(long, default_value = "default")]
+    corpus: String,
+    /// gpt2 (r50k BPE) | bytes
+    #[arg(long, default_value = "gpt2")]
+    tokenizer: String,
+    /// Tokens per rank of the packing budget.
+    #[arg(long, default_value_t = 16384)]
+    max_tokens_per_rank: usize,
+    /// Ranks of the packing budget (budget = max-tokens-per-rank × ranks).
+    #[arg(long, default_value_t = 4)]
+    ranks: usize,
+    /// Longest packed sequence; longer documents are split (default: the budget).
+    #[arg(long)]
+    max_seq_len: Option<usize>,
+    /// Seed of the packing order and of the synthetic samplers.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Synthetic corpora: number of sequences.
+    #[arg(long, default_value_t = 10000)]
+    samples: usize,
+    /// Synthetic corpora: DCP's length scale factor (0.5, 1, 2, 4).
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Synthetic corpora: longest sequence.
+    #[arg(long, default_value_t = 131072)]
+    max_len: usize,
+    /// Also write the histogram as SVG to this file.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Err(message) = run(&args) {
+        eprintln!("error: {message}");
+        std::process::exit(2);
+    }
+}
+
+fn lengths(args: &Args) -> Result<Vec<usize>, String> {
+    if let Ok(mix) = args.corpus.parse::<LengthMix>() {
+        let sampler =
+            LengthSampler::new(mix, args.scale, args.max_len).map_err(|e| e.to_string())?;
+        return Ok(sampler.sample_many(args.samples, args.seed));
+    }
+    let tokenizer = Tokenizer::from_name(&args.tokenizer).map_err(|e| e.to_string())?;
+    let identity = if args.corpus == "default" {
+        files_identity(&corpus::default_corpus_files().map_err(|e| e.to_string())?)
+    } else {
+        let path = PathBuf::from(&args.corpus);
+        let files = if path.is_dir() {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(&path)
+                .map_err(|e| format!("{}: {e}", path.display()))?
+                .flatten()
+                .map(|e| e.path())
+                .collect();
+            files.sort();
+            files
+        } else {
+            vec![path]
+        };
+        files_identity(&files)
+    };
+    let corpus = tokenize_cached(
+        &identity,
+        || corpus::open_documents(&args.corpus),
+        tokenizer,
+        &cache_dir(),
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(corpus.lengths())
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    let lengths = lengths(args)?;
+    let stats = LengthStats::of(&lengths);
+    let config = PackingConfig {
+        max_tokens_per_rank: args.max_tokens_per_rank,
+        ranks: args.ranks,
+        max_seq_len: args.max_seq_len,
+        seed: args.seed,
+    };
+    let (efficiency, micro_batches) =
+        packing_efficiency(&lengths, &config).map_err(|e| e.to_string())?;
+    let histogram = log2_histogram(&lengths);
+    if let Some(path) = &args.svg {
+        let title = format!(
+            "{} — {} documents, {} tokens",
+            args.corpus, stats.documents, stats.tokens
+        );
+        std::fs::write(path, histogram_svg(&histogram, &title))
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    if args.json {
+        let summary = json!({
+            "corpus": args.corpus,
+            "tokenizer": if args.corpus.parse::<LengthMix>().is_ok() { "none (sampled lengths)" } else { &args.tokenizer },
+            "documents": stats.documents,
+            "tokens": stats.tokens,
+            "p50": stats.p50,
+            "p90": stats.p90,
+            "p99": stats.p99,
+            "max": stats.max,
+            "packing_efficiency": efficiency,
+            "micro_batches": micro_batches,
+            "budget_tokens": config.budget(),
+            "histogram": histogram.iter().map(|&(low, count)| json!({"min": low, "count": count})).collect::<Vec<_>>(),
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
+    println!("corpus {} ({} tokenizer)", args.corpus, args.tokenizer);
+    println!("documents {}  tokens {}", stats.documents, stats.tokens);
+    println!(
+        "length percentiles: p50 {}  p90 {}  p99 {}  max {}",
+        stats.p50, stats.p90, stats.p99, stats.max
+    );
+    println!("histogram (tokens per document):");
+    print!("{}", histogram_text(&histogram));
+    println!(
+        "packing: {micro_batches} micro-batches of {} tokens ({} per rank × {} ranks), efficiency {:.4}",
+        config.budget(),
+        args.max_tokens_per_rank,
+        args.ranks,
+        efficiency
+    );
+    Ok(())
+}
