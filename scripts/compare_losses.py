@@ -12,7 +12,7 @@ import sys
 args = sys.argv[1:]
 binary = args[0] if args and not args[0].startswith("--") else "target/release/examples/gpt_longctx"
 steps = args[args.index("--steps") + 1] if "--steps" in args else "30"
-common = ["--steps", steps, "--seed", "7", "--json"]
+common = ["--steps", steps, "--seed", "7", "--seq-len", "2048", "--json"]
 
 
 def losses(*flags):
