@@ -165,3 +165,52 @@ fn text_loader_names_the_line_of_invalid_utf8() {
     let dir = path.parent().unwrap();
     assert!(text_directory(dir).unwrap().any(|d| d.is_err()));
 }
+
+/// The default corpus is installed by `.ci/run` (Debian vim-runtime); without it this test fails
+/// with the install hint rather than passing silently.
+#[test]
+fn the_default_corpus_is_long_tailed_and_packs_efficiently() {
+    use burn_dcp_datasets::corpus::default_corpus;
+    use burn_dcp_datasets::packing::packing_efficiency;
+    use burn_dcp_datasets::stats::LengthStats;
+    use burn_dcp_datasets::Tokenizer;
+
+    let documents = default_corpus().unwrap_or_else(|e| panic!("{e}"));
+    let corpus = TokenizedCorpus::tokenize(documents, Tokenizer::Bytes).unwrap();
+    let lengths = corpus.lengths();
+    let stats = LengthStats::of(&lengths);
+    assert!(stats.documents >= 100, "{stats:?}");
+    assert!(
+        stats.max >= 32768 && stats.p90 >= 3 * stats.p50,
+        "{stats:?}"
+    );
+    let config = PackingConfig {
+        max_tokens_per_rank: 16384,
+        ranks: 4,
+        max_seq_len: None,
+        seed: 0,
+    };
+    let (efficiency, _) = packing_efficiency(&lengths, &config).unwrap();
+    assert!(efficiency >= 0.95, "packing efficiency {efficiency}");
+}
+
+#[test]
+fn the_prefetcher_yields_the_dataset_in_order() {
+    use burn_dcp_datasets::dataset::{PackedDataset, Prefetcher};
+
+    let config = PackingConfig {
+        max_tokens_per_rank: 50,
+        ranks: 2,
+        max_seq_len: None,
+        seed: 3,
+    };
+    let packing = pack_corpus(&corpus(&[120, 7, 33, 90, 5]), &config, &MaskPolicy::Mixed).unwrap();
+    let expected = packing.micro_batches.clone();
+    let got: Vec<_> = Prefetcher::new(PackedDataset::new(packing), 2).collect();
+    assert_eq!(got, expected);
+    // Dropping a prefetcher before the end stops its worker.
+    let packing = pack_corpus(&corpus(&[500; 20]), &config, &MaskPolicy::Mixed).unwrap();
+    let mut early = Prefetcher::new(PackedDataset::new(packing), 1);
+    assert!(early.next().is_some());
+    drop(early);
+}
