@@ -68,6 +68,9 @@ fn is_range(heads: &[usize]) -> bool {
     !heads.is_empty() && heads.windows(2).all(|w| w[1] == w[0] + 1)
 }
 
+/// Queries, keys and values.
+pub type Qkv<B> = (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>);
+
 /// One rank's side of the all-to-alls of a Ulysses group whose member `p` holds
 /// `member_tokens[p]` tokens.
 pub struct UlyssesStage<'a> {
@@ -163,6 +166,59 @@ impl UlyssesStage<'_> {
         }
         Ok(grad)
     }
+
+    /// Forward inputs to heads: `q [T_me, H, D]`, `k`/`v [T_me, K, D]` → the group's tokens on
+    /// this rank's heads.
+    pub fn inputs_to_heads<B: Backend>(
+        &self,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+    ) -> Result<Qkv<B>, CpError> {
+        Ok((
+            self.q_to_heads(q)?,
+            self.kv_to_heads(k)?,
+            self.kv_to_heads(v)?,
+        ))
+    }
+
+    /// Forward result back to this rank's tokens on all heads.
+    pub fn output_to_sequence<B: FlashOps>(
+        &self,
+        result: FlashOutput<B>,
+    ) -> Result<FlashOutput<B>, CpError> {
+        Ok(FlashOutput {
+            out: self.q_to_sequence(result.out)?,
+            lse: self.lse_to_sequence(result.lse)?,
+        })
+    }
+
+    /// Backward inputs to heads (q, k, v, out, lse, dout).
+    pub fn backward_inputs_to_heads<B: FlashOps>(
+        &self,
+        x: BackwardInputs<B>,
+    ) -> Result<BackwardInputs<B>, CpError> {
+        Ok(BackwardInputs {
+            q: self.q_to_heads(x.q)?,
+            k: self.kv_to_heads(x.k)?,
+            v: self.kv_to_heads(x.v)?,
+            out: self.q_to_heads(x.out)?,
+            lse: self.lse_to_heads(x.lse)?,
+            dout: self.q_to_heads(x.dout)?,
+        })
+    }
+
+    /// Gradients back to this rank's tokens (replicated kv heads summed onto their owner).
+    pub fn gradients_to_sequence<B: FlashOps>(
+        &self,
+        grads: FlashGradients<B>,
+    ) -> Result<FlashGradients<B>, CpError> {
+        Ok(FlashGradients {
+            dq: self.q_to_sequence(grads.dq)?,
+            dk: self.kv_grad_to_sequence(grads.dk)?,
+            dv: self.kv_grad_to_sequence(grads.dv)?,
+        })
+    }
 }
 
 /// Ulysses over the whole CP group.
@@ -203,16 +259,8 @@ impl AttentionStrategy for Ulysses {
         v: Tensor<B, 3>,
     ) -> Result<FlashOutput<B>, CpError> {
         let stage = Self::stage(group, batch, q.dims()[1], k.dims()[1]);
-        let (q, k, v) = (
-            stage.q_to_heads(q)?,
-            stage.kv_to_heads(k)?,
-            stage.kv_to_heads(v)?,
-        );
-        let result = B::flash_forward(q, k, v, &Self::problem(batch))?;
-        Ok(FlashOutput {
-            out: stage.q_to_sequence(result.out)?,
-            lse: stage.lse_to_sequence(result.lse)?,
-        })
+        let (q, k, v) = stage.inputs_to_heads(q, k, v)?;
+        stage.output_to_sequence(B::flash_forward(q, k, v, &Self::problem(batch))?)
     }
 
     fn backward<B: FlashOps>(
@@ -222,20 +270,10 @@ impl AttentionStrategy for Ulysses {
         x: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         let stage = Self::stage(group, batch, x.q.dims()[1], x.k.dims()[1]);
-        let grads = B::flash_backward(
-            stage.q_to_heads(x.q)?,
-            stage.kv_to_heads(x.k)?,
-            stage.kv_to_heads(x.v)?,
-            stage.q_to_heads(x.out)?,
-            stage.lse_to_heads(x.lse)?,
-            stage.q_to_heads(x.dout)?,
-            &Self::problem(batch),
-        )?;
-        Ok(FlashGradients {
-            dq: stage.q_to_sequence(grads.dq)?,
-            dk: stage.kv_grad_to_sequence(grads.dk)?,
-            dv: stage.kv_grad_to_sequence(grads.dv)?,
-        })
+        let x = stage.backward_inputs_to_heads(x)?;
+        let problem = Self::problem(batch);
+        let grads = B::flash_backward(x.q, x.k, x.v, x.out, x.lse, x.dout, &problem)?;
+        stage.gradients_to_sequence(grads)
     }
 }
 

@@ -87,15 +87,8 @@ impl AttentionStrategy for Usp {
         v: Tensor<B, 3>,
     ) -> Result<FlashOutput<B>, CpError> {
         let Mesh { stage, ring } = Self::mesh(group, batch, q.dims()[1], k.dims()[1])?;
-        let result = ring.forward(
-            stage.q_to_heads(q)?,
-            stage.kv_to_heads(k)?,
-            stage.kv_to_heads(v)?,
-        )?;
-        Ok(FlashOutput {
-            out: stage.q_to_sequence(result.out)?,
-            lse: stage.lse_to_sequence(result.lse)?,
-        })
+        let (q, k, v) = stage.inputs_to_heads(q, k, v)?;
+        stage.output_to_sequence(ring.forward(q, k, v)?)
     }
 
     fn backward<B: FlashOps>(
@@ -105,18 +98,7 @@ impl AttentionStrategy for Usp {
         x: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         let Mesh { stage, ring } = Self::mesh(group, batch, x.q.dims()[1], x.k.dims()[1])?;
-        let grads = ring.backward(BackwardInputs {
-            q: stage.q_to_heads(x.q)?,
-            k: stage.kv_to_heads(x.k)?,
-            v: stage.kv_to_heads(x.v)?,
-            out: stage.q_to_heads(x.out)?,
-            lse: stage.lse_to_heads(x.lse)?,
-            dout: stage.q_to_heads(x.dout)?,
-        })?;
-        Ok(FlashGradients {
-            dq: stage.q_to_sequence(grads.dq)?,
-            dk: stage.kv_grad_to_sequence(grads.dk)?,
-            dv: stage.kv_grad_to_sequence(grads.dv)?,
-        })
+        let grads = ring.backward(stage.backward_inputs_to_heads(x)?)?;
+        stage.gradients_to_sequence(grads)
     }
 }
