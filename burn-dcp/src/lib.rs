@@ -17,6 +17,7 @@ pub mod comm;
 pub mod error;
 pub mod harness;
 pub mod layout;
+pub mod planner;
 pub mod shard;
 pub mod strategy;
 pub mod volume;

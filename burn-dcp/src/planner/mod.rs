@@ -1,0 +1,11 @@
+//! Planners: pure functions from sequence lengths, a mesh and a configuration to a plan — no
+//! device, no communication — so they are unit- and property-tested on the CPU.
+//!
+//! - `topology`: nodes × devices, link and device speeds, attention/communication cost model.
+//!
+//! (Work in progress for the planners issue: the Megatron-style dynamic CP scheduler, the DCP
+//! block planner, the plan format and `plan_sim` come next.)
+
+pub mod topology;
+
+pub use topology::{attention_flops, LinkClass, Topology};
