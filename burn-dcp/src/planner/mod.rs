@@ -2,10 +2,12 @@
 //! device, no communication — so they are unit- and property-tested on the CPU.
 //!
 //! - `topology`: nodes × devices, link and device speeds, attention/communication cost model.
+//! - `dynamic`: Megatron-style dynamic CP group sizes and scheduling.
 //!
 //! (Work in progress for the planners issue: the Megatron-style dynamic CP scheduler, the DCP
 //! block planner, the plan format and `plan_sim` come next.)
 
+pub mod dynamic;
 pub mod topology;
 
 pub use topology::{attention_flops, LinkClass, Topology};
