@@ -1,0 +1,366 @@
+//! The block-level plan format shared by every strategy, and its validator.
+//!
+//! Per sequence and head group, tokens are cut into blocks of `block` tokens (the last may be
+//! shorter). A **compute block** is a (q block, kv block) pair whose mask tile is not empty; a
+//! **data block** is a q, kv or o block with a home rank. JSON (stable):
+//!
+//! ```json
+//! {"ranks": R,
+//!  "blocks": [{"seq": s, "head": h, "q_block": i, "kv_block": j, "rank": r, "stage": t}, …],
+//!  "data":   [{"kind": "q"|"kv"|"o", "seq": s, "head": h, "block": i, "home_rank": r}, …],
+//!  "stats":  {…}}
+//! ```
+//!
+//! `head` is the head group (one kv head and the query heads sharing it). The validator checks
+//! that every non-empty mask tile is computed exactly once and every data block has exactly one
+//! home, independently of how the plan was made.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+
+use burn_dcp_kernels::MaskSpec;
+use serde::{Deserialize, Serialize};
+
+use crate::error::CpError;
+
+/// A compute block: attention of one q block against one kv block of one head group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ComputeBlock {
+    pub seq: usize,
+    pub head: usize,
+    pub q_block: usize,
+    pub kv_block: usize,
+    pub rank: usize,
+    pub stage: usize,
+}
+
+/// What a data block holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataKind {
+    Q,
+    Kv,
+    O,
+}
+
+/// A data block and the rank where it lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DataBlock {
+    pub kind: DataKind,
+    pub seq: usize,
+    pub head: usize,
+    pub block: usize,
+    pub home_rank: usize,
+}
+
+/// A plan (see the module docs).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub ranks: usize,
+    pub blocks: Vec<ComputeBlock>,
+    pub data: Vec<DataBlock>,
+    pub stats: serde_json::Value,
+}
+
+/// The problem every plan covers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockProblem {
+    pub seq_lens: Vec<usize>,
+    /// One mask per sequence, or one for all.
+    pub masks: Vec<MaskSpec>,
+    pub head_groups: usize,
+    pub block: usize,
+}
+
+impl BlockProblem {
+    pub fn validate(&self) -> Result<(), CpError> {
+        if self.block == 0 || self.head_groups == 0 {
+            return Err(CpError::Config(format!(
+                "block size ({}) and head groups ({}) must be at least 1",
+                self.block, self.head_groups
+            )));
+        }
+        if self.masks.len() != 1 && self.masks.len() != self.seq_lens.len() {
+            return Err(CpError::Config(format!(
+                "{} masks for {} sequences: give one per sequence or one for all",
+                self.masks.len(),
+                self.seq_lens.len()
+            )));
+        }
+        for (seq, &len) in self.seq_lens.iter().enumerate() {
+            self.mask(seq).validate(len)?;
+        }
+        Ok(())
+    }
+
+    pub fn mask(&self, seq: usize) -> &MaskSpec {
+        &self.masks[if self.masks.len() == 1 { 0 } else { seq }]
+    }
+
+    /// Number of blocks of sequence `seq`.
+    pub fn blocks_of(&self, seq: usize) -> usize {
+        self.seq_lens[seq].div_ceil(self.block)
+    }
+
+    /// Token range of block `index` of sequence `seq`.
+    pub fn block_tokens(&self, seq: usize, index: usize) -> Range<usize> {
+        index * self.block..((index + 1) * self.block).min(self.seq_lens[seq])
+    }
+
+    /// For each q block of `seq`, the kv blocks whose mask tile is not empty (sorted). Cost
+    /// `O(len · log block)`: each query's ≤ 2 key ranges become block intervals, merged per q block.
+    pub fn nonempty_tiles(&self, seq: usize) -> Vec<Vec<usize>> {
+        let len = self.seq_lens[seq];
+        let mask = self.mask(seq);
+        (0..self.blocks_of(seq))
+            .map(|q_block| {
+                let mut intervals: Vec<(usize, usize)> = self
+                    .block_tokens(seq, q_block)
+                    .flat_map(|i| {
+                        mask.key_ranges(i, len)
+                            .iter()
+                            .map(|r| (r.start / self.block, (r.end - 1) / self.block))
+                            .collect::<Vec<_>>()
+                    })
+                    .collect();
+                intervals.sort_unstable();
+                let mut blocks = Vec::new();
+                let mut next = 0;
+                for (first, last) in intervals {
+                    for kv in first.max(next)..=last {
+                        blocks.push(kv);
+                    }
+                    next = next.max(last + 1);
+                }
+                blocks
+            })
+            .collect()
+    }
+
+    /// Unmasked (query, key) pairs of one tile.
+    pub fn tile_pairs(&self, seq: usize, q_block: usize, kv_block: usize) -> u64 {
+        let len = self.seq_lens[seq];
+        let keys = self.block_tokens(seq, kv_block);
+        self.block_tokens(seq, q_block)
+            .map(|i| {
+                self.mask(seq)
+                    .key_ranges(i, len)
+                    .iter()
+                    .map(|r| r.end.min(keys.end).saturating_sub(r.start.max(keys.start)) as u64)
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+}
+
+/// Checks a plan against its problem: every non-empty tile of every head group computed exactly
+/// once, nothing else computed, every q/kv/o block exactly one home, every rank in range.
+pub fn validate_plan(plan: &Plan, problem: &BlockProblem) -> Result<(), CpError> {
+    problem.validate()?;
+    let bad = |message: String| Err(CpError::Config(format!("invalid plan: {message}")));
+    let mut computed: HashMap<(usize, usize, usize, usize), usize> = HashMap::new();
+    for b in &plan.blocks {
+        if b.rank >= plan.ranks {
+            return bad(format!(
+                "compute block {b:?} is on rank {} of {}",
+                b.rank, plan.ranks
+            ));
+        }
+        *computed
+            .entry((b.seq, b.head, b.q_block, b.kv_block))
+            .or_default() += 1;
+    }
+    let mut expected = 0usize;
+    for seq in 0..problem.seq_lens.len() {
+        for (q_block, kv_blocks) in problem.nonempty_tiles(seq).iter().enumerate() {
+            for &kv_block in kv_blocks {
+                for head in 0..problem.head_groups {
+                    expected += 1;
+                    match computed.get(&(seq, head, q_block, kv_block)) {
+                        Some(1) => {}
+                        Some(n) => return bad(format!("tile (seq {seq}, head {head}, q {q_block}, kv {kv_block}) computed {n} times")),
+                        None => return bad(format!("tile (seq {seq}, head {head}, q {q_block}, kv {kv_block}) is never computed")),
+                    }
+                }
+            }
+        }
+    }
+    if computed.len() != expected {
+        return bad(format!(
+            "{} tiles computed but only {expected} are non-empty",
+            computed.len()
+        ));
+    }
+    let mut homes: BTreeMap<(DataKind, usize, usize, usize), usize> = BTreeMap::new();
+    for d in &plan.data {
+        if d.home_rank >= plan.ranks {
+            return bad(format!(
+                "data block {d:?} lives on rank {} of {}",
+                d.home_rank, plan.ranks
+            ));
+        }
+        *homes.entry((d.kind, d.seq, d.head, d.block)).or_default() += 1;
+    }
+    for seq in 0..problem.seq_lens.len() {
+        for block in 0..problem.blocks_of(seq) {
+            for head in 0..problem.head_groups {
+                for kind in [DataKind::Q, DataKind::Kv, DataKind::O] {
+                    match homes.get(&(kind, seq, head, block)) {
+                        Some(1) => {}
+                        Some(n) => return bad(format!(
+                            "{kind:?} block (seq {seq}, head {head}, block {block}) has {n} homes"
+                        )),
+                        None => return bad(format!(
+                            "{kind:?} block (seq {seq}, head {head}, block {block}) has no home"
+                        )),
+                    }
+                }
+            }
+        }
+    }
+    let total_blocks: usize = (0..problem.seq_lens.len())
+        .map(|s| problem.blocks_of(s))
+        .sum();
+    if homes.len() != 3 * total_blocks * problem.head_groups {
+        return bad("data blocks outside the problem".into());
+    }
+    Ok(())
+}
+
+/// Ring attention with the zigzag layout as a block plan: a sequence's `2R` zigzag chunks (at
+/// block granularity: block `i` belongs to chunk `⌊i·2R / n⌋` of its `n` blocks) live on ranks
+/// `c` and `2R−1−c`; queries and outputs stay home; a tile runs on its q block's rank at ring step
+/// `(rank(q) − rank(kv)) mod R`.
+pub fn ring_zigzag_plan(problem: &BlockProblem, ranks: usize) -> Result<Plan, CpError> {
+    problem.validate()?;
+    if ranks == 0 {
+        return Err(CpError::Config("a plan needs at least one rank".into()));
+    }
+    let home = |seq: usize, block: usize| {
+        let chunk = block * 2 * ranks / problem.blocks_of(seq).max(1);
+        if chunk < ranks {
+            chunk
+        } else {
+            2 * ranks - 1 - chunk
+        }
+    };
+    let mut plan = Plan {
+        ranks,
+        blocks: Vec::new(),
+        data: Vec::new(),
+        stats: serde_json::json!({"strategy": "ring-zigzag"}),
+    };
+    for seq in 0..problem.seq_lens.len() {
+        for (q_block, kv_blocks) in problem.nonempty_tiles(seq).iter().enumerate() {
+            let rank = home(seq, q_block);
+            for &kv_block in kv_blocks {
+                let stage = (rank + ranks - home(seq, kv_block)) % ranks;
+                for head in 0..problem.head_groups {
+                    plan.blocks.push(ComputeBlock {
+                        seq,
+                        head,
+                        q_block,
+                        kv_block,
+                        rank,
+                        stage,
+                    });
+                }
+            }
+        }
+        for block in 0..problem.blocks_of(seq) {
+            for head in 0..problem.head_groups {
+                for kind in [DataKind::Q, DataKind::Kv, DataKind::O] {
+                    plan.data.push(DataBlock {
+                        kind,
+                        seq,
+                        head,
+                        block,
+                        home_rank: home(seq, block),
+                    });
+                }
+            }
+        }
+    }
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problem(mask: &str) -> BlockProblem {
+        BlockProblem {
+            seq_lens: vec![1000, 300, 2049],
+            masks: vec![mask.parse().unwrap()],
+            head_groups: 2,
+            block: 128,
+        }
+    }
+
+    #[test]
+    fn nonempty_tiles_match_a_scan() {
+        for mask in [
+            "causal",
+            "full",
+            "lambda:64,256",
+            "blockwise:128,2",
+            "shared-question:0.2,4",
+            "sliding:100",
+        ] {
+            let p = problem(mask);
+            for seq in 0..3 {
+                let tiles = p.nonempty_tiles(seq);
+                for q in 0..p.blocks_of(seq) {
+                    for kv in 0..p.blocks_of(seq) {
+                        let any = p.mask(seq).any_allowed(
+                            p.block_tokens(seq, q),
+                            p.block_tokens(seq, kv),
+                            p.seq_lens[seq],
+                        );
+                        assert_eq!(
+                            tiles[q].contains(&kv),
+                            any,
+                            "{mask} seq {seq} q {q} kv {kv}"
+                        );
+                        assert_eq!(p.tile_pairs(seq, q, kv) > 0, any);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn ring_zigzag_plans_validate_and_broken_plans_do_not() {
+        for mask in [
+            "causal",
+            "full",
+            "lambda:64,256",
+            "blockwise:128,2",
+            "shared-question:0.2,4",
+        ] {
+            let p = problem(mask);
+            let plan = ring_zigzag_plan(&p, 4).unwrap();
+            validate_plan(&plan, &p).unwrap();
+            let json = serde_json::to_string(&plan).unwrap();
+            assert_eq!(serde_json::from_str::<Plan>(&json).unwrap(), plan);
+            let mut twice = plan.clone();
+            twice.blocks.push(plan.blocks[0]);
+            assert!(validate_plan(&twice, &p)
+                .unwrap_err()
+                .to_string()
+                .contains("computed 2 times"));
+            let mut missing = plan.clone();
+            missing.blocks.pop();
+            assert!(validate_plan(&missing, &p)
+                .unwrap_err()
+                .to_string()
+                .contains("never computed"));
+            let mut homeless = plan.clone();
+            homeless.data.pop();
+            assert!(validate_plan(&homeless, &p)
+                .unwrap_err()
+                .to_string()
+                .contains("has no home"));
+        }
+    }
+}
