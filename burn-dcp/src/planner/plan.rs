@@ -207,12 +207,16 @@ pub fn validate_plan(plan: &Plan, problem: &BlockProblem) -> Result<(), CpError>
                 for kind in [DataKind::Q, DataKind::Kv, DataKind::O] {
                     match homes.get(&(kind, seq, head, block)) {
                         Some(1) => {}
-                        Some(n) => return bad(format!(
+                        Some(n) => {
+                            return bad(format!(
                             "{kind:?} block (seq {seq}, head {head}, block {block}) has {n} homes"
-                        )),
-                        None => return bad(format!(
+                        ))
+                        }
+                        None => {
+                            return bad(format!(
                             "{kind:?} block (seq {seq}, head {head}, block {block}) has no home"
-                        )),
+                        ))
+                        }
                     }
                 }
             }
@@ -310,7 +314,7 @@ mod tests {
             let p = problem(mask);
             for seq in 0..3 {
                 let tiles = p.nonempty_tiles(seq);
-                for q in 0..p.blocks_of(seq) {
+                for (q, q_tiles) in tiles.iter().enumerate() {
                     for kv in 0..p.blocks_of(seq) {
                         let any = p.mask(seq).any_allowed(
                             p.block_tokens(seq, q),
