@@ -322,7 +322,7 @@ mod tests {
                             p.seq_lens[seq],
                         );
                         assert_eq!(
-                            tiles[q].contains(&kv),
+                            q_tiles.contains(&kv),
                             any,
                             "{mask} seq {seq} q {q} kv {kv}"
                         );
