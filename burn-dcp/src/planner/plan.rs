@@ -321,11 +321,7 @@ mod tests {
                             p.block_tokens(seq, kv),
                             p.seq_lens[seq],
                         );
-                        assert_eq!(
-                            q_tiles.contains(&kv),
-                            any,
-                            "{mask} seq {seq} q {q} kv {kv}"
-                        );
+                        assert_eq!(q_tiles.contains(&kv), any, "{mask} seq {seq} q {q} kv {kv}");
                         assert_eq!(p.tile_pairs(seq, q, kv) > 0, any);
                     }
                 }
