@@ -470,26 +470,6 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), String> {
     std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
-/// All parameters' values in the model's parameter order (for checks).
-pub fn parameter_values<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> Vec<Vec<f32>> {
-    struct Collect(Vec<Vec<f32>>);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push(
-                param
-                    .val()
-                    .into_data()
-                    .convert::<f32>()
-                    .into_vec()
-                    .expect("f32 data"),
-            );
-        }
-    }
-    let mut collect = Collect(Vec::new());
-    model.visit(&mut collect);
-    collect.0
-}
-
 /// Every parameter's gradient in `grads`, in the model's parameter order (for checks).
 pub fn gradient_values<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,

@@ -11,6 +11,7 @@ use burn_dcp::backend::{set_context, ContextParallel, CpContext};
 use burn_dcp::comm::{InProcessWorld, WorldConfig};
 use burn_dcp::harness::{max_rel_err, run_single_device, PackedInputs};
 use burn_dcp::kernels::MaskSpec;
+use burn_dcp::shard::unshard_rows;
 use burn_dcp::volume::{analytic_volume, VolumeShape};
 use burn_dcp::{CpBatch, CpGroup, Layout, Sharding, Strategy};
 use common::*;
@@ -113,14 +114,11 @@ fn unshard(
     width: usize,
     tokens: usize,
 ) -> Vec<f32> {
-    let mut full = vec![0.0; tokens * width];
-    for r in ranks {
-        for (local, &i) in r.indices.iter().enumerate() {
-            full[i * width..(i + 1) * width]
-                .copy_from_slice(&field(r)[local * width..(local + 1) * width]);
-        }
-    }
-    full
+    let shards: Vec<_> = ranks
+        .iter()
+        .map(|r| (r.indices.clone(), field(r).clone()))
+        .collect();
+    unshard_rows(&shards, width, tokens)
 }
 
 #[test]

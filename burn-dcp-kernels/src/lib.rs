@@ -15,7 +15,7 @@ pub mod portable;
 pub mod reference;
 
 pub use definition::{
-    validate_cu_seqlens, AttentionShape, KernelError, KeyRanges, MaskSpec, Segment, TokenPositions,
-    VarlenAttention,
+    mask_of, validate_cu_seqlens, validate_masks, AttentionShape, KernelError, KeyRanges, MaskSpec,
+    Segment, TokenPositions, VarlenAttention,
 };
 pub use ops::{FlashGradients, FlashOps, FlashOutput};

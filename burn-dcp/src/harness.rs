@@ -11,6 +11,7 @@ use burn_dcp_kernels::{FlashOps, MaskSpec, VarlenAttention};
 use crate::comm::{CommStats, InProcessWorld, WorldConfig};
 use crate::error::CpError;
 use crate::layout::{Layout, Sharding};
+use crate::shard::scatter_rows;
 use crate::strategy::{
     cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy,
 };
@@ -108,13 +109,6 @@ fn gather_rows(data: &[f32], width: usize, indices: &[usize]) -> Vec<f32> {
         .iter()
         .flat_map(|&i| data[i * width..(i + 1) * width].iter().copied())
         .collect()
-}
-
-/// Writes `rows` (token-major) to rows `indices` of `full`.
-fn scatter_rows(full: &mut [f32], width: usize, indices: &[usize], rows: &[f32]) {
-    for (local, &i) in indices.iter().enumerate() {
-        full[i * width..(i + 1) * width].copy_from_slice(&rows[local * width..(local + 1) * width]);
-    }
 }
 
 /// Single-device attention (the oracle of CP runs): the whole micro-batch on one device.

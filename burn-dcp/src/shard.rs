@@ -91,12 +91,17 @@ pub fn unshard_rows(
 ) -> Vec<f32> {
     let mut full = vec![0.0; total_tokens * width];
     for (indices, rows) in shards {
-        for (local, &index) in indices.iter().enumerate() {
-            full[index * width..(index + 1) * width]
-                .copy_from_slice(&rows[local * width..(local + 1) * width]);
-        }
+        scatter_rows(&mut full, width, indices, rows);
     }
     full
+}
+
+/// Writes `rows` (token-major, `width` values per token) to rows `indices` of `full`.
+pub fn scatter_rows(full: &mut [f32], width: usize, indices: &[usize], rows: &[f32]) {
+    for (local, &index) in indices.iter().enumerate() {
+        full[index * width..(index + 1) * width]
+            .copy_from_slice(&rows[local * width..(local + 1) * width]);
+    }
 }
 
 #[cfg(test)]

@@ -230,6 +230,27 @@ impl MaskSpec {
     }
 }
 
+/// The mask of sequence `seq` when `masks` holds one mask per sequence or a single one for all.
+pub fn mask_of(masks: &[MaskSpec], seq: usize) -> &MaskSpec {
+    &masks[if masks.len() == 1 { 0 } else { seq }]
+}
+
+/// Checks that `masks` holds one mask per sequence or a single one for all, and that each mask
+/// is valid for its sequence's length.
+pub fn validate_masks(masks: &[MaskSpec], seq_lens: &[usize]) -> Result<(), KernelError> {
+    if masks.len() != 1 && masks.len() != seq_lens.len() {
+        return Err(KernelError::InvalidPacking(format!(
+            "{} masks for {} sequences: give one mask per sequence or a single mask for all",
+            masks.len(),
+            seq_lens.len()
+        )));
+    }
+    for (seq, &len) in seq_lens.iter().enumerate() {
+        mask_of(masks, seq).validate(len)?;
+    }
+    Ok(())
+}
+
 /// Question/answer boundaries of a shared-question sequence.
 #[derive(Clone, Copy, Debug)]
 struct SharedQuestionSplit {

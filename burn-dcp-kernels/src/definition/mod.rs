@@ -6,6 +6,6 @@ pub mod packing;
 pub mod problem;
 
 pub use error::KernelError;
-pub use mask::{KeyRanges, MaskSpec};
+pub use mask::{mask_of, validate_masks, KeyRanges, MaskSpec};
 pub use packing::{validate_cu_seqlens, Segment, TokenPositions};
 pub use problem::{AttentionShape, VarlenAttention};

@@ -1,7 +1,7 @@
 //! One attention call over packed variable-length sequences.
 
 use crate::definition::error::KernelError;
-use crate::definition::mask::MaskSpec;
+use crate::definition::mask::{mask_of, validate_masks, MaskSpec};
 use crate::definition::packing::{token_count, whole_sequences, Segment};
 
 /// What one attention call computes: which sequences exist, how each is masked, and which
@@ -148,11 +148,7 @@ impl VarlenAttention {
 
     /// The mask of sequence `seq`.
     pub fn mask(&self, seq: usize) -> &MaskSpec {
-        if self.masks.len() == 1 {
-            &self.masks[0]
-        } else {
-            &self.masks[seq]
-        }
+        mask_of(&self.masks, seq)
     }
 
     pub fn q_tokens(&self) -> usize {
@@ -170,16 +166,7 @@ impl VarlenAttention {
 
     /// Checks the masks, the segments and their agreement with the tensor shapes.
     pub fn validate(&self, shape: &AttentionShape) -> Result<(), KernelError> {
-        if self.masks.len() != 1 && self.masks.len() != self.seq_lens.len() {
-            return Err(KernelError::InvalidPacking(format!(
-                "{} masks for {} sequences: give one mask per sequence or a single mask for all",
-                self.masks.len(),
-                self.seq_lens.len()
-            )));
-        }
-        for (seq, &len) in self.seq_lens.iter().enumerate() {
-            self.mask(seq).validate(len)?;
-        }
+        validate_masks(&self.masks, &self.seq_lens)?;
         if let Some(scale) = self.scale {
             if !scale.is_finite() {
                 return Err(KernelError::InvalidShape(format!(

@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
-use burn_dcp_kernels::MaskSpec;
+use burn_dcp_kernels::{mask_of, validate_masks, MaskSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::error::CpError;
@@ -80,21 +80,12 @@ impl BlockProblem {
                 self.block, self.head_groups
             )));
         }
-        if self.masks.len() != 1 && self.masks.len() != self.seq_lens.len() {
-            return Err(CpError::Config(format!(
-                "{} masks for {} sequences: give one per sequence or one for all",
-                self.masks.len(),
-                self.seq_lens.len()
-            )));
-        }
-        for (seq, &len) in self.seq_lens.iter().enumerate() {
-            self.mask(seq).validate(len)?;
-        }
+        validate_masks(&self.masks, &self.seq_lens)?;
         Ok(())
     }
 
     pub fn mask(&self, seq: usize) -> &MaskSpec {
-        &self.masks[if self.masks.len() == 1 { 0 } else { seq }]
+        mask_of(&self.masks, seq)
     }
 
     /// Number of blocks of sequence `seq`.

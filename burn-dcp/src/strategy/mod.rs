@@ -197,7 +197,7 @@ impl CpBatch {
 
     /// The mask of sequence `seq` (the single mask when one is given for all).
     pub fn mask(&self, seq: usize) -> &MaskSpec {
-        &self.masks[if self.masks.len() == 1 { 0 } else { seq }]
+        burn_dcp_kernels::mask_of(&self.masks, seq)
     }
 
     /// The kernel problem: queries `q_segments` against keys `kv_segments`.
@@ -327,15 +327,6 @@ fn validate_inputs<B: FlashOps>(
             batch.sharding.layout, shape.q_tokens, shape.kv_tokens
         )));
     }
-    let seqs = batch.sharding.seq_lens.len();
-    if batch.masks.len() != 1 && batch.masks.len() != seqs {
-        return Err(CpError::Config(format!(
-            "{} masks for {seqs} sequences: give one mask per sequence or a single mask for all",
-            batch.masks.len()
-        )));
-    }
-    for (seq, &len) in batch.sharding.seq_lens.iter().enumerate() {
-        batch.mask(seq).validate(len)?;
-    }
+    burn_dcp_kernels::validate_masks(&batch.masks, &batch.sharding.seq_lens)?;
     Ok(())
 }
