@@ -80,6 +80,11 @@ impl BlockProblem {
                 self.block, self.head_groups
             )));
         }
+        if let Some(seq) = self.seq_lens.iter().position(|&len| len == 0) {
+            return Err(CpError::Config(format!(
+                "sequence {seq} has length 0: every planned sequence needs at least one token"
+            )));
+        }
         validate_masks(&self.masks, &self.seq_lens)?;
         Ok(())
     }
@@ -142,6 +147,78 @@ impl BlockProblem {
             })
             .sum()
     }
+}
+
+/// Unmasked (query, key) pairs of every non-empty tile of one sequence: `rows[q_block]` lists
+/// `(kv_block, pairs)` sorted by kv block. Built in `O(len + tiles)`: each query's ≤ 2 key ranges
+/// add partial counts to their end blocks and a +1 over the full blocks between them (difference
+/// array), so a long causal sequence costs no more than its tile count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TileGrid {
+    pub rows: Vec<Vec<(u32, u64)>>,
+}
+
+impl TileGrid {
+    pub fn new(problem: &BlockProblem, seq: usize) -> Self {
+        let len = problem.seq_lens[seq];
+        let block = problem.block;
+        let blocks = problem.blocks_of(seq);
+        let mask = problem.mask(seq);
+        let mut partial = vec![0u64; blocks];
+        let mut full = vec![0i64; blocks + 1];
+        let rows = (0..blocks)
+            .map(|q_block| {
+                partial.iter_mut().for_each(|p| *p = 0);
+                full.iter_mut().for_each(|f| *f = 0);
+                for i in problem.block_tokens(seq, q_block) {
+                    for range in mask.key_ranges(i, len).iter() {
+                        if range.is_empty() {
+                            continue;
+                        }
+                        let (first, last) = (range.start / block, (range.end - 1) / block);
+                        if first == last {
+                            partial[first] += range.len() as u64;
+                        } else {
+                            partial[first] += ((first + 1) * block - range.start) as u64;
+                            partial[last] += (range.end - last * block) as u64;
+                            full[first + 1] += 1;
+                            full[last] -= 1;
+                        }
+                    }
+                }
+                let mut running = 0i64;
+                let mut row = Vec::new();
+                for kv in 0..blocks {
+                    running += full[kv];
+                    let pairs = partial[kv] + running as u64 * block as u64;
+                    if pairs > 0 {
+                        row.push((kv as u32, pairs));
+                    }
+                }
+                row
+            })
+            .collect();
+        Self { rows }
+    }
+
+    /// Pairs of tile `(q_block, kv_block)` (0 when the tile is empty).
+    pub fn pairs(&self, q_block: usize, kv_block: usize) -> u64 {
+        let row = &self.rows[q_block];
+        row.binary_search_by_key(&(kv_block as u32), |&(kv, _)| kv)
+            .map(|i| row[i].1)
+            .unwrap_or(0)
+    }
+
+    pub fn tiles(&self) -> usize {
+        self.rows.iter().map(Vec::len).sum()
+    }
+}
+
+/// The tile grids of every sequence of a problem.
+pub fn tile_grids(problem: &BlockProblem) -> Vec<TileGrid> {
+    (0..problem.seq_lens.len())
+        .map(|seq| TileGrid::new(problem, seq))
+        .collect()
 }
 
 /// Checks a plan against its problem: every non-empty tile of every head group computed exactly
@@ -222,63 +299,6 @@ pub fn validate_plan(plan: &Plan, problem: &BlockProblem) -> Result<(), CpError>
     Ok(())
 }
 
-/// Ring attention with the zigzag layout as a block plan: a sequence's `2R` zigzag chunks (at
-/// block granularity: block `i` belongs to chunk `⌊i·2R / n⌋` of its `n` blocks) live on ranks
-/// `c` and `2R−1−c`; queries and outputs stay home; a tile runs on its q block's rank at ring step
-/// `(rank(q) − rank(kv)) mod R`.
-pub fn ring_zigzag_plan(problem: &BlockProblem, ranks: usize) -> Result<Plan, CpError> {
-    problem.validate()?;
-    if ranks == 0 {
-        return Err(CpError::Config("a plan needs at least one rank".into()));
-    }
-    let home = |seq: usize, block: usize| {
-        let chunk = block * 2 * ranks / problem.blocks_of(seq).max(1);
-        if chunk < ranks {
-            chunk
-        } else {
-            2 * ranks - 1 - chunk
-        }
-    };
-    let mut plan = Plan {
-        ranks,
-        blocks: Vec::new(),
-        data: Vec::new(),
-        stats: serde_json::json!({"strategy": "ring-zigzag"}),
-    };
-    for seq in 0..problem.seq_lens.len() {
-        for (q_block, kv_blocks) in problem.nonempty_tiles(seq).iter().enumerate() {
-            let rank = home(seq, q_block);
-            for &kv_block in kv_blocks {
-                let stage = (rank + ranks - home(seq, kv_block)) % ranks;
-                for head in 0..problem.head_groups {
-                    plan.blocks.push(ComputeBlock {
-                        seq,
-                        head,
-                        q_block,
-                        kv_block,
-                        rank,
-                        stage,
-                    });
-                }
-            }
-        }
-        for block in 0..problem.blocks_of(seq) {
-            for head in 0..problem.head_groups {
-                for kind in [DataKind::Q, DataKind::Kv, DataKind::O] {
-                    plan.data.push(DataBlock {
-                        kind,
-                        seq,
-                        head,
-                        block,
-                        home_rank: home(seq, block),
-                    });
-                }
-            }
-        }
-    }
-    Ok(plan)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -304,7 +324,15 @@ mod tests {
         ] {
             let p = problem(mask);
             for seq in 0..3 {
+                let grid = TileGrid::new(&p, seq);
                 let tiles = p.nonempty_tiles(seq);
+                for (q, row) in grid.rows.iter().enumerate() {
+                    let kvs: Vec<usize> = row.iter().map(|&(kv, _)| kv as usize).collect();
+                    assert_eq!(kvs, tiles[q], "{mask} seq {seq} q {q}");
+                    for &(kv, pairs) in row {
+                        assert_eq!(pairs, p.tile_pairs(seq, q, kv as usize));
+                    }
+                }
                 for (q, q_tiles) in tiles.iter().enumerate() {
                     for kv in 0..p.blocks_of(seq) {
                         let any = p.mask(seq).any_allowed(
@@ -321,7 +349,7 @@ mod tests {
     }
 
     #[test]
-    fn ring_zigzag_plans_validate_and_broken_plans_do_not() {
+    fn validator_accepts_a_ring_plan_and_rejects_broken_ones() {
         for mask in [
             "causal",
             "full",
@@ -329,8 +357,26 @@ mod tests {
             "blockwise:128,2",
             "shared-question:0.2,4",
         ] {
-            let p = problem(mask);
-            let plan = ring_zigzag_plan(&p, 4).unwrap();
+            let input = crate::planner::strategies::PlanInput {
+                seq_lens: vec![1000, 300, 2049],
+                masks: vec![mask.parse().unwrap()],
+                dims: crate::planner::cost::AttentionDims {
+                    heads: 4,
+                    kv_heads: 2,
+                    head_dim: 64,
+                    element_bytes: 2,
+                },
+                topology: crate::planner::topology::Topology::preset("a100-p4d", 1).unwrap(),
+                block: 128,
+                dcp: Default::default(),
+                max_seq_len_per_rank: None,
+            };
+            let routed = crate::planner::strategies::plan_strategy(
+                crate::planner::strategies::PlanStrategy::RingZigzag,
+                &input,
+            )
+            .unwrap();
+            let (plan, p) = (routed.plan, routed.problem);
             validate_plan(&plan, &p).unwrap();
             let json = serde_json::to_string(&plan).unwrap();
             assert_eq!(serde_json::from_str::<Plan>(&json).unwrap(), plan);

@@ -1,0 +1,423 @@
+//! What a plan costs on a topology: bytes per link class, compute and memory balance, and an
+//! estimated attention time (forward and backward) with communication overlapped stage by stage.
+//!
+//! A plan's communication is a list of [`Transfer`]s, each tagged with the compute stage that
+//! needs it. Every strategy routes its own way (ring: hop by hop; DCP and all-to-all: directly,
+//! one copy per remote node then forwarded inside the node), so the same evaluator measures all.
+//!
+//! **Bytes moved per block** (per token and head unit: `q` = query heads × D × element bytes,
+//! `kv` = 2 × kv heads × D × element bytes, `o` = q + 4 bytes of LSE per query head):
+//!
+//! | pass     | to the compute rank            | back to the home rank |
+//! |----------|--------------------------------|-----------------------|
+//! | forward  | Q: q, KV: kv                   | partial O: o          |
+//! | backward | Q, O, dO: 2q + o; KV: kv       | dQ: q; dK,dV: kv      |
+//!
+//! **Time model.** Ranks do not wait for each other between stages: each runs a stage as soon as
+//! its inputs are in. Per rank and pass over `S` stages: `comm(0) + Σ_t max(compute(t),
+//! comm(t+1)) + comm(post)`, where `compute(t)` is the rank's unmasked FLOPs of stage `t` over
+//! the device FLOP/s and `comm(t)` the time of the transfers stage `t` needs: the rank's own
+//! NVLink bytes (in or out, the larger) over the intra-node bandwidth, plus, if it sends or
+//! receives across nodes, its whole node's inter-node bytes of that stage over the node's NIC
+//! bandwidth (the NICs are shared), plus one latency per link class used. Communication for
+//! stage `t+1` overlaps compute of stage `t`; `comm(0)` (before any compute) and `comm(post)`
+//! (results back home) do not overlap. The pass takes as long as its slowest rank. First-order
+//! only: no congestion inside the fabric, no kernel launch overheads.
+
+use serde::Serialize;
+
+use crate::error::CpError;
+use crate::planner::hypergraph::FastMap;
+use crate::planner::plan::{BlockProblem, DataKind, Plan, TileGrid};
+use crate::planner::topology::{LinkClass, Topology};
+
+/// Attention dimensions of the planned layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionDims {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Bytes per element of Q, K, V, O and their gradients (2 for bf16).
+    pub element_bytes: usize,
+}
+
+/// Per-token, per-head-unit sizes of a plan whose problem has `units` head units.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UnitSizes {
+    pub q: f64,
+    pub kv: f64,
+    pub o: f64,
+    /// Forward FLOPs per unmasked (query, key) pair of one unit.
+    pub forward_flops_per_pair: f64,
+}
+
+/// Backward FLOPs are this many times the forward's (recompute of Q·Kᵀ, then dV, dP, dQ, dK).
+pub const BACKWARD_FLOPS_FACTOR: f64 = 2.5;
+
+impl AttentionDims {
+    pub fn validate(&self) -> Result<(), CpError> {
+        if self.heads == 0 || self.kv_heads == 0 || self.head_dim == 0 || self.element_bytes == 0 {
+            return Err(CpError::Config(format!(
+                "heads ({}), kv heads ({}), head dim ({}) and element bytes ({}) must be at least 1",
+                self.heads, self.kv_heads, self.head_dim, self.element_bytes
+            )));
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return Err(CpError::Config(format!(
+                "heads ({}) must be a multiple of kv heads ({})",
+                self.heads, self.kv_heads
+            )));
+        }
+        Ok(())
+    }
+
+    /// Sizes for `units` head units. A unit holds `heads / units` query heads and, when there are
+    /// more units than kv heads, a replica of its kv head (as Ulysses does past the kv head count).
+    pub fn unit_sizes(&self, units: usize) -> Result<UnitSizes, CpError> {
+        self.validate()?;
+        if units == 0 || !self.heads.is_multiple_of(units) {
+            return Err(CpError::Config(format!(
+                "{units} head units do not divide {} query heads",
+                self.heads
+            )));
+        }
+        if !units.is_multiple_of(self.kv_heads) && !self.kv_heads.is_multiple_of(units) {
+            return Err(CpError::Config(format!(
+                "{units} head units and {} kv heads: one must divide the other",
+                self.kv_heads
+            )));
+        }
+        let q_heads = (self.heads / units) as f64;
+        let kv_heads = (self.kv_heads / units).max(1) as f64;
+        let d = self.head_dim as f64;
+        let e = self.element_bytes as f64;
+        Ok(UnitSizes {
+            q: q_heads * d * e,
+            kv: 2.0 * kv_heads * d * e,
+            o: q_heads * d * e + 4.0 * q_heads,
+            forward_flops_per_pair: 4.0 * d * q_heads,
+        })
+    }
+}
+
+impl UnitSizes {
+    /// Bytes of the (query, output) side of one token on the way to a compute rank and back,
+    /// forward plus backward: the weight of a q/o hyperedge per token.
+    pub fn qo_traffic(&self) -> f64 {
+        (self.q + self.o) + (2.0 * self.q + self.o + self.q)
+    }
+
+    /// Bytes of the kv side of one token, forward plus backward.
+    pub fn kv_traffic(&self) -> f64 {
+        self.kv + 2.0 * self.kv
+    }
+
+    /// Memory one token's Q, KV and O occupy on their home.
+    pub fn resident(&self) -> f64 {
+        self.q + self.kv + self.o
+    }
+}
+
+/// Forward or backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pass {
+    Forward,
+    Backward,
+}
+
+/// Stage tag of transfers that bring results home after the last compute stage.
+pub const POST: usize = usize::MAX;
+
+/// One point-to-point transfer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Transfer {
+    pub pass: Pass,
+    /// Compute stage that needs it, or [`POST`].
+    pub stage: usize,
+    pub from: usize,
+    pub to: usize,
+    pub bytes: f64,
+}
+
+/// A plan, the problem it covers, and its communication.
+#[derive(Clone, Debug)]
+pub struct RoutedPlan {
+    pub name: String,
+    pub plan: Plan,
+    pub problem: BlockProblem,
+    pub sizes: UnitSizes,
+    pub transfers: Vec<Transfer>,
+}
+
+/// What `plan_sim` reports per strategy (its JSON keys are the field names).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StrategyReport {
+    pub name: String,
+    pub inter_node_bytes: f64,
+    pub intra_node_bytes: f64,
+    /// max / mean forward FLOPs per rank.
+    pub compute_imbalance: f64,
+    /// max / mean resident bytes per rank.
+    pub memory_imbalance: f64,
+    pub attention_fwd_ms: f64,
+    pub attention_bwd_ms: f64,
+    pub planning_ms: f64,
+    pub stages: usize,
+    pub compute_blocks: usize,
+}
+
+fn max_over_mean(values: &[f64]) -> f64 {
+    let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;
+    let max = values.iter().copied().fold(0.0, f64::max);
+    if mean > 0.0 {
+        max / mean
+    } else {
+        1.0
+    }
+}
+
+/// Tokens of a data block.
+fn block_tokens(problem: &BlockProblem, seq: usize, block: usize) -> f64 {
+    problem.block_tokens(seq, block).len() as f64
+}
+
+/// Seconds each rank waits for the transfers of one stage: its own NVLink traffic (in or out,
+/// whichever is larger) over the intra-node bandwidth, plus, if it sends or receives across
+/// nodes, its node's inter-node traffic of the stage (the NICs are shared) over the inter-node
+/// bandwidth; one latency per link class it uses.
+fn stage_comm_seconds(transfers: &[&Transfer], topology: &Topology) -> Vec<f64> {
+    let ranks = topology.ranks();
+    let mut intra_in = vec![0.0; ranks];
+    let mut intra_out = vec![0.0; ranks];
+    let mut uses_inter = vec![false; ranks];
+    let mut inter_in = vec![0.0; topology.nodes];
+    let mut inter_out = vec![0.0; topology.nodes];
+    for t in transfers {
+        match topology.link(t.from, t.to) {
+            LinkClass::Local => {}
+            LinkClass::IntraNode => {
+                intra_in[t.to] += t.bytes;
+                intra_out[t.from] += t.bytes;
+            }
+            LinkClass::InterNode => {
+                uses_inter[t.from] = true;
+                uses_inter[t.to] = true;
+                inter_in[topology.node_of(t.to)] += t.bytes;
+                inter_out[topology.node_of(t.from)] += t.bytes;
+            }
+        }
+    }
+    (0..ranks)
+        .map(|r| {
+            let intra = intra_in[r].max(intra_out[r]);
+            let mut seconds = 0.0;
+            if intra > 0.0 {
+                seconds += topology.intra_node_latency + intra / topology.intra_node_bandwidth;
+            }
+            if uses_inter[r] {
+                let node = topology.node_of(r);
+                seconds += topology.inter_node_latency
+                    + inter_in[node].max(inter_out[node]) / topology.inter_node_bandwidth;
+            }
+            seconds
+        })
+        .collect()
+}
+
+/// Measures a routed plan on a topology (see the module docs). `planning_ms` is filled by the
+/// caller, who timed the planning.
+pub fn evaluate(
+    routed: &RoutedPlan,
+    grids: &[TileGrid],
+    topology: &Topology,
+) -> Result<StrategyReport, CpError> {
+    let plan = &routed.plan;
+    let ranks = topology.ranks();
+    if plan.ranks != ranks {
+        return Err(CpError::Config(format!(
+            "plan for {} ranks evaluated on a topology of {ranks}",
+            plan.ranks
+        )));
+    }
+    let stages = plan
+        .blocks
+        .iter()
+        .map(|b| b.stage + 1)
+        .max()
+        .unwrap_or(1)
+        .max(
+            routed
+                .transfers
+                .iter()
+                .filter(|t| t.stage != POST)
+                .map(|t| t.stage + 1)
+                .max()
+                .unwrap_or(1),
+        );
+    let mut flops = vec![vec![0.0f64; ranks]; stages];
+    let mut rank_flops = vec![0.0f64; ranks];
+    for b in &plan.blocks {
+        let pairs = grids[b.seq].pairs(b.q_block, b.kv_block) as f64;
+        let f = pairs * routed.sizes.forward_flops_per_pair;
+        flops[b.stage][b.rank] += f;
+        rank_flops[b.rank] += f;
+    }
+    let mut memory = vec![0.0f64; ranks];
+    for d in &plan.data {
+        let per_token = match d.kind {
+            DataKind::Q => routed.sizes.q,
+            DataKind::Kv => routed.sizes.kv,
+            DataKind::O => routed.sizes.o,
+        };
+        memory[d.home_rank] += per_token * block_tokens(&routed.problem, d.seq, d.block);
+    }
+    let (mut inter, mut intra) = (0.0, 0.0);
+    for t in &routed.transfers {
+        match topology.link(t.from, t.to) {
+            LinkClass::Local => {}
+            LinkClass::IntraNode => intra += t.bytes,
+            LinkClass::InterNode => inter += t.bytes,
+        }
+    }
+    // each rank runs its stages as soon as their inputs are in: per rank,
+    // comm(0) + Σ_t max(compute(t), comm(t+1)) + comm(post); the pass takes the slowest rank's time
+    let pass_seconds = |pass: Pass, factor: f64| {
+        let mut by_stage: FastMap<usize, Vec<&Transfer>> = FastMap::default();
+        for t in routed.transfers.iter().filter(|t| t.pass == pass) {
+            by_stage.entry(t.stage).or_default().push(t);
+        }
+        let comm: FastMap<usize, Vec<f64>> = by_stage
+            .iter()
+            .map(|(&stage, ts)| (stage, stage_comm_seconds(ts, topology)))
+            .collect();
+        let comm_of = |stage: usize, rank: usize| comm.get(&stage).map_or(0.0, |c| c[rank]);
+        (0..ranks)
+            .map(|r| {
+                let mut seconds = comm_of(0, r) + comm_of(POST, r);
+                for (t, stage_flops) in flops.iter().enumerate() {
+                    let compute = topology.compute_seconds(factor * stage_flops[r]);
+                    seconds += compute.max(comm_of(t + 1, r));
+                }
+                seconds
+            })
+            .fold(0.0, f64::max)
+    };
+    Ok(StrategyReport {
+        name: routed.name.clone(),
+        inter_node_bytes: inter,
+        intra_node_bytes: intra,
+        compute_imbalance: max_over_mean(&rank_flops),
+        memory_imbalance: max_over_mean(&memory),
+        attention_fwd_ms: 1e3 * pass_seconds(Pass::Forward, 1.0),
+        attention_bwd_ms: 1e3 * pass_seconds(Pass::Backward, BACKWARD_FLOPS_FACTOR),
+        planning_ms: 0.0,
+        stages,
+        compute_blocks: plan.blocks.len(),
+    })
+}
+
+/// Which side of a tile a data edge feeds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Side {
+    QueryOutput,
+    KeyValue,
+}
+
+/// Direct routing for plans whose compute ranks fetch blocks from their homes (DCP, all-to-all):
+/// for each data block, one copy per remote node goes to the node's rank that needs it first and
+/// is forwarded over NVLink to the node's other ranks; results come back the same way after the
+/// last stage. Each copy is sent for the earliest stage that needs it.
+pub fn direct_transfers(
+    plan: &Plan,
+    problem: &BlockProblem,
+    sizes: &UnitSizes,
+    topology: &Topology,
+) -> Vec<Transfer> {
+    let mut homes: FastMap<(Side, usize, usize, usize), usize> = FastMap::default();
+    for d in &plan.data {
+        let side = match d.kind {
+            DataKind::Q => Side::QueryOutput,
+            DataKind::Kv => Side::KeyValue,
+            DataKind::O => continue,
+        };
+        homes.insert((side, d.seq, d.head, d.block), d.home_rank);
+    }
+    // (side, seq, head, block) -> rank -> earliest stage
+    // (side, seq, head, block) -> [(rank, earliest stage)]
+    type Needs = FastMap<(Side, usize, usize, usize), Vec<(usize, usize)>>;
+    let mut needs: Needs = FastMap::default();
+    for b in &plan.blocks {
+        for (side, block) in [(Side::QueryOutput, b.q_block), (Side::KeyValue, b.kv_block)] {
+            let list = needs.entry((side, b.seq, b.head, block)).or_default();
+            match list.iter_mut().find(|(r, _)| *r == b.rank) {
+                Some((_, stage)) => *stage = (*stage).min(b.stage),
+                None => list.push((b.rank, b.stage)),
+            }
+        }
+    }
+    let mut keys: Vec<_> = needs.keys().copied().collect();
+    keys.sort_by_key(|&(side, s, h, b)| (side == Side::KeyValue, s, h, b));
+    let mut transfers = Vec::new();
+    for key in keys {
+        let (side, seq, _, block) = key;
+        let Some(&home) = homes.get(&key) else {
+            continue;
+        };
+        let tokens = block_tokens(problem, seq, block);
+        let (forward_to, forward_back, backward_to, backward_back) = match side {
+            Side::QueryOutput => (sizes.q, sizes.o, 2.0 * sizes.q + sizes.o, sizes.q),
+            Side::KeyValue => (sizes.kv, 0.0, sizes.kv, sizes.kv),
+        };
+        let mut send = |from: usize, to: usize, stage: usize| {
+            for (pass, to_bytes, back_bytes) in [
+                (Pass::Forward, forward_to, forward_back),
+                (Pass::Backward, backward_to, backward_back),
+            ] {
+                transfers.push(Transfer {
+                    pass,
+                    stage,
+                    from,
+                    to,
+                    bytes: to_bytes * tokens,
+                });
+                if back_bytes > 0.0 {
+                    transfers.push(Transfer {
+                        pass,
+                        stage: POST,
+                        from: to,
+                        to: from,
+                        bytes: back_bytes * tokens,
+                    });
+                }
+            }
+        };
+        let mut remote: Vec<(usize, usize)> = needs[&key]
+            .iter()
+            .copied()
+            .filter(|&(r, _)| r != home)
+            .collect();
+        remote.sort_by_key(|&(r, stage)| (topology.node_of(r), stage, r));
+        let home_node = topology.node_of(home);
+        let mut i = 0;
+        while i < remote.len() {
+            let node = topology.node_of(remote[i].0);
+            let end = i + remote[i..]
+                .iter()
+                .take_while(|(r, _)| topology.node_of(*r) == node)
+                .count();
+            let (entry, entry_stage) = remote[i];
+            if node == home_node {
+                for &(r, stage) in &remote[i..end] {
+                    send(home, r, stage);
+                }
+            } else {
+                send(home, entry, entry_stage);
+                for &(r, stage) in &remote[i + 1..end] {
+                    send(entry, r, stage);
+                }
+            }
+            i = end;
+        }
+    }
+    transfers
+}

@@ -1,0 +1,358 @@
+//! The DCP block planner (Jiang et al., SOSP'25): place data and compute blocks on ranks by
+//! hypergraph partitioning, then schedule each rank's blocks into stages.
+//!
+//! **Hypergraph.** Per sequence and head group (one kv head and its query heads), tokens form
+//! blocks of `B`. Vertices: one *data vertex* per token block (its Q, KV and O live together, as in
+//! the paper; memory weight = their bytes) and one *compute vertex* per non-empty mask tile
+//! (compute weight = unmasked pairs × FLOPs per pair, forward + backward). Hyperedges: for every
+//! token block, a q/o edge joining its data vertex with the tiles of its query row (weight: the
+//! q/o bytes a remote tile costs, forward + backward) and a kv edge joining it with the tiles of
+//! its key column (weight: kv bytes). A partition's connectivity cost `Σ w·(λ−1)` is then exactly
+//! the bytes the plan moves when each remote part receives one copy.
+//!
+//! **Hierarchy.** First `nodes` parts (inter-node bytes are the expensive ones), then each node's
+//! induced sub-hypergraph into its devices. Tolerances: the final per-device compute load is at
+//! most `(1 + compute_epsilon)` × mean and the memory load `(1 + memory_epsilon)` × mean; the
+//! node level uses half of each ε, which leaves the device level room inside every node.
+//!
+//! **Schedule.** Each rank's remote inputs (in the order its tiles first need them) are cut into
+//! `stages` chunks of at most ~1/`stages` of its incoming bytes each (whole blocks). Compute
+//! stage 0 runs the tiles whose inputs are all local while chunk 1 moves; compute stage `t ≥ 1`
+//! runs the tiles whose last remote input is in chunk `t`, while chunk `t + 1` moves. So a plan
+//! has up to `stages + 1` compute stages and `stages` communication stages, local work first.
+
+use crate::error::CpError;
+use crate::planner::cost::{direct_transfers, AttentionDims, RoutedPlan, BACKWARD_FLOPS_FACTOR};
+use crate::planner::hypergraph::{partition, FastMap, Hypergraph, PartitionConfig};
+use crate::planner::plan::{BlockProblem, ComputeBlock, DataBlock, DataKind, Plan, TileGrid};
+use crate::planner::topology::Topology;
+
+/// Settings of the DCP planner.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DcpConfig {
+    /// Per-device compute imbalance tolerance (max ≤ (1 + ε) · mean).
+    pub compute_epsilon: f64,
+    /// Per-device memory imbalance tolerance.
+    pub memory_epsilon: f64,
+    /// Communication stages.
+    pub stages: usize,
+    pub seed: u64,
+}
+
+impl Default for DcpConfig {
+    fn default() -> Self {
+        Self {
+            compute_epsilon: 0.1,
+            memory_epsilon: 0.4,
+            stages: 4,
+            seed: 0,
+        }
+    }
+}
+
+impl DcpConfig {
+    pub fn validate(&self) -> Result<(), CpError> {
+        for (name, value) in [
+            ("compute epsilon", self.compute_epsilon),
+            ("memory epsilon", self.memory_epsilon),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(CpError::Config(format!(
+                    "{name} must be a non-negative number, got {value}"
+                )));
+            }
+        }
+        if self.stages == 0 {
+            return Err(CpError::Config("DCP needs at least one stage".into()));
+        }
+        Ok(())
+    }
+}
+
+/// A non-empty tile and the vertex that holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Tile {
+    seq: u32,
+    head: u32,
+    q_block: u32,
+    kv_block: u32,
+    vertex: u32,
+}
+
+/// The hypergraph of a problem and what its vertices stand for.
+struct DcpGraph {
+    graph: Hypergraph,
+    /// Every non-empty tile; a vertex holds a `group × group` square of them.
+    tiles: Vec<Tile>,
+    /// Vertex of the data block (seq, head, block) — its Q, KV and O together:
+    /// `data_base[seq][head] + block`.
+    data_base: Vec<Vec<u32>>,
+}
+
+/// Compute vertices a rank should get at least: tiles are grouped `g × g` (g a power of two)
+/// only while this many groups per rank remain, so balance stays fine-grained while very long
+/// sequences do not flood the partitioner with vertices.
+pub const MIN_COMPUTE_VERTICES_PER_RANK: usize = 256;
+
+/// Side of the tile squares for `tiles` tiles on `ranks` ranks.
+fn tile_group(tiles: usize, ranks: usize) -> usize {
+    let mut group = 1;
+    while tiles / ((2 * group) * (2 * group)) >= MIN_COMPUTE_VERTICES_PER_RANK * ranks {
+        group *= 2;
+    }
+    group
+}
+
+fn build_graph(
+    problem: &BlockProblem,
+    grids: &[TileGrid],
+    dims: &AttentionDims,
+    group: usize,
+) -> Result<DcpGraph, CpError> {
+    let sizes = dims.unit_sizes(problem.head_groups)?;
+    let flops_per_pair = sizes.forward_flops_per_pair * (1.0 + BACKWARD_FLOPS_FACTOR);
+    let mut tiles = Vec::new();
+    let mut compute = Vec::new();
+    let mut memory = Vec::new();
+    let mut edges: Vec<(f64, Vec<u32>)> = Vec::new();
+    let mut data_base = Vec::with_capacity(problem.seq_lens.len());
+    for (seq, grid) in grids.iter().enumerate() {
+        let blocks = problem.blocks_of(seq);
+        let mut bases = Vec::with_capacity(problem.head_groups);
+        for head in 0..problem.head_groups {
+            let base = compute.len() as u32;
+            bases.push(base);
+            for block in 0..blocks {
+                compute.push(0.0);
+                memory.push(sizes.resident() * problem.block_tokens(seq, block).len() as f64);
+            }
+            let mut group_vertex: FastMap<(u32, u32), u32> = FastMap::default();
+            let mut columns: Vec<Vec<u32>> = vec![Vec::new(); blocks];
+            let mut column_data_placed = vec![false; blocks];
+            for (q_block, row) in grid.rows.iter().enumerate() {
+                let data = base + q_block as u32;
+                let mut pins = Vec::with_capacity(row.len() + 1);
+                let mut data_placed = false;
+                for &(kv_block, pairs) in row {
+                    if !data_placed && kv_block as usize >= q_block {
+                        pins.push(data);
+                        data_placed = true;
+                    }
+                    let key = ((q_block / group) as u32, kv_block / group as u32);
+                    let id = *group_vertex.entry(key).or_insert_with(|| {
+                        compute.push(0.0);
+                        memory.push(0.0);
+                        (compute.len() - 1) as u32
+                    });
+                    compute[id as usize] += pairs as f64 * flops_per_pair;
+                    tiles.push(Tile {
+                        seq: seq as u32,
+                        head: head as u32,
+                        q_block: q_block as u32,
+                        kv_block,
+                        vertex: id,
+                    });
+                    if pins.last() != Some(&id) {
+                        pins.push(id);
+                    }
+                    let column = &mut columns[kv_block as usize];
+                    if !column_data_placed[kv_block as usize] && q_block >= kv_block as usize {
+                        // the column's data vertex sits where its own row would be
+                        column.push(base + kv_block);
+                        column_data_placed[kv_block as usize] = true;
+                    }
+                    if column.last() != Some(&id) {
+                        column.push(id);
+                    }
+                }
+                if !data_placed {
+                    pins.push(data);
+                }
+                let tokens = problem.block_tokens(seq, q_block).len() as f64;
+                edges.push((sizes.qo_traffic() * tokens, pins));
+            }
+            for (kv_block, mut pins) in columns.into_iter().enumerate() {
+                if !column_data_placed[kv_block] {
+                    pins.push(base + kv_block as u32);
+                }
+                let tokens = problem.block_tokens(seq, kv_block).len() as f64;
+                edges.push((sizes.kv_traffic() * tokens, pins));
+            }
+        }
+        data_base.push(bases);
+    }
+    Ok(DcpGraph {
+        graph: Hypergraph::new(compute, memory, edges),
+        tiles,
+        data_base,
+    })
+}
+
+/// Places every vertex on a rank: nodes first, then devices of each node.
+fn place(graph: &Hypergraph, topology: &Topology, config: &DcpConfig) -> Vec<u32> {
+    let ranks = topology.ranks();
+    let total_compute: f64 = graph.compute.iter().sum();
+    let total_memory: f64 = graph.memory.iter().sum();
+    let node_of_vertex = if topology.nodes > 1 {
+        let mut node_config = PartitionConfig::balanced(
+            graph,
+            topology.nodes,
+            config.compute_epsilon / 2.0,
+            config.memory_epsilon / 2.0,
+            config.seed,
+        );
+        node_config.seed = config.seed;
+        partition(graph, &node_config)
+    } else {
+        vec![0; graph.vertices()]
+    };
+    let mut rank = vec![0u32; graph.vertices()];
+    for node in 0..topology.nodes {
+        let members: Vec<u32> = (0..graph.vertices() as u32)
+            .filter(|&v| node_of_vertex[v as usize] == node as u32)
+            .collect();
+        if members.is_empty() {
+            continue;
+        }
+        let sub = graph.induced(&members);
+        let mut device_config =
+            PartitionConfig::balanced(&sub, topology.devices_per_node, 0.0, 0.0, config.seed);
+        device_config.compute_capacity =
+            (1.0 + config.compute_epsilon) * total_compute / ranks as f64;
+        device_config.memory_capacity = (1.0 + config.memory_epsilon) * total_memory / ranks as f64;
+        device_config.seed = config.seed.wrapping_add(node as u64 + 1);
+        let device = partition(&sub, &device_config);
+        for (i, &v) in members.iter().enumerate() {
+            rank[v as usize] = (node * topology.devices_per_node) as u32 + device[i];
+        }
+    }
+    rank
+}
+
+/// Plans DCP for `problem` (head units = kv heads) on `topology`.
+pub fn dcp_plan(
+    problem: &BlockProblem,
+    grids: &[TileGrid],
+    dims: &AttentionDims,
+    topology: &Topology,
+    config: &DcpConfig,
+) -> Result<RoutedPlan, CpError> {
+    problem.validate()?;
+    topology.validate()?;
+    config.validate()?;
+    let sizes = dims.unit_sizes(problem.head_groups)?;
+    let tile_count: usize = grids.iter().map(TileGrid::tiles).sum::<usize>() * problem.head_groups;
+    let group = tile_group(tile_count, topology.ranks());
+    let built = build_graph(problem, grids, dims, group)?;
+    let rank = place(&built.graph, topology, config);
+    let ranks = topology.ranks();
+    let home = |seq: u32, head: u32, block: u32| {
+        rank[(built.data_base[seq as usize][head as usize] + block) as usize] as usize
+    };
+    // stage schedule, rank by rank: remote inputs in the order the rank's tiles first need them
+    let mut tiles_of_rank: Vec<Vec<usize>> = vec![Vec::new(); ranks];
+    for (i, tile) in built.tiles.iter().enumerate() {
+        tiles_of_rank[rank[tile.vertex as usize] as usize].push(i);
+    }
+    let mut stage_of_tile = vec![0usize; built.tiles.len()];
+    let mut largest_chunk_fraction: f64 = 0.0;
+    for (r, tiles) in tiles_of_rank.iter().enumerate() {
+        let mut inputs: Vec<f64> = Vec::new();
+        let mut index: FastMap<(bool, u32, u32, u32), usize> = FastMap::default();
+        for &i in tiles {
+            let t = built.tiles[i];
+            for (is_kv, block, per_token) in
+                [(false, t.q_block, sizes.q), (true, t.kv_block, sizes.kv)]
+            {
+                if home(t.seq, t.head, block) != r {
+                    index
+                        .entry((is_kv, t.seq, t.head, block))
+                        .or_insert_with(|| {
+                            let tokens =
+                                problem.block_tokens(t.seq as usize, block as usize).len() as f64;
+                            inputs.push(per_token * tokens);
+                            inputs.len() - 1
+                        });
+                }
+            }
+        }
+        let total: f64 = inputs.iter().sum();
+        let limit = total / config.stages as f64;
+        let mut chunk_of_input = vec![0usize; inputs.len()];
+        let (mut chunk, mut filled) = (0usize, 0.0f64);
+        let mut chunk_bytes = vec![0.0f64; config.stages];
+        for (i, &bytes) in inputs.iter().enumerate() {
+            if filled > 0.0 && filled + bytes > limit * (1.0 + 1e-9) && chunk + 1 < config.stages {
+                chunk += 1;
+                filled = 0.0;
+            }
+            filled += bytes;
+            chunk_bytes[chunk] += bytes;
+            chunk_of_input[i] = chunk;
+        }
+        if total > 0.0 {
+            let largest = chunk_bytes.iter().copied().fold(0.0, f64::max);
+            largest_chunk_fraction = largest_chunk_fraction.max(largest / total);
+        }
+        for &i in tiles {
+            let t = built.tiles[i];
+            stage_of_tile[i] = [(false, t.q_block), (true, t.kv_block)]
+                .iter()
+                .filter_map(|&(is_kv, block)| index.get(&(is_kv, t.seq, t.head, block)))
+                .map(|&input| chunk_of_input[input] + 1)
+                .max()
+                .unwrap_or(0);
+        }
+    }
+    let mut plan = Plan {
+        ranks,
+        blocks: Vec::with_capacity(built.tiles.len()),
+        data: Vec::new(),
+        stats: serde_json::Value::Null,
+    };
+    for (seq, bases) in built.data_base.iter().enumerate() {
+        for (head, &base) in bases.iter().enumerate() {
+            for block in 0..problem.blocks_of(seq) {
+                for kind in [DataKind::Q, DataKind::Kv, DataKind::O] {
+                    plan.data.push(DataBlock {
+                        kind,
+                        seq,
+                        head,
+                        block,
+                        home_rank: rank[base as usize + block] as usize,
+                    });
+                }
+            }
+        }
+    }
+    for (i, t) in built.tiles.iter().enumerate() {
+        plan.blocks.push(ComputeBlock {
+            seq: t.seq as usize,
+            head: t.head as usize,
+            q_block: t.q_block as usize,
+            kv_block: t.kv_block as usize,
+            rank: rank[t.vertex as usize] as usize,
+            stage: stage_of_tile[i],
+        });
+    }
+    plan.stats = serde_json::json!({
+        "strategy": "dcp",
+        "communication_stages": config.stages,
+        "largest_stage_fraction": largest_chunk_fraction,
+        "connectivity_cost_bytes": built.graph.connectivity_cost(&rank),
+        "vertices": built.graph.vertices(),
+        "tile_group": group,
+        "hyperedges": built.graph.edges(),
+        "compute_epsilon": config.compute_epsilon,
+        "block": problem.block,
+        "memory_epsilon": config.memory_epsilon,
+    });
+    let transfers = direct_transfers(&plan, problem, &sizes, topology);
+    Ok(RoutedPlan {
+        name: "dcp".into(),
+        plan,
+        problem: problem.clone(),
+        sizes,
+        transfers,
+    })
+}

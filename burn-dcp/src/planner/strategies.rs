@@ -1,0 +1,468 @@
+//! Every strategy as a block plan with its communication, so one validator and one cost model
+//! measure them all: ring (zigzag), Ulysses, USP, Megatron-style dynamic CP and DCP.
+//!
+//! Static strategies at block granularity:
+//! - **ring-zigzag**: a sequence's blocks are cut into `2R` zigzag chunks (chunk `c` and `2R−1−c`
+//!   on ring position `c`), rotated by the sequence index so sequences shorter than `2R` blocks do
+//!   not all start on rank 0 (the real layout splits at token granularity; blocks are the plan's
+//!   unit). Q and O stay home; KV travels the ring hop by hop, `R − 1` hops forward, and KV plus
+//!   the dK/dV accumulators backward (the accumulators take one more hop home). Stage = ring step.
+//! - **ulysses** (degree `R`) and **usp** (Ulysses degree `u` inside a node × ring of `R/u`): head
+//!   units are `max(kv heads, u)` (past the kv head count, kv heads are replicated); tokens live
+//!   round-robin on the ranks of their ring position; an all-to-all before compute brings each
+//!   head unit to its rank (not overlapped), the ring passes KV between ring positions, and an
+//!   all-to-all brings O (and dQ, dK, dV) back.
+//! - **megatron-dynamic**: the dynamic CP schedule ([`crate::planner::dynamic`]) puts each
+//!   sequence on a group of its size; each group runs ring-zigzag on its own sequences; micro-
+//!   batches the schedule needs run one after the other (their stages follow each other).
+//! - **dcp**: see [`crate::planner::dcp`].
+
+use std::str::FromStr;
+
+use burn_dcp_kernels::MaskSpec;
+
+use crate::error::CpError;
+use crate::planner::cost::{AttentionDims, Pass, RoutedPlan, Transfer, UnitSizes, POST};
+use crate::planner::dcp::{dcp_plan, DcpConfig};
+use crate::planner::dynamic::{schedule, DynamicCpConfig};
+use crate::planner::plan::{
+    tile_grids, BlockProblem, ComputeBlock, DataBlock, DataKind, Plan, TileGrid,
+};
+use crate::planner::topology::Topology;
+
+/// Most (q, kv) block pairs (full-mask count) a static strategy's plan may have.
+pub const STATIC_TILE_BUDGET: usize = 1 << 21;
+
+/// A planned strategy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanStrategy {
+    RingZigzag,
+    Ulysses,
+    Usp,
+    MegatronDynamic,
+    Dcp,
+}
+
+impl PlanStrategy {
+    pub const ALL: [PlanStrategy; 5] = [
+        PlanStrategy::RingZigzag,
+        PlanStrategy::Ulysses,
+        PlanStrategy::Usp,
+        PlanStrategy::MegatronDynamic,
+        PlanStrategy::Dcp,
+    ];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::RingZigzag => "ring-zigzag",
+            Self::Ulysses => "ulysses",
+            Self::Usp => "usp",
+            Self::MegatronDynamic => "megatron-dynamic",
+            Self::Dcp => "dcp",
+        }
+    }
+}
+
+impl FromStr for PlanStrategy {
+    type Err = CpError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|s| s.name() == text)
+            .ok_or_else(|| {
+                CpError::Config(format!(
+                    "unknown strategy '{text}': expected one of ring-zigzag, ulysses, usp, megatron-dynamic, dcp"
+                ))
+            })
+    }
+}
+
+/// Everything a planner needs.
+#[derive(Clone, Debug)]
+pub struct PlanInput {
+    pub seq_lens: Vec<usize>,
+    /// One mask per sequence, or one for all.
+    pub masks: Vec<MaskSpec>,
+    pub dims: AttentionDims,
+    pub topology: Topology,
+    pub block: usize,
+    pub dcp: DcpConfig,
+    /// Megatron's per-rank token budget; `None`: twice the tokens of an even split.
+    pub max_seq_len_per_rank: Option<usize>,
+}
+
+impl PlanInput {
+    pub fn validate(&self) -> Result<(), CpError> {
+        self.dims.validate()?;
+        self.topology.validate()?;
+        self.problem(self.dims.kv_heads).validate()
+    }
+
+    /// The block problem with `units` head units.
+    pub fn problem(&self, units: usize) -> BlockProblem {
+        BlockProblem {
+            seq_lens: self.seq_lens.clone(),
+            masks: self.masks.clone(),
+            head_groups: units,
+            block: self.block,
+        }
+    }
+
+    /// The problem a static strategy over rings of `ring` positions is planned on. Their real
+    /// layouts cut every sequence into `2·ring` chunks at token granularity, so the block is
+    /// halved (down to 16 tokens) while some sequence still has fewer than `2·ring` blocks and
+    /// the grid stays under [`STATIC_TILE_BUDGET`] tiles; otherwise short sequences would land
+    /// whole on one rank and the static strategies would look worse balanced than they are.
+    pub fn static_problem(&self, units: usize, ring: usize) -> BlockProblem {
+        let mut problem = self.problem(units);
+        let tiles = |block: usize| -> usize {
+            self.seq_lens
+                .iter()
+                .map(|&len| len.div_ceil(block).pow(2))
+                .sum()
+        };
+        while problem.block > 16
+            && self
+                .seq_lens
+                .iter()
+                .any(|&len| len.div_ceil(problem.block) < 2 * ring && len > problem.block / 2)
+            && tiles(problem.block / 2) <= STATIC_TILE_BUDGET
+        {
+            problem.block /= 2;
+        }
+        problem
+    }
+}
+
+/// Plans `strategy` for `input`.
+pub fn plan_strategy(strategy: PlanStrategy, input: &PlanInput) -> Result<RoutedPlan, CpError> {
+    input.validate()?;
+    match strategy {
+        PlanStrategy::RingZigzag => ring_zigzag(input),
+        PlanStrategy::Ulysses => {
+            let ranks = input.topology.ranks();
+            if !input.dims.heads.is_multiple_of(ranks) {
+                return Err(CpError::Config(format!(
+                    "ulysses over {ranks} ranks needs the query heads ({}) to be a multiple of {ranks}",
+                    input.dims.heads
+                )));
+            }
+            usp(input, ranks, "ulysses")
+        }
+        PlanStrategy::Usp => {
+            let degree = usp_ulysses_degree(input)?;
+            usp(input, degree, "usp")
+        }
+        PlanStrategy::MegatronDynamic => megatron_dynamic(input),
+        PlanStrategy::Dcp => {
+            let problem = input.problem(input.dims.kv_heads);
+            let grids = tile_grids(&problem);
+            dcp_plan(&problem, &grids, &input.dims, &input.topology, &input.dcp)
+        }
+    }
+}
+
+/// USP's Ulysses degree: the largest divisor of the devices per node that also divides the query
+/// heads and is compatible with the kv heads (one divides the other).
+pub fn usp_ulysses_degree(input: &PlanInput) -> Result<usize, CpError> {
+    let per_node = input.topology.devices_per_node;
+    (1..=per_node)
+        .rev()
+        .find(|&d| {
+            per_node.is_multiple_of(d)
+                && input.dims.heads.is_multiple_of(d)
+                && (d.is_multiple_of(input.dims.kv_heads) || input.dims.kv_heads.is_multiple_of(d))
+        })
+        .ok_or_else(|| CpError::Config("no Ulysses degree fits the heads and the node".into()))
+}
+
+/// Ring position of block `block` of a sequence of `blocks` blocks among `ring` positions, zigzag,
+/// rotated by `rotation`.
+pub fn zigzag_position(blocks: usize, block: usize, ring: usize, rotation: usize) -> usize {
+    let chunk = block * 2 * ring / blocks.max(1);
+    let position = if chunk < ring {
+        chunk
+    } else {
+        2 * ring - 1 - chunk
+    };
+    (position + rotation) % ring
+}
+
+fn push_data(plan: &mut Plan, seq: usize, head: usize, block: usize, home_rank: usize) {
+    for kind in [DataKind::Q, DataKind::Kv, DataKind::O] {
+        plan.data.push(DataBlock {
+            kind,
+            seq,
+            head,
+            block,
+            home_rank,
+        });
+    }
+}
+
+/// Ring passes of KV over `ring` (ranks in ring order): `kv_bytes_at[p]` bytes live on position
+/// `p`; steps `1..g` move them one hop at stages `offset + step`; backward also moves the dK/dV
+/// accumulators, which take one more hop home after the last step.
+fn ring_hops(ring: &[usize], kv_bytes_at: &[f64], offset: usize, transfers: &mut Vec<Transfer>) {
+    let g = ring.len();
+    for step in 1..g {
+        for p in 0..g {
+            let bytes = kv_bytes_at[(p + g - step) % g];
+            if bytes == 0.0 {
+                continue;
+            }
+            let (from, to) = (ring[(p + g - 1) % g], ring[p]);
+            for (pass, factor) in [(Pass::Forward, 1.0), (Pass::Backward, 2.0)] {
+                transfers.push(Transfer {
+                    pass,
+                    stage: offset + step,
+                    from,
+                    to,
+                    bytes: factor * bytes,
+                });
+            }
+        }
+    }
+    if g > 1 {
+        for p in 0..g {
+            let bytes = kv_bytes_at[(p + 1) % g];
+            if bytes > 0.0 {
+                transfers.push(Transfer {
+                    pass: Pass::Backward,
+                    stage: POST,
+                    from: ring[p],
+                    to: ring[(p + 1) % g],
+                    bytes,
+                });
+            }
+        }
+    }
+}
+
+/// Ring-zigzag of `seqs` over `ring`, every head unit, stages from `offset`.
+#[allow(clippy::too_many_arguments)]
+fn ring_over(
+    problem: &BlockProblem,
+    grids: &[TileGrid],
+    seqs: &[usize],
+    ring: &[usize],
+    offset: usize,
+    sizes: &UnitSizes,
+    plan: &mut Plan,
+    transfers: &mut Vec<Transfer>,
+) {
+    let g = ring.len();
+    let mut kv_bytes_at = vec![0.0; g];
+    for &seq in seqs {
+        let blocks = problem.blocks_of(seq);
+        let position = |block: usize| zigzag_position(blocks, block, g, seq % g);
+        for block in 0..blocks {
+            let p = position(block);
+            kv_bytes_at[p] += sizes.kv
+                * problem.block_tokens(seq, block).len() as f64
+                * problem.head_groups as f64;
+            for head in 0..problem.head_groups {
+                push_data(plan, seq, head, block, ring[p]);
+            }
+        }
+        for (q_block, row) in grids[seq].rows.iter().enumerate() {
+            let q = position(q_block);
+            for &(kv_block, _) in row {
+                let stage = offset + (q + g - position(kv_block as usize)) % g;
+                for head in 0..problem.head_groups {
+                    plan.blocks.push(ComputeBlock {
+                        seq,
+                        head,
+                        q_block,
+                        kv_block: kv_block as usize,
+                        rank: ring[q],
+                        stage,
+                    });
+                }
+            }
+        }
+    }
+    ring_hops(ring, &kv_bytes_at, offset, transfers);
+}
+
+fn empty_plan(ranks: usize, strategy: &str) -> Plan {
+    Plan {
+        ranks,
+        blocks: Vec::new(),
+        data: Vec::new(),
+        stats: serde_json::json!({ "strategy": strategy }),
+    }
+}
+
+fn ring_zigzag(input: &PlanInput) -> Result<RoutedPlan, CpError> {
+    let problem = input.static_problem(input.dims.kv_heads, input.topology.ranks());
+    let sizes = input.dims.unit_sizes(problem.head_groups)?;
+    let grids = tile_grids(&problem);
+    let ranks = input.topology.ranks();
+    let mut plan = empty_plan(ranks, "ring-zigzag");
+    plan.stats["block"] = problem.block.into();
+    let mut transfers = Vec::new();
+    let seqs: Vec<usize> = (0..problem.seq_lens.len()).collect();
+    let ring: Vec<usize> = (0..ranks).collect();
+    ring_over(
+        &problem,
+        &grids,
+        &seqs,
+        &ring,
+        0,
+        &sizes,
+        &mut plan,
+        &mut transfers,
+    );
+    Ok(RoutedPlan {
+        name: "ring-zigzag".into(),
+        plan,
+        problem,
+        sizes,
+        transfers,
+    })
+}
+
+fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
+    let problem = input.static_problem(input.dims.kv_heads, input.topology.ranks());
+    let sizes = input.dims.unit_sizes(problem.head_groups)?;
+    let grids = tile_grids(&problem);
+    let ranks = input.topology.ranks();
+    let tokens: usize = input.seq_lens.iter().sum();
+    let config = DynamicCpConfig {
+        world: ranks,
+        max_seq_len_per_rank: input
+            .max_seq_len_per_rank
+            .unwrap_or_else(|| (2 * tokens.div_ceil(ranks)).max(1)),
+        min_cp_size: 1,
+        power_of_two: ranks.is_power_of_two(),
+    };
+    let schedule = schedule(&input.seq_lens, &config)?;
+    let mut plan = empty_plan(ranks, "megatron-dynamic");
+    let mut transfers = Vec::new();
+    let mut offset = 0;
+    for micro_batch in &schedule.micro_batches {
+        let mut longest = 1;
+        for group in &micro_batch.groups {
+            let ring: Vec<usize> = group.ranks.clone().collect();
+            longest = longest.max(ring.len());
+            ring_over(
+                &problem,
+                &grids,
+                &group.sequences,
+                &ring,
+                offset,
+                &sizes,
+                &mut plan,
+                &mut transfers,
+            );
+        }
+        offset += longest;
+    }
+    plan.stats = serde_json::json!({
+        "strategy": "megatron-dynamic",
+        "micro_batches": schedule.micro_batches.len(),
+        "max_seq_len_per_rank": config.max_seq_len_per_rank,
+        "block": problem.block,
+    });
+    Ok(RoutedPlan {
+        name: "megatron-dynamic".into(),
+        plan,
+        problem,
+        sizes,
+        transfers,
+    })
+}
+
+/// USP with Ulysses degree `degree` (ulysses when `degree` is every rank).
+fn usp(input: &PlanInput, degree: usize, name: &str) -> Result<RoutedPlan, CpError> {
+    let ranks = input.topology.ranks();
+    if degree == 0 || !ranks.is_multiple_of(degree) {
+        return Err(CpError::Config(format!(
+            "{name}: Ulysses degree {degree} must divide the {ranks} ranks"
+        )));
+    }
+    let ring_degree = ranks / degree;
+    let units = input.dims.kv_heads.max(degree);
+    let problem = input.static_problem(units, ring_degree);
+    let sizes = input.dims.unit_sizes(units)?;
+    let grids = tile_grids(&problem);
+    let column = |unit: usize| unit * degree / units;
+    let mut plan = empty_plan(ranks, name);
+    plan.stats = serde_json::json!({
+        "strategy": name, "ulysses_degree": degree, "ring_degree": ring_degree, "head_units": units,
+        "block": problem.block,
+    });
+    let mut transfers = Vec::new();
+    // kv bytes at (column, ring position) after the all-to-all
+    let mut kv_at = vec![vec![0.0; ring_degree]; degree];
+    for (seq, grid) in grids.iter().enumerate() {
+        let blocks = problem.blocks_of(seq);
+        let position =
+            |block: usize| zigzag_position(blocks, block, ring_degree, seq % ring_degree);
+        for block in 0..blocks {
+            let p = position(block);
+            let home = p * degree + (block + seq) % degree;
+            let tokens = problem.block_tokens(seq, block).len() as f64;
+            for unit in 0..units {
+                push_data(&mut plan, seq, unit, block, home);
+                let rank = p * degree + column(unit);
+                kv_at[column(unit)][p] += sizes.kv * tokens;
+                if rank == home {
+                    continue;
+                }
+                for (pass, to, back) in [
+                    (Pass::Forward, sizes.q + sizes.kv, sizes.o),
+                    (
+                        Pass::Backward,
+                        2.0 * sizes.q + sizes.o + sizes.kv,
+                        sizes.q + sizes.kv,
+                    ),
+                ] {
+                    transfers.push(Transfer {
+                        pass,
+                        stage: 0,
+                        from: home,
+                        to: rank,
+                        bytes: to * tokens,
+                    });
+                    transfers.push(Transfer {
+                        pass,
+                        stage: POST,
+                        from: rank,
+                        to: home,
+                        bytes: back * tokens,
+                    });
+                }
+            }
+        }
+        for (q_block, row) in grid.rows.iter().enumerate() {
+            let q = position(q_block);
+            for &(kv_block, _) in row {
+                let stage = (q + ring_degree - position(kv_block as usize)) % ring_degree;
+                for unit in 0..units {
+                    plan.blocks.push(ComputeBlock {
+                        seq,
+                        head: unit,
+                        q_block,
+                        kv_block: kv_block as usize,
+                        rank: q * degree + column(unit),
+                        stage,
+                    });
+                }
+            }
+        }
+    }
+    for (c, kv_bytes_at) in kv_at.iter().enumerate() {
+        let ring: Vec<usize> = (0..ring_degree).map(|p| p * degree + c).collect();
+        ring_hops(&ring, kv_bytes_at, 0, &mut transfers);
+    }
+    Ok(RoutedPlan {
+        name: name.into(),
+        plan,
+        problem,
+        sizes,
+        transfers,
+    })
+}

@@ -1,0 +1,249 @@
+//! Plans one batch with every strategy and compares them on a cluster model: inter- and
+//! intra-node bytes, compute and memory imbalance, estimated attention time (forward and
+//! backward, communication overlapped per the plan's stages) and planning time.
+//!
+//!     cargo run --release --example plan_sim -- --lengths-from ldc-like --tokens 131072 \
+//!         --topology a100-p4d --nodes 4 --mask causal --json
+//!
+//! Every plan is checked by the independent validator before it is reported.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn_dcp::planner::cost::evaluate;
+use burn_dcp::planner::plan::tile_grids;
+use burn_dcp::planner::{
+    plan_strategy, validate_plan, AttentionDims, DcpConfig, PlanInput, PlanStrategy, Topology,
+};
+use burn_dcp_datasets::{LengthMix, LengthSampler};
+use burn_dcp_kernels::MaskSpec;
+use clap::Parser;
+use serde_json::json;
+
+/// Compare CP strategies' plans on a cluster model.
+#[derive(Parser, Debug)]
+struct Args {
+    /// Sequence lengths, comma-separated (overrides --lengths-from).
+    #[arg(long, value_delimiter = ',')]
+    lengths: Option<Vec<usize>>,
+    /// Draw lengths from a distribution: longalign-like | ldc-like.
+    #[arg(long, default_value = "ldc-like")]
+    lengths_from: String,
+    /// DCP's length scale factor for --lengths-from.
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Tokens of the drawn batch (the last length is cut to fit).
+    #[arg(long, default_value_t = 131072)]
+    tokens: usize,
+    /// Seed of the drawn lengths and of the DCP partitioner.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// causal | full | lambda:SINK,WINDOW | blockwise:BLOCK,LOCAL | shared-question:FRACTION,ANSWERS | sliding:W
+    #[arg(long, default_value = "causal")]
+    mask: String,
+    /// a100-p4d | h100-dgx
+    #[arg(long, default_value = "a100-p4d")]
+    topology: String,
+    #[arg(long, default_value_t = 4)]
+    nodes: usize,
+    /// Override the preset's devices per node.
+    #[arg(long)]
+    devices_per_node: Option<usize>,
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    #[arg(long, default_value_t = 128)]
+    head_dim: usize,
+    /// Bytes per element (2: bf16).
+    #[arg(long, default_value_t = 2)]
+    element_bytes: usize,
+    /// Block size in tokens.
+    #[arg(long, default_value_t = 512)]
+    block: usize,
+    /// Comma-separated: ring-zigzag,ulysses,usp,megatron-dynamic,dcp.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ring-zigzag,ulysses,usp,megatron-dynamic,dcp"
+    )]
+    strategies: Vec<String>,
+    /// DCP: communication stages.
+    #[arg(long, default_value_t = 4)]
+    stages: usize,
+    /// DCP: per-device compute imbalance tolerance.
+    #[arg(long, default_value_t = 0.1)]
+    compute_epsilon: f64,
+    /// DCP: per-device memory imbalance tolerance.
+    #[arg(long, default_value_t = 0.4)]
+    memory_epsilon: f64,
+    /// Megatron-dynamic: tokens per rank (default: twice an even split).
+    #[arg(long)]
+    max_seq_len_per_rank: Option<usize>,
+    /// Write the plan of the last strategy (JSON) to this file.
+    #[arg(long)]
+    plan_out: Option<PathBuf>,
+    /// Plan each strategy this many times and report the median planning time.
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Err(message) = run(&args) {
+        eprintln!("error: {message}");
+        std::process::exit(2);
+    }
+}
+
+fn lengths(args: &Args) -> Result<Vec<usize>, String> {
+    if let Some(lengths) = &args.lengths {
+        if lengths.is_empty() || lengths.contains(&0) {
+            return Err(format!(
+                "--lengths {lengths:?}: every length must be at least 1"
+            ));
+        }
+        return Ok(lengths.clone());
+    }
+    let mix: LengthMix = args.lengths_from.parse().map_err(|e| format!("{e}"))?;
+    if args.tokens == 0 {
+        return Err("--tokens must be at least 1".into());
+    }
+    let sampler = LengthSampler::new(mix, args.scale, args.tokens).map_err(|e| e.to_string())?;
+    Ok(sampler.sample_batch(args.tokens, args.seed))
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    let seq_lens = lengths(args)?;
+    let mask: MaskSpec = args
+        .mask
+        .parse()
+        .map_err(|e| format!("--mask {}: {e}", args.mask))?;
+    let mut topology = Topology::preset(&args.topology, args.nodes).map_err(|e| e.to_string())?;
+    if let Some(devices) = args.devices_per_node {
+        topology.devices_per_node = devices;
+        topology.validate().map_err(|e| e.to_string())?;
+    }
+    let strategies = args
+        .strategies
+        .iter()
+        .map(|s| s.parse::<PlanStrategy>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let input = PlanInput {
+        seq_lens: seq_lens.clone(),
+        masks: vec![mask],
+        dims: AttentionDims {
+            heads: args.heads,
+            kv_heads: args.kv_heads,
+            head_dim: args.head_dim,
+            element_bytes: args.element_bytes,
+        },
+        topology: topology.clone(),
+        block: args.block,
+        dcp: DcpConfig {
+            compute_epsilon: args.compute_epsilon,
+            memory_epsilon: args.memory_epsilon,
+            stages: args.stages,
+            seed: args.seed,
+        },
+        max_seq_len_per_rank: args.max_seq_len_per_rank,
+    };
+    input.validate().map_err(|e| e.to_string())?;
+    let mut reports = Vec::new();
+    let mut skipped = Vec::new();
+    let mut last_plan = None;
+    for strategy in strategies {
+        let mut times = Vec::new();
+        let mut planned = None;
+        for _ in 0..args.repeat.max(1) {
+            let start = Instant::now();
+            let result = plan_strategy(strategy, &input);
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+            planned = Some(result);
+        }
+        let routed = match planned.expect("at least one run") {
+            Ok(routed) => routed,
+            Err(e) => {
+                skipped.push(json!({"name": strategy.name(), "error": e.to_string()}));
+                continue;
+            }
+        };
+        times.sort_by(f64::total_cmp);
+        let planning_ms = times[times.len() / 2];
+        validate_plan(&routed.plan, &routed.problem)
+            .map_err(|e| format!("{}: {e}", strategy.name()))?;
+        let grids = tile_grids(&routed.problem);
+        let mut report = evaluate(&routed, &grids, &topology).map_err(|e| e.to_string())?;
+        report.planning_ms = planning_ms;
+        reports.push(report);
+        last_plan = Some(routed.plan);
+    }
+    if let (Some(path), Some(plan)) = (&args.plan_out, &last_plan) {
+        let text = serde_json::to_string(plan).map_err(|e| e.to_string())?;
+        std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    if args.json {
+        let mut out = json!({ "strategies": reports });
+        if !skipped.is_empty() {
+            out["skipped"] = json!(skipped);
+        }
+        println!("{out}");
+        return Ok(());
+    }
+    let tokens: usize = seq_lens.iter().sum();
+    println!(
+        "{} sequences, {tokens} tokens (longest {}), mask {}, {} × {} ranks ({}), H {} / KV {} × D {}, block {}",
+        seq_lens.len(),
+        seq_lens.iter().max().unwrap_or(&0),
+        args.mask,
+        topology.nodes,
+        topology.devices_per_node,
+        args.topology,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        args.block
+    );
+    println!(
+        "{:<17} {:>12} {:>12} {:>8} {:>8} {:>10} {:>10} {:>10}",
+        "strategy", "inter GB", "intra GB", "compute", "memory", "fwd ms", "bwd ms", "plan ms"
+    );
+    let ring = reports.iter().find(|r| r.name == "ring-zigzag").cloned();
+    for r in &reports {
+        println!(
+            "{:<17} {:>12.3} {:>12.3} {:>8.3} {:>8.3} {:>10.3} {:>10.3} {:>10.1}",
+            r.name,
+            r.inter_node_bytes / 1e9,
+            r.intra_node_bytes / 1e9,
+            r.compute_imbalance,
+            r.memory_imbalance,
+            r.attention_fwd_ms,
+            r.attention_bwd_ms,
+            r.planning_ms
+        );
+    }
+    for s in &skipped {
+        println!(
+            "{:<17} skipped: {}",
+            s["name"].as_str().unwrap_or(""),
+            s["error"]
+        );
+    }
+    if let Some(ring) = ring {
+        for r in reports.iter().filter(|r| r.name != "ring-zigzag") {
+            let time =
+                |x: &burn_dcp::planner::StrategyReport| x.attention_fwd_ms + x.attention_bwd_ms;
+            println!(
+                "{} vs ring-zigzag: inter-node bytes {:+.1}%, attention (fwd+bwd) speedup {:.2}×",
+                r.name,
+                100.0 * (r.inter_node_bytes / ring.inter_node_bytes.max(1.0) - 1.0),
+                time(&ring) / time(r).max(1e-12)
+            );
+        }
+    }
+    Ok(())
+}
