@@ -16,7 +16,8 @@
 //! node level uses half of each ε, which leaves the device level room inside every node.
 //!
 //! **Schedule.** Each rank's remote inputs (in the order its tiles first need them) are cut into
-//! `stages` chunks of at most ~1/`stages` of its incoming bytes each (whole blocks). Compute
+//! `stages` chunks greedily: a chunk closes when the next block would take it past 1/`stages` of
+//! the rank's incoming bytes (whole blocks, so the last chunk may exceed that by a few blocks). Compute
 //! stage 0 runs the tiles whose inputs are all local while chunk 1 moves; compute stage `t ≥ 1`
 //! runs the tiles whose last remote input is in chunk `t`, while chunk `t + 1` moves. So a plan
 //! has up to `stages + 1` compute stages and `stages` communication stages, local work first.
