@@ -1,0 +1,259 @@
+//! Criterion micro-benchmarks of the attention ops on the CPU: the portable implementation
+//! (`FlashOps` on burn Flex: forward with LSE, backward, merge) against burn 0.21's own
+//! `attention` on Flex (forward) and on `Autodiff<Flex>` (forward + backward), over a table of
+//! shapes: one causal sequence, a ragged causal batch, a sparse λ mask, and full attention.
+//!
+//! Throughput is `Throughput::Elements(FLOPs)` counting **unmasked work only**: `4·D` per allowed
+//! (query, key) pair and query head forward, 3.5× that for forward + backward. Burn's attention
+//! has no varlen or GQA support, so it runs each sequence separately with kv heads repeated, and
+//! sparse masks as dense bool masks: it does the masked work too, but is credited with the same
+//! unmasked FLOPs, so the ratio of throughputs is the ratio of times.
+//!
+//!     cargo bench --bench attention -- --quick
+//!
+//! The cubecl kernels (wgpu / CUDA) are not implemented yet; when they are, their rows join
+//! these (see `benches/README.md`).
+
+use burn::backend::{Autodiff, Flex};
+use burn::prelude::*;
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Distribution, TensorData};
+use burn_dcp_kernels::{FlashOps, MaskSpec, VarlenAttention};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+
+/// One benchmark shape.
+struct Shape {
+    name: &'static str,
+    seq_lens: Vec<usize>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    mask: &'static str,
+}
+
+fn shapes() -> Vec<Shape> {
+    vec![
+        Shape {
+            name: "causal-1x1024-h8k2-d64",
+            seq_lens: vec![1024],
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            mask: "causal",
+        },
+        Shape {
+            name: "causal-ragged-700+300+1200-h8k2-d64",
+            seq_lens: vec![700, 300, 1200],
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            mask: "causal",
+        },
+        Shape {
+            name: "lambda64,256-1x2048-h8k2-d64",
+            seq_lens: vec![2048],
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            mask: "lambda:64,256",
+        },
+        Shape {
+            name: "full-1x512-h4k4-d128",
+            seq_lens: vec![512],
+            heads: 4,
+            kv_heads: 4,
+            head_dim: 128,
+            mask: "full",
+        },
+    ]
+}
+
+fn random<B: Backend>(shape: [usize; 3], seed: u64, device: &B::Device) -> Tensor<B, 3> {
+    B::seed(device, seed);
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+}
+
+struct Inputs<B: Backend> {
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    dout: Tensor<B, 3>,
+    problem: VarlenAttention,
+}
+
+fn inputs<B: Backend>(shape: &Shape, device: &B::Device) -> Inputs<B> {
+    let t: usize = shape.seq_lens.iter().sum();
+    let mask: MaskSpec = shape.mask.parse().expect("valid mask");
+    Inputs {
+        q: random([t, shape.heads, shape.head_dim], 1, device),
+        k: random([t, shape.kv_heads, shape.head_dim], 2, device),
+        v: random([t, shape.kv_heads, shape.head_dim], 3, device),
+        dout: random([t, shape.heads, shape.head_dim], 4, device),
+        problem: VarlenAttention::packed(shape.seq_lens.clone(), vec![mask]),
+    }
+}
+
+/// burn's attention, sequence by sequence: `[1, H, T, D]`, kv heads repeated, the mask dense
+/// unless it is causal or full.
+fn burn_attention<B: Backend>(shape: &Shape, x: &Inputs<B>) -> Vec<Tensor<B, 4>> {
+    let device = x.q.device();
+    let mask: MaskSpec = shape.mask.parse().expect("valid mask");
+    let repeat = shape.heads / shape.kv_heads;
+    let mut start = 0;
+    let mut outs = Vec::new();
+    for &len in &shape.seq_lens {
+        let to_bhtd = |t: Tensor<B, 3>, heads: usize| {
+            t.slice([start..start + len])
+                .swap_dims(0, 1)
+                .reshape([1, heads, len, shape.head_dim])
+        };
+        let q = to_bhtd(x.q.clone(), shape.heads);
+        let k = to_bhtd(x.k.clone(), shape.kv_heads).repeat_dim(1, repeat);
+        let v = to_bhtd(x.v.clone(), shape.kv_heads).repeat_dim(1, repeat);
+        let (dense, is_causal) = match mask {
+            MaskSpec::Causal => (None, true),
+            MaskSpec::Full => (None, false),
+            ref other => {
+                let masked: Vec<bool> = (0..len)
+                    .flat_map(|i| (0..len).map(move |j| (i, j)))
+                    .map(|(i, j)| !other.allows(i, j, len))
+                    .collect();
+                let mask = Tensor::<B, 4, Bool>::from_data(
+                    TensorData::new(masked, [1, 1, len, len]),
+                    &device,
+                );
+                (Some(mask.expand([1, shape.heads, len, len])), false)
+            }
+        };
+        let options = AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal,
+        };
+        outs.push(attention(q, k, v, dense, None, options));
+        start += len;
+    }
+    outs
+}
+
+fn flops(shape: &Shape, x: &VarlenAttention) -> u64 {
+    x.allowed_pairs() * 4 * shape.head_dim as u64 * shape.heads as u64
+}
+
+fn forward(c: &mut Criterion) {
+    let device = Default::default();
+    let mut group = c.benchmark_group("forward");
+    group.sample_size(10);
+    for shape in shapes() {
+        let x = inputs::<Flex>(&shape, &device);
+        group.throughput(Throughput::Elements(flops(&shape, &x.problem)));
+        group.bench_function(BenchmarkId::new("portable-flex", shape.name), |b| {
+            b.iter(|| {
+                let out = Flex::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
+                    .expect("valid problem");
+                out.out.into_data()
+            })
+        });
+        group.bench_function(BenchmarkId::new("burn-attention-flex", shape.name), |b| {
+            b.iter(|| {
+                burn_attention(&shape, &x)
+                    .into_iter()
+                    .map(|o| o.into_data())
+                    .collect::<Vec<_>>()
+            })
+        });
+    }
+    group.finish();
+}
+
+fn forward_backward(c: &mut Criterion) {
+    let device = Default::default();
+    let mut group = c.benchmark_group("forward+backward");
+    group.sample_size(10);
+    for shape in shapes() {
+        let x = inputs::<Flex>(&shape, &device);
+        group.throughput(Throughput::Elements(
+            (3.5 * flops(&shape, &x.problem) as f64) as u64,
+        ));
+        group.bench_function(BenchmarkId::new("portable-flex", shape.name), |b| {
+            b.iter(|| {
+                let fwd = Flex::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
+                    .expect("valid problem");
+                let grads = Flex::flash_backward(
+                    x.q.clone(),
+                    x.k.clone(),
+                    x.v.clone(),
+                    fwd.out,
+                    fwd.lse,
+                    x.dout.clone(),
+                    &x.problem,
+                )
+                .expect("valid problem");
+                (
+                    grads.dq.into_data(),
+                    grads.dk.into_data(),
+                    grads.dv.into_data(),
+                )
+            })
+        });
+        let xa = Inputs::<Autodiff<Flex>> {
+            q: Tensor::from_inner(x.q.clone()).require_grad(),
+            k: Tensor::from_inner(x.k.clone()).require_grad(),
+            v: Tensor::from_inner(x.v.clone()).require_grad(),
+            dout: Tensor::from_inner(x.dout.clone()),
+            problem: x.problem.clone(),
+        };
+        group.bench_function(
+            BenchmarkId::new("burn-attention-autodiff-flex", shape.name),
+            |b| {
+                b.iter(|| {
+                    let outs = burn_attention(&shape, &xa);
+                    let out = Tensor::cat(
+                        outs.into_iter()
+                            .map(|o| {
+                                let [_, h, t, d] = o.dims();
+                                o.reshape([h, t, d]).swap_dims(0, 1)
+                            })
+                            .collect(),
+                        0,
+                    );
+                    let grads = (out * xa.dout.clone()).sum().backward();
+                    (
+                        xa.q.grad(&grads).map(|g| g.into_data()),
+                        xa.k.grad(&grads).map(|g| g.into_data()),
+                    )
+                })
+            },
+        );
+    }
+    group.finish();
+}
+
+fn merge(c: &mut Criterion) {
+    let device = Default::default();
+    let mut group = c.benchmark_group("merge");
+    group.sample_size(10);
+    for shape in shapes() {
+        let x = inputs::<Flex>(&shape, &device);
+        let a = Flex::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
+            .expect("valid problem");
+        let b_part = Flex::flash_forward(x.q.clone(), x.v.clone(), x.k.clone(), &x.problem)
+            .expect("valid problem");
+        let [t, h, d] = a.out.dims();
+        // bytes read and written per merge, as elements: two partial outs and lses in, one out
+        group.throughput(Throughput::Elements((3 * t * h * d + 3 * t * h) as u64));
+        group.bench_function(BenchmarkId::new("portable-flex", shape.name), |bench| {
+            bench.iter(|| {
+                Flex::flash_merge(a.clone(), b_part.clone())
+                    .expect("same shapes")
+                    .out
+                    .into_data()
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, forward, forward_backward, merge);
+criterion_main!(benches);
