@@ -104,7 +104,7 @@ fn burn_attention<B: Backend>(shape: &Shape, x: &Inputs<B>) -> Vec<Tensor<B, 4>>
     let mut outs = Vec::new();
     for &len in &shape.seq_lens {
         let to_bhtd = |t: Tensor<B, 3>, heads: usize| {
-            t.slice([start..start + len])
+            t.narrow(0, start, len)
                 .swap_dims(0, 1)
                 .reshape([1, heads, len, shape.head_dim])
         };
