@@ -4,10 +4,11 @@
 //! shapes: one causal sequence, a ragged causal batch, a sparse λ mask, and full attention.
 //!
 //! Throughput is `Throughput::Elements(FLOPs)` counting **unmasked work only**: `4·D` per allowed
-//! (query, key) pair and query head forward, 3.5× that for forward + backward. Burn's attention
-//! has no varlen or GQA support, so it runs each sequence separately with kv heads repeated, and
-//! sparse masks as dense bool masks: it does the masked work too, but is credited with the same
-//! unmasked FLOPs, so the ratio of throughputs is the ratio of times.
+//! (query, key) pair and query head forward, `1 + BACKWARD_FLOPS_FACTOR` (3.5) times that for
+//! forward and backward. Burn's attention has no varlen or GQA support, so it runs each sequence
+//! separately with kv heads repeated, and sparse masks as dense bool masks: it does the masked work
+//! too, but is credited with the same unmasked FLOPs, so the ratio of throughputs is the ratio of
+//! times.
 //!
 //!     cargo bench --bench attention -- --quick
 //!
@@ -19,6 +20,7 @@ use burn::prelude::*;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Distribution, TensorData};
+use burn_dcp::planner::cost::BACKWARD_FLOPS_FACTOR;
 use burn_dcp_kernels::{FlashOps, MaskSpec, VarlenAttention};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
@@ -174,7 +176,7 @@ fn forward_backward(c: &mut Criterion) {
     for shape in shapes() {
         let x = inputs::<Flex>(&shape, &device);
         group.throughput(Throughput::Elements(
-            (3.5 * flops(&shape, &x.problem) as f64) as u64,
+            ((1.0 + BACKWARD_FLOPS_FACTOR) * flops(&shape, &x.problem) as f64) as u64,
         ));
         group.bench_function(BenchmarkId::new("portable-flex", shape.name), |b| {
             b.iter(|| {

@@ -11,7 +11,6 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use burn_dcp::planner::cost::evaluate;
-use burn_dcp::planner::plan::tile_grids;
 use burn_dcp::planner::{
     plan_strategy, validate_plan, AttentionDims, DcpConfig, PlanInput, PlanStrategy, Topology,
 };
@@ -176,8 +175,7 @@ fn run(args: &Args) -> Result<(), String> {
         let planning_ms = times[times.len() / 2];
         validate_plan(&routed.plan, &routed.problem)
             .map_err(|e| format!("{}: {e}", strategy.name()))?;
-        let grids = tile_grids(&routed.problem);
-        let mut report = evaluate(&routed, &grids, &topology).map_err(|e| e.to_string())?;
+        let mut report = evaluate(&routed, &topology).map_err(|e| e.to_string())?;
         report.planning_ms = planning_ms;
         reports.push(report);
         last_plan = Some(routed.plan);

@@ -6,7 +6,7 @@
 //! connectivity.
 
 use burn_dcp::planner::cost::evaluate;
-use burn_dcp::planner::plan::{tile_grids, DataKind};
+use burn_dcp::planner::plan::DataKind;
 use burn_dcp::planner::{
     plan_strategy, validate_plan, AttentionDims, DcpConfig, PlanInput, PlanStrategy, Topology,
 };
@@ -57,8 +57,7 @@ fn every_strategy_and_mask_gives_a_valid_plan() {
                     .unwrap_or_else(|e| panic!("{mask} {}: {e}", strategy.name()));
                 validate_plan(&routed.plan, &routed.problem)
                     .unwrap_or_else(|e| panic!("{mask} {}: {e}", strategy.name()));
-                let report =
-                    evaluate(&routed, &tile_grids(&routed.problem), &input.topology).unwrap();
+                let report = evaluate(&routed, &input.topology).unwrap();
                 assert!(
                     report.attention_fwd_ms > 0.0
                         && report.attention_bwd_ms > report.attention_fwd_ms
@@ -121,7 +120,7 @@ fn dcp_moves_fewer_inter_node_bytes_than_ring() {
     );
     let grid_report = |strategy| {
         let routed = plan_strategy(strategy, &input).unwrap();
-        evaluate(&routed, &tile_grids(&routed.problem), &input.topology).unwrap()
+        evaluate(&routed, &input.topology).unwrap()
     };
     let ring = grid_report(PlanStrategy::RingZigzag);
     let dcp = grid_report(PlanStrategy::Dcp);
@@ -155,8 +154,8 @@ proptest! {
         let routed = plan_strategy(PlanStrategy::Dcp, &input).unwrap();
         validate_plan(&routed.plan, &routed.problem).unwrap();
         let problem = &routed.problem;
-        let grids = tile_grids(problem);
-        let report = evaluate(&routed, &grids, &input.topology).unwrap();
+        let grids = &routed.grids;
+        let report = evaluate(&routed, &input.topology).unwrap();
         let ranks = input.topology.ranks();
 
         // balance: guaranteed when no single tile or data block exceeds the slack

@@ -29,7 +29,8 @@ use serde::Serialize;
 use crate::error::CpError;
 use crate::planner::hypergraph::FastMap;
 use crate::planner::plan::{BlockProblem, DataKind, Plan, TileGrid};
-use crate::planner::topology::{LinkClass, Topology};
+pub use crate::planner::topology::BACKWARD_FLOPS_FACTOR;
+use crate::planner::topology::{attention_flops, LinkClass, Topology};
 
 /// Attention dimensions of the planned layer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -50,9 +51,6 @@ pub struct UnitSizes {
     /// Forward FLOPs per unmasked (query, key) pair of one unit.
     pub forward_flops_per_pair: f64,
 }
-
-/// Backward FLOPs are this many times the forward's (recompute of Q·Kᵀ, then dV, dP, dQ, dK).
-pub const BACKWARD_FLOPS_FACTOR: f64 = 2.5;
 
 impl AttentionDims {
     pub fn validate(&self) -> Result<(), CpError> {
@@ -87,15 +85,15 @@ impl AttentionDims {
                 self.kv_heads
             )));
         }
-        let q_heads = (self.heads / units) as f64;
+        let q_heads = self.heads / units;
         let kv_heads = (self.kv_heads / units).max(1) as f64;
         let d = self.head_dim as f64;
         let e = self.element_bytes as f64;
         Ok(UnitSizes {
-            q: q_heads * d * e,
+            q: q_heads as f64 * d * e,
             kv: 2.0 * kv_heads * d * e,
-            o: q_heads * d * e + 4.0 * q_heads,
-            forward_flops_per_pair: 4.0 * d * q_heads,
+            o: q_heads as f64 * (d * e + 4.0),
+            forward_flops_per_pair: attention_flops(1, q_heads, self.head_dim).0,
         })
     }
 }
@@ -145,6 +143,8 @@ pub struct RoutedPlan {
     pub name: String,
     pub plan: Plan,
     pub problem: BlockProblem,
+    /// The problem's tile grids (one per sequence), as the planner computed them.
+    pub grids: Vec<TileGrid>,
     pub sizes: UnitSizes,
     pub transfers: Vec<Transfer>,
 }
@@ -212,12 +212,12 @@ fn stage_comm_seconds(transfers: &[&Transfer], topology: &Topology) -> Vec<f64> 
             let intra = intra_in[r].max(intra_out[r]);
             let mut seconds = 0.0;
             if intra > 0.0 {
-                seconds += topology.intra_node_latency + intra / topology.intra_node_bandwidth;
+                seconds += topology.transfer_seconds(LinkClass::IntraNode, intra);
             }
             if uses_inter[r] {
                 let node = topology.node_of(r);
-                seconds += topology.inter_node_latency
-                    + inter_in[node].max(inter_out[node]) / topology.inter_node_bandwidth;
+                let inter = inter_in[node].max(inter_out[node]);
+                seconds += topology.transfer_seconds(LinkClass::InterNode, inter);
             }
             seconds
         })
@@ -226,11 +226,7 @@ fn stage_comm_seconds(transfers: &[&Transfer], topology: &Topology) -> Vec<f64> 
 
 /// Measures a routed plan on a topology (see the module docs). `planning_ms` is filled by the
 /// caller, who timed the planning.
-pub fn evaluate(
-    routed: &RoutedPlan,
-    grids: &[TileGrid],
-    topology: &Topology,
-) -> Result<StrategyReport, CpError> {
+pub fn evaluate(routed: &RoutedPlan, topology: &Topology) -> Result<StrategyReport, CpError> {
     let plan = &routed.plan;
     let ranks = topology.ranks();
     if plan.ranks != ranks {
@@ -257,7 +253,7 @@ pub fn evaluate(
     let mut flops = vec![vec![0.0f64; ranks]; stages];
     let mut rank_flops = vec![0.0f64; ranks];
     for b in &plan.blocks {
-        let pairs = grids[b.seq].pairs(b.q_block, b.kv_block) as f64;
+        let pairs = routed.grids[b.seq].pairs(b.q_block, b.kv_block) as f64;
         let f = pairs * routed.sizes.forward_flops_per_pair;
         flops[b.stage][b.rank] += f;
         rank_flops[b.rank] += f;

@@ -25,7 +25,7 @@
 use crate::error::CpError;
 use crate::planner::cost::{direct_transfers, AttentionDims, RoutedPlan, BACKWARD_FLOPS_FACTOR};
 use crate::planner::hypergraph::{partition, FastMap, Hypergraph, PartitionConfig};
-use crate::planner::plan::{BlockProblem, ComputeBlock, DataBlock, DataKind, Plan, TileGrid};
+use crate::planner::plan::{BlockProblem, ComputeBlock, Plan, TileGrid};
 use crate::planner::topology::Topology;
 
 /// Settings of the DCP planner.
@@ -195,36 +195,36 @@ fn place(graph: &Hypergraph, topology: &Topology, config: &DcpConfig) -> Vec<u32
     let total_compute: f64 = graph.compute.iter().sum();
     let total_memory: f64 = graph.memory.iter().sum();
     let node_of_vertex = if topology.nodes > 1 {
-        let mut node_config = PartitionConfig::balanced(
+        let node_config = PartitionConfig::balanced(
             graph,
             topology.nodes,
             config.compute_epsilon / 2.0,
             config.memory_epsilon / 2.0,
             config.seed,
         );
-        node_config.seed = config.seed;
         partition(graph, &node_config)
     } else {
         vec![0; graph.vertices()]
     };
+    let mut members: Vec<Vec<u32>> = vec![Vec::new(); topology.nodes];
+    for (v, &node) in node_of_vertex.iter().enumerate() {
+        members[node as usize].push(v as u32);
+    }
     let mut rank = vec![0u32; graph.vertices()];
-    for node in 0..topology.nodes {
-        let members: Vec<u32> = (0..graph.vertices() as u32)
-            .filter(|&v| node_of_vertex[v as usize] == node as u32)
-            .collect();
+    for (node, members) in members.iter().enumerate() {
         if members.is_empty() {
             continue;
         }
-        let sub = graph.induced(&members);
-        let mut device_config =
-            PartitionConfig::balanced(&sub, topology.devices_per_node, 0.0, 0.0, config.seed);
-        device_config.compute_capacity =
-            (1.0 + config.compute_epsilon) * total_compute / ranks as f64;
-        device_config.memory_capacity = (1.0 + config.memory_epsilon) * total_memory / ranks as f64;
-        device_config.seed = config.seed.wrapping_add(node as u64 + 1);
+        let sub = graph.induced(members);
+        let device_config = PartitionConfig::with_capacities(
+            topology.devices_per_node,
+            (1.0 + config.compute_epsilon) * total_compute / ranks as f64,
+            (1.0 + config.memory_epsilon) * total_memory / ranks as f64,
+            config.seed.wrapping_add(node as u64 + 1),
+        );
         let device = partition(&sub, &device_config);
-        for (i, &v) in members.iter().enumerate() {
-            rank[v as usize] = (node * topology.devices_per_node) as u32 + device[i];
+        for (&v, &d) in members.iter().zip(&device) {
+            rank[v as usize] = (node * topology.devices_per_node) as u32 + d;
         }
     }
     rank
@@ -233,7 +233,7 @@ fn place(graph: &Hypergraph, topology: &Topology, config: &DcpConfig) -> Vec<u32
 /// Plans DCP for `problem` (head units = kv heads) on `topology`.
 pub fn dcp_plan(
     problem: &BlockProblem,
-    grids: &[TileGrid],
+    grids: Vec<TileGrid>,
     dims: &AttentionDims,
     topology: &Topology,
     config: &DcpConfig,
@@ -244,7 +244,7 @@ pub fn dcp_plan(
     let sizes = dims.unit_sizes(problem.head_groups)?;
     let tile_count: usize = grids.iter().map(TileGrid::tiles).sum::<usize>() * problem.head_groups;
     let group = tile_group(tile_count, topology.ranks());
-    let built = build_graph(problem, grids, dims, group)?;
+    let built = build_graph(problem, &grids, dims, group)?;
     let rank = place(&built.graph, topology, config);
     let ranks = topology.ranks();
     let home = |seq: u32, head: u32, block: u32| {
@@ -305,24 +305,11 @@ pub fn dcp_plan(
                 .unwrap_or(0);
         }
     }
-    let mut plan = Plan {
-        ranks,
-        blocks: Vec::with_capacity(built.tiles.len()),
-        data: Vec::new(),
-        stats: serde_json::Value::Null,
-    };
+    let mut plan = Plan::empty(ranks, "dcp");
     for (seq, bases) in built.data_base.iter().enumerate() {
         for (head, &base) in bases.iter().enumerate() {
             for block in 0..problem.blocks_of(seq) {
-                for kind in [DataKind::Q, DataKind::Kv, DataKind::O] {
-                    plan.data.push(DataBlock {
-                        kind,
-                        seq,
-                        head,
-                        block,
-                        home_rank: rank[base as usize + block] as usize,
-                    });
-                }
+                plan.home_token_block(seq, head, block, rank[base as usize + block] as usize);
             }
         }
     }
@@ -353,6 +340,7 @@ pub fn dcp_plan(
         name: "dcp".into(),
         plan,
         problem: problem.clone(),
+        grids,
         sizes,
         transfers,
     })

@@ -66,10 +66,25 @@ impl PartitionConfig {
     ) -> Self {
         let total_compute: f64 = graph.compute.iter().sum();
         let total_memory: f64 = graph.memory.iter().sum();
+        Self::with_capacities(
+            parts,
+            (1.0 + compute_epsilon) * total_compute / parts as f64,
+            (1.0 + memory_epsilon) * total_memory / parts as f64,
+            seed,
+        )
+    }
+
+    /// Given capacities, default search settings.
+    pub fn with_capacities(
+        parts: usize,
+        compute_capacity: f64,
+        memory_capacity: f64,
+        seed: u64,
+    ) -> Self {
         Self {
             parts,
-            compute_capacity: (1.0 + compute_epsilon) * total_compute / parts as f64,
-            memory_capacity: (1.0 + memory_epsilon) * total_memory / parts as f64,
+            compute_capacity,
+            memory_capacity,
             seed,
             coarsest_per_part: 24,
             initial_tries: 3,
@@ -561,16 +576,8 @@ impl<'a> PartitionState<'a> {
                     if !relevant {
                         continue;
                     }
-                    self.gains(v, &mut gains);
-                    if let Some(to) = (0..self.parts)
-                        .filter(|&p| p != from && self.fits(v, p, config))
-                        .max_by(|&a, &b| {
-                            gains[a]
-                                .total_cmp(&gains[b])
-                                .then(self.fill(b, config).total_cmp(&self.fill(a, config)))
-                        })
-                    {
-                        movable.push((v, to, gains[to]));
+                    if let Some((to, gain)) = self.best_move(v, &mut gains, config) {
+                        movable.push((v, to, gain));
                     }
                 }
                 movable.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)));
@@ -700,23 +707,17 @@ impl<'a> PartitionState<'a> {
                 if !self.can_gain(v) {
                     continue;
                 }
-                self.gains(v, &mut gains);
-                let best = (0..self.parts)
-                    .filter(|&p| p != from && self.fits(v, p, config))
-                    .max_by(|&a, &b| {
-                        gains[a]
-                            .total_cmp(&gains[b])
-                            .then(self.fill(b, config).total_cmp(&self.fill(a, config)))
-                    });
-                let Some(to) = best else { continue };
+                let Some((to, gain)) = self.best_move(v, &mut gains, config) else {
+                    continue;
+                };
                 let evens_load =
-                    gains[to] == 0.0 && self.fill(to, config) + 1e-9 < self.fill(from, config) && {
+                    gain == 0.0 && self.fill(to, config) + 1e-9 < self.fill(from, config) && {
                         // after the move the destination must still be the lighter one
                         let c = self.graph.compute[v] / config.compute_capacity;
                         let m = self.graph.memory[v] / config.memory_capacity;
                         self.fill(to, config) + c.max(m) < self.fill(from, config)
                     };
-                if gains[to] > 1e-12 * (1.0 + gains[to].abs()) || evens_load {
+                if gain > 1e-12 * (1.0 + gain.abs()) || evens_load {
                     self.apply(v, to);
                     moved += 1;
                 }
@@ -747,28 +748,16 @@ fn greedy_initial(graph: &Hypergraph, config: &PartitionConfig, rng: &mut SplitM
     let mut compute = vec![0.0; k];
     let mut memory = vec![0.0; k];
     let mut affinity = vec![0.0; k];
+    // placed pins per (hyperedge, part)
+    let mut placed = vec![0u32; graph.edges() * k];
     for &v in &order {
         let v = v as usize;
         affinity.iter_mut().for_each(|a| *a = 0.0);
         for &e in graph.edges_of(v) {
-            let mut counted = [false; 64];
-            let mut counted_big = Vec::new();
-            for &p in graph.pins_of(e as usize) {
-                let q = part[p as usize];
-                if q == u32::MAX {
-                    continue;
-                }
-                let q = q as usize;
-                let fresh = if q < 64 {
-                    !std::mem::replace(&mut counted[q], true)
-                } else if counted_big.contains(&q) {
-                    false
-                } else {
-                    counted_big.push(q);
-                    true
-                };
-                if fresh {
-                    affinity[q] += graph.edge_weight[e as usize];
+            let e = e as usize;
+            for (p, &count) in placed[e * k..(e + 1) * k].iter().enumerate() {
+                if count > 0 {
+                    affinity[p] += graph.edge_weight[e];
                 }
             }
         }
@@ -794,6 +783,9 @@ fn greedy_initial(graph: &Hypergraph, config: &PartitionConfig, rng: &mut SplitM
         part[v] = target as u32;
         compute[target] += graph.compute[v];
         memory[target] += graph.memory[v];
+        for &e in graph.edges_of(v) {
+            placed[e as usize * k + target] += 1;
+        }
     }
     part
 }

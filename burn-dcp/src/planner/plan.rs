@@ -62,6 +62,31 @@ pub struct Plan {
     pub stats: serde_json::Value,
 }
 
+impl Plan {
+    /// A plan with no blocks yet; `stats` starts as `{"strategy": strategy}`.
+    pub fn empty(ranks: usize, strategy: &str) -> Self {
+        Self {
+            ranks,
+            blocks: Vec::new(),
+            data: Vec::new(),
+            stats: serde_json::json!({ "strategy": strategy }),
+        }
+    }
+
+    /// Homes the Q, KV and O blocks of token block `block` of (`seq`, `head`) on `home_rank`.
+    pub fn home_token_block(&mut self, seq: usize, head: usize, block: usize, home_rank: usize) {
+        for kind in [DataKind::Q, DataKind::Kv, DataKind::O] {
+            self.data.push(DataBlock {
+                kind,
+                seq,
+                head,
+                block,
+                home_rank,
+            });
+        }
+    }
+}
+
 /// The problem every plan covers.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockProblem {
@@ -131,21 +156,6 @@ impl BlockProblem {
                 blocks
             })
             .collect()
-    }
-
-    /// Unmasked (query, key) pairs of one tile.
-    pub fn tile_pairs(&self, seq: usize, q_block: usize, kv_block: usize) -> u64 {
-        let len = self.seq_lens[seq];
-        let keys = self.block_tokens(seq, kv_block);
-        self.block_tokens(seq, q_block)
-            .map(|i| {
-                self.mask(seq)
-                    .key_ranges(i, len)
-                    .iter()
-                    .map(|r| r.end.min(keys.end).saturating_sub(r.start.max(keys.start)) as u64)
-                    .sum::<u64>()
-            })
-            .sum()
     }
 }
 
@@ -303,6 +313,21 @@ pub fn validate_plan(plan: &Plan, problem: &BlockProblem) -> Result<(), CpError>
 mod tests {
     use super::*;
 
+    /// Unmasked (query, key) pairs of one tile, query by query: the oracle for [`TileGrid`].
+    fn tile_pairs(p: &BlockProblem, seq: usize, q_block: usize, kv_block: usize) -> u64 {
+        let len = p.seq_lens[seq];
+        let keys = p.block_tokens(seq, kv_block);
+        p.block_tokens(seq, q_block)
+            .map(|i| {
+                p.mask(seq)
+                    .key_ranges(i, len)
+                    .iter()
+                    .map(|r| r.end.min(keys.end).saturating_sub(r.start.max(keys.start)) as u64)
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+
     fn problem(mask: &str) -> BlockProblem {
         BlockProblem {
             seq_lens: vec![1000, 300, 2049],
@@ -330,7 +355,7 @@ mod tests {
                     let kvs: Vec<usize> = row.iter().map(|&(kv, _)| kv as usize).collect();
                     assert_eq!(kvs, tiles[q], "{mask} seq {seq} q {q}");
                     for &(kv, pairs) in row {
-                        assert_eq!(pairs, p.tile_pairs(seq, q, kv as usize));
+                        assert_eq!(pairs, tile_pairs(&p, seq, q, kv as usize));
                     }
                 }
                 for (q, q_tiles) in tiles.iter().enumerate() {
@@ -341,7 +366,7 @@ mod tests {
                             p.seq_lens[seq],
                         );
                         assert_eq!(q_tiles.contains(&kv), any, "{mask} seq {seq} q {q} kv {kv}");
-                        assert_eq!(p.tile_pairs(seq, q, kv) > 0, any);
+                        assert_eq!(tile_pairs(&p, seq, q, kv) > 0, any);
                     }
                 }
             }

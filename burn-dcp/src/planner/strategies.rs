@@ -25,9 +25,7 @@ use crate::error::CpError;
 use crate::planner::cost::{AttentionDims, Pass, RoutedPlan, Transfer, UnitSizes, POST};
 use crate::planner::dcp::{dcp_plan, DcpConfig};
 use crate::planner::dynamic::{schedule, DynamicCpConfig};
-use crate::planner::plan::{
-    tile_grids, BlockProblem, ComputeBlock, DataBlock, DataKind, Plan, TileGrid,
-};
+use crate::planner::plan::{tile_grids, BlockProblem, ComputeBlock, Plan, TileGrid};
 use crate::planner::topology::Topology;
 
 /// Most (q, kv) block pairs (full-mask count) a static strategy's plan may have.
@@ -158,7 +156,7 @@ pub fn plan_strategy(strategy: PlanStrategy, input: &PlanInput) -> Result<Routed
         PlanStrategy::Dcp => {
             let problem = input.problem(input.dims.kv_heads);
             let grids = tile_grids(&problem);
-            dcp_plan(&problem, &grids, &input.dims, &input.topology, &input.dcp)
+            dcp_plan(&problem, grids, &input.dims, &input.topology, &input.dcp)
         }
     }
 }
@@ -187,18 +185,6 @@ pub fn zigzag_position(blocks: usize, block: usize, ring: usize, rotation: usize
         2 * ring - 1 - chunk
     };
     (position + rotation) % ring
-}
-
-fn push_data(plan: &mut Plan, seq: usize, head: usize, block: usize, home_rank: usize) {
-    for kind in [DataKind::Q, DataKind::Kv, DataKind::O] {
-        plan.data.push(DataBlock {
-            kind,
-            seq,
-            head,
-            block,
-            home_rank,
-        });
-    }
 }
 
 /// Ring passes of KV over `ring` (ranks in ring order): `kv_bytes_at[p]` bytes live on position
@@ -263,7 +249,7 @@ fn ring_over(
                 * problem.block_tokens(seq, block).len() as f64
                 * problem.head_groups as f64;
             for head in 0..problem.head_groups {
-                push_data(plan, seq, head, block, ring[p]);
+                plan.home_token_block(seq, head, block, ring[p]);
             }
         }
         for (q_block, row) in grids[seq].rows.iter().enumerate() {
@@ -286,21 +272,12 @@ fn ring_over(
     ring_hops(ring, &kv_bytes_at, offset, transfers);
 }
 
-fn empty_plan(ranks: usize, strategy: &str) -> Plan {
-    Plan {
-        ranks,
-        blocks: Vec::new(),
-        data: Vec::new(),
-        stats: serde_json::json!({ "strategy": strategy }),
-    }
-}
-
 fn ring_zigzag(input: &PlanInput) -> Result<RoutedPlan, CpError> {
     let problem = input.static_problem(input.dims.kv_heads, input.topology.ranks());
     let sizes = input.dims.unit_sizes(problem.head_groups)?;
     let grids = tile_grids(&problem);
     let ranks = input.topology.ranks();
-    let mut plan = empty_plan(ranks, "ring-zigzag");
+    let mut plan = Plan::empty(ranks, "ring-zigzag");
     plan.stats["block"] = problem.block.into();
     let mut transfers = Vec::new();
     let seqs: Vec<usize> = (0..problem.seq_lens.len()).collect();
@@ -319,6 +296,7 @@ fn ring_zigzag(input: &PlanInput) -> Result<RoutedPlan, CpError> {
         name: "ring-zigzag".into(),
         plan,
         problem,
+        grids,
         sizes,
         transfers,
     })
@@ -339,7 +317,7 @@ fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
         power_of_two: ranks.is_power_of_two(),
     };
     let schedule = schedule(&input.seq_lens, &config)?;
-    let mut plan = empty_plan(ranks, "megatron-dynamic");
+    let mut plan = Plan::empty(ranks, "megatron-dynamic");
     let mut transfers = Vec::new();
     let mut offset = 0;
     for micro_batch in &schedule.micro_batches {
@@ -370,6 +348,7 @@ fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
         name: "megatron-dynamic".into(),
         plan,
         problem,
+        grids,
         sizes,
         transfers,
     })
@@ -389,7 +368,7 @@ fn usp(input: &PlanInput, degree: usize, name: &str) -> Result<RoutedPlan, CpErr
     let sizes = input.dims.unit_sizes(units)?;
     let grids = tile_grids(&problem);
     let column = |unit: usize| unit * degree / units;
-    let mut plan = empty_plan(ranks, name);
+    let mut plan = Plan::empty(ranks, name);
     plan.stats = serde_json::json!({
         "strategy": name, "ulysses_degree": degree, "ring_degree": ring_degree, "head_units": units,
         "block": problem.block,
@@ -406,7 +385,7 @@ fn usp(input: &PlanInput, degree: usize, name: &str) -> Result<RoutedPlan, CpErr
             let home = p * degree + (block + seq) % degree;
             let tokens = problem.block_tokens(seq, block).len() as f64;
             for unit in 0..units {
-                push_data(&mut plan, seq, unit, block, home);
+                plan.home_token_block(seq, unit, block, home);
                 let rank = p * degree + column(unit);
                 kv_at[column(unit)][p] += sizes.kv * tokens;
                 if rank == home {
@@ -462,6 +441,7 @@ fn usp(input: &PlanInput, degree: usize, name: &str) -> Result<RoutedPlan, CpErr
         name: name.into(),
         plan,
         problem,
+        grids,
         sizes,
         transfers,
     })

@@ -139,12 +139,15 @@ impl Topology {
     }
 }
 
+/// Backward FLOPs are this many times the forward's (flash-attention's recompute of Q·Kᵀ plus
+/// dV, dP, dQ, dK).
+pub const BACKWARD_FLOPS_FACTOR: f64 = 2.5;
+
 /// FLOPs of attention over `pairs` unmasked (query, key) pairs for `heads` heads of `head_dim`:
-/// forward `4·D` per pair and head (Q·Kᵀ and P·V), backward `2.5×` the forward (flash-attention's
-/// recompute of Q·Kᵀ plus dV, dP, dQ, dK).
+/// forward `4·D` per pair and head (Q·Kᵀ and P·V), backward [`BACKWARD_FLOPS_FACTOR`]× that.
 pub fn attention_flops(pairs: u64, heads: usize, head_dim: usize) -> (f64, f64) {
     let forward = 4.0 * pairs as f64 * heads as f64 * head_dim as f64;
-    (forward, 2.5 * forward)
+    (forward, BACKWARD_FLOPS_FACTOR * forward)
 }
 
 impl FromStr for LinkClass {
