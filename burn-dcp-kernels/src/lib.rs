@@ -7,12 +7,19 @@
 //! ops         FlashOps: the backend extension trait every CP strategy calls
 //! portable    host implementation (CPU backends, e.g. burn Flex)
 //! reference   naive dense f64 oracle for tests
+//! tiling      host-built launch tables of the tiled kernels (spans, non-empty tile lists)
+//! cube        cubecl kernels for burn's CubeBackend (wgpu, CUDA), feature `cube`
 //! ```
 
 pub mod definition;
 pub mod ops;
 pub mod portable;
 pub mod reference;
+mod spans;
+pub mod tiling;
+
+#[cfg(feature = "cube")]
+pub mod cube;
 
 pub use definition::{
     mask_of, validate_cu_seqlens, validate_masks, AttentionShape, KernelError, KeyRanges, MaskSpec,

@@ -83,6 +83,40 @@ pub fn common_float_dtype(named: &[(&str, DType)]) -> Result<DType, KernelError>
     Ok(first)
 }
 
+/// Checks `out`/`dout [q_tokens, heads, value_dim]` and `lse [heads, q_tokens]` of a backward call.
+pub fn check_backward_shapes(
+    shape: &AttentionShape,
+    out: &[usize],
+    dout: &[usize],
+    lse: &[usize],
+) -> Result<(), KernelError> {
+    let expected_out = [shape.q_tokens, shape.heads, shape.value_dim];
+    let expected_lse = [shape.heads, shape.q_tokens];
+    if out != expected_out || dout != expected_out || lse != expected_lse {
+        return Err(KernelError::InvalidShape(format!(
+            "out {out:?}, dout {dout:?} and lse {lse:?} must be {expected_out:?}, {expected_out:?} and {expected_lse:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks the two partial results of a merge: equal `out [tokens, heads, value_dim]` shapes and
+/// `lse [heads, tokens]`.
+pub fn check_merge_shapes(
+    out_a: &[usize],
+    out_b: &[usize],
+    lse_a: &[usize],
+    lse_b: &[usize],
+) -> Result<(), KernelError> {
+    let lse_ok = |lse: &[usize]| out_a.len() == 3 && lse == [out_a[1], out_a[0]];
+    if out_a.len() != 3 || out_b != out_a || !lse_ok(lse_a) || !lse_ok(lse_b) {
+        return Err(KernelError::InvalidShape(format!(
+            "merge needs equal shapes: out {out_a:?} / {out_b:?}, lse {lse_a:?} / {lse_b:?} (lse is [heads, tokens])"
+        )));
+    }
+    Ok(())
+}
+
 fn host_f32<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
     tensor
         .into_data()
@@ -157,16 +191,7 @@ pub fn host_backward<B: Backend>(
         ("dout", dout.dtype()),
     ])?;
     let shape = shape_of(&q, &k, &v)?;
-    let expected_out = [shape.q_tokens, shape.heads, shape.value_dim];
-    let expected_lse = [shape.heads, shape.q_tokens];
-    if out.dims() != expected_out || dout.dims() != expected_out || lse.dims() != expected_lse {
-        return Err(KernelError::InvalidShape(format!(
-            "out {:?}, dout {:?} and lse {:?} must be {expected_out:?}, {expected_out:?} and {expected_lse:?}",
-            out.dims(),
-            dout.dims(),
-            lse.dims()
-        )));
-    }
+    check_backward_shapes(&shape, &out.dims(), &dout.dims(), &lse.dims())?;
     let device = q.device();
     let grads = portable::backward(
         &host_f32(q),
@@ -203,18 +228,7 @@ pub fn host_merge<B: Backend>(
 ) -> Result<FlashOutput<B>, KernelError> {
     let dtype = common_float_dtype(&[("out a", a.out.dtype()), ("out b", b.out.dtype())])?;
     let [tokens, heads, value_dim] = a.out.dims();
-    if b.out.dims() != a.out.dims()
-        || a.lse.dims() != [heads, tokens]
-        || b.lse.dims() != [heads, tokens]
-    {
-        return Err(KernelError::InvalidShape(format!(
-            "merge needs equal shapes: out {:?} / {:?}, lse {:?} / {:?} (lse is [heads, tokens])",
-            a.out.dims(),
-            b.out.dims(),
-            a.lse.dims(),
-            b.lse.dims()
-        )));
-    }
+    check_merge_shapes(&a.out.dims(), &b.out.dims(), &a.lse.dims(), &b.lse.dims())?;
     let device = a.out.device();
     let (mut out, mut lse) = (host_f32(a.out), host_f32(a.lse));
     portable::merge(

@@ -6,53 +6,10 @@ use std::sync::Arc;
 use burn_dcp_kernels::portable::{self, HostForward};
 use burn_dcp_kernels::{reference, AttentionShape, KeyRanges, MaskSpec, Segment, VarlenAttention};
 use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
-fn masks() -> Vec<MaskSpec> {
-    vec![
-        MaskSpec::Full,
-        MaskSpec::Causal,
-        MaskSpec::Sliding { window: 3 },
-        MaskSpec::Lambda { sink: 2, window: 3 },
-        MaskSpec::Blockwise {
-            block: 3,
-            local_blocks: 2,
-        },
-        MaskSpec::SharedQuestion {
-            question_fraction: 0.2,
-            answers: 4,
-        },
-        MaskSpec::SharedQuestion {
-            question_fraction: 0.5,
-            answers: 3,
-        },
-    ]
-}
-
-fn random(rng: &mut SmallRng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
-
-/// max |a − b| / max |b| over finite entries; infinities must match exactly.
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let mut scale = 0.0f32;
-    let mut diff = 0.0f32;
-    for (&x, &y) in a.iter().zip(b) {
-        if y.is_finite() {
-            scale = scale.max(y.abs());
-            diff = diff.max((x - y).abs());
-        } else {
-            assert_eq!(x, y, "non-finite entries must match");
-        }
-        assert!(!x.is_nan(), "NaN in result");
-    }
-    if scale == 0.0 {
-        diff
-    } else {
-        diff / scale
-    }
-}
+mod common;
+use common::{masks, ragged_case, random, rel_err, Case};
 
 #[test]
 fn key_ranges_agree_with_the_mask_rule() {
@@ -105,66 +62,6 @@ fn mask_parsing_round_trips_and_rejects_bad_specs() {
         let err = bad.parse::<MaskSpec>().unwrap_err().to_string();
         assert!(err.contains(bad.split(':').next().unwrap()), "{bad}: {err}");
     }
-}
-
-struct Case {
-    problem: VarlenAttention,
-    shape: AttentionShape,
-}
-
-/// Queries: a mix of contiguous, offset and strided segments; keys: the other tokens' layout.
-fn ragged_case(mask: MaskSpec, heads: usize, kv_heads: usize) -> Case {
-    let seq_lens = vec![11, 1, 6, 9];
-    let q_segments = vec![
-        Segment::contiguous(0, 3, 8),
-        Segment::contiguous(1, 0, 1),
-        Segment {
-            seq: 2,
-            start: 1,
-            len: 3,
-            stride: 2,
-        },
-        Segment::contiguous(3, 0, 9),
-    ];
-    let kv_segments = vec![
-        Segment::contiguous(3, 0, 9),
-        Segment {
-            seq: 2,
-            start: 0,
-            len: 2,
-            stride: 3,
-        },
-        Segment::contiguous(0, 0, 11),
-        Segment::contiguous(1, 0, 1),
-        Segment {
-            seq: 2,
-            start: 1,
-            len: 2,
-            stride: 4,
-        },
-        Segment {
-            seq: 2,
-            start: 4,
-            len: 1,
-            stride: 1,
-        },
-    ];
-    let problem = VarlenAttention {
-        seq_lens,
-        masks: vec![mask],
-        q_segments,
-        kv_segments,
-        scale: None,
-    };
-    let shape = AttentionShape {
-        q_tokens: problem.q_tokens(),
-        kv_tokens: problem.kv_tokens(),
-        heads,
-        kv_heads,
-        head_dim: 12,
-        value_dim: 12,
-    };
-    Case { problem, shape }
 }
 
 #[test]

@@ -1,0 +1,473 @@
+//! [`FlashOps`] for burn's `CubeBackend` (wgpu, CUDA): the tiled `#[cube]` kernels of
+//! [`kernels`], launched with the host-built tables of [`crate::tiling`].
+//!
+//! - **Forward**: one cube per (query tile, head), a unit per query, walking the listed key tiles;
+//!   online softmax with f32 accumulators; writes `out` and the f32 LSE.
+//! - **Backward**: `delta = rowsum(dout ∘ out)`, then two kernels with no atomics: `dq` (one unit
+//!   per query, the forward's geometry) and `dk`/`dv` (one unit per key, looping over the query
+//!   tiles that attend its key tile and over the query heads of its GQA group). Recomputing the
+//!   scores in both kernels costs one extra `q·k` per pair; in exchange the results are
+//!   deterministic, there is no float atomic add (not a core WebGPU feature, absent on lavapipe)
+//!   and the GQA group reduction stays in registers.
+//! - **Merge**: one unit per (head, query); in place in `a`'s buffers when nothing else holds them.
+//!
+//! Limits (checked, with errors): f32 / f16 / bf16 inputs, head and value dims in `1..=256`.
+//!
+//! **Every loop over a compile-time range is unrolled** (head dims, the keys of a tile, span
+//! slots). Besides the usual register benefits, this is needed for correctness on Mesa's lavapipe
+//! (llvmpipe), which CI runs: gallivm caps the *total* number of loop iterations of one shader
+//! invocation at 65 535 (`LP_MAX_TGSI_LOOP_ITERATIONS`, one limiter shared by every loop of the
+//! function) and then silently leaves every loop after one iteration. With rolled `for d in
+//! 0..head_dim` loops a query attending 512 keys at head dim 64 crossed it and returned garbage.
+//! What remains rolled are the loops over tiles and tile runs, so a query may attend about
+//! 65 535 × 16 keys on lavapipe; real GPUs have no such cap.
+//!
+//! The kernels read key/value (or query) rows straight from global memory: all units of a cube
+//! read the same row at the same moment, so these are cache broadcasts. Staging tiles in shared
+//! memory and a tensor-core (`cmma`) path are the next performance steps on CUDA.
+
+pub mod kernels;
+
+use burn::prelude::Tensor;
+use burn::tensor::{DType, Shape, TensorCreationOptions, TensorPrimitive};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::*;
+use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
+
+use crate::definition::{AttentionShape, KernelError, VarlenAttention};
+use crate::ops::{check_backward_shapes, check_merge_shapes, common_float_dtype};
+use crate::tiling::{DenseSpans, TileIntervals};
+use crate::{FlashGradients, FlashOps, FlashOutput};
+
+/// Largest head or value dim the kernels take (their per-unit registers are sized by it).
+pub const MAX_HEAD_DIM: usize = 256;
+/// Units per cube of the element-wise kernels (delta, merge).
+const ELEMENTWISE_UNITS: u32 = 256;
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FlashOps
+    for CubeBackend<R, F, I, BT>
+{
+    fn flash_forward(
+        q: Tensor<Self, 3>,
+        k: Tensor<Self, 3>,
+        v: Tensor<Self, 3>,
+        problem: &VarlenAttention,
+    ) -> Result<FlashOutput<Self>, KernelError> {
+        let (out, lse) = forward::<R>(primitive(q), primitive(k), primitive(v), problem)?;
+        Ok(FlashOutput {
+            out: tensor(out),
+            lse: tensor(lse),
+        })
+    }
+
+    fn flash_backward(
+        q: Tensor<Self, 3>,
+        k: Tensor<Self, 3>,
+        v: Tensor<Self, 3>,
+        out: Tensor<Self, 3>,
+        lse: Tensor<Self, 2>,
+        dout: Tensor<Self, 3>,
+        problem: &VarlenAttention,
+    ) -> Result<FlashGradients<Self>, KernelError> {
+        let (dq, dk, dv) = backward::<R>(
+            primitive(q),
+            primitive(k),
+            primitive(v),
+            primitive(out),
+            primitive(lse),
+            primitive(dout),
+            problem,
+        )?;
+        Ok(FlashGradients {
+            dq: tensor(dq),
+            dk: tensor(dk),
+            dv: tensor(dv),
+        })
+    }
+
+    fn flash_merge(
+        a: FlashOutput<Self>,
+        b: FlashOutput<Self>,
+    ) -> Result<FlashOutput<Self>, KernelError> {
+        let (out, lse) = merge::<R>(
+            primitive(a.out),
+            primitive(a.lse),
+            primitive(b.out),
+            primitive(b.lse),
+        )?;
+        Ok(FlashOutput {
+            out: tensor(out),
+            lse: tensor(lse),
+        })
+    }
+}
+
+fn primitive<B: burn::prelude::Backend, const D: usize>(
+    tensor: Tensor<B, D>,
+) -> burn::tensor::ops::FloatTensor<B> {
+    tensor.into_primitive().tensor()
+}
+
+fn tensor<B: burn::prelude::Backend, const D: usize>(
+    primitive: burn::tensor::ops::FloatTensor<B>,
+) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(primitive))
+}
+
+/// Tile sizes of the tiled kernels: `units` rows owned by the cube's units (queries in the
+/// forward and dq kernels, keys in the dk/dv kernel), and `chunk` rows of the other side per tile
+/// (the granularity of the tile lists and of the forward's online-softmax rescaling).
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    units: usize,
+    chunk: usize,
+}
+
+const GEOMETRY: Geometry = Geometry {
+    units: 64,
+    chunk: 16,
+};
+
+fn cube_dtype(dtype: DType) -> Result<StorageType, KernelError> {
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => Ok(dtype.into()),
+        other => Err(KernelError::InvalidDType(format!(
+            "the cubecl attention kernels take f32, f16 or bf16 inputs, not {other:?}"
+        ))),
+    }
+}
+
+fn check_dims(shape: &AttentionShape) -> Result<(), KernelError> {
+    for (name, dim) in [("head dim", shape.head_dim), ("value dim", shape.value_dim)] {
+        if dim == 0 || dim > MAX_HEAD_DIM {
+            return Err(KernelError::InvalidShape(format!(
+                "{name} {dim}: the cubecl kernels take dims from 1 to {MAX_HEAD_DIM}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn dims3<R: CubeRuntime>(tensor: &CubeTensor<R>) -> Vec<usize> {
+    tensor.meta.shape().iter().copied().collect()
+}
+
+/// A `u32` table on the device (never empty: zero-size bindings are not portable).
+fn upload_u32<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    values: &[u32],
+) -> CubeTensor<R> {
+    let values: Vec<u32> = if values.is_empty() {
+        vec![0]
+    } else {
+        values.to_vec()
+    };
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let handle = client.create_from_slice(&bytes);
+    CubeTensor::new_contiguous(
+        client.clone(),
+        device.clone(),
+        Shape::new([values.len()]),
+        handle,
+        DType::U32,
+    )
+}
+
+fn empty<R: CubeRuntime>(like: &CubeTensor<R>, dims: Vec<usize>, dtype: DType) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::from(dims),
+        dtype,
+    )
+}
+
+/// A tensor filled with `value` (the degenerate shapes the kernels are not launched on).
+fn filled<R: CubeRuntime, const D: usize>(
+    like: &CubeTensor<R>,
+    dims: [usize; D],
+    value: f32,
+    dtype: DType,
+) -> CubeTensor<R> {
+    type B<R> = CubeBackend<R, f32, i32, u32>;
+    let options = TensorCreationOptions::<B<R>>::new(like.device.clone()).with_dtype(dtype);
+    Tensor::<B<R>, D>::full(dims, value, options)
+        .into_primitive()
+        .tensor()
+}
+
+/// The spans and the forward/dq tile lists of a problem.
+struct QueryTables<R: CubeRuntime> {
+    spans: CubeTensor<R>,
+    max_spans: usize,
+    offsets: CubeTensor<R>,
+    runs: CubeTensor<R>,
+    geometry: Geometry,
+    dense: DenseSpans,
+}
+
+impl<R: CubeRuntime> QueryTables<R> {
+    fn build(like: &CubeTensor<R>, problem: &VarlenAttention) -> Result<Self, KernelError> {
+        let dense = DenseSpans::build(problem)?;
+        let geometry = GEOMETRY;
+        let tiles = TileIntervals::by_query_tile(&dense, geometry.units, geometry.chunk);
+        Ok(Self {
+            spans: upload_u32(&like.client, &like.device, &dense.spans),
+            max_spans: dense.max_spans,
+            offsets: upload_u32(&like.client, &like.device, &tiles.offsets),
+            runs: upload_u32(&like.client, &like.device, &tiles.intervals),
+            geometry,
+            dense,
+        })
+    }
+}
+
+fn validate(
+    q: &CubeTensor<impl CubeRuntime>,
+    k: &CubeTensor<impl CubeRuntime>,
+    v: &CubeTensor<impl CubeRuntime>,
+    problem: &VarlenAttention,
+) -> Result<(AttentionShape, DType), KernelError> {
+    let dtype = common_float_dtype(&[("q", q.dtype), ("k", k.dtype), ("v", v.dtype)])?;
+    cube_dtype(dtype)?;
+    let shape = AttentionShape::from_dims(&dims3(q), &dims3(k), &dims3(v))?;
+    problem.validate(&shape)?;
+    check_dims(&shape)?;
+    Ok((shape, dtype))
+}
+
+/// Forward on device tensors: `(out [Tq, H, Dv], lse [H, Tq] f32)`.
+pub fn forward<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    problem: &VarlenAttention,
+) -> Result<(CubeTensor<R>, CubeTensor<R>), KernelError> {
+    let (s, dtype) = validate(&q, &k, &v, problem)?;
+    let out_dims = [s.q_tokens, s.heads, s.value_dim];
+    let lse_dims = [s.heads, s.q_tokens];
+    if s.q_tokens == 0 || s.kv_tokens == 0 {
+        return Ok((
+            filled(&q, out_dims, 0.0, dtype),
+            filled(&q, lse_dims, f32::NEG_INFINITY, DType::F32),
+        ));
+    }
+    let tables = QueryTables::build(&q, problem)?;
+    let out = empty(&q, out_dims.to_vec(), dtype);
+    let lse = empty(&q, lse_dims.to_vec(), DType::F32);
+    let g = tables.geometry;
+    let client = q.client.clone();
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::forward_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(s.q_tokens.div_ceil(g.units) as u32, s.heads as u32, 1),
+            CubeDim::new_1d(g.units as u32),
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            tables.spans.into_tensor_arg(),
+            tables.offsets.into_tensor_arg(),
+            tables.runs.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            problem.softmax_scale(s.head_dim) as f32,
+            f32::NEG_INFINITY,
+            s.head_dim,
+            s.value_dim,
+            g.units,
+            g.chunk,
+            tables.max_spans,
+            cube_dtype(dtype)?,
+        );
+    }
+    Ok((out, lse))
+}
+
+/// Backward on device tensors: `(dq, dk, dv)`.
+pub fn backward<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    out: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    dout: CubeTensor<R>,
+    problem: &VarlenAttention,
+) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), KernelError> {
+    let (s, dtype) = validate(&q, &k, &v, problem)?;
+    common_float_dtype(&[("q", dtype), ("out", out.dtype), ("dout", dout.dtype)])?;
+    if lse.dtype != DType::F32 {
+        return Err(KernelError::InvalidDType(format!(
+            "lse has dtype {:?}, expected f32",
+            lse.dtype
+        )));
+    }
+    check_backward_shapes(&s, &dims3(&out), &dims3(&dout), &dims3(&lse))?;
+    let dq_dims = [s.q_tokens, s.heads, s.head_dim];
+    let dk_dims = [s.kv_tokens, s.kv_heads, s.head_dim];
+    let dv_dims = [s.kv_tokens, s.kv_heads, s.value_dim];
+    if s.q_tokens == 0 || s.kv_tokens == 0 {
+        return Ok((
+            filled(&q, dq_dims, 0.0, dtype),
+            filled(&q, dk_dims, 0.0, dtype),
+            filled(&q, dv_dims, 0.0, dtype),
+        ));
+    }
+    let client = q.client.clone();
+    let storage = cube_dtype(dtype)?;
+    let scale = problem.softmax_scale(s.head_dim) as f32;
+
+    let delta = empty(&q, vec![s.heads, s.q_tokens], DType::F32);
+    let rows = s.heads * s.q_tokens;
+    let unit_dim = CubeDim::new_1d(ELEMENTWISE_UNITS);
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::delta_kernel::launch_unchecked::<R>(
+            &client,
+            calculate_cube_count_elemwise(&client, rows, unit_dim),
+            unit_dim,
+            out.into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            s.value_dim,
+            storage,
+        );
+    }
+
+    let tables = QueryTables::build(&q, problem)?;
+    // Key side: key tiles of `units` keys against query tiles of `chunk` queries.
+    let kg = GEOMETRY;
+    let key_tiles = s.kv_tokens.div_ceil(kg.units);
+    let by_key =
+        TileIntervals::by_query_tile(&tables.dense, kg.chunk, kg.units).transpose(key_tiles);
+    let dk = empty(&q, dk_dims.to_vec(), dtype);
+    let dv = empty(&q, dv_dims.to_vec(), dtype);
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::dkdv_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(key_tiles as u32, s.kv_heads as u32, 1),
+            CubeDim::new_1d(kg.units as u32),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            tables.spans.clone().into_tensor_arg(),
+            upload_u32(&client, &q.device, &by_key.offsets).into_tensor_arg(),
+            upload_u32(&client, &q.device, &by_key.intervals).into_tensor_arg(),
+            dk.clone().into_tensor_arg(),
+            dv.clone().into_tensor_arg(),
+            scale,
+            s.head_dim,
+            s.value_dim,
+            kg.chunk,
+            kg.units,
+            tables.max_spans,
+            storage,
+        );
+    }
+    let dq = empty(&q, dq_dims.to_vec(), dtype);
+    let g = tables.geometry;
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::dq_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(s.q_tokens.div_ceil(g.units) as u32, s.heads as u32, 1),
+            CubeDim::new_1d(g.units as u32),
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            dout.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            tables.spans.into_tensor_arg(),
+            tables.offsets.into_tensor_arg(),
+            tables.runs.into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            scale,
+            s.head_dim,
+            s.value_dim,
+            g.units,
+            g.chunk,
+            tables.max_spans,
+            storage,
+        );
+    }
+
+    Ok((dq, dk, dv))
+}
+
+/// Merge on device tensors; writes into `a`'s buffers when nothing else holds them.
+pub fn merge<R: CubeRuntime>(
+    out_a: CubeTensor<R>,
+    lse_a: CubeTensor<R>,
+    out_b: CubeTensor<R>,
+    lse_b: CubeTensor<R>,
+) -> Result<(CubeTensor<R>, CubeTensor<R>), KernelError> {
+    let dtype = common_float_dtype(&[("out a", out_a.dtype), ("out b", out_b.dtype)])?;
+    let storage = cube_dtype(dtype)?;
+    for (name, lse) in [("lse a", &lse_a), ("lse b", &lse_b)] {
+        if lse.dtype != DType::F32 {
+            return Err(KernelError::InvalidDType(format!(
+                "{name} has dtype {:?}, expected f32",
+                lse.dtype
+            )));
+        }
+    }
+    let dims = dims3(&out_a);
+    check_merge_shapes(&dims, &dims3(&out_b), &dims3(&lse_a), &dims3(&lse_b))?;
+    let (tokens, heads, value_dim) = (dims[0], dims[1], dims[2]);
+    if value_dim == 0 || value_dim > MAX_HEAD_DIM {
+        return Err(KernelError::InvalidShape(format!(
+            "value dim {value_dim}: the cubecl kernels take dims from 1 to {MAX_HEAD_DIM}"
+        )));
+    }
+    if tokens * heads == 0 {
+        return Ok((out_a, lse_a));
+    }
+    let client = out_a.client.clone();
+    let unit_dim = CubeDim::new_1d(ELEMENTWISE_UNITS);
+    let count = calculate_cube_count_elemwise(&client, tokens * heads, unit_dim);
+    let writable = |t: &CubeTensor<R>| t.can_mut() && t.is_nonoverlapping();
+    if writable(&out_a) && writable(&lse_a) {
+        // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+        unsafe {
+            kernels::merge_in_place_kernel::launch_unchecked::<R>(
+                &client,
+                count,
+                unit_dim,
+                out_a.clone().into_tensor_arg(),
+                lse_a.clone().into_tensor_arg(),
+                out_b.into_tensor_arg(),
+                lse_b.into_tensor_arg(),
+                value_dim,
+                storage,
+            );
+        }
+        return Ok((out_a, lse_a));
+    }
+    let out = empty(&out_a, dims, dtype);
+    let lse = empty(&out_a, vec![heads, tokens], DType::F32);
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::merge_kernel::launch_unchecked::<R>(
+            &client,
+            count,
+            unit_dim,
+            out_a.into_tensor_arg(),
+            lse_a.into_tensor_arg(),
+            out_b.into_tensor_arg(),
+            lse_b.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            value_dim,
+            storage,
+        );
+    }
+    Ok((out, lse))
+}

@@ -1,0 +1,315 @@
+//! The cubecl kernels on wgpu (Mesa's lavapipe without a GPU) against the naive f64 oracle and
+//! the portable implementation: every mask, ragged GQA batches, offsets, strided segments,
+//! several tiles, fully masked rows, the merge (in place and not), strided views and errors.
+//!
+//! Run with `cargo test -p burn-dcp-kernels --features wgpu`. Without a Vulkan/Metal/DX12
+//! adapter these tests fail (they never pass silently); CI installs lavapipe.
+#![cfg(feature = "wgpu")]
+
+use burn::backend::wgpu::WgpuDevice;
+use burn::backend::Wgpu;
+use burn::prelude::Tensor;
+use burn::tensor::TensorData;
+use burn_dcp_kernels::{
+    portable, reference, AttentionShape, FlashOps, FlashOutput, MaskSpec, Segment, VarlenAttention,
+};
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+
+mod common;
+use common::{long_case, long_masks, long_mixed_masks, masks, ragged_case, random, rel_err, Case};
+
+type B = Wgpu;
+
+fn device() -> WgpuDevice {
+    WgpuDevice::default()
+}
+
+fn upload(values: &[f32], dims: [usize; 3]) -> Tensor<B, 3> {
+    Tensor::from_data(TensorData::new(values.to_vec(), dims), &device())
+}
+
+fn read<const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
+    tensor
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap()
+}
+
+struct Inputs {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    dout: Vec<f32>,
+}
+
+fn inputs(rng: &mut SmallRng, s: &AttentionShape) -> Inputs {
+    Inputs {
+        q: random(rng, s.q_tokens * s.heads * s.head_dim),
+        k: random(rng, s.kv_tokens * s.kv_heads * s.head_dim),
+        v: random(rng, s.kv_tokens * s.kv_heads * s.value_dim),
+        dout: random(rng, s.q_tokens * s.heads * s.value_dim),
+    }
+}
+
+/// Forward and backward on wgpu against the f64 oracle (≤ 1e-5 relative, as the portable one).
+fn check_against_reference(case: &Case, seed: u64, what: &str) {
+    let Case { problem, shape: s } = case;
+    let x = inputs(&mut SmallRng::seed_from_u64(seed), s);
+    let q = upload(&x.q, [s.q_tokens, s.heads, s.head_dim]);
+    let k = upload(&x.k, [s.kv_tokens, s.kv_heads, s.head_dim]);
+    let v = upload(&x.v, [s.kv_tokens, s.kv_heads, s.value_dim]);
+    let forward = B::flash_forward(q.clone(), k.clone(), v.clone(), problem).unwrap();
+    let (out, lse) = (read(forward.out.clone()), read(forward.lse.clone()));
+    let want = reference::forward(&x.q, &x.k, &x.v, problem, s).unwrap();
+    let errors = [rel_err(&out, &want.out), rel_err(&lse, &want.lse)];
+    assert!(
+        errors.iter().all(|&e| e <= 1e-5),
+        "forward {what}: out/lse errors {errors:?}"
+    );
+
+    let dout = upload(&x.dout, [s.q_tokens, s.heads, s.value_dim]);
+    let grads = B::flash_backward(q, k, v, forward.out, forward.lse, dout, problem).unwrap();
+    let want = reference::backward(&x.q, &x.k, &x.v, &x.dout, problem, s).unwrap();
+    let errors = [
+        rel_err(&read(grads.dq), &want.dq),
+        rel_err(&read(grads.dk), &want.dk),
+        rel_err(&read(grads.dv), &want.dv),
+    ];
+    assert!(
+        errors.iter().all(|&e| e <= 1e-5),
+        "backward {what}: dq/dk/dv errors {errors:?}"
+    );
+}
+
+#[test]
+fn small_ragged_gqa_batches_match_the_reference_for_every_mask() {
+    for (index, mask) in masks().into_iter().enumerate() {
+        for (heads, kv_heads) in [(2, 2), (4, 2), (3, 1)] {
+            let case = ragged_case(mask.clone(), heads, kv_heads);
+            check_against_reference(&case, index as u64, &format!("{mask} H{heads} K{kv_heads}"));
+        }
+    }
+}
+
+#[test]
+fn multi_tile_batches_match_the_reference_for_every_mask() {
+    for (index, mask) in long_masks().into_iter().enumerate() {
+        let case = long_case(vec![mask.clone()], 4, 2, (16, 24));
+        check_against_reference(&case, 10 + index as u64, &format!("{mask} H4 K2 D16/24"));
+    }
+    let case = long_case(long_mixed_masks(), 2, 1, (32, 8));
+    check_against_reference(&case, 20, "per-sequence masks with key ranges, H2 K1 D32/8");
+}
+
+#[test]
+fn head_dim_64_stays_exact() {
+    // Larger head dims work the same way; on lavapipe their fully unrolled kernels take minutes
+    // to compile, so CI stops at 64.
+    let case = long_case(vec![MaskSpec::Causal], 2, 2, (64, 64));
+    check_against_reference(&case, 30, "causal D64");
+}
+
+#[test]
+fn results_agree_with_the_portable_implementation() {
+    let case = long_case(
+        vec![MaskSpec::Lambda {
+            sink: 4,
+            window: 50,
+        }],
+        3,
+        3,
+        (20, 20),
+    );
+    let Case { problem, shape: s } = &case;
+    let x = inputs(&mut SmallRng::seed_from_u64(40), s);
+    let forward = B::flash_forward(
+        upload(&x.q, [s.q_tokens, s.heads, s.head_dim]),
+        upload(&x.k, [s.kv_tokens, s.kv_heads, s.head_dim]),
+        upload(&x.v, [s.kv_tokens, s.kv_heads, s.value_dim]),
+        problem,
+    )
+    .unwrap();
+    let host = portable::forward(&x.q, &x.k, &x.v, s, problem).unwrap();
+    assert!(rel_err(&read(forward.out), &host.out) <= 1e-5);
+    assert!(rel_err(&read(forward.lse), &host.lse) <= 1e-5);
+}
+
+#[test]
+fn strided_views_are_read_without_copies() {
+    // q/k/v handed over as `[H, T, D]` tensors swapped to `[T, H, D]` (the decorator's layout).
+    let case = long_case(vec![MaskSpec::Causal], 2, 2, (8, 8));
+    let Case { problem, shape: s } = &case;
+    let x = inputs(&mut SmallRng::seed_from_u64(50), s);
+    let swapped = |values: &[f32], tokens: usize, heads: usize, dim: usize| {
+        let mut head_major = Vec::with_capacity(values.len());
+        for h in 0..heads {
+            for t in 0..tokens {
+                let at = (t * heads + h) * dim;
+                head_major.extend_from_slice(&values[at..at + dim]);
+            }
+        }
+        upload(&head_major, [heads, tokens, dim]).swap_dims(0, 1)
+    };
+    let got = B::flash_forward(
+        swapped(&x.q, s.q_tokens, s.heads, s.head_dim),
+        swapped(&x.k, s.kv_tokens, s.kv_heads, s.head_dim),
+        swapped(&x.v, s.kv_tokens, s.kv_heads, s.value_dim),
+        problem,
+    )
+    .unwrap();
+    let want = reference::forward(&x.q, &x.k, &x.v, problem, s).unwrap();
+    assert!(rel_err(&read(got.out), &want.out) <= 1e-5);
+    assert!(rel_err(&read(got.lse), &want.lse) <= 1e-5);
+}
+
+#[test]
+fn fully_masked_rows_give_zero_and_minus_infinity() {
+    // Queries at positions 0..4 against keys 5..8 under a causal mask: nothing allowed.
+    let problem = VarlenAttention::from_cu_seqlens(
+        vec![8],
+        vec![MaskSpec::Causal],
+        &[0, 4],
+        &[0],
+        &[0, 3],
+        &[5],
+    )
+    .unwrap();
+    let mut rng = SmallRng::seed_from_u64(1);
+    let q = upload(&random(&mut rng, 32), [4, 2, 4]);
+    let k = upload(&random(&mut rng, 12), [3, 1, 4]);
+    let v = upload(&random(&mut rng, 12), [3, 1, 4]);
+    let forward = B::flash_forward(q.clone(), k.clone(), v.clone(), &problem).unwrap();
+    let (out, lse) = (read(forward.out.clone()), read(forward.lse.clone()));
+    assert!(out.iter().all(|&x| x == 0.0), "{out:?}");
+    assert!(lse.iter().all(|&x| x == f32::NEG_INFINITY), "{lse:?}");
+    let dout = upload(&random(&mut rng, 32), [4, 2, 4]);
+    let grads = B::flash_backward(q, k, v, forward.out, forward.lse, dout, &problem).unwrap();
+    for (name, values) in [
+        ("dq", read(grads.dq)),
+        ("dk", read(grads.dk)),
+        ("dv", read(grads.dv)),
+    ] {
+        assert!(values.iter().all(|&x| x == 0.0), "{name}: {values:?}");
+    }
+}
+
+#[test]
+fn empty_key_sets_and_empty_query_sets() {
+    let mut problem = VarlenAttention::packed(vec![5], vec![MaskSpec::Causal]);
+    problem.kv_segments.clear();
+    let q = upload(&[0.5; 20], [5, 2, 2]);
+    let kv = Tensor::<B, 3>::empty([0, 1, 2], &device());
+    let forward = B::flash_forward(q, kv.clone(), kv, &problem).unwrap();
+    assert_eq!(read(forward.out), vec![0.0; 20]);
+    assert_eq!(read(forward.lse), vec![f32::NEG_INFINITY; 10]);
+}
+
+#[test]
+fn merging_two_key_halves_equals_attention_over_all_keys() {
+    let mut rng = SmallRng::seed_from_u64(3);
+    let all = VarlenAttention::packed(vec![100, 70], vec![MaskSpec::Causal]);
+    let shape = AttentionShape {
+        q_tokens: 170,
+        kv_tokens: 170,
+        heads: 2,
+        kv_heads: 2,
+        head_dim: 8,
+        value_dim: 8,
+    };
+    let (q, k, v) = (
+        random(&mut rng, 170 * 16),
+        random(&mut rng, 170 * 16),
+        random(&mut rng, 170 * 16),
+    );
+    let want = reference::forward(&q, &k, &v, &all, &shape).unwrap();
+    let half = |first: bool| {
+        let mut problem = all.clone();
+        problem.kv_segments = if first {
+            vec![Segment::contiguous(0, 0, 50), Segment::contiguous(1, 0, 30)]
+        } else {
+            vec![
+                Segment::contiguous(0, 50, 50),
+                Segment::contiguous(1, 30, 40),
+            ]
+        };
+        let rows: Vec<usize> = if first {
+            (0..50).chain(100..130).collect()
+        } else {
+            (50..100).chain(130..170).collect()
+        };
+        let pick = |x: &[f32]| {
+            rows.iter()
+                .flat_map(|&t| x[t * 16..(t + 1) * 16].to_vec())
+                .collect::<Vec<_>>()
+        };
+        B::flash_forward(
+            upload(&q, [170, 2, 8]),
+            upload(&pick(&k), [rows.len(), 2, 8]),
+            upload(&pick(&v), [rows.len(), 2, 8]),
+            &problem,
+        )
+        .unwrap()
+    };
+    // In place (nothing else holds `a`) and into fresh buffers (a clone of `a` is alive).
+    let merged = B::flash_merge(half(true), half(false)).unwrap();
+    assert!(rel_err(&read(merged.out), &want.out) <= 1e-5);
+    assert!(rel_err(&read(merged.lse), &want.lse) <= 1e-5);
+    let a = half(true);
+    let kept: FlashOutput<B> = a.clone();
+    let merged = B::flash_merge(a, half(false)).unwrap();
+    assert!(rel_err(&read(merged.out), &want.out) <= 1e-5);
+    assert!(rel_err(&read(merged.lse), &want.lse) <= 1e-5);
+    let untouched = half(true);
+    assert_eq!(
+        read(kept.lse),
+        read(untouched.lse),
+        "the merge wrote into a buffer still in use"
+    );
+}
+
+#[test]
+fn merge_with_an_empty_part_keeps_the_other() {
+    let out = upload(&[1.0, 2.0, 3.0, 4.0], [2, 1, 2]);
+    let lse_a = Tensor::<B, 2>::from_data(
+        TensorData::new(vec![0.5f32, f32::NEG_INFINITY], [1, 2]),
+        &device(),
+    );
+    let lse_b = Tensor::<B, 2>::from_data(
+        TensorData::new(vec![f32::NEG_INFINITY; 2], [1, 2]),
+        &device(),
+    );
+    let b_out = upload(&[9.0; 4], [2, 1, 2]);
+    let merged = B::flash_merge(
+        FlashOutput { out, lse: lse_a },
+        FlashOutput {
+            out: b_out,
+            lse: lse_b,
+        },
+    )
+    .unwrap();
+    assert_eq!(read(merged.out), vec![1.0, 2.0, 0.0, 0.0]);
+    assert_eq!(read(merged.lse), vec![0.5, f32::NEG_INFINITY]);
+}
+
+#[test]
+fn unsupported_inputs_are_rejected_with_the_rule() {
+    let problem = VarlenAttention::packed(vec![3], vec![MaskSpec::Causal]);
+    let big = upload(&[0.0; 3 * 300], [3, 1, 300]);
+    let err = B::flash_forward(big.clone(), big.clone(), big, &problem)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("head dim 300") && err.contains("256"), "{err}");
+    let q = upload(&[0.0; 12], [3, 2, 2]);
+    let k = upload(&[0.0; 12], [3, 2, 2]);
+    let err = B::flash_forward(
+        q,
+        k.clone(),
+        k,
+        &VarlenAttention::packed(vec![4], vec![MaskSpec::Causal]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("4 query"), "{err}");
+}
