@@ -7,6 +7,9 @@
 //!     cargo run --release --example cp_attention -- --strategy ring --layout zigzag --cp 4 \
 //!         --heads 8 --kv-heads 2 --seqlens 1000,3000,517 --mask causal --json
 //!
+//! With `--features wgpu` (or `cuda`), `--backend wgpu` runs the CP ranks on the cubecl kernels
+//! (Mesa's lavapipe without a GPU); the reference stays on the CPU's portable implementation.
+//!
 //! Mode 2: `--inputs IN.safetensors --output OUT.safetensors` (see `--help` for the layout).
 
 use std::collections::HashMap;
@@ -73,7 +76,8 @@ struct Args {
     /// Seed of the random inputs (mode 1).
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Backend: flex (CPU). wgpu and cuda come with the cubecl kernels.
+    /// Backend of the CP run: flex (CPU, portable kernels), wgpu or cuda (cubecl kernels; build
+    /// with `--features wgpu` / `--features cuda`). The reference always runs on flex.
     #[arg(long, default_value = "flex")]
     backend: String,
     /// Timeout of every communication wait, in seconds.
@@ -127,8 +131,14 @@ fn run(args: &Args) -> Result<(), String> {
     let reference = run_single_device::<Flex>(&device, &inputs, &spec.masks, spec.scale)
         .map_err(|e| e.to_string())?;
     let reference_ms = started.elapsed().as_secs_f64() * 1e3;
-    let report =
-        run_context_parallel::<Flex>(&device, &inputs, &spec).map_err(|e| e.to_string())?;
+    let report = match args.backend.as_str() {
+        #[cfg(feature = "wgpu")]
+        "wgpu" => run_context_parallel::<burn::backend::Wgpu>(&Default::default(), &inputs, &spec),
+        #[cfg(feature = "cuda")]
+        "cuda" => run_context_parallel::<burn::backend::Cuda>(&Default::default(), &inputs, &spec),
+        _ => run_context_parallel::<Flex>(&device, &inputs, &spec),
+    }
+    .map_err(|e| e.to_string())?;
     if let Some(path) = &args.output {
         write_outputs(path, &inputs, &report.outputs)?;
     }

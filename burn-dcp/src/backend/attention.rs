@@ -96,6 +96,25 @@ impl CpInner for burn::backend::Flex {
     }
 }
 
+/// The cubecl backends (wgpu, CUDA) without autodiff: forward only, on the cubecl kernels.
+#[cfg(feature = "cube")]
+impl<R, F, I, BT> CpInner for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn cp_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        context: Arc<CpContext>,
+    ) -> FloatTensor<Self> {
+        cp_attention_forward_only::<Self>(query, key, value, context)
+    }
+}
+
 /// What the backward of one CP attention call needs: the forward's inputs and outputs in token
 /// layout, and the context it ran with.
 #[derive(Clone, Debug)]
