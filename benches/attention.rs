@@ -12,8 +12,12 @@
 //!
 //!     cargo bench --bench attention -- --quick
 //!
-//! The cubecl kernels (wgpu / CUDA) are not implemented yet; when they are, their rows join
-//! these (see `benches/README.md`).
+//! With `--features wgpu`, the group `wgpu` adds the cubecl kernels against burn's `attention` on
+//! the same backend (`burn::backend::Wgpu`, no autotune: burn's fallback matmul/softmax path),
+//! forward and forward + backward (burn's on `Autodiff<Wgpu>`), on smaller shapes (without a GPU,
+//! wgpu runs on lavapipe):
+//!
+//!     cargo bench --features wgpu --bench attention -- --quick wgpu
 
 use burn::backend::{Autodiff, Flex};
 use burn::prelude::*;
@@ -257,5 +261,149 @@ fn merge(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, forward, forward_backward, merge);
+/// Shapes of the wgpu group: small enough for lavapipe (a CPU), head dim ≤ 64.
+#[cfg(feature = "wgpu")]
+fn wgpu_shapes() -> Vec<Shape> {
+    vec![
+        Shape {
+            name: "causal-1x512-h4k2-d64",
+            seq_lens: vec![512],
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            mask: "causal",
+        },
+        Shape {
+            name: "ragged-causal-300,129,77-h4k2-d64",
+            seq_lens: vec![300, 129, 77],
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            mask: "causal",
+        },
+        Shape {
+            name: "lambda-1x512-h4k2-d64",
+            seq_lens: vec![512],
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            mask: "lambda:16,64",
+        },
+        Shape {
+            name: "full-1x256-h4k4-d64",
+            seq_lens: vec![256],
+            heads: 4,
+            kv_heads: 4,
+            head_dim: 64,
+            mask: "full",
+        },
+    ]
+}
+
+/// The cubecl kernels vs burn's attention, both on wgpu: forward, forward + backward, merge.
+#[cfg(feature = "wgpu")]
+fn wgpu(c: &mut Criterion) {
+    use burn::backend::Wgpu;
+    let device = Default::default();
+    let mut group = c.benchmark_group("wgpu");
+    group.sample_size(10);
+    for shape in wgpu_shapes() {
+        let x = inputs::<Wgpu>(&shape, &device);
+        let forward_flops = flops(&shape, &x.problem);
+        group.throughput(Throughput::Elements(forward_flops));
+        group.bench_function(BenchmarkId::new("forward/cube-wgpu", shape.name), |b| {
+            b.iter(|| {
+                let out = Wgpu::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
+                    .expect("valid problem");
+                (out.out.into_data(), out.lse.into_data())
+            })
+        });
+        group.bench_function(BenchmarkId::new("forward/burn-attention-wgpu", shape.name), |b| {
+            b.iter(|| {
+                burn_attention(&shape, &x)
+                    .into_iter()
+                    .map(|o| o.into_data())
+                    .collect::<Vec<_>>()
+            })
+        });
+        group.throughput(Throughput::Elements(
+            ((1.0 + BACKWARD_FLOPS_FACTOR) * forward_flops as f64) as u64,
+        ));
+        group.bench_function(
+            BenchmarkId::new("forward+backward/cube-wgpu", shape.name),
+            |b| {
+                b.iter(|| {
+                    let fwd =
+                        Wgpu::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
+                            .expect("valid problem");
+                    let grads = Wgpu::flash_backward(
+                        x.q.clone(),
+                        x.k.clone(),
+                        x.v.clone(),
+                        fwd.out,
+                        fwd.lse,
+                        x.dout.clone(),
+                        &x.problem,
+                    )
+                    .expect("valid problem");
+                    (
+                        grads.dq.into_data(),
+                        grads.dk.into_data(),
+                        grads.dv.into_data(),
+                    )
+                })
+            },
+        );
+        let xa = Inputs::<Autodiff<Wgpu>> {
+            q: Tensor::from_inner(x.q.clone()).require_grad(),
+            k: Tensor::from_inner(x.k.clone()).require_grad(),
+            v: Tensor::from_inner(x.v.clone()).require_grad(),
+            dout: Tensor::from_inner(x.dout.clone()),
+            problem: x.problem.clone(),
+        };
+        group.bench_function(
+            BenchmarkId::new("forward+backward/burn-attention-autodiff-wgpu", shape.name),
+            |b| {
+                b.iter(|| {
+                    let outs = burn_attention(&shape, &xa);
+                    let out = Tensor::cat(
+                        outs.into_iter()
+                            .map(|o| {
+                                let [_, h, t, d] = o.dims();
+                                o.reshape([h, t, d]).swap_dims(0, 1)
+                            })
+                            .collect(),
+                        0,
+                    );
+                    let grads = (out * xa.dout.clone()).sum().backward();
+                    (
+                        xa.q.grad(&grads).map(|g| g.into_data()),
+                        xa.k.grad(&grads).map(|g| g.into_data()),
+                        xa.v.grad(&grads).map(|g| g.into_data()),
+                    )
+                })
+            },
+        );
+        let a = Wgpu::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
+            .expect("valid problem");
+        let b_part = Wgpu::flash_forward(x.q.clone(), x.v.clone(), x.k.clone(), &x.problem)
+            .expect("valid problem");
+        let [t, h, d] = a.out.dims();
+        group.throughput(Throughput::Elements((3 * t * h * d + 3 * t * h) as u64));
+        group.bench_function(BenchmarkId::new("merge/cube-wgpu", shape.name), |bench| {
+            bench.iter(|| {
+                Wgpu::flash_merge(a.clone(), b_part.clone())
+                    .expect("same shapes")
+                    .out
+                    .into_data()
+            })
+        });
+    }
+    group.finish();
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn wgpu(_: &mut Criterion) {}
+
+criterion_group!(benches, forward, forward_backward, merge, wgpu);
 criterion_main!(benches);

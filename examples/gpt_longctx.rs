@@ -292,6 +292,12 @@ fn open_metrics(out: &Path, append: bool) -> Result<std::fs::File, String> {
 
 fn run(args: &Args) -> Result<(), String> {
     burn_dcp_suite::check_backend(&args.backend, "gpt_longctx")?;
+    if args.backend != "flex" {
+        return Err(format!(
+            "gpt_longctx --backend {}: the training engine runs on ContextParallel<Autodiff<Flex>> only for now (cp_attention --backend {} runs CP attention on the cubecl kernels)",
+            args.backend, args.backend
+        ));
+    }
     let config = match &args.resume {
         Some(dir) => resumed_config(args, dir)?,
         None => config_from_args(args)?,

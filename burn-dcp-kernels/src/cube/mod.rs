@@ -13,14 +13,15 @@
 //!
 //! Limits (checked, with errors): f32 / f16 / bf16 inputs, head and value dims in `1..=256`.
 //!
-//! **Every loop over a compile-time range is unrolled** (head dims, the keys of a tile, span
-//! slots). Besides the usual register benefits, this is needed for correctness on Mesa's lavapipe
+//! **Every loop over a head or value dim is unrolled** (and the span-slot loops). Besides the usual register benefits, this is needed for correctness on Mesa's lavapipe
 //! (llvmpipe), which CI runs: gallivm caps the *total* number of loop iterations of one shader
 //! invocation at 65 535 (`LP_MAX_TGSI_LOOP_ITERATIONS`, one limiter shared by every loop of the
 //! function) and then silently leaves every loop after one iteration. With rolled `for d in
 //! 0..head_dim` loops a query attending 512 keys at head dim 64 crossed it and returned garbage.
-//! What remains rolled are the loops over tiles and tile runs, so a query may attend about
-//! 65 535 × 16 keys on lavapipe; real GPUs have no such cap.
+//! What remains rolled are the loops over tiles, tile runs and the keys (queries) of a tile, so
+//! on lavapipe a query may attend about 60 000 keys (and a key be attended by that many queries
+//! per GQA group); real GPUs have no such cap. Unrolling the per-tile loops too would lift it,
+//! but lavapipe then takes minutes to compile each kernel.
 //!
 //! The kernels read key/value (or query) rows straight from global memory: all units of a cube
 //! read the same row at the same moment, so these are cache broadcasts. Staging tiles in shared
