@@ -126,8 +126,7 @@ impl TileIntervals {
         let mut per_column: Vec<Vec<(usize, usize)>> = vec![Vec::new(); column_tiles];
         for row in 0..self.tiles() {
             for (first, end) in self.runs(row) {
-                for column in first..end {
-                    let runs = &mut per_column[column];
+                for runs in &mut per_column[first..end] {
                     match runs.last_mut() {
                         Some(last) if last.1 == row => last.1 = row + 1,
                         _ => runs.push((row, row + 1)),

@@ -288,6 +288,9 @@ pub fn forward<R: CubeRuntime>(
     Ok((out, lse))
 }
 
+/// `(dq, dk, dv)` on the device.
+type Gradients<R> = (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>);
+
 /// Backward on device tensors: `(dq, dk, dv)`.
 pub fn backward<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -297,7 +300,7 @@ pub fn backward<R: CubeRuntime>(
     lse: CubeTensor<R>,
     dout: CubeTensor<R>,
     problem: &VarlenAttention,
-) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), KernelError> {
+) -> Result<Gradients<R>, KernelError> {
     let (s, dtype) = validate(&q, &k, &v, problem)?;
     common_float_dtype(&[("q", dtype), ("out", out.dtype), ("dout", dout.dtype)])?;
     if lse.dtype != DType::F32 {
