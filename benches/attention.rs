@@ -173,6 +173,61 @@ fn forward(c: &mut Criterion) {
     group.finish();
 }
 
+/// Our forward then backward (what a CP step runs), read back to the host.
+fn ours_forward_backward<B: FlashOps>(x: &Inputs<B>) -> [TensorData; 3] {
+    let fwd =
+        B::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem).expect("valid problem");
+    let grads = B::flash_backward(
+        x.q.clone(),
+        x.k.clone(),
+        x.v.clone(),
+        fwd.out,
+        fwd.lse,
+        x.dout.clone(),
+        &x.problem,
+    )
+    .expect("valid problem");
+    [
+        grads.dq.into_data(),
+        grads.dk.into_data(),
+        grads.dv.into_data(),
+    ]
+}
+
+/// The inputs of `x` as autodiff leaves (q, k, v require gradients).
+fn autodiff_inputs<B: Backend>(x: &Inputs<B>) -> Inputs<Autodiff<B>> {
+    Inputs {
+        q: Tensor::from_inner(x.q.clone()).require_grad(),
+        k: Tensor::from_inner(x.k.clone()).require_grad(),
+        v: Tensor::from_inner(x.v.clone()).require_grad(),
+        dout: Tensor::from_inner(x.dout.clone()),
+        problem: x.problem.clone(),
+    }
+}
+
+/// burn's attention forward then autodiff backward of `Σ out ∘ dout`, gradients read back.
+fn burn_forward_backward<B: Backend>(
+    shape: &Shape,
+    xa: &Inputs<Autodiff<B>>,
+) -> [Option<TensorData>; 3] {
+    let outs = burn_attention(shape, xa);
+    let out = Tensor::cat(
+        outs.into_iter()
+            .map(|o| {
+                let [_, h, t, d] = o.dims();
+                o.reshape([h, t, d]).swap_dims(0, 1)
+            })
+            .collect(),
+        0,
+    );
+    let grads = (out * xa.dout.clone()).sum().backward();
+    [
+        xa.q.grad(&grads).map(|g| g.into_data()),
+        xa.k.grad(&grads).map(|g| g.into_data()),
+        xa.v.grad(&grads).map(|g| g.into_data()),
+    ]
+}
+
 fn forward_backward(c: &mut Criterion) {
     let device = Default::default();
     let mut group = c.benchmark_group("forward+backward");
@@ -183,54 +238,12 @@ fn forward_backward(c: &mut Criterion) {
             ((1.0 + BACKWARD_FLOPS_FACTOR) * flops(&shape, &x.problem) as f64) as u64,
         ));
         group.bench_function(BenchmarkId::new("portable-flex", shape.name), |b| {
-            b.iter(|| {
-                let fwd = Flex::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
-                    .expect("valid problem");
-                let grads = Flex::flash_backward(
-                    x.q.clone(),
-                    x.k.clone(),
-                    x.v.clone(),
-                    fwd.out,
-                    fwd.lse,
-                    x.dout.clone(),
-                    &x.problem,
-                )
-                .expect("valid problem");
-                (
-                    grads.dq.into_data(),
-                    grads.dk.into_data(),
-                    grads.dv.into_data(),
-                )
-            })
+            b.iter(|| ours_forward_backward(&x))
         });
-        let xa = Inputs::<Autodiff<Flex>> {
-            q: Tensor::from_inner(x.q.clone()).require_grad(),
-            k: Tensor::from_inner(x.k.clone()).require_grad(),
-            v: Tensor::from_inner(x.v.clone()).require_grad(),
-            dout: Tensor::from_inner(x.dout.clone()),
-            problem: x.problem.clone(),
-        };
+        let xa = autodiff_inputs(&x);
         group.bench_function(
             BenchmarkId::new("burn-attention-autodiff-flex", shape.name),
-            |b| {
-                b.iter(|| {
-                    let outs = burn_attention(&shape, &xa);
-                    let out = Tensor::cat(
-                        outs.into_iter()
-                            .map(|o| {
-                                let [_, h, t, d] = o.dims();
-                                o.reshape([h, t, d]).swap_dims(0, 1)
-                            })
-                            .collect(),
-                        0,
-                    );
-                    let grads = (out * xa.dout.clone()).sum().backward();
-                    (
-                        xa.q.grad(&grads).map(|g| g.into_data()),
-                        xa.k.grad(&grads).map(|g| g.into_data()),
-                    )
-                })
-            },
+            |b| b.iter(|| burn_forward_backward(&shape, &xa)),
         );
     }
     group.finish();
@@ -311,19 +324,7 @@ fn wgpu(c: &mut Criterion) {
         let x = inputs::<Wgpu>(&shape, &device);
         // Compile the kernels of this shape outside the timed region (on lavapipe a first call
         // compiles for tens of seconds).
-        let warm = Wgpu::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
-            .expect("valid problem");
-        let warm = Wgpu::flash_backward(
-            x.q.clone(),
-            x.k.clone(),
-            x.v.clone(),
-            warm.out,
-            warm.lse,
-            x.dout.clone(),
-            &x.problem,
-        )
-        .expect("valid problem");
-        let _ = warm.dv.into_data();
+        ours_forward_backward(&x);
         let forward_flops = flops(&shape, &x.problem);
         group.throughput(Throughput::Elements(forward_flops));
         group.bench_function(BenchmarkId::new("forward/cube-wgpu", shape.name), |b| {
@@ -349,58 +350,12 @@ fn wgpu(c: &mut Criterion) {
         ));
         group.bench_function(
             BenchmarkId::new("forward+backward/cube-wgpu", shape.name),
-            |b| {
-                b.iter(|| {
-                    let fwd =
-                        Wgpu::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
-                            .expect("valid problem");
-                    let grads = Wgpu::flash_backward(
-                        x.q.clone(),
-                        x.k.clone(),
-                        x.v.clone(),
-                        fwd.out,
-                        fwd.lse,
-                        x.dout.clone(),
-                        &x.problem,
-                    )
-                    .expect("valid problem");
-                    (
-                        grads.dq.into_data(),
-                        grads.dk.into_data(),
-                        grads.dv.into_data(),
-                    )
-                })
-            },
+            |b| b.iter(|| ours_forward_backward(&x)),
         );
-        let xa = Inputs::<Autodiff<Wgpu>> {
-            q: Tensor::from_inner(x.q.clone()).require_grad(),
-            k: Tensor::from_inner(x.k.clone()).require_grad(),
-            v: Tensor::from_inner(x.v.clone()).require_grad(),
-            dout: Tensor::from_inner(x.dout.clone()),
-            problem: x.problem.clone(),
-        };
+        let xa = autodiff_inputs(&x);
         group.bench_function(
             BenchmarkId::new("forward+backward/burn-attention-autodiff-wgpu", shape.name),
-            |b| {
-                b.iter(|| {
-                    let outs = burn_attention(&shape, &xa);
-                    let out = Tensor::cat(
-                        outs.into_iter()
-                            .map(|o| {
-                                let [_, h, t, d] = o.dims();
-                                o.reshape([h, t, d]).swap_dims(0, 1)
-                            })
-                            .collect(),
-                        0,
-                    );
-                    let grads = (out * xa.dout.clone()).sum().backward();
-                    (
-                        xa.q.grad(&grads).map(|g| g.into_data()),
-                        xa.k.grad(&grads).map(|g| g.into_data()),
-                        xa.v.grad(&grads).map(|g| g.into_data()),
-                    )
-                })
-            },
+            |b| b.iter(|| burn_forward_backward(&shape, &xa)),
         );
         let a = Wgpu::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
             .expect("valid problem");

@@ -17,7 +17,10 @@ use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
 mod common;
-use common::{long_case, long_masks, long_mixed_masks, masks, ragged_case, random, rel_err, Case};
+use common::{
+    fully_masked_case, long_case, long_masks, long_mixed_masks, masks, ragged_case, random,
+    rel_err, Case,
+};
 
 type B = Wgpu;
 
@@ -166,16 +169,7 @@ fn strided_views_are_read_without_copies() {
 
 #[test]
 fn fully_masked_rows_give_zero_and_minus_infinity() {
-    // Queries at positions 0..4 against keys 5..8 under a causal mask: nothing allowed.
-    let problem = VarlenAttention::from_cu_seqlens(
-        vec![8],
-        vec![MaskSpec::Causal],
-        &[0, 4],
-        &[0],
-        &[0, 3],
-        &[5],
-    )
-    .unwrap();
+    let Case { problem, .. } = fully_masked_case();
     let mut rng = SmallRng::seed_from_u64(1);
     let q = upload(&random(&mut rng, 32), [4, 2, 4]);
     let k = upload(&random(&mut rng, 12), [3, 1, 4]);

@@ -9,7 +9,7 @@ use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
 mod common;
-use common::{masks, ragged_case, random, rel_err, Case};
+use common::{fully_masked_case, masks, ragged_case, random, rel_err, Case};
 
 #[test]
 fn key_ranges_agree_with_the_mask_rule() {
@@ -92,24 +92,7 @@ fn forward_and_backward_match_the_naive_reference() {
 
 #[test]
 fn fully_masked_rows_give_zero_and_minus_infinity() {
-    // Queries at positions 0..4 against keys 5..8 under a causal mask: nothing allowed.
-    let problem = VarlenAttention::from_cu_seqlens(
-        vec![8],
-        vec![MaskSpec::Causal],
-        &[0, 4],
-        &[0],
-        &[0, 3],
-        &[5],
-    )
-    .unwrap();
-    let shape = AttentionShape {
-        q_tokens: 4,
-        kv_tokens: 3,
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 4,
-        value_dim: 4,
-    };
+    let Case { problem, shape } = fully_masked_case();
     let mut rng = SmallRng::seed_from_u64(1);
     let (q, k, v) = (
         random(&mut rng, 32),

@@ -17,29 +17,29 @@ const NONE: f32 = -3.0e38;
 /// Scores and LSE values below this are "no key" (the sentinel or `-inf`).
 const NONE_LIMIT: f32 = -1.0e38;
 
-/// Whether packed key `key` lies in one of the `max_spans` spans starting at `spans[at]`.
+/// The `max_spans` spans of query `query` as registers (empty spans when `present` is false).
 #[cube]
-fn allowed_in_tensor(
+fn read_spans(
     spans: &Tensor<u32>,
-    at: usize,
-    key: usize,
+    query: usize,
+    present: bool,
     #[comptime] max_spans: usize,
-) -> bool {
-    let mut allowed = false;
+) -> Array<u32> {
+    let mut row = Array::<u32>::new(2 * max_spans);
     #[unroll]
-    for slot in 0..max_spans {
-        let start = spans[at + 2 * slot] as usize;
-        let end = spans[at + 2 * slot + 1] as usize;
-        if key >= start && key < end {
-            allowed = true;
+    for slot in 0..2 * max_spans {
+        let mut value = 0u32;
+        if present {
+            value = spans[query * 2 * max_spans + slot];
         }
+        row[slot] = value;
     }
-    allowed
+    row
 }
 
-/// Whether packed key `key` lies in one of the `max_spans` spans starting at `spans[at]`.
+/// Whether packed key `key` lies in one of the spans of [`read_spans`].
 #[cube]
-fn allowed_in_array(spans: &Array<u32>, key: usize, #[comptime] max_spans: usize) -> bool {
+fn allowed(spans: &Array<u32>, key: usize, #[comptime] max_spans: usize) -> bool {
     let mut allowed = false;
     #[unroll]
     for slot in 0..max_spans {
@@ -63,6 +63,58 @@ fn read_row<F: Float>(
     #[unroll]
     for d in 0..dim {
         values[d] = f32::cast_from(source[base + d * source.stride(2)]);
+    }
+}
+
+/// `values · source[row, head, :]` in f32.
+#[cube]
+fn dot_row<F: Float>(
+    values: &Array<f32>,
+    source: &Tensor<F>,
+    row: usize,
+    head: usize,
+    #[comptime] dim: usize,
+) -> f32 {
+    let base = row * source.stride(0) + head * source.stride(1);
+    let mut total = f32::new(0.0);
+    #[unroll]
+    for d in 0..dim {
+        total += values[d] * f32::cast_from(source[base + d * source.stride(2)]);
+    }
+    total
+}
+
+/// `acc += weight · source[row, head, :]`.
+#[cube]
+fn add_row<F: Float>(
+    acc: &mut Array<f32>,
+    weight: f32,
+    source: &Tensor<F>,
+    row: usize,
+    head: usize,
+    #[comptime] dim: usize,
+) {
+    let base = row * source.stride(0) + head * source.stride(1);
+    #[unroll]
+    for d in 0..dim {
+        acc[d] += weight * f32::cast_from(source[base + d * source.stride(2)]);
+    }
+}
+
+/// `target[row, head, :] = factor · values`, in the target's dtype.
+#[cube]
+fn write_row<F: Float>(
+    target: &mut Tensor<F>,
+    row: usize,
+    head: usize,
+    values: &Array<f32>,
+    factor: f32,
+    #[comptime] dim: usize,
+) {
+    let base = row * target.stride(0) + head * target.stride(1);
+    #[unroll]
+    for d in 0..dim {
+        target[base + d * target.stride(2)] = F::cast_from(values[d] * factor);
     }
 }
 
@@ -108,18 +160,10 @@ pub fn forward_kernel<F: Float>(
     let kv_head = head / (q.shape(1) / k.shape(1));
 
     let mut q_row = zeros(head_dim);
-    let mut row_spans = Array::<u32>::new(2 * max_spans);
-    #[unroll]
-    for slot in 0..2 * max_spans {
-        row_spans[slot] = 0u32;
-    }
     if active {
         read_row::<F>(q, query, head, &mut q_row, head_dim);
-        #[unroll]
-        for slot in 0..2 * max_spans {
-            row_spans[slot] = spans[query * 2 * max_spans + slot];
-        }
     }
+    let row_spans = read_spans(spans, query, active, max_spans);
     let mut acc = zeros(value_dim);
     let mut scores = Array::<f32>::new(block_kv);
     let mut running_max = f32::new(NONE);
@@ -137,14 +181,8 @@ pub fn forward_kernel<F: Float>(
                 for jj in 0..block_kv {
                     let mut score = f32::new(NONE);
                     let key = first_key + jj;
-                    if allowed_in_array(&row_spans, key, max_spans) {
-                        let k_base = key * k.stride(0) + kv_head * k.stride(1);
-                        let mut dot = f32::new(0.0);
-                        #[unroll]
-                        for d in 0..head_dim {
-                            dot += q_row[d] * f32::cast_from(k[k_base + d * k.stride(2)]);
-                        }
-                        score = dot * scale;
+                    if allowed(&row_spans, key, max_spans) {
+                        score = dot_row::<F>(&q_row, k, key, kv_head, head_dim) * scale;
                         tile_max = max(tile_max, score);
                     }
                     scores[jj] = score;
@@ -161,11 +199,7 @@ pub fn forward_kernel<F: Float>(
                         if scores[jj] > NONE_LIMIT {
                             let p = (scores[jj] - new_max).exp();
                             sum += p;
-                            let v_base = (first_key + jj) * v.stride(0) + kv_head * v.stride(1);
-                            #[unroll]
-                            for d in 0..value_dim {
-                                acc[d] += p * f32::cast_from(v[v_base + d * v.stride(2)]);
-                            }
+                            add_row::<F>(&mut acc, p, v, first_key + jj, kv_head, value_dim);
                         }
                     }
                     running_max = new_max;
@@ -175,22 +209,16 @@ pub fn forward_kernel<F: Float>(
     }
 
     if active {
-        let out_base = query * out.stride(0) + head * out.stride(1);
         let lse_at = head * lse.stride(0) + query * lse.stride(1);
+        // A query without any key has `acc = 0`: a zero factor writes `out = 0`.
+        let mut inverse = f32::new(0.0);
         if sum > 0.0 {
-            let inverse = f32::new(1.0) / sum;
-            #[unroll]
-            for d in 0..value_dim {
-                out[out_base + d * out.stride(2)] = F::cast_from(acc[d] * inverse);
-            }
+            inverse = f32::new(1.0) / sum;
             lse[lse_at] = running_max + sum.ln();
         } else {
-            #[unroll]
-            for d in 0..value_dim {
-                out[out_base + d * out.stride(2)] = F::new(0.0);
-            }
             lse[lse_at] = neg_inf;
         }
+        write_row::<F>(out, query, head, &acc, inverse, value_dim);
     }
 }
 
@@ -251,20 +279,12 @@ pub fn dq_kernel<F: Float>(
 
     let mut q_row = zeros(head_dim);
     let mut dout_row = zeros(value_dim);
-    let mut row_spans = Array::<u32>::new(2 * max_spans);
-    #[unroll]
-    for slot in 0..2 * max_spans {
-        row_spans[slot] = 0u32;
-    }
+    let row_spans = read_spans(spans, query, in_range, max_spans);
     let mut row_lse = f32::new(NONE);
     let mut row_delta = f32::new(0.0);
     if in_range {
         read_row::<F>(q, query, head, &mut q_row, head_dim);
         read_row::<F>(dout, query, head, &mut dout_row, value_dim);
-        #[unroll]
-        for slot in 0..2 * max_spans {
-            row_spans[slot] = spans[query * 2 * max_spans + slot];
-        }
         row_lse = lse[head * lse.stride(0) + query * lse.stride(1)];
         row_delta = delta[head * delta.stride(0) + query * delta.stride(1)];
     }
@@ -282,25 +302,12 @@ pub fn dq_kernel<F: Float>(
             if active {
                 for jj in 0..block_kv {
                     let key = first_key + jj;
-                    if allowed_in_array(&row_spans, key, max_spans) {
-                        let k_base = key * k.stride(0) + kv_head * k.stride(1);
-                        let v_base = key * v.stride(0) + kv_head * v.stride(1);
-                        let mut dot = f32::new(0.0);
-                        #[unroll]
-                        for d in 0..head_dim {
-                            dot += q_row[d] * f32::cast_from(k[k_base + d * k.stride(2)]);
-                        }
-                        let p = (dot * scale - row_lse).exp();
-                        let mut dp = f32::new(0.0);
-                        #[unroll]
-                        for d in 0..value_dim {
-                            dp += dout_row[d] * f32::cast_from(v[v_base + d * v.stride(2)]);
-                        }
+                    if allowed(&row_spans, key, max_spans) {
+                        let score = dot_row::<F>(&q_row, k, key, kv_head, head_dim) * scale;
+                        let p = (score - row_lse).exp();
+                        let dp = dot_row::<F>(&dout_row, v, key, kv_head, value_dim);
                         let ds = p * (dp - row_delta);
-                        #[unroll]
-                        for d in 0..head_dim {
-                            dq_acc[d] += ds * f32::cast_from(k[k_base + d * k.stride(2)]);
-                        }
+                        add_row::<F>(&mut dq_acc, ds, k, key, kv_head, head_dim);
                     }
                 }
             }
@@ -308,11 +315,7 @@ pub fn dq_kernel<F: Float>(
     }
 
     if in_range {
-        let base = query * dq.stride(0) + head * dq.stride(1);
-        #[unroll]
-        for d in 0..head_dim {
-            dq[base + d * dq.stride(2)] = F::cast_from(dq_acc[d] * scale);
-        }
+        write_row::<F>(dq, query, head, &dq_acc, scale, head_dim);
     }
 }
 
@@ -373,17 +376,11 @@ pub fn dkdv_kernel<F: Float>(
                         // Rows past the end have no spans in the table: read nothing for them.
                         if query < q_tokens {
                             let row_lse = lse[head * lse.stride(0) + query * lse.stride(1)];
-                            if row_lse > NONE_LIMIT
-                                && allowed_in_tensor(spans, query * 2 * max_spans, key, max_spans)
-                            {
-                                let q_base = query * q.stride(0) + head * q.stride(1);
+                            let row_spans = read_spans(spans, query, true, max_spans);
+                            if row_lse > NONE_LIMIT && allowed(&row_spans, key, max_spans) {
+                                let score = dot_row::<F>(&k_row, q, query, head, head_dim) * scale;
+                                let p = (score - row_lse).exp();
                                 let dout_base = query * dout.stride(0) + head * dout.stride(1);
-                                let mut dot = f32::new(0.0);
-                                #[unroll]
-                                for d in 0..head_dim {
-                                    dot += f32::cast_from(q[q_base + d * q.stride(2)]) * k_row[d];
-                                }
-                                let p = (dot * scale - row_lse).exp();
                                 let mut dp = f32::new(0.0);
                                 #[unroll]
                                 for d in 0..value_dim {
@@ -391,13 +388,16 @@ pub fn dkdv_kernel<F: Float>(
                                     dv_acc[d] += p * g;
                                     dp += g * v_row[d];
                                 }
-                                let ds = p
-                                    * (dp
-                                        - delta[head * delta.stride(0) + query * delta.stride(1)]);
-                                #[unroll]
-                                for d in 0..head_dim {
-                                    dk_acc[d] += ds * f32::cast_from(q[q_base + d * q.stride(2)]);
-                                }
+                                let row_delta =
+                                    delta[head * delta.stride(0) + query * delta.stride(1)];
+                                add_row::<F>(
+                                    &mut dk_acc,
+                                    p * (dp - row_delta),
+                                    q,
+                                    query,
+                                    head,
+                                    head_dim,
+                                );
                             }
                         }
                     }
@@ -407,16 +407,8 @@ pub fn dkdv_kernel<F: Float>(
     }
 
     if active {
-        let dk_base = key * dk.stride(0) + kv_head * dk.stride(1);
-        #[unroll]
-        for d in 0..head_dim {
-            dk[dk_base + d * dk.stride(2)] = F::cast_from(dk_acc[d] * scale);
-        }
-        let dv_base = key * dv.stride(0) + kv_head * dv.stride(1);
-        #[unroll]
-        for d in 0..value_dim {
-            dv[dv_base + d * dv.stride(2)] = F::cast_from(dv_acc[d]);
-        }
+        write_row::<F>(dk, key, kv_head, &dk_acc, scale, head_dim);
+        write_row::<F>(dv, key, kv_head, &dv_acc, f32::new(1.0), value_dim);
     }
 }
 

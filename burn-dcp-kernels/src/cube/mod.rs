@@ -117,19 +117,11 @@ fn tensor<B: burn::prelude::Backend, const D: usize>(
     Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
 
-/// Tile sizes of the tiled kernels: `units` rows owned by the cube's units (queries in the
-/// forward and dq kernels, keys in the dk/dv kernel), and `chunk` rows of the other side per tile
-/// (the granularity of the tile lists and of the forward's online-softmax rescaling).
-#[derive(Clone, Copy, Debug)]
-struct Geometry {
-    units: usize,
-    chunk: usize,
-}
-
-const GEOMETRY: Geometry = Geometry {
-    units: 64,
-    chunk: 16,
-};
+/// Rows owned by the units of one cube of the tiled kernels: queries (forward, dq) or keys (dk/dv).
+const UNITS: usize = 64;
+/// Rows of the other side per tile: the granularity of the tile lists and of the forward's
+/// online-softmax rescaling.
+const CHUNK: usize = 16;
 
 fn cube_dtype(dtype: DType) -> Result<StorageType, KernelError> {
     match dtype {
@@ -206,21 +198,18 @@ struct QueryTables<R: CubeRuntime> {
     max_spans: usize,
     offsets: CubeTensor<R>,
     runs: CubeTensor<R>,
-    geometry: Geometry,
     dense: DenseSpans,
 }
 
 impl<R: CubeRuntime> QueryTables<R> {
     fn build(like: &CubeTensor<R>, problem: &VarlenAttention) -> Result<Self, KernelError> {
         let dense = DenseSpans::build(problem)?;
-        let geometry = GEOMETRY;
-        let tiles = TileIntervals::by_query_tile(&dense, geometry.units, geometry.chunk);
+        let tiles = TileIntervals::by_query_tile(&dense, UNITS, CHUNK);
         Ok(Self {
             spans: upload_u32(&like.client, &like.device, &dense.spans),
             max_spans: dense.max_spans,
             offsets: upload_u32(&like.client, &like.device, &tiles.offsets),
             runs: upload_u32(&like.client, &like.device, &tiles.intervals),
-            geometry,
             dense,
         })
     }
@@ -259,14 +248,13 @@ pub fn forward<R: CubeRuntime>(
     let tables = QueryTables::build(&q, problem)?;
     let out = empty(&q, out_dims.to_vec(), dtype);
     let lse = empty(&q, lse_dims.to_vec(), DType::F32);
-    let g = tables.geometry;
     let client = q.client.clone();
     // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
     unsafe {
         kernels::forward_kernel::launch_unchecked::<R>(
             &client,
-            CubeCount::Static(s.q_tokens.div_ceil(g.units) as u32, s.heads as u32, 1),
-            CubeDim::new_1d(g.units as u32),
+            CubeCount::Static(s.q_tokens.div_ceil(UNITS) as u32, s.heads as u32, 1),
+            CubeDim::new_1d(UNITS as u32),
             q.into_tensor_arg(),
             k.into_tensor_arg(),
             v.into_tensor_arg(),
@@ -279,8 +267,8 @@ pub fn forward<R: CubeRuntime>(
             f32::NEG_INFINITY,
             s.head_dim,
             s.value_dim,
-            g.units,
-            g.chunk,
+            UNITS,
+            CHUNK,
             tables.max_spans,
             cube_dtype(dtype)?,
         );
@@ -342,11 +330,9 @@ pub fn backward<R: CubeRuntime>(
     }
 
     let tables = QueryTables::build(&q, problem)?;
-    // Key side: key tiles of `units` keys against query tiles of `chunk` queries.
-    let kg = GEOMETRY;
-    let key_tiles = s.kv_tokens.div_ceil(kg.units);
-    let by_key =
-        TileIntervals::by_query_tile(&tables.dense, kg.chunk, kg.units).transpose(key_tiles);
+    // Key side: key tiles of `UNITS` keys against query tiles of `CHUNK` queries.
+    let key_tiles = s.kv_tokens.div_ceil(UNITS);
+    let by_key = TileIntervals::by_query_tile(&tables.dense, CHUNK, UNITS).transpose(key_tiles);
     let dk = empty(&q, dk_dims.to_vec(), dtype);
     let dv = empty(&q, dv_dims.to_vec(), dtype);
     // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
@@ -354,7 +340,7 @@ pub fn backward<R: CubeRuntime>(
         kernels::dkdv_kernel::launch_unchecked::<R>(
             &client,
             CubeCount::Static(key_tiles as u32, s.kv_heads as u32, 1),
-            CubeDim::new_1d(kg.units as u32),
+            CubeDim::new_1d(UNITS as u32),
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
             v.clone().into_tensor_arg(),
@@ -369,20 +355,19 @@ pub fn backward<R: CubeRuntime>(
             scale,
             s.head_dim,
             s.value_dim,
-            kg.chunk,
-            kg.units,
+            CHUNK,
+            UNITS,
             tables.max_spans,
             storage,
         );
     }
     let dq = empty(&q, dq_dims.to_vec(), dtype);
-    let g = tables.geometry;
     // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
     unsafe {
         kernels::dq_kernel::launch_unchecked::<R>(
             &client,
-            CubeCount::Static(s.q_tokens.div_ceil(g.units) as u32, s.heads as u32, 1),
-            CubeDim::new_1d(g.units as u32),
+            CubeCount::Static(s.q_tokens.div_ceil(UNITS) as u32, s.heads as u32, 1),
+            CubeDim::new_1d(UNITS as u32),
             q.into_tensor_arg(),
             k.into_tensor_arg(),
             v.into_tensor_arg(),
@@ -396,8 +381,8 @@ pub fn backward<R: CubeRuntime>(
             scale,
             s.head_dim,
             s.value_dim,
-            g.units,
-            g.chunk,
+            UNITS,
+            CHUNK,
             tables.max_spans,
             storage,
         );

@@ -185,3 +185,26 @@ pub fn long_case(
     };
     Case { problem, shape }
 }
+
+/// Queries at positions 0..4 against keys 5..8 under a causal mask: nothing is allowed.
+/// Shapes: q `[4, 2, 4]`, k and v `[3, 1, 4]`.
+pub fn fully_masked_case() -> Case {
+    let problem = VarlenAttention::from_cu_seqlens(
+        vec![8],
+        vec![MaskSpec::Causal],
+        &[0, 4],
+        &[0],
+        &[0, 3],
+        &[5],
+    )
+    .unwrap();
+    let shape = AttentionShape {
+        q_tokens: 4,
+        kv_tokens: 3,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 4,
+        value_dim: 4,
+    };
+    Case { problem, shape }
+}
