@@ -13,9 +13,11 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use burn_dcp::comm::{InProcessWorld, WorldConfig};
+use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::train::{
-    read_json, train_rank, write_json, StepMetrics, StepObserver, TrainConfig, TrainData,
+    read_json, train_rank, write_json, RankOutcome, StepMetrics, StepObserver, TrainConfig,
+    TrainData,
 };
 use clap::Parser;
 use serde_json::json;
@@ -292,12 +294,6 @@ fn open_metrics(out: &Path, append: bool) -> Result<std::fs::File, String> {
 
 fn run(args: &Args) -> Result<(), String> {
     burn_dcp_suite::check_backend(&args.backend, "gpt_longctx")?;
-    if args.backend != "flex" {
-        return Err(format!(
-            "gpt_longctx --backend {}: the training engine runs on ContextParallel<Autodiff<Flex>> only for now (cp_attention --backend {} runs CP attention on the cubecl kernels)",
-            args.backend, args.backend
-        ));
-    }
     let config = match &args.resume {
         Some(dir) => resumed_config(args, dir)?,
         None => config_from_args(args)?,
@@ -340,18 +336,18 @@ fn run(args: &Args) -> Result<(), String> {
         data.len(),
         config.seq_len
     );
-    let device = Default::default();
-    let results = world.run(|comm| {
-        train_rank(
-            comm,
-            &config,
-            &data,
-            args.resume.as_deref(),
-            out.as_deref(),
-            &reporter,
-            &device,
-        )
-    });
+    let resume = args.resume.as_deref();
+    let results = match args.backend.as_str() {
+        #[cfg(feature = "wgpu")]
+        "wgpu" => {
+            train_world::<burn::backend::Wgpu>(&world, &config, &data, resume, &out, &reporter)
+        }
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            train_world::<burn::backend::Cuda>(&world, &config, &data, resume, &out, &reporter)
+        }
+        _ => train_world::<burn::backend::Flex>(&world, &config, &data, resume, &out, &reporter),
+    };
     eprintln!();
     let mut metrics = Vec::new();
     for (rank, result) in results.into_iter().enumerate() {
@@ -375,6 +371,29 @@ fn run(args: &Args) -> Result<(), String> {
         reporter.started.elapsed().as_secs_f64(),
         out.as_deref(),
     )
+}
+
+/// Runs every rank's training on `ContextParallel<Autodiff<B>>` (`B`'s default device).
+fn train_world<B: FlashOps>(
+    world: &InProcessWorld,
+    config: &TrainConfig,
+    data: &TrainData,
+    resume: Option<&Path>,
+    out: &Option<PathBuf>,
+    reporter: &Reporter,
+) -> Vec<Result<RankOutcome, String>> {
+    let device = B::Device::default();
+    world.run(|comm| {
+        train_rank::<B>(
+            comm,
+            config,
+            data,
+            resume,
+            out.as_deref(),
+            reporter,
+            &device,
+        )
+    })
 }
 
 fn summarize(

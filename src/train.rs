@@ -14,12 +14,12 @@ use std::time::Instant;
 
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
-use burn::prelude::{Int, Tensor, TensorData};
+use burn::prelude::{Int, Tensor, TensorData, ToElement};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::{set_context, ContextParallel, CpContext};
 use burn_dcp::comm::{Comm, CommError};
-use burn_dcp::kernels::MaskSpec;
+use burn_dcp::kernels::{FlashOps, MaskSpec};
 use burn_dcp::shard::PackedMicroBatch;
 use burn_dcp::{CpBatch, CpError, CpGroup, Layout, Strategy};
 use burn_dcp_datasets::corpus::{open_documents, Document};
@@ -28,10 +28,12 @@ use burn_dcp_datasets::{pack_corpus, MaskPolicy, PackingConfig, TokenizedCorpus,
 use burn_dcp_models::{Gpt, GptConfig};
 use serde::{Deserialize, Serialize};
 
-/// The training backend: the decorator over autodiff over burn Flex (CPU). The cubecl kernels
-/// issue adds wgpu/CUDA inner backends.
-pub type TrainBackend = ContextParallel<burn::backend::Autodiff<burn::backend::Flex>>;
-type Device = burn::backend::flex::FlexDevice;
+/// The training backend over an inner backend `B` (burn Flex on the CPU, or a cubecl backend with
+/// the kernels): the decorator over autodiff over `B`.
+pub type CpTrain<B> = ContextParallel<burn::backend::Autodiff<B>>;
+
+/// The default training backend: [`CpTrain`] over burn Flex (CPU).
+pub type TrainBackend = CpTrain<burn::backend::Flex>;
 
 /// Everything that defines a run (written to `config.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -250,13 +252,13 @@ fn int_tensor<B: burn::prelude::Backend>(values: &[i64], device: &B::Device) -> 
 
 /// Forward and backward of this rank's share of one micro-batch; returns its loss sum (unscaled)
 /// and its gradients of `loss_sum / global_labels`.
-fn micro_batch_gradients(
-    model: &Gpt<TrainBackend>,
+fn micro_batch_gradients<B: FlashOps>(
+    model: &Gpt<CpTrain<B>>,
     groups: &RankGroups,
     batch: &TrainBatch,
     config: &TrainConfig,
     global_labels: usize,
-    device: &Device,
+    device: &B::Device,
 ) -> Result<(f64, GradientsParams), CpError> {
     let sharding = batch.packed.sharding(config.cp, config.layout)?;
     let shard = batch.packed.shard(&sharding, groups.cp.comm.rank());
@@ -269,7 +271,7 @@ fn micro_batch_gradients(
         int_tensor(&shard.positions, device),
         int_tensor(&shard.labels, device),
     );
-    let value = f64::from(loss_sum.clone().into_scalar());
+    let value = loss_sum.clone().into_scalar().to_f64();
     let grads = (loss_sum / global_labels as f64).backward();
     Ok((value, GradientsParams::from_grads(grads, model)))
 }
@@ -304,17 +306,17 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for AllReduceGradients<'_, B> {
 }
 
 /// Gradients of the global mean loss of step `step` (all-reduced over DP×CP), and the loss.
-pub fn step_gradients(
-    model: &Gpt<TrainBackend>,
+pub fn step_gradients<B: FlashOps>(
+    model: &Gpt<CpTrain<B>>,
     groups: &RankGroups,
     config: &TrainConfig,
     data: &TrainData,
     step: usize,
-    device: &Device,
+    device: &B::Device,
 ) -> Result<(f64, GradientsParams, usize), CpError> {
     let batches = data.step_batches(step, config.micro_batches);
     let global_labels: usize = batches.iter().map(|b| b.packed.label_count()).sum();
-    let mut accumulator = GradientsAccumulator::<Gpt<TrainBackend>>::new();
+    let mut accumulator = GradientsAccumulator::<Gpt<CpTrain<B>>>::new();
     let mut loss_sum = 0.0;
     for batch in batches
         .iter()
@@ -374,19 +376,19 @@ pub trait StepObserver: Sync {
 
 /// Trains on one rank from `start_step` (after loading `resume` if given); rank 0 saves the
 /// checkpoint to `out` at the end.
-pub fn train_rank(
+pub fn train_rank<B: FlashOps>(
     world: Comm,
     config: &TrainConfig,
     data: &TrainData,
     resume: Option<&Path>,
     out: Option<&Path>,
     observer: &dyn StepObserver,
-    device: &Device,
+    device: &B::Device,
 ) -> Result<RankOutcome, String> {
     let groups = RankGroups::new(world, config).map_err(|e| e.to_string())?;
     let model_config = config.model_config()?;
-    let mut model: Gpt<TrainBackend> = model_config.init(config.seed, device)?;
-    let mut optimizer = AdamWConfig::new().init::<TrainBackend, Gpt<TrainBackend>>();
+    let mut model: Gpt<CpTrain<B>> = model_config.init(config.seed, device)?;
+    let mut optimizer = AdamWConfig::new().init::<CpTrain<B>, Gpt<CpTrain<B>>>();
     let recorder = Recorder_::new();
     let mut first_step = 1;
     if let Some(dir) = resume {
