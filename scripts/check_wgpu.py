@@ -13,8 +13,12 @@ runs = [
     ["--strategy", "ring", "--layout", "stripe", "--heads", "2", "--kv-heads", "2", "--mask", "full"],
     ["--strategy", "all-gather", "--layout", "zigzag", "--heads", "4", "--kv-heads", "2", "--mask", "sliding:50"],
     ["--strategy", "ulysses", "--layout", "zigzag", "--heads", "8", "--kv-heads", "4", "--mask", "causal"],
+    # one query head per rank (a [1, T] lse slice per rank) and kv heads replicated over ranks
+    ["--strategy", "ulysses", "--layout", "zigzag", "--heads", "4", "--kv-heads", "1", "--mask", "blockwise:32,2"],
     ["--strategy", "usp", "--ulysses-degree", "2", "--layout", "zigzag", "--heads", "8", "--kv-heads", "4",
      "--mask", "shared-question:0.3,3"],
+    ["--strategy", "usp", "--ulysses-degree", "4", "--layout", "stripe", "--heads", "4", "--kv-heads", "2",
+     "--mask", "causal"],
 ]
 worst = 0.0
 for args in runs:

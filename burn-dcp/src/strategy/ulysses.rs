@@ -109,13 +109,21 @@ impl UlyssesStage<'_> {
     }
 
     /// LSE: `[H, T_me]` → `[H/P, ΣT_p]`.
+    ///
+    /// Exchanged as `[H, T]` slices (rows of heads, columns of tokens), never through a
+    /// transpose + reshape: burn 0.21's `reshape` of a transposed `[1, T]` (a size-1 dim with a
+    /// large stride, as with one head per rank) computes wrong strides on the cubecl backends
+    /// (`burn_std::tensor::split_strides`), which read garbage or overflow a binding.
     pub fn lse_to_heads<B: Backend>(&self, lse: Tensor<B, 2>) -> Result<Tensor<B, 2>, CpError> {
-        let [heads, tokens] = lse.dims();
-        // [H, T] → [T, H, 1] so the lse travels like a head-sharded tensor.
-        let as_3d = lse.transpose().reshape([tokens, heads, 1]);
-        let gathered = self.q_to_heads(as_3d)?;
-        let [total, local_heads, _] = gathered.dims();
-        Ok(gathered.reshape([total, local_heads]).transpose())
+        let device = lse.device();
+        let parts = (0..self.comm.size())
+            .map(|p| {
+                let heads = self.split.q_heads(p);
+                narrow(lse.clone(), 0, heads.start, heads.len())
+            })
+            .collect();
+        // Received piece p: [H/P, T_p]; tokens in member order.
+        Ok(cat_tokens(all_to_all(self.comm, parts, &device)?, 1))
     }
 
     /// Heads → sequence: `[ΣT_p, h, D]` → the pieces `[T_me, h_p, D]` every rank `p` sent here.
@@ -131,13 +139,12 @@ impl UlyssesStage<'_> {
         Ok(Tensor::cat(self.to_sequence(x)?, 1))
     }
 
-    /// LSE: `[H/P, ΣT_p]` → `[H, T_me]`.
+    /// LSE: `[H/P, ΣT_p]` → `[H, T_me]` (see [`Self::lse_to_heads`] for why no transpose).
     pub fn lse_to_sequence<B: Backend>(&self, lse: Tensor<B, 2>) -> Result<Tensor<B, 2>, CpError> {
-        let [local_heads, total] = lse.dims();
-        let as_3d = lse.transpose().reshape([total, local_heads, 1]);
-        let restored = self.q_to_sequence(as_3d)?;
-        let [tokens, heads, _] = restored.dims();
-        Ok(restored.reshape([tokens, heads]).transpose())
+        let device = lse.device();
+        let parts = split_sizes(lse, 1, &self.member_tokens);
+        // Piece p holds query heads q_heads(p): concatenating by rank restores head order.
+        Ok(Tensor::cat(all_to_all(self.comm, parts, &device)?, 0))
     }
 
     /// Key/value gradients: `[ΣT_p, K_me, D]` → `[T_me, K, D]`, summing replicated heads.
