@@ -165,7 +165,6 @@ pub fn forward_kernel<F: Float>(
     }
     let row_spans = read_spans(spans, query, active, max_spans);
     let mut acc = zeros(value_dim);
-    let mut scores = Array::<f32>::new(block_kv);
     let mut running_max = f32::new(NONE);
     let mut sum = f32::new(0.0);
 
@@ -177,32 +176,24 @@ pub fn forward_kernel<F: Float>(
         for kv_tile in first_tile..end_tile {
             let first_key = kv_tile * block_kv;
             if active {
-                let mut tile_max = f32::new(NONE);
                 for jj in 0..block_kv {
-                    let mut score = f32::new(NONE);
                     let key = first_key + jj;
                     if allowed(&row_spans, key, max_spans) {
-                        score = dot_row::<F>(&q_row, k, key, kv_head, head_dim) * scale;
-                        tile_max = max(tile_max, score);
-                    }
-                    scores[jj] = score;
-                }
-                if tile_max > NONE_LIMIT {
-                    let new_max = max(running_max, tile_max);
-                    let correction = (running_max - new_max).exp();
-                    sum *= correction;
-                    #[unroll]
-                    for d in 0..value_dim {
-                        acc[d] *= correction;
-                    }
-                    for jj in 0..block_kv {
-                        if scores[jj] > NONE_LIMIT {
-                            let p = (scores[jj] - new_max).exp();
-                            sum += p;
-                            add_row::<F>(&mut acc, p, v, first_key + jj, kv_head, value_dim);
+                        let score = dot_row::<F>(&q_row, k, key, kv_head, head_dim) * scale;
+                        // Online softmax one key at a time: rescale only when the max grows.
+                        if score > running_max {
+                            let correction = (running_max - score).exp();
+                            sum *= correction;
+                            #[unroll]
+                            for d in 0..value_dim {
+                                acc[d] *= correction;
+                            }
+                            running_max = score;
                         }
+                        let p = (score - running_max).exp();
+                        sum += p;
+                        add_row::<F>(&mut acc, p, v, key, kv_head, value_dim);
                     }
-                    running_max = new_max;
                 }
             }
         }
