@@ -23,6 +23,11 @@
 //! per GQA group); real GPUs have no such cap. Unrolling the per-tile loops too would lift it,
 //! but lavapipe then takes minutes to compile each kernel.
 //!
+//! The forward updates its online softmax one key at a time (rescaling only when the running
+//! max grows) rather than per tile with a score array and tile-level branches: the per-tile form
+//! took lavapipe's LLVM 371 s to compile at head dim 128, this one 9 s. The backward kernels
+//! compile in about 55 s at head dim 128 (once; Mesa's disk cache keeps them).
+//!
 //! The kernels read key/value (or query) rows straight from global memory: all units of a cube
 //! read the same row at the same moment, so these are cache broadcasts. Staging tiles in shared
 //! memory and a tensor-core (`cmma`) path are the next performance steps on CUDA.
