@@ -155,9 +155,10 @@ fn sparse_masks_train_the_same_under_cp() {
 #[test]
 fn wgpu_training_step_matches_flex() {
     let device = burn::backend::wgpu::WgpuDevice::default();
-    for (strategy, layout, mask) in [
-        (Strategy::Ring, Layout::Zigzag, "causal"),
+    for (cp, strategy, layout, mask) in [
+        (2, Strategy::Ring, Layout::Zigzag, "causal"),
         (
+            4,
             Strategy::Usp {
                 ulysses_degree: 2,
                 ring_degree: 2,
@@ -166,11 +167,6 @@ fn wgpu_training_step_matches_flex() {
             "lambda:8,32",
         ),
     ] {
-        let cp = if matches!(strategy, Strategy::Usp { .. }) {
-            4
-        } else {
-            2
-        };
         let reference = one_step_on::<burn::backend::Wgpu>(
             &config(1, 1, Strategy::Ring, Layout::Zigzag, mask),
             &device,

@@ -126,25 +126,28 @@ impl UlyssesStage<'_> {
         Ok(cat_tokens(all_to_all(self.comm, parts, &device)?, 1))
     }
 
-    /// Heads → sequence: `[ΣT_p, h, D]` → the pieces `[T_me, h_p, D]` every rank `p` sent here.
-    fn to_sequence<B: Backend>(&self, x: Tensor<B, 3>) -> Result<Vec<Tensor<B, 3>>, CpError> {
+    /// Heads → sequence: splits the token dim `tokens` of `x` (`ΣT_p` long) by member and returns
+    /// the pieces (`T_me` tokens, rank `p`'s heads) every rank `p` sent here.
+    fn to_sequence<B: Backend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        tokens: usize,
+    ) -> Result<Vec<Tensor<B, D>>, CpError> {
         let device = x.device();
-        let parts = split_sizes(x, 0, &self.member_tokens);
+        let parts = split_sizes(x, tokens, &self.member_tokens);
         Ok(all_to_all(self.comm, parts, &device)?)
     }
 
     /// Outputs (or dq): `[ΣT_p, H/P, D]` → `[T_me, H, D]`.
     pub fn q_to_sequence<B: Backend>(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, CpError> {
         // Piece p holds query heads q_heads(p): concatenating by rank restores head order.
-        Ok(Tensor::cat(self.to_sequence(x)?, 1))
+        Ok(Tensor::cat(self.to_sequence(x, 0)?, 1))
     }
 
     /// LSE: `[H/P, ΣT_p]` → `[H, T_me]` (see [`Self::lse_to_heads`] for why no transpose).
     pub fn lse_to_sequence<B: Backend>(&self, lse: Tensor<B, 2>) -> Result<Tensor<B, 2>, CpError> {
-        let device = lse.device();
-        let parts = split_sizes(lse, 1, &self.member_tokens);
         // Piece p holds query heads q_heads(p): concatenating by rank restores head order.
-        Ok(Tensor::cat(all_to_all(self.comm, parts, &device)?, 0))
+        Ok(Tensor::cat(self.to_sequence(lse, 1)?, 0))
     }
 
     /// Key/value gradients: `[ΣT_p, K_me, D]` → `[T_me, K, D]`, summing replicated heads.
@@ -153,7 +156,7 @@ impl UlyssesStage<'_> {
         x: Tensor<B, 3>,
     ) -> Result<Tensor<B, 3>, CpError> {
         let dim = x.dims()[2];
-        let pieces = self.to_sequence(x)?;
+        let pieces = self.to_sequence(x, 0)?;
         let tokens = self.member_tokens[self.me()];
         let device = pieces[0].device();
         let mut grad = Tensor::<B, 3>::zeros(
