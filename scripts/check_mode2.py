@@ -33,8 +33,13 @@ def allowed(mask, i, j, n):
         s, w = int(p[0]), int(p[1])
         return j <= i and (j < s or i - w < j)
     if kind == "blockwise":
+        # DCP's causal-blockwise: causal in the first and last block; otherwise the first block
+        # (a sink) and a window of l*b tokens: [max(b, i - l*b), i].
         b, l = int(p[0]), int(p[1])
-        return j <= i and (j // b == 0 or i // b - l < j // b)
+        blocks = -(-n // b)
+        if i // b in (0, blocks - 1):
+            return j <= i
+        return j <= i and (j < b or j >= max(b, i - l * b))
     if kind == "shared-question":
         f, a = float(p[0]), int(p[1])
         q = math.floor(f * n)

@@ -22,7 +22,7 @@ pub mod tiling;
 pub mod cube;
 
 pub use definition::{
-    mask_of, validate_cu_seqlens, validate_masks, AttentionShape, KernelError, KeyRanges, MaskSpec,
-    Segment, TokenPositions, VarlenAttention,
+    mask_of, validate_cu_seqlens, validate_masks, validate_scale, AttentionShape, KernelError,
+    KeyRanges, MaskSpec, Segment, TokenPositions, VarlenAttention, MAX_SOFTMAX_SCALE,
 };
 pub use ops::{FlashGradients, FlashOps, FlashOutput};

@@ -182,7 +182,9 @@ fn forward_head(
         if scores.is_empty() {
             continue;
         }
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // `f32::max` ignores NaN; a NaN score must poison the row (NaN out and LSE), never look
+        // like a masked row, so the maximum propagates it.
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, nan_max);
         let out_row = &mut out[t * dv..(t + 1) * dv];
         let mut sum = 0.0f32;
         let keys = spans.of(t).iter().flat_map(|span| span.clone());
@@ -276,10 +278,12 @@ fn backward_kv_head(
     for h in heads {
         let mut dq = vec![0.0f32; s.q_tokens * d];
         for t in 0..s.q_tokens {
-            let row_lse = lse[h * s.q_tokens + t];
-            if !row_lse.is_finite() {
+            // Only a query without any allowed key has no gradient (its LSE is −∞). A NaN or
+            // infinite LSE with keys comes from non-finite inputs and must reach the gradients.
+            if inputs.spans.of(t).iter().all(|span| span.is_empty()) {
                 continue;
             }
+            let row_lse = lse[h * s.q_tokens + t];
             let q_row = &q[h][t * d..(t + 1) * d];
             let dout_row = &dout[h][t * dv_dim..(t + 1) * dv_dim];
             let delta = dot(dout_row, &out[h][t * dv_dim..(t + 1) * dv_dim]);
@@ -342,8 +346,21 @@ pub fn merge(
     Ok(())
 }
 
-/// `ln(eᵃ + eᵇ)`, exact at −∞.
+/// The larger of `a` and `b`, NaN if either is NaN (unlike `f32::max`).
+fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
+}
+
+/// `ln(eᵃ + eᵇ)`, exact at −∞; NaN if either input is NaN (a NaN partial result must not vanish
+/// when merged with a part that saw no key).
 pub fn log_add_exp(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        return f32::NAN;
+    }
     let (hi, lo) = if a >= b { (a, b) } else { (b, a) };
     if hi == f32::NEG_INFINITY {
         return f32::NEG_INFINITY;

@@ -207,3 +207,86 @@ fn invalid_problems_are_rejected_with_the_rule() {
             .contains("must divide")
     );
 }
+
+/// A NaN in one query row must stay visible: that row's out and LSE are NaN, its dq row and the
+/// dk/dv rows of the keys it attends are NaN; a row of another sequence stays finite. It never
+/// looks like a fully masked row (out 0, LSE −∞, zero gradient).
+#[test]
+fn nan_inputs_propagate_and_never_look_masked() {
+    let mut rng = SmallRng::seed_from_u64(7);
+    let (heads, dim) = (2, 4);
+    let problem = VarlenAttention::packed(vec![5, 3], vec![MaskSpec::Causal]);
+    let shape = AttentionShape {
+        q_tokens: 8,
+        kv_tokens: 8,
+        heads,
+        kv_heads: heads,
+        head_dim: dim,
+        value_dim: dim,
+    };
+    let mut q = random(&mut rng, 8 * heads * dim);
+    let (k, v) = (
+        random(&mut rng, 8 * heads * dim),
+        random(&mut rng, 8 * heads * dim),
+    );
+    // Token 2 (sequence 0), head 0.
+    q[2 * heads * dim] = f32::NAN;
+    let HostForward { out, lse } = portable::forward(&q, &k, &v, &shape, &problem).unwrap();
+    assert!(out[2 * heads * dim..2 * heads * dim + dim]
+        .iter()
+        .all(|x| x.is_nan()));
+    assert!(lse[2].is_nan(), "lse of the NaN row: {}", lse[2]);
+    // Token 6 (sequence 1) is untouched.
+    assert!(out[6 * heads * dim..7 * heads * dim]
+        .iter()
+        .all(|x| x.is_finite()));
+    let dout = random(&mut rng, 8 * heads * dim);
+    let grads = portable::backward(&q, &k, &v, &out, &lse, &dout, &shape, &problem).unwrap();
+    assert!(grads.dq[2 * heads * dim..2 * heads * dim + dim]
+        .iter()
+        .all(|x| x.is_nan()));
+    // Keys 0..=2 of head 0 are attended by the NaN query.
+    for key in 0..=2 {
+        let at = key * heads * dim;
+        assert!(
+            grads.dk[at..at + dim].iter().all(|x| x.is_nan()),
+            "dk key {key}"
+        );
+        assert!(
+            grads.dv[at..at + dim].iter().all(|x| x.is_nan()),
+            "dv key {key}"
+        );
+    }
+    assert!(grads.dq[6 * heads * dim..7 * heads * dim]
+        .iter()
+        .all(|x| x.is_finite()));
+
+    // Merging a NaN part with a part that saw no key keeps the NaN.
+    let (mut out_a, mut lse_a) = (vec![f32::NAN; dim], vec![f32::NAN]);
+    portable::merge(
+        &mut out_a,
+        &mut lse_a,
+        &[0.0; 4],
+        &[f32::NEG_INFINITY],
+        1,
+        dim,
+    )
+    .unwrap();
+    assert!(lse_a[0].is_nan() && out_a.iter().all(|x| x.is_nan()));
+    let (mut out_b, mut lse_b) = (vec![0.0; dim], vec![f32::NEG_INFINITY]);
+    portable::merge(&mut out_b, &mut lse_b, &[f32::NAN; 4], &[f32::NAN], 1, dim).unwrap();
+    assert!(lse_b[0].is_nan() && out_b.iter().all(|x| x.is_nan()));
+}
+
+#[test]
+fn shapes_and_scales_are_validated_first() {
+    let err = AttentionShape::from_dims(&[4, 0, 8], &[4, 0, 8], &[4, 0, 8]).unwrap_err();
+    assert!(err.to_string().contains("q heads (0)"), "{err}");
+    let err = AttentionShape::from_dims(&[4, 2, 0], &[4, 2, 0], &[4, 2, 0]).unwrap_err();
+    assert!(err.to_string().contains("head dim (0)"), "{err}");
+    for scale in [f64::NAN, f64::INFINITY, 0.0, -1.0, 1e38] {
+        let err = burn_dcp_kernels::validate_scale(scale).unwrap_err();
+        assert!(err.to_string().contains("softmax scale"), "{err}");
+    }
+    burn_dcp_kernels::validate_scale(0.125).unwrap();
+}

@@ -167,6 +167,9 @@ pub fn forward_kernel<F: Float>(
     let mut acc = zeros(value_dim);
     let mut running_max = f32::new(NONE);
     let mut sum = f32::new(0.0);
+    // Whether the query saw any key: a masked row is one without keys, never one whose sum
+    // looks empty (a NaN score makes the sum NaN, and that NaN must reach out and lse).
+    let mut any_key = false;
 
     let first_run = tile_offsets[q_tile] as usize;
     let end_run = tile_offsets[q_tile + 1] as usize;
@@ -192,6 +195,7 @@ pub fn forward_kernel<F: Float>(
                         }
                         let p = (score - running_max).exp();
                         sum += p;
+                        any_key = true;
                         add_row::<F>(&mut acc, p, v, key, kv_head, value_dim);
                     }
                 }
@@ -203,7 +207,7 @@ pub fn forward_kernel<F: Float>(
         let lse_at = head * lse.stride(0) + query * lse.stride(1);
         // A query without any key has `acc = 0`: a zero factor writes `out = 0`.
         let mut inverse = f32::new(0.0);
-        if sum > 0.0 {
+        if any_key {
             inverse = f32::new(1.0) / sum;
             lse[lse_at] = running_max + sum.ln();
         } else {
@@ -279,8 +283,9 @@ pub fn dq_kernel<F: Float>(
         row_lse = lse[head * lse.stride(0) + query * lse.stride(1)];
         row_delta = delta[head * delta.stride(0) + query * delta.stride(1)];
     }
-    // A row without any key (lse −∞) has no gradient.
-    let active = in_range && row_lse > NONE_LIMIT;
+    // A row without any key (lse −∞) has no gradient; a NaN lse (non-finite inputs) is not
+    // below the limit, so its NaN reaches the gradients.
+    let active = in_range && !(row_lse < NONE_LIMIT);
     let mut dq_acc = zeros(head_dim);
 
     let first_run = tile_offsets[q_tile] as usize;
@@ -368,7 +373,7 @@ pub fn dkdv_kernel<F: Float>(
                         if query < q_tokens {
                             let row_lse = lse[head * lse.stride(0) + query * lse.stride(1)];
                             let row_spans = read_spans(spans, query, true, max_spans);
-                            if row_lse > NONE_LIMIT && allowed(&row_spans, key, max_spans) {
+                            if !(row_lse < NONE_LIMIT) && allowed(&row_spans, key, max_spans) {
                                 let score = dot_row::<F>(&k_row, q, query, head, head_dim) * scale;
                                 let p = (score - row_lse).exp();
                                 let dout_base = query * dout.stride(0) + head * dout.stride(1);
@@ -411,7 +416,13 @@ fn merge_weights(lse_a: f32, lse_b: f32) -> (f32, f32, f32) {
     let mut weight_a = f32::new(0.0);
     let mut weight_b = f32::new(0.0);
     let mut merged = high;
-    if high > NONE_LIMIT {
+    // A NaN part poisons the merge (NaN out and lse) instead of being weighted away.
+    let poisoned = lse_a != lse_a || lse_b != lse_b;
+    if poisoned {
+        merged = lse_a + lse_b;
+        weight_a = merged;
+        weight_b = merged;
+    } else if high > NONE_LIMIT {
         if lse_a > NONE_LIMIT {
             weight_a = (lse_a - high).exp();
         }

@@ -27,7 +27,10 @@ pub enum MaskSpec {
     Sliding { window: usize },
     /// λ mask: `sink` first tokens plus a window: `j ≤ i` and (`j < sink` or `i − window < j`).
     Lambda { sink: usize, window: usize },
-    /// Causal-blockwise: `j ≤ i` and (`⌊j/block⌋ = 0` or `⌊i/block⌋ − local_blocks < ⌊j/block⌋`).
+    /// DCP's causal-blockwise mask (block size `B = block`, `k = local_blocks`). Query `i` lies in
+    /// block `b = ⌊i/B⌋` of `n = ⌈len/B⌉`: in the first (`b = 0`) and the last (`b = n − 1`) block
+    /// it is causal (keys `[0, i]`); otherwise it sees the first block as a sink and a window of
+    /// `k·B` *tokens*: keys `[0, B) ∪ [max(B, i − k·B), i]`.
     Blockwise { block: usize, local_blocks: usize },
     /// The first `⌊question_fraction·len⌋` tokens are a question (causal among themselves); the rest
     /// splits into `answers` answers of equal length (the last takes the remainder); each answer
@@ -121,7 +124,15 @@ impl MaskSpec {
             MaskSpec::Blockwise {
                 block,
                 local_blocks,
-            } => j <= i && (j / block == 0 || i / block < j / block + local_blocks),
+            } => {
+                let (b, blocks) = (i / block, len.div_ceil(*block));
+                let causal_block = b == 0 || b + 1 == blocks;
+                // `i − k·B ≤ j` without underflow: `i ≤ j + k·B`.
+                j <= i
+                    && (causal_block
+                        || j < *block
+                        || i <= j.saturating_add(local_blocks.saturating_mul(*block)))
+            }
             MaskSpec::SharedQuestion {
                 question_fraction,
                 answers,
@@ -161,12 +172,16 @@ impl MaskSpec {
                 block,
                 local_blocks,
             } => {
-                // Allowed key blocks: block 0 and blocks b with ⌊i/B⌋ − L < b, i.e. b ≥ ⌊i/B⌋ − L + 1.
-                let first_local_block = (i / block + 1).saturating_sub(*local_blocks);
-                KeyRanges::two(
-                    0..(*block).min(causal_end),
-                    (first_local_block * block).min(causal_end)..causal_end,
-                )
+                let (b, blocks) = (i / block, len.div_ceil(*block));
+                if b == 0 || b + 1 == blocks {
+                    KeyRanges::one(0..causal_end)
+                } else {
+                    // The window starts at i − k·B, never inside the sink block.
+                    let window_start = i
+                        .saturating_sub(local_blocks.saturating_mul(*block))
+                        .max(*block);
+                    KeyRanges::two(0..(*block).min(causal_end), window_start..causal_end)
+                }
             }
             MaskSpec::SharedQuestion {
                 question_fraction,

@@ -8,4 +8,4 @@ pub mod problem;
 pub use error::KernelError;
 pub use mask::{mask_of, validate_masks, KeyRanges, MaskSpec};
 pub use packing::{validate_cu_seqlens, Segment, TokenPositions};
-pub use problem::{AttentionShape, VarlenAttention};
+pub use problem::{validate_scale, AttentionShape, VarlenAttention, MAX_SOFTMAX_SCALE};

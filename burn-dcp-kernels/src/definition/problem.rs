@@ -59,6 +59,12 @@ impl AttentionShape {
                 q[2], k[2]
             ));
         }
+        if q[1] == 0 || q[2] == 0 || v[2] == 0 {
+            return bad(format!(
+                "q heads ({}), head dim ({}) and value dim ({}) must be at least 1",
+                q[1], q[2], v[2]
+            ));
+        }
         if k[1] == 0 || !q[1].is_multiple_of(k[1]) {
             return bad(format!(
                 "kv heads {} must divide q heads {} (grouped-query attention)",
@@ -79,6 +85,20 @@ impl AttentionShape {
     pub fn group_size(&self) -> usize {
         self.heads / self.kv_heads
     }
+}
+
+/// The largest softmax scale accepted. The default `1/√head_dim` is below 1; a scale above 10⁴
+/// only comes from a mistake, and makes `f32` scores overflow to ±∞ (NaN outputs).
+pub const MAX_SOFTMAX_SCALE: f64 = 1e4;
+
+/// Checks a softmax scale: finite, positive and at most [`MAX_SOFTMAX_SCALE`].
+pub fn validate_scale(scale: f64) -> Result<(), KernelError> {
+    if !scale.is_finite() || scale <= 0.0 || scale > MAX_SOFTMAX_SCALE {
+        return Err(KernelError::InvalidShape(format!(
+            "softmax scale {scale} must be a finite number in (0, {MAX_SOFTMAX_SCALE:e}]"
+        )));
+    }
+    Ok(())
 }
 
 impl VarlenAttention {
@@ -168,11 +188,7 @@ impl VarlenAttention {
     pub fn validate(&self, shape: &AttentionShape) -> Result<(), KernelError> {
         validate_masks(&self.masks, &self.seq_lens)?;
         if let Some(scale) = self.scale {
-            if !scale.is_finite() {
-                return Err(KernelError::InvalidShape(format!(
-                    "softmax scale {scale} must be finite"
-                )));
-            }
+            validate_scale(scale)?;
         }
         self.validate_segments(&self.q_segments, "query")?;
         self.validate_segments(&self.kv_segments, "key/value")?;
