@@ -13,6 +13,12 @@ pub enum CpError {
     /// Inputs do not match the configuration (shapes, dtypes, token counts).
     #[error("invalid input: {0}")]
     Input(String),
+    /// The ranks of a group disagree on a call's configuration (names the ranks and fields).
+    #[error("mismatched ranks: {0}")]
+    Mismatch(String),
+    /// A multi-rank run failed: names the rank that failed first and its reason.
+    #[error("context-parallel run failed: {0}")]
+    RunFailed(String),
     #[error(transparent)]
     Comm(#[from] CommError),
     #[error(transparent)]

@@ -169,14 +169,10 @@ pub fn run_context_parallel<B: FlashOps>(
         },
     )?;
     let results = world.run(|comm| run_rank::<B>(device, inputs, &batch, comm, spec.strategy));
-    let mut ranks = Vec::with_capacity(spec.cp);
-    for result in results {
-        ranks.push(
-            result.map_err(|reason| {
-                CpError::Input(format!("context-parallel run failed: {reason}"))
-            })?,
-        );
+    if let Some(summary) = world.failure_summary(&results) {
+        return Err(CpError::RunFailed(summary));
     }
+    let ranks = results.into_iter().flatten().collect();
     Ok(assemble(inputs, ranks, world.stats()))
 }
 

@@ -77,7 +77,12 @@ fn dcp_default_masks_match_a_naive_dense_mask() {
         ),
         (
             blockwise_default(),
-            Box::new(|i, j| j <= i && (j / 256 == 0 || i / 256 - j / 256 < 2)),
+            // DCP's causal-blockwise: causal in the first and last of the ⌈1500/256⌉ = 6
+            // blocks; elsewhere the sink block and a window of 2·256 tokens.
+            Box::new(|i, j| {
+                let edge = i / 256 == 0 || i / 256 == 5;
+                j <= i && (edge || j < 256 || j + 512 >= i)
+            }),
         ),
         (
             shared_question_default(),

@@ -1,25 +1,41 @@
 //! In-process communicator: ranks are threads of one process, messages move through shared
 //! mailboxes. Used by tests, examples and single-machine CPU runs.
 //!
-//! Matching: every (group, sender, receiver, channel) pair has a send counter and a receive
-//! counter; the n-th receive posted gets the n-th message sent, whatever order receives are waited
-//! in. Point-to-point and collective traffic use separate channels so they never mix.
+//! Matching: every (group, sender, receiver, channel) pair has a delivery counter and a receive
+//! counter; the n-th receive posted gets the n-th message delivered, whatever order receives are
+//! waited in. Point-to-point, collective and control traffic use separate channels so they never
+//! mix. Every message carries an envelope — the operation and the sender's index of the message
+//! on that link — which the receiver checks: a message of another operation (ranks running
+//! different protocols), or an index out of order (a lost or duplicated message), is a
+//! [`CommError::Protocol`] error, never wrong data.
 //!
-//! Failure: a rank that returns an error or panics inside [`InProcessWorld::run`] (or calls
-//! [`Communicator::abort`], or drops its handle while panicking) is marked failed and all waiters
-//! are woken; any operation of a group containing a failed rank then fails naming it.
+//! Failure (fail-fast, like an aborted NCCL or MPI job): the world records failures in the order
+//! they happen. A rank fails when it returns an error or panics inside [`InProcessWorld::run`],
+//! calls [`Communicator::abort`], drops a handle while panicking, times out, or receives an
+//! unexpected message. From then on every operation of every rank fails with
+//! [`CommError::PeerFailed`] naming the rank that failed **first** and its reason (for a panic,
+//! the panic message). A rank that leaves (its task returns, or its last handle on a group is
+//! dropped) without sending a message a peer waits for is recorded as failed at that moment, so
+//! the peer fails at once instead of at the timeout.
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::time::{Duration, Instant};
 
 use burn::tensor::TensorData;
 
 use crate::comm::{
-    sum_tensor_data, Comm, CommError, CommStats, Communicator, OpKind, PendingRecv, PendingSend,
+    sum_tensor_data, Comm, CommError, CommStats, Communicator, Fault, FaultKind, OpKind,
+    PendingRecv, PendingSend,
 };
+
+/// The most ranks an in-process world may have (one thread each).
+pub const MAX_IN_PROCESS_RANKS: usize = 1024;
+/// The longest timeout a world accepts (a week): longer waits are a mistake, not a setting.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Settings of an in-process world.
 #[derive(Clone, Debug)]
@@ -43,21 +59,106 @@ enum Channel {
     Control,
 }
 
+/// How a message's bytes are counted in [`CommStats`].
+#[derive(Clone, Copy, Debug)]
+enum Accounting {
+    Data(OpKind),
+    Control,
+    Uncounted,
+}
+
 /// (group name, sender global rank, receiver global rank, channel).
 type MailboxKey = (String, usize, usize, Channel);
 
+/// A message with what the receiver checks: the operation and the sender's index on the link.
+struct Envelope {
+    op: String,
+    index: u64,
+    data: TensorData,
+}
+
 #[derive(Default)]
 struct Mailbox {
-    sent: u64,
+    /// Messages put in the mailbox (the transport's sequence numbers).
+    delivered: u64,
+    /// Messages the sender stamped (the envelope indices); equal to `delivered` unless a fault
+    /// dropped or duplicated one.
+    stamped: u64,
+    /// Receives posted.
     posted: u64,
-    messages: HashMap<u64, TensorData>,
+    messages: HashMap<u64, Envelope>,
+}
+
+/// Why a rank failed, and when (its place in the order of failures).
+struct Failure {
+    order: u64,
+    reason: String,
+    /// Recorded without the panic message (a replaced panic hook); a later record may refine it.
+    provisional: bool,
 }
 
 #[derive(Default)]
 struct WorldState {
     mailboxes: HashMap<MailboxKey, Mailbox>,
-    /// Reason of failure of each failed world rank.
-    failed: HashMap<usize, String>,
+    failures: HashMap<usize, Failure>,
+    next_failure: u64,
+    /// Ranks whose task returned (this run).
+    finished: HashSet<usize>,
+    /// Live handles per (group, global rank); 0: the rank can never send on that group again.
+    handles: HashMap<(String, usize), usize>,
+    /// Faults still to inject, and each rank's communication calls so far.
+    faults: Vec<Fault>,
+    calls: Vec<u64>,
+    /// A drop or duplicate waiting for the rank's next message to another rank.
+    message_faults: HashMap<usize, FaultKind>,
+}
+
+impl WorldState {
+    fn first_failure(&self) -> Option<(usize, &Failure)> {
+        self.failures
+            .iter()
+            .min_by_key(|(_, failure)| failure.order)
+            .map(|(rank, failure)| (*rank, failure))
+    }
+
+    fn record_failure(&mut self, rank: usize, reason: String, provisional: bool) {
+        match self.failures.get_mut(&rank) {
+            Some(failure) if failure.provisional && !provisional => {
+                failure.reason = reason;
+                failure.provisional = false;
+            }
+            Some(_) => {}
+            None => {
+                let order = self.next_failure;
+                self.next_failure += 1;
+                self.failures.insert(
+                    rank,
+                    Failure {
+                        order,
+                        reason,
+                        provisional,
+                    },
+                );
+            }
+        }
+    }
+
+    /// [`CommError::PeerFailed`] naming the first failure, if any rank has failed.
+    fn peer_failed(&self, group: &str, rank: usize, op: &str) -> Option<CommError> {
+        self.first_failure()
+            .map(|(failed_global, failure)| CommError::PeerFailed {
+                group: group.to_string(),
+                rank,
+                failed_global,
+                reason: failure.reason.clone(),
+                op: op.to_string(),
+            })
+    }
+
+    fn has_left(&self, group: &str, global_rank: usize) -> bool {
+        self.finished.contains(&global_rank)
+            || self.handles.get(&(group.to_string(), global_rank)) == Some(&0)
+    }
 }
 
 struct World {
@@ -70,15 +171,58 @@ struct World {
 impl World {
     fn lock(&self) -> MutexGuard<'_, WorldState> {
         // A panic while holding the lock cannot leave the mailboxes inconsistent (every critical
-        // section is a single insert/remove), so a poisoned lock is still usable.
+        // section is a few inserts/removes), so a poisoned lock is still usable.
         self.state
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn mark_failed(&self, global_rank: usize, reason: String) {
-        self.lock().failed.entry(global_rank).or_insert(reason);
+        self.lock().record_failure(global_rank, reason, false);
         self.wake.notify_all();
+    }
+
+    fn mark_finished(&self, global_rank: usize) {
+        self.lock().finished.insert(global_rank);
+        self.wake.notify_all();
+    }
+}
+
+thread_local! {
+    /// The message of the last panic on this thread (set by the panic hook), so that a handle
+    /// dropped while unwinding can report it.
+    static LAST_PANIC: RefCell<Option<String>> = const { RefCell::new(None) };
+    /// Set while an injected [`FaultKind::Exit`] unwinds this thread: not a failure.
+    static EXITING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The unwind payload of an injected [`FaultKind::Exit`].
+struct InjectedExit;
+
+/// Chains a panic hook that remembers each panic's message per thread (once per process).
+fn install_panic_hook() {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let location = info
+                .location()
+                .map(|l| format!(" (at {}:{})", l.file(), l.line()))
+                .unwrap_or_default();
+            let message = format!("{}{location}", payload_message(info.payload()));
+            let _ = LAST_PANIC.try_with(|last| *last.borrow_mut() = Some(message));
+            previous(info);
+        }));
+    });
+}
+
+fn payload_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic payload".into()
     }
 }
 
@@ -90,16 +234,35 @@ pub struct InProcessWorld {
 }
 
 impl InProcessWorld {
+    /// A world of `size` ranks (1 to [`MAX_IN_PROCESS_RANKS`]) whose waits time out after
+    /// `config.timeout` (more than zero, at most [`MAX_TIMEOUT`]).
     pub fn new(size: usize, config: WorldConfig) -> Result<Self, CommError> {
-        if size == 0 {
-            return Err(CommError::Invalid {
+        let invalid = |message: String| {
+            Err(CommError::Invalid {
                 group: "world".into(),
-                message: "a world needs at least one rank, got 0".into(),
-            });
+                message,
+            })
+        };
+        if size == 0 || size > MAX_IN_PROCESS_RANKS {
+            return invalid(format!(
+                "an in-process world has 1 to {MAX_IN_PROCESS_RANKS} ranks (one thread each), got {size}"
+            ));
         }
+        if config.timeout.is_zero() || config.timeout > MAX_TIMEOUT {
+            return invalid(format!(
+                "the communication timeout must be more than 0 and at most {} s, got {:?}",
+                MAX_TIMEOUT.as_secs(),
+                config.timeout
+            ));
+        }
+        install_panic_hook();
+        let state = WorldState {
+            calls: vec![0; size],
+            ..WorldState::default()
+        };
         let world = World {
             config,
-            state: Mutex::new(WorldState::default()),
+            state: Mutex::new(state),
             wake: Condvar::new(),
             stats: (0..size)
                 .map(|_| Mutex::new(CommStats::default()))
@@ -115,26 +278,20 @@ impl InProcessWorld {
     pub fn communicators(&self) -> Vec<Comm> {
         let members: Arc<[usize]> = (0..self.size).collect();
         (0..self.size)
-            .map(|rank| {
-                Arc::new(InProcessComm {
-                    world: self.world.clone(),
-                    name: "world".into(),
-                    members: members.clone(),
-                    rank,
-                    splits: Mutex::new(0),
-                }) as Comm
-            })
+            .map(|rank| InProcessComm::open(&self.world, "world".into(), members.clone(), rank))
             .collect()
     }
 
     /// Runs `task(comm)` on one thread per rank and returns each rank's result, in rank order.
-    /// A rank that errors or panics is marked failed, so its peers error out instead of hanging.
+    /// A rank that errors or panics is marked failed, so its peers error out instead of hanging;
+    /// a rank that returns is marked finished, so peers waiting on it fail at once.
     pub fn run<T, E, F>(&self, task: F) -> Vec<Result<T, String>>
     where
         T: Send,
         E: fmt::Display,
         F: Fn(Comm) -> Result<T, E> + Sync,
     {
+        self.world.lock().finished.clear();
         let task = &task;
         std::thread::scope(|scope| {
             let handles: Vec<_> = self
@@ -145,32 +302,19 @@ impl InProcessWorld {
                     let world = self.world.clone();
                     std::thread::Builder::new()
                         .name(format!("rank-{rank}"))
-                        .spawn_scoped(scope, move || {
-                            let outcome =
-                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                    task(comm)
-                                }));
-                            let result = match outcome {
-                                Ok(Ok(value)) => Ok(value),
-                                Ok(Err(error)) => {
-                                    Err(format!("rank {rank} returned an error: {error}"))
-                                }
-                                Err(panic) => {
-                                    Err(format!("rank {rank} panicked: {}", panic_message(&panic)))
-                                }
-                            };
-                            if let Err(reason) = &result {
-                                world.mark_failed(rank, reason.clone());
-                            }
-                            result
+                        .spawn_scoped(scope, move || run_rank(&world, rank, comm, task))
+                        .map_err(|error| {
+                            let reason = format!("rank {rank} could not be started: {error}");
+                            self.world.mark_failed(rank, reason.clone());
+                            reason
                         })
-                        .expect("spawning a rank thread")
                 })
                 .collect();
             handles
                 .into_iter()
-                .map(|h| {
-                    h.join()
+                .map(|handle| {
+                    handle?
+                        .join()
                         .unwrap_or_else(|_| Err("rank thread could not be joined".into()))
                 })
                 .collect()
@@ -185,15 +329,82 @@ impl InProcessWorld {
             .map(|s| s.lock().map(|s| s.clone()).unwrap_or_default())
             .collect()
     }
+
+    /// Adds faults to inject (tests of failure behaviour; see [`Fault`]).
+    pub fn inject_faults(&self, faults: impl IntoIterator<Item = Fault>) {
+        self.world.lock().faults.extend(faults);
+    }
+
+    /// Communication calls each world rank has made so far (the clock of [`Fault::at_call`]).
+    pub fn calls(&self) -> Vec<u64> {
+        self.world.lock().calls.clone()
+    }
+
+    /// The rank that failed first and its reason, if any rank failed.
+    pub fn first_failure(&self) -> Option<(usize, String)> {
+        let state = self.world.lock();
+        state
+            .first_failure()
+            .map(|(rank, failure)| (rank, failure.reason.clone()))
+    }
+
+    /// One message for a run whose ranks returned `results`: the rank that failed first with its
+    /// reason, then the ranks that failed after it. `None` when every rank succeeded.
+    pub fn failure_summary<T>(&self, results: &[Result<T, String>]) -> Option<String> {
+        let failed: Vec<usize> = (0..results.len())
+            .filter(|&r| results[r].is_err())
+            .collect();
+        if failed.is_empty() {
+            return None;
+        }
+        let Some((first, reason)) = self.first_failure() else {
+            let rank = failed[0];
+            return results[rank].as_ref().err().cloned();
+        };
+        let others: Vec<String> = failed
+            .iter()
+            .filter(|&&r| r != first)
+            .map(|r| r.to_string())
+            .collect();
+        let mut summary = format!("global rank {first} failed first: {reason}");
+        if !others.is_empty() {
+            summary.push_str(&format!(
+                " (then rank(s) {} failed because of it)",
+                others.join(", ")
+            ));
+        }
+        Some(summary)
+    }
 }
 
-fn panic_message(panic: &Box<dyn Any + Send>) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic payload".into()
+/// One rank's thread body: runs the task and records how it ended.
+fn run_rank<T, E: fmt::Display>(
+    world: &World,
+    rank: usize,
+    comm: Comm,
+    task: &(impl Fn(Comm) -> Result<T, E> + Sync),
+) -> Result<T, String> {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(comm)));
+    EXITING.with(|exiting| exiting.set(false));
+    match outcome {
+        Ok(Ok(value)) => {
+            world.mark_finished(rank);
+            Ok(value)
+        }
+        Ok(Err(error)) => {
+            let reason = format!("rank {rank} returned an error: {error}");
+            world.mark_failed(rank, reason.clone());
+            Err(reason)
+        }
+        Err(payload) if payload.is::<InjectedExit>() => {
+            world.mark_finished(rank);
+            Err(format!("rank {rank} left the world early (injected fault)"))
+        }
+        Err(payload) => {
+            let reason = format!("rank {rank} panicked: {}", payload_message(&*payload));
+            world.mark_failed(rank, reason.clone());
+            Err(reason)
+        }
     }
 }
 
@@ -221,90 +432,180 @@ impl fmt::Debug for InProcessComm {
 
 impl Drop for InProcessComm {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            let me = self.members[self.rank];
-            self.world.mark_failed(me, format!("rank {me} panicked"));
+        let me = self.me();
+        let mut state = self.world.lock();
+        if std::thread::panicking() && !EXITING.with(Cell::get) {
+            let message = LAST_PANIC
+                .try_with(|last| last.borrow().clone())
+                .ok()
+                .flatten();
+            let provisional = message.is_none();
+            let message = message.unwrap_or_else(|| "no panic message captured".into());
+            state.record_failure(me, format!("rank {me} panicked: {message}"), provisional);
         }
+        if let Some(count) = state.handles.get_mut(&(self.name.clone(), me)) {
+            *count = count.saturating_sub(1);
+        }
+        drop(state);
+        self.world.wake.notify_all();
     }
 }
 
 impl InProcessComm {
+    fn open(world: &Arc<World>, name: String, members: Arc<[usize]>, rank: usize) -> Comm {
+        *world
+            .lock()
+            .handles
+            .entry((name.clone(), members[rank]))
+            .or_default() += 1;
+        Arc::new(InProcessComm {
+            world: world.clone(),
+            name,
+            members,
+            rank,
+            splits: Mutex::new(0),
+        })
+    }
+
     fn me(&self) -> usize {
         self.members[self.rank]
     }
 
+    fn invalid(&self, message: String) -> CommError {
+        CommError::Invalid {
+            group: self.name.clone(),
+            message,
+        }
+    }
+
     fn check_peer(&self, peer: usize, op: &str) -> Result<(), CommError> {
         if peer >= self.members.len() {
-            return Err(CommError::Invalid {
-                group: self.name.clone(),
-                message: format!(
-                    "{op}: peer rank {peer} does not exist in a group of {} ranks",
-                    self.members.len()
-                ),
-            });
+            return Err(self.invalid(format!(
+                "{op}: peer rank {peer} does not exist in a group of {} ranks",
+                self.members.len()
+            )));
         }
         Ok(())
     }
 
     fn check_parts(&self, parts: &[TensorData], op: &str) -> Result<(), CommError> {
         if parts.len() != self.members.len() {
-            return Err(CommError::Invalid {
-                group: self.name.clone(),
-                message: format!(
-                    "{op} needs one part per rank ({}), got {}",
-                    self.members.len(),
-                    parts.len()
-                ),
-            });
+            return Err(self.invalid(format!(
+                "{op} needs one part per rank ({}), got {}",
+                self.members.len(),
+                parts.len()
+            )));
         }
         Ok(())
     }
 
-    /// Fails if any member of this group has failed.
-    fn check_group(&self, state: &WorldState, op: &str) -> Result<(), CommError> {
-        match self
-            .members
-            .iter()
-            .find_map(|m| state.failed.get(m).map(|r| (*m, r)))
-        {
-            Some((failed_global, reason)) => Err(CommError::PeerFailed {
-                group: self.name.clone(),
-                rank: self.rank,
-                failed_global,
-                reason: reason.clone(),
-                op: op.to_string(),
-            }),
+    /// The start of every operation: fails fast if any rank has failed, counts the call and
+    /// injects a fault planned for it.
+    fn begin_call(&self, op: &str) -> Result<(), CommError> {
+        let me = self.me();
+        let (fault, call) = {
+            let mut state = self.world.lock();
+            if let Some(error) = state.peer_failed(&self.name, self.rank, op) {
+                return Err(error);
+            }
+            let call = state.calls[me];
+            state.calls[me] += 1;
+            let planned = state
+                .faults
+                .iter()
+                .position(|f| f.rank == me && f.at_call == call);
+            let fault = planned.map(|i| state.faults.remove(i).kind);
+            match fault {
+                Some(kind @ (FaultKind::DropMessage | FaultKind::DuplicateMessage)) => {
+                    state.message_faults.insert(me, kind);
+                    (None, call)
+                }
+                other => (other, call),
+            }
+        };
+        match fault {
             None => Ok(()),
+            Some(FaultKind::Panic) => {
+                panic!("injected fault: global rank {me} panics at its communication call #{call} ({op})")
+            }
+            Some(FaultKind::Error) => {
+                let error = CommError::Injected {
+                    group: self.name.clone(),
+                    global_rank: me,
+                    call,
+                    op: op.to_string(),
+                };
+                self.world.mark_failed(me, error.to_string());
+                Err(error)
+            }
+            Some(FaultKind::Delay(duration)) => {
+                std::thread::sleep(duration);
+                Ok(())
+            }
+            Some(FaultKind::Exit) => {
+                EXITING.with(|exiting| exiting.set(true));
+                std::panic::resume_unwind(Box::new(InjectedExit))
+            }
+            Some(FaultKind::DropMessage | FaultKind::DuplicateMessage) => Ok(()),
         }
     }
 
+    /// Puts one message for `peer` in its mailbox (sends are eager).
     fn post(
         &self,
         peer: usize,
         channel: Channel,
         data: TensorData,
-        op: Option<OpKind>,
+        op: &str,
+        accounting: Accounting,
     ) -> Result<(), CommError> {
         let (me, to) = (self.me(), self.members[peer]);
         let bytes = data.bytes.len() as u64;
         {
             let mut state = self.world.lock();
-            self.check_group(&state, "send")?;
+            if let Some(error) = state.peer_failed(&self.name, self.rank, op) {
+                return Err(error);
+            }
+            let fault = if me != to {
+                state.message_faults.remove(&me)
+            } else {
+                None
+            };
             let mailbox = state
                 .mailboxes
                 .entry((self.name.clone(), me, to, channel))
                 .or_default();
-            let seq = mailbox.sent;
-            mailbox.sent += 1;
-            mailbox.messages.insert(seq, data);
+            let index = mailbox.stamped;
+            mailbox.stamped += 1;
+            let envelope = |data| Envelope {
+                op: op.to_string(),
+                index,
+                data,
+            };
+            if fault == Some(FaultKind::DuplicateMessage) {
+                mailbox
+                    .messages
+                    .insert(mailbox.delivered, envelope(data.clone()));
+                mailbox.delivered += 1;
+            }
+            if fault != Some(FaultKind::DropMessage) {
+                mailbox.messages.insert(mailbox.delivered, envelope(data));
+                mailbox.delivered += 1;
+            }
         }
         self.world.wake.notify_all();
-        if let (Some(op), true) = (op, me != to) {
+        if me != to {
             let mut stats = self.world.stats[me]
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            *stats.bytes_by_op.entry(op).or_default() += bytes;
-            stats.messages += 1;
+            match accounting {
+                Accounting::Data(kind) => {
+                    *stats.bytes_by_op.entry(kind).or_default() += bytes;
+                    stats.messages += 1;
+                }
+                Accounting::Control => stats.control_bytes += bytes,
+                Accounting::Uncounted => {}
+            }
         }
         Ok(())
     }
@@ -318,28 +619,22 @@ impl InProcessComm {
         mailbox.posted - 1
     }
 
-    fn wait_for(
-        &self,
-        peer: usize,
-        channel: Channel,
-        seq: u64,
-        op: &str,
-    ) -> Result<TensorData, CommError> {
-        wait_message(
-            &self.world,
-            &self.name,
-            &self.members,
-            self.rank,
+    fn waiter(&self, peer: usize, channel: Channel, seq: u64, op: &str) -> Waiter {
+        Waiter {
+            world: self.world.clone(),
+            group: self.name.clone(),
+            members: self.members.clone(),
+            rank: self.rank,
             peer,
             channel,
             seq,
-            op,
-        )
+            op: op.to_string(),
+        }
     }
 
     fn recv_now(&self, peer: usize, channel: Channel, op: &str) -> Result<TensorData, CommError> {
         let seq = self.reserve(peer, channel);
-        self.wait_for(peer, channel, seq, op)
+        self.waiter(peer, channel, seq, op).wait()
     }
 
     /// Sends `parts[p]` to every `p` and receives one message from every rank (itself included).
@@ -347,68 +642,119 @@ impl InProcessComm {
         &self,
         parts: Vec<TensorData>,
         channel: Channel,
-        op: OpKind,
+        op: &str,
+        accounting: Accounting,
     ) -> Result<Vec<TensorData>, CommError> {
         for (peer, part) in parts.into_iter().enumerate() {
-            self.post(peer, channel, part, Some(op))?;
+            self.post(peer, channel, part, op, accounting)?;
         }
         (0..self.members.len())
-            .map(|peer| self.recv_now(peer, channel, &op.to_string()))
+            .map(|peer| self.recv_now(peer, channel, op))
             .collect()
+    }
+
+    /// A collective of `kind` on the collective channel.
+    fn collective(
+        &self,
+        parts: Vec<TensorData>,
+        kind: OpKind,
+    ) -> Result<Vec<TensorData>, CommError> {
+        self.exchange(
+            parts,
+            Channel::Collective,
+            &kind.to_string(),
+            Accounting::Data(kind),
+        )
     }
 }
 
-/// Blocks until message `seq` from `peer` arrives, a member fails, or the timeout passes.
-#[allow(clippy::too_many_arguments)]
-fn wait_message(
-    world: &World,
-    group: &str,
-    members: &[usize],
+/// One posted receive: blocks until its message arrives, any rank fails, the sender leaves, or
+/// the timeout passes.
+struct Waiter {
+    world: Arc<World>,
+    group: String,
+    members: Arc<[usize]>,
     rank: usize,
     peer: usize,
     channel: Channel,
     seq: u64,
-    op: &str,
-) -> Result<TensorData, CommError> {
-    let key = (group.to_string(), members[peer], members[rank], channel);
-    let deadline = Instant::now() + world.config.timeout;
-    let mut state = world.lock();
-    loop {
-        if let Some(data) = state
-            .mailboxes
-            .get_mut(&key)
-            .and_then(|m| m.messages.remove(&seq))
-        {
-            return Ok(data);
+    op: String,
+}
+
+impl Waiter {
+    fn wait(self) -> Result<TensorData, CommError> {
+        let (me, sender) = (self.members[self.rank], self.members[self.peer]);
+        let key = (self.group.clone(), sender, me, self.channel);
+        let started = Instant::now();
+        let mut state = self.world.lock();
+        loop {
+            let arrived = state
+                .mailboxes
+                .get_mut(&key)
+                .and_then(|m| m.messages.remove(&self.seq));
+            if let Some(envelope) = arrived {
+                return self.open(envelope, &mut state);
+            }
+            if let Some(error) = state.peer_failed(&self.group, self.rank, &self.op) {
+                return Err(error);
+            }
+            if state.has_left(&self.group, sender) {
+                let reason = format!(
+                    "global rank {sender} left group '{}' (its task returned or its handle was dropped) without sending {} message #{} that global rank {me} waits for",
+                    self.group, self.op, self.seq
+                );
+                state.record_failure(sender, reason, false);
+                self.world.wake.notify_all();
+                return Err(state
+                    .peer_failed(&self.group, self.rank, &self.op)
+                    .expect("a failure was just recorded"));
+            }
+            let waited = started.elapsed();
+            if waited >= self.world.config.timeout {
+                let error = CommError::Timeout {
+                    group: self.group.clone(),
+                    rank: self.rank,
+                    peer: self.peer,
+                    peer_global: sender,
+                    op: self.op.clone(),
+                    waited: self.world.config.timeout,
+                };
+                state.record_failure(me, format!("rank {me}: {error}"), false);
+                self.world.wake.notify_all();
+                return Err(error);
+            }
+            state = self
+                .world
+                .wake
+                .wait_timeout(state, self.world.config.timeout - waited)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
-        if let Some((failed_global, reason)) = members
-            .iter()
-            .find_map(|m| state.failed.get(m).map(|r| (*m, r.clone())))
-        {
-            return Err(CommError::PeerFailed {
-                group: group.to_string(),
-                rank,
-                failed_global,
-                reason,
-                op: op.to_string(),
-            });
+    }
+
+    /// Checks the envelope of the message that arrived.
+    fn open(&self, envelope: Envelope, state: &mut WorldState) -> Result<TensorData, CommError> {
+        if envelope.op == self.op && envelope.index == self.seq {
+            return Ok(envelope.data);
         }
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(CommError::Timeout {
-                group: group.to_string(),
-                rank,
-                peer,
-                peer_global: members[peer],
-                op: op.to_string(),
-                waited: world.config.timeout,
-            });
-        }
-        state = world
-            .wake
-            .wait_timeout(state, deadline - now)
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
+        let cause = if envelope.op == self.op {
+            "a message on this link was lost or duplicated"
+        } else {
+            "the ranks called different operations (mismatched configuration or strategy)"
+        };
+        let me = self.members[self.rank];
+        let error = CommError::Protocol {
+            group: self.group.clone(),
+            rank: self.rank,
+            peer_global: self.members[self.peer],
+            message: format!(
+                "expected {} message #{}, got {} message #{}: {cause}",
+                self.op, self.seq, envelope.op, envelope.index
+            ),
+        };
+        state.record_failure(me, format!("rank {me}: {error}"), false);
+        self.world.wake.notify_all();
+        Err(error)
     }
 }
 
@@ -431,98 +777,93 @@ impl Communicator for InProcessComm {
 
     fn isend(&self, peer: usize, data: TensorData) -> Result<PendingSend, CommError> {
         self.check_peer(peer, "isend")?;
+        self.begin_call("send")?;
         // Eager: the message is in the peer's mailbox when this returns.
-        self.post(peer, Channel::PointToPoint, data, Some(OpKind::SendRecv))?;
+        let op = "send/recv";
+        self.post(
+            peer,
+            Channel::PointToPoint,
+            data,
+            op,
+            Accounting::Data(OpKind::SendRecv),
+        )?;
         Ok(PendingSend::new(|| Ok(())))
     }
 
     fn irecv(&self, peer: usize) -> Result<PendingRecv, CommError> {
         self.check_peer(peer, "irecv")?;
+        self.begin_call("recv")?;
         let seq = self.reserve(peer, Channel::PointToPoint);
-        let (world, name, members, rank) = (
-            self.world.clone(),
-            self.name.clone(),
-            self.members.clone(),
-            self.rank,
-        );
-        Ok(PendingRecv::new(move || {
-            wait_message(
-                &world,
-                &name,
-                &members,
-                rank,
-                peer,
-                Channel::PointToPoint,
-                seq,
-                "recv",
-            )
-        }))
+        let waiter = self.waiter(peer, Channel::PointToPoint, seq, "send/recv");
+        Ok(PendingRecv::new(move || waiter.wait()))
     }
 
     fn all_to_all(&self, parts: Vec<TensorData>) -> Result<Vec<TensorData>, CommError> {
         self.check_parts(&parts, "all-to-all")?;
-        self.exchange(parts, Channel::Collective, OpKind::AllToAll)
+        self.begin_call("all-to-all")?;
+        self.collective(parts, OpKind::AllToAll)
     }
 
     fn all_gather(&self, data: TensorData) -> Result<Vec<TensorData>, CommError> {
+        self.begin_call("all-gather")?;
         let parts = vec![data; self.members.len()];
-        self.exchange(parts, Channel::Collective, OpKind::AllGather)
+        self.collective(parts, OpKind::AllGather)
     }
 
     fn reduce_scatter(&self, parts: Vec<TensorData>) -> Result<TensorData, CommError> {
         self.check_parts(&parts, "reduce-scatter")?;
-        let received = self.exchange(parts, Channel::Collective, OpKind::ReduceScatter)?;
-        sum_tensor_data(received).map_err(|message| CommError::Invalid {
-            group: self.name.clone(),
-            message: format!("reduce-scatter: {message}"),
-        })
+        self.begin_call("reduce-scatter")?;
+        let received = self.collective(parts, OpKind::ReduceScatter)?;
+        sum_tensor_data(received)
+            .map_err(|message| self.invalid(format!("reduce-scatter: {message}")))
     }
 
     /// Reduce-scatter of flat chunks then all-gather (the ring all-reduce's traffic,
     /// `2·(P−1)/P` of the tensor per rank); the sum is taken in rank order on the chunk's owner.
     fn all_reduce(&self, data: TensorData) -> Result<TensorData, CommError> {
-        let invalid = |message: String| CommError::Invalid {
-            group: self.name.clone(),
-            message: format!("all-reduce: {message}"),
-        };
+        self.begin_call("all-reduce")?;
+        let invalid = |message: String| self.invalid(format!("all-reduce: {message}"));
         let (shape, dtype) = (data.shape.clone(), data.dtype);
         let size = self.members.len();
         let flat = flatten(data);
-        let chunks = split_flat(&flat, size).map_err(invalid)?;
-        let mine = self.exchange(chunks, Channel::Collective, OpKind::AllReduce)?;
+        let chunks = split_flat(&flat, size);
+        let mine = self.collective(chunks, OpKind::AllReduce)?;
         let reduced = sum_tensor_data(mine).map_err(invalid)?;
-        let gathered =
-            self.exchange(vec![reduced; size], Channel::Collective, OpKind::AllReduce)?;
+        let gathered = self.collective(vec![reduced; size], OpKind::AllReduce)?;
         concat_flat(gathered, shape.as_slice(), dtype).map_err(invalid)
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        for peer in 0..self.members.len() {
-            self.post(
-                peer,
-                Channel::Control,
-                TensorData::new(Vec::<i64>::new(), [0]),
-                None,
-            )?;
-        }
-        for peer in 0..self.members.len() {
-            self.recv_now(peer, Channel::Control, "barrier")?;
-        }
+        self.begin_call("barrier")?;
+        let parts = vec![TensorData::new(Vec::<i64>::new(), [0]); self.members.len()];
+        self.exchange(parts, Channel::Control, "barrier", Accounting::Uncounted)?;
         Ok(())
     }
 
+    fn all_gather_control(&self, what: &str, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError> {
+        self.begin_call(what)?;
+        let count = payload.len();
+        let data = TensorData::new(payload, [count]);
+        let parts = vec![data; self.members.len()];
+        self.exchange(parts, Channel::Control, what, Accounting::Control)?
+            .into_iter()
+            .map(|data| {
+                data.into_vec::<u8>()
+                    .map_err(|e| self.invalid(format!("{what}: malformed control message {e:?}")))
+            })
+            .collect()
+    }
+
     fn split(&self, color: usize, key: usize) -> Result<Comm, CommError> {
+        self.begin_call("split")?;
         let me = TensorData::new(vec![color as i64, key as i64], [2]);
-        for peer in 0..self.members.len() {
-            self.post(peer, Channel::Control, me.clone(), None)?;
-        }
+        let parts = vec![me; self.members.len()];
+        let received = self.exchange(parts, Channel::Control, "split", Accounting::Uncounted)?;
         let mut same_color = Vec::new();
-        for peer in 0..self.members.len() {
-            let data = self.recv_now(peer, Channel::Control, "split")?;
-            let values = data.into_vec::<i64>().map_err(|e| CommError::Invalid {
-                group: self.name.clone(),
-                message: format!("split: malformed control message {e:?}"),
-            })?;
+        for (peer, data) in received.into_iter().enumerate() {
+            let values = data
+                .into_vec::<i64>()
+                .map_err(|e| self.invalid(format!("split: malformed control message {e:?}")))?;
             if values[0] as usize == color {
                 same_color.push((values[1] as usize, peer));
             }
@@ -541,13 +882,8 @@ impl Communicator for InProcessComm {
             *splits += 1;
             *splits
         };
-        Ok(Arc::new(InProcessComm {
-            world: self.world.clone(),
-            name: format!("{}/split{index}:{color}", self.name),
-            members,
-            rank,
-            splits: Mutex::new(0),
-        }))
+        let name = format!("{}/split{index}:{color}", self.name);
+        Ok(InProcessComm::open(&self.world, name, members, rank))
     }
 
     fn stats(&self) -> CommStats {
@@ -569,11 +905,11 @@ fn flatten(data: TensorData) -> TensorData {
 }
 
 /// Splits a flat tensor into `parts` contiguous chunks (sizes differ by at most one element).
-fn split_flat(flat: &TensorData, parts: usize) -> Result<Vec<TensorData>, String> {
+fn split_flat(flat: &TensorData, parts: usize) -> Vec<TensorData> {
     let count = flat.num_elements();
     let width = flat.dtype.size();
     let bytes = flat.as_bytes();
-    Ok((0..parts)
+    (0..parts)
         .map(|p| {
             let (start, end) = (p * count / parts, (p + 1) * count / parts);
             TensorData::from_bytes_vec(
@@ -582,7 +918,7 @@ fn split_flat(flat: &TensorData, parts: usize) -> Result<Vec<TensorData>, String
                 flat.dtype,
             )
         })
-        .collect())
+        .collect()
 }
 
 fn concat_flat(
@@ -599,6 +935,13 @@ fn concat_flat(
             ));
         }
         bytes.extend_from_slice(chunk.as_bytes());
+    }
+    let expected = shape.iter().product::<usize>() * dtype.size();
+    if bytes.len() != expected {
+        return Err(format!(
+            "the gathered chunks hold {} bytes but a {shape:?} {dtype:?} tensor needs {expected}: the ranks passed tensors of different sizes",
+            bytes.len()
+        ));
     }
     Ok(TensorData::from_bytes_vec(bytes, shape.to_vec(), dtype))
 }

@@ -2,8 +2,10 @@
 //!
 //! Payloads are [`TensorData`] (bytes + shape + dtype), so one communicator serves every backend
 //! and dtype. Every blocking wait has a timeout and fails with an error naming the peer; when a
-//! rank fails, every member of its groups gets [`CommError::PeerFailed`] naming it, on pending and
-//! future operations alike.
+//! rank fails, every rank's pending and future operations fail with [`CommError::PeerFailed`]
+//! naming the rank that failed *first* (the root cause) and its reason. Every message carries an
+//! envelope (operation, index), so a receiver notices a lost, duplicated or mismatched message
+//! ([`CommError::Protocol`]) instead of computing with the wrong data.
 
 pub mod in_process;
 
@@ -14,7 +16,7 @@ use std::time::Duration;
 
 use burn::tensor::{DType, TensorData};
 
-pub use in_process::{InProcessWorld, WorldConfig};
+pub use in_process::{InProcessWorld, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
 
 /// A shared handle to one rank's view of a group.
 pub type Comm = Arc<dyn Communicator>;
@@ -41,6 +43,58 @@ pub enum CommError {
     },
     #[error("group '{group}': {message}")]
     Invalid { group: String, message: String },
+    /// A message that is not the one the receiver expects: another operation, or out of order
+    /// (a message was lost or duplicated), or a block of the wrong shape.
+    #[error("group '{group}': rank {rank} received an unexpected message from global rank {peer_global}: {message}")]
+    Protocol {
+        group: String,
+        rank: usize,
+        peer_global: usize,
+        message: String,
+    },
+    /// A fault injected by a test ([`Fault`]).
+    #[error("group '{group}': injected fault: global rank {global_rank} failed at its communication call #{call} ({op})")]
+    Injected {
+        group: String,
+        global_rank: usize,
+        call: u64,
+        op: String,
+    },
+}
+
+impl CommError {
+    /// Whether this error only reports another rank's failure (the root cause is elsewhere).
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(self, CommError::PeerFailed { .. })
+    }
+}
+
+/// A fault to inject into an in-process world (tests of failure behaviour): when global rank
+/// `rank` makes its communication call number `at_call` (0-based, counting every operation of
+/// every group of that rank), `kind` happens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fault {
+    pub rank: usize,
+    pub at_call: u64,
+    pub kind: FaultKind,
+}
+
+/// What an injected [`Fault`] does.
+#[derive(Clone, Debug, PartialEq)]
+pub enum FaultKind {
+    /// The rank panics inside the call.
+    Panic,
+    /// The call returns [`CommError::Injected`].
+    Error,
+    /// The call sleeps this long first (past the timeout, peers waiting on the rank time out).
+    Delay(Duration),
+    /// The rank leaves the world at once, as if its task returned without finishing the
+    /// protocol (its peers must notice at once, not at the timeout).
+    Exit,
+    /// The next message this rank sends to another rank (from this call on) is never delivered.
+    DropMessage,
+    /// The next message this rank sends to another rank (from this call on) is delivered twice.
+    DuplicateMessage,
 }
 
 /// Operation kinds, for byte accounting.
@@ -73,6 +127,8 @@ impl fmt::Display for OpKind {
 pub struct CommStats {
     pub bytes_by_op: BTreeMap<OpKind, u64>,
     pub messages: u64,
+    /// Bytes of control messages (configuration agreement), kept apart from the data bytes.
+    pub control_bytes: u64,
 }
 
 impl CommStats {
@@ -140,6 +196,9 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     fn all_reduce(&self, data: TensorData) -> Result<TensorData, CommError>;
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<(), CommError>;
+    /// Every rank's small control payload, indexed by rank (configuration agreement before data
+    /// moves). `what` names the exchange in errors; its bytes count as control bytes only.
+    fn all_gather_control(&self, what: &str, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError>;
     /// Splits the group: ranks with the same `color` form a new group, ordered by `(key, rank)`.
     fn split(&self, color: usize, key: usize) -> Result<Comm, CommError>;
 

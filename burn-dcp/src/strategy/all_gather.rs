@@ -9,7 +9,9 @@ use burn::prelude::Tensor;
 use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, VarlenAttention};
 
 use crate::error::CpError;
-use crate::strategy::exchange::{all_gather, cat_tokens, concat_segments, split_sizes};
+use crate::strategy::exchange::{
+    all_gather, cat_tokens, concat_segments, expect_block, split_sizes, tensor_from,
+};
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup};
 
 /// All-gather KV over the whole CP group.
@@ -36,8 +38,8 @@ impl AttentionStrategy for AllGatherKv {
         v: Tensor<B, 3>,
     ) -> Result<FlashOutput<B>, CpError> {
         let (k, v) = (
-            cat_tokens(all_gather(&group.comm, k)?, 0),
-            cat_tokens(all_gather(&group.comm, v)?, 0),
+            gather_tokens(group, batch, k, "k")?,
+            gather_tokens(group, batch, v, "v")?,
         );
         Ok(B::flash_forward(q, k, v, &Self::problem(group, batch))?)
     }
@@ -49,8 +51,8 @@ impl AttentionStrategy for AllGatherKv {
         x: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         let device = x.q.device();
-        let k = cat_tokens(all_gather(&group.comm, x.k)?, 0);
-        let v = cat_tokens(all_gather(&group.comm, x.v)?, 0);
+        let k = gather_tokens(group, batch, x.k, "k")?;
+        let v = gather_tokens(group, batch, x.v, "v")?;
         let grads = B::flash_backward(
             x.q,
             k,
@@ -61,18 +63,36 @@ impl AttentionStrategy for AllGatherKv {
             &Self::problem(group, batch),
         )?;
         let sizes: Vec<usize> = (0..group.cp()).map(|r| batch.sharding.tokens(r)).collect();
-        let scatter = |full: Tensor<B, 3>| -> Result<Tensor<B, 3>, CpError> {
+        let scatter = |full: Tensor<B, 3>, what: &str| -> Result<Tensor<B, 3>, CpError> {
+            let [_, heads, dim] = full.dims();
+            let dtype = full.dtype();
             let parts = split_sizes(full, 0, &sizes)
                 .into_iter()
                 .map(Tensor::into_data)
                 .collect();
             let summed = group.comm.reduce_scatter(parts)?;
-            Ok(crate::strategy::exchange::tensor_from(summed, &device))
+            let me = group.comm.rank();
+            let expected = [sizes[me], heads, dim];
+            expect_block(&group.comm, &summed, me, &expected, dtype, what)?;
+            Ok(tensor_from(summed, &device))
         };
         Ok(FlashGradients {
             dq: grads.dq,
-            dk: scatter(grads.dk)?,
-            dv: scatter(grads.dv)?,
+            dk: scatter(grads.dk, "dk reduce-scatter")?,
+            dv: scatter(grads.dv, "dv reduce-scatter")?,
         })
     }
+}
+
+/// All of the group's keys (or values) `[ΣT_p, K, D]` in rank order, from this rank's `[T_me, K, D]`.
+fn gather_tokens<B: FlashOps>(
+    group: &CpGroup,
+    batch: &CpBatch,
+    x: Tensor<B, 3>,
+    what: &str,
+) -> Result<Tensor<B, 3>, CpError> {
+    let [_, heads, dim] = x.dims();
+    let expected = |p: usize| [batch.sharding.tokens(p), heads, dim];
+    let pieces = all_gather(&group.comm, x, expected, &format!("{what} all-gather"))?;
+    Ok(cat_tokens(pieces, 0))
 }

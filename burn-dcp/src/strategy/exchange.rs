@@ -1,7 +1,7 @@
 //! Moving burn tensors through a [`Communicator`](crate::comm::Communicator).
 
 use burn::prelude::{Backend, Tensor};
-use burn::tensor::{TensorCreationOptions, TensorData};
+use burn::tensor::{DType, TensorCreationOptions, TensorData};
 use burn_dcp_kernels::Segment;
 
 use crate::comm::{Comm, CommError};
@@ -18,30 +18,70 @@ pub fn tensor_from<B: Backend, const D: usize>(
     )
 }
 
-/// All-to-all of tensors: `parts[p]` goes to rank `p`; returns what each rank sent here.
+/// Checks a received block against what the receiver expects (shape and dtype) before it is
+/// used: a block of another shape means the ranks disagree or a message was mixed up.
+pub fn expect_block(
+    comm: &Comm,
+    data: &TensorData,
+    from: usize,
+    expected: &[usize],
+    dtype: DType,
+    what: &str,
+) -> Result<(), CommError> {
+    if data.shape.as_slice() == expected && data.dtype == dtype {
+        return Ok(());
+    }
+    Err(CommError::Protocol {
+        group: comm.name().to_string(),
+        rank: comm.rank(),
+        peer_global: comm.global_rank(from),
+        message: format!(
+            "{what}: expected a {expected:?} {dtype:?} block, got {:?} {:?}",
+            data.shape.as_slice(),
+            data.dtype
+        ),
+    })
+}
+
+/// All-to-all of tensors: `parts[p]` goes to rank `p`; returns what each rank sent here, each
+/// checked to have the dims `expected(sender)` and the dtype of the parts sent.
 pub fn all_to_all<B: Backend, const D: usize>(
     comm: &Comm,
     parts: Vec<Tensor<B, D>>,
     device: &B::Device,
+    expected: impl Fn(usize) -> [usize; D],
+    what: &str,
 ) -> Result<Vec<Tensor<B, D>>, CommError> {
+    let dtype = parts[0].dtype();
     let received = comm.all_to_all(parts.into_iter().map(Tensor::into_data).collect())?;
-    Ok(received
+    received
         .into_iter()
-        .map(|d| tensor_from(d, device))
-        .collect())
+        .enumerate()
+        .map(|(from, data)| {
+            expect_block(comm, &data, from, &expected(from), dtype, what)?;
+            Ok(tensor_from(data, device))
+        })
+        .collect()
 }
 
-/// All-gather of a tensor: every rank's tensor, by rank.
+/// All-gather of a tensor: every rank's tensor, by rank, each checked to have the dims
+/// `expected(sender)` and this tensor's dtype.
 pub fn all_gather<B: Backend, const D: usize>(
     comm: &Comm,
     tensor: Tensor<B, D>,
+    expected: impl Fn(usize) -> [usize; D],
+    what: &str,
 ) -> Result<Vec<Tensor<B, D>>, CommError> {
-    let device = tensor.device();
+    let (device, dtype) = (tensor.device(), tensor.dtype());
     let received = comm.all_gather(tensor.into_data())?;
-    Ok(received
+    received
         .into_iter()
-        .map(|d| tensor_from(d, &device))
-        .collect())
+        .enumerate()
+        .map(|(from, data)| {
+            expect_block(comm, &data, from, &expected(from), dtype, what)?;
+            Ok(tensor_from(data, &device))
+        })
+        .collect()
 }
 
 /// Concatenation of tensors along `dim` that tolerates empty pieces (and an all-empty list).

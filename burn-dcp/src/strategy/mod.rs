@@ -12,6 +12,7 @@
 //! (sequence, position) segments, so the kernels apply masks on global positions whatever the
 //! placement. The layout decides balance (zigzag balances causal work), not correctness.
 
+pub(crate) mod agreement;
 pub mod all_gather;
 pub mod exchange;
 pub mod ring;
@@ -27,6 +28,7 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, MaskSpec, Segment,
 use crate::comm::Comm;
 use crate::error::CpError;
 use crate::layout::Sharding;
+use crate::strategy::agreement::CallConfig;
 
 /// Which algorithm computes attention across the CP group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -249,6 +251,11 @@ pub trait AttentionStrategy {
 
 /// Context-parallel attention forward on this rank's shard: `q [T, H, D]`, `k`/`v [T, K, D]`
 /// (this rank's tokens in [`Sharding`] order) → `out [T, H, Dv]`, `lse [H, T]`.
+///
+/// A collective call: every rank of the group calls it with the same configuration. The ranks
+/// first agree on the configuration (see `agreement`): invalid inputs on any rank, or ranks that
+/// disagree, fail on every rank before data moves. A failure after that marks this rank failed
+/// (`Communicator::abort`) so that its peers fail at once, naming it.
 pub fn cp_attention_forward<B: FlashOps>(
     group: &CpGroup,
     batch: &CpBatch,
@@ -256,21 +263,69 @@ pub fn cp_attention_forward<B: FlashOps>(
     k: Tensor<B, 3>,
     v: Tensor<B, 3>,
 ) -> Result<FlashOutput<B>, CpError> {
-    validate_inputs(group, batch, &q, &k, &v)?;
-    match group.strategy {
+    let local = validate_inputs(group, batch, &q, &k, &v);
+    let dims = [q.dims(), k.dims(), v.dims()];
+    let config = CallConfig::new(
+        "forward",
+        group,
+        batch,
+        dims.each_ref().map(|d| &d[..]),
+        q.dtype(),
+    );
+    agreement::agree(group, &config, local)?;
+    let result = match group.strategy {
         Strategy::Ulysses => ulysses::Ulysses.forward(group, batch, q, k, v),
         Strategy::Ring => ring::Ring.forward(group, batch, q, k, v),
         Strategy::AllGather => all_gather::AllGatherKv.forward(group, batch, q, k, v),
         Strategy::Usp { .. } => usp::Usp.forward(group, batch, q, k, v),
-    }
+    };
+    fail_fast(group, result)
 }
 
-/// Context-parallel attention backward on this rank's shard (see [`BackwardInputs`]).
+/// Context-parallel attention backward on this rank's shard (see [`BackwardInputs`]); a
+/// collective call like [`cp_attention_forward`].
 pub fn cp_attention_backward<B: FlashOps>(
     group: &CpGroup,
     batch: &CpBatch,
     inputs: BackwardInputs<B>,
 ) -> Result<FlashGradients<B>, CpError> {
+    let local = validate_backward_inputs(group, batch, &inputs);
+    let dims = [inputs.q.dims(), inputs.k.dims(), inputs.v.dims()];
+    let dtype = inputs.q.dtype();
+    let config = CallConfig::new(
+        "backward",
+        group,
+        batch,
+        dims.each_ref().map(|d| &d[..]),
+        dtype,
+    );
+    agreement::agree(group, &config, local)?;
+    let result = match group.strategy {
+        Strategy::Ulysses => ulysses::Ulysses.backward(group, batch, inputs),
+        Strategy::Ring => ring::Ring.backward(group, batch, inputs),
+        Strategy::AllGather => all_gather::AllGatherKv.backward(group, batch, inputs),
+        Strategy::Usp { .. } => usp::Usp.backward(group, batch, inputs),
+    };
+    fail_fast(group, result)
+}
+
+/// Once data moves, an error leaves peers mid-protocol: mark this rank failed (with the error as
+/// the reason) so they fail at once, naming it, instead of at the timeout. An error that only
+/// reports another rank's failure changes nothing (the root cause is already recorded).
+fn fail_fast<T>(group: &CpGroup, result: Result<T, CpError>) -> Result<T, CpError> {
+    if let Err(error) = &result {
+        if !matches!(error, CpError::Comm(comm) if comm.is_peer_failure()) {
+            group.comm.abort(&error.to_string());
+        }
+    }
+    result
+}
+
+fn validate_backward_inputs<B: FlashOps>(
+    group: &CpGroup,
+    batch: &CpBatch,
+    inputs: &BackwardInputs<B>,
+) -> Result<(), CpError> {
     validate_inputs(group, batch, &inputs.q, &inputs.k, &inputs.v)?;
     let tokens = inputs.q.dims()[0];
     let [heads, value_dim] = [inputs.q.dims()[1], inputs.v.dims()[2]];
@@ -287,12 +342,7 @@ pub fn cp_attention_backward<B: FlashOps>(
             [heads, tokens]
         )));
     }
-    match group.strategy {
-        Strategy::Ulysses => ulysses::Ulysses.backward(group, batch, inputs),
-        Strategy::Ring => ring::Ring.backward(group, batch, inputs),
-        Strategy::AllGather => all_gather::AllGatherKv.backward(group, batch, inputs),
-        Strategy::Usp { .. } => usp::Usp.backward(group, batch, inputs),
-    }
+    Ok(())
 }
 
 fn validate_inputs<B: FlashOps>(
@@ -328,5 +378,8 @@ fn validate_inputs<B: FlashOps>(
         )));
     }
     burn_dcp_kernels::validate_masks(&batch.masks, &batch.sharding.seq_lens)?;
+    if let Some(scale) = batch.scale {
+        burn_dcp_kernels::validate_scale(scale)?;
+    }
     Ok(())
 }

@@ -18,9 +18,11 @@
 use burn::prelude::Tensor;
 use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment};
 
+use burn::tensor::DType;
+
 use crate::comm::{Comm, PendingRecv};
 use crate::error::CpError;
-use crate::strategy::exchange::tensor_from;
+use crate::strategy::exchange::{expect_block, tensor_from};
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup};
 
 /// A ring over `comm` whose member `p` holds the tokens `members[p]`.
@@ -30,14 +32,24 @@ pub struct RingPass<'a> {
     pub members: Vec<Vec<Segment>>,
 }
 
-/// Receives of the pieces of one block (in flight).
-struct InFlight(Vec<PendingRecv>);
+/// Receives of the pieces of one block (in flight), with the dims and dtype each must have.
+struct InFlight<'a> {
+    comm: &'a Comm,
+    from: usize,
+    pieces: Vec<(PendingRecv, [usize; 3], DType)>,
+    what: &'static str,
+}
 
-impl InFlight {
+impl InFlight<'_> {
     fn wait<B: FlashOps>(self, device: &B::Device) -> Result<Vec<Tensor<B, 3>>, CpError> {
-        self.0
+        let (comm, from, what) = (self.comm, self.from, self.what);
+        self.pieces
             .into_iter()
-            .map(|pending| Ok(tensor_from(pending.wait()?, device)))
+            .map(|(pending, expected, dtype)| {
+                let data = pending.wait()?;
+                expect_block(comm, &data, from, &expected, dtype, what)?;
+                Ok(tensor_from(data, device))
+            })
             .collect()
     }
 }
@@ -56,8 +68,14 @@ impl RingPass<'_> {
         (self.comm.rank() + self.comm.size() - step % self.comm.size()) % self.comm.size()
     }
 
-    /// Posts the sends of `pieces` to the next rank and the receives of as many from the previous.
-    fn rotate<B: FlashOps>(&self, pieces: &[&Tensor<B, 3>]) -> Result<InFlight, CpError> {
+    /// Posts the sends of `pieces` to the next rank and the receives of as many from the previous:
+    /// the same pieces of the block of member `incoming` (its tokens, the pieces' heads and dims).
+    fn rotate<B: FlashOps>(
+        &self,
+        pieces: &[&Tensor<B, 3>],
+        incoming: usize,
+        what: &'static str,
+    ) -> Result<InFlight<'_>, CpError> {
         for piece in pieces {
             // In-process sends are eager; a send handle only guards buffer reuse, and the data
             // was copied into the message, so it need not be kept.
@@ -65,11 +83,21 @@ impl RingPass<'_> {
                 .isend(self.next(), (*piece).clone().into_data())?
                 .wait()?;
         }
-        let receives = pieces
+        let tokens = token_count(&self.members[incoming]);
+        let pieces = pieces
             .iter()
-            .map(|_| self.comm.irecv(self.prev()))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(InFlight(receives))
+            .map(|piece| {
+                let [_, heads, dim] = piece.dims();
+                let pending = self.comm.irecv(self.prev())?;
+                Ok((pending, [tokens, heads, dim], piece.dtype()))
+            })
+            .collect::<Result<Vec<_>, CpError>>()?;
+        Ok(InFlight {
+            comm: self.comm,
+            from: self.prev(),
+            pieces,
+            what,
+        })
     }
 
     fn step_problem(&self, owner: usize) -> burn_dcp_kernels::VarlenAttention {
@@ -94,7 +122,7 @@ impl RingPass<'_> {
             let in_flight = if last {
                 None
             } else {
-                Some(self.rotate(&[&k, &v])?)
+                Some(self.rotate(&[&k, &v], self.owner(step + 1), "ring k/v block")?)
             };
             let problem = self.step_problem(self.owner(step));
             if problem.has_work() {
@@ -135,7 +163,7 @@ impl RingPass<'_> {
             let kv_in_flight = if last {
                 None
             } else {
-                Some(self.rotate(&[&k, &v])?)
+                Some(self.rotate(&[&k, &v], self.owner(step + 1), "ring k/v block")?)
             };
             let problem = self.step_problem(self.owner(step));
             if problem.has_work() {
@@ -153,7 +181,8 @@ impl RingPass<'_> {
                 dv = dv + part.dv;
             }
             // The accumulators follow their block; after the last step they reach its owner.
-            let grads_in_flight = self.rotate(&[&dk, &dv])?;
+            let grads_in_flight =
+                self.rotate(&[&dk, &dv], self.owner(step + 1), "ring dk/dv accumulators")?;
             if let Some(in_flight) = kv_in_flight {
                 let mut block = in_flight.wait::<B>(&device)?.into_iter();
                 (k, v) = (
@@ -169,6 +198,10 @@ impl RingPass<'_> {
         }
         Ok(FlashGradients { dq, dk, dv })
     }
+}
+
+fn token_count(segments: &[Segment]) -> usize {
+    segments.iter().map(|s| s.len).sum()
 }
 
 /// Ring attention over the whole CP group.

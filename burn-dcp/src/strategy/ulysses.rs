@@ -91,11 +91,15 @@ impl UlyssesStage<'_> {
         heads_of: impl Fn(usize) -> Vec<usize>,
     ) -> Result<Tensor<B, 3>, CpError> {
         let device = x.device();
+        let dim = x.dims()[2];
         let parts = (0..self.comm.size())
             .map(|p| select_heads(x.clone(), &heads_of(p)))
             .collect();
         // Received piece p: [T_p, |heads(me)|, D]; tokens in member order.
-        Ok(cat_tokens(all_to_all(self.comm, parts, &device)?, 0))
+        let mine = heads_of(self.me()).len();
+        let expected = |p: usize| [self.member_tokens[p], mine, dim];
+        let pieces = all_to_all(self.comm, parts, &device, expected, "ulysses to heads")?;
+        Ok(cat_tokens(pieces, 0))
     }
 
     /// Queries (or out/dout): `[T_me, H, D]` → `[ΣT_p, H/P, D]`.
@@ -123,31 +127,51 @@ impl UlyssesStage<'_> {
             })
             .collect();
         // Received piece p: [H/P, T_p]; tokens in member order.
-        Ok(cat_tokens(all_to_all(self.comm, parts, &device)?, 1))
+        let mine = self.split.q_heads(self.me()).len();
+        let expected = |p: usize| [mine, self.member_tokens[p]];
+        let pieces = all_to_all(self.comm, parts, &device, expected, "ulysses lse to heads")?;
+        Ok(cat_tokens(pieces, 1))
     }
 
     /// Heads → sequence: splits the token dim `tokens` of `x` (`ΣT_p` long) by member and returns
-    /// the pieces (`T_me` tokens, rank `p`'s heads) every rank `p` sent here.
+    /// the pieces (`T_me` tokens, rank `p`'s `heads_of(p)` heads on dim `heads`) every rank `p`
+    /// sent here.
     fn to_sequence<B: Backend, const D: usize>(
         &self,
         x: Tensor<B, D>,
-        tokens: usize,
+        [tokens, heads]: [usize; 2],
+        heads_of: impl Fn(usize) -> usize,
     ) -> Result<Vec<Tensor<B, D>>, CpError> {
         let device = x.device();
+        let dims = x.dims();
         let parts = split_sizes(x, tokens, &self.member_tokens);
-        Ok(all_to_all(self.comm, parts, &device)?)
+        let expected = |p: usize| {
+            let mut piece = dims;
+            piece[tokens] = self.member_tokens[self.me()];
+            piece[heads] = heads_of(p);
+            piece
+        };
+        Ok(all_to_all(
+            self.comm,
+            parts,
+            &device,
+            expected,
+            "ulysses to sequence",
+        )?)
     }
 
     /// Outputs (or dq): `[ΣT_p, H/P, D]` → `[T_me, H, D]`.
     pub fn q_to_sequence<B: Backend>(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, CpError> {
         // Piece p holds query heads q_heads(p): concatenating by rank restores head order.
-        Ok(Tensor::cat(self.to_sequence(x, 0)?, 1))
+        let heads_of = |p: usize| self.split.q_heads(p).len();
+        Ok(Tensor::cat(self.to_sequence(x, [0, 1], heads_of)?, 1))
     }
 
     /// LSE: `[H/P, ΣT_p]` → `[H, T_me]` (see [`Self::lse_to_heads`] for why no transpose).
     pub fn lse_to_sequence<B: Backend>(&self, lse: Tensor<B, 2>) -> Result<Tensor<B, 2>, CpError> {
         // Piece p holds query heads q_heads(p): concatenating by rank restores head order.
-        Ok(Tensor::cat(self.to_sequence(lse, 1)?, 0))
+        let heads_of = |p: usize| self.split.q_heads(p).len();
+        Ok(Tensor::cat(self.to_sequence(lse, [1, 0], heads_of)?, 0))
     }
 
     /// Key/value gradients: `[ΣT_p, K_me, D]` → `[T_me, K, D]`, summing replicated heads.
@@ -156,7 +180,7 @@ impl UlyssesStage<'_> {
         x: Tensor<B, 3>,
     ) -> Result<Tensor<B, 3>, CpError> {
         let dim = x.dims()[2];
-        let pieces = self.to_sequence(x, 0)?;
+        let pieces = self.to_sequence(x, [0, 1], |p| self.split.kv_heads(p).len())?;
         let tokens = self.member_tokens[self.me()];
         let device = pieces[0].device();
         let mut grad = Tensor::<B, 3>::zeros(
