@@ -1,0 +1,568 @@
+//! Failure behaviour: ranks that disagree, ranks that die, leave, stall or lose messages.
+//!
+//! - Mismatched configurations across the ranks of a group fail on every rank before data moves,
+//!   naming the ranks and the fields (never `Ok` with wrong results, never a timeout).
+//! - The fault-injection suite injects a random fault (panic, error, delay past the timeout, early
+//!   exit, dropped or duplicated message) at a random communication call of a random rank, for
+//!   every strategy and layout, on the direct path and through `ContextParallel<Autodiff<Flex>>`:
+//!   no trial hangs, no rank returns `Ok` with a wrong result, and every failed rank's error
+//!   names the rank that failed first.
+
+mod common;
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Tensor, TensorData};
+use burn_dcp::backend::{set_context, ContextParallel, CpContext};
+use burn_dcp::comm::{CommError, Fault, FaultKind, InProcessWorld, WorldConfig};
+use burn_dcp::harness::PackedInputs;
+use burn_dcp::kernels::MaskSpec;
+use burn_dcp::{
+    cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpError, CpGroup, Layout,
+    Sharding, Strategy,
+};
+use common::*;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+type Cp = ContextParallel<Autodiff<Flex>>;
+
+/// What one rank runs: its strategy, layout, masks, scale and inputs.
+#[derive(Clone)]
+struct RankSetup {
+    strategy: Strategy,
+    layout: Layout,
+    seq_lens: Vec<usize>,
+    masks: Vec<MaskSpec>,
+    scale: Option<f64>,
+    inputs: PackedInputs,
+}
+
+/// Which way attention is called.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Path {
+    /// `cp_attention_forward` / `cp_attention_backward`.
+    Direct,
+    /// burn's `attention` on `ContextParallel<Autodiff<Flex>>`, then `backward()`.
+    Decorator,
+}
+
+/// Rows `indices` of a token-major `[T, H, D]` buffer as `[n, H, D]`.
+fn local<Bk: burn::tensor::backend::Backend>(
+    data: &[f32],
+    heads: usize,
+    dim: usize,
+    indices: &[usize],
+) -> Tensor<Bk, 3> {
+    let rows: Vec<f32> = indices
+        .iter()
+        .flat_map(|&i| data[i * heads * dim..(i + 1) * heads * dim].to_vec())
+        .collect();
+    Tensor::from_data(
+        TensorData::new(rows, [indices.len(), heads, dim]),
+        &Default::default(),
+    )
+}
+
+fn host<Bk: burn::tensor::backend::Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec().unwrap()
+}
+
+/// One rank's forward and backward on the direct path: out, lse, dq, dk, dv, flattened.
+fn direct_rank(comm: burn_dcp::comm::Comm, setup: &RankSetup) -> Result<Vec<f32>, CpError> {
+    let x = &setup.inputs;
+    let sharding = Sharding::new(&setup.seq_lens, comm.size(), setup.layout)?;
+    let indices = sharding.packed_indices(comm.rank());
+    let mut batch = CpBatch::new(sharding, setup.masks.clone());
+    batch.scale = setup.scale;
+    let group = CpGroup::new(comm, setup.strategy)?;
+    let q = local::<B>(&x.q, x.heads, x.head_dim, &indices);
+    let k = local::<B>(&x.k, x.kv_heads, x.head_dim, &indices);
+    let v = local::<B>(&x.v, x.kv_heads, x.value_dim, &indices);
+    let dout = local::<B>(&x.dout, x.heads, x.value_dim, &indices);
+    let fwd = cp_attention_forward(&group, &batch, q.clone(), k.clone(), v.clone())?;
+    let inputs = BackwardInputs {
+        q,
+        k,
+        v,
+        out: fwd.out.clone(),
+        lse: fwd.lse.clone(),
+        dout,
+    };
+    let grads = cp_attention_backward(&group, &batch, inputs)?;
+    let mut all = host(fwd.out);
+    for part in [
+        host(fwd.lse),
+        host(grads.dq),
+        host(grads.dk),
+        host(grads.dv),
+    ] {
+        all.extend(part);
+    }
+    Ok(all)
+}
+
+/// One rank through the decorator: burn's `attention`, then `backward()`.
+fn decorated_rank(comm: burn_dcp::comm::Comm, setup: &RankSetup) -> Result<Vec<f32>, CpError> {
+    let x = &setup.inputs;
+    let sharding = Sharding::new(&setup.seq_lens, comm.size(), setup.layout)?;
+    let indices = sharding.packed_indices(comm.rank());
+    let mut batch = CpBatch::new(sharding, setup.masks.clone());
+    batch.scale = setup.scale;
+    let group = CpGroup::new(comm, setup.strategy)?;
+    let _context = set_context(CpContext { group, batch });
+    let heads_first = |t: Tensor<Cp, 3>| t.swap_dims(0, 1).unsqueeze_dim::<4>(0);
+    let q = heads_first(local(&x.q, x.heads, x.head_dim, &indices)).require_grad();
+    let k = heads_first(local(&x.k, x.kv_heads, x.head_dim, &indices)).require_grad();
+    let v = heads_first(local(&x.v, x.kv_heads, x.value_dim, &indices)).require_grad();
+    let dout = heads_first(local(&x.dout, x.heads, x.value_dim, &indices));
+    let options = AttentionModuleOptions {
+        scale: None,
+        softcap: None,
+        is_causal: true,
+    };
+    let out = attention(q.clone(), k.clone(), v.clone(), None, None, options);
+    let grads = (out.clone() * dout).sum().backward();
+    let mut all = host(out);
+    for t in [&q, &k, &v] {
+        all.extend(host(t.grad(&grads).expect("gradient")));
+    }
+    Ok(all)
+}
+
+/// The outcome of one run of a world.
+struct Outcome {
+    results: Vec<Result<Vec<f32>, String>>,
+    first_failure: Option<(usize, String)>,
+    summary: Option<String>,
+    calls: Vec<u64>,
+    elapsed: Duration,
+}
+
+/// Runs `setups[rank]` on every rank of a fresh world (with `faults`), on a watchdog thread:
+/// panics if the run does not end within `limit` (a hang).
+fn run_world(
+    setups: Vec<RankSetup>,
+    path: Path,
+    timeout: Duration,
+    faults: Vec<Fault>,
+    limit: Duration,
+) -> Outcome {
+    let (sender, receiver) = mpsc::channel();
+    std::thread::spawn(move || {
+        let world = InProcessWorld::new(setups.len(), WorldConfig { timeout }).unwrap();
+        world.inject_faults(faults);
+        let started = Instant::now();
+        let results = world.run(|comm| {
+            let setup = &setups[comm.rank()];
+            match path {
+                Path::Direct => direct_rank(comm, setup),
+                Path::Decorator => decorated_rank(comm, setup),
+            }
+        });
+        let elapsed = started.elapsed();
+        let _ = sender.send(Outcome {
+            summary: world.failure_summary(&results),
+            first_failure: world.first_failure(),
+            calls: world.calls(),
+            results,
+            elapsed,
+        });
+    });
+    receiver
+        .recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("the run did not end within {limit:?}: a hang"))
+}
+
+fn setups(cp: usize, setup: RankSetup) -> Vec<RankSetup> {
+    vec![setup; cp]
+}
+
+fn base_setup(
+    strategy: Strategy,
+    layout: Layout,
+    seq_lens: &[usize],
+    heads: usize,
+    kv_heads: usize,
+) -> RankSetup {
+    RankSetup {
+        strategy,
+        layout,
+        seq_lens: seq_lens.to_vec(),
+        masks: vec![MaskSpec::Causal],
+        scale: None,
+        inputs: random_inputs(seq_lens, heads, kv_heads, 8, 5),
+    }
+}
+
+/// Every rank must fail with a mismatch naming `field` (and the odd rank), quickly.
+fn assert_mismatch(outcome: &Outcome, field: &str, odd_rank: usize, what: &str) {
+    assert!(
+        outcome.elapsed < Duration::from_secs(5),
+        "{what}: caught only after {:?}",
+        outcome.elapsed
+    );
+    for (rank, result) in outcome.results.iter().enumerate() {
+        let error = result
+            .as_ref()
+            .err()
+            .unwrap_or_else(|| panic!("{what}: rank {rank} returned Ok"));
+        assert!(
+            error.contains(field) && error.contains(&format!("rank {odd_rank}")),
+            "{what}: rank {rank}: {error}"
+        );
+    }
+}
+
+fn mismatch(cp: usize, odd: usize, base: RankSetup, change: impl Fn(&mut RankSetup)) -> Outcome {
+    let mut all = setups(cp, base);
+    change(&mut all[odd]);
+    run_world(
+        all,
+        Path::Direct,
+        Duration::from_secs(30),
+        vec![],
+        Duration::from_secs(60),
+    )
+}
+
+#[test]
+fn mismatched_ranks_fail_before_data_moves_naming_ranks_and_fields() {
+    let ring = base_setup(Strategy::Ring, Layout::Zigzag, &[97, 63, 37], 4, 4);
+    // Same token count on every rank, different sequence boundaries.
+    let outcome = mismatch(4, 2, ring.clone(), |s| {
+        s.seq_lens = vec![96, 64, 37];
+    });
+    assert_mismatch(
+        &outcome,
+        "sequence lengths",
+        2,
+        "lengths 97,63,37 vs 96,64,37",
+    );
+    let outcome = mismatch(4, 1, ring.clone(), |s| s.masks = vec![MaskSpec::Full]);
+    assert_mismatch(&outcome, "masks", 1, "full vs causal");
+    let ulysses = base_setup(Strategy::Ulysses, Layout::Zigzag, &[40, 24], 4, 4);
+    let outcome = mismatch(4, 3, ulysses.clone(), |s| {
+        s.masks = vec![MaskSpec::Sliding { window: 8 }]
+    });
+    assert_mismatch(&outcome, "masks", 3, "sliding under Ulysses");
+    let outcome = mismatch(4, 0, ring.clone(), |s| s.scale = Some(0.5));
+    assert_mismatch(&outcome, "scale", 0, "scale 0.5 vs default");
+    for (name, base) in [("ring", ring.clone()), ("ulysses", ulysses.clone())] {
+        let outcome = mismatch(4, 2, base.clone(), |s| {
+            s.inputs = random_inputs(&s.seq_lens, 4, 2, 8, 5);
+        });
+        assert_mismatch(
+            &outcome,
+            "kv heads",
+            2,
+            &format!("4 vs 2 kv heads under {name}"),
+        );
+    }
+    let outcome = mismatch(4, 1, ring.clone(), |s| s.strategy = Strategy::AllGather);
+    assert_mismatch(&outcome, "strategy", 1, "all-gather on one rank");
+    let outcome = mismatch(4, 1, ring.clone(), |s| s.layout = Layout::Stripe);
+    assert_mismatch(&outcome, "layout", 1, "stripe layout on one rank");
+}
+
+#[test]
+fn a_usp_rank_among_ring_ranks_fails_at_once() {
+    // USP splits its group (a collective the ring ranks never call): the messages do not match.
+    let ring = base_setup(Strategy::Ring, Layout::Zigzag, &[30, 18], 4, 4);
+    let outcome = mismatch(4, 1, ring, |s| {
+        s.strategy = Strategy::Usp {
+            ulysses_degree: 2,
+            ring_degree: 2,
+        }
+    });
+    assert!(
+        outcome.elapsed < Duration::from_secs(5),
+        "{:?}",
+        outcome.elapsed
+    );
+    assert!(outcome.results.iter().all(Result::is_err));
+    let summary = outcome.summary.unwrap();
+    assert!(summary.contains("different operations"), "{summary}");
+}
+
+#[test]
+fn invalid_inputs_on_one_rank_fail_every_rank_at_once() {
+    let ring = base_setup(Strategy::Ring, Layout::Zigzag, &[30, 18], 4, 4);
+    let outcome = mismatch(4, 2, ring, |s| s.scale = Some(f64::NAN));
+    assert!(outcome.elapsed < Duration::from_secs(5));
+    for (rank, result) in outcome.results.iter().enumerate() {
+        let error = result.as_ref().unwrap_err();
+        assert!(error.contains("softmax scale NaN"), "rank {rank}: {error}");
+    }
+    assert!(outcome.results[0].as_ref().unwrap_err().contains("rank 2"));
+}
+
+#[test]
+fn a_rank_that_returns_early_is_named_at_once() {
+    let world = InProcessWorld::new(
+        4,
+        WorldConfig {
+            timeout: Duration::from_secs(60),
+        },
+    )
+    .unwrap();
+    let started = Instant::now();
+    let results = world.run(|comm| -> Result<(), CommError> {
+        if comm.rank() == 3 {
+            return Ok(()); // leaves without joining the collective
+        }
+        comm.all_gather(TensorData::new(vec![1.0f32; 4], [4]))?;
+        Ok(())
+    });
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    for rank in 0..3 {
+        let error = results[rank].as_ref().unwrap_err();
+        assert!(
+            error.contains("global rank 3 failed") && error.contains("left group 'world'"),
+            "{error}"
+        );
+    }
+    assert!(results[3].is_ok());
+}
+
+#[test]
+fn the_first_failure_is_blamed_not_a_bystander_that_fails_after_it() {
+    let world = InProcessWorld::new(4, WorldConfig::default()).unwrap();
+    let results = world.run(|comm| -> Result<(), CommError> {
+        if comm.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(20));
+            panic!("the real cause on rank 2");
+        }
+        // Bystanders panic on the error they get (as a burn op boundary does).
+        if let Err(error) = comm.all_gather(TensorData::new(vec![1.0f32; 4], [4])) {
+            panic!("bystander {} gave up: {error}", comm.rank());
+        }
+        Ok(())
+    });
+    assert_eq!(world.first_failure().unwrap().0, 2);
+    for (rank, result) in results.iter().enumerate() {
+        let error = result.as_ref().unwrap_err();
+        assert!(
+            error.contains("the real cause on rank 2"),
+            "rank {rank}: {error}"
+        );
+    }
+    let summary = world.failure_summary(&results).unwrap();
+    assert!(
+        summary.starts_with("global rank 2 failed first"),
+        "{summary}"
+    );
+    assert!(summary.contains("the real cause on rank 2"), "{summary}");
+}
+
+#[test]
+fn lost_and_duplicated_messages_never_give_wrong_results() {
+    // Equal token counts on every rank: a shifted message has the right shape.
+    let setup = base_setup(Strategy::Ring, Layout::Contiguous, &[32, 32], 2, 2);
+    let clean = run_world(
+        setups(4, setup.clone()),
+        Path::Direct,
+        Duration::from_secs(30),
+        vec![],
+        Duration::from_secs(60),
+    );
+    let want: Vec<Vec<f32>> = clean.results.into_iter().map(Result::unwrap).collect();
+    let mut caught = 0;
+    for kind in [FaultKind::DropMessage, FaultKind::DuplicateMessage] {
+        for rank in 0..4 {
+            for at_call in 0..clean.calls[rank] {
+                let fault = Fault {
+                    rank,
+                    at_call,
+                    kind: kind.clone(),
+                };
+                let outcome = run_world(
+                    setups(4, setup.clone()),
+                    Path::Direct,
+                    Duration::from_millis(500),
+                    vec![fault.clone()],
+                    Duration::from_secs(30),
+                );
+                for (r, result) in outcome.results.iter().enumerate() {
+                    if let Ok(got) = result {
+                        assert_eq!(
+                            got, &want[r],
+                            "{fault:?}: rank {r} returned Ok with a wrong result"
+                        );
+                    }
+                }
+                caught += usize::from(outcome.results.iter().any(Result::is_err));
+            }
+        }
+    }
+    // A fault at a rank's last calls may touch no message another rank still needs; the others
+    // must be caught.
+    let trials: u64 = 2 * clean.calls.iter().sum::<u64>();
+    eprintln!("{caught} of {trials} runs with a dropped or duplicated message failed; the rest returned correct results");
+    assert!(caught as u64 * 2 > trials, "{caught} of {trials}");
+}
+
+/// One random trial of the fault-injection suite (its fields are printed when a check fails).
+#[derive(Clone, Debug)]
+#[allow(dead_code)]
+struct Trial {
+    strategy: Strategy,
+    layout: Layout,
+    cp: usize,
+    path: Path,
+    fault: Fault,
+}
+
+fn strategies(cp: usize) -> Vec<Strategy> {
+    let mut all = vec![Strategy::Ring, Strategy::Ulysses, Strategy::AllGather];
+    if cp == 4 {
+        all.push(Strategy::Usp {
+            ulysses_degree: 2,
+            ring_degree: 2,
+        });
+    }
+    all
+}
+
+fn fault_kind(rng: &mut SmallRng, timeout: Duration) -> FaultKind {
+    match rng.random_range(0..6) {
+        0 => FaultKind::Panic,
+        1 => FaultKind::Error,
+        2 => FaultKind::Delay(timeout + timeout / 2),
+        3 => FaultKind::Exit,
+        4 => FaultKind::DropMessage,
+        _ => FaultKind::DuplicateMessage,
+    }
+}
+
+/// Checks one faulty run against the clean one.
+fn check_trial(trial: &Trial, outcome: &Outcome, want: &[Vec<f32>], timeout: Duration) {
+    let mut failed = Vec::new();
+    for (rank, result) in outcome.results.iter().enumerate() {
+        match result {
+            Ok(got) => assert_eq!(
+                got, &want[rank],
+                "{trial:?}: rank {rank} returned Ok with a wrong result"
+            ),
+            Err(error) => failed.push((rank, error)),
+        }
+    }
+    let prompt = matches!(
+        trial.fault.kind,
+        FaultKind::Panic | FaultKind::Error | FaultKind::Exit
+    );
+    if prompt {
+        assert!(
+            outcome.elapsed < timeout,
+            "{trial:?}: took {:?}, the timeout is {timeout:?}",
+            outcome.elapsed
+        );
+    }
+    let Some((first, reason)) = &outcome.first_failure else {
+        // Nobody failed but (possibly) the rank that left early after its last needed message.
+        for (rank, error) in &failed {
+            assert!(
+                trial.fault.kind == FaultKind::Exit && *rank == trial.fault.rank,
+                "{trial:?}: rank {rank} failed with no failure recorded: {error}"
+            );
+        }
+        return;
+    };
+    if matches!(trial.fault.kind, FaultKind::Panic | FaultKind::Error) {
+        assert_eq!(
+            *first, trial.fault.rank,
+            "{trial:?}: blamed {first}: {reason}"
+        );
+        assert!(reason.contains("injected fault"), "{trial:?}: {reason}");
+    }
+    for (rank, error) in &failed {
+        if rank != first && !(trial.fault.kind == FaultKind::Exit && *rank == trial.fault.rank) {
+            assert!(
+                error.contains(&format!("global rank {first}")),
+                "{trial:?}: rank {rank} does not name the first failed rank {first}: {error}"
+            );
+        }
+    }
+    let summary = outcome.summary.as_ref().expect("a summary");
+    assert!(
+        summary.starts_with(&format!("global rank {first} failed first")),
+        "{trial:?}: {summary}"
+    );
+}
+
+#[test]
+fn fault_injection_never_hangs_and_always_names_the_first_failed_rank() {
+    const TRIALS: usize = 120;
+    let timeout = Duration::from_millis(800);
+    let mut rng = SmallRng::seed_from_u64(2026);
+    let started = Instant::now();
+    let mut clean_runs = std::collections::HashMap::new();
+    let mut tally = std::collections::BTreeMap::new();
+    for index in 0..TRIALS {
+        let cp = if rng.random_bool(0.5) { 2 } else { 4 };
+        let all = strategies(cp);
+        let strategy = all[rng.random_range(0..all.len())];
+        let layout = layouts()[rng.random_range(0..3)];
+        let path = if index % 3 == 0 {
+            Path::Decorator
+        } else {
+            Path::Direct
+        };
+        let setup = base_setup(strategy, layout, &[21, 9, 14], 4, 2);
+        let key = format!("{strategy} {layout} {cp} {path:?}");
+        let clean = clean_runs.entry(key).or_insert_with(|| {
+            let outcome = run_world(
+                setups(cp, setup.clone()),
+                path,
+                Duration::from_secs(30),
+                vec![],
+                Duration::from_secs(60),
+            );
+            let want: Vec<Vec<f32>> = outcome.results.into_iter().map(Result::unwrap).collect();
+            (want, outcome.calls)
+        });
+        let rank = rng.random_range(0..cp);
+        let fault = Fault {
+            rank,
+            at_call: rng.random_range(0..clean.1[rank]),
+            kind: fault_kind(&mut rng, timeout),
+        };
+        let trial = Trial {
+            strategy,
+            layout,
+            cp,
+            path,
+            fault: fault.clone(),
+        };
+        let outcome = run_world(
+            setups(cp, setup),
+            path,
+            timeout,
+            vec![fault],
+            Duration::from_secs(30),
+        );
+        check_trial(&trial, &outcome, &clean.0, timeout);
+        let kind = format!("{:?}", trial.fault.kind);
+        let kind = kind.split('(').next().unwrap_or_default().to_string();
+        let entry = tally.entry(kind).or_insert((0, 0));
+        entry.0 += 1;
+        entry.1 += usize::from(outcome.results.iter().any(Result::is_err));
+    }
+    eprintln!(
+        "{TRIALS} fault-injection trials in {:?}; (trials, trials with a failure) per fault: {tally:?}",
+        started.elapsed()
+    );
+    // Every kind of fault was drawn, and the faults that always break the protocol did.
+    assert_eq!(tally.len(), 6, "{tally:?}");
+    for kind in ["Panic", "Error"] {
+        assert_eq!(tally[kind].0, tally[kind].1, "{kind}: {tally:?}");
+    }
+}
