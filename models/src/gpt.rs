@@ -12,10 +12,11 @@
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
-use burn::prelude::{Backend, Config, Int, Tensor, TensorData};
+use burn::prelude::{Backend, Config, Int, Shape, Tensor, TensorData};
 use burn::tensor::activation::{gelu, log_softmax};
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::BasicOps;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -174,6 +175,24 @@ pub struct Gpt<B: Backend> {
     rope_theta: f64,
 }
 
+/// `tensor.reshape(dims)` that also works when a dim of `dims` is 0 (a CP rank holding no token):
+/// burn 0.21's `Tensor::reshape` reads a 0 in the target as "keep the source's dim at this index"
+/// (ONNX style), so `[0, 8] → [1, 1, 0, 8]` panics and `[1, 0, 8] → [0, 8]` picks the wrong dims.
+/// The backend op takes the shape as given (and autodiff records it as usual).
+pub fn reshape<B: Backend, const D1: usize, const D2: usize, K: BasicOps<B>>(
+    tensor: Tensor<B, D1, K>,
+    dims: [usize; D2],
+) -> Tensor<B, D2, K> {
+    let elements: usize = dims.iter().product();
+    assert_eq!(
+        tensor.shape().num_elements(),
+        elements,
+        "reshape of a {:?} tensor to {dims:?}",
+        tensor.dims()
+    );
+    Tensor::from_primitive(K::reshape(tensor.into_primitive(), Shape::from(dims)))
+}
+
 /// RoPE rotation tables for given positions: `cos`, `sin` of shape `[1, 1, T, head_dim/2]`.
 struct Rope<B: Backend> {
     cos: Tensor<B, 4>,
@@ -192,10 +211,10 @@ impl<B: Backend> Rope<B> {
         let tokens = positions.dims()[0];
         // angle[t, i] = position[t] · θ^(−2i/D)
         let angles =
-            positions.clone().float().reshape([tokens, 1]) * frequencies.reshape([1, half]);
+            reshape(positions.clone().float(), [tokens, 1]) * frequencies.reshape([1, half]);
         Self {
-            cos: angles.clone().cos().reshape([1, 1, tokens, half]),
-            sin: angles.sin().reshape([1, 1, tokens, half]),
+            cos: reshape(angles.clone().cos(), [1, 1, tokens, half]),
+            sin: reshape(angles.sin(), [1, 1, tokens, half]),
         }
     }
 
@@ -223,8 +242,9 @@ impl<B: Backend> Block<B> {
         let head_dim = d_model / n_heads;
         let h = self.attn_norm.forward(x.clone());
         // [1, T, heads·Dh] → [1, heads, T, Dh]
-        let split =
-            |t: Tensor<B, 3>, heads: usize| t.reshape([1, tokens, heads, head_dim]).swap_dims(1, 2);
+        let split = |t: Tensor<B, 3>, heads: usize| {
+            reshape(t, [1, tokens, heads, head_dim]).swap_dims(1, 2)
+        };
         let q = rope.apply(split(self.q.forward(h.clone()), n_heads));
         let k = rope.apply(split(self.k.forward(h.clone()), n_kv_heads));
         let v = split(self.v.forward(h), n_kv_heads);
@@ -237,7 +257,7 @@ impl<B: Backend> Block<B> {
             is_causal: true,
         };
         let attended = attention(q, k, v, None, None, options);
-        let merged = attended.swap_dims(1, 2).reshape([1, tokens, d_model]);
+        let merged = reshape(attended.swap_dims(1, 2), [1, tokens, d_model]);
         let x = x + self.o.forward(merged);
         let h = self.mlp_norm.forward(x.clone());
         x.clone() + self.down.forward(gelu(self.up.forward(h)))
@@ -250,9 +270,8 @@ fn repeat_heads<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
         return x;
     }
     let [batch, heads, tokens, dim] = x.dims();
-    x.reshape([batch, heads, 1, tokens, dim])
-        .repeat_dim(2, group)
-        .reshape([batch, heads * group, tokens, dim])
+    let repeated = reshape(x, [batch, heads, 1, tokens, dim]).repeat_dim(2, group);
+    reshape(repeated, [batch, heads * group, tokens, dim])
 }
 
 impl<B: Backend> Gpt<B> {
@@ -260,11 +279,11 @@ impl<B: Backend> Gpt<B> {
     pub fn forward(&self, tokens: Tensor<B, 1, Int>, positions: Tensor<B, 1, Int>) -> Tensor<B, 2> {
         let count = tokens.dims()[0];
         let rope = Rope::new(&positions, self.head_dim(), self.rope_theta);
-        let mut x = self.embedding.forward(tokens.reshape([1, count]));
+        let mut x = self.embedding.forward(reshape(tokens, [1, count]));
         for block in &self.blocks {
             x = block.forward(x, &rope, self.n_heads, self.n_kv_heads);
         }
-        let x = self.norm.forward(x).reshape([count, self.d_model()]);
+        let x = reshape(self.norm.forward(x), [count, self.d_model()]);
         match &self.head {
             Some(head) => head.forward(x),
             None => x.matmul(self.embedding.weight.val().transpose()),
@@ -283,8 +302,8 @@ impl<B: Backend> Gpt<B> {
         let count = tokens.dims()[0];
         let log_probs = log_softmax(self.forward(tokens, positions), 1);
         let valid = labels.clone().greater_equal_elem(0);
-        let targets = labels.clamp_min(0).reshape([count, 1]);
-        let picked = log_probs.gather(1, targets).reshape([count]);
+        let targets = reshape(labels.clamp_min(0), [count, 1]);
+        let picked = reshape(log_probs.gather(1, targets), [count]);
         let zeros = picked.zeros_like();
         zeros.mask_where(valid, picked).sum().neg()
     }

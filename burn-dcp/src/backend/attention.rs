@@ -18,7 +18,7 @@ use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 use burn_backend::ops::AttentionModuleOptions;
 use burn_backend::tensor::{BoolTensor, FloatTensor};
-use burn_backend::{Backend, TensorMetadata};
+use burn_backend::{Backend, Shape, TensorMetadata};
 use burn_dcp_kernels::{FlashOps, MaskSpec};
 
 use crate::backend::context::{current_context, CpContext};
@@ -49,21 +49,20 @@ fn fail(what: &str, context: &CpContext, shape: &[usize], error: impl std::fmt::
     )
 }
 
-/// `[1, H, T, D]` → `[T, H, D]`.
+/// `[1, H, T, D]` → `[T, H, D]`. The reshapes use the backend op with the exact shape:
+/// `Tensor::reshape` reads a 0 in the target as "keep the source's dim", which breaks on a rank
+/// that holds no token of the micro-batch (T = 0).
 fn to_tokens<B: Backend>(tensor: FloatTensor<B>) -> Tensor<B, 3> {
-    let tensor = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(tensor));
-    let [_, heads, tokens, dim] = tensor.dims();
-    tensor.reshape([heads, tokens, dim]).swap_dims(0, 1)
+    let [_, heads, tokens, dim] = tensor.shape().dims();
+    let tensor = B::float_reshape(tensor, Shape::from([heads, tokens, dim]));
+    Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(tensor)).swap_dims(0, 1)
 }
 
 /// `[T, H, D]` → `[1, H, T, D]`.
 fn to_heads<B: Backend>(tensor: Tensor<B, 3>) -> FloatTensor<B> {
     let [tokens, heads, dim] = tensor.dims();
-    tensor
-        .swap_dims(0, 1)
-        .reshape([1, heads, tokens, dim])
-        .into_primitive()
-        .tensor()
+    let tensor = tensor.swap_dims(0, 1).into_primitive().tensor();
+    B::float_reshape(tensor, Shape::from([1, heads, tokens, dim]))
 }
 
 /// [`CpInner::cp_attention`] of a backend without autodiff: the strategy's forward only.
