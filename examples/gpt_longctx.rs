@@ -16,8 +16,8 @@ use burn_dcp::comm::{InProcessWorld, WorldConfig};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::train::{
-    read_json, train_rank, write_json, RankOutcome, StepMetrics, StepObserver, TrainConfig,
-    TrainData,
+    check_resume, read_json, train_rank, write_atomically, write_json, RankOutcome, StepMetrics,
+    StepObserver, TrainConfig, TrainData,
 };
 use clap::Parser;
 use serde_json::json;
@@ -129,7 +129,9 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
     let (strategy, layout) = strategy_and_layout(args, cp)?;
     let seq_len = match (args.seq_len, args.max_tokens_per_rank) {
         (Some(n), _) => n,
-        (None, Some(per_rank)) => per_rank * cp,
+        (None, Some(per_rank)) => per_rank.checked_mul(cp).ok_or_else(|| {
+            format!("--max-tokens-per-rank {per_rank} × --cp {cp} overflows the tokens of a micro-batch")
+        })?,
         (None, None) => 4096,
     };
     Ok(TrainConfig {
@@ -281,6 +283,22 @@ impl StepObserver for Reporter<'_> {
     }
 }
 
+/// Keeps the lines of `metrics.jsonl` up to step `last_step` (rewritten atomically).
+fn truncate_metrics(path: &Path, last_step: usize) -> Result<(), String> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|line| serde_json::from_str::<StepMetrics>(line).is_ok_and(|m| m.step <= last_step))
+        .collect();
+    let mut content = kept.join("\n");
+    if !content.is_empty() {
+        content.push('\n');
+    }
+    write_atomically(path, content.as_bytes())
+}
+
 fn open_metrics(out: &Path, append: bool) -> Result<std::fs::File, String> {
     let path = out.join("metrics.jsonl");
     std::fs::OpenOptions::new()
@@ -299,6 +317,18 @@ fn run(args: &Args) -> Result<(), String> {
         None => config_from_args(args)?,
     };
     config.validate()?;
+    let saved_step = match &args.resume {
+        Some(dir) => Some(check_resume(dir, &config)?),
+        None => None,
+    };
+    if saved_step == Some(config.steps) {
+        eprintln!(
+            "gpt_longctx: nothing to train: the checkpoint in {} is already at step {} (give a larger --steps to continue)",
+            args.resume.as_deref().unwrap_or(Path::new("")).display(),
+            config.steps
+        );
+        return summarize(args, &config, &[], 0.0, args.resume.as_deref());
+    }
     let out = args.out.clone().or_else(|| args.resume.clone());
     if let Some(out) = &out {
         std::fs::create_dir_all(out)
@@ -306,6 +336,10 @@ fn run(args: &Args) -> Result<(), String> {
         write_json(&out.join("config.json"), &config)?;
     }
     let appending = args.resume.is_some() && out == args.resume;
+    if let (true, Some(out), Some(step)) = (appending, &out, saved_step) {
+        // A run killed after some steps logged metrics the checkpoint does not hold: drop them.
+        truncate_metrics(&out.join("metrics.jsonl"), step)?;
+    }
     let world = InProcessWorld::new(
         config.world_size(),
         WorldConfig {
@@ -349,13 +383,15 @@ fn run(args: &Args) -> Result<(), String> {
         _ => train_world::<burn::backend::Flex>(&world, &config, &data, resume, &out, &reporter),
     };
     eprintln!();
-    let mut metrics = Vec::new();
-    for (rank, result) in results.into_iter().enumerate() {
-        let outcome = result.map_err(|e| format!("training failed: {e}"))?;
-        if rank == 0 {
-            metrics = outcome.metrics;
-        }
+    if let Some(summary) = world.failure_summary(&results) {
+        return Err(format!("training failed: {summary}"));
     }
+    let metrics = results
+        .into_iter()
+        .next()
+        .and_then(Result::ok)
+        .map(|outcome| outcome.metrics)
+        .unwrap_or_default();
     if let Some(error) = reporter
         .error
         .lock()
@@ -424,6 +460,8 @@ fn summarize(
             "{}",
             serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?
         );
+    } else if metrics.is_empty() {
+        println!("done: 0 steps (nothing to train)");
     } else {
         let first = metrics.first().map_or(f64::NAN, |m| m.loss);
         let last = metrics.last().map_or(f64::NAN, |m| m.loss);

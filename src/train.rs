@@ -18,7 +18,7 @@ use burn::prelude::{Int, Tensor, TensorData, ToElement};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::{set_context, ContextParallel, CpContext};
-use burn_dcp::comm::{Comm, CommError};
+use burn_dcp::comm::{Comm, CommError, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
 use burn_dcp::kernels::{FlashOps, MaskSpec};
 use burn_dcp::shard::PackedMicroBatch;
 use burn_dcp::{CpBatch, CpError, CpGroup, Layout, Strategy};
@@ -70,6 +70,41 @@ impl TrainConfig {
                 self.cp, self.dp
             ));
         }
+        match self.cp.checked_mul(self.dp) {
+            Some(world) if world <= MAX_IN_PROCESS_RANKS => {}
+            _ => {
+                return Err(format!(
+                    "cp {} × dp {} ranks exceed the {MAX_IN_PROCESS_RANKS} ranks (threads) an in-process world can hold",
+                    self.cp, self.dp
+                ))
+            }
+        }
+        if !self.learning_rate.is_finite() || self.learning_rate <= 0.0 || self.learning_rate > 1.0
+        {
+            return Err(format!(
+                "learning rate {} must be a finite number in (0, 1]",
+                self.learning_rate
+            ));
+        }
+        if self.timeout_secs == 0 || self.timeout_secs > MAX_TIMEOUT.as_secs() {
+            return Err(format!(
+                "timeout {} s must be between 1 and {} s (a week)",
+                self.timeout_secs,
+                MAX_TIMEOUT.as_secs()
+            ));
+        }
+        if self.steps == 0 || self.steps.checked_mul(self.micro_batches).is_none() {
+            return Err(format!(
+                "steps {} must be at least 1, and steps × micro-batches ({}) must not overflow",
+                self.steps, self.micro_batches
+            ));
+        }
+        if self.seq_len > MAX_SEQ_LEN {
+            return Err(format!(
+                "seq_len {} exceeds the limit of {MAX_SEQ_LEN} tokens per micro-batch (token positions are 32-bit)",
+                self.seq_len
+            ));
+        }
         if self.micro_batches == 0 || !self.micro_batches.is_multiple_of(self.dp) {
             return Err(format!(
                 "the global batch of {} micro-batches must be a positive multiple of dp {}",
@@ -109,6 +144,9 @@ impl TrainConfig {
         self.cp * self.dp
     }
 }
+
+/// The most tokens a packed micro-batch may hold (positions are stored as `u32`).
+pub const MAX_SEQ_LEN: usize = u32::MAX as usize;
 
 /// The `builtin` corpus: this repository's own design notes and sources (small; for tests).
 pub fn builtin_documents() -> Vec<Document> {
@@ -282,6 +320,9 @@ struct AllReduceGradients<'a, B: AutodiffBackend> {
     grads: GradientsParams,
     comm: &'a Comm,
     error: Option<CommError>,
+    /// Parameters (in visiting order) whose local gradient on this rank is not finite.
+    non_finite: Vec<usize>,
+    visited: usize,
     phantom: std::marker::PhantomData<B>,
 }
 
@@ -295,7 +336,12 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for AllReduceGradients<'_, B> {
             .remove::<B::InnerBackend, D>(param.id)
             .unwrap_or_else(|| param.val().inner().zeros_like());
         let device = grad.device();
-        match self.comm.all_reduce(grad.into_data()) {
+        let data = grad.into_data();
+        if !all_finite(&data) {
+            self.non_finite.push(self.visited);
+        }
+        self.visited += 1;
+        match self.comm.all_reduce(data) {
             Ok(summed) => self.grads.register(
                 param.id,
                 Tensor::<B::InnerBackend, D>::from_data(summed, &device),
@@ -333,12 +379,15 @@ pub fn step_gradients<B: FlashOps>(
         grads: accumulator.grads(),
         comm: &groups.world,
         error: None,
+        non_finite: Vec::new(),
+        visited: 0,
         phantom: std::marker::PhantomData,
     };
     model.visit(&mut reducer);
     if let Some(error) = reducer.error {
         return Err(error.into());
     }
+    check_finite(&groups.world, step, loss_sum, &reducer.non_finite)?;
     let total = groups
         .world
         .all_reduce(TensorData::new(vec![loss_sum], [1]))?;
@@ -349,15 +398,156 @@ pub fn step_gradients<B: FlashOps>(
     Ok((total / global_labels as f64, reducer.grads, tokens))
 }
 
+fn all_finite(data: &TensorData) -> bool {
+    match data.dtype {
+        burn::tensor::DType::F64 => data.iter::<f64>().all(f64::is_finite),
+        _ => data.iter::<f32>().all(f32::is_finite),
+    }
+}
+
+/// Stops the step on every rank when any rank's loss or gradients are not finite (NaN or ±∞),
+/// naming the step and the ranks where they appeared (before the all-reduce spreads them).
+fn check_finite(
+    world: &Comm,
+    step: usize,
+    loss_sum: f64,
+    non_finite_params: &[usize],
+) -> Result<(), CpError> {
+    let mut local = Vec::new();
+    if !loss_sum.is_finite() {
+        local.push(format!("loss sum {loss_sum}"));
+    }
+    if let Some(first) = non_finite_params.first() {
+        local.push(format!(
+            "gradients of {} parameter(s) (the first is parameter #{first} in the model's order)",
+            non_finite_params.len()
+        ));
+    }
+    let reports = world.all_gather_control("non-finite check", local.join(" and ").into_bytes())?;
+    let bad: Vec<String> = reports
+        .iter()
+        .enumerate()
+        .filter(|(_, report)| !report.is_empty())
+        .map(|(rank, report)| format!("rank {rank}: {}", String::from_utf8_lossy(report)))
+        .collect();
+    if bad.is_empty() {
+        return Ok(());
+    }
+    Err(CpError::Input(format!(
+        "step {step}: non-finite values, training stopped ({})",
+        bad.join("; ")
+    )))
+}
+
 /// Where a run keeps its checkpoint.
 pub fn checkpoint_dir(out: &Path) -> PathBuf {
     out.join("checkpoint")
 }
 
-/// Saved training state besides the weights: the last completed step.
+/// Saved training state besides the weights: the last completed step, and what the checkpoint
+/// holds (absent in checkpoints written before these fields existed).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TrainState {
     pub step: usize,
+    #[serde(default)]
+    pub config: Option<TrainConfig>,
+    #[serde(default)]
+    pub model: Option<GptConfig>,
+}
+
+/// The checkpoint to load from the run directory `dir`: `checkpoint/`, or `checkpoint.old/` when
+/// a save was cut between its two renames (see [`save_checkpoint`]).
+pub fn saved_checkpoint(dir: &Path) -> Result<PathBuf, String> {
+    let current = checkpoint_dir(dir);
+    if current.join("state.json").is_file() {
+        return Ok(current);
+    }
+    let previous = dir.join("checkpoint.old");
+    if previous.join("state.json").is_file() {
+        return Ok(previous);
+    }
+    Err(format!(
+        "{} holds no checkpoint (no {})",
+        dir.display(),
+        current.join("state.json").display()
+    ))
+}
+
+/// Checks that the run saved in `dir` can continue under `config` and returns its saved step: the
+/// checkpoint never moves backwards (`config.steps` ≥ the saved step), and the saved model has
+/// the shape `config` describes (config.json may have been edited).
+pub fn check_resume(dir: &Path, config: &TrainConfig) -> Result<usize, String> {
+    let checkpoint = saved_checkpoint(dir)?;
+    let state: TrainState = read_json(&checkpoint.join("state.json"))?;
+    if config.steps < state.step {
+        return Err(format!(
+            "--steps {} is below the step {} of the checkpoint in {}: a checkpoint never moves backwards (use --steps {} or more, or --out to start a new run)",
+            config.steps,
+            state.step,
+            checkpoint.display(),
+            state.step
+        ));
+    }
+    if let Some(saved) = &state.model {
+        let wanted = config.model_config()?;
+        let differences = model_differences(saved, &wanted);
+        if !differences.is_empty() {
+            return Err(format!(
+                "the checkpoint in {} holds a different model than the configuration asks for ({}): {}",
+                checkpoint.display(),
+                dir.join("config.json").display(),
+                differences.join(", ")
+            ));
+        }
+    }
+    Ok(state.step)
+}
+
+/// `field: checkpoint X, configuration Y` for every field where the two models differ.
+fn model_differences(saved: &GptConfig, wanted: &GptConfig) -> Vec<String> {
+    let fields = [
+        (
+            "vocab_size",
+            saved.vocab_size.to_string(),
+            wanted.vocab_size.to_string(),
+        ),
+        (
+            "d_model",
+            saved.d_model.to_string(),
+            wanted.d_model.to_string(),
+        ),
+        (
+            "n_layers",
+            saved.n_layers.to_string(),
+            wanted.n_layers.to_string(),
+        ),
+        (
+            "n_heads",
+            saved.n_heads.to_string(),
+            wanted.n_heads.to_string(),
+        ),
+        (
+            "n_kv_heads",
+            saved.n_kv_heads.to_string(),
+            wanted.n_kv_heads.to_string(),
+        ),
+        ("d_ff", saved.d_ff.to_string(), wanted.d_ff.to_string()),
+        (
+            "rope_theta",
+            saved.rope_theta.to_string(),
+            wanted.rope_theta.to_string(),
+        ),
+        (
+            "tied_embeddings",
+            saved.tied_embeddings.to_string(),
+            wanted.tied_embeddings.to_string(),
+        ),
+    ];
+    fields
+        .into_iter()
+        .filter(|(_, a, b)| a != b)
+        .map(|(name, a, b)| format!("{name}: checkpoint {a}, configuration {b}"))
+        .collect()
 }
 
 type Recorder_ = NamedMpkFileRecorder<FullPrecisionSettings>;
@@ -392,15 +582,31 @@ pub fn train_rank<B: FlashOps>(
     let recorder = Recorder_::new();
     let mut first_step = 1;
     if let Some(dir) = resume {
-        let checkpoint = checkpoint_dir(dir);
-        model = model
-            .load_file(checkpoint.join("model"), &recorder, device)
-            .map_err(|e| {
-                format!(
-                    "cannot load the model checkpoint from {}: {e}",
-                    checkpoint.display()
-                )
-            })?;
+        let checkpoint = saved_checkpoint(dir)?;
+        // burn's record loader panics on a record of another shape (a checkpoint older than the
+        // shape check of `check_resume`): turn that into an error.
+        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            model
+                .clone()
+                .load_file(checkpoint.join("model"), &recorder, device)
+        }))
+        .map_err(|panic| {
+            format!(
+                "the model checkpoint in {} does not fit the configured model: {}",
+                checkpoint.display(),
+                panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("the record loader panicked")
+            )
+        })?;
+        model = loaded.map_err(|e| {
+            format!(
+                "cannot load the model checkpoint from {}: {e}",
+                checkpoint.display()
+            )
+        })?;
         let record = recorder
             .load(checkpoint.join("optimizer"), device)
             .map_err(|e| {
@@ -437,28 +643,58 @@ pub fn train_rank<B: FlashOps>(
         groups.world.barrier().map_err(|e| e.to_string())?;
     }
     if let (Some(out), 0) = (out, groups.world.rank()) {
-        save_checkpoint(out, &model, &optimizer, config.steps, &recorder)?;
+        let state = TrainState {
+            step: config.steps,
+            config: Some(config.clone()),
+            model: Some(model_config),
+        };
+        save_checkpoint(out, &model, &optimizer, &state, &recorder)?;
     }
     Ok(RankOutcome { metrics })
 }
 
+/// Saves the checkpoint atomically: everything is written to `checkpoint.tmp/`, then the old
+/// `checkpoint/` is renamed to `checkpoint.old/`, `checkpoint.tmp/` to `checkpoint/`, and the old
+/// one removed. A run killed at any point leaves a complete checkpoint (`checkpoint/`, or
+/// `checkpoint.old/` between the two renames, which [`saved_checkpoint`] falls back to).
 fn save_checkpoint<B: AutodiffBackend, O: Optimizer<Gpt<B>, B>>(
     out: &Path,
     model: &Gpt<B>,
     optimizer: &O,
-    step: usize,
+    state: &TrainState,
     recorder: &Recorder_,
 ) -> Result<(), String> {
-    let dir = checkpoint_dir(out);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let (dir, tmp, old) = (
+        checkpoint_dir(out),
+        out.join("checkpoint.tmp"),
+        out.join("checkpoint.old"),
+    );
+    let io = |what: &str, path: &Path, e: std::io::Error| {
+        format!("cannot {what} {}: {e}", path.display())
+    };
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io("remove", &tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| io("create", &tmp, e))?;
     model
         .clone()
-        .save_file(dir.join("model"), recorder)
-        .map_err(|e| format!("cannot save the model to {}: {e}", dir.display()))?;
+        .save_file(tmp.join("model"), recorder)
+        .map_err(|e| format!("cannot save the model to {}: {e}", tmp.display()))?;
     recorder
-        .record(optimizer.to_record(), dir.join("optimizer"))
-        .map_err(|e| format!("cannot save the optimizer to {}: {e}", dir.display()))?;
-    write_json(&dir.join("state.json"), &TrainState { step })
+        .record(optimizer.to_record(), tmp.join("optimizer"))
+        .map_err(|e| format!("cannot save the optimizer to {}: {e}", tmp.display()))?;
+    write_json(&tmp.join("state.json"), state)?;
+    if dir.exists() {
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(|e| io("remove", &old, e))?;
+        }
+        std::fs::rename(&dir, &old).map_err(|e| io("move aside", &dir, e))?;
+    }
+    std::fs::rename(&tmp, &dir).map_err(|e| io("move into place", &tmp, e))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(|e| io("remove", &old, e))?;
+    }
+    Ok(())
 }
 
 pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, String> {
@@ -467,9 +703,22 @@ pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, String>
     serde_json::from_str(&text).map_err(|e| format!("{} is not valid: {e}", path.display()))
 }
 
+/// Writes `value` as JSON atomically (a temporary file renamed over `path`).
 pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), String> {
     let text = serde_json::to_string_pretty(value).map_err(|e| e.to_string())?;
-    std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    write_atomically(path, text.as_bytes())
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
+/// reader (or a run killed while writing) sees the old or the new content, never a mix.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    std::fs::write(&tmp, bytes).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 /// Every parameter's gradient in `grads`, in the model's parameter order (for checks).

@@ -296,3 +296,92 @@ fn ranks_without_tokens_train_and_match_cp1() {
         }
     }
 }
+
+/// Poisons every parameter of one rank with NaN.
+struct Poison;
+
+impl<B: burn::tensor::backend::Backend> burn::module::ModuleMapper<B> for Poison {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<burn::tensor::Tensor<B, D>>,
+    ) -> burn::module::Param<burn::tensor::Tensor<B, D>> {
+        param.map(|t| t.full_like(f32::NAN).require_grad())
+    }
+}
+
+/// A NaN that appears on one rank stops the step on every rank with an error naming the step and
+/// the rank, instead of training on ("done: loss NaN").
+#[test]
+fn a_non_finite_loss_stops_training_naming_step_and_rank() {
+    use burn::module::Module;
+    let config = config(2, 1, Strategy::Ring, Layout::Zigzag, "causal");
+    let world = InProcessWorld::new(2, WorldConfig::default()).unwrap();
+    let data = TrainData::load(&config).unwrap();
+    let device = burn::backend::flex::FlexDevice;
+    let results = world.run(|comm| -> Result<_, String> {
+        let groups = RankGroups::new(comm.clone(), &config).map_err(|e| e.to_string())?;
+        let mut model: Gpt<CpTrain<burn::backend::Flex>> =
+            config.model_config()?.init(config.seed, &device)?;
+        if comm.rank() == 1 {
+            model = model.map(&mut Poison);
+        }
+        step_gradients(&model, &groups, &config, &data, 1, &device)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    });
+    for result in &results {
+        let error = result.as_ref().unwrap_err();
+        assert!(
+            error.contains("step 1: non-finite values") && error.contains("rank 1: loss sum NaN"),
+            "{error}"
+        );
+    }
+}
+
+#[test]
+fn checkpoints_never_move_backwards_and_survive_an_interrupted_save() {
+    use burn_dcp_suite::train::{check_resume, saved_checkpoint};
+    let dir = std::env::temp_dir().join(format!("bdcp-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut config = config(2, 1, Strategy::Ring, Layout::Zigzag, "causal");
+    config.steps = 2;
+    let straight = {
+        let mut three = config.clone();
+        three.steps = 3;
+        train(&three, None, None)
+    };
+    let run = dir.join("run");
+    train(&config, None, Some(&run));
+    // Backwards is refused; equal is allowed (nothing to train); forwards continues exactly.
+    let mut back = config.clone();
+    back.steps = 1;
+    let error = check_resume(&run, &back).unwrap_err();
+    assert!(error.contains("never moves backwards"), "{error}");
+    assert_eq!(check_resume(&run, &config).unwrap(), 2);
+    // A checkpoint of another model is refused before burn's loader sees it.
+    let mut small = config.clone();
+    small.model_size = "small".into();
+    small.steps = 3;
+    let error = check_resume(&run, &small).unwrap_err();
+    assert!(
+        error.contains("d_model: checkpoint 64, configuration 128"),
+        "{error}"
+    );
+    // A save killed between its two renames leaves the previous checkpoint as checkpoint.old,
+    // and a save killed while writing leaves a partial checkpoint.tmp: both are handled.
+    std::fs::rename(run.join("checkpoint"), run.join("checkpoint.old")).unwrap();
+    std::fs::create_dir_all(run.join("checkpoint.tmp")).unwrap();
+    std::fs::write(run.join("checkpoint.tmp/model.mpk"), b"partial").unwrap();
+    assert_eq!(saved_checkpoint(&run).unwrap(), run.join("checkpoint.old"));
+    let mut three = config.clone();
+    three.steps = 3;
+    let resumed = train(&three, Some(&run), Some(&run));
+    assert_eq!(
+        resumed,
+        straight[2..].to_vec(),
+        "resume after an interrupted save"
+    );
+    assert_eq!(saved_checkpoint(&run).unwrap(), run.join("checkpoint"));
+    assert!(!run.join("checkpoint.old").exists() && !run.join("checkpoint.tmp").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
