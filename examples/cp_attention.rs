@@ -18,11 +18,12 @@ use std::time::{Duration, Instant};
 
 use burn::backend::Flex;
 use burn::tensor::{DType, TensorData};
+use burn_dcp::comm::{MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
 use burn_dcp::harness::{
     max_rel_err, run_context_parallel, run_single_device, PackedInputs, PackedOutputs, RunReport,
     RunSpec,
 };
-use burn_dcp::kernels::{validate_cu_seqlens, MaskSpec};
+use burn_dcp::kernels::{validate_cu_seqlens, validate_scale, MaskSpec};
 use burn_dcp::volume::{analytic_volume, VolumeShape};
 use burn_dcp::{Layout, Sharding, Strategy};
 use clap::Parser;
@@ -104,6 +105,22 @@ fn main() {
 
 fn run(args: &Args) -> Result<(), String> {
     burn_dcp_suite::check_backend(&args.backend, "cp_attention")?;
+    if args.cp == 0 || args.cp > MAX_IN_PROCESS_RANKS {
+        return Err(format!(
+            "--cp {} must be between 1 and {MAX_IN_PROCESS_RANKS} (ranks are threads of this process)",
+            args.cp
+        ));
+    }
+    if args.timeout_secs == 0 || args.timeout_secs > MAX_TIMEOUT.as_secs() {
+        return Err(format!(
+            "--timeout-secs {} must be between 1 and {} (a week)",
+            args.timeout_secs,
+            MAX_TIMEOUT.as_secs()
+        ));
+    }
+    if let Some(scale) = args.scale {
+        validate_scale(scale).map_err(|e| format!("--scale: {e}"))?;
+    }
     let strategy =
         Strategy::parse(&args.strategy, args.ulysses_degree, args.cp).map_err(|e| e.to_string())?;
     let layout: Layout = args
@@ -115,8 +132,18 @@ fn run(args: &Args) -> Result<(), String> {
         .parse()
         .map_err(|e: burn_dcp::kernels::KernelError| e.to_string())?;
     let inputs = match &args.inputs {
-        Some(path) => read_inputs(path)?,
-        None => random_inputs(args)?,
+        Some(path) => {
+            let inputs = read_inputs(path)?;
+            let dims = [
+                inputs.heads,
+                inputs.kv_heads,
+                inputs.head_dim,
+                inputs.value_dim,
+            ];
+            check_size(&inputs.seq_lens, dims, args.cp)?;
+            inputs
+        }
+        None => random_inputs(args, strategy)?,
     };
     let spec = RunSpec {
         cp: args.cp,
@@ -154,13 +181,20 @@ fn run(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
-fn random_inputs(args: &Args) -> Result<PackedInputs, String> {
+fn random_inputs(args: &Args, strategy: Strategy) -> Result<PackedInputs, String> {
     let kv_heads = args.kv_heads.unwrap_or(args.heads);
     if args.seqlens.is_empty() || args.head_dim == 0 || args.heads == 0 {
         return Err("--seqlens, --heads and --head-dim must be non-empty / positive".into());
     }
+    strategy
+        .validate_heads(args.heads, kv_heads, args.cp)
+        .map_err(|e| e.to_string())?;
+    let t = check_size(
+        &args.seqlens,
+        [args.heads, kv_heads, args.head_dim, args.head_dim],
+        args.cp,
+    )?;
     let mut rng = SmallRng::seed_from_u64(args.seed);
-    let t: usize = args.seqlens.iter().sum();
     let d = args.head_dim;
     let mut values = |n: usize| {
         (0..n)
@@ -178,6 +212,55 @@ fn random_inputs(args: &Args) -> Result<PackedInputs, String> {
         v: values(t * kv_heads * d),
         dout: values(t * args.heads * d),
     })
+}
+
+/// Checks that a run of `seq_lens` tokens with `[heads, kv_heads, head_dim, value_dim]` on `cp`
+/// ranks fits: sums and products must not overflow, and the estimated memory (inputs, the
+/// single-device reference, per-rank shards, gathered keys/values and outputs, all f32) must
+/// fit in the memory this machine has available. Returns the token count.
+fn check_size(seq_lens: &[usize], dims: [usize; 4], cp: usize) -> Result<usize, String> {
+    let [heads, kv_heads, head_dim, value_dim] = dims.map(|d| d as u128);
+    let tokens = seq_lens
+        .iter()
+        .try_fold(0usize, |sum, &len| sum.checked_add(len))
+        .ok_or_else(|| format!("--seqlens {seq_lens:?}: the total token count overflows"))?;
+    // Per token: q, dout, out, dq (H·D or H·Dv each) and lse (H), six copies over the run
+    // (inputs, reference, shards, results); k, v, dk, dv (K·(D+Dv)), once per rank when
+    // gathered, plus four copies.
+    let per_token = 6 * heads * (2 * head_dim + 2 * value_dim + 1)
+        + (cp as u128 + 4) * 2 * kv_heads * (head_dim + value_dim);
+    let estimate = 4 * tokens as u128 * per_token;
+    let limit = available_memory();
+    if estimate > limit as u128 {
+        return Err(format!(
+            "{tokens} tokens × {heads} heads ({kv_heads} kv heads) × head dim {head_dim} on cp {cp} needs about {} of memory, more than the {} available: use fewer tokens, heads or a smaller head dim",
+            gib(estimate),
+            gib(limit as u128)
+        ));
+    }
+    Ok(tokens)
+}
+
+/// Memory this process may use: `MemAvailable` of /proc/meminfo (16 GiB when unreadable).
+fn available_memory() -> u64 {
+    let kib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|line| line.strip_prefix("MemAvailable:"))
+                .and_then(|rest| {
+                    rest.trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<u64>()
+                        .ok()
+                })
+        });
+    kib.map_or(16 << 30, |kib| kib.saturating_mul(1024))
+}
+
+fn gib(bytes: u128) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 fn summarize(
@@ -357,6 +440,11 @@ fn read_inputs(path: &Path) -> Result<PackedInputs, String> {
         ));
     }
     let [t, heads, head_dim] = [q_shape[0], q_shape[1], q_shape[2]];
+    if t == 0 || heads == 0 || head_dim == 0 || k_shape[1] == 0 || v_shape[2] == 0 {
+        return bad(format!(
+            "q {q_shape:?}, k {k_shape:?}, v {v_shape:?}: tokens, heads, kv heads, head dim and value dim must all be at least 1"
+        ));
+    }
     if k_shape[0] != t || v_shape[0] != t || k_shape[2] != head_dim || v_shape[..2] != k_shape[..2]
     {
         return bad(format!("q {q_shape:?}, k {k_shape:?}, v {v_shape:?} disagree: expected k and v [{t}, K, {head_dim}]"));

@@ -59,8 +59,17 @@ fn main() {
     }
 }
 
+/// The most synthetic sequences (their lengths alone take 800 MB).
+const MAX_SAMPLES: usize = 100_000_000;
+
 fn lengths(args: &Args) -> Result<Vec<usize>, String> {
     if let Ok(mix) = args.corpus.parse::<LengthMix>() {
+        if args.samples == 0 || args.samples > MAX_SAMPLES {
+            return Err(format!(
+                "--samples {} must be between 1 and {MAX_SAMPLES}",
+                args.samples
+            ));
+        }
         let sampler =
             LengthSampler::new(mix, args.scale, args.max_len).map_err(|e| e.to_string())?;
         return Ok(sampler.sample_many(args.samples, args.seed));
@@ -94,14 +103,15 @@ fn lengths(args: &Args) -> Result<Vec<usize>, String> {
 }
 
 fn run(args: &Args) -> Result<(), String> {
-    let lengths = lengths(args)?;
-    let stats = LengthStats::of(&lengths);
     let config = PackingConfig {
         max_tokens_per_rank: args.max_tokens_per_rank,
         ranks: args.ranks,
         max_seq_len: args.max_seq_len,
         seed: args.seed,
     };
+    config.validate().map_err(|e| e.to_string())?;
+    let lengths = lengths(args)?;
+    let stats = LengthStats::of(&lengths);
     let (efficiency, micro_batches) =
         packing_efficiency(&lengths, &config).map_err(|e| e.to_string())?;
     let histogram = log2_histogram(&lengths);

@@ -98,6 +98,9 @@ fn main() {
     }
 }
 
+/// The most tokens a drawn batch may have (the planners' tile limit is reached long before).
+const MAX_TOKENS: usize = 1 << 32;
+
 fn lengths(args: &Args) -> Result<Vec<usize>, String> {
     if let Some(lengths) = &args.lengths {
         if lengths.is_empty() || lengths.contains(&0) {
@@ -108,14 +111,23 @@ fn lengths(args: &Args) -> Result<Vec<usize>, String> {
         return Ok(lengths.clone());
     }
     let mix: LengthMix = args.lengths_from.parse().map_err(|e| format!("{e}"))?;
-    if args.tokens == 0 {
-        return Err("--tokens must be at least 1".into());
+    if args.tokens == 0 || args.tokens > MAX_TOKENS {
+        return Err(format!(
+            "--tokens {} must be between 1 and {MAX_TOKENS}",
+            args.tokens
+        ));
     }
     let sampler = LengthSampler::new(mix, args.scale, args.tokens).map_err(|e| e.to_string())?;
     Ok(sampler.sample_batch(args.tokens, args.seed))
 }
 
 fn run(args: &Args) -> Result<(), String> {
+    if args.repeat == 0 || args.repeat > 1000 {
+        return Err(format!(
+            "--repeat {} must be between 1 and 1000",
+            args.repeat
+        ));
+    }
     let seq_lens = lengths(args)?;
     let mask: MaskSpec = args
         .mask

@@ -33,8 +33,10 @@ pub struct PackingConfig {
 }
 
 impl PackingConfig {
+    /// Tokens per micro-batch, `max_tokens_per_rank × ranks` (saturating; [`Self::validate`]
+    /// refuses a product that overflows).
     pub fn budget(&self) -> usize {
-        self.max_tokens_per_rank * self.ranks
+        self.max_tokens_per_rank.saturating_mul(self.ranks)
     }
 
     pub fn max_seq_len(&self) -> usize {
@@ -47,6 +49,12 @@ impl PackingConfig {
         if self.max_tokens_per_rank == 0 || self.ranks == 0 {
             return Err(DataError::Invalid(format!(
                 "max_tokens_per_rank ({}) and ranks ({}) must be at least 1",
+                self.max_tokens_per_rank, self.ranks
+            )));
+        }
+        if self.max_tokens_per_rank.checked_mul(self.ranks).is_none() {
+            return Err(DataError::Invalid(format!(
+                "max_tokens_per_rank ({}) × ranks ({}) overflows the tokens of a micro-batch",
                 self.max_tokens_per_rank, self.ranks
             )));
         }
@@ -178,7 +186,7 @@ pub fn efficiency(tokens: usize, micro_batches: usize, budget: usize) -> f64 {
     if micro_batches == 0 {
         return 0.0;
     }
-    tokens as f64 / (micro_batches * budget) as f64
+    tokens as f64 / (micro_batches as f64 * budget as f64)
 }
 
 /// Packs a tokenized corpus into micro-batches with per-sequence masks.

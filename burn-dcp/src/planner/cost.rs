@@ -60,6 +60,15 @@ impl AttentionDims {
                 self.heads, self.kv_heads, self.head_dim, self.element_bytes
             )));
         }
+        let token_bytes = [self.heads, self.head_dim, self.element_bytes]
+            .iter()
+            .try_fold(1usize, |product, &x| product.checked_mul(x));
+        if token_bytes.is_none_or(|bytes| bytes > 1 << 32) {
+            return Err(CpError::Config(format!(
+                "heads ({}) × head dim ({}) × element bytes ({}) exceed 4 GiB per token",
+                self.heads, self.head_dim, self.element_bytes
+            )));
+        }
         if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(CpError::Config(format!(
                 "heads ({}) must be a multiple of kv heads ({})",

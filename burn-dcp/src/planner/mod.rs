@@ -24,6 +24,6 @@ pub mod topology;
 
 pub use cost::{evaluate, AttentionDims, RoutedPlan, StrategyReport};
 pub use dcp::{dcp_plan, DcpConfig};
-pub use plan::{validate_plan, BlockProblem, Plan};
+pub use plan::{validate_plan, BlockProblem, Plan, MAX_PLAN_TILES};
 pub use strategies::{plan_strategy, PlanInput, PlanStrategy};
-pub use topology::{attention_flops, LinkClass, Topology};
+pub use topology::{attention_flops, LinkClass, Topology, MAX_PLAN_RANKS};

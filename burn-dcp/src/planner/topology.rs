@@ -38,6 +38,9 @@ pub struct Topology {
 
 const GB: f64 = 1e9;
 
+/// The most ranks a plan may have (4096 ranks plan in seconds; the DCP paper evaluates 64).
+pub const MAX_PLAN_RANKS: usize = 4096;
+
 impl Topology {
     /// AWS p4d: 8 × A100 per node, NVLink ~300 GB/s per direction, 4 × 100 Gb/s EFA per node.
     /// Attention at ~60% of the A100's 312 TFLOP/s bf16 peak, 40 GB.
@@ -90,6 +93,15 @@ impl Topology {
                 "a topology needs at least one node and one device per node, got {} × {}",
                 self.nodes, self.devices_per_node
             )));
+        }
+        match self.nodes.checked_mul(self.devices_per_node) {
+            Some(ranks) if ranks <= MAX_PLAN_RANKS => {}
+            _ => {
+                return Err(CpError::Config(format!(
+                    "{} nodes × {} devices exceed the {MAX_PLAN_RANKS} ranks the planners accept",
+                    self.nodes, self.devices_per_node
+                )))
+            }
         }
         let speeds = [
             ("intra-node bandwidth", self.intra_node_bandwidth),
