@@ -309,3 +309,68 @@ fn unsupported_inputs_are_rejected_with_the_rule() {
     .to_string();
     assert!(err.contains("4 query"), "{err}");
 }
+
+/// A NaN in one query row stays visible on the kernels too (as in the portable implementation):
+/// NaN out, lse and dq for that row, NaN dk/dv for the keys it attends, finite elsewhere; a NaN
+/// part survives a merge with a part that saw no key.
+#[test]
+fn nan_inputs_propagate_and_never_look_masked() {
+    let mut rng = SmallRng::seed_from_u64(7);
+    let (heads, dim) = (2, 4);
+    let problem = VarlenAttention::packed(vec![5, 3], vec![MaskSpec::Causal]);
+    let mut q = random(&mut rng, 8 * heads * dim);
+    let (k, v) = (
+        random(&mut rng, 8 * heads * dim),
+        random(&mut rng, 8 * heads * dim),
+    );
+    q[2 * heads * dim] = f32::NAN; // token 2 (sequence 0), head 0
+    let (q, k, v) = (
+        upload(&q, [8, heads, dim]),
+        upload(&k, [8, heads, dim]),
+        upload(&v, [8, heads, dim]),
+    );
+    let forward = B::flash_forward(q.clone(), k.clone(), v.clone(), &problem).unwrap();
+    let (out, lse) = (read(forward.out.clone()), read(forward.lse.clone()));
+    let row = 2 * heads * dim;
+    assert!(out[row..row + dim].iter().all(|x| x.is_nan()), "{out:?}");
+    assert!(lse[2].is_nan(), "lse of the NaN row: {}", lse[2]);
+    assert!(out[6 * heads * dim..7 * heads * dim]
+        .iter()
+        .all(|x| x.is_finite()));
+    let dout = upload(&random(&mut rng, 8 * heads * dim), [8, heads, dim]);
+    let grads = B::flash_backward(
+        q,
+        k,
+        v,
+        forward.out.clone(),
+        forward.lse.clone(),
+        dout,
+        &problem,
+    )
+    .unwrap();
+    let (dq, dk, dv) = (read(grads.dq), read(grads.dk), read(grads.dv));
+    assert!(dq[row..row + dim].iter().all(|x| x.is_nan()), "{dq:?}");
+    for key in 0..=2 {
+        let at = key * heads * dim;
+        assert!(
+            dk[at..at + dim].iter().all(|x| x.is_nan()),
+            "dk key {key}: {dk:?}"
+        );
+        assert!(
+            dv[at..at + dim].iter().all(|x| x.is_nan()),
+            "dv key {key}: {dv:?}"
+        );
+    }
+    assert!(dq[6 * heads * dim..7 * heads * dim]
+        .iter()
+        .all(|x| x.is_finite()));
+    // Merge with a part whose queries saw no key (out 0, lse −∞).
+    let empty = FlashOutput {
+        out: Tensor::<B, 3>::zeros([8, heads, dim], &device()),
+        lse: Tensor::<B, 2>::full([heads, 8], f32::NEG_INFINITY, &device()),
+    };
+    let merged = B::flash_merge(forward, empty).unwrap();
+    let (out, lse) = (read(merged.out), read(merged.lse));
+    assert!(lse[2].is_nan() && out[row..row + dim].iter().all(|x| x.is_nan()));
+    assert!(lse[6].is_finite());
+}

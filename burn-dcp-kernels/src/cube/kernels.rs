@@ -417,7 +417,7 @@ fn merge_weights(lse_a: f32, lse_b: f32) -> (f32, f32, f32) {
     let mut weight_b = f32::new(0.0);
     let mut merged = high;
     // A NaN part poisons the merge (NaN out and lse) instead of being weighted away.
-    let poisoned = lse_a != lse_a || lse_b != lse_b;
+    let poisoned = lse_a.is_nan() || lse_b.is_nan();
     if poisoned {
         merged = lse_a + lse_b;
         weight_a = merged;
