@@ -323,8 +323,8 @@ fn a_rank_that_returns_early_is_named_at_once() {
         "{:?}",
         started.elapsed()
     );
-    for rank in 0..3 {
-        let error = results[rank].as_ref().unwrap_err();
+    for result in &results[..3] {
+        let error = result.as_ref().unwrap_err();
         assert!(
             error.contains("global rank 3 failed") && error.contains("left group 'world'"),
             "{error}"

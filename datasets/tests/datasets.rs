@@ -70,7 +70,8 @@ proptest! {
 fn dcp_default_masks_match_a_naive_dense_mask() {
     // The rules as written in the DCP paper's evaluation, evaluated densely.
     let len = 1500;
-    let naive: [(MaskSpec, Box<dyn Fn(usize, usize) -> bool>); 3] = [
+    type Rule = Box<dyn Fn(usize, usize) -> bool>;
+    let naive: [(MaskSpec, Rule); 3] = [
         (
             lambda_default(),
             Box::new(|i, j| j <= i && (j < 64 || i - j < 4096)),
