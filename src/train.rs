@@ -503,50 +503,23 @@ pub fn check_resume(dir: &Path, config: &TrainConfig) -> Result<usize, String> {
     Ok(state.step)
 }
 
-/// `field: checkpoint X, configuration Y` for every field where the two models differ.
+/// `field: checkpoint X, configuration Y` for every field where the two models differ (compared
+/// through their JSON form, so every field of [`GptConfig`] counts).
 fn model_differences(saved: &GptConfig, wanted: &GptConfig) -> Vec<String> {
-    let fields = [
-        (
-            "vocab_size",
-            saved.vocab_size.to_string(),
-            wanted.vocab_size.to_string(),
-        ),
-        (
-            "d_model",
-            saved.d_model.to_string(),
-            wanted.d_model.to_string(),
-        ),
-        (
-            "n_layers",
-            saved.n_layers.to_string(),
-            wanted.n_layers.to_string(),
-        ),
-        (
-            "n_heads",
-            saved.n_heads.to_string(),
-            wanted.n_heads.to_string(),
-        ),
-        (
-            "n_kv_heads",
-            saved.n_kv_heads.to_string(),
-            wanted.n_kv_heads.to_string(),
-        ),
-        ("d_ff", saved.d_ff.to_string(), wanted.d_ff.to_string()),
-        (
-            "rope_theta",
-            saved.rope_theta.to_string(),
-            wanted.rope_theta.to_string(),
-        ),
-        (
-            "tied_embeddings",
-            saved.tied_embeddings.to_string(),
-            wanted.tied_embeddings.to_string(),
-        ),
-    ];
-    fields
-        .into_iter()
-        .filter(|(_, a, b)| a != b)
-        .map(|(name, a, b)| format!("{name}: checkpoint {a}, configuration {b}"))
+    let fields = |config: &GptConfig| match serde_json::to_value(config) {
+        Ok(serde_json::Value::Object(fields)) => fields,
+        _ => serde_json::Map::new(),
+    };
+    let (saved, wanted) = (fields(saved), fields(wanted));
+    wanted
+        .iter()
+        .filter(|(name, value)| saved.get(*name) != Some(value))
+        .map(|(name, value)| {
+            let old = saved
+                .get(name)
+                .map_or("(missing)".into(), |v| v.to_string());
+            format!("{name}: checkpoint {old}, configuration {value}")
+        })
         .collect()
 }
 

@@ -72,14 +72,22 @@ fn host<Bk: burn::tensor::backend::Backend, const D: usize>(t: Tensor<Bk, D>) ->
     t.into_data().convert::<f32>().into_vec().unwrap()
 }
 
-/// One rank's forward and backward on the direct path: out, lse, dq, dk, dv, flattened.
-fn direct_rank(comm: burn_dcp::comm::Comm, setup: &RankSetup) -> Result<Vec<f32>, CpError> {
-    let x = &setup.inputs;
+/// This rank's token indices, its micro-batch description and its CP group.
+fn rank_call(
+    comm: burn_dcp::comm::Comm,
+    setup: &RankSetup,
+) -> Result<(Vec<usize>, CpBatch, CpGroup), CpError> {
     let sharding = Sharding::new(&setup.seq_lens, comm.size(), setup.layout)?;
     let indices = sharding.packed_indices(comm.rank());
     let mut batch = CpBatch::new(sharding, setup.masks.clone());
     batch.scale = setup.scale;
-    let group = CpGroup::new(comm, setup.strategy)?;
+    Ok((indices, batch, CpGroup::new(comm, setup.strategy)?))
+}
+
+/// One rank's forward and backward on the direct path: out, lse, dq, dk, dv, flattened.
+fn direct_rank(comm: burn_dcp::comm::Comm, setup: &RankSetup) -> Result<Vec<f32>, CpError> {
+    let x = &setup.inputs;
+    let (indices, batch, group) = rank_call(comm, setup)?;
     let q = local::<B>(&x.q, x.heads, x.head_dim, &indices);
     let k = local::<B>(&x.k, x.kv_heads, x.head_dim, &indices);
     let v = local::<B>(&x.v, x.kv_heads, x.value_dim, &indices);
@@ -109,11 +117,7 @@ fn direct_rank(comm: burn_dcp::comm::Comm, setup: &RankSetup) -> Result<Vec<f32>
 /// One rank through the decorator: burn's `attention`, then `backward()`.
 fn decorated_rank(comm: burn_dcp::comm::Comm, setup: &RankSetup) -> Result<Vec<f32>, CpError> {
     let x = &setup.inputs;
-    let sharding = Sharding::new(&setup.seq_lens, comm.size(), setup.layout)?;
-    let indices = sharding.packed_indices(comm.rank());
-    let mut batch = CpBatch::new(sharding, setup.masks.clone());
-    batch.scale = setup.scale;
-    let group = CpGroup::new(comm, setup.strategy)?;
+    let (indices, batch, group) = rank_call(comm, setup)?;
     let _context = set_context(CpContext { group, batch });
     let heads_first = |t: Tensor<Cp, 3>| t.swap_dims(0, 1).unsqueeze_dim::<4>(0);
     let q = heads_first(local(&x.q, x.heads, x.head_dim, &indices)).require_grad();
