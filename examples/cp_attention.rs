@@ -57,16 +57,21 @@ struct Args {
     #[arg(long)]
     ulysses_degree: Option<usize>,
     /// Query heads (mode 1).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, conflicts_with = "inputs")]
     heads: usize,
     /// Key/value heads (mode 1); defaults to --heads.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "inputs")]
     kv_heads: Option<usize>,
     /// Head dimension (mode 1).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, conflicts_with = "inputs")]
     head_dim: usize,
     /// Sequence lengths of the packed batch (mode 1).
-    #[arg(long, default_value = "1000,3000,517", value_delimiter = ',')]
+    #[arg(
+        long,
+        default_value = "1000,3000,517",
+        value_delimiter = ',',
+        conflicts_with = "inputs"
+    )]
     seqlens: Vec<usize>,
     /// full | causal | sliding:W | lambda:S,W | blockwise:B,L | shared-question:F,N
     #[arg(long, default_value = "causal")]
@@ -75,7 +80,7 @@ struct Args {
     #[arg(long)]
     scale: Option<f64>,
     /// Seed of the random inputs (mode 1).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, conflicts_with = "inputs")]
     seed: u64,
     /// Backend of the CP run: flex (CPU, portable kernels), wgpu or cuda (cubecl kernels; build
     /// with `--features wgpu` / `--features cuda`). The reference always runs on flex.
@@ -119,7 +124,7 @@ fn run(args: &Args) -> Result<(), String> {
         ));
     }
     if let Some(scale) = args.scale {
-        validate_scale(scale).map_err(|e| format!("--scale: {e}"))?;
+        validate_scale(scale).map_err(|e| format!("--scale {scale}: {e}"))?;
     }
     let strategy =
         Strategy::parse(&args.strategy, args.ulysses_degree, args.cp).map_err(|e| e.to_string())?;
@@ -170,6 +175,11 @@ fn run(args: &Args) -> Result<(), String> {
         write_outputs(path, &inputs, &report.outputs)?;
     }
     let summary = summarize(args, &inputs, &spec, &report, &reference, reference_ms)?;
+    if summary["non_finite_inputs"] == true {
+        eprintln!(
+            "cp_attention: the inputs hold NaN or infinite values; they propagate into the outputs, so the errors against the reference are not finite"
+        );
+    }
     if args.json {
         println!(
             "{}",
@@ -194,6 +204,12 @@ fn random_inputs(args: &Args, strategy: Strategy) -> Result<PackedInputs, String
         [args.heads, kv_heads, args.head_dim, args.head_dim],
         args.cp,
     )?;
+    if t == 0 {
+        return Err(format!(
+            "--seqlens {:?} hold no token: at least one sequence needs a token",
+            args.seqlens
+        ));
+    }
     let mut rng = SmallRng::seed_from_u64(args.seed);
     let d = args.head_dim;
     let mut values = |n: usize| {
@@ -288,6 +304,9 @@ fn summarize(
         .zip(&report.bytes_backward)
         .map(|(f, b)| f + b)
         .collect();
+    let non_finite = [&inputs.q, &inputs.k, &inputs.v, &inputs.dout]
+        .iter()
+        .any(|values| values.iter().any(|v| !v.is_finite()));
     let (ulysses_degree, ring_degree) = match spec.strategy {
         Strategy::Ulysses => (spec.cp, 1),
         Strategy::Usp {
@@ -311,6 +330,7 @@ fn summarize(
         "mask": spec.masks[0].to_string(),
         "backend": args.backend,
         "seed": args.seed,
+        "non_finite_inputs": non_finite,
         "max_rel_err": {
             "out": max_rel_err(&got.out, &reference.out),
             "lse": max_rel_err(&got.lse, &reference.lse),
@@ -408,6 +428,13 @@ fn read_cu_seqlens(file: &SafeTensors, path: &Path) -> Result<Vec<i64>, String> 
             path.display()
         )
     })?;
+    if view.shape().len() != 1 {
+        return Err(format!(
+            "{}: cu_seqlens has shape {:?}; expected a vector [S+1]",
+            path.display(),
+            view.shape()
+        ));
+    }
     let bytes = view.data();
     match view.dtype() {
         Dtype::I64 => Ok(bytes

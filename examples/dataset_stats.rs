@@ -34,15 +34,15 @@ struct Args {
     /// Seed of the packing order and of the synthetic samplers.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Synthetic corpora: number of sequences.
-    #[arg(long, default_value_t = 10000)]
-    samples: usize,
-    /// Synthetic corpora: DCP's length scale factor (0.5, 1, 2, 4).
-    #[arg(long, default_value_t = 1.0)]
-    scale: f64,
-    /// Synthetic corpora: longest sequence.
-    #[arg(long, default_value_t = 131072)]
-    max_len: usize,
+    /// Synthetic corpora only: number of sequences [default: 10000]
+    #[arg(long)]
+    samples: Option<usize>,
+    /// Synthetic corpora only: DCP's length scale factor (0.5, 1, 2, 4) [default: 1]
+    #[arg(long)]
+    scale: Option<f64>,
+    /// Synthetic corpora only: longest sequence [default: 131072]
+    #[arg(long)]
+    max_len: Option<usize>,
     /// Also write the histogram as SVG to this file.
     #[arg(long)]
     svg: Option<PathBuf>,
@@ -59,20 +59,31 @@ fn main() {
     }
 }
 
-/// The most synthetic sequences (their lengths alone take 800 MB).
-const MAX_SAMPLES: usize = 100_000_000;
+/// The most synthetic sequences (10 M lengths take about 10 s to draw and sort).
+const MAX_SAMPLES: usize = 10_000_000;
 
 fn lengths(args: &Args) -> Result<Vec<usize>, String> {
     if let Ok(mix) = args.corpus.parse::<LengthMix>() {
-        if args.samples == 0 || args.samples > MAX_SAMPLES {
+        let samples = args.samples.unwrap_or(10_000);
+        if samples == 0 || samples > MAX_SAMPLES {
             return Err(format!(
-                "--samples {} must be between 1 and {MAX_SAMPLES}",
-                args.samples
+                "--samples {samples} must be between 1 and {MAX_SAMPLES}"
             ));
         }
-        let sampler =
-            LengthSampler::new(mix, args.scale, args.max_len).map_err(|e| e.to_string())?;
-        return Ok(sampler.sample_many(args.samples, args.seed));
+        let (scale, max_len) = (args.scale.unwrap_or(1.0), args.max_len.unwrap_or(131_072));
+        let sampler = LengthSampler::new(mix, scale, max_len).map_err(|e| e.to_string())?;
+        return Ok(sampler.sample_many(samples, args.seed));
+    }
+    let synthetic_only = [
+        ("--samples", args.samples.is_some()),
+        ("--scale", args.scale.is_some()),
+        ("--max-len", args.max_len.is_some()),
+    ];
+    if let Some((flag, _)) = synthetic_only.iter().find(|(_, given)| *given) {
+        return Err(format!(
+            "{flag} only applies to the synthetic corpora (longalign-like, ldc-like), not to --corpus {}",
+            args.corpus
+        ));
     }
     let tokenizer = Tokenizer::from_name(&args.tokenizer).map_err(|e| e.to_string())?;
     let identity = if args.corpus == "default" {
@@ -110,7 +121,18 @@ fn run(args: &Args) -> Result<(), String> {
         seed: args.seed,
     };
     config.validate().map_err(|e| e.to_string())?;
+    if let Some(len) = args.max_seq_len.filter(|&len| len > config.budget()) {
+        return Err(format!(
+            "--max-seq-len {len} exceeds the micro-batch budget of {} tokens (--max-tokens-per-rank {} × --ranks {}): no sequence can be longer than a micro-batch",
+            config.budget(),
+            args.max_tokens_per_rank,
+            args.ranks
+        ));
+    }
     let lengths = lengths(args)?;
+    if lengths.iter().all(|&len| len == 0) {
+        return Err(format!("corpus '{}' holds no tokens", args.corpus));
+    }
     let stats = LengthStats::of(&lengths);
     let (efficiency, micro_batches) =
         packing_efficiency(&lengths, &config).map_err(|e| e.to_string())?;

@@ -283,6 +283,35 @@ impl StepObserver for Reporter<'_> {
     }
 }
 
+/// `--out DIR` must not overwrite another run: a directory holding a run's files (config.json,
+/// metrics.jsonl, a checkpoint) is only written to when it is the run being resumed.
+fn refuse_overwrite(out: &Path, resume: Option<&Path>) -> Result<(), String> {
+    if resume.is_some_and(|dir| same_dir(dir, out)) {
+        return Ok(());
+    }
+    let files = [
+        "config.json",
+        "metrics.jsonl",
+        "checkpoint",
+        "checkpoint.old",
+    ];
+    if let Some(found) = files.iter().find(|name| out.join(name).exists()) {
+        return Err(format!(
+            "--out {} already holds a run ({found} exists): use --resume {} to continue it, or choose another --out",
+            out.display(),
+            out.display()
+        ));
+    }
+    Ok(())
+}
+
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
 /// Keeps the lines of `metrics.jsonl` up to step `last_step` (rewritten atomically).
 fn truncate_metrics(path: &Path, last_step: usize) -> Result<(), String> {
     let Ok(text) = std::fs::read_to_string(path) else {
@@ -331,11 +360,15 @@ fn run(args: &Args) -> Result<(), String> {
     }
     let out = args.out.clone().or_else(|| args.resume.clone());
     if let Some(out) = &out {
+        refuse_overwrite(out, args.resume.as_deref())?;
         std::fs::create_dir_all(out)
             .map_err(|e| format!("cannot create {}: {e}", out.display()))?;
         write_json(&out.join("config.json"), &config)?;
     }
-    let appending = args.resume.is_some() && out == args.resume;
+    let appending = match (&args.resume, &out) {
+        (Some(resume), Some(out)) => same_dir(resume, out),
+        _ => false,
+    };
     if let (true, Some(out), Some(step)) = (appending, &out, saved_step) {
         // A run killed after some steps logged metrics the checkpoint does not hold: drop them.
         truncate_metrics(&out.join("metrics.jsonl"), step)?;

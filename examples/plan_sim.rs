@@ -22,8 +22,8 @@ use serde_json::json;
 /// Compare CP strategies' plans on a cluster model.
 #[derive(Parser, Debug)]
 struct Args {
-    /// Sequence lengths, comma-separated (overrides --lengths-from).
-    #[arg(long, value_delimiter = ',')]
+    /// Sequence lengths, comma-separated (instead of --lengths-from, --tokens and --scale).
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["lengths_from", "tokens", "scale"])]
     lengths: Option<Vec<usize>>,
     /// Draw lengths from a distribution: longalign-like | ldc-like.
     #[arg(long, default_value = "ldc-like")]
@@ -192,6 +192,16 @@ fn run(args: &Args) -> Result<(), String> {
         reports.push(report);
         last_plan = Some(routed.plan);
     }
+    if reports.is_empty() {
+        let reasons: Vec<String> = skipped
+            .iter()
+            .map(|s| format!("{}: {}", s["name"].as_str().unwrap_or(""), s["error"]))
+            .collect();
+        return Err(format!(
+            "no strategy could plan this batch ({})",
+            reasons.join("; ")
+        ));
+    }
     if let (Some(path), Some(plan)) = (&args.plan_out, &last_plan) {
         let text = serde_json::to_string(plan).map_err(|e| e.to_string())?;
         std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -247,10 +257,20 @@ fn run(args: &Args) -> Result<(), String> {
         for r in reports.iter().filter(|r| r.name != "ring-zigzag") {
             let time =
                 |x: &burn_dcp::planner::StrategyReport| x.attention_fwd_ms + x.attention_bwd_ms;
+            let bytes = if ring.inter_node_bytes > 0.0 {
+                format!(
+                    "{:+.1}%",
+                    100.0 * (r.inter_node_bytes / ring.inter_node_bytes - 1.0)
+                )
+            } else {
+                format!(
+                    "n/a (ring moves none; {} moves {:.0} B)",
+                    r.name, r.inter_node_bytes
+                )
+            };
             println!(
-                "{} vs ring-zigzag: inter-node bytes {:+.1}%, attention (fwd+bwd) speedup {:.2}×",
+                "{} vs ring-zigzag: inter-node bytes {bytes}, attention (fwd+bwd) speedup {:.2}×",
                 r.name,
-                100.0 * (r.inter_node_bytes / ring.inter_node_bytes.max(1.0) - 1.0),
                 time(&ring) / time(r).max(1e-12)
             );
         }

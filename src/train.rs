@@ -124,7 +124,18 @@ impl TrainConfig {
         self.strategy
             .validate_heads(model.n_heads, model.n_heads, self.cp)
             .map_err(|e| e.to_string())?;
-        self.mask_policy()?;
+        if self.micro_batches > MAX_MICRO_BATCHES {
+            return Err(format!(
+                "{} micro-batches per step exceed the limit of {MAX_MICRO_BATCHES}",
+                self.micro_batches
+            ));
+        }
+        if let MaskPolicy::Same(MaskSpec::Full) = self.mask_policy()? {
+            return Err(
+                "mask full lets every token attend the tokens after it, including its own label: a GPT trained as a language model needs a causal-family mask (causal, sliding:W, lambda, blockwise, shared-question or mixed)"
+                    .into(),
+            );
+        }
         Ok(())
     }
 
@@ -144,6 +155,9 @@ impl TrainConfig {
         self.cp * self.dp
     }
 }
+
+/// The most micro-batches one optimizer step may take.
+pub const MAX_MICRO_BATCHES: usize = 1 << 20;
 
 /// The most tokens a packed micro-batch may hold (positions are stored as `u32`).
 pub const MAX_SEQ_LEN: usize = u32::MAX as usize;
@@ -231,6 +245,12 @@ impl TrainData {
             .collect();
         if batches.is_empty() {
             return Err(format!("corpus '{}' holds no tokens", config.corpus));
+        }
+        if batches.iter().all(|b| b.packed.label_count() == 0) {
+            return Err(format!(
+                "corpus '{}' holds no token with a next token to predict (every document is a single token)",
+                config.corpus
+            ));
         }
         Ok(Self { batches })
     }
@@ -362,6 +382,12 @@ pub fn step_gradients<B: FlashOps>(
 ) -> Result<(f64, GradientsParams, usize), CpError> {
     let batches = data.step_batches(step, config.micro_batches);
     let global_labels: usize = batches.iter().map(|b| b.packed.label_count()).sum();
+    if global_labels == 0 {
+        return Err(CpError::Input(format!(
+            "step {step}: its {} micro-batches hold no labelled token, so the mean loss is undefined; use more micro-batches per step or longer documents",
+            batches.len()
+        )));
+    }
     let mut accumulator = GradientsAccumulator::<Gpt<CpTrain<B>>>::new();
     let mut loss_sum = 0.0;
     for batch in batches

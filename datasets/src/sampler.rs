@@ -62,11 +62,17 @@ fn log_normal(rng: &mut SmallRng, median: f64, sigma: f64) -> f64 {
     (median.ln() + sigma * z).exp()
 }
 
+/// The smallest and largest length scale factors a sampler accepts.
+pub const MIN_SCALE: f64 = 0.01;
+pub const MAX_SCALE: f64 = 100.0;
+
 impl LengthSampler {
+    /// A sampler of `mix` lengths times `scale` (in [`MIN_SCALE`], [`MAX_SCALE`]), at most
+    /// `max_len` tokens.
     pub fn new(mix: LengthMix, scale: f64, max_len: usize) -> Result<Self, DataError> {
-        if !(scale.is_finite() && scale > 0.0) {
+        if !(MIN_SCALE..=MAX_SCALE).contains(&scale) {
             return Err(DataError::Invalid(format!(
-                "length scale {scale} must be a positive number"
+                "length scale {scale} must be a number in [{MIN_SCALE}, {MAX_SCALE}] (DCP uses 0.5 to 4)"
             )));
         }
         if max_len == 0 {

@@ -11,4 +11,7 @@ pub enum KernelError {
     InvalidShape(String),
     #[error("invalid dtype: {0}")]
     InvalidDType(String),
+    /// A setting out of its range (e.g. the softmax scale).
+    #[error("invalid value: {0}")]
+    InvalidValue(String),
 }

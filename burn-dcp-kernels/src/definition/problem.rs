@@ -94,7 +94,7 @@ pub const MAX_SOFTMAX_SCALE: f64 = 1e4;
 /// Checks a softmax scale: finite, positive and at most [`MAX_SOFTMAX_SCALE`].
 pub fn validate_scale(scale: f64) -> Result<(), KernelError> {
     if !scale.is_finite() || scale <= 0.0 || scale > MAX_SOFTMAX_SCALE {
-        return Err(KernelError::InvalidShape(format!(
+        return Err(KernelError::InvalidValue(format!(
             "softmax scale {scale} must be a finite number in (0, {MAX_SOFTMAX_SCALE:e}]"
         )));
     }

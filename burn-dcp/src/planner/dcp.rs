@@ -51,6 +51,9 @@ impl Default for DcpConfig {
     }
 }
 
+/// The most communication stages a DCP schedule may have.
+pub const MAX_STAGES: usize = 64;
+
 impl DcpConfig {
     pub fn validate(&self) -> Result<(), CpError> {
         for (name, value) in [
@@ -63,8 +66,11 @@ impl DcpConfig {
                 )));
             }
         }
-        if self.stages == 0 {
-            return Err(CpError::Config("DCP needs at least one stage".into()));
+        if self.stages == 0 || self.stages > MAX_STAGES {
+            return Err(CpError::Config(format!(
+                "DCP needs 1 to {MAX_STAGES} communication stages, got {}",
+                self.stages
+            )));
         }
         Ok(())
     }

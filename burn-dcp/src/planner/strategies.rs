@@ -94,6 +94,12 @@ impl PlanInput {
     pub fn validate(&self) -> Result<(), CpError> {
         self.dims.validate()?;
         self.topology.validate()?;
+        self.dcp.validate()?;
+        if self.max_seq_len_per_rank == Some(0) {
+            return Err(CpError::Config(
+                "max_seq_len_per_rank must be at least 1 token".into(),
+            ));
+        }
         self.problem(self.dims.kv_heads).validate()
     }
 

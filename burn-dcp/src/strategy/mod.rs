@@ -70,8 +70,13 @@ impl Strategy {
             ("ulysses", None) => Strategy::Ulysses,
             ("ring", None) => Strategy::Ring,
             ("all-gather", None) => Strategy::AllGather,
+            ("usp", Some(0)) => {
+                return Err(CpError::Config(
+                    "the ulysses degree must be at least 1, got 0".into(),
+                ))
+            }
             ("usp", Some(ulysses_degree)) => {
-                if ulysses_degree == 0 || !cp.is_multiple_of(ulysses_degree) {
+                if !cp.is_multiple_of(ulysses_degree) {
                     return Err(CpError::Config(format!(
                         "cp size {cp} is not divisible by ulysses degree {ulysses_degree}"
                     )));

@@ -1,0 +1,379 @@
+//! The four examples on invalid and edge inputs: every bad input is a clear one-line error (exit
+//! 2, no panic), edge inputs that are valid work. `cargo test` builds the examples; they are
+//! found next to this test's executable (`target/<profile>/examples/`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use safetensors::tensor::{Dtype, TensorView};
+
+fn example(name: &str) -> PathBuf {
+    let deps = std::env::current_exe().unwrap();
+    let path = deps
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is not built (cargo test builds the examples)",
+        path.display()
+    );
+    path
+}
+
+fn run(name: &str, args: &[&str]) -> Output {
+    Command::new(example(name)).args(args).output().unwrap()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// `name args` must exit 2 with an `error:` line containing `expected`, and never panic.
+fn refused(name: &str, args: &[&str], expected: &str) {
+    let output = run(name, args);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{name} {args:?}: {text}");
+    assert!(
+        !text.contains("panicked"),
+        "{name} {args:?} panicked: {text}"
+    );
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("error:"))
+        .unwrap_or_default();
+    assert!(
+        line.contains(expected),
+        "{name} {args:?}: expected '{expected}' in: {text}"
+    );
+}
+
+fn succeeded(name: &str, args: &[&str]) -> String {
+    let output = run(name, args);
+    assert!(
+        output.status.success(),
+        "{name} {args:?}: {}",
+        stderr(&output)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bdcp-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+const QUICK: [&str; 6] = [
+    "--corpus",
+    "builtin",
+    "--seq-len",
+    "64",
+    "--micro-batches",
+    "2",
+];
+
+fn gpt(extra: &[&str]) -> Vec<String> {
+    QUICK.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+fn refused_gpt(extra: &[&str], expected: &str) {
+    let args = gpt(extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    refused("gpt_longctx", &args, expected);
+}
+
+#[test]
+fn gpt_longctx_refuses_bad_flags_with_the_rule() {
+    refused_gpt(
+        &["--lr", "nan"],
+        "learning rate NaN must be a finite number in (0, 1]",
+    );
+    refused_gpt(&["--lr=-1"], "learning rate -1 must be");
+    refused_gpt(&["--timeout-secs", "0"], "timeout 0 s must be between 1");
+    refused_gpt(&["--cp", "100000"], "exceed the 1024 ranks");
+    refused_gpt(&["--mask", "full"], "needs a causal-family mask");
+    refused(
+        "gpt_longctx",
+        &["--corpus", "builtin", "--micro-batches=4000000000"],
+        "exceed the limit",
+    );
+    refused(
+        "gpt_longctx",
+        &["--max-tokens-per-rank", "9223372036854775808", "--cp", "2"],
+        "--max-tokens-per-rank 9223372036854775808 × --cp 2 overflows",
+    );
+    refused(
+        "gpt_longctx",
+        &["--max-tokens-per-rank", "9223372036854775807", "--cp", "2"],
+        "exceeds the limit of 4294967295 tokens",
+    );
+}
+
+#[test]
+fn gpt_longctx_trains_with_ranks_that_hold_no_token() {
+    let out = succeeded(
+        "gpt_longctx",
+        &[
+            "--corpus",
+            "builtin",
+            "--cp",
+            "4",
+            "--seq-len",
+            "3",
+            "--micro-batches",
+            "1",
+            "--steps",
+            "2",
+            "--json",
+        ],
+    );
+    let summary: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let losses = summary["losses"].as_array().unwrap();
+    assert_eq!(losses.len(), 2);
+    assert!(
+        losses
+            .iter()
+            .all(|l| l.as_f64().is_some_and(f64::is_finite)),
+        "{summary}"
+    );
+}
+
+#[test]
+fn gpt_longctx_checkpoints_never_move_backwards() {
+    let dir = temp_dir("resume");
+    let path = dir.to_str().unwrap();
+    let args = gpt(&["--steps", "2", "--out", path]);
+    succeeded(
+        "gpt_longctx",
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let state = std::fs::read_to_string(dir.join("checkpoint/state.json")).unwrap();
+    refused(
+        "gpt_longctx",
+        &["--resume", path, "--steps", "1"],
+        "never moves backwards",
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("checkpoint/state.json")).unwrap(),
+        state
+    );
+    // Equal: nothing to train, nothing written.
+    let before = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let out = succeeded("gpt_longctx", &["--resume", path, "--steps", "2"]);
+    assert!(out.contains("0 steps"), "{out}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap(),
+        before
+    );
+    // A second run into the same --out is refused (it would reset the checkpoint to step 1).
+    let args = gpt(&["--steps", "1", "--out", path]);
+    refused(
+        "gpt_longctx",
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        "already holds a run",
+    );
+    // config.json edited to another model size.
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        config.replace("\"tiny\"", "\"small\""),
+    )
+    .unwrap();
+    refused(
+        "gpt_longctx",
+        &["--resume", path, "--steps", "3"],
+        "d_model: checkpoint 64, configuration 128",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn cp_attention_refuses_sizes_it_cannot_hold_and_bad_values() {
+    refused(
+        "cp_attention",
+        &["--seqlens", "4000000000"],
+        "GiB of memory, more than the",
+    );
+    refused(
+        "cp_attention",
+        &["--heads", "4000000000"],
+        "GiB of memory, more than the",
+    );
+    refused(
+        "cp_attention",
+        &["--seqlens", "18446744073709551615,1"],
+        "the total token count overflows",
+    );
+    refused(
+        "cp_attention",
+        &["--cp", "100000"],
+        "--cp 100000 must be between 1 and 1024",
+    );
+    for scale in ["1e38", "nan", "inf", "0", "-1"] {
+        refused(
+            "cp_attention",
+            &[&format!("--scale={scale}")],
+            "softmax scale",
+        );
+    }
+    refused(
+        "cp_attention",
+        &["--timeout-secs", "0"],
+        "--timeout-secs 0 must be between 1",
+    );
+    refused("cp_attention", &["--seqlens", "0,0"], "hold no token");
+    refused(
+        "cp_attention",
+        &["--strategy", "usp", "--ulysses-degree", "0"],
+        "ulysses degree must be at least 1",
+    );
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Writes a Mode 2 input file: `q`, `dout` `[t, heads, dim]`, `k`, `v` `[t, kv, dim]`.
+fn mode2_inputs(path: &Path, t: usize, heads: usize, kv: usize, dim: usize, nan_at: Option<usize>) {
+    let value = |i: usize| ((i * 37 % 101) as f32 / 101.0) - 0.5;
+    let mut q: Vec<f32> = (0..t * heads * dim).map(value).collect();
+    if let Some(at) = nan_at {
+        q[at] = f32::NAN;
+    }
+    let kv_values: Vec<f32> = (0..t * kv * dim).map(|i| value(i + 7)).collect();
+    let dout: Vec<f32> = (0..t * heads * dim).map(|i| value(i + 3)).collect();
+    let (q, kv_bytes, dout) = (f32_bytes(&q), f32_bytes(&kv_values), f32_bytes(&dout));
+    let cu: Vec<u8> = [0i64, t as i64 / 2, t as i64]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let tensors: HashMap<String, TensorView> = [
+        ("q", TensorView::new(Dtype::F32, vec![t, heads, dim], &q)),
+        (
+            "k",
+            TensorView::new(Dtype::F32, vec![t, kv, dim], &kv_bytes),
+        ),
+        (
+            "v",
+            TensorView::new(Dtype::F32, vec![t, kv, dim], &kv_bytes),
+        ),
+        (
+            "dout",
+            TensorView::new(Dtype::F32, vec![t, heads, dim], &dout),
+        ),
+        ("cu_seqlens", TensorView::new(Dtype::I64, vec![3], &cu)),
+    ]
+    .into_iter()
+    .map(|(name, view)| (name.to_string(), view.unwrap()))
+    .collect();
+    safetensors::serialize_to_file(tensors, None, path).unwrap();
+}
+
+#[test]
+fn cp_attention_mode2_validates_shapes_and_keeps_nan_visible() {
+    let dir = temp_dir("mode2");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (input, output) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
+    let (i, o) = (input.to_str().unwrap(), output.to_str().unwrap());
+    mode2_inputs(&input, 8, 0, 0, 4, None);
+    refused(
+        "cp_attention",
+        &["--inputs", i, "--output", o],
+        "must all be at least 1",
+    );
+    mode2_inputs(&input, 8, 2, 2, 0, None);
+    refused(
+        "cp_attention",
+        &["--inputs", i, "--output", o],
+        "must all be at least 1",
+    );
+    // NaN in q of token 1, head 0 (sequence 0): out, lse and dq of that row are NaN.
+    let (t, heads, dim) = (8, 2, 4);
+    mode2_inputs(&input, t, heads, 2, dim, Some(heads * dim));
+    for strategy in ["ring", "ulysses", "all-gather"] {
+        let out = succeeded(
+            "cp_attention",
+            &[
+                "--inputs",
+                i,
+                "--output",
+                o,
+                "--cp",
+                "2",
+                "--strategy",
+                strategy,
+                "--json",
+            ],
+        );
+        let summary: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(summary["non_finite_inputs"], true);
+        let bytes = std::fs::read(&output).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let read = |name: &str| -> Vec<f32> {
+            file.tensor(name)
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        let (out, lse, dq) = (read("out"), read("lse"), read("dq"));
+        let row = heads * dim;
+        assert!(
+            out[row..row + dim].iter().all(|x| x.is_nan()),
+            "{strategy}: out {out:?}"
+        );
+        assert!(lse[1].is_nan(), "{strategy}: lse {lse:?}");
+        assert!(
+            dq[row..row + dim].iter().all(|x| x.is_nan()),
+            "{strategy}: dq {dq:?}"
+        );
+        // Token 6 is in sequence 1, which the NaN cannot reach.
+        assert!(
+            out[6 * row..7 * row].iter().all(|x| x.is_finite()),
+            "{strategy}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn plan_sim_and_dataset_stats_refuse_sizes_with_limits() {
+    refused("plan_sim", &["--lengths", "4000000000"], "block pairs");
+    refused(
+        "plan_sim",
+        &["--nodes", "1000000", "--lengths", "4096"],
+        "exceed the 4096 ranks",
+    );
+    refused(
+        "plan_sim",
+        &["--stages", "18446744073709551615"],
+        "1 to 64 communication stages",
+    );
+    refused(
+        "plan_sim",
+        &["--compute-epsilon", "nan"],
+        "compute epsilon must be",
+    );
+    refused(
+        "dataset_stats",
+        &[
+            "--max-tokens-per-rank",
+            "4611686018427387904",
+            "--ranks",
+            "4",
+        ],
+        "overflows the tokens of a micro-batch",
+    );
+    refused(
+        "dataset_stats",
+        &["--corpus", "ldc-like", "--samples", "1000000000000"],
+        "--samples",
+    );
+}
