@@ -164,7 +164,9 @@ impl WorldState {
 struct World {
     config: WorldConfig,
     state: Mutex<WorldState>,
-    wake: Condvar,
+    /// One per world rank: a message wakes only its receiver; a failure or a rank leaving wakes
+    /// everyone (`wake_all`).
+    wake: Vec<Condvar>,
     stats: Vec<Mutex<CommStats>>,
 }
 
@@ -179,12 +181,16 @@ impl World {
 
     fn mark_failed(&self, global_rank: usize, reason: String) {
         self.lock().record_failure(global_rank, reason, false);
-        self.wake.notify_all();
+        self.wake_all();
     }
 
     fn mark_finished(&self, global_rank: usize) {
         self.lock().finished.insert(global_rank);
-        self.wake.notify_all();
+        self.wake_all();
+    }
+
+    fn wake_all(&self) {
+        self.wake.iter().for_each(Condvar::notify_all);
     }
 }
 
@@ -263,7 +269,7 @@ impl InProcessWorld {
         let world = World {
             config,
             state: Mutex::new(state),
-            wake: Condvar::new(),
+            wake: (0..size).map(|_| Condvar::new()).collect(),
             stats: (0..size)
                 .map(|_| Mutex::new(CommStats::default()))
                 .collect(),
@@ -447,7 +453,7 @@ impl Drop for InProcessComm {
             *count = count.saturating_sub(1);
         }
         drop(state);
-        self.world.wake.notify_all();
+        self.world.wake_all();
     }
 }
 
@@ -593,7 +599,7 @@ impl InProcessComm {
                 mailbox.delivered += 1;
             }
         }
-        self.world.wake.notify_all();
+        self.world.wake[to].notify_all();
         if me != to {
             let mut stats = self.world.stats[me]
                 .lock()
@@ -704,7 +710,7 @@ impl Waiter {
                     self.group, self.op, self.seq
                 );
                 state.record_failure(sender, reason, false);
-                self.world.wake.notify_all();
+                self.world.wake_all();
                 return Err(state
                     .peer_failed(&self.group, self.rank, &self.op)
                     .expect("a failure was just recorded"));
@@ -720,12 +726,10 @@ impl Waiter {
                     waited: self.world.config.timeout,
                 };
                 state.record_failure(me, format!("rank {me}: {error}"), false);
-                self.world.wake.notify_all();
+                self.world.wake_all();
                 return Err(error);
             }
-            state = self
-                .world
-                .wake
+            state = self.world.wake[me]
                 .wait_timeout(state, self.world.config.timeout - waited)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
@@ -753,7 +757,7 @@ impl Waiter {
             ),
         };
         state.record_failure(me, format!("rank {me}: {error}"), false);
-        self.world.wake.notify_all();
+        self.world.wake_all();
         Err(error)
     }
 }
