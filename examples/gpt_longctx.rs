@@ -17,7 +17,7 @@ use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::train::{
     check_resume, read_json, train_rank, write_atomically, write_json, RankOutcome, StepMetrics,
-    StepObserver, TrainConfig, TrainData,
+    StepObserver, TrainConfig, TrainData, MAX_SEQ_LEN,
 };
 use clap::Parser;
 use serde_json::json;
@@ -129,9 +129,15 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
     let (strategy, layout) = strategy_and_layout(args, cp)?;
     let seq_len = match (args.seq_len, args.max_tokens_per_rank) {
         (Some(n), _) => n,
-        (None, Some(per_rank)) => per_rank.checked_mul(cp).ok_or_else(|| {
-            format!("--max-tokens-per-rank {per_rank} × --cp {cp} overflows the tokens of a micro-batch")
-        })?,
+        (None, Some(per_rank)) => match per_rank.checked_mul(cp) {
+            Some(tokens) if tokens <= MAX_SEQ_LEN => tokens,
+            product => {
+                return Err(format!(
+                    "--max-tokens-per-rank {per_rank} × --cp {cp} {} the limit of {MAX_SEQ_LEN} tokens per micro-batch",
+                    if product.is_some() { "exceeds" } else { "overflows, far beyond" }
+                ))
+            }
+        },
         (None, None) => 4096,
     };
     Ok(TrainConfig {

@@ -106,12 +106,12 @@ fn gpt_longctx_refuses_bad_flags_with_the_rule() {
     refused(
         "gpt_longctx",
         &["--max-tokens-per-rank", "9223372036854775808", "--cp", "2"],
-        "--max-tokens-per-rank 9223372036854775808 × --cp 2 overflows",
+        "--max-tokens-per-rank 9223372036854775808 × --cp 2 overflows, far beyond the limit",
     );
     refused(
         "gpt_longctx",
         &["--max-tokens-per-rank", "9223372036854775807", "--cp", "2"],
-        "exceeds the limit of 4294967295 tokens",
+        "--max-tokens-per-rank 9223372036854775807 × --cp 2 exceeds the limit of 4294967295 tokens",
     );
 }
 
