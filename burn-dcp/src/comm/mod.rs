@@ -197,8 +197,20 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<(), CommError>;
     /// Every rank's small control payload, indexed by rank (configuration agreement before data
-    /// moves). `what` names the exchange in errors; its bytes count as control bytes only.
-    fn all_gather_control(&self, what: &str, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError>;
+    /// moves). `what` names the exchange in errors. The in-process world counts these bytes as
+    /// control bytes only; the default (for communicators written elsewhere) is an `all_gather`.
+    fn all_gather_control(&self, what: &str, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError> {
+        let count = payload.len();
+        self.all_gather(TensorData::new(payload, [count]))?
+            .into_iter()
+            .map(|data| {
+                data.into_vec::<u8>().map_err(|e| CommError::Invalid {
+                    group: self.name().to_string(),
+                    message: format!("{what}: malformed control message {e:?}"),
+                })
+            })
+            .collect()
+    }
     /// Splits the group: ranks with the same `color` form a new group, ordered by `(key, rank)`.
     fn split(&self, color: usize, key: usize) -> Result<Comm, CommError>;
 
