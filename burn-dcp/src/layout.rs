@@ -53,6 +53,25 @@ impl FromStr for Layout {
     }
 }
 
+impl Layout {
+    /// The most tokens this layout puts on one rank for a sequence of `len` tokens over `cp`
+    /// ranks (exact): `⌈len/cp⌉` for contiguous and stripe, the largest pair of head-tail chunks
+    /// for zigzag (at most `⌈len/cp⌉ + 1`).
+    pub fn max_rank_tokens(self, len: usize, cp: usize) -> usize {
+        match self {
+            Layout::Contiguous | Layout::Stripe => len.div_ceil(cp.max(1)),
+            Layout::Zigzag => {
+                let chunks = 2 * cp.max(1);
+                let size = |c: usize| (c + 1) * len / chunks - c * len / chunks;
+                (0..cp.max(1))
+                    .map(|r| size(r) + size(chunks - 1 - r))
+                    .max()
+                    .unwrap_or(0)
+            }
+        }
+    }
+}
+
 /// The tokens every rank of a CP group holds for one packed micro-batch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sharding {
@@ -160,6 +179,23 @@ mod tests {
                     }
                 }
                 assert!(seen.iter().all(|&n| n == 1), "{layout} cp {cp}: {seen:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn max_rank_tokens_is_the_largest_shard() {
+        for layout in [Layout::Contiguous, Layout::Zigzag, Layout::Stripe] {
+            for cp in 1..12 {
+                for len in 0..70 {
+                    let sharding = Sharding::new(&[len], cp, layout).unwrap();
+                    let largest = (0..cp).map(|r| sharding.tokens(r)).max().unwrap();
+                    assert_eq!(
+                        layout.max_rank_tokens(len, cp),
+                        largest,
+                        "{layout} cp {cp} len {len}"
+                    );
+                }
             }
         }
     }
