@@ -16,8 +16,8 @@ use burn_dcp::comm::{InProcessWorld, WorldConfig};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::train::{
-    check_resume, read_json, train_rank, write_atomically, write_json, RankOutcome, StepMetrics,
-    StepObserver, TrainConfig, TrainData, MAX_SEQ_LEN,
+    check_resume, read_json, train_rank, write_atomically, write_json, CpSizes, DynamicSettings,
+    RankOutcome, StepMetrics, StepObserver, TrainConfig, TrainData, MAX_SEQ_LEN,
 };
 use clap::Parser;
 use serde_json::json;
@@ -31,9 +31,21 @@ struct Args {
     /// Data-parallel replicas [default: 1]
     #[arg(long)]
     dp: Option<usize>,
-    /// ulysses | ring | all-gather | usp, or ring-zigzag | ring-contiguous | ring-stripe [default: ring]
+    /// ulysses | ring | all-gather | usp, or ring-zigzag | ring-contiguous | ring-stripe, or dynamic (Megatron-style dynamic CP over the dp × cp pool) [default: ring]
     #[arg(long)]
     strategy: Option<String>,
+    /// Dynamic CP: the strategy inside each group, ring | ulysses | usp | all-gather [default: ring]
+    #[arg(long)]
+    inner_strategy: Option<String>,
+    /// Dynamic CP: smallest CP group [default: 1]
+    #[arg(long)]
+    min_cp_size: Option<usize>,
+    /// Dynamic CP: group sizes, pow2 (Megatron) | any [default: pow2]
+    #[arg(long)]
+    cp_sizes: Option<String>,
+    /// Dynamic CP: steps planned ahead on a background thread [default: 2]
+    #[arg(long)]
+    plan_ahead: Option<usize>,
     /// contiguous | zigzag | stripe [default: zigzag]
     #[arg(long)]
     layout: Option<String>,
@@ -44,9 +56,10 @@ struct Args {
     #[arg(long)]
     steps: Option<usize>,
     /// Tokens per packed micro-batch (at most; documents are packed, longer ones split) [default: 4096]
-    #[arg(long, conflicts_with = "max_tokens_per_rank")]
+    #[arg(long)]
     seq_len: Option<usize>,
-    /// Tokens each CP rank holds: sets --seq-len to this × cp
+    /// Tokens each CP rank holds: static CP sets --seq-len to this × cp (give one of the two);
+    /// dynamic CP uses it as the scheduler's per-rank budget [default: ⌈seq-len / cp⌉]
     #[arg(long)]
     max_tokens_per_rank: Option<usize>,
     /// Micro-batches per optimizer step over all replicas (the global batch; a multiple of dp) [default: 2]
@@ -124,11 +137,58 @@ fn strategy_and_layout(args: &Args, cp: usize) -> Result<(Strategy, Layout), Str
     Ok((strategy, layout))
 }
 
+/// `--strategy dynamic`: the inner strategy and the scheduler settings; `None` for static CP (then
+/// the dynamic-only flags are an error).
+fn dynamic_settings(
+    args: &Args,
+    cp: usize,
+    seq_len: usize,
+) -> Result<Option<(Strategy, DynamicSettings)>, String> {
+    if args.strategy.as_deref() != Some("dynamic") {
+        let given = [
+            ("--inner-strategy", args.inner_strategy.is_some()),
+            ("--min-cp-size", args.min_cp_size.is_some()),
+            ("--cp-sizes", args.cp_sizes.is_some()),
+            ("--plan-ahead", args.plan_ahead.is_some()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
+            return Err(format!("{flag} only applies to --strategy dynamic"));
+        }
+        return Ok(None);
+    }
+    let name = args.inner_strategy.as_deref().unwrap_or("ring");
+    // USP keeps its Ulysses degree; the ring degree follows each group's size.
+    let degree_cp = args.ulysses_degree.unwrap_or(1);
+    let inner = Strategy::parse(name, args.ulysses_degree, degree_cp).map_err(|e| e.to_string())?;
+    let settings = DynamicSettings {
+        max_tokens_per_rank: args
+            .max_tokens_per_rank
+            .unwrap_or(seq_len.div_ceil(cp.max(1))),
+        min_cp_size: args.min_cp_size.unwrap_or(1),
+        cp_sizes: args
+            .cp_sizes
+            .as_deref()
+            .unwrap_or("pow2")
+            .parse::<CpSizes>()?,
+        plan_ahead: args.plan_ahead.unwrap_or(2),
+    };
+    Ok(Some((inner, settings)))
+}
+
 fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
     let cp = args.cp.unwrap_or(4);
-    let (strategy, layout) = strategy_and_layout(args, cp)?;
+    let dynamic = args.strategy.as_deref() == Some("dynamic");
+    if !dynamic && args.seq_len.is_some() && args.max_tokens_per_rank.is_some() {
+        return Err("give --seq-len or --max-tokens-per-rank (= seq-len / cp), not both (with --strategy dynamic, --max-tokens-per-rank is the scheduler's per-rank budget)".into());
+    }
+    let (strategy, layout) = if dynamic {
+        (Strategy::Ring, layout_flag(args)?)
+    } else {
+        strategy_and_layout(args, cp)?
+    };
     let seq_len = match (args.seq_len, args.max_tokens_per_rank) {
         (Some(n), _) => n,
+        (None, _) if dynamic => 4096,
         (None, Some(per_rank)) => match per_rank.checked_mul(cp) {
             Some(tokens) if tokens <= MAX_SEQ_LEN => tokens,
             product => {
@@ -155,7 +215,24 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
         corpus: args.corpus.clone().unwrap_or_else(|| "default".into()),
         tokenizer: args.tokenizer.clone().unwrap_or_else(|| "bytes".into()),
         timeout_secs: args.timeout_secs.unwrap_or(60),
+        dynamic: None,
     })
+    .and_then(|mut config| {
+        if let Some((inner, settings)) = dynamic_settings(args, cp, config.seq_len)? {
+            config.strategy = inner;
+            config.dynamic = Some(settings);
+        }
+        Ok(config)
+    })
+}
+
+/// `--layout` alone (dynamic CP: the layout inside each group) [default: zigzag].
+fn layout_flag(args: &Args) -> Result<Layout, String> {
+    args.layout
+        .as_deref()
+        .unwrap_or("zigzag")
+        .parse()
+        .map_err(|e: burn_dcp::CpError| e.to_string())
 }
 
 /// On resume: the saved config, with `--steps` as the new total; any other flag must agree.
@@ -205,7 +282,8 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
         ),
         (
             "--seq-len",
-            (args.seq_len.is_some() || args.max_tokens_per_rank.is_some())
+            (args.seq_len.is_some()
+                || (args.max_tokens_per_rank.is_some() && saved.dynamic.is_none()))
                 && given.seq_len != saved.seq_len,
             given.seq_len.to_string(),
             saved.seq_len.to_string(),
@@ -235,6 +313,19 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
             saved.mask.clone(),
         ),
     ];
+    let dynamic_flags = args.inner_strategy.is_some()
+        || args.min_cp_size.is_some()
+        || args.cp_sizes.is_some()
+        || args.plan_ahead.is_some()
+        || (args.max_tokens_per_rank.is_some() && saved.dynamic.is_some());
+    if (args.strategy.is_some() || dynamic_flags) && given.dynamic != saved.dynamic {
+        return Err(format!(
+            "the dynamic CP settings {:?} differ from the resumed run's {:?} (saved in {})",
+            given.dynamic,
+            saved.dynamic,
+            dir.display()
+        ));
+    }
     if let Some((flag, _, value, saved_value)) = checks.into_iter().find(|c| c.1) {
         return Err(format!(
             "{flag} {value} differs from the resumed run's {saved_value} (saved in {})",
@@ -397,9 +488,19 @@ fn run(args: &Args) -> Result<(), String> {
         started: Instant::now(),
         error: Mutex::new(None),
     };
+    let strategy = match &config.dynamic {
+        Some(d) => format!(
+            "dynamic CP over a pool of {} ({} inside groups, {} tokens per rank, {:?} sizes)",
+            config.world_size(),
+            config.strategy,
+            d.max_tokens_per_rank,
+            d.cp_sizes
+        ),
+        None => format!("{} strategy", config.strategy),
+    };
     eprintln!(
-        "gpt_longctx: {} model, world {} = dp {} × cp {} ({} strategy, {} layout), {} tokens/micro-batch, {} micro-batches/step, mask {}",
-        config.model_size, config.world_size(), config.dp, config.cp, config.strategy, config.layout, config.seq_len, config.micro_batches, config.mask
+        "gpt_longctx: {} model, world {} = dp {} × cp {} ({strategy}, {} layout), {} tokens/micro-batch, {} micro-batches/step, mask {}",
+        config.model_size, config.world_size(), config.dp, config.cp, config.layout, config.seq_len, config.micro_batches, config.mask
     );
     let data = TrainData::load(&config)?;
     eprintln!(
@@ -471,6 +572,24 @@ fn train_world<B: FlashOps>(
     })
 }
 
+/// Group size → sequences, summed over the steps.
+fn group_size_totals(metrics: &[StepMetrics]) -> std::collections::BTreeMap<String, usize> {
+    let mut totals = std::collections::BTreeMap::new();
+    for (size, count) in metrics.iter().flat_map(|m| &m.cp_group_sizes) {
+        *totals.entry(size.clone()).or_default() += count;
+    }
+    totals
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let (sum, count) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    if count == 0 {
+        0.0
+    } else {
+        sum / count as f64
+    }
+}
+
 fn summarize(
     args: &Args,
     config: &TrainConfig,
@@ -491,6 +610,9 @@ fn summarize(
         "tokens": tokens,
         "tokens_per_second": if train_seconds > 0.0 { tokens as f64 / train_seconds } else { 0.0 },
         "bytes_communicated": bytes,
+        "cp_group_sizes": group_size_totals(metrics),
+        "rank_workload_imbalance": mean(metrics.iter().map(|m| m.rank_workload_imbalance)),
+        "plan_wait_ms": metrics.iter().filter_map(|m| m.plan_wait_ms).fold(0.0, |a, b| a + b),
         "wall_seconds": wall,
         "out": out.map(|p| p.display().to_string()),
     });

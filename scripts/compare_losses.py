@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Runs gpt_longctx for several parallel configurations at the same seed and data and checks that
+"""Runs gpt_longctx for several parallel configurations (static CP strategies, DP × CP and
+dynamic CP pools) at the same seed and data and checks that
 every step's loss agrees with the cp 1 × dp 1 run to ≤ 1e-4 relative.
 
 Usage: python3 scripts/compare_losses.py [BIN] [--steps N]
@@ -26,6 +27,10 @@ runs = {
     "cp4 usp 2x2": ["--cp", "4", "--strategy", "usp", "--ulysses-degree", "2"],
     "cp4 all-gather": ["--cp", "4", "--strategy", "all-gather"],
     "cp2 dp2 ring": ["--cp", "2", "--dp", "2"],
+    # Dynamic CP (Megatron-style) over pools of 2, 4 and 8 ranks.
+    "dynamic pool 2": ["--cp", "2", "--strategy", "dynamic", "--max-tokens-per-rank", "1024"],
+    "dynamic pool 4": ["--cp", "2", "--dp", "2", "--strategy", "dynamic", "--max-tokens-per-rank", "512"],
+    "dynamic pool 8": ["--cp", "8", "--strategy", "dynamic", "--max-tokens-per-rank", "384", "--cp-sizes", "any"],
 }
 reference = losses("--cp", "1", "--dp", "1")
 worst_all = 0.0

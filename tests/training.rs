@@ -28,6 +28,7 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         corpus: "builtin".into(),
         tokenizer: "bytes".into(),
         timeout_secs: 60,
+        dynamic: None,
     }
 }
 
@@ -38,6 +39,15 @@ fn one_step(config: &TrainConfig) -> (f64, Vec<Vec<f32>>, u64) {
 
 /// [`one_step`] on `ContextParallel<Autodiff<B>>`.
 fn one_step_on<B: FlashOps>(config: &TrainConfig, device: &B::Device) -> (f64, Vec<Vec<f32>>, u64) {
+    step_on::<B>(config, 1, device)
+}
+
+/// Loss and gradients of step `step` from the initial weights (see [`one_step`]).
+fn step_on<B: FlashOps>(
+    config: &TrainConfig,
+    step: usize,
+    device: &B::Device,
+) -> (f64, Vec<Vec<f32>>, u64) {
     let world = InProcessWorld::new(
         config.world_size(),
         WorldConfig {
@@ -49,8 +59,8 @@ fn one_step_on<B: FlashOps>(config: &TrainConfig, device: &B::Device) -> (f64, V
     let results = world.run(|comm| -> Result<_, String> {
         let groups = RankGroups::new(comm, config).map_err(|e| e.to_string())?;
         let model: Gpt<CpTrain<B>> = config.model_config()?.init(config.seed, device)?;
-        let (loss, grads, _) =
-            step_gradients(&model, &groups, config, &data, 1, device).map_err(|e| e.to_string())?;
+        let (loss, grads, _) = step_gradients(&model, &groups, config, &data, step, device)
+            .map_err(|e| e.to_string())?;
         Ok((loss, gradient_values(&model, &grads)))
     });
     let bytes = world.stats().iter().map(|s| s.total_bytes()).sum();
@@ -384,4 +394,65 @@ fn checkpoints_never_move_backwards_and_survive_an_interrupted_save() {
     assert_eq!(saved_checkpoint(&run).unwrap(), run.join("checkpoint"));
     assert!(!run.join("checkpoint.old").exists() && !run.join("checkpoint.tmp").exists());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Dynamic CP over pools of 2, 4 and 8 ranks on the default corpus: every step's loss and every
+/// parameter's gradient equal cp 1 on the same data, with groups of several sizes in use.
+#[test]
+fn dynamic_cp_pools_match_cp1_on_the_default_corpus() {
+    use burn_dcp_suite::train::{plan_for_step, CpSizes, DynamicSettings};
+    let mut base = config(1, 1, Strategy::Ring, Layout::Zigzag, "causal");
+    base.corpus = "default".into();
+    base.seq_len = 1024;
+    base.micro_batches = 4;
+    // Most pieces of the default corpus fill a micro-batch: take the first step that also holds
+    // short sequences (the tails of documents).
+    let data = TrainData::load(&base).unwrap();
+    let step = (1..=data.len() / base.micro_batches)
+        .find(|&step| {
+            let lengths: Vec<usize> = data
+                .step_batches(step, base.micro_batches)
+                .iter()
+                .flat_map(|b| b.packed.seq_lens.clone())
+                .collect();
+            lengths.iter().any(|&l| l <= 128) && lengths.iter().any(|&l| l >= 1000)
+        })
+        .expect("a step with short and long sequences");
+    let flex = burn::backend::flex::FlexDevice;
+    let reference = step_on::<burn::backend::Flex>(&base, step, &flex);
+    let mut mixed = false;
+    let usp = Strategy::Usp {
+        ulysses_degree: 2,
+        ring_degree: 1,
+    };
+    for (cp, dp, budget, sizes, inner, min) in [
+        (2, 1, 512, CpSizes::Pow2, Strategy::Ring, 1),
+        (2, 2, 512, CpSizes::Pow2, Strategy::AllGather, 1),
+        (4, 1, 512, CpSizes::Pow2, Strategy::Ulysses, 1),
+        (8, 1, 200, CpSizes::Any, Strategy::Ring, 1),
+        (4, 2, 256, CpSizes::Pow2, usp, 2),
+    ] {
+        let mut dynamic = base.clone();
+        (dynamic.cp, dynamic.dp, dynamic.strategy) = (cp, dp, inner);
+        dynamic.dynamic = Some(DynamicSettings {
+            max_tokens_per_rank: budget,
+            min_cp_size: min,
+            cp_sizes: sizes,
+            plan_ahead: 2,
+        });
+        let data = TrainData::load(&dynamic).unwrap();
+        let plan = plan_for_step(&dynamic, dynamic.dynamic.as_ref().unwrap(), &data, step).unwrap();
+        let mut used: Vec<usize> = plan.schedule.cp_sizes.clone();
+        used.sort_unstable();
+        used.dedup();
+        let got = step_on::<burn::backend::Flex>(&dynamic, step, &flex);
+        let what = format!(
+            "dynamic pool {} ({inner} inside, budget {budget}, sizes {used:?})",
+            cp * dp
+        );
+        mixed |= used.len() > 1;
+        eprintln!("{what}: loss {} vs {}", got.0, reference.0);
+        assert_same_step(&got, &reference, &what);
+    }
+    assert!(mixed, "no configuration used groups of different sizes");
 }

@@ -9,6 +9,11 @@
 //! the step's global label count, so gradients summed over all DP×CP ranks (the all-reduce) are
 //! exactly the gradients of the global mean loss, whatever cp and dp are.
 
+pub mod dynamic;
+
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -27,6 +32,11 @@ use burn_dcp_datasets::tokenizer::{cache_dir, default_tokenized, files_identity,
 use burn_dcp_datasets::{pack_corpus, MaskPolicy, PackingConfig, TokenizedCorpus, Tokenizer};
 use burn_dcp_models::{Gpt, GptConfig};
 use serde::{Deserialize, Serialize};
+
+pub use dynamic::{
+    plan_step, schedule_stats, sequence_work, CpSizes, DynamicSettings, PoolGroups, ScheduleStats,
+    StepPlan, StepSequences,
+};
 
 /// The training backend over an inner backend `B` (burn Flex on the CPU, or a cubecl backend with
 /// the kernels): the decorator over autodiff over `B`.
@@ -59,6 +69,10 @@ pub struct TrainConfig {
     /// `gpt2` (r50k BPE) or `bytes`.
     pub tokenizer: String,
     pub timeout_secs: u64,
+    /// `--strategy dynamic`: the `dp × cp` ranks form one pool and every sequence gets a CP group
+    /// per step (then `strategy` and `layout` are the strategy inside each group).
+    #[serde(default)]
+    pub dynamic: Option<DynamicSettings>,
 }
 
 impl TrainConfig {
@@ -117,18 +131,23 @@ impl TrainConfig {
                 self.seq_len
             ));
         }
-        self.strategy
-            .validate_mesh(self.cp)
-            .map_err(|e| e.to_string())?;
         let model = self.model_config()?;
-        self.strategy
-            .validate_heads(model.n_heads, model.n_heads, self.cp)
-            .map_err(|e| e.to_string())?;
+        if self.dynamic.is_none() {
+            self.strategy
+                .validate_mesh(self.cp)
+                .map_err(|e| e.to_string())?;
+            self.strategy
+                .validate_heads(model.n_heads, model.n_kv_heads, self.cp)
+                .map_err(|e| e.to_string())?;
+        }
         if self.micro_batches > MAX_MICRO_BATCHES {
             return Err(format!(
                 "{} micro-batches per step exceed the limit of {MAX_MICRO_BATCHES}",
                 self.micro_batches
             ));
+        }
+        if let Some(settings) = &self.dynamic {
+            self.validate_dynamic(settings)?;
         }
         if let MaskPolicy::Same(MaskSpec::Full) = self.mask_policy()? {
             return Err(
@@ -137,6 +156,26 @@ impl TrainConfig {
             );
         }
         Ok(())
+    }
+
+    /// Dynamic CP: the settings, the inner strategy on every group size, and the longest packed
+    /// sequence (`seq_len` tokens) fitting the pool.
+    fn validate_dynamic(&self, settings: &DynamicSettings) -> Result<(), String> {
+        let model = self.model_config()?;
+        let pool = self.world_size();
+        settings.validate(pool, self.strategy, model.n_heads, model.n_kv_heads)?;
+        burn_dcp::planner::dynamic::min_cp_size_for(
+            self.seq_len,
+            &settings.scheduler(pool),
+            self.layout,
+        )
+        .map(|_| ())
+        .map_err(|e| {
+            format!(
+                "--seq-len {} makes packed sequences of up to that length: {e}",
+                self.seq_len
+            )
+        })
     }
 
     pub fn model_config(&self) -> Result<GptConfig, String> {
@@ -165,25 +204,28 @@ pub const MAX_SEQ_LEN: usize = u32::MAX as usize;
 /// The `builtin` corpus: this repository's own design notes and sources (small; for tests).
 pub fn builtin_documents() -> Vec<Document> {
     [
-        ("README.md", include_str!("../README.md")),
-        ("ring.rs", include_str!("../burn-dcp/src/strategy/ring.rs")),
+        ("README.md", include_str!("../../README.md")),
+        (
+            "ring.rs",
+            include_str!("../../burn-dcp/src/strategy/ring.rs"),
+        ),
         (
             "ulysses.rs",
-            include_str!("../burn-dcp/src/strategy/ulysses.rs"),
+            include_str!("../../burn-dcp/src/strategy/ulysses.rs"),
         ),
         (
             "in_process.rs",
-            include_str!("../burn-dcp/src/comm/in_process.rs"),
+            include_str!("../../burn-dcp/src/comm/in_process.rs"),
         ),
         (
             "portable.rs",
-            include_str!("../burn-dcp-kernels/src/portable.rs"),
+            include_str!("../../burn-dcp-kernels/src/portable.rs"),
         ),
         (
             "mask.rs",
-            include_str!("../burn-dcp-kernels/src/definition/mask.rs"),
+            include_str!("../../burn-dcp-kernels/src/definition/mask.rs"),
         ),
-        ("gpt.rs", include_str!("../models/src/gpt.rs")),
+        ("gpt.rs", include_str!("../../models/src/gpt.rs")),
     ]
     .iter()
     .map(|(name, text)| Document {
@@ -282,13 +324,27 @@ pub struct StepMetrics {
     /// Bytes sent by all ranks during the step (attention and gradient all-reduce).
     pub bytes_communicated: u64,
     pub step_ms: f64,
+    /// CP group size → number of sequences that ran in groups of that size.
+    #[serde(default)]
+    pub cp_group_sizes: BTreeMap<String, usize>,
+    /// Max / mean of the per-rank estimated work of the step (see `dynamic`'s estimator).
+    #[serde(default)]
+    pub rank_workload_imbalance: f64,
+    /// Dynamic CP: time the scheduler took for this step (on the planning thread).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan_ms: Option<f64>,
+    /// Dynamic CP: time the step waited for its plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan_wait_ms: Option<f64>,
 }
 
-/// A rank's groups: the whole world (gradient all-reduce) and its CP group.
+/// A rank's groups: the whole world (gradient all-reduce) and its static CP group, or, under
+/// dynamic CP, the pool's groups it belongs to (created on first use).
 pub struct RankGroups {
     pub world: Comm,
     pub cp: CpGroup,
     pub dp_rank: usize,
+    pub pool: Option<RefCell<PoolGroups>>,
 }
 
 impl RankGroups {
@@ -296,10 +352,20 @@ impl RankGroups {
         let rank = world.rank();
         let dp_rank = rank / config.cp;
         let cp_comm = world.split(dp_rank, rank % config.cp)?;
+        // Under dynamic CP the static group is unused: a ring keeps it valid for any inner strategy.
+        let static_strategy = match config.dynamic {
+            Some(_) => Strategy::Ring,
+            None => config.strategy,
+        };
+        let pool = config
+            .dynamic
+            .as_ref()
+            .map(|_| RefCell::new(PoolGroups::new(world.clone(), config.strategy)));
         Ok(Self {
-            cp: CpGroup::new(cp_comm, config.strategy)?,
+            cp: CpGroup::new(cp_comm, static_strategy)?,
             world,
             dp_rank,
+            pool,
         })
     }
 }
@@ -308,20 +374,20 @@ fn int_tensor<B: burn::prelude::Backend>(values: &[i64], device: &B::Device) -> 
     Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
 }
 
-/// Forward and backward of this rank's share of one micro-batch; returns its loss sum (unscaled)
-/// and its gradients of `loss_sum / global_labels`.
+/// Forward and backward of this rank's share of one (sub-)micro-batch on `group`; returns its
+/// loss sum (unscaled) and its gradients of `loss_sum / global_labels`.
 fn micro_batch_gradients<B: FlashOps>(
     model: &Gpt<CpTrain<B>>,
-    groups: &RankGroups,
+    group: &CpGroup,
     batch: &TrainBatch,
-    config: &TrainConfig,
+    layout: Layout,
     global_labels: usize,
     device: &B::Device,
 ) -> Result<(f64, GradientsParams), CpError> {
-    let sharding = batch.packed.sharding(config.cp, config.layout)?;
-    let shard = batch.packed.shard(&sharding, groups.cp.comm.rank());
+    let sharding = batch.packed.sharding(group.cp(), layout)?;
+    let shard = batch.packed.shard(&sharding, group.comm.rank());
     let _context = set_context(CpContext {
-        group: groups.cp.clone(),
+        group: group.clone(),
         batch: CpBatch::new(sharding, batch.masks.clone()),
     });
     let loss_sum = model.loss_sum(
@@ -371,7 +437,9 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for AllReduceGradients<'_, B> {
     }
 }
 
-/// Gradients of the global mean loss of step `step` (all-reduced over DP×CP), and the loss.
+/// Gradients of the global mean loss of step `step` (all-reduced over DP×CP), the loss and the
+/// step's token count. Under dynamic CP the step is planned here, synchronously; training plans
+/// ahead on a background thread and calls [`step_gradients_planned`].
 pub fn step_gradients<B: FlashOps>(
     model: &Gpt<CpTrain<B>>,
     groups: &RankGroups,
@@ -380,6 +448,54 @@ pub fn step_gradients<B: FlashOps>(
     step: usize,
     device: &B::Device,
 ) -> Result<(f64, GradientsParams, usize), CpError> {
+    let plan = match &config.dynamic {
+        Some(settings) => Some(plan_for_step(config, settings, data, step)?),
+        None => None,
+    };
+    let result = step_gradients_planned(model, groups, config, data, step, plan.as_ref(), device)?;
+    Ok((result.loss, result.grads, result.tokens))
+}
+
+/// The dynamic CP plan of step `step` (pure: the same on every rank).
+pub fn plan_for_step(
+    config: &TrainConfig,
+    settings: &DynamicSettings,
+    data: &TrainData,
+    step: usize,
+) -> Result<StepPlan, CpError> {
+    let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
+    let model = config.model_config().map_err(CpError::Config)?;
+    plan_step(
+        step,
+        &sequences,
+        settings,
+        config.world_size(),
+        config.layout,
+        &model,
+    )
+}
+
+/// One rank's step: the mean loss, the all-reduced gradients, the tokens, and what ran where.
+pub struct StepResult {
+    pub loss: f64,
+    pub grads: GradientsParams,
+    pub tokens: usize,
+    pub stats: ScheduleStats,
+}
+
+/// A sub-micro-batch this rank runs and the CP group it runs in.
+type WorkItem<'a> = (Cow<'a, TrainBatch>, CpGroup);
+
+/// [`step_gradients`] with the step's dynamic CP plan given (`None` for static CP).
+pub fn step_gradients_planned<B: FlashOps>(
+    model: &Gpt<CpTrain<B>>,
+    groups: &RankGroups,
+    config: &TrainConfig,
+    data: &TrainData,
+    step: usize,
+    plan: Option<&StepPlan>,
+    device: &B::Device,
+) -> Result<StepResult, CpError> {
     let batches = data.step_batches(step, config.micro_batches);
     let global_labels: usize = batches.iter().map(|b| b.packed.label_count()).sum();
     if global_labels == 0 {
@@ -388,19 +504,122 @@ pub fn step_gradients<B: FlashOps>(
             batches.len()
         )));
     }
+    let tokens = batches.iter().map(|b| b.packed.tokens.len()).sum();
+    let sequences = StepSequences::new(batches.clone());
+    let (items, stats) = match plan {
+        Some(plan) => dynamic_items(groups, &sequences, plan)?,
+        None => static_items(groups, config, &batches, &sequences)?,
+    };
     let mut accumulator = GradientsAccumulator::<Gpt<CpTrain<B>>>::new();
     let mut loss_sum = 0.0;
-    for batch in batches
-        .iter()
-        .copied()
-        .skip(groups.dp_rank)
-        .step_by(config.dp)
-    {
+    for (batch, group) in &items {
         let (value, grads) =
-            micro_batch_gradients(model, groups, batch, config, global_labels, device)?;
+            micro_batch_gradients(model, group, batch, config.layout, global_labels, device)?;
         loss_sum += value;
         accumulator.accumulate(model, grads);
     }
+    let (loss, grads) = reduce_step(model, groups, step, accumulator, loss_sum, global_labels)?;
+    Ok(StepResult {
+        loss,
+        grads,
+        tokens,
+        stats,
+    })
+}
+
+/// Static CP: this replica's micro-batches on its CP group; replica `d` runs micro-batches
+/// `d, d+dp, …` on ranks `d·cp .. (d+1)·cp`.
+fn static_items<'a>(
+    groups: &RankGroups,
+    config: &TrainConfig,
+    batches: &[&'a TrainBatch],
+    sequences: &StepSequences,
+) -> Result<(Vec<WorkItem<'a>>, ScheduleStats), CpError> {
+    let items = batches
+        .iter()
+        .skip(groups.dp_rank)
+        .step_by(config.dp)
+        .map(|&batch| (Cow::Borrowed(batch), groups.cp.clone()))
+        .collect();
+    let works = sequence_works(config, sequences)?;
+    let mut first = 0;
+    let mut placed = Vec::new();
+    for (index, batch) in batches.iter().enumerate() {
+        let count = batch.packed.seq_lens.len();
+        let replica = index % config.dp;
+        placed.push((
+            replica * config.cp..(replica + 1) * config.cp,
+            (first..first + count).collect::<Vec<_>>(),
+        ));
+        first += count;
+    }
+    let stats = schedule_stats(
+        placed
+            .iter()
+            .map(|(ranks, seqs)| (ranks.clone(), seqs.as_slice())),
+        &works,
+        config.world_size(),
+    );
+    Ok((items, stats))
+}
+
+fn sequence_works(config: &TrainConfig, sequences: &StepSequences) -> Result<Vec<f64>, CpError> {
+    let model = config.model_config().map_err(CpError::Config)?;
+    let lengths = sequences.lengths();
+    Ok((0..lengths.len())
+        .map(|s| sequence_work(lengths[s], sequences.mask(s), &model))
+        .collect())
+}
+
+/// Dynamic CP: the sub-micro-batch of every sub-step group this rank is in. Every rank creates
+/// the plan's new groups first, in order (a collective), whether it is in them or not.
+fn dynamic_items(
+    groups: &RankGroups,
+    sequences: &StepSequences,
+    plan: &StepPlan,
+) -> Result<(Vec<WorkItem<'static>>, ScheduleStats), CpError> {
+    let pool = groups.pool.as_ref().ok_or_else(|| {
+        CpError::Config(
+            "a dynamic CP plan needs the pool's groups (RankGroups::new with dynamic settings)"
+                .into(),
+        )
+    })?;
+    let mut pool = pool.borrow_mut();
+    for sub_step in &plan.schedule.micro_batches {
+        pool.ensure(sub_step)?;
+    }
+    let me = groups.world.rank();
+    let mut items = Vec::new();
+    for group in plan.schedule.micro_batches.iter().flat_map(|m| &m.groups) {
+        if !group.ranks.contains(&me) {
+            continue;
+        }
+        let cp_group = pool.group(&group.ranks).cloned().ok_or_else(|| {
+            CpError::Config(format!(
+                "rank {me}: no CP group for ranks {:?}",
+                group.ranks
+            ))
+        })?;
+        items.push((Cow::Owned(sequences.gather(&group.sequences)), cp_group));
+    }
+    let all = plan.schedule.micro_batches.iter().flat_map(|m| &m.groups);
+    let stats = schedule_stats(
+        all.map(|g| (g.ranks.clone(), g.sequences.as_slice())),
+        &plan.works,
+        groups.world.size(),
+    );
+    Ok((items, stats))
+}
+
+/// All-reduces the accumulated gradients and the loss over the world; stops on non-finite values.
+fn reduce_step<B: FlashOps>(
+    model: &Gpt<CpTrain<B>>,
+    groups: &RankGroups,
+    step: usize,
+    mut accumulator: GradientsAccumulator<Gpt<CpTrain<B>>>,
+    loss_sum: f64,
+    global_labels: usize,
+) -> Result<(f64, GradientsParams), CpError> {
     let mut reducer = AllReduceGradients {
         grads: accumulator.grads(),
         comm: &groups.world,
@@ -420,8 +639,7 @@ pub fn step_gradients<B: FlashOps>(
     let total: f64 = total
         .to_vec::<f64>()
         .map_err(|e| CpError::Input(format!("{e:?}")))?[0];
-    let tokens = batches.iter().map(|b| b.packed.tokens.len()).sum();
-    Ok((total / global_labels as f64, reducer.grads, tokens))
+    Ok((total / global_labels as f64, reducer.grads))
 }
 
 fn all_finite(data: &TensorData) -> bool {
@@ -618,29 +836,20 @@ pub fn train_rank<B: FlashOps>(
         let state: TrainState = read_json(&checkpoint.join("state.json"))?;
         first_step = state.step + 1;
     }
-    let mut metrics = Vec::new();
-    for step in first_step..=config.steps {
-        let started = Instant::now();
-        groups.world.barrier().map_err(|e| e.to_string())?;
-        let bytes_before = (groups.world.rank() == 0).then(|| observer.total_bytes());
-        groups.world.barrier().map_err(|e| e.to_string())?;
-        let (loss, grads, tokens) = step_gradients(&model, &groups, config, data, step, device)
-            .map_err(|e| e.to_string())?;
-        model = optimizer.step(config.learning_rate, model, grads);
-        groups.world.barrier().map_err(|e| e.to_string())?;
-        if let Some(before) = bytes_before {
-            let step_metrics = StepMetrics {
-                step,
-                loss,
-                tokens,
-                bytes_communicated: observer.total_bytes() - before,
-                step_ms: started.elapsed().as_secs_f64() * 1e3,
-            };
-            observer.on_step(&step_metrics);
-            metrics.push(step_metrics);
-        }
-        groups.world.barrier().map_err(|e| e.to_string())?;
-    }
+    let run = StepLoop {
+        groups: &groups,
+        config,
+        data,
+        observer,
+        device,
+    };
+    let metrics = std::thread::scope(|scope| {
+        let plans = config
+            .dynamic
+            .as_ref()
+            .map(|settings| plan_ahead(scope, config, settings, data, first_step));
+        run.steps(&mut model, &mut optimizer, first_step, plans)
+    })?;
     if let (Some(out), 0) = (out, groups.world.rank()) {
         let state = TrainState {
             step: config.steps,
@@ -650,6 +859,106 @@ pub fn train_rank<B: FlashOps>(
         save_checkpoint(out, &model, &optimizer, &state, &recorder)?;
     }
     Ok(RankOutcome { metrics })
+}
+
+/// A receiver of the plans of consecutive steps, computed ahead on a background thread.
+type PlanReceiver = std::sync::mpsc::Receiver<Result<StepPlan, CpError>>;
+
+/// Plans steps `first..=steps` on a thread of `scope`, at most `plan_ahead` steps ahead of the one
+/// training (a bounded channel). The thread stops when the receiver is dropped.
+fn plan_ahead<'scope, 'env>(
+    scope: &'scope std::thread::Scope<'scope, 'env>,
+    config: &'env TrainConfig,
+    settings: &'env DynamicSettings,
+    data: &'env TrainData,
+    first: usize,
+) -> PlanReceiver {
+    let (sender, receiver) = std::sync::mpsc::sync_channel(settings.plan_ahead);
+    scope.spawn(move || {
+        for step in first..=config.steps {
+            if sender
+                .send(plan_for_step(config, settings, data, step))
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+    receiver
+}
+
+/// What every step of a rank's training needs.
+struct StepLoop<'a, B: FlashOps> {
+    groups: &'a RankGroups,
+    config: &'a TrainConfig,
+    data: &'a TrainData,
+    observer: &'a dyn StepObserver,
+    device: &'a B::Device,
+}
+
+impl<B: FlashOps> StepLoop<'_, B> {
+    /// Trains steps `first..=steps`; rank 0 returns (and reports) their metrics.
+    fn steps<O: Optimizer<Gpt<CpTrain<B>>, CpTrain<B>>>(
+        &self,
+        model: &mut Gpt<CpTrain<B>>,
+        optimizer: &mut O,
+        first: usize,
+        plans: Option<PlanReceiver>,
+    ) -> Result<Vec<StepMetrics>, String> {
+        let world = &self.groups.world;
+        let mut metrics = Vec::new();
+        for step in first..=self.config.steps {
+            let started = Instant::now();
+            world.barrier().map_err(|e| e.to_string())?;
+            let bytes_before = (world.rank() == 0).then(|| self.observer.total_bytes());
+            world.barrier().map_err(|e| e.to_string())?;
+            let waited = Instant::now();
+            let plan = match &plans {
+                Some(plans) => Some(
+                    plans
+                        .recv()
+                        .map_err(|_| format!("step {step}: the planning thread stopped"))?
+                        .map_err(|e| e.to_string())?,
+                ),
+                None => None,
+            };
+            let plan_wait_ms = waited.elapsed().as_secs_f64() * 1e3;
+            let result = step_gradients_planned(
+                model,
+                self.groups,
+                self.config,
+                self.data,
+                step,
+                plan.as_ref(),
+                self.device,
+            )
+            .map_err(|e| e.to_string())?;
+            *model = optimizer.step(self.config.learning_rate, model.clone(), result.grads);
+            world.barrier().map_err(|e| e.to_string())?;
+            if let Some(before) = bytes_before {
+                let step_metrics = StepMetrics {
+                    step,
+                    loss: result.loss,
+                    tokens: result.tokens,
+                    bytes_communicated: self.observer.total_bytes() - before,
+                    step_ms: started.elapsed().as_secs_f64() * 1e3,
+                    cp_group_sizes: result
+                        .stats
+                        .cp_group_sizes
+                        .iter()
+                        .map(|(size, count)| (size.to_string(), *count))
+                        .collect(),
+                    rank_workload_imbalance: result.stats.rank_workload_imbalance,
+                    plan_ms: plan.as_ref().map(|p| p.plan_ms),
+                    plan_wait_ms: plan.as_ref().map(|_| plan_wait_ms),
+                };
+                self.observer.on_step(&step_metrics);
+                metrics.push(step_metrics);
+            }
+            world.barrier().map_err(|e| e.to_string())?;
+        }
+        Ok(metrics)
+    }
 }
 
 /// Saves the checkpoint atomically: everything is written to `checkpoint.tmp/`, then the old
