@@ -377,3 +377,68 @@ fn plan_sim_and_dataset_stats_refuse_sizes_with_limits() {
         "--samples",
     );
 }
+
+#[test]
+fn gpt_longctx_dynamic_flags_are_checked() {
+    refused_gpt(
+        &["--inner-strategy", "ring"],
+        "--inner-strategy only applies to --strategy dynamic",
+    );
+    refused_gpt(
+        &["--cp-sizes", "pow2"],
+        "--cp-sizes only applies to --strategy dynamic",
+    );
+    refused_gpt(
+        &["--strategy", "dynamic", "--cp-sizes", "odd"],
+        "unknown --cp-sizes 'odd'",
+    );
+    refused_gpt(
+        &[
+            "--strategy",
+            "dynamic",
+            "--cp",
+            "2",
+            "--max-tokens-per-rank",
+            "16",
+        ],
+        "does not fit the pool",
+    );
+    refused_gpt(
+        &[
+            "--strategy",
+            "dynamic",
+            "--cp",
+            "8",
+            "--inner-strategy",
+            "ulysses",
+        ],
+        "dynamic CP may use groups of 8 ranks",
+    );
+    refused_gpt(
+        &["--strategy", "dynamic", "--plan-ahead", "0"],
+        "--plan-ahead 0 must be between 1",
+    );
+    let out = succeeded(
+        "gpt_longctx",
+        &[
+            "--corpus",
+            "builtin",
+            "--seq-len",
+            "64",
+            "--micro-batches",
+            "2",
+            "--steps",
+            "2",
+            "--cp",
+            "4",
+            "--strategy",
+            "dynamic",
+            "--max-tokens-per-rank",
+            "16",
+            "--json",
+        ],
+    );
+    let summary: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(summary["cp_group_sizes"]["4"], 4, "{summary}");
+    assert!(summary["plan_wait_ms"].as_f64().is_some(), "{summary}");
+}

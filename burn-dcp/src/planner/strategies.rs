@@ -19,12 +19,13 @@
 
 use std::str::FromStr;
 
-use burn_dcp_kernels::MaskSpec;
+use burn_dcp_kernels::{mask_of, MaskSpec};
 
 use crate::error::CpError;
+use crate::layout::Layout;
 use crate::planner::cost::{AttentionDims, Pass, RoutedPlan, Transfer, UnitSizes, POST};
 use crate::planner::dcp::{dcp_plan, DcpConfig};
-use crate::planner::dynamic::{schedule, DynamicCpConfig};
+use crate::planner::dynamic::{schedule_with, DynamicCpConfig};
 use crate::planner::plan::{tile_grids, BlockProblem, ComputeBlock, Plan, TileGrid};
 use crate::planner::topology::Topology;
 
@@ -320,9 +321,22 @@ fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
             .max_seq_len_per_rank
             .unwrap_or_else(|| (2 * tokens.div_ceil(ranks)).max(1)),
         min_cp_size: 1,
-        power_of_two: ranks.is_power_of_two(),
+        power_of_two: true,
     };
-    let schedule = schedule(&input.seq_lens, &config)?;
+    // The same scheduler as training (`gpt_longctx --strategy dynamic`), balancing the attention
+    // work of each sequence's mask (training adds the token-linear FLOPs of its model).
+    let works: Vec<f64> = input
+        .seq_lens
+        .iter()
+        .enumerate()
+        .map(|(seq, &len)| {
+            let mask = mask_of(&input.masks, seq);
+            (0..len)
+                .map(|i| mask.key_ranges(i, len).count() as f64)
+                .sum()
+        })
+        .collect();
+    let schedule = schedule_with(&input.seq_lens, &works, &config, Layout::Zigzag)?;
     let mut plan = Plan::empty(ranks, "megatron-dynamic");
     let mut transfers = Vec::new();
     let mut offset = 0;
