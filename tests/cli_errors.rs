@@ -418,25 +418,20 @@ fn gpt_longctx_dynamic_flags_are_checked() {
         &["--strategy", "dynamic", "--plan-ahead", "0"],
         "--plan-ahead 0 must be between 1",
     );
+    let args = gpt(&[
+        "--steps",
+        "2",
+        "--cp",
+        "4",
+        "--strategy",
+        "dynamic",
+        "--max-tokens-per-rank",
+        "16",
+        "--json",
+    ]);
     let out = succeeded(
         "gpt_longctx",
-        &[
-            "--corpus",
-            "builtin",
-            "--seq-len",
-            "64",
-            "--micro-batches",
-            "2",
-            "--steps",
-            "2",
-            "--cp",
-            "4",
-            "--strategy",
-            "dynamic",
-            "--max-tokens-per-rank",
-            "16",
-            "--json",
-        ],
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
     );
     let summary: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(summary["cp_group_sizes"]["4"], 4, "{summary}");
