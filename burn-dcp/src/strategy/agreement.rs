@@ -30,11 +30,9 @@ impl CallConfig {
         pass: &str,
         group: &CpGroup,
         batch: &CpBatch,
-        dims: [&[usize]; 3],
+        [q, k, v]: [[usize; 3]; 3],
         dtype: DType,
     ) -> Self {
-        let [q, k, v] = dims;
-        let at = |dims: &[usize], i: usize| dims.get(i).copied().unwrap_or(0).to_string();
         let fields = vec![
             ("pass", pass.to_string()),
             ("strategy", group.strategy.to_string()),
@@ -43,10 +41,10 @@ impl CallConfig {
             ("sequence lengths", describe_list(&batch.sharding.seq_lens)),
             ("masks", describe_masks(&batch.masks)),
             ("scale", format!("{:?}", batch.scale)),
-            ("q heads", at(q, 1)),
-            ("kv heads", at(k, 1)),
-            ("head dim", at(q, 2)),
-            ("value dim", at(v, 2)),
+            ("q heads", q[1].to_string()),
+            ("kv heads", k[1].to_string()),
+            ("head dim", q[2].to_string()),
+            ("value dim", v[2].to_string()),
             ("dtype", format!("{dtype:?}")),
         ];
         Self { fields }

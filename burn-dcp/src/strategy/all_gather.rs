@@ -10,7 +10,7 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, VarlenAttention};
 
 use crate::error::CpError;
 use crate::strategy::exchange::{
-    all_gather, cat_tokens, concat_segments, expect_block, split_sizes, tensor_from,
+    all_gather, cat_tokens, checked_tensor, concat_segments, split_sizes,
 };
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup};
 
@@ -73,8 +73,15 @@ impl AttentionStrategy for AllGatherKv {
             let summed = group.comm.reduce_scatter(parts)?;
             let me = group.comm.rank();
             let expected = [sizes[me], heads, dim];
-            expect_block(&group.comm, &summed, me, &expected, dtype, what)?;
-            Ok(tensor_from(summed, &device))
+            Ok(checked_tensor(
+                &group.comm,
+                summed,
+                me,
+                expected,
+                dtype,
+                what,
+                &device,
+            )?)
         };
         Ok(FlashGradients {
             dq: grads.dq,

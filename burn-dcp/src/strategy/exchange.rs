@@ -18,18 +18,20 @@ pub fn tensor_from<B: Backend, const D: usize>(
     )
 }
 
-/// Checks a received block against what the receiver expects (shape and dtype) before it is
-/// used: a block of another shape means the ranks disagree or a message was mixed up.
-pub fn expect_block(
+/// A block received from group rank `from`, as a tensor on `device`, once checked against what
+/// the receiver expects (`expected` dims and `dtype`): a block of another shape means the ranks
+/// disagree or a message was mixed up.
+pub fn checked_tensor<B: Backend, const D: usize>(
     comm: &Comm,
-    data: &TensorData,
+    data: TensorData,
     from: usize,
-    expected: &[usize],
+    expected: [usize; D],
     dtype: DType,
     what: &str,
-) -> Result<(), CommError> {
+    device: &B::Device,
+) -> Result<Tensor<B, D>, CommError> {
     if data.shape.as_slice() == expected && data.dtype == dtype {
-        return Ok(());
+        return Ok(tensor_from(data, device));
     }
     Err(CommError::Protocol {
         group: comm.name().to_string(),
@@ -57,10 +59,7 @@ pub fn all_to_all<B: Backend, const D: usize>(
     received
         .into_iter()
         .enumerate()
-        .map(|(from, data)| {
-            expect_block(comm, &data, from, &expected(from), dtype, what)?;
-            Ok(tensor_from(data, device))
-        })
+        .map(|(from, data)| checked_tensor(comm, data, from, expected(from), dtype, what, device))
         .collect()
 }
 
@@ -77,10 +76,7 @@ pub fn all_gather<B: Backend, const D: usize>(
     received
         .into_iter()
         .enumerate()
-        .map(|(from, data)| {
-            expect_block(comm, &data, from, &expected(from), dtype, what)?;
-            Ok(tensor_from(data, &device))
-        })
+        .map(|(from, data)| checked_tensor(comm, data, from, expected(from), dtype, what, &device))
         .collect()
 }
 

@@ -270,13 +270,7 @@ pub fn cp_attention_forward<B: FlashOps>(
 ) -> Result<FlashOutput<B>, CpError> {
     let local = validate_inputs(group, batch, &q, &k, &v);
     let dims = [q.dims(), k.dims(), v.dims()];
-    let config = CallConfig::new(
-        "forward",
-        group,
-        batch,
-        dims.each_ref().map(|d| &d[..]),
-        q.dtype(),
-    );
+    let config = CallConfig::new("forward", group, batch, dims, q.dtype());
     agreement::agree(group, &config, local)?;
     let result = match group.strategy {
         Strategy::Ulysses => ulysses::Ulysses.forward(group, batch, q, k, v),
@@ -296,14 +290,7 @@ pub fn cp_attention_backward<B: FlashOps>(
 ) -> Result<FlashGradients<B>, CpError> {
     let local = validate_backward_inputs(group, batch, &inputs);
     let dims = [inputs.q.dims(), inputs.k.dims(), inputs.v.dims()];
-    let dtype = inputs.q.dtype();
-    let config = CallConfig::new(
-        "backward",
-        group,
-        batch,
-        dims.each_ref().map(|d| &d[..]),
-        dtype,
-    );
+    let config = CallConfig::new("backward", group, batch, dims, inputs.q.dtype());
     agreement::agree(group, &config, local)?;
     let result = match group.strategy {
         Strategy::Ulysses => ulysses::Ulysses.backward(group, batch, inputs),

@@ -16,13 +16,13 @@
 //! segments): the CP group for the ring strategy, a ring group of Ulysses groups for USP.
 
 use burn::prelude::Tensor;
-use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment};
-
 use burn::tensor::DType;
+use burn_dcp_kernels::definition::packing::token_count;
+use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment};
 
 use crate::comm::{Comm, PendingRecv};
 use crate::error::CpError;
-use crate::strategy::exchange::{expect_block, tensor_from};
+use crate::strategy::exchange::checked_tensor;
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup};
 
 /// A ring over `comm` whose member `p` holds the tokens `members[p]`.
@@ -46,9 +46,15 @@ impl InFlight<'_> {
         self.pieces
             .into_iter()
             .map(|(pending, expected, dtype)| {
-                let data = pending.wait()?;
-                expect_block(comm, &data, from, &expected, dtype, what)?;
-                Ok(tensor_from(data, device))
+                Ok(checked_tensor(
+                    comm,
+                    pending.wait()?,
+                    from,
+                    expected,
+                    dtype,
+                    what,
+                    device,
+                )?)
             })
             .collect()
     }
@@ -198,10 +204,6 @@ impl RingPass<'_> {
         }
         Ok(FlashGradients { dq, dk, dv })
     }
-}
-
-fn token_count(segments: &[Segment]) -> usize {
-    segments.iter().map(|s| s.len).sum()
 }
 
 /// Ring attention over the whole CP group.
