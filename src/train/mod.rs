@@ -23,7 +23,7 @@ use burn::prelude::{Int, Tensor, TensorData, ToElement};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::{set_context, ContextParallel, CpContext};
-use burn_dcp::comm::{Comm, CommError, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
+use burn_dcp::comm::{panic_message, Comm, CommError, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
 use burn_dcp::kernels::{FlashOps, MaskSpec};
 use burn_dcp::shard::PackedMicroBatch;
 use burn_dcp::{CpBatch, CpError, CpGroup, Layout, Strategy};
@@ -811,11 +811,7 @@ pub fn train_rank<B: FlashOps>(
             format!(
                 "the model checkpoint in {} does not fit the configured model: {}",
                 checkpoint.display(),
-                panic
-                    .downcast_ref::<String>()
-                    .map(String::as_str)
-                    .or_else(|| panic.downcast_ref::<&str>().copied())
-                    .unwrap_or("the record loader panicked")
+                panic_message(&*panic)
             )
         })?;
         model = loaded.map_err(|e| {

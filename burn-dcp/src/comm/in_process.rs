@@ -18,7 +18,6 @@
 //! dropped) without sending a message a peer waits for is recorded as failed at that moment, so
 //! the peer fails at once instead of at the timeout.
 
-use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -28,8 +27,8 @@ use std::time::{Duration, Instant};
 use burn::tensor::TensorData;
 
 use crate::comm::{
-    sum_tensor_data, Comm, CommError, CommStats, Communicator, Fault, FaultKind, OpKind,
-    PendingRecv, PendingSend,
+    control_payloads, panic_message, sum_tensor_data, Comm, CommError, CommStats, Communicator,
+    Fault, FaultKind, OpKind, PendingRecv, PendingSend,
 };
 
 /// The most ranks an in-process world may have (one thread each).
@@ -215,21 +214,11 @@ fn install_panic_hook() {
                 .location()
                 .map(|l| format!(" (at {}:{})", l.file(), l.line()))
                 .unwrap_or_default();
-            let message = format!("{}{location}", payload_message(info.payload()));
+            let message = format!("{}{location}", panic_message(info.payload()));
             let _ = LAST_PANIC.try_with(|last| *last.borrow_mut() = Some(message));
             previous(info);
         }));
     });
-}
-
-fn payload_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic payload".into()
-    }
 }
 
 /// A world of in-process ranks. Create it, then run one closure per rank with [`Self::run`]
@@ -407,7 +396,7 @@ fn run_rank<T, E: fmt::Display>(
             Err(format!("rank {rank} left the world early (injected fault)"))
         }
         Err(payload) => {
-            let reason = format!("rank {rank} panicked: {}", payload_message(&*payload));
+            let reason = format!("rank {rank} panicked: {}", panic_message(&*payload));
             world.mark_failed(rank, reason.clone());
             Err(reason)
         }
@@ -849,13 +838,8 @@ impl Communicator for InProcessComm {
         let count = payload.len();
         let data = TensorData::new(payload, [count]);
         let parts = vec![data; self.members.len()];
-        self.exchange(parts, Channel::Control, what, Accounting::Control)?
-            .into_iter()
-            .map(|data| {
-                data.into_vec::<u8>()
-                    .map_err(|e| self.invalid(format!("{what}: malformed control message {e:?}")))
-            })
-            .collect()
+        let received = self.exchange(parts, Channel::Control, what, Accounting::Control)?;
+        control_payloads(&self.name, what, received)
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Comm, CommError> {

@@ -201,15 +201,8 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// control bytes only; the default (for communicators written elsewhere) is an `all_gather`.
     fn all_gather_control(&self, what: &str, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError> {
         let count = payload.len();
-        self.all_gather(TensorData::new(payload, [count]))?
-            .into_iter()
-            .map(|data| {
-                data.into_vec::<u8>().map_err(|e| CommError::Invalid {
-                    group: self.name().to_string(),
-                    message: format!("{what}: malformed control message {e:?}"),
-                })
-            })
-            .collect()
+        let received = self.all_gather(TensorData::new(payload, [count]))?;
+        control_payloads(self.name(), what, received)
     }
     /// Splits the group: ranks with the same `color` form a new group, ordered by `(key, rank)`.
     fn split(&self, color: usize, key: usize) -> Result<Comm, CommError>;
@@ -218,6 +211,35 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     fn stats(&self) -> CommStats;
     /// Marks this rank as failed: its peers' pending and future operations fail naming it.
     fn abort(&self, reason: &str);
+}
+
+/// The bytes of control messages received as `u8` tensors (see
+/// [`Communicator::all_gather_control`]).
+pub(crate) fn control_payloads(
+    group: &str,
+    what: &str,
+    received: Vec<TensorData>,
+) -> Result<Vec<Vec<u8>>, CommError> {
+    received
+        .into_iter()
+        .map(|data| {
+            data.into_vec::<u8>().map_err(|e| CommError::Invalid {
+                group: group.to_string(),
+                message: format!("{what}: malformed control message {e:?}"),
+            })
+        })
+        .collect()
+}
+
+/// The message of a panic payload (`&str` or `String`).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic payload".into()
+    }
 }
 
 /// Elementwise sum of tensors of one shape and dtype, in the given order (deterministic).
