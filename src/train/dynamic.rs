@@ -19,14 +19,13 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
-use std::sync::Arc;
 use std::time::Instant;
 
 use burn_dcp::comm::Comm;
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::layout::Layout;
 use burn_dcp::planner::dynamic::{
-    schedule_with, DynamicCpConfig, DynamicCpSchedule, ScheduledMicroBatch,
+    rank_work, schedule_with, DynamicCpConfig, DynamicCpSchedule, ScheduledMicroBatch,
 };
 use burn_dcp::shard::PackedMicroBatch;
 use burn_dcp::{CpError, CpGroup, Strategy};
@@ -272,7 +271,6 @@ impl PoolGroups {
             return Ok(());
         }
         let me = self.world.rank();
-        let pool = self.world.size();
         let mine = new.iter().position(|r| r.contains(&me));
         // Ranks outside every new range get a color of their own (a group they do not use).
         let color = mine.unwrap_or(new.len() + me);
@@ -286,7 +284,6 @@ impl PoolGroups {
             self.mine
                 .insert((range.start, range.end), CpGroup::new(comm, strategy)?);
         }
-        debug_assert!(pool >= new.iter().map(|r| r.end).max().unwrap_or(0));
         Ok(())
     }
 
@@ -311,13 +308,12 @@ pub fn schedule_stats<'a>(
     works: &[f64],
     pool: usize,
 ) -> ScheduleStats {
+    let groups: Vec<(Range<usize>, &[usize])> = groups.into_iter().collect();
     let mut sizes = BTreeMap::new();
-    let mut load = vec![0.0f64; pool];
-    for (ranks, sequences) in groups {
+    for (ranks, sequences) in &groups {
         *sizes.entry(ranks.len()).or_default() += sequences.len();
-        let per_rank = sequences.iter().map(|&s| works[s]).sum::<f64>() / ranks.len() as f64;
-        ranks.for_each(|r| load[r] += per_rank);
     }
+    let load = rank_work(groups, works, pool);
     let mean = load.iter().sum::<f64>() / pool.max(1) as f64;
     let max = load.iter().copied().fold(0.0, f64::max);
     ScheduleStats {
@@ -325,6 +321,3 @@ pub fn schedule_stats<'a>(
         rank_workload_imbalance: if mean > 0.0 { max / mean } else { 1.0 },
     }
 }
-
-/// A plan shared with the thread that made it.
-pub type SharedPlan = Arc<StepPlan>;

@@ -393,14 +393,28 @@ impl DynamicCpSchedule {
 
     /// Estimated work of every rank in sub-step `index`, for sequence works `works`.
     pub fn rank_work(&self, index: usize, works: &[f64], world: usize) -> Vec<f64> {
-        let mut loads = vec![0.0; world];
-        for group in &self.micro_batches[index].groups {
-            let work: f64 = group.sequences.iter().map(|&s| works[s]).sum();
-            let per_rank = work / group.ranks.len() as f64;
-            group.ranks.clone().for_each(|r| loads[r] += per_rank);
-        }
-        loads
+        let groups = self.micro_batches[index].groups.iter();
+        rank_work(
+            groups.map(|g| (g.ranks.clone(), g.sequences.as_slice())),
+            works,
+            world,
+        )
     }
+}
+
+/// Estimated work of every rank of a pool of `world` for groups given as (rank range, sequences):
+/// each rank of a group gets `work / size` of each of the group's sequences (rule 3).
+pub fn rank_work<'a>(
+    groups: impl IntoIterator<Item = (Range<usize>, &'a [usize])>,
+    works: &[f64],
+    world: usize,
+) -> Vec<f64> {
+    let mut loads = vec![0.0; world];
+    for (ranks, sequences) in groups {
+        let per_rank = sequences.iter().map(|&s| works[s]).sum::<f64>() / ranks.len() as f64;
+        ranks.for_each(|r| loads[r] += per_rank);
+    }
+    loads
 }
 
 #[cfg(test)]
