@@ -839,12 +839,12 @@ pub fn train_rank<B: FlashOps>(
         observer,
         device,
     };
-    let metrics = std::thread::scope(|scope| {
+    let (model, metrics) = std::thread::scope(|scope| {
         let plans = config
             .dynamic
             .as_ref()
             .map(|settings| plan_ahead(scope, config, settings, data, first_step));
-        run.steps(&mut model, &mut optimizer, first_step, plans)
+        run.steps(model, &mut optimizer, first_step, plans)
     })?;
     if let (Some(out), 0) = (out, groups.world.rank()) {
         let state = TrainState {
@@ -893,14 +893,15 @@ struct StepLoop<'a, B: FlashOps> {
 }
 
 impl<B: FlashOps> StepLoop<'_, B> {
-    /// Trains steps `first..=steps`; rank 0 returns (and reports) their metrics.
+    /// Trains steps `first..=steps` and returns the trained model; rank 0 also returns (and
+    /// reports) the steps' metrics.
     fn steps<O: Optimizer<Gpt<CpTrain<B>>, CpTrain<B>>>(
         &self,
-        model: &mut Gpt<CpTrain<B>>,
+        mut model: Gpt<CpTrain<B>>,
         optimizer: &mut O,
         first: usize,
         plans: Option<PlanReceiver>,
-    ) -> Result<Vec<StepMetrics>, String> {
+    ) -> Result<(Gpt<CpTrain<B>>, Vec<StepMetrics>), String> {
         let world = &self.groups.world;
         let mut metrics = Vec::new();
         for step in first..=self.config.steps {
@@ -920,7 +921,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
             };
             let plan_wait_ms = waited.elapsed().as_secs_f64() * 1e3;
             let result = step_gradients_planned(
-                model,
+                &model,
                 self.groups,
                 self.config,
                 self.data,
@@ -929,7 +930,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
                 self.device,
             )
             .map_err(|e| e.to_string())?;
-            *model = optimizer.step(self.config.learning_rate, model.clone(), result.grads);
+            model = optimizer.step(self.config.learning_rate, model, result.grads);
             world.barrier().map_err(|e| e.to_string())?;
             if let Some(before) = bytes_before {
                 let step_metrics = StepMetrics {
@@ -953,7 +954,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
             }
             world.barrier().map_err(|e| e.to_string())?;
         }
-        Ok(metrics)
+        Ok((model, metrics))
     }
 }
 
