@@ -6,7 +6,7 @@ mod common;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use burn_dcp::backend::{set_context, ContextParallel, CpContext};
 use burn_dcp::comm::{InProcessWorld, WorldConfig};
 use burn_dcp::harness::{max_rel_err, run_single_device, PackedInputs};
@@ -33,15 +33,9 @@ fn local<B: burn::tensor::backend::Backend>(
     dim: usize,
     indices: &[usize],
 ) -> Tensor<B, 4> {
-    let rows: Vec<f32> = indices
-        .iter()
-        .flat_map(|&i| data[i * heads * dim..(i + 1) * heads * dim].to_vec())
-        .collect();
-    let t = Tensor::<B, 3>::from_data(
-        TensorData::new(rows, [indices.len(), heads, dim]),
-        &Default::default(),
-    );
-    t.swap_dims(0, 1).unsqueeze_dim(0)
+    token_rows::<B>(data, heads, dim, indices)
+        .swap_dims(0, 1)
+        .unsqueeze_dim(0)
 }
 
 /// `[1, H, n, D]` → token-major host rows.

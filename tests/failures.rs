@@ -51,23 +51,6 @@ enum Path {
     Decorator,
 }
 
-/// Rows `indices` of a token-major `[T, H, D]` buffer as `[n, H, D]`.
-fn local<Bk: burn::tensor::backend::Backend>(
-    data: &[f32],
-    heads: usize,
-    dim: usize,
-    indices: &[usize],
-) -> Tensor<Bk, 3> {
-    let rows: Vec<f32> = indices
-        .iter()
-        .flat_map(|&i| data[i * heads * dim..(i + 1) * heads * dim].to_vec())
-        .collect();
-    Tensor::from_data(
-        TensorData::new(rows, [indices.len(), heads, dim]),
-        &Default::default(),
-    )
-}
-
 fn host<Bk: burn::tensor::backend::Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
     t.into_data().convert::<f32>().into_vec().unwrap()
 }
@@ -88,10 +71,10 @@ fn rank_call(
 fn direct_rank(comm: burn_dcp::comm::Comm, setup: &RankSetup) -> Result<Vec<f32>, CpError> {
     let x = &setup.inputs;
     let (indices, batch, group) = rank_call(comm, setup)?;
-    let q = local::<B>(&x.q, x.heads, x.head_dim, &indices);
-    let k = local::<B>(&x.k, x.kv_heads, x.head_dim, &indices);
-    let v = local::<B>(&x.v, x.kv_heads, x.value_dim, &indices);
-    let dout = local::<B>(&x.dout, x.heads, x.value_dim, &indices);
+    let q = token_rows::<B>(&x.q, x.heads, x.head_dim, &indices);
+    let k = token_rows::<B>(&x.k, x.kv_heads, x.head_dim, &indices);
+    let v = token_rows::<B>(&x.v, x.kv_heads, x.value_dim, &indices);
+    let dout = token_rows::<B>(&x.dout, x.heads, x.value_dim, &indices);
     let fwd = cp_attention_forward(&group, &batch, q.clone(), k.clone(), v.clone())?;
     let inputs = BackwardInputs {
         q,
@@ -120,10 +103,10 @@ fn decorated_rank(comm: burn_dcp::comm::Comm, setup: &RankSetup) -> Result<Vec<f
     let (indices, batch, group) = rank_call(comm, setup)?;
     let _context = set_context(CpContext { group, batch });
     let heads_first = |t: Tensor<Cp, 3>| t.swap_dims(0, 1).unsqueeze_dim::<4>(0);
-    let q = heads_first(local(&x.q, x.heads, x.head_dim, &indices)).require_grad();
-    let k = heads_first(local(&x.k, x.kv_heads, x.head_dim, &indices)).require_grad();
-    let v = heads_first(local(&x.v, x.kv_heads, x.value_dim, &indices)).require_grad();
-    let dout = heads_first(local(&x.dout, x.heads, x.value_dim, &indices));
+    let q = heads_first(token_rows(&x.q, x.heads, x.head_dim, &indices)).require_grad();
+    let k = heads_first(token_rows(&x.k, x.kv_heads, x.head_dim, &indices)).require_grad();
+    let v = heads_first(token_rows(&x.v, x.kv_heads, x.value_dim, &indices)).require_grad();
+    let dout = heads_first(token_rows(&x.dout, x.heads, x.value_dim, &indices));
     let options = AttentionModuleOptions {
         scale: None,
         softcap: None,

@@ -88,3 +88,20 @@ pub fn assert_close(got: &PackedOutputs, want: &PackedOutputs, what: &str) {
         );
     }
 }
+
+/// Rows `indices` of a token-major `[T, H, D]` buffer as an `[n, H, D]` tensor (a rank's tokens).
+pub fn token_rows<Bk: burn::tensor::backend::Backend>(
+    data: &[f32],
+    heads: usize,
+    dim: usize,
+    indices: &[usize],
+) -> burn::tensor::Tensor<Bk, 3> {
+    let rows: Vec<f32> = indices
+        .iter()
+        .flat_map(|&i| data[i * heads * dim..(i + 1) * heads * dim].to_vec())
+        .collect();
+    burn::tensor::Tensor::from_data(
+        burn::tensor::TensorData::new(rows, [indices.len(), heads, dim]),
+        &Default::default(),
+    )
+}
