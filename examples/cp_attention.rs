@@ -25,7 +25,7 @@ use burn_dcp::harness::{
 };
 use burn_dcp::kernels::{validate_cu_seqlens, validate_scale, MaskSpec};
 use burn_dcp::volume::{analytic_volume, VolumeShape};
-use burn_dcp::{Layout, Sharding, Strategy};
+use burn_dcp::{Layout, Placement, Strategy};
 use clap::Parser;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -288,8 +288,8 @@ fn summarize(
     reference_ms: f64,
 ) -> Result<serde_json::Value, String> {
     let got = &report.outputs;
-    let sharding =
-        Sharding::new(&inputs.seq_lens, spec.cp, spec.layout).map_err(|e| e.to_string())?;
+    let placement =
+        Placement::of_layout(&inputs.seq_lens, spec.cp, spec.layout).map_err(|e| e.to_string())?;
     let shape = VolumeShape {
         heads: inputs.heads,
         kv_heads: inputs.kv_heads,
@@ -297,7 +297,7 @@ fn summarize(
         value_dim: inputs.value_dim,
         element_bytes: 4,
     };
-    let analytic = analytic_volume(spec.strategy, &sharding, &shape);
+    let analytic = analytic_volume(spec.strategy, &placement, &shape);
     let total: Vec<u64> = report
         .bytes_forward
         .iter()

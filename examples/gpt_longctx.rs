@@ -17,7 +17,8 @@ use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::train::{
     check_resume, read_json, train_rank, write_atomically, write_json, CpSizes, DynamicSettings,
-    RankOutcome, StepMetrics, StepObserver, TrainConfig, TrainData, MAX_SEQ_LEN,
+    RankOutcome, StepMetrics, StepObserver, TrainConfig, TrainData, DEFAULT_PLAN_AHEAD,
+    MAX_SEQ_LEN,
 };
 use clap::Parser;
 use serde_json::json;
@@ -43,7 +44,7 @@ struct Args {
     /// Dynamic CP: group sizes, pow2 (Megatron) | any [default: pow2]
     #[arg(long)]
     cp_sizes: Option<String>,
-    /// Dynamic CP: steps planned ahead on a background thread [default: 2]
+    /// Steps planned ahead on a background thread (any strategy) [default: 2]
     #[arg(long)]
     plan_ahead: Option<usize>,
     /// contiguous | zigzag | stripe [default: zigzag]
@@ -149,7 +150,6 @@ fn dynamic_settings(
             ("--inner-strategy", args.inner_strategy.is_some()),
             ("--min-cp-size", args.min_cp_size.is_some()),
             ("--cp-sizes", args.cp_sizes.is_some()),
-            ("--plan-ahead", args.plan_ahead.is_some()),
         ];
         if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
             return Err(format!("{flag} only applies to --strategy dynamic"));
@@ -170,7 +170,6 @@ fn dynamic_settings(
             .as_deref()
             .unwrap_or("pow2")
             .parse::<CpSizes>()?,
-        plan_ahead: args.plan_ahead.unwrap_or(2),
     };
     Ok(Some((inner, settings)))
 }
@@ -216,6 +215,7 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
         tokenizer: args.tokenizer.clone().unwrap_or_else(|| "bytes".into()),
         timeout_secs: args.timeout_secs.unwrap_or(60),
         dynamic: None,
+        plan_ahead: args.plan_ahead.unwrap_or(DEFAULT_PLAN_AHEAD),
     })
     .and_then(|mut config| {
         if let Some((inner, settings)) = dynamic_settings(args, cp, config.seq_len)? {
@@ -241,6 +241,10 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
     let mut config = saved.clone();
     if let Some(steps) = args.steps {
         config.steps = steps;
+    }
+    // Planning ahead changes when plans are made, not what they are.
+    if let Some(plan_ahead) = args.plan_ahead {
+        config.plan_ahead = plan_ahead;
     }
     let given = config_from_args(args)?;
     let checks: [(&str, bool, String, String); 11] = [
@@ -316,7 +320,6 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
     let dynamic_flags = args.inner_strategy.is_some()
         || args.min_cp_size.is_some()
         || args.cp_sizes.is_some()
-        || args.plan_ahead.is_some()
         || (args.max_tokens_per_rank.is_some() && saved.dynamic.is_some());
     if (args.strategy.is_some() || dynamic_flags) && given.dynamic != saved.dynamic {
         return Err(format!(

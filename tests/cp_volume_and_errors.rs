@@ -11,7 +11,7 @@ use burn_dcp::comm::{CommError, InProcessWorld, WorldConfig};
 use burn_dcp::harness::run_context_parallel;
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::volume::{analytic_volume, VolumeShape};
-use burn_dcp::{CpError, Layout, Sharding, Strategy};
+use burn_dcp::{CpError, Layout, Placement, Strategy};
 use common::*;
 
 #[test]
@@ -46,7 +46,7 @@ fn bytes_sent_match_the_analytic_volume() {
                     &spec(cp, strategy, layout, &MaskSpec::Causal),
                 )
                 .unwrap();
-                let sharding = Sharding::new(&inputs.seq_lens, cp, layout).unwrap();
+                let placement = Placement::of_layout(&inputs.seq_lens, cp, layout).unwrap();
                 let shape = VolumeShape {
                     heads,
                     kv_heads,
@@ -54,7 +54,7 @@ fn bytes_sent_match_the_analytic_volume() {
                     value_dim: 8,
                     element_bytes: 4,
                 };
-                let expected = analytic_volume(strategy, &sharding, &shape);
+                let expected = analytic_volume(strategy, &placement, &shape);
                 for (rank, expected) in expected.iter().enumerate() {
                     let what = format!("{strategy} {layout} H{heads} K{kv_heads} rank {rank}");
                     assert!(
@@ -163,9 +163,9 @@ fn invalid_configurations_are_rejected_with_the_rule() {
 fn a_world_of_the_wrong_size_is_rejected() {
     let world = InProcessWorld::new(2, WorldConfig::default()).unwrap();
     let results = world.run(|comm| {
-        let sharding = Sharding::new(&[8], 4, Layout::Contiguous)?;
+        let placement = Placement::of_layout(&[8], 4, Layout::Contiguous)?;
         let group = burn_dcp::CpGroup::new(comm, Strategy::Ring)?;
-        let batch = burn_dcp::CpBatch::new(sharding, vec![MaskSpec::Causal]);
+        let batch = burn_dcp::CpBatch::new(placement, vec![MaskSpec::Causal]);
         let device = Default::default();
         let q = burn::tensor::Tensor::<B, 3>::zeros([2, 2, 4], &device);
         burn_dcp::cp_attention_forward(&group, &batch, q.clone(), q.clone(), q).map(|_| ())

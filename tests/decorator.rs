@@ -13,7 +13,7 @@ use burn_dcp::harness::{max_rel_err, run_single_device, PackedInputs};
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::shard::unshard_rows;
 use burn_dcp::volume::{analytic_volume, VolumeShape};
-use burn_dcp::{CpBatch, CpGroup, Layout, Sharding, Strategy};
+use burn_dcp::{CpBatch, CpGroup, Layout, Placement, Strategy};
 use common::*;
 
 type Cp = ContextParallel<Autodiff<Flex>>;
@@ -68,12 +68,12 @@ fn run_decorated(
     let world = InProcessWorld::new(cp, WorldConfig::default()).unwrap();
     let results = world.run(|comm| -> Result<RankGrads, burn_dcp::CpError> {
         let x = inputs;
-        let sharding = Sharding::new(&x.seq_lens, cp, layout)?;
-        let indices = sharding.packed_indices(comm.rank());
+        let placement = Placement::of_layout(&x.seq_lens, cp, layout)?;
+        let indices = placement.packed_indices(comm.rank());
         let group = CpGroup::new(comm.clone(), strategy)?;
         let _context = set_context(CpContext {
             group,
-            batch: CpBatch::new(sharding, vec![mask.clone()]),
+            batch: CpBatch::new(placement, vec![mask.clone()]),
         });
         let q = local::<Cp>(&x.q, x.heads, x.head_dim, &indices).require_grad();
         let k = local::<Cp>(&x.k, x.kv_heads, x.head_dim, &indices).require_grad();
@@ -155,7 +155,7 @@ fn decorated_attention_gradients_equal_single_device() {
                 assert!(err <= TOLERANCE, "{what}: {name} max_rel_err {err:e}");
             }
             // The strategy really ran: every rank sent exactly its analytic forward + backward volume.
-            let sharding = Sharding::new(&inputs.seq_lens, cp, layout).unwrap();
+            let placement = Placement::of_layout(&inputs.seq_lens, cp, layout).unwrap();
             let shape = VolumeShape {
                 heads: 4,
                 kv_heads: 4,
@@ -163,7 +163,7 @@ fn decorated_attention_gradients_equal_single_device() {
                 value_dim: 8,
                 element_bytes: 4,
             };
-            let expected = analytic_volume(strategy, &sharding, &shape);
+            let expected = analytic_volume(strategy, &placement, &shape);
             for (rank, r) in ranks.iter().enumerate() {
                 assert!(r.bytes > 0, "{what}: rank {rank} sent nothing");
                 assert_eq!(
@@ -225,11 +225,11 @@ fn dense_masks_softcap_and_causality_conflicts_are_rejected() {
         let inputs = inputs.clone();
         let all = all.clone();
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-            let sharding = Sharding::new(&[6], 1, Layout::Contiguous).unwrap();
+            let placement = Placement::of_layout(&[6], 1, Layout::Contiguous).unwrap();
             let group = CpGroup::new(comm, Strategy::Ring).unwrap();
             let _context = set_context(CpContext {
                 group,
-                batch: CpBatch::new(sharding, vec![mask]),
+                batch: CpBatch::new(placement, vec![mask]),
             });
             let q = local::<Cp>(&inputs.q, 2, 4, &all);
             let dense = with_mask.then(|| {

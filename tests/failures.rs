@@ -23,7 +23,7 @@ use burn_dcp::harness::PackedInputs;
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::{
     cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpError, CpGroup, Layout,
-    Sharding, Strategy,
+    Placement, Strategy,
 };
 use common::*;
 use rand::rngs::SmallRng;
@@ -60,9 +60,9 @@ fn rank_call(
     comm: burn_dcp::comm::Comm,
     setup: &RankSetup,
 ) -> Result<(Vec<usize>, CpBatch, CpGroup), CpError> {
-    let sharding = Sharding::new(&setup.seq_lens, comm.size(), setup.layout)?;
-    let indices = sharding.packed_indices(comm.rank());
-    let mut batch = CpBatch::new(sharding, setup.masks.clone());
+    let placement = Placement::of_layout(&setup.seq_lens, comm.size(), setup.layout)?;
+    let indices = placement.packed_indices(comm.rank());
+    let mut batch = CpBatch::new(placement, setup.masks.clone());
     batch.scale = setup.scale;
     Ok((indices, batch, CpGroup::new(comm, setup.strategy)?))
 }
@@ -253,7 +253,7 @@ fn mismatched_ranks_fail_before_data_moves_naming_ranks_and_fields() {
     let outcome = mismatch(4, 1, ring.clone(), |s| s.strategy = Strategy::AllGather);
     assert_mismatch(&outcome, "strategy", 1, "all-gather on one rank");
     let outcome = mismatch(4, 1, ring.clone(), |s| s.layout = Layout::Stripe);
-    assert_mismatch(&outcome, "layout", 1, "stripe layout on one rank");
+    assert_mismatch(&outcome, "placement", 1, "stripe layout on one rank");
 }
 
 #[test]

@@ -29,6 +29,7 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         tokenizer: "bytes".into(),
         timeout_secs: 60,
         dynamic: None,
+        plan_ahead: 2,
     }
 }
 
@@ -400,7 +401,7 @@ fn checkpoints_never_move_backwards_and_survive_an_interrupted_save() {
 /// parameter's gradient equal cp 1 on the same data, with groups of several sizes in use.
 #[test]
 fn dynamic_cp_pools_match_cp1_on_the_default_corpus() {
-    use burn_dcp_suite::train::{plan_for_step, CpSizes, DynamicSettings};
+    use burn_dcp_suite::train::{plan_step, CpSizes, DynamicSettings};
     let mut base = config(1, 1, Strategy::Ring, Layout::Zigzag, "causal");
     base.corpus = "default".into();
     base.seq_len = 1024;
@@ -413,7 +414,7 @@ fn dynamic_cp_pools_match_cp1_on_the_default_corpus() {
             let lengths: Vec<usize> = data
                 .step_batches(step, base.micro_batches)
                 .iter()
-                .flat_map(|b| b.packed.seq_lens.clone())
+                .flat_map(|b| b.seq_lens())
                 .collect();
             lengths.iter().any(|&l| l <= 128) && lengths.iter().any(|&l| l >= 1000)
         })
@@ -438,11 +439,10 @@ fn dynamic_cp_pools_match_cp1_on_the_default_corpus() {
             max_tokens_per_rank: budget,
             min_cp_size: min,
             cp_sizes: sizes,
-            plan_ahead: 2,
         });
         let data = TrainData::load(&dynamic).unwrap();
-        let plan = plan_for_step(&dynamic, dynamic.dynamic.as_ref().unwrap(), &data, step).unwrap();
-        let mut used: Vec<usize> = plan.schedule.cp_sizes.clone();
+        let plan = plan_step(&dynamic, &data, step).unwrap();
+        let mut used: Vec<usize> = plan.batches.iter().map(|b| b.ranks.len()).collect();
         used.sort_unstable();
         used.dedup();
         let got = step_on::<burn::backend::Flex>(&dynamic, step, &flex);

@@ -3,7 +3,8 @@
 //! global query/key positions, grouped-query attention and the mask family of [`MaskSpec`].
 //!
 //! ```text
-//! definition  problem (VarlenAttention), packing (Segment), masks (MaskSpec), errors
+//! definition  problem (VarlenAttention), packing (Segment), masks (MaskSpec), errors, and the
+//!             packed micro-batch (MicroBatch) shared by the datasets and the CP library
 //! ops         FlashOps: the backend extension trait every CP strategy calls
 //! portable    host implementation (CPU backends, e.g. burn Flex)
 //! reference   naive dense f64 oracle for tests
@@ -23,6 +24,7 @@ pub mod cube;
 
 pub use definition::{
     mask_of, validate_cu_seqlens, validate_masks, validate_scale, AttentionShape, KernelError,
-    KeyRanges, MaskSpec, Segment, TokenPositions, VarlenAttention, MAX_SOFTMAX_SCALE,
+    KeyRanges, MaskSpec, MicroBatch, Piece, Segment, TokenPositions, VarlenAttention,
+    MAX_SOFTMAX_SCALE,
 };
 pub use ops::{FlashGradients, FlashOps, FlashOutput};

@@ -10,7 +10,8 @@ use burn_dcp_kernels::{FlashOps, MaskSpec, VarlenAttention};
 
 use crate::comm::{CommStats, InProcessWorld, WorldConfig};
 use crate::error::CpError;
-use crate::layout::{Layout, Sharding};
+use crate::layout::Layout;
+use crate::placement::Placement;
 use crate::shard::scatter_rows;
 use crate::strategy::{
     cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy,
@@ -159,8 +160,8 @@ pub fn run_context_parallel<B: FlashOps>(
     spec.strategy.validate_mesh(spec.cp)?;
     spec.strategy
         .validate_heads(inputs.heads, inputs.kv_heads, spec.cp)?;
-    let sharding = Sharding::new(&inputs.seq_lens, spec.cp, spec.layout)?;
-    let mut batch = CpBatch::new(sharding, spec.masks.clone());
+    let placement = Placement::of_layout(&inputs.seq_lens, spec.cp, spec.layout)?;
+    let mut batch = CpBatch::new(placement, spec.masks.clone());
     batch.scale = spec.scale;
     let world = InProcessWorld::new(
         spec.cp,
@@ -184,7 +185,7 @@ fn run_rank<B: FlashOps>(
     strategy: Strategy,
 ) -> Result<RankResult, CpError> {
     let rank = comm.rank();
-    let indices = batch.sharding.packed_indices(rank);
+    let indices = batch.placement.packed_indices(rank);
     let n = indices.len();
     let local = |data: &[f32], heads: usize, dim: usize| {
         tensor::<B, 3>(

@@ -1,4 +1,5 @@
-//! Where each token of a packed micro-batch lives: layouts and the resulting sharding.
+//! The static layouts: how each sequence of a packed micro-batch is cut over the ranks of a CP
+//! group (each is a special case of a [`Placement`](crate::placement::Placement)).
 //!
 //! Every sequence is split over the `cp` ranks independently, so a packed micro-batch of ragged
 //! sequences needs no padding: a sequence shorter than `cp` simply leaves some ranks without tokens
@@ -72,80 +73,21 @@ impl Layout {
     }
 }
 
-/// The tokens every rank of a CP group holds for one packed micro-batch.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Sharding {
-    pub layout: Layout,
-    pub seq_lens: Vec<usize>,
-    /// Segments of each rank, in local token order.
-    pub ranks: Vec<Vec<Segment>>,
-}
-
-impl Sharding {
-    pub fn new(seq_lens: &[usize], cp: usize, layout: Layout) -> Result<Self, CpError> {
-        if cp == 0 {
-            return Err(CpError::Config("cp size must be at least 1, got 0".into()));
-        }
-        let ranks = (0..cp)
-            .map(|rank| {
-                seq_lens
-                    .iter()
-                    .enumerate()
-                    .flat_map(|(seq, &len)| rank_segments(seq, len, rank, cp, layout))
-                    .filter(|segment| segment.len > 0)
-                    .collect()
-            })
-            .collect();
-        Ok(Self {
-            layout,
-            seq_lens: seq_lens.to_vec(),
-            ranks,
-        })
-    }
-
-    /// Number of ranks.
-    pub fn cp(&self) -> usize {
-        self.ranks.len()
-    }
-
-    pub fn segments(&self, rank: usize) -> &[Segment] {
-        &self.ranks[rank]
-    }
-
-    /// Number of tokens rank `rank` holds.
-    pub fn tokens(&self, rank: usize) -> usize {
-        self.ranks[rank].iter().map(|s| s.len).sum()
-    }
-
-    /// Total number of tokens of the micro-batch.
-    pub fn total_tokens(&self) -> usize {
-        self.seq_lens.iter().sum()
-    }
-
-    /// For each local token of `rank`, its index in the packed micro-batch (`cu_seqlens[seq] + pos`).
-    /// Use it to shard packed tensors (select rows) and to unshard outputs (scatter rows back).
-    pub fn packed_indices(&self, rank: usize) -> Vec<usize> {
-        let mut starts = Vec::with_capacity(self.seq_lens.len());
-        let mut next = 0;
-        for len in &self.seq_lens {
-            starts.push(next);
-            next += len;
-        }
-        self.ranks[rank]
-            .iter()
-            .flat_map(|s| (0..s.len).map(move |t| (s.seq, s.position(t))))
-            .map(|(seq, pos)| starts[seq] + pos)
-            .collect()
-    }
-}
-
 /// Bounds of chunk `chunk` of `chunks` over a sequence of `len` tokens.
 fn chunk(seq: usize, len: usize, chunk: usize, chunks: usize) -> Segment {
     let (start, end) = (chunk * len / chunks, (chunk + 1) * len / chunks);
     Segment::contiguous(seq, start, end - start)
 }
 
-fn rank_segments(seq: usize, len: usize, rank: usize, cp: usize, layout: Layout) -> Vec<Segment> {
+/// The segments of sequence `seq` (`len` tokens) that rank `rank` of `cp` holds under `layout`
+/// (some may be empty).
+pub(crate) fn rank_segments(
+    seq: usize,
+    len: usize,
+    rank: usize,
+    cp: usize,
+    layout: Layout,
+) -> Vec<Segment> {
     match layout {
         Layout::Contiguous => vec![chunk(seq, len, rank, cp)],
         Layout::Zigzag => vec![
@@ -164,32 +106,15 @@ fn rank_segments(seq: usize, len: usize, rank: usize, cp: usize, layout: Layout)
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn every_token_is_on_exactly_one_rank() {
-        for layout in [Layout::Contiguous, Layout::Zigzag, Layout::Stripe] {
-            for cp in 1..9 {
-                let lens = [1, 2, 7, 16, 33, 0, 5];
-                let sharding = Sharding::new(&lens, cp, layout).unwrap();
-                let total: usize = lens.iter().sum();
-                let mut seen = vec![0; total];
-                for rank in 0..cp {
-                    for index in sharding.packed_indices(rank) {
-                        seen[index] += 1;
-                    }
-                }
-                assert!(seen.iter().all(|&n| n == 1), "{layout} cp {cp}: {seen:?}");
-            }
-        }
-    }
+    use crate::placement::Placement;
 
     #[test]
     fn max_rank_tokens_is_the_largest_shard() {
         for layout in [Layout::Contiguous, Layout::Zigzag, Layout::Stripe] {
             for cp in 1..12 {
                 for len in 0..70 {
-                    let sharding = Sharding::new(&[len], cp, layout).unwrap();
-                    let largest = (0..cp).map(|r| sharding.tokens(r)).max().unwrap();
+                    let placement = Placement::of_layout(&[len], cp, layout).unwrap();
+                    let largest = (0..cp).map(|r| placement.tokens(r)).max().unwrap();
                     assert_eq!(
                         layout.max_rank_tokens(len, cp),
                         largest,
@@ -202,9 +127,9 @@ mod tests {
 
     #[test]
     fn zigzag_holds_head_and_tail_chunks() {
-        let sharding = Sharding::new(&[16], 4, Layout::Zigzag).unwrap();
+        let placement = Placement::of_layout(&[16], 4, Layout::Zigzag).unwrap();
         assert_eq!(
-            sharding.segments(1),
+            placement.segments(1),
             &[Segment::contiguous(0, 2, 2), Segment::contiguous(0, 12, 2)]
         );
     }

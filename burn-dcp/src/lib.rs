@@ -1,7 +1,9 @@
 //! Context-parallel attention for burn.
 //!
 //! ```text
-//! packed micro-batch ──layout──▶ Sharding (which (sequence, position) tokens each rank holds)
+//! packed micro-batch ──placement─▶ which (sequence, position) tokens each rank holds: a static
+//!                                  layout, a dynamic-CP group's, or a planner's own; shard.rs cuts
+//!                                  a rank's tokens out
 //!                    ──strategy─▶ Ulysses / ring / all-gather / USP, forward and backward
 //!                    ──kernels──▶ burn-dcp-kernels FlashOps (attention with LSE, merge)
 //!                    ──comm─────▶ Communicator (in-process threads; byte counts; timeouts)
@@ -9,7 +11,7 @@
 //!
 //! Start with [`strategy::cp_attention_forward`] / [`strategy::cp_attention_backward`], a
 //! [`strategy::CpGroup`] built from a [`comm::Comm`], and a [`strategy::CpBatch`] describing the
-//! micro-batch ([`layout::Sharding`] and masks). [`volume`] gives the analytic bytes each strategy
+//! micro-batch ([`placement::Placement`] and masks). [`volume`] gives the analytic bytes each strategy
 //! sends.
 
 pub mod backend;
@@ -17,6 +19,7 @@ pub mod comm;
 pub mod error;
 pub mod harness;
 pub mod layout;
+pub mod placement;
 pub mod planner;
 pub mod shard;
 pub mod strategy;
@@ -24,7 +27,8 @@ pub mod volume;
 
 pub use burn_dcp_kernels as kernels;
 pub use error::CpError;
-pub use layout::{Layout, Sharding};
+pub use layout::Layout;
+pub use placement::{Placement, PlacementKind};
 pub use strategy::{
     cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy,
 };

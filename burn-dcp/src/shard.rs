@@ -1,24 +1,17 @@
-//! Sharding a packed micro-batch for a CP rank, and unsharding per-token results for checks.
+//! A rank's shard of a packed micro-batch, and unsharding per-token results for checks.
 //!
-//! A packed micro-batch is sequences laid end to end (no padding): `tokens [T]`, `labels [T]`
-//! (next token within the same sequence, `-1` at a sequence's last token), `positions [T]`
-//! (position within the sequence) and `seq_lens`. A rank gets the tokens its layout assigns to it
-//! ([`Sharding::packed_indices`]), in that order — the order CP attention expects — with their
-//! *global* positions (RoPE) and labels.
+//! A packed micro-batch ([`MicroBatch`]) is sequences laid end to end (no padding): tokens,
+//! labels (next token within the same sequence, `-1` at a sequence's last token), positions
+//! within the sequence, `cu_seqlens` and a mask per sequence. A [`Placement`] says which tokens
+//! each rank of the CP group holds; [`RankShard::of`] cuts rank `r`'s out, in the placement's
+//! local order — the order CP attention expects — with their *global* positions (RoPE) and labels.
+
+use burn_dcp_kernels::MicroBatch;
 
 use crate::error::CpError;
-use crate::layout::{Layout, Sharding};
+use crate::placement::Placement;
 
-/// A packed micro-batch of whole sequences.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PackedMicroBatch {
-    pub tokens: Vec<i64>,
-    pub labels: Vec<i64>,
-    pub positions: Vec<i64>,
-    pub seq_lens: Vec<usize>,
-}
-
-/// One rank's share of a micro-batch.
+/// One rank's share of a micro-batch, ready for the model (`i64`, burn's int element).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankShard {
     pub tokens: Vec<i64>,
@@ -28,58 +21,41 @@ pub struct RankShard {
     pub packed_indices: Vec<usize>,
 }
 
-impl PackedMicroBatch {
-    /// Packs whole documents: labels are the next token of the same document.
-    pub fn from_documents(documents: &[Vec<i64>]) -> Self {
-        let mut batch = Self {
-            tokens: Vec::new(),
-            labels: Vec::new(),
-            positions: Vec::new(),
-            seq_lens: Vec::new(),
-        };
-        for document in documents {
-            batch.seq_lens.push(document.len());
-            for (position, &token) in document.iter().enumerate() {
-                batch.tokens.push(token);
-                batch.positions.push(position as i64);
-                batch
-                    .labels
-                    .push(document.get(position + 1).copied().unwrap_or(-1));
-            }
-        }
-        batch
-    }
-
-    /// Number of tokens with a label (the loss's denominator).
-    pub fn label_count(&self) -> usize {
-        self.labels.iter().filter(|&&l| l >= 0).count()
-    }
-
-    /// The sharding of this micro-batch over `cp` ranks.
-    pub fn sharding(&self, cp: usize, layout: Layout) -> Result<Sharding, CpError> {
-        let total: usize = self.seq_lens.iter().sum();
-        if total != self.tokens.len() || self.labels.len() != total || self.positions.len() != total
-        {
+impl RankShard {
+    /// Rank `rank`'s tokens, labels and global positions under `placement`.
+    pub fn of(batch: &MicroBatch, placement: &Placement, rank: usize) -> Result<Self, CpError> {
+        batch.validate()?;
+        let seq_lens = batch.seq_lens();
+        if placement.seq_lens != seq_lens {
             return Err(CpError::Input(format!(
-                "micro-batch holds {} tokens, {} labels and {} positions but its sequence lengths sum to {total}",
-                self.tokens.len(),
-                self.labels.len(),
-                self.positions.len()
+                "the placement is for sequences of lengths {:?}, the micro-batch's are {seq_lens:?}",
+                placement.seq_lens
             )));
         }
-        Sharding::new(&self.seq_lens, cp, layout)
+        if rank >= placement.cp() {
+            return Err(CpError::Config(format!(
+                "rank {rank} is not in a placement over {} ranks",
+                placement.cp()
+            )));
+        }
+        let packed_indices = placement.packed_indices(rank);
+        Ok(Self {
+            tokens: packed_indices
+                .iter()
+                .map(|&i| i64::from(batch.tokens[i]))
+                .collect(),
+            labels: packed_indices.iter().map(|&i| batch.labels[i]).collect(),
+            positions: packed_indices
+                .iter()
+                .map(|&i| batch.positions[i] as i64)
+                .collect(),
+            packed_indices,
+        })
     }
 
-    /// Rank `rank`'s tokens, labels and global positions.
-    pub fn shard(&self, sharding: &Sharding, rank: usize) -> RankShard {
-        let packed_indices = sharding.packed_indices(rank);
-        let pick = |values: &[i64]| packed_indices.iter().map(|&i| values[i]).collect();
-        RankShard {
-            tokens: pick(&self.tokens),
-            labels: pick(&self.labels),
-            positions: pick(&self.positions),
-            packed_indices,
-        }
+    /// Number of labelled tokens of the shard.
+    pub fn label_count(&self) -> usize {
+        self.labels.iter().filter(|&&l| l >= 0).count()
     }
 }
 
@@ -107,14 +83,18 @@ pub fn scatter_rows(full: &mut [f32], width: usize, indices: &[usize], rows: &[f
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::Layout;
+    use burn_dcp_kernels::MaskSpec;
 
     #[test]
     fn shards_cover_the_batch_with_global_positions() {
-        let batch = PackedMicroBatch::from_documents(&[vec![5, 6, 7, 8, 9], vec![1, 2, 3]]);
-        assert_eq!(batch.labels, vec![6, 7, 8, 9, -1, 2, 3, -1]);
+        let batch =
+            MicroBatch::from_documents(&[vec![5, 6, 7, 8, 9], vec![1, 2, 3]], MaskSpec::Causal);
         for layout in [Layout::Contiguous, Layout::Zigzag, Layout::Stripe] {
-            let sharding = batch.sharding(2, layout).unwrap();
-            let shards: Vec<_> = (0..2).map(|r| batch.shard(&sharding, r)).collect();
+            let placement = Placement::of_layout(&batch.seq_lens(), 2, layout).unwrap();
+            let shards: Vec<_> = (0..2)
+                .map(|r| RankShard::of(&batch, &placement, r).unwrap())
+                .collect();
             let rows: Vec<_> = shards
                 .iter()
                 .map(|s| {
@@ -129,6 +109,20 @@ mod tests {
                 vec![0.0, 1.0, 2.0, 3.0, 4.0, 0.0, 1.0, 2.0],
                 "{layout}"
             );
+            let labels: usize = shards.iter().map(RankShard::label_count).sum();
+            assert_eq!(labels, batch.label_count());
         }
+    }
+
+    #[test]
+    fn a_placement_of_other_sequences_is_refused() {
+        let batch = MicroBatch::from_documents(&[vec![5, 6, 7]], MaskSpec::Causal);
+        let placement = Placement::of_layout(&[2, 1], 2, Layout::Zigzag).unwrap();
+        let error = RankShard::of(&batch, &placement, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("[2, 1]") && error.contains("[3]"), "{error}");
+        let placement = Placement::of_layout(&[3], 2, Layout::Zigzag).unwrap();
+        assert!(RankShard::of(&batch, &placement, 2).is_err());
     }
 }

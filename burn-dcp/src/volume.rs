@@ -21,7 +21,7 @@
 //! The all-to-alls of Ulysses move exactly the tensors, nothing else; ring steps that are skipped
 //! for lack of unmasked work still pass their block on (the next rank may need it).
 
-use crate::layout::Sharding;
+use crate::placement::Placement;
 use crate::strategy::ulysses::HeadSplit;
 use crate::strategy::Strategy;
 
@@ -45,17 +45,17 @@ pub struct RankVolume {
 
 const LSE_BYTES: u64 = 4;
 
-/// Analytic bytes per rank (index = CP rank) for `strategy` on `sharding`.
+/// Analytic bytes per rank (index = CP rank) for `strategy` on `placement`.
 pub fn analytic_volume(
     strategy: Strategy,
-    sharding: &Sharding,
+    placement: &Placement,
     shape: &VolumeShape,
 ) -> Vec<RankVolume> {
-    let tokens: Vec<u64> = (0..sharding.cp())
-        .map(|r| sharding.tokens(r) as u64)
+    let tokens: Vec<u64> = (0..placement.cp())
+        .map(|r| placement.tokens(r) as u64)
         .collect();
     match strategy {
-        Strategy::Ulysses => ulysses(&tokens, shape, shape.heads, sharding.cp()),
+        Strategy::Ulysses => ulysses(&tokens, shape, shape.heads, placement.cp()),
         Strategy::Ring => ring(&tokens, shape, shape.kv_heads as u64),
         Strategy::AllGather => all_gather(&tokens, shape),
         Strategy::Usp {

@@ -4,16 +4,16 @@
 //! Properties: every sequence exactly once per step; within a sub-step the groups are disjoint,
 //! inside the pool, non-empty, cover every rank (no idle rank), and have an allowed size that is
 //! at least each sequence's minimum; power-of-two groups start at a multiple of their size; no
-//! rank of the real shard (the layout's sharding of the group's sequences) holds more tokens than
+//! rank of the real shard (the layout's placement of the group's sequences) holds more tokens than
 //! the budget; the schedule is deterministic. Megatron's reviewed implementation had a negative
 //! index wrap-around (a rank outside the pool or used twice), an inverted emptiness assertion (an
 //! empty group or sub-step) and lists shared by reference (a sequence scheduled twice): each
 //! breaks one of these properties.
 
-use burn_dcp::layout::{Layout, Sharding};
 use burn_dcp::planner::dynamic::{
     min_cp_size_for, schedule, schedule_with, DynamicCpConfig, DynamicCpSchedule,
 };
+use burn_dcp::{Layout, Placement};
 use proptest::prelude::*;
 
 fn configs() -> impl Strategy<Value = DynamicCpConfig> {
@@ -86,12 +86,12 @@ fn check(
                 prop_assert_eq!(plan.cp_sizes[s], size);
                 prop_assert!(size >= min_cp_size_for(lengths[s], config, layout).unwrap());
             }
-            let sharding = Sharding::new(&group_lengths, size, layout).unwrap();
+            let placement = Placement::of_layout(&group_lengths, size, layout).unwrap();
             for rank in 0..size {
                 prop_assert!(
-                    sharding.tokens(rank) <= config.max_seq_len_per_rank,
+                    placement.tokens(rank) <= config.max_seq_len_per_rank,
                     "a rank holds {} tokens, budget {}",
-                    sharding.tokens(rank),
+                    placement.tokens(rank),
                     config.max_seq_len_per_rank
                 );
             }

@@ -16,7 +16,7 @@ use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use burn_dcp_kernels::MaskSpec;
+pub use burn_dcp_kernels::{MicroBatch, Piece};
 
 use crate::error::DataError;
 use crate::masks::MaskPolicy;
@@ -65,14 +65,6 @@ impl PackingConfig {
     }
 }
 
-/// A piece of a document: tokens `start..start + len` of document `doc`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Piece {
-    pub doc: usize,
-    pub start: usize,
-    pub len: usize,
-}
-
 /// Splits documents of the given lengths into pieces of at most `max_seq_len` tokens.
 pub fn split_documents(lengths: &[usize], max_seq_len: usize) -> Vec<Piece> {
     lengths
@@ -114,53 +106,19 @@ pub fn pack_pieces(mut pieces: Vec<Piece>, budget: usize, seed: u64) -> Vec<Vec<
     bins
 }
 
-/// A packed micro-batch: sequences end to end, no padding.
-#[derive(Clone, Debug, PartialEq)]
-pub struct MicroBatch {
-    pub tokens: Vec<u32>,
-    /// Next token within the same sequence; `-1` at a sequence's last token.
-    pub labels: Vec<i64>,
-    /// Position of each token within its sequence.
-    pub positions: Vec<usize>,
-    /// `0, len_0, len_0 + len_1, …, tokens.len()`.
-    pub cu_seqlens: Vec<usize>,
-    /// One mask per sequence.
-    pub masks: Vec<MaskSpec>,
-    /// Where each sequence came from.
-    pub pieces: Vec<Piece>,
-}
-
-impl MicroBatch {
-    pub fn seq_lens(&self) -> Vec<usize> {
-        self.cu_seqlens.windows(2).map(|w| w[1] - w[0]).collect()
+/// The micro-batch of `pieces`, in that order, each piece one sequence with its policy's mask.
+fn micro_batch(
+    corpus: &TokenizedCorpus,
+    pieces: Vec<Piece>,
+    masks: &MaskPolicy,
+    seed: u64,
+) -> MicroBatch {
+    let mut batch = MicroBatch::empty();
+    for piece in pieces {
+        let tokens = &corpus.documents[piece.doc][piece.start..piece.start + piece.len];
+        batch.push_sequence(tokens, masks.mask_for(piece, seed), piece);
     }
-
-    fn from_pieces(
-        corpus: &TokenizedCorpus,
-        pieces: Vec<Piece>,
-        masks: &MaskPolicy,
-        seed: u64,
-    ) -> Self {
-        let mut batch = Self {
-            tokens: Vec::new(),
-            labels: Vec::new(),
-            positions: Vec::new(),
-            cu_seqlens: vec![0],
-            masks: Vec::new(),
-            pieces: Vec::new(),
-        };
-        for piece in pieces {
-            let tokens = &corpus.documents[piece.doc][piece.start..piece.start + piece.len];
-            batch.tokens.extend_from_slice(tokens);
-            batch.labels.extend(tokens[1..].iter().map(|&t| t as i64));
-            batch.labels.push(-1);
-            batch.positions.extend(0..piece.len);
-            batch.cu_seqlens.push(batch.tokens.len());
-            batch.masks.push(masks.mask_for(piece, seed));
-            batch.pieces.push(piece);
-        }
-        batch
-    }
+    batch
 }
 
 /// The packing of a corpus.
@@ -199,7 +157,7 @@ pub fn pack_corpus(
     let pieces = split_documents(&corpus.lengths(), config.max_seq_len());
     let micro_batches = pack_pieces(pieces, config.budget(), config.seed)
         .into_iter()
-        .map(|pieces| MicroBatch::from_pieces(corpus, pieces, masks, config.seed))
+        .map(|pieces| micro_batch(corpus, pieces, masks, config.seed))
         .collect();
     Ok(Packing {
         micro_batches,

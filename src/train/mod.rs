@@ -1,18 +1,28 @@
 //! Long-context GPT training with context parallelism on in-process ranks: the engine of the
 //! `gpt_longctx` example, shared with the tests.
 //!
-//! World: `dp × cp` ranks (threads). Rank `r` is CP rank `r mod cp` of DP replica `⌊r/cp⌋`. Each
-//! optimizer step processes `micro_batches` packed micro-batches of `seq_len` tokens (the global
-//! batch); replica `d` takes micro-batches `d, d+dp, …` and shards each over its CP group by the
-//! layout. Per micro-batch, every rank sets its CP context and runs the unchanged GPT on
-//! `ContextParallel<Autodiff<B>>`; the loss is the *sum* of its tokens' cross-entropy divided by
-//! the step's global label count, so gradients summed over all DP×CP ranks (the all-reduce) are
-//! exactly the gradients of the global mean loss, whatever cp and dp are.
+//! World: `dp × cp` ranks (threads). Each optimizer step processes `micro_batches` packed
+//! micro-batches of `seq_len` tokens (the global batch). One path for every strategy:
+//!
+//! ```text
+//! TrainData ──step_batches──▶ the step's MicroBatches ──plan_step──▶ StepPlan (plan.rs)
+//!   (datasets' packing)        (same data for any cp/dp)   static: replica d runs micro-batches
+//!                                                           d, d+dp, … on ranks d·cp..(d+1)·cp;
+//!                                                           dynamic: the scheduler's groups
+//! StepPlan ──per planned batch this rank is in──▶ gather its sequences (one MicroBatch)
+//!          ──RankShard::of(placement, rank)──▶ tokens, global positions, labels
+//!          ──set_context(group, placement, masks)──▶ GPT on ContextParallel<Autodiff<B>>
+//!          ──ModuleOps::attention──▶ the group's strategy (burn-dcp) ──▶ kernels
+//! ```
+//!
+//! The loss of a planned batch is the *sum* of its tokens' cross-entropy divided by the step's
+//! global label count, so gradients summed over all ranks (the all-reduce) are exactly the
+//! gradients of the global mean loss, whatever the plan.
 
 pub mod dynamic;
+pub mod groups;
+pub mod plan;
 
-use std::borrow::Cow;
-use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -24,8 +34,8 @@ use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::{set_context, ContextParallel, CpContext};
 use burn_dcp::comm::{panic_message, Comm, CommError, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
-use burn_dcp::kernels::{FlashOps, MaskSpec};
-use burn_dcp::shard::PackedMicroBatch;
+use burn_dcp::kernels::{FlashOps, MaskSpec, MicroBatch};
+use burn_dcp::shard::RankShard;
 use burn_dcp::{CpBatch, CpError, CpGroup, Layout, Strategy};
 use burn_dcp_datasets::corpus::{open_documents, Document};
 use burn_dcp_datasets::tokenizer::{cache_dir, default_tokenized, files_identity, tokenize_cached};
@@ -33,10 +43,9 @@ use burn_dcp_datasets::{pack_corpus, MaskPolicy, PackingConfig, TokenizedCorpus,
 use burn_dcp_models::{Gpt, GptConfig};
 use serde::{Deserialize, Serialize};
 
-pub use dynamic::{
-    plan_step, schedule_stats, sequence_work, CpSizes, DynamicSettings, PoolGroups, ScheduleStats,
-    StepPlan, StepSequences,
-};
+pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
+pub use groups::RankGroups;
+pub use plan::{plan_step, PlannedBatch, ScheduleStats, StepPlan, StepSequences};
 
 /// The training backend over an inner backend `B` (burn Flex on the CPU, or a cubecl backend with
 /// the kernels): the decorator over autodiff over `B`.
@@ -73,7 +82,20 @@ pub struct TrainConfig {
     /// per step (then `strategy` and `layout` are the strategy inside each group).
     #[serde(default)]
     pub dynamic: Option<DynamicSettings>,
+    /// Steps planned ahead on a background thread (`--plan-ahead`).
+    #[serde(default = "default_plan_ahead")]
+    pub plan_ahead: usize,
 }
+
+fn default_plan_ahead() -> usize {
+    DEFAULT_PLAN_AHEAD
+}
+
+/// Steps planned ahead by default.
+pub const DEFAULT_PLAN_AHEAD: usize = 2;
+
+/// The most steps that may be planned ahead.
+pub const MAX_PLAN_AHEAD: usize = 64;
 
 impl TrainConfig {
     /// Checks the rules, naming the values.
@@ -139,6 +161,12 @@ impl TrainConfig {
             self.strategy
                 .validate_heads(model.n_heads, model.n_kv_heads, self.cp)
                 .map_err(|e| e.to_string())?;
+        }
+        if self.plan_ahead == 0 || self.plan_ahead > MAX_PLAN_AHEAD {
+            return Err(format!(
+                "--plan-ahead {} must be between 1 and {MAX_PLAN_AHEAD} steps",
+                self.plan_ahead
+            ));
         }
         if self.micro_batches > MAX_MICRO_BATCHES {
             return Err(format!(
@@ -235,19 +263,12 @@ pub fn builtin_documents() -> Vec<Document> {
     .collect()
 }
 
-/// A packed micro-batch and the mask of each of its sequences.
-#[derive(Clone, Debug)]
-pub struct TrainBatch {
-    pub packed: PackedMicroBatch,
-    pub masks: Vec<MaskSpec>,
-}
-
 /// The training data: the corpus tokenized and packed once into micro-batches of at most
 /// `seq_len` tokens (long documents split; see `burn_dcp_datasets::packing`). Step `s` uses
 /// micro-batches `(s−1)·n .. s·n` (cyclically), `n` = micro-batches per step, so any cp/dp split
 /// and a resumed run see the same data.
 pub struct TrainData {
-    batches: Vec<TrainBatch>,
+    batches: Vec<MicroBatch>,
 }
 
 impl TrainData {
@@ -272,23 +293,11 @@ impl TrainData {
         };
         let packing =
             pack_corpus(&corpus, &packing, &config.mask_policy()?).map_err(|e| e.to_string())?;
-        let batches: Vec<TrainBatch> = packing
-            .micro_batches
-            .into_iter()
-            .map(|b| TrainBatch {
-                packed: PackedMicroBatch {
-                    tokens: b.tokens.iter().map(|&t| i64::from(t)).collect(),
-                    labels: b.labels.clone(),
-                    positions: b.positions.iter().map(|&p| p as i64).collect(),
-                    seq_lens: b.seq_lens(),
-                },
-                masks: b.masks,
-            })
-            .collect();
+        let batches = packing.micro_batches;
         if batches.is_empty() {
             return Err(format!("corpus '{}' holds no tokens", config.corpus));
         }
-        if batches.iter().all(|b| b.packed.label_count() == 0) {
+        if batches.iter().all(|b| b.label_count() == 0) {
             return Err(format!(
                 "corpus '{}' holds no token with a next token to predict (every document is a single token)",
                 config.corpus
@@ -298,7 +307,7 @@ impl TrainData {
     }
 
     /// The micro-batches of optimizer step `step` (1-based).
-    pub fn step_batches(&self, step: usize, count: usize) -> Vec<&TrainBatch> {
+    pub fn step_batches(&self, step: usize, count: usize) -> Vec<&MicroBatch> {
         (0..count)
             .map(|i| &self.batches[((step - 1) * count + i) % self.batches.len()])
             .collect()
@@ -330,66 +339,31 @@ pub struct StepMetrics {
     /// Max / mean of the per-rank estimated work of the step (see `dynamic`'s estimator).
     #[serde(default)]
     pub rank_workload_imbalance: f64,
-    /// Dynamic CP: time the scheduler took for this step (on the planning thread).
+    /// Time the step's planning took (on the planning thread; `None` only in metrics written
+    /// before every strategy was planned).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan_ms: Option<f64>,
-    /// Dynamic CP: time the step waited for its plan.
+    /// Time the step waited for its plan.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan_wait_ms: Option<f64>,
-}
-
-/// A rank's groups: the whole world (gradient all-reduce) and its static CP group, or, under
-/// dynamic CP, the pool's groups it belongs to (created on first use).
-pub struct RankGroups {
-    pub world: Comm,
-    pub cp: CpGroup,
-    pub dp_rank: usize,
-    pub pool: Option<RefCell<PoolGroups>>,
-}
-
-impl RankGroups {
-    pub fn new(world: Comm, config: &TrainConfig) -> Result<Self, CpError> {
-        let rank = world.rank();
-        let dp_rank = rank / config.cp;
-        let cp_comm = world.split(dp_rank, rank % config.cp)?;
-        // Under dynamic CP the static group is unused: a ring keeps it valid for any inner strategy.
-        let static_strategy = match config.dynamic {
-            Some(_) => Strategy::Ring,
-            None => config.strategy,
-        };
-        let pool = config
-            .dynamic
-            .as_ref()
-            .map(|_| RefCell::new(PoolGroups::new(world.clone(), config.strategy)));
-        Ok(Self {
-            cp: CpGroup::new(cp_comm, static_strategy)?,
-            world,
-            dp_rank,
-            pool,
-        })
-    }
 }
 
 fn int_tensor<B: burn::prelude::Backend>(values: &[i64], device: &B::Device) -> Tensor<B, 1, Int> {
     Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
 }
 
-/// Forward and backward of this rank's share of one (sub-)micro-batch on `group`; returns its
-/// loss sum (unscaled) and its gradients of `loss_sum / global_labels`.
+/// Forward and backward of this rank's shard of a planned batch on `group` (whose attention calls
+/// see `batch`: the placement and the masks); returns its loss sum (unscaled) and its gradients
+/// of `loss_sum / global_labels`.
 fn micro_batch_gradients<B: FlashOps>(
     model: &Gpt<CpTrain<B>>,
-    group: &CpGroup,
-    batch: &TrainBatch,
-    layout: Layout,
+    group: CpGroup,
+    batch: CpBatch,
+    shard: &RankShard,
     global_labels: usize,
     device: &B::Device,
 ) -> Result<(f64, GradientsParams), CpError> {
-    let sharding = batch.packed.sharding(group.cp(), layout)?;
-    let shard = batch.packed.shard(&sharding, group.comm.rank());
-    let _context = set_context(CpContext {
-        group: group.clone(),
-        batch: CpBatch::new(sharding, batch.masks.clone()),
-    });
+    let _context = set_context(CpContext { group, batch });
     let loss_sum = model.loss_sum(
         int_tensor(&shard.tokens, device),
         int_tensor(&shard.positions, device),
@@ -438,8 +412,8 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for AllReduceGradients<'_, B> {
 }
 
 /// Gradients of the global mean loss of step `step` (all-reduced over DP×CP), the loss and the
-/// step's token count. Under dynamic CP the step is planned here, synchronously; training plans
-/// ahead on a background thread and calls [`step_gradients_planned`].
+/// step's token count. The step is planned here, synchronously; training plans ahead on a
+/// background thread and calls [`step_gradients_planned`].
 pub fn step_gradients<B: FlashOps>(
     model: &Gpt<CpTrain<B>>,
     groups: &RankGroups,
@@ -448,31 +422,9 @@ pub fn step_gradients<B: FlashOps>(
     step: usize,
     device: &B::Device,
 ) -> Result<(f64, GradientsParams, usize), CpError> {
-    let plan = match &config.dynamic {
-        Some(settings) => Some(plan_for_step(config, settings, data, step)?),
-        None => None,
-    };
-    let result = step_gradients_planned(model, groups, config, data, step, plan.as_ref(), device)?;
+    let plan = plan_step(config, data, step)?;
+    let result = step_gradients_planned(model, groups, config, data, &plan, device)?;
     Ok((result.loss, result.grads, result.tokens))
-}
-
-/// The dynamic CP plan of step `step` (pure: the same on every rank).
-pub fn plan_for_step(
-    config: &TrainConfig,
-    settings: &DynamicSettings,
-    data: &TrainData,
-    step: usize,
-) -> Result<StepPlan, CpError> {
-    let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
-    let model = config.model_config().map_err(CpError::Config)?;
-    plan_step(
-        step,
-        &sequences,
-        settings,
-        config.world_size(),
-        config.layout,
-        &model,
-    )
 }
 
 /// One rank's step: the mean loss, the all-reduced gradients, the tokens, and what ran where.
@@ -483,38 +435,42 @@ pub struct StepResult {
     pub stats: ScheduleStats,
 }
 
-/// A sub-micro-batch this rank runs and the CP group it runs in.
-type WorkItem<'a> = (Cow<'a, TrainBatch>, CpGroup);
-
-/// [`step_gradients`] with the step's dynamic CP plan given (`None` for static CP).
+/// Runs step `plan.step` by its plan: this rank's shard of every planned batch it is in, in the
+/// batch's group; then the all-reduce over the world.
 pub fn step_gradients_planned<B: FlashOps>(
     model: &Gpt<CpTrain<B>>,
     groups: &RankGroups,
     config: &TrainConfig,
     data: &TrainData,
-    step: usize,
-    plan: Option<&StepPlan>,
+    plan: &StepPlan,
     device: &B::Device,
 ) -> Result<StepResult, CpError> {
+    let step = plan.step;
     let batches = data.step_batches(step, config.micro_batches);
-    let global_labels: usize = batches.iter().map(|b| b.packed.label_count()).sum();
+    let global_labels: usize = batches.iter().map(|b| b.label_count()).sum();
     if global_labels == 0 {
         return Err(CpError::Input(format!(
             "step {step}: its {} micro-batches hold no labelled token, so the mean loss is undefined; use more micro-batches per step or longer documents",
             batches.len()
         )));
     }
-    let tokens = batches.iter().map(|b| b.packed.tokens.len()).sum();
-    let sequences = StepSequences::new(batches.clone());
-    let (items, stats) = match plan {
-        Some(plan) => dynamic_items(groups, &sequences, plan)?,
-        None => static_items(groups, config, &batches, &sequences)?,
-    };
+    let tokens = batches.iter().map(|b| b.tokens.len()).sum();
+    let sequences = StepSequences::new(batches);
+    groups.ensure(plan)?;
+    let me = groups.world.rank();
     let mut accumulator = GradientsAccumulator::<Gpt<CpTrain<B>>>::new();
     let mut loss_sum = 0.0;
-    for (batch, group) in &items {
+    for planned in plan.batches_of(me) {
+        let batch = sequences.gather(&planned.sequences);
+        let shard = RankShard::of(&batch, &planned.placement, me - planned.ranks.start)?;
+        let context = CpBatch {
+            placement: planned.placement.clone(),
+            masks: batch.masks,
+            scale: None,
+        };
+        let group = groups.group(&planned.ranks)?;
         let (value, grads) =
-            micro_batch_gradients(model, group, batch, config.layout, global_labels, device)?;
+            micro_batch_gradients(model, group, context, &shard, global_labels, device)?;
         loss_sum += value;
         accumulator.accumulate(model, grads);
     }
@@ -523,92 +479,8 @@ pub fn step_gradients_planned<B: FlashOps>(
         loss,
         grads,
         tokens,
-        stats,
+        stats: plan.stats(groups.world.size()),
     })
-}
-
-/// Static CP: this replica's micro-batches on its CP group; replica `d` runs micro-batches
-/// `d, d+dp, …` on ranks `d·cp .. (d+1)·cp`.
-fn static_items<'a>(
-    groups: &RankGroups,
-    config: &TrainConfig,
-    batches: &[&'a TrainBatch],
-    sequences: &StepSequences,
-) -> Result<(Vec<WorkItem<'a>>, ScheduleStats), CpError> {
-    let items = batches
-        .iter()
-        .skip(groups.dp_rank)
-        .step_by(config.dp)
-        .map(|&batch| (Cow::Borrowed(batch), groups.cp.clone()))
-        .collect();
-    let works = sequence_works(config, sequences)?;
-    let mut first = 0;
-    let mut placed = Vec::new();
-    for (index, batch) in batches.iter().enumerate() {
-        let count = batch.packed.seq_lens.len();
-        let replica = index % config.dp;
-        placed.push((
-            replica * config.cp..(replica + 1) * config.cp,
-            (first..first + count).collect::<Vec<_>>(),
-        ));
-        first += count;
-    }
-    let stats = schedule_stats(
-        placed
-            .iter()
-            .map(|(ranks, seqs)| (ranks.clone(), seqs.as_slice())),
-        &works,
-        config.world_size(),
-    );
-    Ok((items, stats))
-}
-
-fn sequence_works(config: &TrainConfig, sequences: &StepSequences) -> Result<Vec<f64>, CpError> {
-    let model = config.model_config().map_err(CpError::Config)?;
-    let lengths = sequences.lengths();
-    Ok((0..lengths.len())
-        .map(|s| sequence_work(lengths[s], sequences.mask(s), &model))
-        .collect())
-}
-
-/// Dynamic CP: the sub-micro-batch of every sub-step group this rank is in. Every rank creates
-/// the plan's new groups first, in order (a collective), whether it is in them or not.
-fn dynamic_items(
-    groups: &RankGroups,
-    sequences: &StepSequences,
-    plan: &StepPlan,
-) -> Result<(Vec<WorkItem<'static>>, ScheduleStats), CpError> {
-    let pool = groups.pool.as_ref().ok_or_else(|| {
-        CpError::Config(
-            "a dynamic CP plan needs the pool's groups (RankGroups::new with dynamic settings)"
-                .into(),
-        )
-    })?;
-    let mut pool = pool.borrow_mut();
-    for sub_step in &plan.schedule.micro_batches {
-        pool.ensure(sub_step)?;
-    }
-    let me = groups.world.rank();
-    let mut items = Vec::new();
-    for group in plan.schedule.micro_batches.iter().flat_map(|m| &m.groups) {
-        if !group.ranks.contains(&me) {
-            continue;
-        }
-        let cp_group = pool.group(&group.ranks).cloned().ok_or_else(|| {
-            CpError::Config(format!(
-                "rank {me}: no CP group for ranks {:?}",
-                group.ranks
-            ))
-        })?;
-        items.push((Cow::Owned(sequences.gather(&group.sequences)), cp_group));
-    }
-    let all = plan.schedule.micro_batches.iter().flat_map(|m| &m.groups);
-    let stats = schedule_stats(
-        all.map(|g| (g.ranks.clone(), g.sequences.as_slice())),
-        &plan.works,
-        groups.world.size(),
-    );
-    Ok((items, stats))
 }
 
 /// All-reduces the accumulated gradients and the loss over the world; stops on non-finite values.
@@ -840,11 +712,8 @@ pub fn train_rank<B: FlashOps>(
         device,
     };
     let (model, metrics) = std::thread::scope(|scope| {
-        let plans = config
-            .dynamic
-            .as_ref()
-            .map(|settings| plan_ahead(scope, config, settings, data, first_step));
-        run.steps(model, &mut optimizer, first_step, plans)
+        let plans = plan_ahead(scope, config, data, first_step);
+        run.steps(model, &mut optimizer, first_step, &plans)
     })?;
     if let (Some(out), 0) = (out, groups.world.rank()) {
         let state = TrainState {
@@ -865,17 +734,13 @@ type PlanReceiver = std::sync::mpsc::Receiver<Result<StepPlan, CpError>>;
 fn plan_ahead<'scope, 'env>(
     scope: &'scope std::thread::Scope<'scope, 'env>,
     config: &'env TrainConfig,
-    settings: &'env DynamicSettings,
     data: &'env TrainData,
     first: usize,
 ) -> PlanReceiver {
-    let (sender, receiver) = std::sync::mpsc::sync_channel(settings.plan_ahead);
+    let (sender, receiver) = std::sync::mpsc::sync_channel(config.plan_ahead);
     scope.spawn(move || {
         for step in first..=config.steps {
-            if sender
-                .send(plan_for_step(config, settings, data, step))
-                .is_err()
-            {
+            if sender.send(plan_step(config, data, step)).is_err() {
                 break;
             }
         }
@@ -900,7 +765,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
         mut model: Gpt<CpTrain<B>>,
         optimizer: &mut O,
         first: usize,
-        plans: Option<PlanReceiver>,
+        plans: &PlanReceiver,
     ) -> Result<(Gpt<CpTrain<B>>, Vec<StepMetrics>), String> {
         let world = &self.groups.world;
         let mut metrics = Vec::new();
@@ -910,23 +775,17 @@ impl<B: FlashOps> StepLoop<'_, B> {
             let bytes_before = (world.rank() == 0).then(|| self.observer.total_bytes());
             world.barrier().map_err(|e| e.to_string())?;
             let waited = Instant::now();
-            let plan = match &plans {
-                Some(plans) => Some(
-                    plans
-                        .recv()
-                        .map_err(|_| format!("step {step}: the planning thread stopped"))?
-                        .map_err(|e| e.to_string())?,
-                ),
-                None => None,
-            };
+            let plan = plans
+                .recv()
+                .map_err(|_| format!("step {step}: the planning thread stopped"))?
+                .map_err(|e| e.to_string())?;
             let plan_wait_ms = waited.elapsed().as_secs_f64() * 1e3;
             let result = step_gradients_planned(
                 &model,
                 self.groups,
                 self.config,
                 self.data,
-                step,
-                plan.as_ref(),
+                &plan,
                 self.device,
             )
             .map_err(|e| e.to_string())?;
@@ -946,8 +805,8 @@ impl<B: FlashOps> StepLoop<'_, B> {
                         .map(|(size, count)| (size.to_string(), *count))
                         .collect(),
                     rank_workload_imbalance: result.stats.rank_workload_imbalance,
-                    plan_ms: plan.as_ref().map(|p| p.plan_ms),
-                    plan_wait_ms: plan.as_ref().map(|_| plan_wait_ms),
+                    plan_ms: Some(plan.plan_ms),
+                    plan_wait_ms: Some(plan_wait_ms),
                 };
                 self.observer.on_step(&step_metrics);
                 metrics.push(step_metrics);

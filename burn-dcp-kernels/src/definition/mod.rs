@@ -1,10 +1,13 @@
-//! What an attention call computes: masks, the packing of tokens into sequences, the problem.
+//! What an attention call computes: masks, the packing of tokens into sequences, the problem —
+//! and the packed micro-batch those describe.
 
+pub mod batch;
 pub mod error;
 pub mod mask;
 pub mod packing;
 pub mod problem;
 
+pub use batch::{MicroBatch, Piece};
 pub use error::KernelError;
 pub use mask::{mask_of, validate_masks, KeyRanges, MaskSpec};
 pub use packing::{validate_cu_seqlens, Segment, TokenPositions};

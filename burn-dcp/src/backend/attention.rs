@@ -2,7 +2,7 @@
 //!
 //! burn calls `attention(q, k, v, mask, bias, options)` with `q [batch, heads, seq, dim]`. Under a
 //! CP context, `batch` must be 1 and `seq` is this rank's tokens of the packed micro-batch (in
-//! [`Sharding::packed_indices`](crate::layout::Sharding::packed_indices) order); the masks come from
+//! [`Placement::packed_indices`](crate::placement::Placement::packed_indices) order); the masks come from
 //! the context (per sequence, on global positions), so `mask`/`attn_bias` tensors — dense masks of
 //! the local shard that cannot describe cross-rank attention — are rejected with an error, never
 //! ignored. `options.scale` is honoured; `options.softcap` is rejected (not supported yet);
@@ -268,7 +268,7 @@ fn check_call(
             shape.first().copied().unwrap_or(0)
         ));
     }
-    let seq_lens = &context.batch.sharding.seq_lens;
+    let seq_lens = &context.batch.placement.seq_lens;
     for (seq, &len) in seq_lens.iter().enumerate() {
         let mask = context.batch.mask(seq);
         let causal = is_causal_mask(mask, len);

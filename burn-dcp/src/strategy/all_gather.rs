@@ -19,11 +19,11 @@ pub struct AllGatherKv;
 
 impl AllGatherKv {
     fn problem(group: &CpGroup, batch: &CpBatch) -> VarlenAttention {
-        let sharding = &batch.sharding;
-        let mine = sharding.segments(group.comm.rank()).to_vec();
+        let placement = &batch.placement;
+        let mine = placement.segments(group.comm.rank()).to_vec();
         batch.problem(
             mine,
-            concat_segments(sharding.ranks.iter().map(Vec::as_slice)),
+            concat_segments(placement.ranks.iter().map(Vec::as_slice)),
         )
     }
 }
@@ -62,7 +62,7 @@ impl AttentionStrategy for AllGatherKv {
             x.dout,
             &Self::problem(group, batch),
         )?;
-        let sizes: Vec<usize> = (0..group.cp()).map(|r| batch.sharding.tokens(r)).collect();
+        let sizes: Vec<usize> = (0..group.cp()).map(|r| batch.placement.tokens(r)).collect();
         let scatter = |full: Tensor<B, 3>, what: &str| -> Result<Tensor<B, 3>, CpError> {
             let [_, heads, dim] = full.dims();
             let dtype = full.dtype();
@@ -99,7 +99,7 @@ fn gather_tokens<B: FlashOps>(
     what: &str,
 ) -> Result<Tensor<B, 3>, CpError> {
     let [_, heads, dim] = x.dims();
-    let expected = |p: usize| [batch.sharding.tokens(p), heads, dim];
+    let expected = |p: usize| [batch.placement.tokens(p), heads, dim];
     let pieces = all_gather(&group.comm, x, expected, &format!("{what} all-gather"))?;
     Ok(cat_tokens(pieces, 0))
 }

@@ -8,9 +8,10 @@
 //! | all-gather | `all_gather.rs` | all-gather KV, reduce-scatter dK/dV |
 //! | USP        | `usp.rs`        | Ulysses inside, ring outside (2D mesh) |
 //!
-//! Every strategy works with every [`Layout`](crate::layout::Layout): tokens are described by
-//! (sequence, position) segments, so the kernels apply masks on global positions whatever the
-//! placement. The layout decides balance (zigzag balances causal work), not correctness.
+//! Every strategy works with every [`Placement`] — a static layout's or a planner's: tokens are
+//! described by (sequence, position) segments, so the kernels apply masks on global positions
+//! whatever the placement. The placement decides balance (zigzag balances causal work), not
+//! correctness.
 
 pub(crate) mod agreement;
 pub mod all_gather;
@@ -27,7 +28,7 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, MaskSpec, Segment,
 
 use crate::comm::Comm;
 use crate::error::CpError;
-use crate::layout::Sharding;
+use crate::placement::Placement;
 use crate::strategy::agreement::CallConfig;
 
 /// Which algorithm computes attention across the CP group.
@@ -186,7 +187,7 @@ impl CpGroup {
 /// scale. Identical on every rank of the group.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CpBatch {
-    pub sharding: Arc<Sharding>,
+    pub placement: Arc<Placement>,
     /// One mask per sequence, or one for all.
     pub masks: Vec<MaskSpec>,
     /// Softmax scale; `None` is `1/√head_dim`.
@@ -194,9 +195,9 @@ pub struct CpBatch {
 }
 
 impl CpBatch {
-    pub fn new(sharding: Sharding, masks: Vec<MaskSpec>) -> Self {
+    pub fn new(placement: Placement, masks: Vec<MaskSpec>) -> Self {
         Self {
-            sharding: Arc::new(sharding),
+            placement: Arc::new(placement),
             masks,
             scale: None,
         }
@@ -214,7 +215,7 @@ impl CpBatch {
         kv_segments: Vec<Segment>,
     ) -> VarlenAttention {
         VarlenAttention {
-            seq_lens: self.sharding.seq_lens.clone(),
+            seq_lens: self.placement.seq_lens.clone(),
             masks: self.masks.clone(),
             q_segments,
             kv_segments,
@@ -255,7 +256,7 @@ pub trait AttentionStrategy {
 }
 
 /// Context-parallel attention forward on this rank's shard: `q [T, H, D]`, `k`/`v [T, K, D]`
-/// (this rank's tokens in [`Sharding`] order) → `out [T, H, Dv]`, `lse [H, T]`.
+/// (this rank's tokens in [`Placement`] order) → `out [T, H, Dv]`, `lse [H, T]`.
 ///
 /// A collective call: every rank of the group calls it with the same configuration. The ranks
 /// first agree on the configuration (see `agreement`): invalid inputs on any rank, or ranks that
@@ -345,10 +346,10 @@ fn validate_inputs<B: FlashOps>(
     v: &Tensor<B, 3>,
 ) -> Result<(), CpError> {
     let cp = group.cp();
-    if batch.sharding.cp() != cp {
+    if batch.placement.cp() != cp {
         return Err(CpError::Config(format!(
             "the micro-batch is sharded over {} ranks but the CP group has {cp}",
-            batch.sharding.cp()
+            batch.placement.cp()
         )));
     }
     group.strategy.validate_mesh(cp)?;
@@ -362,14 +363,14 @@ fn validate_inputs<B: FlashOps>(
         ("v", v.dtype()),
     ])?;
     let rank = group.comm.rank();
-    let expected = batch.sharding.tokens(rank);
+    let expected = batch.placement.tokens(rank);
     if shape.q_tokens != expected || shape.kv_tokens != expected {
         return Err(CpError::Input(format!(
-            "rank {rank} holds {expected} tokens under the {} layout, but q has {} and k/v have {} tokens",
-            batch.sharding.layout, shape.q_tokens, shape.kv_tokens
+            "rank {rank} holds {expected} tokens under the {}, but q has {} and k/v have {} tokens",
+            batch.placement.kind, shape.q_tokens, shape.kv_tokens
         )));
     }
-    burn_dcp_kernels::validate_masks(&batch.masks, &batch.sharding.seq_lens)?;
+    burn_dcp_kernels::validate_masks(&batch.masks, &batch.placement.seq_lens)?;
     if let Some(scale) = batch.scale {
         burn_dcp_kernels::validate_scale(scale)?;
     }

@@ -214,7 +214,7 @@ impl Ring {
         RingPass {
             comm: &group.comm,
             batch,
-            members: batch.sharding.ranks.clone(),
+            members: batch.placement.ranks.clone(),
         }
     }
 }

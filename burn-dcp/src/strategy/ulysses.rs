@@ -265,7 +265,7 @@ impl Ulysses {
         heads: usize,
         kv_heads: usize,
     ) -> UlyssesStage<'a> {
-        let sharding = &batch.sharding;
+        let placement = &batch.placement;
         UlyssesStage {
             comm: &group.comm,
             split: HeadSplit {
@@ -273,12 +273,12 @@ impl Ulysses {
                 kv_heads,
                 degree: group.cp(),
             },
-            member_tokens: (0..sharding.cp()).map(|r| sharding.tokens(r)).collect(),
+            member_tokens: (0..placement.cp()).map(|r| placement.tokens(r)).collect(),
         }
     }
 
     fn problem(batch: &CpBatch) -> burn_dcp_kernels::VarlenAttention {
-        let all = concat_segments(batch.sharding.ranks.iter().map(Vec::as_slice));
+        let all = concat_segments(batch.placement.ranks.iter().map(Vec::as_slice));
         batch.problem(all.clone(), all)
     }
 }

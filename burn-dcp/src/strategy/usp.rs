@@ -51,7 +51,7 @@ impl Usp {
                     .into(),
             )
         })?;
-        let sharding = &batch.sharding;
+        let placement = &batch.placement;
         let ranks_of = |g: usize| g * ulysses_degree..(g + 1) * ulysses_degree;
         let g = group.comm.rank() / ulysses_degree;
         let stage = UlyssesStage {
@@ -61,10 +61,10 @@ impl Usp {
                 kv_heads,
                 degree: ulysses_degree,
             },
-            member_tokens: ranks_of(g).map(|r| sharding.tokens(r)).collect(),
+            member_tokens: ranks_of(g).map(|r| placement.tokens(r)).collect(),
         };
         let members = (0..ring_degree)
-            .map(|g| concat_segments(ranks_of(g).map(|r| sharding.segments(r))))
+            .map(|g| concat_segments(ranks_of(g).map(|r| placement.segments(r))))
             .collect();
         Ok(Mesh {
             stage,

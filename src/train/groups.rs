@@ -1,0 +1,100 @@
+//! A rank's communicators: the whole world (gradient all-reduce) and the CP groups the step plans
+//! use, created once per rank range and kept.
+//!
+//! Creating a group is a collective split of the world, so every rank creates the same ranges in
+//! the same order: before a step runs, each rank walks the plan's sub-steps ([`RankGroups::ensure`])
+//! and splits the world once per sub-step that uses new ranges, whether or not it is in them.
+//! Static CP creates its replicas' groups (`d·cp .. (d+1)·cp`) up front; dynamic CP's groups appear
+//! as the scheduler first uses them.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
+
+use burn_dcp::comm::Comm;
+use burn_dcp::{CpError, CpGroup, Strategy};
+
+use super::dynamic::strategy_for;
+use super::plan::StepPlan;
+use super::TrainConfig;
+
+/// One rank's communicators.
+pub struct RankGroups {
+    pub world: Comm,
+    cache: RefCell<GroupCache>,
+}
+
+/// The CP groups created so far, and this rank's membership of them.
+struct GroupCache {
+    /// The strategy inside a group (sized per group; see [`strategy_for`]).
+    strategy: Strategy,
+    /// Every rank range created so far (the same on every rank: creation is collective).
+    created: HashSet<(usize, usize)>,
+    mine: HashMap<(usize, usize), CpGroup>,
+}
+
+impl RankGroups {
+    /// The world and, for static CP, every replica's CP group (a collective call).
+    pub fn new(world: Comm, config: &TrainConfig) -> Result<Self, CpError> {
+        let groups = Self {
+            world,
+            cache: RefCell::new(GroupCache {
+                strategy: config.strategy,
+                created: HashSet::new(),
+                mine: HashMap::new(),
+            }),
+        };
+        if config.dynamic.is_none() {
+            let replicas = (0..config.dp).map(|d| d * config.cp..(d + 1) * config.cp);
+            groups.create(&replicas.collect::<Vec<_>>())?;
+        }
+        Ok(groups)
+    }
+
+    /// Creates the groups `plan` uses that do not exist yet (a collective call: every rank calls
+    /// it with the same plan).
+    pub fn ensure(&self, plan: &StepPlan) -> Result<(), CpError> {
+        for ranges in plan.sub_step_ranges() {
+            self.create(&ranges)?;
+        }
+        Ok(())
+    }
+
+    /// This rank's group for the world ranks `ranks` (created by [`Self::ensure`]).
+    pub fn group(&self, ranks: &Range<usize>) -> Result<CpGroup, CpError> {
+        let key = (ranks.start, ranks.end);
+        self.cache.borrow().mine.get(&key).cloned().ok_or_else(|| {
+            CpError::Config(format!(
+                "rank {}: no CP group for world ranks {ranks:?} (it is not one of them, or the plan's groups were not created)",
+                self.world.rank()
+            ))
+        })
+    }
+
+    /// Creates the new ones among disjoint `ranges`: one split of the world.
+    fn create(&self, ranges: &[Range<usize>]) -> Result<(), CpError> {
+        let mut cache = self.cache.borrow_mut();
+        let new: Vec<&Range<usize>> = ranges
+            .iter()
+            .filter(|r| !cache.created.contains(&(r.start, r.end)))
+            .collect();
+        if new.is_empty() {
+            return Ok(());
+        }
+        let me = self.world.rank();
+        let mine = new.iter().position(|r| r.contains(&me));
+        // Ranks outside every new range get a color of their own (a group they do not use).
+        let color = mine.unwrap_or(new.len() + me);
+        let comm = self.world.split(color, me)?;
+        for range in &new {
+            cache.created.insert((range.start, range.end));
+        }
+        if let Some(index) = mine {
+            let range = new[index];
+            let strategy = strategy_for(cache.strategy, range.len())?;
+            let group = CpGroup::new(comm, strategy)?;
+            cache.mine.insert((range.start, range.end), group);
+        }
+        Ok(())
+    }
+}

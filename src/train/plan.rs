@@ -1,0 +1,259 @@
+//! A step's plan: which world ranks run which (sub-)micro-batch as one CP group, and where every
+//! token of it lives (the group's [`Placement`]). Every strategy is a plan:
+//!
+//! - **static CP** ([`plan_static`]): micro-batch `i` of the step runs on DP replica `i mod dp`
+//!   (world ranks `d·cp .. (d+1)·cp`), placed by the layout;
+//! - **dynamic CP** ([`plan_dynamic`]): the scheduler's groups, each running the sequences it was
+//!   given, placed by the layout over the group.
+//!
+//! The step executes every plan alike (`step_gradients_planned`): a rank takes each planned batch
+//! whose ranks include it, gathers the batch's sequences from the step's micro-batches into one
+//! [`MicroBatch`], cuts its shard out by the placement ([`RankShard::of`]) and runs the model in
+//! the group. Planning is pure (the same on every rank), so each rank plans for itself, ahead, on
+//! a background thread.
+//!
+//! [`RankShard::of`]: burn_dcp::shard::RankShard::of
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn_dcp::kernels::{MaskSpec, MicroBatch};
+use burn_dcp::planner::dynamic::{rank_work, schedule_with};
+use burn_dcp::{CpError, Layout, Placement};
+use burn_dcp_models::GptConfig;
+
+use super::dynamic::{sequence_work, DynamicSettings};
+use super::{TrainConfig, TrainData};
+
+/// The sequences of a step's global batch, micro-batch by micro-batch, numbered in that order.
+pub struct StepSequences<'a> {
+    batches: Vec<&'a MicroBatch>,
+    /// (micro-batch, sequence index in it) of every sequence of the step.
+    sequences: Vec<(usize, usize)>,
+}
+
+impl<'a> StepSequences<'a> {
+    pub fn new(batches: Vec<&'a MicroBatch>) -> Self {
+        let sequences = batches
+            .iter()
+            .enumerate()
+            .flat_map(|(b, batch)| (0..batch.sequences()).map(move |s| (b, s)))
+            .collect();
+        Self { batches, sequences }
+    }
+
+    pub fn len(&self) -> usize {
+        self.sequences.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sequences.is_empty()
+    }
+
+    pub fn lengths(&self) -> Vec<usize> {
+        self.sequences
+            .iter()
+            .map(|&(b, s)| self.batches[b].sequence(s).len())
+            .collect()
+    }
+
+    pub fn mask(&self, sequence: usize) -> &MaskSpec {
+        let (b, s) = self.sequences[sequence];
+        &self.batches[b].masks[s]
+    }
+
+    /// The micro-batch of `sequences`, packed in that order (all of one micro-batch, in order,
+    /// give it back unchanged).
+    pub fn gather(&self, sequences: &[usize]) -> MicroBatch {
+        MicroBatch::gather(sequences.iter().map(|&sequence| {
+            let (b, s) = self.sequences[sequence];
+            (self.batches[b], s)
+        }))
+    }
+}
+
+/// One (sub-)micro-batch of a step: the world ranks that run it as a CP group, its sequences and
+/// where their tokens live.
+#[derive(Clone, Debug)]
+pub struct PlannedBatch {
+    /// Batches of one sub-step run side by side, on disjoint rank ranges.
+    pub sub_step: usize,
+    /// World ranks of the CP group (rank `ranks.start + r` is the group's rank `r`).
+    pub ranks: Range<usize>,
+    /// Its sequences, as indices into the step's sequences ([`StepSequences`]), in packing order.
+    pub sequences: Vec<usize>,
+    /// Where each of its tokens lives in the group.
+    pub placement: Arc<Placement>,
+}
+
+/// Everything a step runs.
+#[derive(Clone, Debug)]
+pub struct StepPlan {
+    pub step: usize,
+    pub batches: Vec<PlannedBatch>,
+    /// Work estimate of every sequence of the step (see [`sequence_work`]).
+    pub works: Vec<f64>,
+    /// Time the planning took.
+    pub plan_ms: f64,
+}
+
+/// What a step's plan does, for the metrics.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ScheduleStats {
+    /// Group size → number of sequences that ran in groups of that size.
+    pub cp_group_sizes: BTreeMap<usize, usize>,
+    /// Max / mean of the per-rank estimated work over the step.
+    pub rank_workload_imbalance: f64,
+}
+
+impl StepPlan {
+    /// The batches rank `rank` (of the world) takes part in, in order.
+    pub fn batches_of(&self, rank: usize) -> impl Iterator<Item = &PlannedBatch> {
+        self.batches.iter().filter(move |b| b.ranks.contains(&rank))
+    }
+
+    /// The rank ranges of every sub-step, in order.
+    pub fn sub_step_ranges(&self) -> Vec<Vec<Range<usize>>> {
+        let mut sub_steps: Vec<Vec<Range<usize>>> = Vec::new();
+        for batch in &self.batches {
+            if sub_steps.len() <= batch.sub_step {
+                sub_steps.resize(batch.sub_step + 1, Vec::new());
+            }
+            sub_steps[batch.sub_step].push(batch.ranks.clone());
+        }
+        sub_steps
+    }
+
+    /// Group sizes and the per-rank work imbalance over a world of `world` ranks.
+    pub fn stats(&self, world: usize) -> ScheduleStats {
+        let mut sizes = BTreeMap::new();
+        for batch in &self.batches {
+            *sizes.entry(batch.ranks.len()).or_default() += batch.sequences.len();
+        }
+        let groups = self
+            .batches
+            .iter()
+            .map(|b| (b.ranks.clone(), b.sequences.as_slice()));
+        let load = rank_work(groups, &self.works, world);
+        let mean = load.iter().sum::<f64>() / world.max(1) as f64;
+        let max = load.iter().copied().fold(0.0, f64::max);
+        ScheduleStats {
+            cp_group_sizes: sizes,
+            rank_workload_imbalance: if mean > 0.0 { max / mean } else { 1.0 },
+        }
+    }
+}
+
+/// The plan of step `step` (1-based) under `config`: dynamic CP's schedule or the static split.
+pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<StepPlan, CpError> {
+    let started = Instant::now();
+    let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
+    let model = config.model_config().map_err(CpError::Config)?;
+    let works = sequence_works(&sequences, &model);
+    let batches = match &config.dynamic {
+        Some(settings) => plan_dynamic(
+            &sequences,
+            &works,
+            settings,
+            config.world_size(),
+            config.layout,
+        )
+        .map_err(|e| CpError::Config(format!("step {step}: {e}")))?,
+        None => plan_static(&sequences, config.cp, config.dp, config.layout)?,
+    };
+    Ok(StepPlan {
+        step,
+        batches,
+        works,
+        plan_ms: started.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+/// Work estimate of every sequence of the step.
+pub fn sequence_works(sequences: &StepSequences, model: &GptConfig) -> Vec<f64> {
+    let lengths = sequences.lengths();
+    (0..lengths.len())
+        .map(|s| sequence_work(lengths[s], sequences.mask(s), model))
+        .collect()
+}
+
+/// Static CP: micro-batch `i` on replica `i mod dp` (of `cp` ranks), sub-step `⌊i / dp⌋`, placed
+/// by `layout`.
+pub fn plan_static(
+    sequences: &StepSequences,
+    cp: usize,
+    dp: usize,
+    layout: Layout,
+) -> Result<Vec<PlannedBatch>, CpError> {
+    let mut first = 0;
+    let mut planned = Vec::with_capacity(sequences.batches.len());
+    for (index, batch) in sequences.batches.iter().enumerate() {
+        let count = batch.sequences();
+        let replica = index % dp;
+        planned.push(PlannedBatch {
+            sub_step: index / dp,
+            ranks: replica * cp..(replica + 1) * cp,
+            sequences: (first..first + count).collect(),
+            placement: Arc::new(Placement::of_layout(&batch.seq_lens(), cp, layout)?),
+        });
+        first += count;
+    }
+    Ok(planned)
+}
+
+/// Dynamic CP: every group of every sub-step of the scheduler's plan for a pool of `pool` ranks,
+/// each placed by `layout` over its group.
+pub fn plan_dynamic(
+    sequences: &StepSequences,
+    works: &[f64],
+    settings: &DynamicSettings,
+    pool: usize,
+    layout: Layout,
+) -> Result<Vec<PlannedBatch>, CpError> {
+    let lengths = sequences.lengths();
+    let schedule = schedule_with(&lengths, works, &settings.scheduler(pool), layout)?;
+    let mut planned = Vec::new();
+    for (sub_step, micro_batch) in schedule.micro_batches.into_iter().enumerate() {
+        for group in micro_batch.groups {
+            let group_lengths: Vec<usize> = group.sequences.iter().map(|&s| lengths[s]).collect();
+            let placement = Placement::of_layout(&group_lengths, group.ranks.len(), layout)?;
+            planned.push(PlannedBatch {
+                sub_step,
+                ranks: group.ranks,
+                sequences: group.sequences,
+                placement: Arc::new(placement),
+            });
+        }
+    }
+    Ok(planned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn static_plans_run_replica_d_on_micro_batches_d_plus_k_dp() {
+        let a = MicroBatch::from_documents(&[vec![1, 2, 3], vec![4, 5]], MaskSpec::Causal);
+        let b = MicroBatch::from_documents(&[vec![6, 7, 8, 9]], MaskSpec::Causal);
+        let sequences = StepSequences::new(vec![&a, &b, &a, &b]);
+        assert_eq!(sequences.lengths(), vec![3, 2, 4, 3, 2, 4]);
+        let planned = plan_static(&sequences, 2, 2, Layout::Zigzag).unwrap();
+        let summary: Vec<_> = planned
+            .iter()
+            .map(|p| (p.sub_step, p.ranks.clone(), p.sequences.clone()))
+            .collect();
+        assert_eq!(
+            summary,
+            vec![
+                (0, 0..2, vec![0, 1]),
+                (0, 2..4, vec![2]),
+                (1, 0..2, vec![3, 4]),
+                (1, 2..4, vec![5])
+            ]
+        );
+        assert_eq!(sequences.gather(&planned[2].sequences), a);
+    }
+}
