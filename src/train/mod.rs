@@ -45,7 +45,7 @@ use serde::{Deserialize, Serialize};
 
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
 pub use groups::RankGroups;
-pub use plan::{plan_step, PlannedBatch, ScheduleStats, StepPlan, StepSequences};
+pub use plan::{plan_step, PlannedBatch, RankWork, ScheduleStats, StepPlan, StepSequences};
 
 /// The training backend over an inner backend `B` (burn Flex on the CPU, or a cubecl backend with
 /// the kernels): the decorator over autodiff over `B`.
@@ -461,8 +461,7 @@ pub fn step_gradients_planned<B: FlashOps>(
     let mut accumulator = GradientsAccumulator::<Gpt<CpTrain<B>>>::new();
     let mut loss_sum = 0.0;
     for planned in plan.batches_of(me) {
-        let batch = sequences.gather(&planned.sequences);
-        let shard = RankShard::of(&batch, &planned.placement, me - planned.ranks.start)?;
+        let RankWork { batch, shard } = planned.shard(&sequences, me)?;
         let context = CpBatch {
             placement: planned.placement.clone(),
             masks: batch.masks,

@@ -7,12 +7,10 @@
 //!   given, placed by the layout over the group.
 //!
 //! The step executes every plan alike (`step_gradients_planned`): a rank takes each planned batch
-//! whose ranks include it, gathers the batch's sequences from the step's micro-batches into one
-//! [`MicroBatch`], cuts its shard out by the placement ([`RankShard::of`]) and runs the model in
-//! the group. Planning is pure (the same on every rank), so each rank plans for itself, ahead, on
+//! whose ranks include it and asks it for its shard ([`PlannedBatch::shard`]: the batch's
+//! sequences gathered from the step's micro-batches into one [`MicroBatch`], cut by the
+//! placement with [`RankShard::of`]) and runs the model in the group. Planning is pure (the same on every rank), so each rank plans for itself, ahead, on
 //! a background thread.
-//!
-//! [`RankShard::of`]: burn_dcp::shard::RankShard::of
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -21,6 +19,7 @@ use std::time::Instant;
 
 use burn_dcp::kernels::{MaskSpec, MicroBatch};
 use burn_dcp::planner::dynamic::{rank_work, schedule_with};
+use burn_dcp::shard::RankShard;
 use burn_dcp::{CpError, Layout, Placement};
 use burn_dcp_models::GptConfig;
 
@@ -86,6 +85,28 @@ pub struct PlannedBatch {
     pub sequences: Vec<usize>,
     /// Where each of its tokens lives in the group.
     pub placement: Arc<Placement>,
+}
+
+/// A planned batch as one rank runs it: the batch (for its masks) and the rank's shard of it.
+pub struct RankWork {
+    pub batch: MicroBatch,
+    pub shard: RankShard,
+}
+
+impl PlannedBatch {
+    /// World rank `rank`'s shard of this batch: its sequences gathered from the step's
+    /// micro-batches, cut by the placement (`rank` must be one of [`Self::ranks`]).
+    pub fn shard(&self, sequences: &StepSequences, rank: usize) -> Result<RankWork, CpError> {
+        if !self.ranks.contains(&rank) {
+            return Err(CpError::Config(format!(
+                "world rank {rank} is not in this batch's CP group (world ranks {:?})",
+                self.ranks
+            )));
+        }
+        let batch = sequences.gather(&self.sequences);
+        let shard = RankShard::of(&batch, &self.placement, rank - self.ranks.start)?;
+        Ok(RankWork { batch, shard })
+    }
 }
 
 /// Everything a step runs.
@@ -255,5 +276,11 @@ mod tests {
             ]
         );
         assert_eq!(sequences.gather(&planned[2].sequences), a);
+        let work = planned[1].shard(&sequences, 3).unwrap();
+        assert_eq!(work.batch, b);
+        // Zigzag over 2 ranks of 4 tokens: rank 1 holds positions 1 and 2.
+        assert_eq!(work.shard.positions, vec![1, 2]);
+        assert_eq!(work.shard.tokens, vec![7, 8]);
+        assert!(planned[1].shard(&sequences, 0).is_err());
     }
 }
