@@ -157,6 +157,7 @@ fn run(args: &Args) -> Result<(), String> {
         masks: vec![mask],
         scale: args.scale,
         timeout: Duration::from_secs(args.timeout_secs),
+        blocks: None,
     };
     let device = Default::default();
     let started = Instant::now();
@@ -313,7 +314,7 @@ fn summarize(
             ulysses_degree,
             ring_degree,
         } => (ulysses_degree, ring_degree),
-        Strategy::Ring | Strategy::AllGather => (1, spec.cp),
+        Strategy::Ring | Strategy::AllGather | Strategy::Dcp => (1, spec.cp),
     };
     Ok(json!({
         "mode": if args.inputs.is_some() { "inputs" } else { "random" },

@@ -13,6 +13,7 @@ use crate::error::CpError;
 use crate::layout::Layout;
 use crate::placement::Placement;
 use crate::shard::scatter_rows;
+use crate::strategy::block_plan::BlockSchedule;
 use crate::strategy::{
     cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy,
 };
@@ -51,6 +52,8 @@ pub struct RunSpec {
     pub masks: Vec<MaskSpec>,
     pub scale: Option<f64>,
     pub timeout: Duration,
+    /// Strategy dcp: the block plan (it also decides the placement; `layout` is unused).
+    pub blocks: Option<std::sync::Arc<BlockSchedule>>,
 }
 
 /// A CP run: packed results, bytes each rank sent (forward, backward) and the slowest rank's times.
@@ -160,8 +163,17 @@ pub fn run_context_parallel<B: FlashOps>(
     spec.strategy.validate_mesh(spec.cp)?;
     spec.strategy
         .validate_heads(inputs.heads, inputs.kv_heads, spec.cp)?;
-    let placement = Placement::of_layout(&inputs.seq_lens, spec.cp, spec.layout)?;
-    let mut batch = CpBatch::new(placement, spec.masks.clone());
+    let mut batch = match &spec.blocks {
+        Some(schedule) => {
+            let mut batch = CpBatch::new(schedule.placement()?, spec.masks.clone());
+            batch.blocks = Some(schedule.clone());
+            batch
+        }
+        None => CpBatch::new(
+            Placement::of_layout(&inputs.seq_lens, spec.cp, spec.layout)?,
+            spec.masks.clone(),
+        ),
+    };
     batch.scale = spec.scale;
     let world = InProcessWorld::new(
         spec.cp,

@@ -45,7 +45,8 @@ pub struct RankVolume {
 
 const LSE_BYTES: u64 = 4;
 
-/// Analytic bytes per rank (index = CP rank) for `strategy` on `placement`.
+/// Analytic bytes per rank (index = CP rank) for `strategy` on `placement`. Strategy dcp moves
+/// what its plan says: use `BlockSchedule::predicted_volume` (here: an empty list).
 pub fn analytic_volume(
     strategy: Strategy,
     placement: &Placement,
@@ -62,6 +63,7 @@ pub fn analytic_volume(
             ulysses_degree,
             ring_degree,
         } => usp(&tokens, shape, ulysses_degree, ring_degree),
+        Strategy::Dcp => Vec::new(),
     }
 }
 

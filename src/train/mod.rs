@@ -466,6 +466,7 @@ pub fn step_gradients_planned<B: FlashOps>(
             placement: planned.placement.clone(),
             masks: batch.masks,
             scale: None,
+            blocks: None,
         };
         let group = groups.group(&planned.ranks)?;
         let (value, grads) =

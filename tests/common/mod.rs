@@ -68,6 +68,7 @@ pub fn spec(cp: usize, strategy: Strategy, layout: Layout, mask: &MaskSpec) -> R
         masks: vec![mask.clone()],
         scale: None,
         timeout: Duration::from_secs(60),
+        blocks: None,
     }
 }
 

@@ -321,23 +321,43 @@ pub fn evaluate(routed: &RoutedPlan, topology: &Topology) -> Result<StrategyRepo
     })
 }
 
-/// Which side of a tile a data edge feeds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Side {
+/// Which side of a tile a data block feeds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Side {
+    /// Q goes out; the partial O (forward) and dQ (backward) come back.
     QueryOutput,
+    /// K and V go out; dK and dV (backward) come back.
     KeyValue,
+}
+
+/// One copy of a block on its way to a rank that computes with it: sent by `from` (the block's
+/// home, or the first rank of `to`'s node that got it) for compute stage `stage` of `to`. Results
+/// come back the same way reversed, after the last stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Hop {
+    pub from: usize,
+    pub to: usize,
+    pub stage: usize,
+}
+
+/// Every copy of one data block: the block, its home and its hops (a relay's own hop comes
+/// before the hops it forwards).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Route {
+    pub side: Side,
+    pub seq: usize,
+    pub head: usize,
+    pub block: usize,
+    pub home: usize,
+    pub hops: Vec<Hop>,
 }
 
 /// Direct routing for plans whose compute ranks fetch blocks from their homes (DCP, all-to-all):
 /// for each data block, one copy per remote node goes to the node's rank that needs it first and
 /// is forwarded over NVLink to the node's other ranks; results come back the same way after the
-/// last stage. Each copy is sent for the earliest stage that needs it.
-pub fn direct_transfers(
-    plan: &Plan,
-    problem: &BlockProblem,
-    sizes: &UnitSizes,
-    topology: &Topology,
-) -> Vec<Transfer> {
+/// last stage. Each copy is sent for the earliest stage that needs it. Routes are ordered by
+/// side (Q before KV), sequence, head and block.
+pub fn routes(plan: &Plan, topology: &Topology) -> Vec<Route> {
     let mut homes: FastMap<(Side, usize, usize, usize), usize> = FastMap::default();
     for d in &plan.data {
         let side = match d.kind {
@@ -347,7 +367,6 @@ pub fn direct_transfers(
         };
         homes.insert((side, d.seq, d.head, d.block), d.home_rank);
     }
-    // (side, seq, head, block) -> rank -> earliest stage
     // (side, seq, head, block) -> [(rank, earliest stage)]
     type Needs = FastMap<(Side, usize, usize, usize), Vec<(usize, usize)>>;
     let mut needs: Needs = FastMap::default();
@@ -362,39 +381,11 @@ pub fn direct_transfers(
     }
     let mut keys: Vec<_> = needs.keys().copied().collect();
     keys.sort_by_key(|&(side, s, h, b)| (side == Side::KeyValue, s, h, b));
-    let mut transfers = Vec::new();
+    let mut routes = Vec::with_capacity(keys.len());
     for key in keys {
-        let (side, seq, _, block) = key;
+        let (side, seq, head, block) = key;
         let Some(&home) = homes.get(&key) else {
             continue;
-        };
-        let tokens = block_tokens(problem, seq, block);
-        let (forward_to, forward_back, backward_to, backward_back) = match side {
-            Side::QueryOutput => (sizes.q, sizes.o, 2.0 * sizes.q + sizes.o, sizes.q),
-            Side::KeyValue => (sizes.kv, 0.0, sizes.kv, sizes.kv),
-        };
-        let mut send = |from: usize, to: usize, stage: usize| {
-            for (pass, to_bytes, back_bytes) in [
-                (Pass::Forward, forward_to, forward_back),
-                (Pass::Backward, backward_to, backward_back),
-            ] {
-                transfers.push(Transfer {
-                    pass,
-                    stage,
-                    from,
-                    to,
-                    bytes: to_bytes * tokens,
-                });
-                if back_bytes > 0.0 {
-                    transfers.push(Transfer {
-                        pass,
-                        stage: POST,
-                        from: to,
-                        to: from,
-                        bytes: back_bytes * tokens,
-                    });
-                }
-            }
         };
         let mut remote: Vec<(usize, usize)> = needs[&key]
             .iter()
@@ -403,6 +394,7 @@ pub fn direct_transfers(
             .collect();
         remote.sort_by_key(|&(r, stage)| (topology.node_of(r), stage, r));
         let home_node = topology.node_of(home);
+        let mut hops = Vec::with_capacity(remote.len());
         let mut i = 0;
         while i < remote.len() {
             let node = topology.node_of(remote[i].0);
@@ -412,16 +404,77 @@ pub fn direct_transfers(
                 .count();
             let (entry, entry_stage) = remote[i];
             if node == home_node {
-                for &(r, stage) in &remote[i..end] {
-                    send(home, r, stage);
-                }
+                hops.extend(remote[i..end].iter().map(|&(to, stage)| Hop {
+                    from: home,
+                    to,
+                    stage,
+                }));
             } else {
-                send(home, entry, entry_stage);
-                for &(r, stage) in &remote[i + 1..end] {
-                    send(entry, r, stage);
-                }
+                hops.push(Hop {
+                    from: home,
+                    to: entry,
+                    stage: entry_stage,
+                });
+                hops.extend(remote[i + 1..end].iter().map(|&(to, stage)| Hop {
+                    from: entry,
+                    to,
+                    stage,
+                }));
             }
             i = end;
+        }
+        routes.push(Route {
+            side,
+            seq,
+            head,
+            block,
+            home,
+            hops,
+        });
+    }
+    routes
+}
+
+/// Bytes per token of one copy of a `side` block, for `pass`: (to the compute rank, back home).
+pub fn hop_bytes(sizes: &UnitSizes, side: Side, pass: Pass) -> (f64, f64) {
+    match (side, pass) {
+        (Side::QueryOutput, Pass::Forward) => (sizes.q, sizes.o),
+        (Side::QueryOutput, Pass::Backward) => (2.0 * sizes.q + sizes.o, sizes.q),
+        (Side::KeyValue, Pass::Forward) => (sizes.kv, 0.0),
+        (Side::KeyValue, Pass::Backward) => (sizes.kv, sizes.kv),
+    }
+}
+
+/// The transfers of [`routes`] (see the module docs for the bytes of each pass).
+pub fn direct_transfers(
+    plan: &Plan,
+    problem: &BlockProblem,
+    sizes: &UnitSizes,
+    topology: &Topology,
+) -> Vec<Transfer> {
+    let mut transfers = Vec::new();
+    for route in routes(plan, topology) {
+        let tokens = block_tokens(problem, route.seq, route.block);
+        for hop in &route.hops {
+            for pass in [Pass::Forward, Pass::Backward] {
+                let (to_bytes, back_bytes) = hop_bytes(sizes, route.side, pass);
+                transfers.push(Transfer {
+                    pass,
+                    stage: hop.stage,
+                    from: hop.from,
+                    to: hop.to,
+                    bytes: to_bytes * tokens,
+                });
+                if back_bytes > 0.0 {
+                    transfers.push(Transfer {
+                        pass,
+                        stage: POST,
+                        from: hop.to,
+                        to: hop.from,
+                        bytes: back_bytes * tokens,
+                    });
+                }
+            }
         }
     }
     transfers

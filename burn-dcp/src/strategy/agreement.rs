@@ -38,6 +38,13 @@ impl CallConfig {
             ("strategy", group.strategy.to_string()),
             ("cp size", group.cp().to_string()),
             ("placement", batch.placement.to_string()),
+            (
+                "block plan",
+                batch
+                    .blocks
+                    .as_ref()
+                    .map_or("none".to_string(), |b| format!("{:016x}", b.fingerprint())),
+            ),
             ("sequence lengths", describe_list(&batch.placement.seq_lens)),
             ("masks", describe_masks(&batch.masks)),
             ("scale", format!("{:?}", batch.scale)),

@@ -15,6 +15,8 @@
 
 pub(crate) mod agreement;
 pub mod all_gather;
+pub mod block_plan;
+pub mod dcp;
 pub mod exchange;
 pub mod ring;
 pub mod ulysses;
@@ -30,6 +32,7 @@ use crate::comm::Comm;
 use crate::error::CpError;
 use crate::placement::Placement;
 use crate::strategy::agreement::CallConfig;
+use crate::strategy::block_plan::BlockSchedule;
 
 /// Which algorithm computes attention across the CP group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -46,6 +49,9 @@ pub enum Strategy {
         ulysses_degree: usize,
         ring_degree: usize,
     },
+    /// A DCP block plan: tokens live where the plan homes them, blocks move once per (block,
+    /// destination) and results come home ([`CpBatch::blocks`] carries the plan).
+    Dcp,
 }
 
 impl fmt::Display for Strategy {
@@ -58,6 +64,7 @@ impl fmt::Display for Strategy {
                 ulysses_degree,
                 ring_degree,
             } => write!(f, "usp({ulysses_degree}x{ring_degree})"),
+            Strategy::Dcp => f.write_str("dcp"),
         }
     }
 }
@@ -71,6 +78,7 @@ impl Strategy {
             ("ulysses", None) => Strategy::Ulysses,
             ("ring", None) => Strategy::Ring,
             ("all-gather", None) => Strategy::AllGather,
+            ("dcp", None) => Strategy::Dcp,
             ("usp", Some(0)) => {
                 return Err(CpError::Config(
                     "the ulysses degree must be at least 1, got 0".into(),
@@ -92,14 +100,14 @@ impl Strategy {
                     "strategy usp needs the ulysses degree (ulysses_degree × ring_degree = cp); none was given".into(),
                 ))
             }
-            ("ulysses" | "ring" | "all-gather", Some(degree)) => {
+            ("ulysses" | "ring" | "all-gather" | "dcp", Some(degree)) => {
                 return Err(CpError::Config(format!(
                     "a ulysses degree ({degree}) only applies to strategy usp, not {name}"
                 )))
             }
             (other, _) => {
                 return Err(CpError::Config(format!(
-                    "unknown strategy '{other}': expected ulysses, ring, all-gather or usp"
+                    "unknown strategy '{other}': expected ulysses, ring, all-gather, usp or dcp"
                 )))
             }
         };
@@ -137,7 +145,7 @@ impl Strategy {
         let degree = match self {
             Strategy::Ulysses => cp,
             Strategy::Usp { ulysses_degree, .. } => *ulysses_degree,
-            Strategy::Ring | Strategy::AllGather => 1,
+            Strategy::Ring | Strategy::AllGather | Strategy::Dcp => 1,
         };
         if !heads.is_multiple_of(degree) {
             return Err(CpError::Config(format!(
@@ -184,7 +192,7 @@ impl CpGroup {
 }
 
 /// What a micro-batch's attention needs besides the tensors: where tokens live, the masks, the
-/// scale. Identical on every rank of the group.
+/// scale, and (strategy dcp) the block plan. Identical on every rank of the group.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CpBatch {
     pub placement: Arc<Placement>,
@@ -192,6 +200,8 @@ pub struct CpBatch {
     pub masks: Vec<MaskSpec>,
     /// Softmax scale; `None` is `1/√head_dim`.
     pub scale: Option<f64>,
+    /// Strategy dcp: the executable block plan (its placement must be `placement`).
+    pub blocks: Option<Arc<BlockSchedule>>,
 }
 
 impl CpBatch {
@@ -200,7 +210,27 @@ impl CpBatch {
             placement: Arc::new(placement),
             masks,
             scale: None,
+            blocks: None,
         }
+    }
+
+    /// A micro-batch run by a DCP block plan: tokens placed where the plan homes them.
+    pub fn from_blocks(schedule: BlockSchedule, masks: Vec<MaskSpec>) -> Result<Self, CpError> {
+        Ok(Self {
+            placement: Arc::new(schedule.placement()?),
+            masks,
+            scale: None,
+            blocks: Some(Arc::new(schedule)),
+        })
+    }
+
+    /// The block plan of strategy dcp.
+    fn schedule(&self) -> Result<&BlockSchedule, CpError> {
+        self.blocks.as_deref().ok_or_else(|| {
+            CpError::Config(
+                "strategy dcp needs the micro-batch's block plan (CpBatch::from_blocks)".into(),
+            )
+        })
     }
 
     /// The mask of sequence `seq` (the single mask when one is given for all).
@@ -278,6 +308,9 @@ pub fn cp_attention_forward<B: FlashOps>(
         Strategy::Ring => ring::Ring.forward(group, batch, q, k, v),
         Strategy::AllGather => all_gather::AllGatherKv.forward(group, batch, q, k, v),
         Strategy::Usp { .. } => usp::Usp.forward(group, batch, q, k, v),
+        Strategy::Dcp => batch
+            .schedule()
+            .and_then(|plan| dcp::forward(&group.comm, batch, plan, q, k, v)),
     };
     fail_fast(group, result)
 }
@@ -298,6 +331,9 @@ pub fn cp_attention_backward<B: FlashOps>(
         Strategy::Ring => ring::Ring.backward(group, batch, inputs),
         Strategy::AllGather => all_gather::AllGatherKv.backward(group, batch, inputs),
         Strategy::Usp { .. } => usp::Usp.backward(group, batch, inputs),
+        Strategy::Dcp => batch
+            .schedule()
+            .and_then(|plan| dcp::backward(&group.comm, batch, plan, inputs)),
     };
     fail_fast(group, result)
 }
@@ -371,8 +407,32 @@ fn validate_inputs<B: FlashOps>(
         )));
     }
     burn_dcp_kernels::validate_masks(&batch.masks, &batch.placement.seq_lens)?;
+    if group.strategy == Strategy::Dcp {
+        validate_blocks(batch, shape)?;
+    }
     if let Some(scale) = batch.scale {
         burn_dcp_kernels::validate_scale(scale)?;
+    }
+    Ok(())
+}
+
+/// Strategy dcp: the block plan covers this group and places the tokens as the batch says.
+fn validate_blocks(
+    batch: &CpBatch,
+    shape: burn_dcp_kernels::AttentionShape,
+) -> Result<(), CpError> {
+    let schedule = batch.schedule()?;
+    if schedule.placement()? != *batch.placement {
+        return Err(CpError::Config(format!(
+            "the block plan places the tokens differently from the micro-batch's {}",
+            batch.placement
+        )));
+    }
+    if shape.value_dim != shape.head_dim {
+        return Err(CpError::Config(format!(
+            "strategy dcp needs value dim {} = head dim {} (its byte model has one dim)",
+            shape.value_dim, shape.head_dim
+        )));
     }
     Ok(())
 }

@@ -1,0 +1,423 @@
+//! A DCP block plan made executable: the token placement it implies and, per rank and pass, an
+//! explicit list of instructions (printable, testable, countable) that the executor
+//! ([`super::dcp`]) runs.
+//!
+//! **Placement.** Every token block (`block` tokens of one sequence; the last may be shorter)
+//! has one home rank holding its Q, K/V and O (executed plans keep all heads of a token together:
+//! the model's token-local layers need every head of their tokens, so plans are made with one
+//! head unit). A rank holds its home blocks in (sequence, block) order — non-contiguous token sets,
+//! pieces of many sequences, or nothing.
+//!
+//! **Program of a rank** (the same shape for the forward and the backward pass), for the plan's
+//! compute stages `0..=S` (stage 0: tiles whose inputs are all local; stage `t`: tiles whose last
+//! remote input arrives in chunk `t`):
+//!
+//! ```text
+//! copies for stage 0 (normally none)
+//! for t in 1..=S:  send the copies of my home blocks needed at stage t   (they move while…)
+//!                  attend the tiles of stage t−1                        (…this computes)
+//!                  receive the copies from homes for stage t; forward those I relay to ranks of
+//!                  my node; receive the copies relayed to me
+//! attend the tiles of stage S
+//! results: send mine where no one relays through me; as a relay, merge my node's results with
+//! mine and send them home; as a home, merge every result into my blocks
+//! ```
+//!
+//! Copies follow [`routes`]: one per (block, destination) per pass, from the home, or through
+//! the first rank of a remote node that needs the block (then over that node's links). Results go
+//! back the same way reversed. Every rank derives every other rank's program from the same plan,
+//! and sends and receives on each pair of ranks come in the same order on both sides, so nothing
+//! waits on a message that is sent later (sends never block).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use burn_dcp_kernels::Segment;
+
+use crate::error::CpError;
+use crate::placement::Placement;
+use crate::planner::cost::{hop_bytes, routes, Hop, Pass, Route, Side};
+use crate::planner::plan::{BlockProblem, DataKind, Plan};
+use crate::planner::topology::Topology;
+
+/// A token block: block `block` of sequence `seq`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId {
+    pub seq: usize,
+    pub block: usize,
+}
+
+/// One instruction of a rank's program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Instruction {
+    /// Send a copy of `side` of `block` (held here: home or relayed) to `to`.
+    Send {
+        side: Side,
+        block: BlockId,
+        to: usize,
+    },
+    /// Wait for a copy of `side` of `block` from `from`.
+    Receive {
+        side: Side,
+        block: BlockId,
+        from: usize,
+    },
+    /// Attention of query block `q` against key blocks `kv` (all held here), accumulated into
+    /// this rank's partial results of those blocks.
+    Attend { q: BlockId, kv: Vec<usize> },
+    /// Send this rank's (merged) result of `side` of `block` to `to`.
+    SendResult {
+        side: Side,
+        block: BlockId,
+        to: usize,
+    },
+    /// Wait for a result of `side` of `block` from `from` and merge it into this rank's.
+    ReceiveResult {
+        side: Side,
+        block: BlockId,
+        from: usize,
+    },
+}
+
+impl fmt::Display for Instruction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let side = |s: &Side| match s {
+            Side::QueryOutput => "q",
+            Side::KeyValue => "kv",
+        };
+        match self {
+            Instruction::Send { side: s, block, to } => {
+                write!(f, "send {} s{}b{} → {to}", side(s), block.seq, block.block)
+            }
+            Instruction::Receive {
+                side: s,
+                block,
+                from,
+            } => write!(
+                f,
+                "recv {} s{}b{} ← {from}",
+                side(s),
+                block.seq,
+                block.block
+            ),
+            Instruction::Attend { q, kv } => {
+                write!(f, "attend s{}: q b{} × kv b{kv:?}", q.seq, q.block)
+            }
+            Instruction::SendResult { side: s, block, to } => write!(
+                f,
+                "send result {} s{}b{} → {to}",
+                side(s),
+                block.seq,
+                block.block
+            ),
+            Instruction::ReceiveResult {
+                side: s,
+                block,
+                from,
+            } => write!(
+                f,
+                "recv result {} s{}b{} ← {from}, merge",
+                side(s),
+                block.seq,
+                block.block
+            ),
+        }
+    }
+}
+
+/// A compute tile of a rank: query block `q` against key block `kv_block` at `stage`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct Tile {
+    stage: usize,
+    q: BlockId,
+    kv_block: usize,
+}
+
+/// An executable block plan (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct BlockSchedule {
+    pub ranks: usize,
+    pub block: usize,
+    pub seq_lens: Vec<usize>,
+    /// The last compute stage.
+    pub last_stage: usize,
+    /// Home rank of every token block, `homes[seq][block]`.
+    pub homes: Vec<Vec<usize>>,
+    /// The plan's copies and where results go back.
+    pub routes: Vec<Route>,
+    tiles: Vec<Vec<Tile>>,
+}
+
+impl BlockSchedule {
+    /// Checks that `plan` is executable for `problem` (one head unit; Q, KV and O of a block on one
+    /// home) and builds its routes on `topology`.
+    pub fn new(plan: &Plan, problem: &BlockProblem, topology: &Topology) -> Result<Self, CpError> {
+        crate::planner::plan::validate_plan(plan, problem)?;
+        if problem.head_groups != 1 {
+            return Err(CpError::Config(format!(
+                "an executed plan keeps every head of a token together: plan with 1 head unit, not {}",
+                problem.head_groups
+            )));
+        }
+        if topology.ranks() != plan.ranks {
+            return Err(CpError::Config(format!(
+                "the plan is for {} ranks but the topology has {}",
+                plan.ranks,
+                topology.ranks()
+            )));
+        }
+        let mut homes: Vec<Vec<Option<usize>>> = (0..problem.seq_lens.len())
+            .map(|seq| vec![None; problem.blocks_of(seq)])
+            .collect();
+        for data in &plan.data {
+            let home = &mut homes[data.seq][data.block];
+            match *home {
+                None if data.kind == DataKind::Q => *home = Some(data.home_rank),
+                _ => {}
+            }
+        }
+        for data in &plan.data {
+            if homes[data.seq][data.block] != Some(data.home_rank) {
+                return Err(CpError::Config(format!(
+                    "block {} of sequence {}: its {:?} lives on rank {} but its Q on rank {:?}; an executed plan keeps a token block's Q, KV and O on one home",
+                    data.block, data.seq, data.kind, data.home_rank, homes[data.seq][data.block]
+                )));
+            }
+        }
+        let homes: Vec<Vec<usize>> = homes
+            .into_iter()
+            .map(|blocks| blocks.into_iter().map(|h| h.unwrap_or(0)).collect())
+            .collect();
+        let mut tiles = vec![Vec::new(); plan.ranks];
+        for b in &plan.blocks {
+            tiles[b.rank].push(Tile {
+                stage: b.stage,
+                q: BlockId {
+                    seq: b.seq,
+                    block: b.q_block,
+                },
+                kv_block: b.kv_block,
+            });
+        }
+        tiles
+            .iter_mut()
+            .for_each(|t: &mut Vec<Tile>| t.sort_unstable());
+        Ok(Self {
+            ranks: plan.ranks,
+            block: problem.block,
+            seq_lens: problem.seq_lens.clone(),
+            last_stage: plan.blocks.iter().map(|b| b.stage).max().unwrap_or(0),
+            homes,
+            routes: routes(plan, topology),
+            tiles,
+        })
+    }
+
+    /// A hash of the whole schedule: equal on two ranks exactly when (barring collisions) they
+    /// run the same plan.
+    pub fn fingerprint(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        self.hash(&mut hasher);
+        hasher.finish()
+    }
+
+    /// Bytes each rank sends, forward and backward, under the plan's byte model (`hop_bytes`)
+    /// for `heads` query heads, `kv_heads` kv heads, `head_dim` and 4-byte elements.
+    pub fn predicted_volume(
+        &self,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Vec<crate::volume::RankVolume>, CpError> {
+        let dims = crate::planner::cost::AttentionDims {
+            heads,
+            kv_heads,
+            head_dim,
+            element_bytes: 4,
+        };
+        let sizes = dims.unit_sizes(1)?;
+        let mut volume = vec![crate::volume::RankVolume::default(); self.ranks];
+        for route in &self.routes {
+            let tokens = self
+                .block_tokens(BlockId {
+                    seq: route.seq,
+                    block: route.block,
+                })
+                .len() as f64;
+            for hop in &route.hops {
+                for pass in [Pass::Forward, Pass::Backward] {
+                    let (to_bytes, back_bytes) = hop_bytes(&sizes, route.side, pass);
+                    let add = |v: &mut crate::volume::RankVolume, bytes: f64| match pass {
+                        Pass::Forward => v.forward += bytes as u64,
+                        Pass::Backward => v.backward += bytes as u64,
+                    };
+                    add(&mut volume[hop.from], to_bytes * tokens);
+                    add(&mut volume[hop.to], back_bytes * tokens);
+                }
+            }
+        }
+        Ok(volume)
+    }
+
+    /// Token range (positions) of a block.
+    pub fn block_tokens(&self, block: BlockId) -> std::ops::Range<usize> {
+        let start = block.block * self.block;
+        start..(start + self.block).min(self.seq_lens[block.seq])
+    }
+
+    /// The home blocks of `rank`, in its local order.
+    pub fn home_blocks(&self, rank: usize) -> Vec<BlockId> {
+        let mut blocks = Vec::new();
+        for (seq, homes) in self.homes.iter().enumerate() {
+            for (block, &home) in homes.iter().enumerate() {
+                if home == rank {
+                    blocks.push(BlockId { seq, block });
+                }
+            }
+        }
+        blocks
+    }
+
+    /// Where every token lives: each rank's home blocks.
+    pub fn placement(&self) -> Result<Placement, CpError> {
+        let ranks = (0..self.ranks)
+            .map(|rank| {
+                self.home_blocks(rank)
+                    .into_iter()
+                    .map(|b| {
+                        let tokens = self.block_tokens(b);
+                        Segment::contiguous(b.seq, tokens.start, tokens.len())
+                    })
+                    .collect()
+            })
+            .collect();
+        Placement::from_segments(&self.seq_lens, ranks)
+    }
+
+    /// The program of `rank` for a pass whose results go home for the sides in `results` (the
+    /// forward pass returns only query-side results, the backward pass both).
+    pub fn program(&self, rank: usize, results: &[Side]) -> Vec<Instruction> {
+        let mut program = Vec::new();
+        self.copies(rank, 0, &mut program);
+        for stage in 1..=self.last_stage {
+            self.sends(rank, stage, true, &mut program);
+            self.attend(rank, stage - 1, &mut program);
+            self.receives(rank, stage, true, &mut program);
+            self.sends(rank, stage, false, &mut program);
+            self.receives(rank, stage, false, &mut program);
+        }
+        self.attend(rank, self.last_stage, &mut program);
+        self.results(rank, results, &mut program);
+        program
+    }
+
+    fn copies(&self, rank: usize, stage: usize, program: &mut Vec<Instruction>) {
+        self.sends(rank, stage, true, program);
+        self.receives(rank, stage, true, program);
+        self.sends(rank, stage, false, program);
+        self.receives(rank, stage, false, program);
+    }
+
+    /// Hops of `stage`, from the home (`direct`) or from a relay, in route order.
+    fn hops(&self, stage: usize, direct: bool) -> impl Iterator<Item = (&Route, &Hop)> {
+        self.routes.iter().flat_map(move |route| {
+            route
+                .hops
+                .iter()
+                .filter(move |h| h.stage == stage && (h.from == route.home) == direct)
+                .map(move |h| (route, h))
+        })
+    }
+
+    fn sends(&self, rank: usize, stage: usize, direct: bool, program: &mut Vec<Instruction>) {
+        for (route, hop) in self.hops(stage, direct).filter(|(_, h)| h.from == rank) {
+            program.push(Instruction::Send {
+                side: route.side,
+                block: id(route),
+                to: hop.to,
+            });
+        }
+    }
+
+    fn receives(&self, rank: usize, stage: usize, direct: bool, program: &mut Vec<Instruction>) {
+        for (route, hop) in self.hops(stage, direct).filter(|(_, h)| h.to == rank) {
+            program.push(Instruction::Receive {
+                side: route.side,
+                block: id(route),
+                from: hop.from,
+            });
+        }
+    }
+
+    /// One attention per query block of the rank's tiles of `stage`.
+    fn attend(&self, rank: usize, stage: usize, program: &mut Vec<Instruction>) {
+        let mut by_query: BTreeMap<BlockId, Vec<usize>> = BTreeMap::new();
+        for tile in self.tiles[rank].iter().filter(|t| t.stage == stage) {
+            by_query.entry(tile.q).or_default().push(tile.kv_block);
+        }
+        for (q, kv) in by_query {
+            program.push(Instruction::Attend { q, kv });
+        }
+    }
+
+    /// Results back home (see the module docs): leaves first (to relays, then to homes), then
+    /// relays, then homes (from leaves, then from relays).
+    fn results(&self, rank: usize, sides: &[Side], program: &mut Vec<Instruction>) {
+        let routes: Vec<&Route> = self
+            .routes
+            .iter()
+            .filter(|r| sides.contains(&r.side))
+            .collect();
+        let relays =
+            |route: &Route, r: usize| route.hops.iter().any(|h| h.from == r) && r != route.home;
+        let parent = |route: &Route| route.hops.iter().find(|h| h.to == rank).map(|h| h.from);
+        for to_relay in [true, false] {
+            for route in &routes {
+                if let Some(from) = parent(route) {
+                    if !relays(route, rank) && (from != route.home) == to_relay {
+                        program.push(Instruction::SendResult {
+                            side: route.side,
+                            block: id(route),
+                            to: from,
+                        });
+                    }
+                }
+            }
+        }
+        for route in routes.iter().filter(|r| relays(r, rank)) {
+            for hop in route.hops.iter().filter(|h| h.from == rank) {
+                program.push(Instruction::ReceiveResult {
+                    side: route.side,
+                    block: id(route),
+                    from: hop.to,
+                });
+            }
+            program.push(Instruction::SendResult {
+                side: route.side,
+                block: id(route),
+                to: route.home,
+            });
+        }
+        for from_relay in [false, true] {
+            for route in routes.iter().filter(|r| r.home == rank) {
+                for hop in route.hops.iter().filter(|h| h.from == rank) {
+                    if relays(route, hop.to) == from_relay {
+                        program.push(Instruction::ReceiveResult {
+                            side: route.side,
+                            block: id(route),
+                            from: hop.to,
+                        });
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn id(route: &Route) -> BlockId {
+    BlockId {
+        seq: route.seq,
+        block: route.block,
+    }
+}
