@@ -11,21 +11,32 @@
 //! (Mesa's lavapipe without a GPU); the reference stays on the CPU's portable implementation.
 //!
 //! Mode 2: `--inputs IN.safetensors --output OUT.safetensors` (see `--help` for the layout).
+//!
+//! `--strategy dcp` plans the inputs with the DCP planner (`--block`, `--stages`, for
+//! `--topology` over `--nodes`) and executes the plan; `--explain` prints every rank's
+//! instruction list. `--json` reports `"bytes_by_link"` (every strategy) and, for dcp,
+//! `"predicted_bytes_by_link"` from the plan (`{"intra_node": [per rank], "inter_node": [...]}`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::backend::Flex;
 use burn::tensor::{DType, TensorData};
-use burn_dcp::comm::{MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
+use burn_dcp::comm::{LinkBytes, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
 use burn_dcp::harness::{
     max_rel_err, run_context_parallel, run_single_device, PackedInputs, PackedOutputs, RunReport,
     RunSpec,
 };
 use burn_dcp::kernels::{validate_cu_seqlens, validate_scale, MaskSpec};
+use burn_dcp::planner::cost::{AttentionDims, Side};
+use burn_dcp::planner::dcp::{dcp_plan, DcpConfig};
+use burn_dcp::planner::plan::{tile_grids, BlockProblem};
+use burn_dcp::planner::topology::Topology;
+use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::volume::{analytic_volume, VolumeShape};
-use burn_dcp::{Layout, Placement, Strategy};
+use burn_dcp::{CpError, Layout, Placement, Strategy};
 use clap::Parser;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -44,9 +55,25 @@ Mode 2 tensors (safetensors, token-major packed tokens, no padding; T = total to
 #[derive(Parser, Debug)]
 #[command(after_help = INPUT_LAYOUT)]
 struct Args {
-    /// ulysses | ring | all-gather | usp
+    /// ulysses | ring | all-gather | usp | dcp (a DCP block plan, made for these inputs)
     #[arg(long, default_value = "ring")]
     strategy: String,
+    /// Topology preset whose links the ranks model: a100-p4d | h100-dgx (dcp plans for it;
+    /// bytes are counted per link class for every strategy)
+    #[arg(long, default_value = "a100-p4d")]
+    topology: String,
+    /// Virtual nodes the ranks are spread over (consecutive ranks share a node; must divide --cp)
+    #[arg(long, default_value_t = 1)]
+    nodes: usize,
+    /// dcp: tokens per block [default: 64]
+    #[arg(long)]
+    block: Option<usize>,
+    /// dcp: communication stages of the plan [default: 4]
+    #[arg(long)]
+    stages: Option<usize>,
+    /// dcp: print every rank's instruction list (forward and backward) before running
+    #[arg(long)]
+    explain: bool,
     /// contiguous | zigzag | stripe
     #[arg(long, default_value = "zigzag")]
     layout: String,
@@ -150,6 +177,31 @@ fn run(args: &Args) -> Result<(), String> {
         }
         None => random_inputs(args, strategy)?,
     };
+    let topology = Topology::for_ranks(&args.topology, args.nodes, args.cp)
+        .map_err(|e| format!("--topology {} --nodes {}: {e}", args.topology, args.nodes))?;
+    let blocks = match strategy {
+        Strategy::Dcp => Some(Arc::new(block_schedule(args, &inputs, &mask, &topology)?)),
+        _ => {
+            if let Some(flag) = [
+                ("--block", args.block.is_some()),
+                ("--stages", args.stages.is_some()),
+                ("--explain", args.explain),
+            ]
+            .iter()
+            .find_map(|(flag, given)| given.then_some(flag))
+            {
+                return Err(format!("{flag} only applies to --strategy dcp"));
+            }
+            None
+        }
+    };
+    if let (true, Some(schedule)) = (args.explain, &blocks) {
+        let text = explain(schedule);
+        match args.json {
+            true => eprint!("{text}"),
+            false => print!("{text}"),
+        }
+    }
     let spec = RunSpec {
         cp: args.cp,
         strategy,
@@ -157,7 +209,8 @@ fn run(args: &Args) -> Result<(), String> {
         masks: vec![mask],
         scale: args.scale,
         timeout: Duration::from_secs(args.timeout_secs),
-        blocks: None,
+        blocks,
+        nodes: args.nodes,
     };
     let device = Default::default();
     let started = Instant::now();
@@ -190,6 +243,61 @@ fn run(args: &Args) -> Result<(), String> {
         print_text(&summary);
     }
     Ok(())
+}
+
+/// The DCP plan of the inputs on `topology`, made executable (one head unit: a token's heads stay
+/// together).
+fn block_schedule(
+    args: &Args,
+    inputs: &PackedInputs,
+    mask: &MaskSpec,
+    topology: &Topology,
+) -> Result<BlockSchedule, String> {
+    let problem = BlockProblem {
+        seq_lens: inputs.seq_lens.clone(),
+        masks: vec![mask.clone()],
+        head_groups: 1,
+        block: args.block.unwrap_or(64),
+    };
+    let dims = AttentionDims {
+        heads: inputs.heads,
+        kv_heads: inputs.kv_heads,
+        head_dim: inputs.head_dim,
+        element_bytes: 4,
+    };
+    let config = DcpConfig {
+        stages: args.stages.unwrap_or(DcpConfig::default().stages),
+        ..DcpConfig::default()
+    };
+    let plan = |problem: &BlockProblem| -> Result<BlockSchedule, CpError> {
+        problem.validate()?;
+        let routed = dcp_plan(problem, tile_grids(problem), &dims, topology, &config)?;
+        BlockSchedule::new(&routed.plan, problem, topology)
+    };
+    plan(&problem).map_err(|e| format!("--strategy dcp: {e}"))
+}
+
+/// Every rank's instruction lists, one instruction per line.
+fn explain(schedule: &BlockSchedule) -> String {
+    let mut text = String::new();
+    for rank in 0..schedule.ranks {
+        let homes: Vec<String> = schedule
+            .home_blocks(rank)
+            .iter()
+            .map(|b| format!("s{}b{}", b.seq, b.block))
+            .collect();
+        text += &format!("rank {rank}: home blocks [{}]\n", homes.join(", "));
+        for (pass, sides) in [
+            ("forward", &[Side::QueryOutput][..]),
+            ("backward", &[Side::QueryOutput, Side::KeyValue][..]),
+        ] {
+            text += &format!("  {pass}:\n");
+            for instruction in schedule.program(rank, sides) {
+                text += &format!("    {instruction}\n");
+            }
+        }
+    }
+    text
 }
 
 fn random_inputs(args: &Args, strategy: Strategy) -> Result<PackedInputs, String> {
@@ -298,7 +406,27 @@ fn summarize(
         value_dim: inputs.value_dim,
         element_bytes: 4,
     };
-    let analytic = analytic_volume(spec.strategy, &placement, &shape);
+    let analytic = match &spec.blocks {
+        Some(schedule) => schedule
+            .predicted_volume(inputs.heads, inputs.kv_heads, inputs.head_dim)
+            .map_err(|e| e.to_string())?,
+        None => analytic_volume(spec.strategy, &placement, &shape),
+    };
+    let links = |links: Vec<LinkBytes>| {
+        json!({
+            "intra_node": links.iter().map(|l| l.intra_node).collect::<Vec<_>>(),
+            "inter_node": links.iter().map(|l| l.inter_node).collect::<Vec<_>>(),
+        })
+    };
+    let measured_links = links(report.stats.iter().map(|s| s.bytes_by_link).collect());
+    let predicted_links = match &spec.blocks {
+        Some(schedule) => links(
+            schedule
+                .predicted_links(inputs.heads, inputs.kv_heads, inputs.head_dim)
+                .map_err(|e| e.to_string())?,
+        ),
+        None => serde_json::Value::Null,
+    };
     let total: Vec<u64> = report
         .bytes_forward
         .iter()
@@ -319,7 +447,7 @@ fn summarize(
     Ok(json!({
         "mode": if args.inputs.is_some() { "inputs" } else { "random" },
         "strategy": args.strategy,
-        "layout": spec.layout.to_string(),
+        "layout": if spec.blocks.is_some() { "dcp plan".to_string() } else { spec.layout.to_string() },
         "cp": spec.cp,
         "ulysses_degree": ulysses_degree,
         "ring_degree": ring_degree,
@@ -343,6 +471,10 @@ fn summarize(
         "bytes_forward_per_rank": report.bytes_forward,
         "bytes_backward_per_rank": report.bytes_backward,
         "analytic_bytes_per_rank": analytic.iter().map(|v| v.forward + v.backward).collect::<Vec<_>>(),
+        "topology": args.topology,
+        "nodes": args.nodes,
+        "bytes_by_link": measured_links,
+        "predicted_bytes_by_link": predicted_links,
         "timings_ms": {
             "cp_forward": report.forward_ms,
             "cp_backward": report.backward_ms,

@@ -477,6 +477,7 @@ fn run(args: &Args) -> Result<(), String> {
         config.world_size(),
         WorldConfig {
             timeout: Duration::from_secs(config.timeout_secs),
+            ..WorldConfig::default()
         },
     )
     .map_err(|e| e.to_string())?;

@@ -19,6 +19,9 @@ runs = [
      "--mask", "shared-question:0.3,3"],
     ["--strategy", "usp", "--ulysses-degree", "4", "--layout", "stripe", "--heads", "4", "--kv-heads", "2",
      "--mask", "causal"],
+    # a DCP block plan over two virtual nodes (copies relayed inside the remote node)
+    ["--strategy", "dcp", "--block", "32", "--nodes", "2", "--heads", "4", "--kv-heads", "2",
+     "--mask", "lambda:8,40"],
 ]
 worst = 0.0
 for args in runs:
@@ -28,6 +31,9 @@ for args in runs:
     errors = json.loads(result.stdout)["max_rel_err"]
     print(" ".join(args), errors)
     bad = {k: v for k, v in errors.items() if not v <= 1e-5}
+    report = json.loads(result.stdout)
+    if report.get("predicted_bytes_by_link") and report["predicted_bytes_by_link"] != report["bytes_by_link"]:
+        sys.exit(f"{' '.join(args)}: measured bytes by link {report['bytes_by_link']} differ from the plan's {report['predicted_bytes_by_link']}")
     if bad:
         sys.exit(f"{' '.join(args)}: max_rel_err above 1e-5: {bad}")
     worst = max(worst, *errors.values())

@@ -235,6 +235,64 @@ fn cp_attention_refuses_sizes_it_cannot_hold_and_bad_values() {
     );
 }
 
+#[test]
+fn cp_attention_checks_the_dcp_and_topology_flags() {
+    refused(
+        "cp_attention",
+        &["--block", "32"],
+        "--block only applies to --strategy dcp",
+    );
+    refused(
+        "cp_attention",
+        &["--cp", "4", "--nodes", "3"],
+        "3 nodes must divide the 4 ranks",
+    );
+    refused(
+        "cp_attention",
+        &["--topology", "tpu-pod"],
+        "unknown topology 'tpu-pod'",
+    );
+    refused(
+        "cp_attention",
+        &["--strategy", "dcp", "--block", "0"],
+        "block size (0)",
+    );
+    refused(
+        "cp_attention",
+        &["--strategy", "dcp", "--seqlens", "40,0", "--block", "8"],
+        "sequence 1 has length 0",
+    );
+    let report = succeeded(
+        "cp_attention",
+        &[
+            "--strategy",
+            "dcp",
+            "--cp",
+            "4",
+            "--nodes",
+            "2",
+            "--heads",
+            "2",
+            "--head-dim",
+            "8",
+            "--seqlens",
+            "70,9",
+            "--block",
+            "16",
+            "--json",
+        ],
+    );
+    let report: serde_json::Value = serde_json::from_str(&report).unwrap();
+    assert_eq!(
+        report["bytes_by_link"], report["predicted_bytes_by_link"],
+        "{report}"
+    );
+    assert!(
+        report["max_rel_err"]["out"].as_f64().unwrap() <= 1e-5,
+        "{report}"
+    );
+}
+
 fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }

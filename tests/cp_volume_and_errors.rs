@@ -182,7 +182,14 @@ fn a_world_of_the_wrong_size_is_rejected() {
 #[test]
 fn a_failing_rank_makes_its_peers_fail_instead_of_hanging() {
     let timeout = Duration::from_secs(20);
-    let world = InProcessWorld::new(4, WorldConfig { timeout }).unwrap();
+    let world = InProcessWorld::new(
+        4,
+        WorldConfig {
+            timeout,
+            ..WorldConfig::default()
+        },
+    )
+    .unwrap();
     let started = Instant::now();
     let results = world.run(|comm| -> Result<(), CommError> {
         if comm.rank() == 2 {
@@ -212,6 +219,7 @@ fn an_erroring_rank_fails_pending_receives_of_its_peers() {
         3,
         WorldConfig {
             timeout: Duration::from_secs(20),
+            ..WorldConfig::default()
         },
     )
     .unwrap();
@@ -243,6 +251,7 @@ fn a_missing_peer_times_out_with_an_error_naming_it() {
         2,
         WorldConfig {
             timeout: Duration::from_millis(200),
+            ..WorldConfig::default()
         },
     )
     .unwrap();

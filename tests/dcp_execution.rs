@@ -55,8 +55,10 @@ fn check(seq_lens: &[usize], mask: &MaskSpec, cp: usize, nodes: usize, block: us
     let inputs = random_inputs(seq_lens, heads, kv_heads, dim, seed);
     let plan = schedule(seq_lens, mask, (heads, kv_heads, dim), cp, nodes, block, 3);
     let predicted = plan.predicted_volume(heads, kv_heads, dim).unwrap();
+    let predicted_links = plan.predicted_links(heads, kv_heads, dim).unwrap();
     let mut run = spec(cp, Strategy::Dcp, Layout::Contiguous, mask);
     run.blocks = Some(Arc::new(plan));
+    run.nodes = nodes;
     let what = format!("dcp cp {cp} nodes {nodes} block {block} {mask} {seq_lens:?}");
     let report = run_context_parallel::<B>(&Default::default(), &inputs, &run)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -72,6 +74,14 @@ fn check(seq_lens: &[usize], mask: &MaskSpec, cp: usize, nodes: usize, block: us
         report.bytes_backward, backward,
         "{what}: backward bytes per rank"
     );
+    let measured_links: Vec<_> = report.stats.iter().map(|s| s.bytes_by_link).collect();
+    assert_eq!(
+        measured_links, predicted_links,
+        "{what}: bytes per link class"
+    );
+    if nodes > 1 {
+        assert!(predicted_links.iter().any(|l| l.inter_node > 0), "{what}");
+    }
     eprintln!("{what}: forward bytes {forward:?}, backward {backward:?}");
     assert!(
         forward.iter().sum::<u64>() > 0,

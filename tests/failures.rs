@@ -141,7 +141,14 @@ fn run_world(
 ) -> Outcome {
     let (sender, receiver) = mpsc::channel();
     std::thread::spawn(move || {
-        let world = InProcessWorld::new(setups.len(), WorldConfig { timeout }).unwrap();
+        let world = InProcessWorld::new(
+            setups.len(),
+            WorldConfig {
+                timeout,
+                ..WorldConfig::default()
+            },
+        )
+        .unwrap();
         world.inject_faults(faults);
         let started = Instant::now();
         let results = world.run(|comm| {
@@ -294,6 +301,7 @@ fn a_rank_that_returns_early_is_named_at_once() {
         4,
         WorldConfig {
             timeout: Duration::from_secs(60),
+            ..WorldConfig::default()
         },
     )
     .unwrap();

@@ -53,6 +53,7 @@ fn step_on<B: FlashOps>(
         config.world_size(),
         WorldConfig {
             timeout: Duration::from_secs(60),
+            ..WorldConfig::default()
         },
     )
     .unwrap();

@@ -54,6 +54,9 @@ pub struct RunSpec {
     pub timeout: Duration,
     /// Strategy dcp: the block plan (it also decides the placement; `layout` is unused).
     pub blocks: Option<std::sync::Arc<BlockSchedule>>,
+    /// Virtual nodes the ranks are spread over (consecutive ranks share a node; must divide
+    /// `cp`): bytes are counted per link class.
+    pub nodes: usize,
 }
 
 /// A CP run: packed results, bytes each rank sent (forward, backward) and the slowest rank's times.
@@ -161,6 +164,12 @@ pub fn run_context_parallel<B: FlashOps>(
 ) -> Result<RunReport, CpError> {
     inputs.validate()?;
     spec.strategy.validate_mesh(spec.cp)?;
+    if spec.nodes == 0 || !spec.cp.is_multiple_of(spec.nodes) {
+        return Err(CpError::Config(format!(
+            "{} nodes must divide the {} ranks",
+            spec.nodes, spec.cp
+        )));
+    }
     spec.strategy
         .validate_heads(inputs.heads, inputs.kv_heads, spec.cp)?;
     let mut batch = match &spec.blocks {
@@ -179,6 +188,7 @@ pub fn run_context_parallel<B: FlashOps>(
         spec.cp,
         WorldConfig {
             timeout: spec.timeout,
+            ranks_per_node: Some(spec.cp / spec.nodes.max(1)),
         },
     )?;
     let results = world.run(|comm| run_rank::<B>(device, inputs, &batch, comm, spec.strategy));

@@ -69,6 +69,7 @@ pub fn spec(cp: usize, strategy: Strategy, layout: Layout, mask: &MaskSpec) -> R
         scale: None,
         timeout: Duration::from_secs(60),
         blocks: None,
+        nodes: 1,
     }
 }
 

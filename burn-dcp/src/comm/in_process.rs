@@ -41,13 +41,26 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
 pub struct WorldConfig {
     /// How long any wait may block before failing with [`CommError::Timeout`].
     pub timeout: Duration,
+    /// Virtual nodes: world rank `r` is on node `r / ranks_per_node` (`None`: one node). Data
+    /// bytes are counted per link class ([`CommStats::bytes_by_link`]): a message between two
+    /// ranks of one node is intra-node, any other inter-node. Collectives are counted as the
+    /// direct messages this world sends (each rank's part straight to each peer).
+    pub ranks_per_node: Option<usize>,
 }
 
 impl Default for WorldConfig {
     fn default() -> Self {
         Self {
             timeout: Duration::from_secs(60),
+            ranks_per_node: None,
         }
+    }
+}
+
+impl WorldConfig {
+    /// The node of world rank `rank`.
+    pub fn node_of(&self, rank: usize) -> usize {
+        self.ranks_per_node.map_or(0, |n| rank / n)
     }
 }
 
@@ -249,6 +262,13 @@ impl InProcessWorld {
                 MAX_TIMEOUT.as_secs(),
                 config.timeout
             ));
+        }
+        if let Some(per_node) = config.ranks_per_node {
+            if per_node == 0 || !size.is_multiple_of(per_node) {
+                return invalid(format!(
+                    "{size} ranks cannot form nodes of {per_node} ranks each (it must divide the world size)"
+                ));
+            }
         }
         install_panic_hook();
         let state = WorldState {
@@ -597,6 +617,11 @@ impl InProcessComm {
                 Accounting::Data(kind) => {
                     *stats.bytes_by_op.entry(kind).or_default() += bytes;
                     stats.messages += 1;
+                    let config = &self.world.config;
+                    match config.node_of(me) == config.node_of(to) {
+                        true => stats.bytes_by_link.intra_node += bytes,
+                        false => stats.bytes_by_link.inter_node += bytes,
+                    }
                 }
                 Accounting::Control => stats.control_bytes += bytes,
                 Accounting::Uncounted => {}

@@ -129,6 +129,15 @@ pub struct CommStats {
     pub messages: u64,
     /// Bytes of control messages (configuration agreement), kept apart from the data bytes.
     pub control_bytes: u64,
+    /// The data bytes by link class (see `WorldConfig::ranks_per_node`).
+    pub bytes_by_link: LinkBytes,
+}
+
+/// Bytes by link class.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct LinkBytes {
+    pub intra_node: u64,
+    pub inter_node: u64,
 }
 
 impl CommStats {

@@ -87,6 +87,22 @@ impl Topology {
         Ok(topology)
     }
 
+    /// A preset's links and devices with `ranks` ranks spread evenly over `nodes` nodes
+    /// (`nodes` must divide `ranks`), as the in-process world maps ranks to virtual nodes.
+    pub fn for_ranks(name: &str, nodes: usize, ranks: usize) -> Result<Self, CpError> {
+        if nodes == 0 || !ranks.is_multiple_of(nodes) {
+            return Err(CpError::Config(format!(
+                "{nodes} nodes must divide the {ranks} ranks (every node holds as many ranks)"
+            )));
+        }
+        let topology = Self {
+            devices_per_node: ranks / nodes,
+            ..Self::preset(name, nodes)?
+        };
+        topology.validate()?;
+        Ok(topology)
+    }
+
     pub fn validate(&self) -> Result<(), CpError> {
         if self.nodes == 0 || self.devices_per_node == 0 {
             return Err(CpError::Config(format!(

@@ -34,11 +34,13 @@ use std::fmt;
 
 use burn_dcp_kernels::Segment;
 
+use crate::comm::LinkBytes;
 use crate::error::CpError;
 use crate::placement::Placement;
 use crate::planner::cost::{hop_bytes, routes, Hop, Pass, Route, Side};
 use crate::planner::plan::{BlockProblem, DataKind, Plan};
 use crate::planner::topology::Topology;
+use crate::volume::RankVolume;
 
 /// A token block: block `block` of sequence `seq`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -145,6 +147,8 @@ pub struct BlockSchedule {
     pub homes: Vec<Vec<usize>>,
     /// The plan's copies and where results go back.
     pub routes: Vec<Route>,
+    /// Ranks per node of the topology the routes were made for.
+    pub ranks_per_node: usize,
     tiles: Vec<Vec<Tile>>,
 }
 
@@ -209,6 +213,7 @@ impl BlockSchedule {
             last_stage: plan.blocks.iter().map(|b| b.stage).max().unwrap_or(0),
             homes,
             routes: routes(plan, topology),
+            ranks_per_node: topology.devices_per_node,
             tiles,
         })
     }
@@ -222,14 +227,14 @@ impl BlockSchedule {
         hasher.finish()
     }
 
-    /// Bytes each rank sends, forward and backward, under the plan's byte model (`hop_bytes`)
-    /// for `heads` query heads, `kv_heads` kv heads, `head_dim` and 4-byte elements.
-    pub fn predicted_volume(
+    /// Every message of the plan under its byte model (`hop_bytes`) for `heads` query heads,
+    /// `kv_heads` kv heads, `head_dim` and 4-byte elements: `(pass, from, to, bytes)`.
+    fn messages(
         &self,
         heads: usize,
         kv_heads: usize,
         head_dim: usize,
-    ) -> Result<Vec<crate::volume::RankVolume>, CpError> {
+    ) -> Result<Vec<(Pass, usize, usize, u64)>, CpError> {
         let dims = crate::planner::cost::AttentionDims {
             heads,
             kv_heads,
@@ -237,27 +242,56 @@ impl BlockSchedule {
             element_bytes: 4,
         };
         let sizes = dims.unit_sizes(1)?;
-        let mut volume = vec![crate::volume::RankVolume::default(); self.ranks];
+        let mut messages = Vec::new();
         for route in &self.routes {
-            let tokens = self
-                .block_tokens(BlockId {
-                    seq: route.seq,
-                    block: route.block,
-                })
-                .len() as f64;
+            let tokens = self.block_tokens(id(route)).len() as f64;
             for hop in &route.hops {
                 for pass in [Pass::Forward, Pass::Backward] {
                     let (to_bytes, back_bytes) = hop_bytes(&sizes, route.side, pass);
-                    let add = |v: &mut crate::volume::RankVolume, bytes: f64| match pass {
-                        Pass::Forward => v.forward += bytes as u64,
-                        Pass::Backward => v.backward += bytes as u64,
-                    };
-                    add(&mut volume[hop.from], to_bytes * tokens);
-                    add(&mut volume[hop.to], back_bytes * tokens);
+                    messages.push((pass, hop.from, hop.to, (to_bytes * tokens) as u64));
+                    if back_bytes > 0.0 {
+                        messages.push((pass, hop.to, hop.from, (back_bytes * tokens) as u64));
+                    }
                 }
             }
         }
+        Ok(messages)
+    }
+
+    /// Bytes each rank sends, forward and backward, as the plan predicts them (see
+    /// [`Self::messages`]).
+    pub fn predicted_volume(
+        &self,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Vec<RankVolume>, CpError> {
+        let mut volume = vec![RankVolume::default(); self.ranks];
+        for (pass, from, _, bytes) in self.messages(heads, kv_heads, head_dim)? {
+            match pass {
+                Pass::Forward => volume[from].forward += bytes,
+                Pass::Backward => volume[from].backward += bytes,
+            }
+        }
         Ok(volume)
+    }
+
+    /// Bytes each rank sends by link class, forward plus backward, as the plan predicts them.
+    pub fn predicted_links(
+        &self,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Vec<LinkBytes>, CpError> {
+        let mut links = vec![LinkBytes::default(); self.ranks];
+        let node = |rank: usize| rank / self.ranks_per_node;
+        for (_, from, to, bytes) in self.messages(heads, kv_heads, head_dim)? {
+            match node(from) == node(to) {
+                true => links[from].intra_node += bytes,
+                false => links[from].inter_node += bytes,
+            }
+        }
+        Ok(links)
     }
 
     /// Token range (positions) of a block.
