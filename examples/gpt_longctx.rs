@@ -16,9 +16,9 @@ use burn_dcp::comm::{InProcessWorld, WorldConfig};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::train::{
-    check_resume, read_json, train_rank, write_atomically, write_json, CpSizes, DynamicSettings,
-    RankOutcome, StepMetrics, StepObserver, TrainConfig, TrainData, DEFAULT_PLAN_AHEAD,
-    MAX_SEQ_LEN,
+    check_resume, read_json, train_rank, write_atomically, write_json, CpSizes, DcpSettings,
+    DynamicSettings, RankOutcome, StepMetrics, StepObserver, TrainConfig, TrainData,
+    DEFAULT_PLAN_AHEAD, MAX_SEQ_LEN,
 };
 use clap::Parser;
 use serde_json::json;
@@ -44,6 +44,19 @@ struct Args {
     /// Dynamic CP: group sizes, pow2 (Megatron) | any [default: pow2]
     #[arg(long)]
     cp_sizes: Option<String>,
+    /// dcp: tokens per block of each micro-batch's DCP plan [default: 128, or --seq-len if less]
+    #[arg(long)]
+    block: Option<usize>,
+    /// dcp: communication stages of each plan [default: 4]
+    #[arg(long)]
+    stages: Option<usize>,
+    /// Topology preset the ranks model, a100-p4d | h100-dgx (dcp plans for it; bytes are counted
+    /// per link class) [default: a100-p4d]
+    #[arg(long)]
+    topology: Option<String>,
+    /// Virtual nodes the ranks are spread over (consecutive ranks share a node) [default: 1]
+    #[arg(long)]
+    nodes: Option<usize>,
     /// Steps planned ahead on a background thread (any strategy) [default: 2]
     #[arg(long)]
     plan_ahead: Option<usize>,
@@ -174,6 +187,27 @@ fn dynamic_settings(
     Ok(Some((inner, settings)))
 }
 
+/// `--strategy dcp`: the block plans' settings; `None` otherwise (then `--block`/`--stages` are
+/// an error).
+fn dcp_settings(args: &Args, strategy: Strategy) -> Result<Option<DcpSettings>, String> {
+    if strategy != Strategy::Dcp {
+        if let Some(flag) = [("--block", args.block), ("--stages", args.stages)]
+            .iter()
+            .find_map(|(flag, value)| value.map(|_| flag))
+        {
+            return Err(format!("{flag} only applies to --strategy dcp"));
+        }
+        return Ok(None);
+    }
+    Ok(Some(DcpSettings {
+        // The default block never exceeds a micro-batch.
+        block: args
+            .block
+            .unwrap_or(128.min(args.seq_len.unwrap_or(128).max(1))),
+        stages: args.stages.unwrap_or(4),
+    }))
+}
+
 fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
     let cp = args.cp.unwrap_or(4);
     let dynamic = args.strategy.as_deref() == Some("dynamic");
@@ -216,8 +250,12 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
         timeout_secs: args.timeout_secs.unwrap_or(60),
         dynamic: None,
         plan_ahead: args.plan_ahead.unwrap_or(DEFAULT_PLAN_AHEAD),
+        dcp: None,
+        topology: args.topology.clone().unwrap_or_else(|| "a100-p4d".into()),
+        nodes: args.nodes.unwrap_or(1),
     })
     .and_then(|mut config| {
+        config.dcp = dcp_settings(args, config.strategy)?;
         if let Some((inner, settings)) = dynamic_settings(args, cp, config.seq_len)? {
             config.strategy = inner;
             config.dynamic = Some(settings);
@@ -326,6 +364,27 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
             "the dynamic CP settings {:?} differ from the resumed run's {:?} (saved in {})",
             given.dynamic,
             saved.dynamic,
+            dir.display()
+        ));
+    }
+    if (args.block.is_some() || args.stages.is_some()) && given.dcp != saved.dcp {
+        return Err(format!(
+            "the DCP settings {:?} differ from the resumed run's {:?} (saved in {})",
+            given.dcp,
+            saved.dcp,
+            dir.display()
+        ));
+    }
+    // The topology changes DCP's plans and the byte counts by link; given, it must agree.
+    if (args.topology.is_some() && given.topology != saved.topology)
+        || (args.nodes.is_some() && given.nodes != saved.nodes)
+    {
+        return Err(format!(
+            "--topology {} --nodes {} differ from the resumed run's {} × {} nodes (saved in {})",
+            given.topology,
+            given.nodes,
+            saved.topology,
+            saved.nodes,
             dir.display()
         ));
     }
@@ -477,7 +536,7 @@ fn run(args: &Args) -> Result<(), String> {
         config.world_size(),
         WorldConfig {
             timeout: Duration::from_secs(config.timeout_secs),
-            ..WorldConfig::default()
+            ranks_per_node: Some(config.ranks_per_node().map_err(|e| e.to_string())?),
         },
     )
     .map_err(|e| e.to_string())?;

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Runs gpt_longctx for several parallel configurations (static CP strategies, DP × CP and
-dynamic CP pools) at the same seed and data and checks that
+dynamic CP pools, DCP block plans) at the same seed and data and checks that
 every step's loss agrees with the cp 1 × dp 1 run to ≤ 1e-4 relative.
 
 Usage: python3 scripts/compare_losses.py [BIN] [--steps N]
@@ -31,6 +31,9 @@ runs = {
     "dynamic pool 2": ["--cp", "2", "--strategy", "dynamic", "--max-tokens-per-rank", "1024"],
     "dynamic pool 4": ["--cp", "2", "--dp", "2", "--strategy", "dynamic", "--max-tokens-per-rank", "512"],
     "dynamic pool 8": ["--cp", "8", "--strategy", "dynamic", "--max-tokens-per-rank", "384", "--cp-sizes", "any"],
+    # DCP block plans executed per micro-batch, on one node and over two virtual nodes.
+    "dcp cp4": ["--cp", "4", "--strategy", "dcp"],
+    "dcp cp4 2 nodes": ["--cp", "4", "--strategy", "dcp", "--topology", "a100-p4d", "--nodes", "2"],
 }
 reference = losses("--cp", "1", "--dp", "1")
 worst_all = 0.0

@@ -113,6 +113,33 @@ fn gpt_longctx_refuses_bad_flags_with_the_rule() {
         &["--max-tokens-per-rank", "9223372036854775807", "--cp", "2"],
         "--max-tokens-per-rank 9223372036854775807 × --cp 2 exceeds the limit of 4294967295 tokens",
     );
+    refused_gpt(&["--block", "16"], "--block only applies to --strategy dcp");
+    refused_gpt(
+        &["--cp", "4", "--nodes", "3"],
+        "--nodes 3 must divide the 4 ranks",
+    );
+    refused(
+        "gpt_longctx",
+        &[
+            "--corpus",
+            "builtin",
+            "--cp",
+            "4",
+            "--dp",
+            "3",
+            "--micro-batches",
+            "3",
+            "--nodes",
+            "2",
+        ],
+        "a CP group of 4 ranks neither fills whole nodes of 6 ranks nor fits in one",
+    );
+    refused_gpt(
+        &["--strategy", "dcp", "--block", "0"],
+        "--block 0 must be between 1",
+    );
+    refused_gpt(&["--strategy", "dcp", "--stages", "0"], "--stages 0");
+    refused_gpt(&["--topology", "tpu-pod"], "unknown topology 'tpu-pod'");
 }
 
 #[test]

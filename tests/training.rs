@@ -30,6 +30,9 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         timeout_secs: 60,
         dynamic: None,
         plan_ahead: 2,
+        dcp: None,
+        topology: "a100-p4d".into(),
+        nodes: 1,
     }
 }
 
@@ -456,4 +459,25 @@ fn dynamic_cp_pools_match_cp1_on_the_default_corpus() {
         assert_same_step(&got, &reference, &what);
     }
     assert!(mixed, "no configuration used groups of different sizes");
+}
+
+/// DCP block plans per micro-batch (cp 4, also over two virtual nodes, and cp 2 × dp 2): the loss
+/// and every parameter's gradient equal cp 1 on the same data, with the tokens where each plan
+/// homes them.
+#[test]
+fn dcp_plans_match_cp1_in_training() {
+    use burn_dcp_suite::train::DcpSettings;
+    let flex = burn::backend::flex::FlexDevice;
+    for mask in ["causal", "mixed"] {
+        let reference = one_step(&config(1, 1, Strategy::Ring, Layout::Zigzag, mask));
+        for (cp, dp, nodes, block) in [(4, 1, 1, 16), (4, 1, 2, 32), (2, 2, 1, 8)] {
+            let mut dcp = config(cp, dp, Strategy::Dcp, Layout::Zigzag, mask);
+            dcp.dcp = Some(DcpSettings { block, stages: 3 });
+            dcp.nodes = nodes;
+            let got = step_on::<burn::backend::Flex>(&dcp, 1, &flex);
+            let what = format!("dcp cp {cp} dp {dp} nodes {nodes} block {block} mask {mask}");
+            assert!(got.2 > 0, "{what}: nothing was communicated");
+            assert_same_step(&got, &reference, &what);
+        }
+    }
 }

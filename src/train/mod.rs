@@ -85,6 +85,33 @@ pub struct TrainConfig {
     /// Steps planned ahead on a background thread (`--plan-ahead`).
     #[serde(default = "default_plan_ahead")]
     pub plan_ahead: usize,
+    /// `--strategy dcp`: the block size and stages of each micro-batch's DCP plan.
+    #[serde(default)]
+    pub dcp: Option<DcpSettings>,
+    /// Topology preset the ranks model (`--topology`): DCP plans for it, and every strategy's
+    /// bytes are counted per link class.
+    #[serde(default = "default_topology")]
+    pub topology: String,
+    /// Virtual nodes the world's ranks are spread over (`--nodes`; consecutive ranks share one).
+    #[serde(default = "default_nodes")]
+    pub nodes: usize,
+}
+
+/// Settings of `--strategy dcp`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DcpSettings {
+    /// Tokens per block (`--block`).
+    pub block: usize,
+    /// Communication stages of each plan (`--stages`).
+    pub stages: usize,
+}
+
+fn default_topology() -> String {
+    "a100-p4d".into()
+}
+
+fn default_nodes() -> usize {
+    1
 }
 
 fn default_plan_ahead() -> usize {
@@ -177,6 +204,27 @@ impl TrainConfig {
         if let Some(settings) = &self.dynamic {
             self.validate_dynamic(settings)?;
         }
+        self.group_topology().map_err(|e| e.to_string())?;
+        if (self.strategy == Strategy::Dcp) != self.dcp.is_some() {
+            return Err(format!(
+                "strategy {} with DCP settings {:?}: strategy dcp needs them, the others none",
+                self.strategy, self.dcp
+            ));
+        }
+        if let Some(dcp) = &self.dcp {
+            if dcp.block == 0 || dcp.block > self.seq_len.max(1) {
+                return Err(format!(
+                    "--block {} must be between 1 and --seq-len {}",
+                    dcp.block, self.seq_len
+                ));
+            }
+            burn_dcp::planner::dcp::DcpConfig {
+                stages: dcp.stages,
+                ..Default::default()
+            }
+            .validate()
+            .map_err(|e| format!("--stages {}: {e}", dcp.stages))?;
+        }
         if let MaskPolicy::Same(MaskSpec::Full) = self.mask_policy()? {
             return Err(
                 "mask full lets every token attend the tokens after it, including its own label: a GPT trained as a language model needs a causal-family mask (causal, sliding:W, lambda, blockwise, shared-question or mixed)"
@@ -220,6 +268,36 @@ impl TrainConfig {
 
     pub fn world_size(&self) -> usize {
         self.cp * self.dp
+    }
+
+    /// World ranks per virtual node (`--nodes` must divide the world).
+    pub fn ranks_per_node(&self) -> Result<usize, CpError> {
+        let world = self.world_size();
+        if self.nodes == 0 || !world.is_multiple_of(self.nodes) {
+            return Err(CpError::Config(format!(
+                "--nodes {} must divide the {world} ranks (cp × dp)",
+                self.nodes
+            )));
+        }
+        Ok(world / self.nodes)
+    }
+
+    /// The topology of one static CP group (ranks `d·cp .. (d+1)·cp`) as its ranks sit on the
+    /// world's nodes: a group must fill whole nodes or sit inside one.
+    pub fn group_topology(&self) -> Result<burn_dcp::planner::topology::Topology, CpError> {
+        let per_node = self.ranks_per_node()?;
+        let nodes = if self.cp.is_multiple_of(per_node) {
+            self.cp / per_node
+        } else if per_node.is_multiple_of(self.cp) {
+            1
+        } else {
+            return Err(CpError::Config(format!(
+                "a CP group of {} ranks neither fills whole nodes of {per_node} ranks nor fits in one (--nodes {})",
+                self.cp, self.nodes
+            )));
+        };
+        burn_dcp::planner::topology::Topology::for_ranks(&self.topology, nodes, self.cp)
+            .map_err(|e| CpError::Config(format!("--topology {}: {e}", self.topology)))
     }
 }
 
@@ -466,7 +544,7 @@ pub fn step_gradients_planned<B: FlashOps>(
             placement: planned.placement.clone(),
             masks: batch.masks,
             scale: None,
-            blocks: None,
+            blocks: planned.blocks.clone(),
         };
         let group = groups.group(&planned.ranks)?;
         let (value, grads) =

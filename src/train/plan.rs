@@ -4,7 +4,9 @@
 //! - **static CP** ([`plan_static`]): micro-batch `i` of the step runs on DP replica `i mod dp`
 //!   (world ranks `d·cp .. (d+1)·cp`), placed by the layout;
 //! - **dynamic CP** ([`plan_dynamic`]): the scheduler's groups, each running the sequences it was
-//!   given, placed by the layout over the group.
+//!   given, placed by the layout over the group;
+//! - **DCP** (static groups, `plan_blocks`): each micro-batch's DCP block plan for the group's
+//!   topology; its homes are the placement and it travels with the batch to the executor.
 //!
 //! The step executes every plan alike (`step_gradients_planned`): a rank takes each planned batch
 //! whose ranks include it and asks it for its shard ([`PlannedBatch::shard`]: the batch's
@@ -18,13 +20,17 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn_dcp::kernels::{MaskSpec, MicroBatch};
+use burn_dcp::planner::cost::AttentionDims;
+use burn_dcp::planner::dcp::{dcp_plan, DcpConfig};
 use burn_dcp::planner::dynamic::{rank_work, schedule_with};
+use burn_dcp::planner::plan::{tile_grids, BlockProblem};
 use burn_dcp::shard::RankShard;
+use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::{CpError, Layout, Placement};
 use burn_dcp_models::GptConfig;
 
 use super::dynamic::{sequence_work, DynamicSettings};
-use super::{TrainConfig, TrainData};
+use super::{DcpSettings, TrainConfig, TrainData};
 
 /// The sequences of a step's global batch, micro-batch by micro-batch, numbered in that order.
 pub struct StepSequences<'a> {
@@ -85,6 +91,8 @@ pub struct PlannedBatch {
     pub sequences: Vec<usize>,
     /// Where each of its tokens lives in the group.
     pub placement: Arc<Placement>,
+    /// Strategy dcp: the batch's block plan (it decided the placement).
+    pub blocks: Option<Arc<BlockSchedule>>,
 }
 
 /// A planned batch as one rank runs it: the batch (for its masks) and the rank's shard of it.
@@ -182,7 +190,16 @@ pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<
             config.layout,
         )
         .map_err(|e| CpError::Config(format!("step {step}: {e}")))?,
-        None => plan_static(&sequences, config.cp, config.dp, config.layout)?,
+        None => {
+            let mut batches = plan_static(&sequences, config.cp, config.dp, config.layout)?;
+            if let Some(dcp) = &config.dcp {
+                for batch in &mut batches {
+                    plan_blocks(batch, &sequences, dcp, config, &model)
+                        .map_err(|e| CpError::Config(format!("step {step}: {e}")))?;
+                }
+            }
+            batches
+        }
     };
     Ok(StepPlan {
         step,
@@ -218,6 +235,7 @@ pub fn plan_static(
             ranks: replica * cp..(replica + 1) * cp,
             sequences: (first..first + count).collect(),
             placement: Arc::new(Placement::of_layout(&batch.seq_lens(), cp, layout)?),
+            blocks: None,
         });
         first += count;
     }
@@ -245,10 +263,50 @@ pub fn plan_dynamic(
                 ranks: group.ranks,
                 sequences: group.sequences,
                 placement: Arc::new(placement),
+                blocks: None,
             });
         }
     }
     Ok(planned)
+}
+
+/// Strategy dcp: plans `batch` with the DCP planner (one head unit: a token's heads stay
+/// together) for the group's topology; the plan's homes become the placement.
+fn plan_blocks(
+    batch: &mut PlannedBatch,
+    sequences: &StepSequences,
+    dcp: &DcpSettings,
+    config: &TrainConfig,
+    model: &GptConfig,
+) -> Result<(), CpError> {
+    let lengths = sequences.lengths();
+    let problem = BlockProblem {
+        seq_lens: batch.sequences.iter().map(|&s| lengths[s]).collect(),
+        masks: batch
+            .sequences
+            .iter()
+            .map(|&s| sequences.mask(s).clone())
+            .collect(),
+        head_groups: 1,
+        block: dcp.block,
+    };
+    let dims = AttentionDims {
+        heads: model.n_heads,
+        kv_heads: model.n_kv_heads,
+        head_dim: model.head_dim(),
+        element_bytes: 4,
+    };
+    let topology = config.group_topology()?;
+    let planner = DcpConfig {
+        stages: dcp.stages,
+        seed: config.seed,
+        ..DcpConfig::default()
+    };
+    let routed = dcp_plan(&problem, tile_grids(&problem), &dims, &topology, &planner)?;
+    let schedule = BlockSchedule::new(&routed.plan, &problem, &topology)?;
+    batch.placement = Arc::new(schedule.placement()?);
+    batch.blocks = Some(Arc::new(schedule));
+    Ok(())
 }
 
 #[cfg(test)]
