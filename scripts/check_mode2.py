@@ -128,6 +128,8 @@ def main():
             ("ulysses", "contiguous", "lambda:4,9", []),
             ("all-gather", "stripe", "sliding:7", []),
             ("usp", "zigzag", "shared-question:0.2,4", ["--ulysses-degree", "2"]),
+            # a DCP block plan (the layout is unused: the plan places the tokens)
+            ("dcp", "zigzag", "blockwise:3,2", ["--block", "8", "--nodes", "2"]),
         ]
         for strategy, layout, mask, extra in runs:
             output = Path(tmp) / f"{strategy}.safetensors"

@@ -147,3 +147,53 @@ fn programs_move_each_block_once_per_destination() {
         assert_eq!(text.len(), program.len());
     }
 }
+
+/// Ranks that run different block plans fail at once, before any block moves, naming the rank
+/// and the field; a plan for other sequences is refused with the rule.
+#[test]
+fn ranks_with_different_plans_fail_at_once() {
+    use burn_dcp::comm::{InProcessWorld, WorldConfig};
+    use burn_dcp::{cp_attention_forward, CpBatch, CpGroup};
+    let lens = [90, 40];
+    let plan = |stages| schedule(&lens, &MaskSpec::Causal, (4, 2, 8), 4, 1, 8, stages);
+    let (common, odd) = (plan(3), plan(1));
+    assert_ne!(common.fingerprint(), odd.fingerprint());
+    let inputs = random_inputs(&lens, 4, 2, 8, 9);
+    let world = InProcessWorld::new(4, WorldConfig::default()).unwrap();
+    let started = std::time::Instant::now();
+    let results = world.run(|comm| -> Result<(), burn_dcp::CpError> {
+        let schedule = if comm.rank() == 1 { &odd } else { &common };
+        let batch = CpBatch::from_blocks(schedule.clone(), vec![MaskSpec::Causal])?;
+        let indices = batch.placement.packed_indices(comm.rank());
+        let q = common::token_rows::<B>(&inputs.q, 4, 8, &indices);
+        let k = common::token_rows::<B>(&inputs.k, 2, 8, &indices);
+        let v = common::token_rows::<B>(&inputs.v, 2, 8, &indices);
+        let group = CpGroup::new(comm, Strategy::Dcp)?;
+        cp_attention_forward(&group, &batch, q, k, v).map(|_| ())
+    });
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    for (rank, result) in results.iter().enumerate() {
+        let error = result.as_ref().unwrap_err().to_string();
+        assert!(
+            error.contains("disagree") && error.contains("rank 1"),
+            "rank {rank}: {error}"
+        );
+    }
+    // A batch whose placement is not the plan's.
+    let placement = burn_dcp::Placement::of_layout(&lens, 4, Layout::Zigzag).unwrap();
+    let mut batch = CpBatch::new(placement, vec![MaskSpec::Causal]);
+    batch.blocks = Some(Arc::new(common));
+    let world = InProcessWorld::new(4, WorldConfig::default()).unwrap();
+    let results = world.run(|comm| -> Result<(), burn_dcp::CpError> {
+        let indices = batch.placement.packed_indices(comm.rank());
+        let q = common::token_rows::<B>(&inputs.q, 4, 8, &indices);
+        let k = common::token_rows::<B>(&inputs.k, 2, 8, &indices);
+        let v = common::token_rows::<B>(&inputs.v, 2, 8, &indices);
+        let group = CpGroup::new(comm, Strategy::Dcp)?;
+        cp_attention_forward(&group, &batch, q, k, v).map(|_| ())
+    });
+    for result in &results {
+        let error = result.as_ref().unwrap_err().to_string();
+        assert!(error.contains("places the tokens differently"), "{error}");
+    }
+}
