@@ -233,14 +233,19 @@ impl<'a, B: FlashOps> Run<'a, B> {
         let mut parts = Vec::with_capacity(shapes.len());
         for shape in shapes {
             let data = self.comm.irecv(from)?.wait()?;
-            if data.shape.as_slice() != shape.as_slice() || data.dtype != self.dtype {
+            // LSE (the only 2-D part) is f32 whatever the inputs' dtype, as the kernels make it.
+            let dtype = if shape.len() == 2 {
+                DType::F32
+            } else {
+                self.dtype
+            };
+            if data.shape.as_slice() != shape.as_slice() || data.dtype != dtype {
                 return Err(CpError::Comm(CommError::Protocol {
                     group: self.comm.name().to_string(),
                     rank: self.comm.rank(),
                     peer_global: self.comm.global_rank(from),
                     message: format!(
-                        "DCP {what}: expected a {shape:?} {:?} block, got {:?} {:?}",
-                        self.dtype,
+                        "DCP {what}: expected a {shape:?} {dtype:?} block, got {:?} {:?}",
                         data.shape.as_slice(),
                         data.dtype
                     ),
@@ -505,7 +510,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
             let output = self.blocks.outputs.remove(&block).unwrap_or_else(|| {
                 let out = self.zeros([t, self.heads.heads, self.heads.dim]);
                 let options =
-                    TensorCreationOptions::new(self.device.clone()).with_dtype(self.dtype);
+                    TensorCreationOptions::new(self.device.clone()).with_dtype(DType::F32);
                 let lse = Tensor::full([self.heads.heads, t], f32::NEG_INFINITY, options);
                 FlashOutput { out, lse }
             });
@@ -514,7 +519,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
         }
         let h = self.heads;
         outs.push(self.zeros([0, h.heads, h.dim]));
-        let options = TensorCreationOptions::new(self.device.clone()).with_dtype(self.dtype);
+        let options = TensorCreationOptions::new(self.device.clone()).with_dtype(DType::F32);
         lses.push(Tensor::empty([h.heads, 0], options));
         FlashOutput {
             out: cat_tokens(outs, 0),
