@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use burn_dcp::comm::{InProcessWorld, WorldConfig};
+use burn_dcp::comm::{InProcessWorld, LinkBytes, WorldConfig};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::train::{
@@ -440,6 +440,14 @@ impl StepObserver for Reporter<'_> {
     fn total_bytes(&self) -> u64 {
         self.world.stats().iter().map(|s| s.total_bytes()).sum()
     }
+
+    fn link_bytes(&self) -> LinkBytes {
+        let stats = self.world.stats();
+        LinkBytes {
+            intra_node: stats.iter().map(|s| s.bytes_by_link.intra_node).sum(),
+            inter_node: stats.iter().map(|s| s.bytes_by_link.inter_node).sum(),
+        }
+    }
 }
 
 /// `--out DIR` must not overwrite another run: a directory holding a run's files (config.json,
@@ -673,6 +681,10 @@ fn summarize(
         "tokens": tokens,
         "tokens_per_second": if train_seconds > 0.0 { tokens as f64 / train_seconds } else { 0.0 },
         "bytes_communicated": bytes,
+        "bytes_by_link": {
+            "intra_node": metrics.iter().map(|m| m.bytes_by_link.intra_node).sum::<u64>(),
+            "inter_node": metrics.iter().map(|m| m.bytes_by_link.inter_node).sum::<u64>(),
+        },
         "cp_group_sizes": group_size_totals(metrics),
         "rank_workload_imbalance": mean(metrics.iter().map(|m| m.rank_workload_imbalance)),
         "plan_wait_ms": metrics.iter().filter_map(|m| m.plan_wait_ms).fold(0.0, |a, b| a + b),

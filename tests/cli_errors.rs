@@ -522,3 +522,33 @@ fn gpt_longctx_dynamic_flags_are_checked() {
     assert_eq!(summary["cp_group_sizes"]["4"], 4, "{summary}");
     assert!(summary["plan_wait_ms"].as_f64().is_some(), "{summary}");
 }
+
+#[test]
+fn gpt_longctx_counts_bytes_by_link_over_virtual_nodes() {
+    let args = gpt(&[
+        "--steps",
+        "1",
+        "--cp",
+        "4",
+        "--strategy",
+        "dcp",
+        "--block",
+        "16",
+        "--nodes",
+        "2",
+        "--json",
+    ]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let report: serde_json::Value = serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap();
+    let links = &report["bytes_by_link"];
+    let (intra, inter) = (
+        links["intra_node"].as_u64().unwrap(),
+        links["inter_node"].as_u64().unwrap(),
+    );
+    assert!(intra > 0 && inter > 0, "{report}");
+    assert_eq!(
+        intra + inter,
+        report["bytes_communicated"].as_u64().unwrap(),
+        "{report}"
+    );
+}

@@ -227,6 +227,10 @@ impl burn_dcp_suite::train::StepObserver for Quiet {
     fn total_bytes(&self) -> u64 {
         0
     }
+
+    fn link_bytes(&self) -> burn_dcp::comm::LinkBytes {
+        burn_dcp::comm::LinkBytes::default()
+    }
 }
 
 fn train(

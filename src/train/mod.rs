@@ -33,7 +33,9 @@ use burn::prelude::{Int, Tensor, TensorData, ToElement};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::{set_context, ContextParallel, CpContext};
-use burn_dcp::comm::{panic_message, Comm, CommError, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
+use burn_dcp::comm::{
+    panic_message, Comm, CommError, LinkBytes, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT,
+};
 use burn_dcp::kernels::{FlashOps, MaskSpec, MicroBatch};
 use burn_dcp::shard::RankShard;
 use burn_dcp::{CpBatch, CpError, CpGroup, Layout, Strategy};
@@ -410,6 +412,9 @@ pub struct StepMetrics {
     pub tokens: usize,
     /// Bytes sent by all ranks during the step (attention and gradient all-reduce).
     pub bytes_communicated: u64,
+    /// The step's bytes by link class (`--topology`/`--nodes`; intra-node only on one node).
+    #[serde(default)]
+    pub bytes_by_link: LinkBytes,
     pub step_ms: f64,
     /// CP group size → number of sequences that ran in groups of that size.
     #[serde(default)]
@@ -729,6 +734,8 @@ pub trait StepObserver: Sync {
     fn on_step(&self, metrics: &StepMetrics);
     /// Bytes sent so far by all ranks (read between two barriers).
     fn total_bytes(&self) -> u64;
+    /// The same bytes by link class (`--topology`/`--nodes`), summed over all ranks.
+    fn link_bytes(&self) -> LinkBytes;
 }
 
 /// Trains on one rank from `start_step` (after loading `resume` if given); rank 0 saves the
@@ -850,7 +857,8 @@ impl<B: FlashOps> StepLoop<'_, B> {
         for step in first..=self.config.steps {
             let started = Instant::now();
             world.barrier().map_err(|e| e.to_string())?;
-            let bytes_before = (world.rank() == 0).then(|| self.observer.total_bytes());
+            let bytes_before = (world.rank() == 0)
+                .then(|| (self.observer.total_bytes(), self.observer.link_bytes()));
             world.barrier().map_err(|e| e.to_string())?;
             let waited = Instant::now();
             let plan = plans
@@ -869,12 +877,17 @@ impl<B: FlashOps> StepLoop<'_, B> {
             .map_err(|e| e.to_string())?;
             model = optimizer.step(self.config.learning_rate, model, result.grads);
             world.barrier().map_err(|e| e.to_string())?;
-            if let Some(before) = bytes_before {
+            if let Some((before, links_before)) = bytes_before {
+                let links = self.observer.link_bytes();
                 let step_metrics = StepMetrics {
                     step,
                     loss: result.loss,
                     tokens: result.tokens,
                     bytes_communicated: self.observer.total_bytes() - before,
+                    bytes_by_link: LinkBytes {
+                        intra_node: links.intra_node - links_before.intra_node,
+                        inter_node: links.inter_node - links_before.inter_node,
+                    },
                     step_ms: started.elapsed().as_secs_f64() * 1e3,
                     cp_group_sizes: result
                         .stats

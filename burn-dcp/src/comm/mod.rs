@@ -134,7 +134,7 @@ pub struct CommStats {
 }
 
 /// Bytes by link class.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LinkBytes {
     pub intra_node: u64,
     pub inter_node: u64,
