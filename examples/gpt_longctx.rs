@@ -173,6 +173,12 @@ fn dynamic_settings(
     // USP keeps its Ulysses degree; the ring degree follows each group's size.
     let degree_cp = args.ulysses_degree.unwrap_or(1);
     let inner = Strategy::parse(name, args.ulysses_degree, degree_cp).map_err(|e| e.to_string())?;
+    if inner == Strategy::Dcp {
+        return Err(
+            "--inner-strategy dcp is not supported yet: dynamic CP groups run ring, ulysses, usp or all-gather"
+                .into(),
+        );
+    }
     let settings = DynamicSettings {
         max_tokens_per_rank: args
             .max_tokens_per_rank

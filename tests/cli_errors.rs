@@ -140,6 +140,10 @@ fn gpt_longctx_refuses_bad_flags_with_the_rule() {
     );
     refused_gpt(&["--strategy", "dcp", "--stages", "0"], "--stages 0");
     refused_gpt(&["--topology", "tpu-pod"], "unknown topology 'tpu-pod'");
+    refused_gpt(
+        &["--strategy", "dynamic", "--inner-strategy", "dcp"],
+        "--inner-strategy dcp is not supported yet",
+    );
 }
 
 #[test]
