@@ -30,7 +30,7 @@ use burn_dcp::harness::{
     RunSpec,
 };
 use burn_dcp::kernels::{validate_cu_seqlens, validate_scale, MaskSpec};
-use burn_dcp::planner::cost::{AttentionDims, Side};
+use burn_dcp::planner::cost::{AttentionDims, Pass};
 use burn_dcp::planner::dcp::{dcp_plan, DcpConfig};
 use burn_dcp::planner::plan::{tile_grids, BlockProblem};
 use burn_dcp::planner::topology::Topology;
@@ -287,12 +287,9 @@ fn explain(schedule: &BlockSchedule) -> String {
             .map(|b| format!("s{}b{}", b.seq, b.block))
             .collect();
         text += &format!("rank {rank}: home blocks [{}]\n", homes.join(", "));
-        for (pass, sides) in [
-            ("forward", &[Side::QueryOutput][..]),
-            ("backward", &[Side::QueryOutput, Side::KeyValue][..]),
-        ] {
-            text += &format!("  {pass}:\n");
-            for instruction in schedule.program(rank, sides) {
+        for (name, pass) in [("forward", Pass::Forward), ("backward", Pass::Backward)] {
+            text += &format!("  {name}:\n");
+            for instruction in schedule.program(rank, pass) {
                 text += &format!("    {instruction}\n");
             }
         }

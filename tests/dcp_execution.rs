@@ -8,12 +8,12 @@ use std::sync::Arc;
 
 use burn_dcp::harness::{run_context_parallel, run_single_device};
 use burn_dcp::kernels::MaskSpec;
-use burn_dcp::planner::cost::AttentionDims;
+use burn_dcp::planner::cost::{AttentionDims, Pass};
 use burn_dcp::planner::dcp::{dcp_plan, DcpConfig};
 use burn_dcp::planner::plan::{tile_grids, BlockProblem};
 use burn_dcp::planner::topology::Topology;
 use burn_dcp::strategy::block_plan::{BlockSchedule, Instruction};
-use burn_dcp::{Layout, Strategy};
+use burn_dcp::{CpBatch, Layout, Strategy};
 use common::{assert_close, masks, random_inputs, spec, B};
 
 /// The executable DCP schedule of `seq_lens` under `mask` on `cp` ranks over `nodes` nodes.
@@ -129,12 +129,12 @@ fn dcp_on_2_to_16_ranks() {
 #[test]
 fn programs_move_each_block_once_per_destination() {
     let plan = schedule(&[200, 90], &MaskSpec::Causal, (4, 2, 8), 8, 2, 16, 3);
-    let placement = plan.placement().unwrap();
+    let placement = plan.placement();
     assert_eq!(placement.total_tokens(), 290);
     for rank in 0..8 {
-        let program = plan.program(rank, &[]);
+        let program = plan.program(rank, Pass::Forward);
         let mut received = std::collections::HashSet::new();
-        for instruction in &program {
+        for instruction in program {
             if let Instruction::Receive { side, block, .. } = instruction {
                 assert!(
                     received.insert((*side, *block)),
@@ -152,24 +152,16 @@ fn programs_move_each_block_once_per_destination() {
 /// and the field; a plan for other sequences is refused with the rule.
 #[test]
 fn ranks_with_different_plans_fail_at_once() {
-    use burn_dcp::comm::{InProcessWorld, WorldConfig};
-    use burn_dcp::{cp_attention_forward, CpBatch, CpGroup};
     let lens = [90, 40];
     let plan = |stages| schedule(&lens, &MaskSpec::Causal, (4, 2, 8), 4, 1, 8, stages);
     let (common, odd) = (plan(3), plan(1));
     assert_ne!(common.fingerprint(), odd.fingerprint());
     let inputs = random_inputs(&lens, 4, 2, 8, 9);
-    let world = InProcessWorld::new(4, WorldConfig::default()).unwrap();
+    let (common_plan, odd_plan) = (Arc::new(common), Arc::new(odd));
     let started = std::time::Instant::now();
-    let results = world.run(|comm| -> Result<(), burn_dcp::CpError> {
-        let schedule = if comm.rank() == 1 { &odd } else { &common };
-        let batch = CpBatch::from_blocks(schedule.clone(), vec![MaskSpec::Causal])?;
-        let indices = batch.placement.packed_indices(comm.rank());
-        let q = common::token_rows::<B>(&inputs.q, 4, 8, &indices);
-        let k = common::token_rows::<B>(&inputs.k, 2, 8, &indices);
-        let v = common::token_rows::<B>(&inputs.v, 2, 8, &indices);
-        let group = CpGroup::new(comm, Strategy::Dcp)?;
-        cp_attention_forward(&group, &batch, q, k, v).map(|_| ())
+    let results = forward_on_4_ranks(&inputs, |rank| {
+        let schedule = if rank == 1 { &odd_plan } else { &common_plan };
+        CpBatch::from_blocks(schedule.clone(), vec![MaskSpec::Causal])
     });
     assert!(started.elapsed() < std::time::Duration::from_secs(5));
     for (rank, result) in results.iter().enumerate() {
@@ -182,18 +174,29 @@ fn ranks_with_different_plans_fail_at_once() {
     // A batch whose placement is not the plan's.
     let placement = burn_dcp::Placement::of_layout(&lens, 4, Layout::Zigzag).unwrap();
     let mut batch = CpBatch::new(placement, vec![MaskSpec::Causal]);
-    batch.blocks = Some(Arc::new(common));
+    batch.blocks = Some(common_plan);
+    let results = forward_on_4_ranks(&inputs, |_| batch.clone());
+    for result in &results {
+        let error = result.as_ref().unwrap_err().to_string();
+        assert!(error.contains("places the tokens differently"), "{error}");
+    }
+}
+
+/// Forward of `inputs` (4 heads, 2 kv heads, dim 8) on 4 ranks, rank `r` with `batch_of(r)`.
+fn forward_on_4_ranks(
+    inputs: &burn_dcp::harness::PackedInputs,
+    batch_of: impl Fn(usize) -> CpBatch + Sync,
+) -> Vec<Result<(), String>> {
+    use burn_dcp::comm::{InProcessWorld, WorldConfig};
+    use burn_dcp::{cp_attention_forward, CpGroup};
     let world = InProcessWorld::new(4, WorldConfig::default()).unwrap();
-    let results = world.run(|comm| -> Result<(), burn_dcp::CpError> {
+    world.run(|comm| -> Result<(), burn_dcp::CpError> {
+        let batch = batch_of(comm.rank());
         let indices = batch.placement.packed_indices(comm.rank());
         let q = common::token_rows::<B>(&inputs.q, 4, 8, &indices);
         let k = common::token_rows::<B>(&inputs.k, 2, 8, &indices);
         let v = common::token_rows::<B>(&inputs.v, 2, 8, &indices);
         let group = CpGroup::new(comm, Strategy::Dcp)?;
         cp_attention_forward(&group, &batch, q, k, v).map(|_| ())
-    });
-    for result in &results {
-        let error = result.as_ref().unwrap_err().to_string();
-        assert!(error.contains("places the tokens differently"), "{error}");
-    }
+    })
 }

@@ -173,11 +173,7 @@ pub fn run_context_parallel<B: FlashOps>(
     spec.strategy
         .validate_heads(inputs.heads, inputs.kv_heads, spec.cp)?;
     let mut batch = match &spec.blocks {
-        Some(schedule) => {
-            let mut batch = CpBatch::new(schedule.placement()?, spec.masks.clone());
-            batch.blocks = Some(schedule.clone());
-            batch
-        }
+        Some(schedule) => CpBatch::from_blocks(schedule.clone(), spec.masks.clone()),
         None => CpBatch::new(
             Placement::of_layout(&inputs.seq_lens, spec.cp, spec.layout)?,
             spec.masks.clone(),

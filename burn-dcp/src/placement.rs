@@ -35,7 +35,7 @@ impl fmt::Display for PlacementKind {
 }
 
 /// The tokens every rank of a CP group holds for one packed micro-batch.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Placement {
     pub kind: PlacementKind,
     pub seq_lens: Vec<usize>,

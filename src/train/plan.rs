@@ -304,7 +304,7 @@ fn plan_blocks(
     };
     let routed = dcp_plan(&problem, tile_grids(&problem), &dims, &topology, &planner)?;
     let schedule = BlockSchedule::new(&routed.plan, &problem, &topology)?;
-    batch.placement = Arc::new(schedule.placement()?);
+    batch.placement = Arc::new(schedule.placement().clone());
     batch.blocks = Some(Arc::new(schedule));
     Ok(())
 }

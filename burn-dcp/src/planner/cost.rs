@@ -452,9 +452,22 @@ pub fn direct_transfers(
     sizes: &UnitSizes,
     topology: &Topology,
 ) -> Vec<Transfer> {
+    route_transfers(&routes(plan, topology), sizes, |seq, block| {
+        block_tokens(problem, seq, block)
+    })
+}
+
+/// Every transfer of `routes` under the byte model ([`hop_bytes`]), for blocks of
+/// `tokens(seq, block)` tokens: per hop and pass, the copy out (tagged with the hop's stage) and,
+/// where the pass brings results back, the result home (tagged [`POST`]).
+pub fn route_transfers(
+    routes: &[Route],
+    sizes: &UnitSizes,
+    tokens: impl Fn(usize, usize) -> f64,
+) -> Vec<Transfer> {
     let mut transfers = Vec::new();
-    for route in routes(plan, topology) {
-        let tokens = block_tokens(problem, route.seq, route.block);
+    for route in routes {
+        let tokens = tokens(route.seq, route.block);
         for hop in &route.hops {
             for pass in [Pass::Forward, Pass::Backward] {
                 let (to_bytes, back_bytes) = hop_bytes(sizes, route.side, pass);

@@ -37,7 +37,9 @@ use burn_dcp_kernels::Segment;
 use crate::comm::LinkBytes;
 use crate::error::CpError;
 use crate::placement::Placement;
-use crate::planner::cost::{hop_bytes, routes, Hop, Pass, Route, Side};
+use crate::planner::cost::{
+    route_transfers, routes, AttentionDims, Hop, Pass, Route, Side, Transfer,
+};
 use crate::planner::plan::{BlockProblem, DataKind, Plan};
 use crate::planner::topology::Topology;
 use crate::volume::RankVolume;
@@ -50,7 +52,7 @@ pub struct BlockId {
 }
 
 /// One instruction of a rank's program.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Instruction {
     /// Send a copy of `side` of `block` (held here: home or relayed) to `to`.
     Send {
@@ -149,7 +151,17 @@ pub struct BlockSchedule {
     pub routes: Vec<Route>,
     /// Ranks per node of the topology the routes were made for.
     pub ranks_per_node: usize,
-    tiles: Vec<Vec<Tile>>,
+    /// Where every token lives: each rank's home blocks, in (sequence, block) order.
+    placement: Placement,
+    /// Every rank's instruction lists, built once (they run on every attention call).
+    programs: Vec<Programs>,
+}
+
+/// A rank's instruction lists.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Programs {
+    forward: Vec<Instruction>,
+    backward: Vec<Instruction>,
 }
 
 impl BlockSchedule {
@@ -206,16 +218,40 @@ impl BlockSchedule {
         tiles
             .iter_mut()
             .for_each(|t: &mut Vec<Tile>| t.sort_unstable());
+        let routes = routes(plan, topology);
+        let last_stage = plan.blocks.iter().map(|b| b.stage).max().unwrap_or(0);
+        let builder = ProgramBuilder {
+            routes: &routes,
+            tiles: &tiles,
+            last_stage,
+        };
+        let programs = (0..plan.ranks)
+            .map(|rank| Programs {
+                forward: builder.program(rank, &[Side::QueryOutput]),
+                backward: builder.program(rank, &[Side::QueryOutput, Side::KeyValue]),
+            })
+            .collect();
+        let placement = home_placement(&homes, problem, plan.ranks)?;
         Ok(Self {
             ranks: plan.ranks,
             block: problem.block,
             seq_lens: problem.seq_lens.clone(),
-            last_stage: plan.blocks.iter().map(|b| b.stage).max().unwrap_or(0),
+            last_stage,
             homes,
-            routes: routes(plan, topology),
+            routes,
             ranks_per_node: topology.devices_per_node,
-            tiles,
+            placement,
+            programs,
         })
+    }
+
+    /// The instruction list of `rank` for `pass`.
+    pub fn program(&self, rank: usize, pass: Pass) -> &[Instruction] {
+        let programs = &self.programs[rank];
+        match pass {
+            Pass::Forward => &programs.forward,
+            Pass::Backward => &programs.backward,
+        }
     }
 
     /// A hash of the whole schedule: equal on two ranks exactly when (barring collisions) they
@@ -227,39 +263,28 @@ impl BlockSchedule {
         hasher.finish()
     }
 
-    /// Every message of the plan under its byte model (`hop_bytes`) for `heads` query heads,
-    /// `kv_heads` kv heads, `head_dim` and 4-byte elements: `(pass, from, to, bytes)`.
-    fn messages(
+    /// Every message of the plan under the cost model's byte model
+    /// ([`route_transfers`]) for `heads` query heads, `kv_heads` kv heads, `head_dim` and 4-byte
+    /// elements.
+    fn transfers(
         &self,
         heads: usize,
         kv_heads: usize,
         head_dim: usize,
-    ) -> Result<Vec<(Pass, usize, usize, u64)>, CpError> {
-        let dims = crate::planner::cost::AttentionDims {
+    ) -> Result<Vec<Transfer>, CpError> {
+        let dims = AttentionDims {
             heads,
             kv_heads,
             head_dim,
             element_bytes: 4,
         };
         let sizes = dims.unit_sizes(1)?;
-        let mut messages = Vec::new();
-        for route in &self.routes {
-            let tokens = self.block_tokens(id(route)).len() as f64;
-            for hop in &route.hops {
-                for pass in [Pass::Forward, Pass::Backward] {
-                    let (to_bytes, back_bytes) = hop_bytes(&sizes, route.side, pass);
-                    messages.push((pass, hop.from, hop.to, (to_bytes * tokens) as u64));
-                    if back_bytes > 0.0 {
-                        messages.push((pass, hop.to, hop.from, (back_bytes * tokens) as u64));
-                    }
-                }
-            }
-        }
-        Ok(messages)
+        Ok(route_transfers(&self.routes, &sizes, |seq, block| {
+            self.block_tokens(BlockId { seq, block }).len() as f64
+        }))
     }
 
-    /// Bytes each rank sends, forward and backward, as the plan predicts them (see
-    /// [`Self::messages`]).
+    /// Bytes each rank sends, forward and backward, as the plan predicts them.
     pub fn predicted_volume(
         &self,
         heads: usize,
@@ -267,10 +292,10 @@ impl BlockSchedule {
         head_dim: usize,
     ) -> Result<Vec<RankVolume>, CpError> {
         let mut volume = vec![RankVolume::default(); self.ranks];
-        for (pass, from, _, bytes) in self.messages(heads, kv_heads, head_dim)? {
-            match pass {
-                Pass::Forward => volume[from].forward += bytes,
-                Pass::Backward => volume[from].backward += bytes,
+        for t in self.transfers(heads, kv_heads, head_dim)? {
+            match t.pass {
+                Pass::Forward => volume[t.from].forward += t.bytes as u64,
+                Pass::Backward => volume[t.from].backward += t.bytes as u64,
             }
         }
         Ok(volume)
@@ -285,10 +310,10 @@ impl BlockSchedule {
     ) -> Result<Vec<LinkBytes>, CpError> {
         let mut links = vec![LinkBytes::default(); self.ranks];
         let node = |rank: usize| rank / self.ranks_per_node;
-        for (_, from, to, bytes) in self.messages(heads, kv_heads, head_dim)? {
-            match node(from) == node(to) {
-                true => links[from].intra_node += bytes,
-                false => links[from].inter_node += bytes,
+        for t in self.transfers(heads, kv_heads, head_dim)? {
+            match node(t.from) == node(t.to) {
+                true => links[t.from].intra_node += t.bytes as u64,
+                false => links[t.from].inter_node += t.bytes as u64,
             }
         }
         Ok(links)
@@ -313,25 +338,23 @@ impl BlockSchedule {
         blocks
     }
 
-    /// Where every token lives: each rank's home blocks.
-    pub fn placement(&self) -> Result<Placement, CpError> {
-        let ranks = (0..self.ranks)
-            .map(|rank| {
-                self.home_blocks(rank)
-                    .into_iter()
-                    .map(|b| {
-                        let tokens = self.block_tokens(b);
-                        Segment::contiguous(b.seq, tokens.start, tokens.len())
-                    })
-                    .collect()
-            })
-            .collect();
-        Placement::from_segments(&self.seq_lens, ranks)
+    /// Where every token lives: each rank's home blocks, in (sequence, block) order.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
     }
+}
 
+/// What a rank's programs are built from: the plan's routes and every rank's tiles.
+struct ProgramBuilder<'a> {
+    routes: &'a [Route],
+    tiles: &'a [Vec<Tile>],
+    last_stage: usize,
+}
+
+impl ProgramBuilder<'_> {
     /// The program of `rank` for a pass whose results go home for the sides in `results` (the
     /// forward pass returns only query-side results, the backward pass both).
-    pub fn program(&self, rank: usize, results: &[Side]) -> Vec<Instruction> {
+    fn program(&self, rank: usize, results: &[Side]) -> Vec<Instruction> {
         let mut program = Vec::new();
         self.copies(rank, 0, &mut program);
         for stage in 1..=self.last_stage {
@@ -447,6 +470,23 @@ impl BlockSchedule {
             }
         }
     }
+}
+
+/// The placement over `ranks` ranks of home blocks `homes[seq][block]` (checked: every token on
+/// one rank).
+fn home_placement(
+    homes: &[Vec<usize>],
+    problem: &BlockProblem,
+    ranks: usize,
+) -> Result<Placement, CpError> {
+    let mut segments = vec![Vec::new(); ranks];
+    for (seq, blocks) in homes.iter().enumerate() {
+        for (block, &home) in blocks.iter().enumerate() {
+            let tokens = problem.block_tokens(seq, block);
+            segments[home].push(Segment::contiguous(seq, tokens.start, tokens.len()));
+        }
+    }
+    Placement::from_segments(&problem.seq_lens, segments)
 }
 
 fn id(route: &Route) -> BlockId {

@@ -21,7 +21,7 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment, VarlenAtt
 
 use crate::comm::{Comm, CommError, PendingSend};
 use crate::error::CpError;
-use crate::planner::cost::Side;
+use crate::planner::cost::{Pass, Side};
 use crate::strategy::block_plan::{BlockId, BlockSchedule, Instruction};
 use crate::strategy::exchange::{cat_tokens, narrow, split_sizes, tensor_from};
 use crate::strategy::{BackwardInputs, CpBatch};
@@ -72,7 +72,7 @@ pub fn forward<B: FlashOps>(
     k: Tensor<B, 3>,
     v: Tensor<B, 3>,
 ) -> Result<FlashOutput<B>, CpError> {
-    let mut run = Run::<B>::new(comm, batch, schedule, &q, &k, &v);
+    let mut run = Run::<B>::new(comm, batch, schedule, &q, &k);
     for (block, range) in run.home_ranges() {
         let q = narrow(q.clone(), 0, range.start, range.len());
         run.blocks
@@ -80,8 +80,7 @@ pub fn forward<B: FlashOps>(
             .insert(block, QuerySide { q, grads: None });
         run.insert_keys(block, &k, &v, range);
     }
-    let program = schedule.program(comm.rank(), &[Side::QueryOutput]);
-    run.execute(&program, false)?;
+    run.execute(schedule.program(comm.rank(), Pass::Forward), false)?;
     Ok(run.home_outputs())
 }
 
@@ -100,7 +99,7 @@ pub fn backward<B: FlashOps>(
         lse,
         dout,
     } = inputs;
-    let mut run = Run::<B>::new(comm, batch, schedule, &q, &k, &v);
+    let mut run = Run::<B>::new(comm, batch, schedule, &q, &k);
     for (block, range) in run.home_ranges() {
         let rows = |t: &Tensor<B, 3>| narrow(t.clone(), 0, range.start, range.len());
         let grads = (
@@ -115,8 +114,7 @@ pub fn backward<B: FlashOps>(
         run.blocks.queries.insert(block, side);
         run.insert_keys(block, &k, &v, range);
     }
-    let program = schedule.program(comm.rank(), &[Side::QueryOutput, Side::KeyValue]);
-    run.execute(&program, true)?;
+    run.execute(schedule.program(comm.rank(), Pass::Backward), true)?;
     Ok(run.home_gradients())
 }
 
@@ -127,7 +125,6 @@ impl<'a, B: FlashOps> Run<'a, B> {
         schedule: &'a BlockSchedule,
         q: &Tensor<B, 3>,
         k: &Tensor<B, 3>,
-        _v: &Tensor<B, 3>,
     ) -> Self {
         let [_, heads, dim] = q.dims();
         Self {

@@ -215,13 +215,13 @@ impl CpBatch {
     }
 
     /// A micro-batch run by a DCP block plan: tokens placed where the plan homes them.
-    pub fn from_blocks(schedule: BlockSchedule, masks: Vec<MaskSpec>) -> Result<Self, CpError> {
-        Ok(Self {
-            placement: Arc::new(schedule.placement()?),
+    pub fn from_blocks(schedule: Arc<BlockSchedule>, masks: Vec<MaskSpec>) -> Self {
+        Self {
+            placement: Arc::new(schedule.placement().clone()),
             masks,
             scale: None,
-            blocks: Some(Arc::new(schedule)),
-        })
+            blocks: Some(schedule),
+        }
     }
 
     /// The block plan of strategy dcp.
@@ -422,7 +422,7 @@ fn validate_blocks(
     shape: burn_dcp_kernels::AttentionShape,
 ) -> Result<(), CpError> {
     let schedule = batch.schedule()?;
-    if schedule.placement()? != *batch.placement {
+    if schedule.placement() != &*batch.placement {
         return Err(CpError::Config(format!(
             "the block plan places the tokens differently from the micro-batch's {}",
             batch.placement
