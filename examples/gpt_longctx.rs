@@ -16,8 +16,8 @@ use burn_dcp::comm::{InProcessWorld, LinkBytes, WorldConfig};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::train::{
-    check_resume, read_json, train_rank, write_atomically, write_json, CpSizes, DcpSettings,
-    DynamicSettings, RankOutcome, StepMetrics, StepObserver, TrainConfig, TrainData,
+    check_resume, read_json, train_rank, write_atomically, write_json, AutoSettings, CpSizes,
+    DcpSettings, DynamicSettings, RankOutcome, StepMetrics, StepObserver, TrainConfig, TrainData,
     DEFAULT_PLAN_AHEAD, MAX_SEQ_LEN,
 };
 use clap::Parser;
@@ -32,7 +32,7 @@ struct Args {
     /// Data-parallel replicas [default: 1]
     #[arg(long)]
     dp: Option<usize>,
-    /// ulysses | ring | all-gather | usp, or ring-zigzag | ring-contiguous | ring-stripe, or dynamic (Megatron-style dynamic CP over the dp × cp pool) [default: ring]
+    /// ulysses | ring | all-gather | usp | dcp, or ring-zigzag | ring-contiguous | ring-stripe, or dynamic (Megatron-style dynamic CP over the dp × cp pool), or auto (per micro-batch the strategy with the lowest estimated attention time) [default: ring]
     #[arg(long)]
     strategy: Option<String>,
     /// Dynamic CP: the strategy inside each group, ring | ulysses | usp | all-gather [default: ring]
@@ -44,12 +44,15 @@ struct Args {
     /// Dynamic CP: group sizes, pow2 (Megatron) | any [default: pow2]
     #[arg(long)]
     cp_sizes: Option<String>,
-    /// dcp: tokens per block of each micro-batch's DCP plan [default: 128, or --seq-len if less]
+    /// dcp and auto: tokens per block of each micro-batch's DCP plan [default: 128, or --seq-len if less]
     #[arg(long)]
     block: Option<usize>,
-    /// dcp: communication stages of each plan [default: 4]
+    /// dcp and auto: communication stages of each DCP plan [default: 4]
     #[arg(long)]
     stages: Option<usize>,
+    /// auto: the strategies it may choose, comma-separated, of ring-zigzag, ulysses, usp, all-gather, dynamic, dcp [default: all]
+    #[arg(long)]
+    auto_candidates: Option<String>,
     /// Topology preset the ranks model, a100-p4d | h100-dgx (dcp plans for it; bytes are counted
     /// per link class) [default: a100-p4d]
     #[arg(long)]
@@ -125,6 +128,20 @@ fn main() {
 /// Strategy and layout from the flags (`ring-zigzag` is ring with the zigzag layout).
 fn strategy_and_layout(args: &Args, cp: usize) -> Result<(Strategy, Layout), String> {
     let name = args.strategy.as_deref().unwrap_or("ring");
+    if name == "auto" {
+        // Auto's static candidates run zigzag, the layout its cost model plans them with.
+        if let Some(layout) = args.layout.as_deref().filter(|l| *l != "zigzag") {
+            return Err(format!(
+                "--strategy auto places its static candidates zigzag (as its cost model plans them); --layout {layout} is not supported with it"
+            ));
+        }
+        if let Some(degree) = args.ulysses_degree {
+            return Err(format!(
+                "--ulysses-degree {degree} does not apply to --strategy auto: its usp candidate takes the largest degree that fits a node and the heads"
+            ));
+        }
+        return Ok((Strategy::Ring, Layout::Zigzag));
+    }
     let (name, implied_layout) = match name.strip_prefix("ring-") {
         Some(layout) => (
             "ring",
@@ -193,15 +210,16 @@ fn dynamic_settings(
     Ok(Some((inner, settings)))
 }
 
-/// `--strategy dcp`: the block plans' settings; `None` otherwise (then `--block`/`--stages` are
-/// an error).
+/// `--strategy dcp` and `auto`: the block plans' settings; `None` otherwise (then
+/// `--block`/`--stages` are an error).
 fn dcp_settings(args: &Args, strategy: Strategy) -> Result<Option<DcpSettings>, String> {
-    if strategy != Strategy::Dcp {
+    let auto = args.strategy.as_deref() == Some("auto");
+    if strategy != Strategy::Dcp && !auto {
         if let Some(flag) = [("--block", args.block), ("--stages", args.stages)]
             .iter()
             .find_map(|(flag, value)| value.map(|_| flag))
         {
-            return Err(format!("{flag} only applies to --strategy dcp"));
+            return Err(format!("{flag} only applies to --strategy dcp or auto"));
         }
         return Ok(None);
     }
@@ -259,6 +277,7 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
         dcp: None,
         topology: args.topology.clone().unwrap_or_else(|| "a100-p4d".into()),
         nodes: args.nodes.unwrap_or(1),
+        auto: auto_settings(args)?,
     })
     .and_then(|mut config| {
         config.dcp = dcp_settings(args, config.strategy)?;
@@ -268,6 +287,22 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
         }
         Ok(config)
     })
+}
+
+/// `--strategy auto`: the candidates; `None` otherwise (then `--auto-candidates` is an error).
+fn auto_settings(args: &Args) -> Result<Option<AutoSettings>, String> {
+    if args.strategy.as_deref() != Some("auto") {
+        if args.auto_candidates.is_some() {
+            return Err("--auto-candidates only applies to --strategy auto".into());
+        }
+        return Ok(None);
+    }
+    let candidates = match &args.auto_candidates {
+        Some(text) => burn_dcp::planner::auto::parse_candidates(text)
+            .map_err(|e| format!("--auto-candidates {text}: {e}"))?,
+        None => burn_dcp::planner::auto::AutoCandidate::ALL.to_vec(),
+    };
+    Ok(Some(AutoSettings { candidates }))
 }
 
 /// `--layout` alone (dynamic CP: the layout inside each group) [default: zigzag].
@@ -318,9 +353,11 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
         ),
         (
             "--strategy",
-            args.strategy.is_some() && given.strategy != saved.strategy,
-            given.strategy.to_string(),
-            saved.strategy.to_string(),
+            args.strategy.is_some()
+                && (given.strategy != saved.strategy
+                    || given.auto.is_some() != saved.auto.is_some()),
+            given.strategy_name(),
+            saved.strategy_name(),
         ),
         (
             "--layout",
@@ -370,6 +407,14 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
             "the dynamic CP settings {:?} differ from the resumed run's {:?} (saved in {})",
             given.dynamic,
             saved.dynamic,
+            dir.display()
+        ));
+    }
+    if args.auto_candidates.is_some() && given.auto != saved.auto {
+        return Err(format!(
+            "the auto settings {:?} differ from the resumed run's {:?} (saved in {})",
+            given.auto,
+            saved.auto,
             dir.display()
         ));
     }
@@ -573,6 +618,10 @@ fn run(args: &Args) -> Result<(), String> {
             d.max_tokens_per_rank,
             d.cp_sizes
         ),
+        None if config.auto.is_some() => format!(
+            "auto strategy: per micro-batch the lowest estimated attention time on {} × {} nodes",
+            config.topology, config.nodes
+        ),
         None => format!("{} strategy", config.strategy),
     };
     eprintln!(
@@ -658,6 +707,15 @@ fn group_size_totals(metrics: &[StepMetrics]) -> std::collections::BTreeMap<Stri
     totals
 }
 
+/// Strategy → micro-batches that ran it, summed over the steps.
+fn strategy_totals(metrics: &[StepMetrics]) -> std::collections::BTreeMap<String, usize> {
+    let mut totals = std::collections::BTreeMap::new();
+    for (name, count) in metrics.iter().flat_map(|m| &m.strategy_counts) {
+        *totals.entry(name.clone()).or_default() += count;
+    }
+    totals
+}
+
 fn mean(values: impl Iterator<Item = f64>) -> f64 {
     let (sum, count) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
     if count == 0 {
@@ -692,6 +750,7 @@ fn summarize(
             "inter_node": metrics.iter().map(|m| m.bytes_by_link.inter_node).sum::<u64>(),
         },
         "cp_group_sizes": group_size_totals(metrics),
+        "strategy_counts": strategy_totals(metrics),
         "rank_workload_imbalance": mean(metrics.iter().map(|m| m.rank_workload_imbalance)),
         "plan_wait_ms": metrics.iter().filter_map(|m| m.plan_wait_ms).fold(0.0, |a, b| a + b),
         "wall_seconds": wall,

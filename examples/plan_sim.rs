@@ -5,11 +5,16 @@
 //!     cargo run --release --example plan_sim -- --lengths-from ldc-like --tokens 131072 \
 //!         --topology a100-p4d --nodes 4 --mask causal --json
 //!
-//! Every plan is checked by the independent validator before it is reported.
+//! Every plan is checked by the independent validator before it is reported. With `auto` in
+//! `--strategies` it also reports the choice of `gpt_longctx --strategy auto` for the batch: give
+//! the micro-batch's `--lengths`, the model's `--heads --kv-heads --head-dim`, `--element-bytes 4`
+//! (training runs f32), the group's `--topology --nodes --devices-per-node`, and the run's
+//! `--block --stages --seed` (and `--auto-candidates`).
 
 use std::path::PathBuf;
 use std::time::Instant;
 
+use burn_dcp::planner::auto::{choose_strategy, parse_candidates, AutoCandidate};
 use burn_dcp::planner::cost::evaluate;
 use burn_dcp::planner::{
     plan_strategy, validate_plan, AttentionDims, DcpConfig, PlanInput, PlanStrategy, Topology,
@@ -60,13 +65,18 @@ struct Args {
     /// Block size in tokens.
     #[arg(long, default_value_t = 512)]
     block: usize,
-    /// Comma-separated: ring-zigzag,ulysses,usp,megatron-dynamic,dcp.
+    /// Comma-separated: ring-zigzag,ulysses,usp,all-gather,megatron-dynamic,dcp, and auto (the
+    /// strategy `gpt_longctx --strategy auto` would choose for this batch, with every candidate's
+    /// estimate).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "ring-zigzag,ulysses,usp,megatron-dynamic,dcp"
+        default_value = "ring-zigzag,ulysses,usp,all-gather,megatron-dynamic,dcp"
     )]
     strategies: Vec<String>,
+    /// auto: the strategies it may choose (ring-zigzag,ulysses,usp,all-gather,dynamic,dcp) [default: all]
+    #[arg(long)]
+    auto_candidates: Option<String>,
     /// DCP: communication stages.
     #[arg(long, default_value_t = 4)]
     stages: usize,
@@ -138,12 +148,23 @@ fn run(args: &Args) -> Result<(), String> {
         topology.devices_per_node = devices;
         topology.validate().map_err(|e| e.to_string())?;
     }
+    let auto = args.strategies.iter().any(|s| s == "auto");
     let strategies = args
         .strategies
         .iter()
+        .filter(|s| *s != "auto")
         .map(|s| s.parse::<PlanStrategy>())
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| format!("{e} (or auto)"))?;
+    let candidates = match (&args.auto_candidates, auto) {
+        (Some(_), false) => {
+            return Err("--auto-candidates only applies with auto in --strategies".into())
+        }
+        (Some(text), true) => {
+            parse_candidates(text).map_err(|e| format!("--auto-candidates {text}: {e}"))?
+        }
+        (None, _) => AutoCandidate::ALL.to_vec(),
+    };
     let input = PlanInput {
         seq_lens: seq_lens.clone(),
         masks: vec![mask],
@@ -192,7 +213,15 @@ fn run(args: &Args) -> Result<(), String> {
         reports.push(report);
         last_plan = Some(routed.plan);
     }
-    if reports.is_empty() {
+    let choice = if auto {
+        let started = Instant::now();
+        let choice = choose_strategy(&input, &candidates).map_err(|e| e.to_string())?;
+        let planning_ms = started.elapsed().as_secs_f64() * 1e3;
+        Some((choice, planning_ms))
+    } else {
+        None
+    };
+    if reports.is_empty() && choice.is_none() {
         let reasons: Vec<String> = skipped
             .iter()
             .map(|s| format!("{}: {}", s["name"].as_str().unwrap_or(""), s["error"]))
@@ -210,6 +239,14 @@ fn run(args: &Args) -> Result<(), String> {
         let mut out = json!({ "strategies": reports });
         if !skipped.is_empty() {
             out["skipped"] = json!(skipped);
+        }
+        if let Some((choice, planning_ms)) = &choice {
+            out["auto"] = json!({
+                "choice": choice.winner.name(),
+                "estimated_ms": choice.estimated_ms(),
+                "estimates": choice.estimates,
+                "planning_ms": planning_ms,
+            });
         }
         println!("{out}");
         return Ok(());
@@ -251,6 +288,28 @@ fn run(args: &Args) -> Result<(), String> {
             "{:<17} skipped: {}",
             s["name"].as_str().unwrap_or(""),
             s["error"]
+        );
+    }
+    if let Some((choice, planning_ms)) = &choice {
+        let estimates: Vec<String> = choice
+            .estimates
+            .iter()
+            .map(|e| match (e.estimated_ms, &e.error) {
+                (Some(ms), _) => format!("{} {ms:.3} ms", e.strategy),
+                (None, error) => {
+                    format!("{} skipped", e.strategy)
+                        + &error
+                            .as_deref()
+                            .map(|e| format!(" ({e})"))
+                            .unwrap_or_default()
+                }
+            })
+            .collect();
+        println!(
+            "auto chooses {} (estimated attention fwd+bwd {:.3} ms; planned all in {planning_ms:.1} ms): {}",
+            choice.winner,
+            choice.estimated_ms(),
+            estimates.join(", ")
         );
     }
     if let Some(ring) = ring {

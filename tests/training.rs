@@ -33,6 +33,7 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         dcp: None,
         topology: "a100-p4d".into(),
         nodes: 1,
+        auto: None,
     }
 }
 
@@ -483,5 +484,85 @@ fn dcp_plans_match_cp1_in_training() {
             assert!(got.2 > 0, "{what}: nothing was communicated");
             assert_same_step(&got, &reference, &what);
         }
+    }
+}
+
+/// `--strategy auto`: each candidate, forced alone, runs on every micro-batch and gives the loss
+/// and gradients of cp 1 (on a step of the default corpus with long and short sequences, so
+/// dynamic CP splits the replica into groups, and over two virtual nodes, so USP is a real 2 × 2
+/// mesh and DCP crosses nodes); with every candidate, the recorded winner has the lowest estimate
+/// and the step still equals cp 1.
+#[test]
+fn auto_runs_each_candidate_it_can_choose_exactly() {
+    use burn_dcp::planner::auto::AutoCandidate;
+    use burn_dcp_suite::train::{plan_step, AutoSettings, DcpSettings};
+    let mut base = config(1, 1, Strategy::Ring, Layout::Zigzag, "mixed");
+    base.corpus = "default".into();
+    base.seq_len = 1024;
+    let data = TrainData::load(&base).unwrap();
+    let step = (1..=data.len() / base.micro_batches)
+        .find(|&step| {
+            let lengths: Vec<usize> = data
+                .step_batches(step, base.micro_batches)
+                .iter()
+                .flat_map(|b| b.seq_lens())
+                .collect();
+            lengths.iter().any(|&l| l <= 128) && lengths.iter().any(|&l| l >= 600)
+        })
+        .expect("a step with short and long sequences");
+    let flex = burn::backend::flex::FlexDevice;
+    let reference = step_on::<burn::backend::Flex>(&base, step, &flex);
+    let auto = |cp: usize, dp: usize, nodes: usize, candidates: Vec<AutoCandidate>| {
+        let mut config = base.clone();
+        (config.cp, config.dp, config.nodes) = (cp, dp, nodes);
+        config.auto = Some(AutoSettings { candidates });
+        config.dcp = Some(DcpSettings {
+            block: 64,
+            stages: 2,
+        });
+        config.validate().unwrap();
+        config
+    };
+    for candidate in AutoCandidate::ALL {
+        let config = auto(4, 1, 2, vec![candidate]);
+        let plan = plan_step(&config, &data, step).unwrap();
+        assert_eq!(plan.strategies, vec![candidate.name(); 2]);
+        assert_eq!(plan.auto_choices.len(), 2);
+        let strategies: Vec<Strategy> = plan.batches.iter().map(|b| b.strategy).collect();
+        match candidate {
+            AutoCandidate::Usp => assert!(strategies.iter().all(|s| *s
+                == Strategy::Usp {
+                    ulysses_degree: 2,
+                    ring_degree: 2
+                })),
+            AutoCandidate::Dynamic => assert!(
+                plan.batches.len() > 2 && plan.batches.iter().any(|b| b.ranks.len() < 4),
+                "dynamic did not split the replica: {:?}",
+                plan.batches
+            ),
+            AutoCandidate::Dcp => assert!(plan.batches.iter().all(|b| b.blocks.is_some())),
+            _ => {}
+        }
+        let got = step_on::<burn::backend::Flex>(&config, step, &flex);
+        assert_same_step(&got, &reference, &format!("auto with only {candidate}"));
+    }
+    for (cp, dp, nodes) in [(4, 1, 1), (2, 2, 2)] {
+        let config = auto(cp, dp, nodes, AutoCandidate::ALL.to_vec());
+        let plan = plan_step(&config, &data, step).unwrap();
+        assert_eq!(plan.auto_choices.len(), 2);
+        for choice in &plan.auto_choices {
+            let best = choice
+                .estimated_ms
+                .values()
+                .copied()
+                .fold(f64::INFINITY, f64::min);
+            assert_eq!(choice.estimated_ms[&choice.strategy], best);
+        }
+        let got = step_on::<burn::backend::Flex>(&config, step, &flex);
+        assert_same_step(
+            &got,
+            &reference,
+            &format!("auto cp {cp} dp {dp} nodes {nodes}"),
+        );
     }
 }

@@ -5,7 +5,8 @@
 //! the same order: before a step runs, each rank walks the plan's sub-steps ([`RankGroups::ensure`])
 //! and splits the world once per sub-step that uses new ranges, whether or not it is in them.
 //! Static CP creates its replicas' groups (`d·cp .. (d+1)·cp`) up front; dynamic CP's groups appear
-//! as the scheduler first uses them.
+//! as the scheduler first uses them. A range keeps one communicator; the strategies run on it
+//! (one per range under `auto`) are built on it as batches first need them.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -14,7 +15,6 @@ use std::ops::Range;
 use burn_dcp::comm::Comm;
 use burn_dcp::{CpError, CpGroup, Strategy};
 
-use super::dynamic::strategy_for;
 use super::plan::StepPlan;
 use super::TrainConfig;
 
@@ -26,22 +26,23 @@ pub struct RankGroups {
 
 /// The CP groups created so far, and this rank's membership of them.
 struct GroupCache {
-    /// The strategy inside a group (sized per group; see [`strategy_for`]).
-    strategy: Strategy,
     /// Every rank range created so far (the same on every rank: creation is collective).
     created: HashSet<(usize, usize)>,
-    mine: HashMap<(usize, usize), CpGroup>,
+    /// This rank's communicator of each range it is in.
+    comms: HashMap<(usize, usize), Comm>,
+    /// This rank's group of each (range, strategy) it ran (a strategy may need sub-groups: USP).
+    groups: HashMap<(usize, usize, Strategy), CpGroup>,
 }
 
 impl RankGroups {
-    /// The world and, for static CP, every replica's CP group (a collective call).
+    /// The world and, for static CP, every replica's communicator (a collective call).
     pub fn new(world: Comm, config: &TrainConfig) -> Result<Self, CpError> {
         let groups = Self {
             world,
             cache: RefCell::new(GroupCache {
-                strategy: config.strategy,
                 created: HashSet::new(),
-                mine: HashMap::new(),
+                comms: HashMap::new(),
+                groups: HashMap::new(),
             }),
         };
         if config.dynamic.is_none() {
@@ -51,8 +52,8 @@ impl RankGroups {
         Ok(groups)
     }
 
-    /// Creates the groups `plan` uses that do not exist yet (a collective call: every rank calls
-    /// it with the same plan).
+    /// Creates the communicators `plan` uses that do not exist yet (a collective call: every
+    /// rank calls it with the same plan).
     pub fn ensure(&self, plan: &StepPlan) -> Result<(), CpError> {
         for ranges in plan.sub_step_ranges() {
             self.create(&ranges)?;
@@ -60,15 +61,24 @@ impl RankGroups {
         Ok(())
     }
 
-    /// This rank's group for the world ranks `ranks` (created by [`Self::ensure`]).
-    pub fn group(&self, ranks: &Range<usize>) -> Result<CpGroup, CpError> {
+    /// This rank's group running `strategy` on the world ranks `ranks` (whose communicator
+    /// [`Self::ensure`] created). The first call for a (range, strategy) builds the group: for
+    /// USP a collective call of the range's ranks, which all reach it in plan order.
+    pub fn group(&self, ranks: &Range<usize>, strategy: Strategy) -> Result<CpGroup, CpError> {
         let key = (ranks.start, ranks.end);
-        self.cache.borrow().mine.get(&key).cloned().ok_or_else(|| {
+        let mut cache = self.cache.borrow_mut();
+        if let Some(group) = cache.groups.get(&(key.0, key.1, strategy)) {
+            return Ok(group.clone());
+        }
+        let comm = cache.comms.get(&key).cloned().ok_or_else(|| {
             CpError::Config(format!(
                 "rank {}: no CP group for world ranks {ranks:?} (it is not one of them, or the plan's groups were not created)",
                 self.world.rank()
             ))
-        })
+        })?;
+        let group = CpGroup::new(comm, strategy)?;
+        cache.groups.insert((key.0, key.1, strategy), group.clone());
+        Ok(group)
     }
 
     /// Creates the new ones among disjoint `ranges`: one split of the world.
@@ -91,9 +101,7 @@ impl RankGroups {
         }
         if let Some(index) = mine {
             let range = new[index];
-            let strategy = strategy_for(cache.strategy, range.len())?;
-            let group = CpGroup::new(comm, strategy)?;
-            cache.mine.insert((range.start, range.end), group);
+            cache.comms.insert((range.start, range.end), comm);
         }
         Ok(())
     }

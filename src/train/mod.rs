@@ -8,7 +8,9 @@
 //! TrainData ──step_batches──▶ the step's MicroBatches ──plan_step──▶ StepPlan (plan.rs)
 //!   (datasets' packing)        (same data for any cp/dp)   static: replica d runs micro-batches
 //!                                                           d, d+dp, … on ranks d·cp..(d+1)·cp;
-//!                                                           dynamic: the scheduler's groups
+//!                                                           dynamic: the scheduler's groups;
+//!                                                           dcp: block plans; auto: per
+//!                                                           micro-batch the fastest estimate
 //! StepPlan ──per planned batch this rank is in──▶ gather its sequences (one MicroBatch)
 //!          ──RankShard::of(placement, rank)──▶ tokens, global positions, labels
 //!          ──set_context(group, placement, masks)──▶ GPT on ContextParallel<Autodiff<B>>
@@ -37,6 +39,7 @@ use burn_dcp::comm::{
     panic_message, Comm, CommError, LinkBytes, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT,
 };
 use burn_dcp::kernels::{FlashOps, MaskSpec, MicroBatch};
+use burn_dcp::planner::auto::AutoCandidate;
 use burn_dcp::shard::RankShard;
 use burn_dcp::{CpBatch, CpError, CpGroup, Layout, Strategy};
 use burn_dcp_datasets::corpus::{open_documents, Document};
@@ -47,7 +50,9 @@ use serde::{Deserialize, Serialize};
 
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
 pub use groups::RankGroups;
-pub use plan::{plan_step, PlannedBatch, RankWork, ScheduleStats, StepPlan, StepSequences};
+pub use plan::{
+    plan_step, AutoRecord, PlannedBatch, RankWork, ScheduleStats, StepPlan, StepSequences,
+};
 
 /// The training backend over an inner backend `B` (burn Flex on the CPU, or a cubecl backend with
 /// the kernels): the decorator over autodiff over `B`.
@@ -97,6 +102,19 @@ pub struct TrainConfig {
     /// Virtual nodes the world's ranks are spread over (`--nodes`; consecutive ranks share one).
     #[serde(default = "default_nodes")]
     pub nodes: usize,
+    /// `--strategy auto`: every micro-batch runs the strategy with the lowest estimated attention
+    /// time on the topology (`burn_dcp::planner::auto`): ring-zigzag, ulysses, usp, all-gather,
+    /// dynamic (groups inside the replica) or dcp (planned with `dcp`'s settings). `strategy` and
+    /// `layout` then hold ring and zigzag, the static candidates' layout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto: Option<AutoSettings>,
+}
+
+/// Settings of `--strategy auto`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AutoSettings {
+    /// The strategies it may choose (`--auto-candidates`; default all).
+    pub candidates: Vec<AutoCandidate>,
 }
 
 /// Settings of `--strategy dcp`.
@@ -183,6 +201,23 @@ impl TrainConfig {
             ));
         }
         let model = self.model_config()?;
+        if let Some(auto) = &self.auto {
+            if auto.candidates.is_empty() {
+                return Err(
+                    "strategy auto needs at least one candidate (--auto-candidates)".into(),
+                );
+            }
+        }
+        if self.auto.is_some()
+            && (self.dynamic.is_some()
+                || self.strategy != Strategy::Ring
+                || self.layout != Layout::Zigzag)
+        {
+            return Err(format!(
+                "strategy auto chooses per micro-batch among ring-zigzag, ulysses, usp, all-gather, dynamic and dcp: it cannot be combined with dynamic settings {:?}, strategy {} or layout {}",
+                self.dynamic, self.strategy, self.layout
+            ));
+        }
         if self.dynamic.is_none() {
             self.strategy
                 .validate_mesh(self.cp)
@@ -207,10 +242,11 @@ impl TrainConfig {
             self.validate_dynamic(settings)?;
         }
         self.group_topology().map_err(|e| e.to_string())?;
-        if (self.strategy == Strategy::Dcp) != self.dcp.is_some() {
+        if (self.strategy == Strategy::Dcp || self.auto.is_some()) != self.dcp.is_some() {
             return Err(format!(
-                "strategy {} with DCP settings {:?}: strategy dcp needs them, the others none",
-                self.strategy, self.dcp
+                "strategy {} with DCP settings {:?}: strategies dcp and auto need them, the others none",
+                self.strategy_name(),
+                self.dcp
             ));
         }
         if let Some(dcp) = &self.dcp {
@@ -254,6 +290,18 @@ impl TrainConfig {
                 self.seq_len
             )
         })
+    }
+
+    /// The strategy as `--strategy` names it: `auto`, `dynamic`, `ring-zigzag` (ring with its
+    /// layout), `ulysses`, `usp`, `all-gather` or `dcp`.
+    pub fn strategy_name(&self) -> String {
+        if self.auto.is_some() {
+            "auto".into()
+        } else if self.dynamic.is_some() {
+            "dynamic".into()
+        } else {
+            static_strategy_name(self.strategy, self.layout)
+        }
     }
 
     pub fn model_config(&self) -> Result<GptConfig, String> {
@@ -300,6 +348,16 @@ impl TrainConfig {
         };
         burn_dcp::planner::topology::Topology::for_ranks(&self.topology, nodes, self.cp)
             .map_err(|e| CpError::Config(format!("--topology {}: {e}", self.topology)))
+    }
+}
+
+/// A static strategy's name in `strategy_counts`: ring with its layout (`ring-zigzag`), the
+/// others by name (`usp` without its degrees).
+pub fn static_strategy_name(strategy: Strategy, layout: Layout) -> String {
+    match strategy {
+        Strategy::Ring => format!("ring-{layout}"),
+        Strategy::Usp { .. } => "usp".into(),
+        other => other.to_string(),
     }
 }
 
@@ -429,6 +487,13 @@ pub struct StepMetrics {
     /// Time the step waited for its plan.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan_wait_ms: Option<f64>,
+    /// Strategy → micro-batches of the step that ran it (`auto`: its choices; otherwise the one
+    /// strategy, `dynamic` for dynamic CP).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub strategy_counts: BTreeMap<String, usize>,
+    /// `auto` only: every micro-batch's choice, its sequences and every candidate's estimate.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub auto_choices: Vec<AutoRecord>,
 }
 
 fn int_tensor<B: burn::prelude::Backend>(values: &[i64], device: &B::Device) -> Tensor<B, 1, Int> {
@@ -551,7 +616,7 @@ pub fn step_gradients_planned<B: FlashOps>(
             scale: None,
             blocks: planned.blocks.clone(),
         };
-        let group = groups.group(&planned.ranks)?;
+        let group = groups.group(&planned.ranks, planned.strategy)?;
         let (value, grads) =
             micro_batch_gradients(model, group, context, &shard, global_labels, device)?;
         loss_sum += value;
@@ -898,6 +963,8 @@ impl<B: FlashOps> StepLoop<'_, B> {
                     rank_workload_imbalance: result.stats.rank_workload_imbalance,
                     plan_ms: Some(plan.plan_ms),
                     plan_wait_ms: Some(plan_wait_ms),
+                    strategy_counts: result.stats.strategy_counts.clone(),
+                    auto_choices: plan.auto_choices.clone(),
                 };
                 self.observer.on_step(&step_metrics);
                 metrics.push(step_metrics);

@@ -7,6 +7,10 @@
 //!   given, placed by the layout over the group;
 //! - **DCP** (static groups, `plan_blocks`): each micro-batch's DCP block plan for the group's
 //!   topology; its homes are the placement and it travels with the batch to the executor.
+//! - **auto** ([`plan_auto`]): static groups; each micro-batch runs the candidate with the lowest
+//!   estimated attention time (`burn_dcp::planner::auto`): a static strategy placed zigzag, the
+//!   megatron-dynamic schedule inside the replica (its groups run one after the other) or the DCP
+//!   plan. Each planned batch carries the strategy its group runs.
 //!
 //! The step executes every plan alike (`step_gradients_planned`): a rank takes each planned batch
 //! whose ranks include it and asks it for its shard ([`PlannedBatch::shard`]: the batch's
@@ -20,17 +24,19 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn_dcp::kernels::{MaskSpec, MicroBatch};
+use burn_dcp::planner::auto::{choose_strategy, executable_dcp_plan, AutoCandidate};
 use burn_dcp::planner::cost::AttentionDims;
-use burn_dcp::planner::dcp::{dcp_plan, DcpConfig};
+use burn_dcp::planner::dcp::DcpConfig;
 use burn_dcp::planner::dynamic::{rank_work, schedule_with};
-use burn_dcp::planner::plan::{tile_grids, BlockProblem};
+use burn_dcp::planner::strategies::{megatron_schedule, usp_ulysses_degree, PlanInput};
 use burn_dcp::shard::RankShard;
 use burn_dcp::strategy::block_plan::BlockSchedule;
-use burn_dcp::{CpError, Layout, Placement};
+use burn_dcp::{CpError, Layout, Placement, Strategy};
 use burn_dcp_models::GptConfig;
+use serde::{Deserialize, Serialize};
 
-use super::dynamic::{sequence_work, DynamicSettings};
-use super::{DcpSettings, TrainConfig, TrainData};
+use super::dynamic::{sequence_work, strategy_for, DynamicSettings};
+use super::{TrainConfig, TrainData};
 
 /// The sequences of a step's global batch, micro-batch by micro-batch, numbered in that order.
 pub struct StepSequences<'a> {
@@ -93,6 +99,8 @@ pub struct PlannedBatch {
     pub placement: Arc<Placement>,
     /// Strategy dcp: the batch's block plan (it decided the placement).
     pub blocks: Option<Arc<BlockSchedule>>,
+    /// The strategy its CP group runs.
+    pub strategy: Strategy,
 }
 
 /// A planned batch as one rank runs it: the batch (for its masks) and the rank's shard of it.
@@ -126,6 +134,24 @@ pub struct StepPlan {
     pub works: Vec<f64>,
     /// Time the planning took.
     pub plan_ms: f64,
+    /// The strategy each of the step's micro-batches ran, in order (`strategy_counts`).
+    pub strategies: Vec<String>,
+    /// `auto`: every micro-batch's choice.
+    pub auto_choices: Vec<AutoRecord>,
+}
+
+/// `--strategy auto`'s choice for one micro-batch (in `metrics.jsonl`'s `auto_choices`): what
+/// `plan_sim --strategies auto` reports for the same batch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AutoRecord {
+    /// The micro-batch's index in the step.
+    pub micro_batch: usize,
+    /// The winner.
+    pub strategy: String,
+    /// Its sequences' lengths.
+    pub seq_lens: Vec<usize>,
+    /// Estimated attention time (forward + backward, ms) of every candidate that can run it.
+    pub estimated_ms: BTreeMap<String, f64>,
 }
 
 /// What a step's plan does, for the metrics.
@@ -135,6 +161,8 @@ pub struct ScheduleStats {
     pub cp_group_sizes: BTreeMap<usize, usize>,
     /// Max / mean of the per-rank estimated work over the step.
     pub rank_workload_imbalance: f64,
+    /// Strategy → micro-batches that ran it.
+    pub strategy_counts: BTreeMap<String, usize>,
 }
 
 impl StepPlan {
@@ -168,44 +196,70 @@ impl StepPlan {
         let load = rank_work(groups, &self.works, world);
         let mean = load.iter().sum::<f64>() / world.max(1) as f64;
         let max = load.iter().copied().fold(0.0, f64::max);
+        let mut strategy_counts = BTreeMap::new();
+        for name in &self.strategies {
+            *strategy_counts.entry(name.clone()).or_default() += 1;
+        }
         ScheduleStats {
             cp_group_sizes: sizes,
             rank_workload_imbalance: if mean > 0.0 { max / mean } else { 1.0 },
+            strategy_counts,
         }
     }
 }
 
-/// The plan of step `step` (1-based) under `config`: dynamic CP's schedule or the static split.
+/// The plan of step `step` (1-based) under `config`: dynamic CP's schedule, auto's choices, or
+/// the static split (with DCP's block plans for strategy dcp).
 pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<StepPlan, CpError> {
     let started = Instant::now();
     let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
     let model = config.model_config().map_err(CpError::Config)?;
     let works = sequence_works(&sequences, &model);
-    let batches = match &config.dynamic {
-        Some(settings) => plan_dynamic(
+    let at_step = |e: CpError| CpError::Config(format!("step {step}: {e}"));
+    let micro_batches = sequences.batches.len();
+    let mut auto_choices = Vec::new();
+    let batches = if let Some(settings) = &config.dynamic {
+        plan_dynamic(
             &sequences,
             &works,
             settings,
             config.world_size(),
+            config.strategy,
             config.layout,
         )
-        .map_err(|e| CpError::Config(format!("step {step}: {e}")))?,
-        None => {
-            let mut batches = plan_static(&sequences, config.cp, config.dp, config.layout)?;
-            if let Some(dcp) = &config.dcp {
-                for batch in &mut batches {
-                    plan_blocks(batch, &sequences, dcp, config, &model)
-                        .map_err(|e| CpError::Config(format!("step {step}: {e}")))?;
-                }
+        .map_err(at_step)?
+    } else if let Some(auto) = &config.auto {
+        let (batches, choices) =
+            plan_auto(&sequences, config, &auto.candidates, &model).map_err(at_step)?;
+        auto_choices = choices;
+        batches
+    } else {
+        let mut batches = plan_static(
+            &sequences,
+            config.cp,
+            config.dp,
+            config.strategy,
+            config.layout,
+        )?;
+        if config.strategy == Strategy::Dcp {
+            for batch in &mut batches {
+                plan_blocks(batch, &sequences, config, &model).map_err(at_step)?;
             }
-            batches
         }
+        batches
+    };
+    let strategies = if config.auto.is_some() {
+        auto_choices.iter().map(|c| c.strategy.clone()).collect()
+    } else {
+        vec![config.strategy_name(); micro_batches]
     };
     Ok(StepPlan {
         step,
         batches,
         works,
         plan_ms: started.elapsed().as_secs_f64() * 1e3,
+        strategies,
+        auto_choices,
     })
 }
 
@@ -218,11 +272,12 @@ pub fn sequence_works(sequences: &StepSequences, model: &GptConfig) -> Vec<f64> 
 }
 
 /// Static CP: micro-batch `i` on replica `i mod dp` (of `cp` ranks), sub-step `⌊i / dp⌋`, placed
-/// by `layout`.
+/// by `layout`, run by `strategy`.
 pub fn plan_static(
     sequences: &StepSequences,
     cp: usize,
     dp: usize,
+    strategy: Strategy,
     layout: Layout,
 ) -> Result<Vec<PlannedBatch>, CpError> {
     let mut first = 0;
@@ -236,6 +291,7 @@ pub fn plan_static(
             sequences: (first..first + count).collect(),
             placement: Arc::new(Placement::of_layout(&batch.seq_lens(), cp, layout)?),
             blocks: None,
+            strategy,
         });
         first += count;
     }
@@ -243,12 +299,13 @@ pub fn plan_static(
 }
 
 /// Dynamic CP: every group of every sub-step of the scheduler's plan for a pool of `pool` ranks,
-/// each placed by `layout` over its group.
+/// each placed by `layout` over its group and run by `inner` (sized to the group).
 pub fn plan_dynamic(
     sequences: &StepSequences,
     works: &[f64],
     settings: &DynamicSettings,
     pool: usize,
+    inner: Strategy,
     layout: Layout,
 ) -> Result<Vec<PlannedBatch>, CpError> {
     let lengths = sequences.lengths();
@@ -260,6 +317,7 @@ pub fn plan_dynamic(
             let placement = Placement::of_layout(&group_lengths, group.ranks.len(), layout)?;
             planned.push(PlannedBatch {
                 sub_step,
+                strategy: strategy_for(inner, group.ranks.len())?,
                 ranks: group.ranks,
                 sequences: group.sequences,
                 placement: Arc::new(placement),
@@ -270,43 +328,169 @@ pub fn plan_dynamic(
     Ok(planned)
 }
 
-/// Strategy dcp: plans `batch` with the DCP planner (one head unit: a token's heads stay
-/// together) for the group's topology; the plan's homes become the placement.
-fn plan_blocks(
-    batch: &mut PlannedBatch,
+/// The planner's input for `batch`: its sequences and masks, the model's attention dimensions
+/// (f32 elements, as training runs), the group's topology, and DCP's block, stages and seed.
+pub fn plan_input(
+    batch: &PlannedBatch,
     sequences: &StepSequences,
-    dcp: &DcpSettings,
     config: &TrainConfig,
     model: &GptConfig,
-) -> Result<(), CpError> {
+) -> Result<PlanInput, CpError> {
     let lengths = sequences.lengths();
-    let problem = BlockProblem {
+    let dcp = config.dcp.as_ref().ok_or_else(|| {
+        CpError::Config(format!(
+            "strategy {} plans blocks but has no DCP settings (--block, --stages)",
+            config.strategy_name()
+        ))
+    })?;
+    Ok(PlanInput {
         seq_lens: batch.sequences.iter().map(|&s| lengths[s]).collect(),
         masks: batch
             .sequences
             .iter()
             .map(|&s| sequences.mask(s).clone())
             .collect(),
-        head_groups: 1,
+        dims: AttentionDims {
+            heads: model.n_heads,
+            kv_heads: model.n_kv_heads,
+            head_dim: model.head_dim(),
+            element_bytes: 4,
+        },
+        topology: config.group_topology()?,
         block: dcp.block,
-    };
-    let dims = AttentionDims {
-        heads: model.n_heads,
-        kv_heads: model.n_kv_heads,
-        head_dim: model.head_dim(),
-        element_bytes: 4,
-    };
-    let topology = config.group_topology()?;
-    let planner = DcpConfig {
-        stages: dcp.stages,
-        seed: config.seed,
-        ..DcpConfig::default()
-    };
-    let routed = dcp_plan(&problem, tile_grids(&problem), &dims, &topology, &planner)?;
-    let schedule = BlockSchedule::new(&routed.plan, &problem, &topology)?;
+        dcp: DcpConfig {
+            stages: dcp.stages,
+            seed: config.seed,
+            ..DcpConfig::default()
+        },
+        max_seq_len_per_rank: None,
+    })
+}
+
+/// Strategy dcp: plans `batch` with the DCP planner (one head unit: a token's heads stay
+/// together) for the group's topology; the plan's homes become the placement.
+fn plan_blocks(
+    batch: &mut PlannedBatch,
+    sequences: &StepSequences,
+    config: &TrainConfig,
+    model: &GptConfig,
+) -> Result<(), CpError> {
+    let input = plan_input(batch, sequences, config, model)?;
+    let routed = executable_dcp_plan(&input)?;
+    let schedule = BlockSchedule::new(&routed.plan, &routed.problem, &input.topology)?;
     batch.placement = Arc::new(schedule.placement().clone());
     batch.blocks = Some(Arc::new(schedule));
+    batch.strategy = Strategy::Dcp;
     Ok(())
+}
+
+/// Strategy auto: each micro-batch of the static split runs the candidate with the lowest
+/// estimated attention time; returns the planned batches and every micro-batch's choice.
+pub fn plan_auto(
+    sequences: &StepSequences,
+    config: &TrainConfig,
+    candidates: &[AutoCandidate],
+    model: &GptConfig,
+) -> Result<(Vec<PlannedBatch>, Vec<AutoRecord>), CpError> {
+    let lengths = sequences.lengths();
+    let mut planned = Vec::new();
+    let mut records = Vec::new();
+    let split = plan_static(
+        sequences,
+        config.cp,
+        config.dp,
+        Strategy::Ring,
+        Layout::Zigzag,
+    )?;
+    for (micro_batch, mut batch) in split.into_iter().enumerate() {
+        let input = plan_input(&batch, sequences, config, model)?;
+        let choice = choose_strategy(&input, candidates)?;
+        records.push(AutoRecord {
+            micro_batch,
+            strategy: choice.winner.name().into(),
+            seq_lens: input.seq_lens.clone(),
+            estimated_ms: choice
+                .estimates
+                .iter()
+                .filter_map(|e| e.estimated_ms.map(|ms| (e.strategy.to_string(), ms)))
+                .collect(),
+        });
+        let cp = config.cp;
+        match choice.winner {
+            AutoCandidate::RingZigzag | AutoCandidate::AllGather | AutoCandidate::Ulysses => {
+                batch.strategy = match choice.winner {
+                    AutoCandidate::RingZigzag => Strategy::Ring,
+                    AutoCandidate::AllGather => Strategy::AllGather,
+                    _ => Strategy::Ulysses,
+                };
+                planned.push(batch);
+            }
+            AutoCandidate::Usp => {
+                let degree = usp_ulysses_degree(&input)?;
+                batch.strategy = Strategy::Usp {
+                    ulysses_degree: degree,
+                    ring_degree: cp / degree,
+                };
+                planned.push(batch);
+            }
+            AutoCandidate::Dcp => {
+                let schedule =
+                    BlockSchedule::new(&choice.plan.plan, &choice.plan.problem, &input.topology)?;
+                batch.placement = Arc::new(schedule.placement().clone());
+                batch.blocks = Some(Arc::new(schedule));
+                batch.strategy = Strategy::Dcp;
+                planned.push(batch);
+            }
+            AutoCandidate::Dynamic => {
+                let schedule = megatron_schedule(&input)?;
+                for (sub_step, micro) in schedule.micro_batches.into_iter().enumerate() {
+                    for group in micro.groups {
+                        let group_lengths: Vec<usize> = group
+                            .sequences
+                            .iter()
+                            .map(|&s| lengths[batch.sequences[s]])
+                            .collect();
+                        let size = group.ranks.len();
+                        planned.push(PlannedBatch {
+                            sub_step: batch.sub_step + sub_step,
+                            ranks: batch.ranks.start + group.ranks.start
+                                ..batch.ranks.start + group.ranks.end,
+                            sequences: group
+                                .sequences
+                                .iter()
+                                .map(|&s| batch.sequences[s])
+                                .collect(),
+                            placement: Arc::new(Placement::of_layout(
+                                &group_lengths,
+                                size,
+                                Layout::Zigzag,
+                            )?),
+                            blocks: None,
+                            strategy: Strategy::Ring,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    assign_sub_steps(&mut planned);
+    Ok((planned, records))
+}
+
+/// Numbers sub-steps so that batches of one sub-step run on disjoint ranks: each batch comes one
+/// after the latest earlier batch it shares a rank with (in plan order, which every rank follows).
+fn assign_sub_steps(batches: &mut [PlannedBatch]) {
+    for i in 0..batches.len() {
+        let after = batches[..i]
+            .iter()
+            .filter(|b| {
+                b.ranks.start < batches[i].ranks.end && batches[i].ranks.start < b.ranks.end
+            })
+            .map(|b| b.sub_step + 1)
+            .max()
+            .unwrap_or(0);
+        batches[i].sub_step = after;
+    }
 }
 
 #[cfg(test)]
@@ -319,7 +503,7 @@ mod tests {
         let b = MicroBatch::from_documents(&[vec![6, 7, 8, 9]], MaskSpec::Causal);
         let sequences = StepSequences::new(vec![&a, &b, &a, &b]);
         assert_eq!(sequences.lengths(), vec![3, 2, 4, 3, 2, 4]);
-        let planned = plan_static(&sequences, 2, 2, Layout::Zigzag).unwrap();
+        let planned = plan_static(&sequences, 2, 2, Strategy::Ring, Layout::Zigzag).unwrap();
         let summary: Vec<_> = planned
             .iter()
             .map(|p| (p.sub_step, p.ranks.clone(), p.sequences.clone()))

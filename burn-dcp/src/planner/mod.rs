@@ -7,13 +7,15 @@
 //!   validator.
 //! - `hypergraph`: the multilevel hypergraph partitioner the DCP planner uses.
 //! - `dcp`: the DCP block planner (hierarchical placement + stage schedule).
-//! - `strategies`: ring-zigzag, Ulysses, USP, Megatron-dynamic and DCP as block plans with their
-//!   communication.
+//! - `strategies`: ring-zigzag, Ulysses, USP, all-gather, Megatron-dynamic and DCP as block plans
+//!   with their communication.
 //! - `cost`: bytes per link class, balance and estimated attention time of a plan.
+//! - `auto`: the per-micro-batch choice of `--strategy auto` (lowest estimated time).
 //!
-//! The planners produce and measure plans; executing a block plan inside the decorator is not
-//! implemented yet (the decorator runs the static strategies).
+//! The planners produce and measure plans; DCP plans are executed by `strategy::dcp`, the other
+//! strategies' plans describe what the static strategies do.
 
+pub mod auto;
 pub mod cost;
 pub mod dcp;
 pub mod dynamic;
@@ -22,6 +24,7 @@ pub mod plan;
 pub mod strategies;
 pub mod topology;
 
+pub use auto::{choose_strategy, parse_candidates, AutoCandidate, AutoChoice, AutoEstimate};
 pub use cost::{evaluate, AttentionDims, RoutedPlan, StrategyReport};
 pub use dcp::{dcp_plan, DcpConfig};
 pub use plan::{validate_plan, BlockProblem, Plan, MAX_PLAN_TILES};

@@ -12,6 +12,10 @@
 //!   round-robin on the ranks of their ring position; an all-to-all before compute brings each
 //!   head unit to its rank (not overlapped), the ring passes KV between ring positions, and an
 //!   all-to-all brings O (and dQ, dK, dV) back.
+//! - **all-gather** (llama3-style): tokens zigzag like ring-zigzag, every tile on its query
+//!   block's rank; before compute every rank's KV goes to every other rank (forward, and again in
+//!   backward), after the backward every rank sends each block's partial dK/dV home (the
+//!   reduce-scatter). One stage, not overlapped; KV moves whatever the mask needs, as it runs.
 //! - **megatron-dynamic**: the dynamic CP schedule ([`crate::planner::dynamic`]) puts each
 //!   sequence on a group of its size; each group runs ring-zigzag on its own sequences; micro-
 //!   batches the schedule needs run one after the other (their stages follow each other).
@@ -25,7 +29,7 @@ use crate::error::CpError;
 use crate::layout::Layout;
 use crate::planner::cost::{AttentionDims, Pass, RoutedPlan, Transfer, UnitSizes, POST};
 use crate::planner::dcp::{dcp_plan, DcpConfig};
-use crate::planner::dynamic::{schedule_with, DynamicCpConfig};
+use crate::planner::dynamic::{schedule_with, DynamicCpConfig, DynamicCpSchedule};
 use crate::planner::plan::{tile_grids, BlockProblem, ComputeBlock, Plan, TileGrid};
 use crate::planner::topology::Topology;
 
@@ -38,15 +42,17 @@ pub enum PlanStrategy {
     RingZigzag,
     Ulysses,
     Usp,
+    AllGather,
     MegatronDynamic,
     Dcp,
 }
 
 impl PlanStrategy {
-    pub const ALL: [PlanStrategy; 5] = [
+    pub const ALL: [PlanStrategy; 6] = [
         PlanStrategy::RingZigzag,
         PlanStrategy::Ulysses,
         PlanStrategy::Usp,
+        PlanStrategy::AllGather,
         PlanStrategy::MegatronDynamic,
         PlanStrategy::Dcp,
     ];
@@ -56,6 +62,7 @@ impl PlanStrategy {
             Self::RingZigzag => "ring-zigzag",
             Self::Ulysses => "ulysses",
             Self::Usp => "usp",
+            Self::AllGather => "all-gather",
             Self::MegatronDynamic => "megatron-dynamic",
             Self::Dcp => "dcp",
         }
@@ -71,7 +78,7 @@ impl FromStr for PlanStrategy {
             .find(|s| s.name() == text)
             .ok_or_else(|| {
                 CpError::Config(format!(
-                    "unknown strategy '{text}': expected one of ring-zigzag, ulysses, usp, megatron-dynamic, dcp"
+                    "unknown strategy '{text}': expected one of ring-zigzag, ulysses, usp, all-gather, megatron-dynamic, dcp"
                 ))
             })
     }
@@ -159,6 +166,7 @@ pub fn plan_strategy(strategy: PlanStrategy, input: &PlanInput) -> Result<Routed
             let degree = usp_ulysses_degree(input)?;
             usp(input, degree, "usp")
         }
+        PlanStrategy::AllGather => all_gather(input),
         PlanStrategy::MegatronDynamic => megatron_dynamic(input),
         PlanStrategy::Dcp => {
             let problem = input.problem(input.dims.kv_heads);
@@ -309,22 +317,26 @@ fn ring_zigzag(input: &PlanInput) -> Result<RoutedPlan, CpError> {
     })
 }
 
-fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
-    let problem = input.static_problem(input.dims.kv_heads, input.topology.ranks());
-    let sizes = input.dims.unit_sizes(problem.head_groups)?;
-    let grids = tile_grids(&problem);
+/// Megatron's scheduler configuration for `input`: the whole mesh as the pool, power-of-two
+/// groups from 1, and the per-rank budget (default: twice the tokens of an even split).
+pub fn megatron_config(input: &PlanInput) -> DynamicCpConfig {
     let ranks = input.topology.ranks();
     let tokens: usize = input.seq_lens.iter().sum();
-    let config = DynamicCpConfig {
+    DynamicCpConfig {
         world: ranks,
         max_seq_len_per_rank: input
             .max_seq_len_per_rank
             .unwrap_or_else(|| (2 * tokens.div_ceil(ranks)).max(1)),
         min_cp_size: 1,
         power_of_two: true,
-    };
-    // The same scheduler as training (`gpt_longctx --strategy dynamic`), balancing the attention
-    // work of each sequence's mask (training adds the token-linear FLOPs of its model).
+    }
+}
+
+/// The dynamic CP schedule megatron-dynamic plans (and `gpt_longctx --strategy auto` runs): the
+/// same scheduler as training (`gpt_longctx --strategy dynamic`), balancing the attention work of
+/// each sequence's mask (training's own dynamic CP adds the token-linear FLOPs of its model),
+/// groups laid out zigzag.
+pub fn megatron_schedule(input: &PlanInput) -> Result<DynamicCpSchedule, CpError> {
     let works: Vec<f64> = input
         .seq_lens
         .iter()
@@ -336,7 +348,21 @@ fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
                 .sum()
         })
         .collect();
-    let schedule = schedule_with(&input.seq_lens, &works, &config, Layout::Zigzag)?;
+    schedule_with(
+        &input.seq_lens,
+        &works,
+        &megatron_config(input),
+        Layout::Zigzag,
+    )
+}
+
+fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
+    let problem = input.static_problem(input.dims.kv_heads, input.topology.ranks());
+    let sizes = input.dims.unit_sizes(problem.head_groups)?;
+    let grids = tile_grids(&problem);
+    let ranks = input.topology.ranks();
+    let config = megatron_config(input);
+    let schedule = megatron_schedule(input)?;
     let mut plan = Plan::empty(ranks, "megatron-dynamic");
     let mut transfers = Vec::new();
     let mut offset = 0;
@@ -366,6 +392,74 @@ fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
     });
     Ok(RoutedPlan {
         name: "megatron-dynamic".into(),
+        plan,
+        problem,
+        grids,
+        sizes,
+        transfers,
+    })
+}
+
+/// All-gather KV over every rank (see the module docs).
+fn all_gather(input: &PlanInput) -> Result<RoutedPlan, CpError> {
+    let ranks = input.topology.ranks();
+    let problem = input.static_problem(input.dims.kv_heads, ranks);
+    let sizes = input.dims.unit_sizes(problem.head_groups)?;
+    let grids = tile_grids(&problem);
+    let units = problem.head_groups;
+    let mut plan = Plan::empty(ranks, "all-gather");
+    plan.stats["block"] = problem.block.into();
+    let mut kv_bytes_at = vec![0.0; ranks];
+    for (seq, grid) in grids.iter().enumerate() {
+        let blocks = problem.blocks_of(seq);
+        let position = |block: usize| zigzag_position(blocks, block, ranks, seq % ranks);
+        for block in 0..blocks {
+            let home = position(block);
+            kv_bytes_at[home] +=
+                sizes.kv * problem.block_tokens(seq, block).len() as f64 * units as f64;
+            for head in 0..units {
+                plan.home_token_block(seq, head, block, home);
+            }
+        }
+        for (q_block, row) in grid.rows.iter().enumerate() {
+            let rank = position(q_block);
+            for &(kv_block, _) in row {
+                for head in 0..units {
+                    plan.blocks.push(ComputeBlock {
+                        seq,
+                        head,
+                        q_block,
+                        kv_block: kv_block as usize,
+                        rank,
+                        stage: 0,
+                    });
+                }
+            }
+        }
+    }
+    let mut transfers = Vec::new();
+    for (home, &bytes) in kv_bytes_at.iter().enumerate() {
+        if bytes == 0.0 {
+            continue;
+        }
+        for peer in (0..ranks).filter(|&peer| peer != home) {
+            for (pass, stage, from, to) in [
+                (Pass::Forward, 0, home, peer),
+                (Pass::Backward, 0, home, peer),
+                (Pass::Backward, POST, peer, home),
+            ] {
+                transfers.push(Transfer {
+                    pass,
+                    stage,
+                    from,
+                    to,
+                    bytes,
+                });
+            }
+        }
+    }
+    Ok(RoutedPlan {
+        name: "all-gather".into(),
         plan,
         problem,
         grids,
