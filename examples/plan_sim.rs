@@ -43,8 +43,11 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// causal | full | lambda:SINK,WINDOW | blockwise:BLOCK,LOCAL | shared-question:FRACTION,ANSWERS | sliding:W
-    #[arg(long, default_value = "causal")]
+    #[arg(long, default_value = "causal", conflicts_with = "masks")]
     mask: String,
+    /// One mask per sequence, ';'-separated (e.g. "causal;lambda:64,4096"), instead of --mask.
+    #[arg(long)]
+    masks: Option<String>,
     /// a100-p4d | h100-dgx
     #[arg(long, default_value = "a100-p4d")]
     topology: String,
@@ -139,10 +142,27 @@ fn run(args: &Args) -> Result<(), String> {
         ));
     }
     let seq_lens = lengths(args)?;
-    let mask: MaskSpec = args
-        .mask
-        .parse()
-        .map_err(|e| format!("--mask {}: {e}", args.mask))?;
+    let masks: Vec<MaskSpec> = match &args.masks {
+        Some(text) => {
+            let masks = text
+                .split(';')
+                .map(|m| m.parse().map_err(|e| format!("--masks: '{m}': {e}")))
+                .collect::<Result<Vec<MaskSpec>, String>>()?;
+            if masks.len() != seq_lens.len() {
+                return Err(format!(
+                    "--masks gives {} masks for {} sequences: give one per sequence",
+                    masks.len(),
+                    seq_lens.len()
+                ));
+            }
+            masks
+        }
+        None => vec![args
+            .mask
+            .parse()
+            .map_err(|e| format!("--mask {}: {e}", args.mask))?],
+    };
+    let mask_text = args.masks.clone().unwrap_or_else(|| args.mask.clone());
     let mut topology = Topology::preset(&args.topology, args.nodes).map_err(|e| e.to_string())?;
     if let Some(devices) = args.devices_per_node {
         topology.devices_per_node = devices;
@@ -167,7 +187,7 @@ fn run(args: &Args) -> Result<(), String> {
     };
     let input = PlanInput {
         seq_lens: seq_lens.clone(),
-        masks: vec![mask],
+        masks,
         dims: AttentionDims {
             heads: args.heads,
             kv_heads: args.kv_heads,
@@ -256,7 +276,7 @@ fn run(args: &Args) -> Result<(), String> {
         "{} sequences, {tokens} tokens (longest {}), mask {}, {} × {} ranks ({}), H {} / KV {} × D {}, block {}",
         seq_lens.len(),
         seq_lens.iter().max().unwrap_or(&0),
-        args.mask,
+        mask_text,
         topology.nodes,
         topology.devices_per_node,
         args.topology,

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Runs gpt_longctx for several parallel configurations (static CP strategies, DP × CP and
-dynamic CP pools, DCP block plans) at the same seed and data and checks that
+dynamic CP pools, DCP block plans, strategy auto) at the same seed and data and checks that
 every step's loss agrees with the cp 1 × dp 1 run to ≤ 1e-4 relative.
 
 Usage: python3 scripts/compare_losses.py [BIN] [--steps N]
@@ -34,6 +34,10 @@ runs = {
     # DCP block plans executed per micro-batch, on one node and over two virtual nodes.
     "dcp cp4": ["--cp", "4", "--strategy", "dcp"],
     "dcp cp4 2 nodes": ["--cp", "4", "--strategy", "dcp", "--topology", "a100-p4d", "--nodes", "2"],
+    # Auto: per micro-batch the lowest estimated time (all candidates; and only dynamic or dcp).
+    "auto cp4": ["--cp", "4", "--strategy", "auto"],
+    "auto cp4 2 nodes": ["--cp", "4", "--strategy", "auto", "--nodes", "2"],
+    "auto dynamic|dcp": ["--cp", "4", "--strategy", "auto", "--auto-candidates", "dynamic,dcp"],
 }
 reference = losses("--cp", "1", "--dp", "1")
 worst_all = 0.0

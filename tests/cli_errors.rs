@@ -556,3 +556,162 @@ fn gpt_longctx_counts_bytes_by_link_over_virtual_nodes() {
         "{report}"
     );
 }
+
+#[test]
+fn gpt_longctx_auto_flags_are_checked() {
+    refused_gpt(
+        &["--auto-candidates", "dcp"],
+        "--auto-candidates only applies to --strategy auto",
+    );
+    refused_gpt(
+        &["--strategy", "auto", "--auto-candidates", "dcp,ring"],
+        "unknown auto candidate 'ring'",
+    );
+    refused_gpt(
+        &["--strategy", "auto", "--layout", "stripe"],
+        "--layout stripe is not supported with it",
+    );
+    refused_gpt(
+        &["--strategy", "auto", "--ulysses-degree", "2"],
+        "--ulysses-degree 2 does not apply to --strategy auto",
+    );
+    refused_gpt(
+        &["--strategy", "ring", "--block", "16"],
+        "only applies to --strategy dcp or auto",
+    );
+    refused(
+        "plan_sim",
+        &["--lengths", "100", "--auto-candidates", "dcp"],
+        "--auto-candidates only applies with auto in --strategies",
+    );
+    refused(
+        "plan_sim",
+        &[
+            "--lengths",
+            "100",
+            "--strategies",
+            "auto",
+            "--auto-candidates",
+            "usp,bogus",
+        ],
+        "unknown auto candidate 'bogus'",
+    );
+    refused(
+        "plan_sim",
+        &["--lengths", "100,200", "--masks", "causal"],
+        "--masks gives 1 masks for 2 sequences",
+    );
+    refused(
+        "plan_sim",
+        &["--lengths", "100", "--masks", "causal", "--mask", "full"],
+        "cannot be used with",
+    );
+}
+
+/// `gpt_longctx --strategy auto` records each micro-batch's choice in metrics.jsonl, counts them
+/// in `strategy_counts`, and `plan_sim --strategies auto` makes the same choice, with the same
+/// estimates, for the same batch.
+#[test]
+fn gpt_longctx_auto_choices_match_plan_sim() {
+    let out = temp_dir("auto");
+    let out_text = out.display().to_string();
+    let args = [
+        "--corpus",
+        "default",
+        "--seq-len",
+        "1024",
+        "--micro-batches",
+        "2",
+        "--steps",
+        "2",
+        "--cp",
+        "4",
+        "--nodes",
+        "2",
+        "--strategy",
+        "auto",
+        "--mask",
+        "mixed",
+        "--out",
+        &out_text,
+        "--json",
+    ];
+    let report: serde_json::Value = serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap();
+    let counts = report["strategy_counts"].as_object().unwrap();
+    assert_eq!(
+        counts.values().map(|c| c.as_u64().unwrap()).sum::<u64>(),
+        4,
+        "{report}"
+    );
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let mut checked = 0;
+    for line in metrics.lines() {
+        let step: serde_json::Value = serde_json::from_str(line).unwrap();
+        for choice in step["auto_choices"].as_array().unwrap() {
+            let lengths: Vec<String> = choice["seq_lens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| l.to_string())
+                .collect();
+            let lengths = lengths.join(",");
+            let masks: Vec<&str> = choice["masks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m.as_str().unwrap())
+                .collect();
+            let masks = masks.join(";");
+            let sim = [
+                "--lengths",
+                &lengths,
+                "--masks",
+                &masks,
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "16",
+                "--element-bytes",
+                "4",
+                "--topology",
+                "a100-p4d",
+                "--nodes",
+                "2",
+                "--devices-per-node",
+                "2",
+                "--block",
+                "128",
+                "--stages",
+                "4",
+                "--seed",
+                "0",
+                "--strategies",
+                "auto",
+                "--json",
+            ];
+            let sim: serde_json::Value =
+                serde_json::from_str(&succeeded("plan_sim", &sim)).unwrap();
+            let auto = &sim["auto"];
+            assert_eq!(auto["choice"], choice["strategy"], "{sim} vs {choice}");
+            for estimate in auto["estimates"].as_array().unwrap() {
+                let name = estimate["strategy"].as_str().unwrap();
+                assert_eq!(
+                    estimate["estimated_ms"], choice["estimated_ms"][name],
+                    "{name}: {sim} vs {choice}"
+                );
+            }
+            checked += 1;
+        }
+        let counted: u64 = step["strategy_counts"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|c| c.as_u64().unwrap())
+            .sum();
+        assert_eq!(counted, 2, "{line}");
+    }
+    assert_eq!(checked, 4);
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -150,6 +150,9 @@ pub struct AutoRecord {
     pub strategy: String,
     /// Its sequences' lengths.
     pub seq_lens: Vec<usize>,
+    /// Its sequences' masks, as `plan_sim --masks` takes them.
+    #[serde(default)]
+    pub masks: Vec<String>,
     /// Estimated attention time (forward + backward, ms) of every candidate that can run it.
     pub estimated_ms: BTreeMap<String, f64>,
 }
@@ -409,6 +412,7 @@ pub fn plan_auto(
             micro_batch,
             strategy: choice.winner.name().into(),
             seq_lens: input.seq_lens.clone(),
+            masks: input.masks.iter().map(|m| m.to_string()).collect(),
             estimated_ms: choice
                 .estimates
                 .iter()
