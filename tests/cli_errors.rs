@@ -576,6 +576,17 @@ fn gpt_longctx_auto_flags_are_checked() {
         "--ulysses-degree 2 does not apply to --strategy auto",
     );
     refused_gpt(
+        &[
+            "--strategy",
+            "auto",
+            "--auto-candidates",
+            "ulysses",
+            "--cp",
+            "3",
+        ],
+        "--auto-candidates ulysses alone cannot run on cp 3",
+    );
+    refused_gpt(
         &["--strategy", "ring", "--block", "16"],
         "only applies to --strategy dcp or auto",
     );

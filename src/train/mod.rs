@@ -207,6 +207,16 @@ impl TrainConfig {
                     "strategy auto needs at least one candidate (--auto-candidates)".into(),
                 );
             }
+            // Every candidate but Ulysses runs on any group; Ulysses needs the heads to split.
+            let model = self.model_config()?;
+            if auto.candidates.iter().all(|c| *c == AutoCandidate::Ulysses)
+                && !model.n_heads.is_multiple_of(self.cp)
+            {
+                return Err(format!(
+                    "--auto-candidates ulysses alone cannot run on cp {}: Ulysses needs the query heads ({}) to be a multiple of the CP size",
+                    self.cp, model.n_heads
+                ));
+            }
         }
         if self.auto.is_some()
             && (self.dynamic.is_some()

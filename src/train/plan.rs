@@ -218,7 +218,10 @@ pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<
     let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
     let model = config.model_config().map_err(CpError::Config)?;
     let works = sequence_works(&sequences, &model);
-    let at_step = |e: CpError| CpError::Config(format!("step {step}: {e}"));
+    let at_step = |e: CpError| match e {
+        CpError::Config(message) => CpError::Config(format!("step {step}: {message}")),
+        other => CpError::Config(format!("step {step}: {other}")),
+    };
     let micro_batches = sequences.batches.len();
     let mut auto_choices = Vec::new();
     let batches = if let Some(settings) = &config.dynamic {
@@ -243,7 +246,8 @@ pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<
             config.dp,
             config.strategy,
             config.layout,
-        )?;
+        )
+        .map_err(at_step)?;
         if config.strategy == Strategy::Dcp {
             for batch in &mut batches {
                 plan_blocks(batch, &sequences, config, &model).map_err(at_step)?;
