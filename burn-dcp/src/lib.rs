@@ -4,10 +4,13 @@
 //! packed micro-batch ──placement─▶ which (sequence, position) tokens each rank holds: a static
 //!                                  layout, a dynamic-CP group's, or a planner's own; shard.rs cuts
 //!                                  a rank's tokens out
-//!                    ──strategy─▶ Ulysses / ring / all-gather / USP, forward and backward
+//!                    ──strategy─▶ Ulysses / ring / all-gather / USP / DCP, forward and backward
 //!                    ──kernels──▶ burn-dcp-kernels FlashOps (attention with LSE, merge)
 //!                    ──comm─────▶ Communicator (in-process threads; byte counts; timeouts)
 //! ```
+//!
+//! [`mesh`] arranges a world as TP × CP × DP × PP (Megatron's rank order) with one communicator
+//! per axis group.
 //!
 //! Start with [`strategy::cp_attention_forward`] / [`strategy::cp_attention_backward`], a
 //! [`strategy::CpGroup`] built from a [`comm::Comm`], and a [`strategy::CpBatch`] describing the
@@ -19,6 +22,7 @@ pub mod comm;
 pub mod error;
 pub mod harness;
 pub mod layout;
+pub mod mesh;
 pub mod placement;
 pub mod planner;
 pub mod shard;
@@ -28,6 +32,7 @@ pub mod volume;
 pub use burn_dcp_kernels as kernels;
 pub use error::CpError;
 pub use layout::Layout;
+pub use mesh::{Axis, Mesh, MeshShape};
 pub use placement::{Placement, PlacementKind};
 pub use strategy::{
     cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy,
