@@ -22,6 +22,7 @@ pub mod attention;
 pub mod context;
 pub mod convert;
 mod ops;
+pub mod tensor_parallel;
 
 use std::marker::PhantomData;
 
@@ -32,6 +33,7 @@ use burn_backend::{
 
 pub use attention::CpInner;
 pub use context::{clear_context, current_context, set_context, CpContext, CpContextGuard};
+pub use tensor_parallel::{tp_copy, tp_reduce, TpInner};
 
 /// Backend decorator: `B`'s ops, with context-parallel attention. Use it as
 /// `ContextParallel<Autodiff<B>>` for training (see the module docs for why the order matters).
