@@ -153,26 +153,26 @@ impl<B: Backend> Init<B> {
 /// One pre-norm transformer block.
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
-    attn_norm: RmsNorm<B>,
-    q: Linear<B>,
-    k: Linear<B>,
-    v: Linear<B>,
-    o: Linear<B>,
-    mlp_norm: RmsNorm<B>,
-    up: Linear<B>,
-    down: Linear<B>,
+    pub(crate) attn_norm: RmsNorm<B>,
+    pub(crate) q: Linear<B>,
+    pub(crate) k: Linear<B>,
+    pub(crate) v: Linear<B>,
+    pub(crate) o: Linear<B>,
+    pub(crate) mlp_norm: RmsNorm<B>,
+    pub(crate) up: Linear<B>,
+    pub(crate) down: Linear<B>,
 }
 
 /// The GPT.
 #[derive(Module, Debug)]
 pub struct Gpt<B: Backend> {
-    embedding: Embedding<B>,
-    blocks: Vec<Block<B>>,
-    norm: RmsNorm<B>,
-    head: Option<Linear<B>>,
-    n_heads: usize,
-    n_kv_heads: usize,
-    rope_theta: f64,
+    pub(crate) embedding: Embedding<B>,
+    pub(crate) blocks: Vec<Block<B>>,
+    pub(crate) norm: RmsNorm<B>,
+    pub(crate) head: Option<Linear<B>>,
+    pub(crate) n_heads: usize,
+    pub(crate) n_kv_heads: usize,
+    pub(crate) rope_theta: f64,
 }
 
 /// `tensor.reshape(dims)` that also works when a dim of `dims` is 0 (a CP rank holding no token):
@@ -194,13 +194,13 @@ pub fn reshape<B: Backend, const D1: usize, const D2: usize, K: BasicOps<B>>(
 }
 
 /// RoPE rotation tables for given positions: `cos`, `sin` of shape `[1, 1, T, head_dim/2]`.
-struct Rope<B: Backend> {
+pub(crate) struct Rope<B: Backend> {
     cos: Tensor<B, 4>,
     sin: Tensor<B, 4>,
 }
 
 impl<B: Backend> Rope<B> {
-    fn new(positions: &Tensor<B, 1, Int>, head_dim: usize, theta: f64) -> Self {
+    pub(crate) fn new(positions: &Tensor<B, 1, Int>, head_dim: usize, theta: f64) -> Self {
         let half = head_dim / 2;
         let device = positions.device();
         let inverse_frequencies: Vec<f32> = (0..half)
@@ -219,7 +219,7 @@ impl<B: Backend> Rope<B> {
     }
 
     /// Rotates `x [1, heads, T, head_dim]` (half-split convention).
-    fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+    pub(crate) fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let [_, _, _, dim] = x.dims();
         let half = dim / 2;
         let x1 = x.clone().narrow(3, 0, half);
@@ -265,7 +265,7 @@ impl<B: Backend> Block<B> {
 }
 
 /// `[1, K, T, D]` → `[1, K·group, T, D]`, each kv head repeated `group` times in place.
-fn repeat_heads<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
+pub(crate) fn repeat_heads<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
     if group == 1 {
         return x;
     }

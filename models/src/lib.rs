@@ -4,3 +4,6 @@
 pub mod gpt;
 
 pub use gpt::{Gpt, GptConfig};
+pub mod tensor_parallel;
+
+pub use tensor_parallel::{TensorParallel, TpGpt};

@@ -24,6 +24,7 @@
 pub mod dynamic;
 pub mod groups;
 pub mod plan;
+pub mod tensor_parallel;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
