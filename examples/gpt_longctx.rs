@@ -32,6 +32,9 @@ struct Args {
     /// Data-parallel replicas [default: 1]
     #[arg(long)]
     dp: Option<usize>,
+    /// Tensor-parallel ranks (Megatron-style; innermost axis of the tp × cp × dp mesh) [default: 1]
+    #[arg(long)]
+    tp: Option<usize>,
     /// ulysses | ring | all-gather | usp | dcp, or ring-zigzag | ring-contiguous | ring-stripe, or dynamic (Megatron-style dynamic CP over the dp × cp pool), or auto (per micro-batch the strategy with the lowest estimated attention time) [default: ring]
     #[arg(long)]
     strategy: Option<String>,
@@ -260,6 +263,7 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
     Ok(TrainConfig {
         cp,
         dp: args.dp.unwrap_or(1),
+        tp: args.tp.unwrap_or(1),
         strategy,
         layout,
         seq_len,
@@ -326,7 +330,7 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
         config.plan_ahead = plan_ahead;
     }
     let given = config_from_args(args)?;
-    let checks: [(&str, bool, String, String); 11] = [
+    let checks: [(&str, bool, String, String); 12] = [
         (
             "--corpus",
             args.corpus.is_some() && given.corpus != saved.corpus,
@@ -350,6 +354,12 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
             args.dp.is_some() && given.dp != saved.dp,
             given.dp.to_string(),
             saved.dp.to_string(),
+        ),
+        (
+            "--tp",
+            args.tp.is_some() && given.tp != saved.tp,
+            given.tp.to_string(),
+            saved.tp.to_string(),
         ),
         (
             "--strategy",
@@ -613,7 +623,7 @@ fn run(args: &Args) -> Result<(), String> {
     let strategy = match &config.dynamic {
         Some(d) => format!(
             "dynamic CP over a pool of {} ({} inside groups, {} tokens per rank, {:?} sizes)",
-            config.world_size(),
+            config.pool_size(),
             config.strategy,
             d.max_tokens_per_rank,
             d.cp_sizes
@@ -625,8 +635,8 @@ fn run(args: &Args) -> Result<(), String> {
         None => format!("{} strategy", config.strategy),
     };
     eprintln!(
-        "gpt_longctx: {} model, world {} = dp {} × cp {} ({strategy}, {} layout), {} tokens/micro-batch, {} micro-batches/step, mask {}",
-        config.model_size, config.world_size(), config.dp, config.cp, config.layout, config.seq_len, config.micro_batches, config.mask
+        "gpt_longctx: {} model, world {} = {} ({strategy}, {} layout), {} tokens/micro-batch, {} micro-batches/step, mask {}",
+        config.model_size, config.world_size(), config.mesh_shape(), config.layout, config.seq_len, config.micro_batches, config.mask
     );
     let data = TrainData::load(&config)?;
     eprintln!(

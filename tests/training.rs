@@ -9,13 +9,14 @@ use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::models::Gpt;
 use burn_dcp_suite::train::{
-    gradient_values, step_gradients, CpTrain, RankGroups, TrainConfig, TrainData,
+    gradient_values, init_model, step_gradients, CpTrain, RankGroups, TrainConfig, TrainData,
 };
 
 fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) -> TrainConfig {
     TrainConfig {
         cp,
         dp,
+        tp: 1,
         strategy,
         layout,
         seq_len: 150,
@@ -64,17 +65,20 @@ fn step_on<B: FlashOps>(
     let data = TrainData::load(config).unwrap();
     let results = world.run(|comm| -> Result<_, String> {
         let groups = RankGroups::new(comm, config).map_err(|e| e.to_string())?;
-        let model: Gpt<CpTrain<B>> = config.model_config()?.init(config.seed, device)?;
+        let model = init_model::<B>(config, groups.tp.comm.rank(), device)?;
         let (loss, grads, _) = step_gradients(&model, &groups, config, &data, step, device)
             .map_err(|e| e.to_string())?;
         Ok((loss, gradient_values(&model, &grads)))
     });
     let bytes = world.stats().iter().map(|s| s.total_bytes()).sum();
     let mut results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
-    // Every rank holds the same all-reduced gradients and loss.
-    for other in &results[1..] {
+    // Every rank holds the same loss, and the ranks of one TP position (the TP rank is the
+    // innermost axis) the same all-reduced gradients.
+    for (rank, other) in results.iter().enumerate() {
         assert_eq!(other.0, results[0].0);
-        assert_eq!(other.1, results[0].1);
+        if rank % config.tp == 0 {
+            assert_eq!(other.1, results[0].1);
+        }
     }
     let (loss, grads) = results.swap_remove(0);
     (loss, grads, bytes)
@@ -340,8 +344,7 @@ fn a_non_finite_loss_stops_training_naming_step_and_rank() {
     let device = burn::backend::flex::FlexDevice;
     let results = world.run(|comm| -> Result<_, String> {
         let groups = RankGroups::new(comm.clone(), &config).map_err(|e| e.to_string())?;
-        let mut model: Gpt<CpTrain<burn::backend::Flex>> =
-            config.model_config()?.init(config.seed, &device)?;
+        let mut model = init_model::<burn::backend::Flex>(&config, 0, &device)?;
         if comm.rank() == 1 {
             model = model.map(&mut Poison);
         }
@@ -668,6 +671,59 @@ fn tensor_parallel_gpt_matches_the_full_model() {
             // The replicated norm weight gets the full gradient on every rank.
             let err = max_rel(&grads[1], &full_values[1]);
             assert!(err < 1e-4, "tp {tp} rank {rank}: norm gradient {err:e}");
+        }
+    }
+}
+
+/// Tensor parallelism composed with CP and DP in the training step: tp 2 × cp 2, tp 2 × cp 2 ×
+/// dp 2, tp 4 (kv heads replicated) and tp 2 under dynamic CP and under auto give cp 1's loss,
+/// and TP rank 0's gradients of the replicated parameters (norms) equal cp 1's.
+#[test]
+fn tensor_parallel_steps_match_cp1() {
+    use burn_dcp_suite::train::{AutoSettings, CpSizes, DcpSettings, DynamicSettings};
+    let flex = burn::backend::flex::FlexDevice;
+    let reference = one_step(&config(1, 1, Strategy::Ring, Layout::Zigzag, "mixed"));
+    let tp_config = |tp: usize, cp: usize, dp: usize| {
+        let mut config = config(cp, dp, Strategy::Ring, Layout::Zigzag, "mixed");
+        config.tp = tp;
+        config
+    };
+    let mut configs = vec![
+        ("tp 2 cp 2", tp_config(2, 2, 1)),
+        ("tp 2 cp 2 dp 2", tp_config(2, 2, 2)),
+        ("tp 4", tp_config(4, 1, 1)),
+    ];
+    let mut dynamic = tp_config(2, 2, 1);
+    dynamic.dynamic = Some(DynamicSettings {
+        max_tokens_per_rank: 100,
+        min_cp_size: 1,
+        cp_sizes: CpSizes::Pow2,
+    });
+    configs.push(("tp 2 dynamic pool 2", dynamic));
+    let mut auto = tp_config(2, 2, 1);
+    auto.auto = Some(AutoSettings {
+        candidates: burn_dcp::planner::auto::AutoCandidate::ALL.to_vec(),
+    });
+    auto.dcp = Some(DcpSettings {
+        block: 16,
+        stages: 2,
+    });
+    configs.push(("tp 2 auto", auto));
+    for (what, config) in configs {
+        config.validate().unwrap();
+        let got = step_on::<burn::backend::Flex>(&config, 1, &flex);
+        let loss_err = ((got.0 - reference.0) / reference.0).abs();
+        assert!(
+            loss_err <= 1e-5,
+            "{what}: loss {} vs {}",
+            got.0,
+            reference.0
+        );
+        // Norm weights are whole on every TP rank: parameter 1 (first attention norm) and the
+        // final norm (last) match cp 1's gradients.
+        for index in [1, got.1.len() - 1] {
+            let err = max_rel(&got.1[index], &reference.1[index]);
+            assert!(err <= 1e-4, "{what}: parameter {index} gradient {err:e}");
         }
     }
 }

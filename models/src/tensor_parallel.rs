@@ -18,7 +18,7 @@
 //! every TP rank; replicated kv projections (tp > kv heads) get partial gradients that the
 //! trainer sums over [`TpGpt::kv_replicas`].
 
-use burn::module::{Module, Param};
+use burn::module::{Module, Param, ParamId};
 use burn::nn::{Linear, RmsNorm};
 use burn::prelude::{Backend, Int, Tensor};
 use burn::tensor::activation::gelu;
@@ -201,6 +201,15 @@ impl<B: Backend> TpGpt<B> {
         let replicas = tp / config.n_kv_heads;
         let first = rank / replicas * replicas;
         (first..first + replicas).collect()
+    }
+
+    /// The k and v projection weights of every block: under replicated kv heads (tp > kv heads)
+    /// their gradients are partial and are summed over [`Self::kv_replicas`].
+    pub fn kv_param_ids(&self) -> Vec<ParamId> {
+        self.blocks
+            .iter()
+            .flat_map(|b| [b.k.weight.id, b.v.weight.id])
+            .collect()
     }
 
     /// This rank's vocabulary-parallel logits `[T, V / tp]` of `tokens [T]` at `positions [T]`.

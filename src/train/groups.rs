@@ -13,14 +13,25 @@ use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 use burn_dcp::comm::Comm;
+use burn_dcp::mesh::Mesh;
 use burn_dcp::{CpError, CpGroup, Strategy};
+use burn_dcp_models::TpGpt;
 
 use super::plan::StepPlan;
+use super::tensor_parallel::TpGroup;
 use super::TrainConfig;
 
 /// One rank's communicators.
 pub struct RankGroups {
+    /// The whole world, its axis groups and this rank's DP × CP pool (`burn_dcp::mesh`).
+    pub mesh: Mesh,
+    /// The DP × CP pool of this rank's TP position: the plans' ranks are pool indices, CP groups
+    /// split it, and gradients and losses are summed over it.
     pub world: Comm,
+    /// This rank's TP group (the model's `f`/`g`).
+    pub tp: TpGroup,
+    /// The TP ranks sharing this rank's replicated kv heads (tp > kv heads), if any.
+    pub kv_replicas: Option<Comm>,
     cache: RefCell<GroupCache>,
 }
 
@@ -35,10 +46,26 @@ struct GroupCache {
 }
 
 impl RankGroups {
-    /// The world and, for static CP, every replica's communicator (a collective call).
+    /// The mesh of `world` and, for static CP, every replica's communicator (a collective call
+    /// of the world's ranks).
     pub fn new(world: Comm, config: &TrainConfig) -> Result<Self, CpError> {
+        let mesh = Mesh::new(world, config.mesh_shape())?;
+        let model = config.model_config().map_err(CpError::Config)?;
+        let tp_rank = mesh.tp.rank();
+        let replicas = TpGpt::<burn::backend::Flex>::kv_replicas(&model, tp_rank, config.tp);
+        // Either every TP rank has replicas (tp > kv heads) and splits, or none does.
+        let kv_replicas = if replicas.len() > 1 {
+            Some(mesh.tp.split(replicas[0], tp_rank)?)
+        } else {
+            None
+        };
         let groups = Self {
-            world,
+            world: mesh.pool.clone(),
+            tp: TpGroup {
+                comm: mesh.tp.clone(),
+            },
+            kv_replicas,
+            mesh,
             cache: RefCell::new(GroupCache {
                 created: HashSet::new(),
                 comms: HashMap::new(),

@@ -30,7 +30,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::prelude::{Int, Tensor, TensorData, ToElement};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
@@ -40,13 +40,14 @@ use burn_dcp::comm::{
     panic_message, Comm, CommError, LinkBytes, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT,
 };
 use burn_dcp::kernels::{FlashOps, MaskSpec, MicroBatch};
+use burn_dcp::mesh::MeshShape;
 use burn_dcp::planner::auto::AutoCandidate;
 use burn_dcp::shard::RankShard;
 use burn_dcp::{CpBatch, CpError, CpGroup, Layout, Strategy};
 use burn_dcp_datasets::corpus::{open_documents, Document};
 use burn_dcp_datasets::tokenizer::{cache_dir, default_tokenized, files_identity, tokenize_cached};
 use burn_dcp_datasets::{pack_corpus, MaskPolicy, PackingConfig, TokenizedCorpus, Tokenizer};
-use burn_dcp_models::{Gpt, GptConfig};
+use burn_dcp_models::{GptConfig, TpGpt};
 use serde::{Deserialize, Serialize};
 
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
@@ -54,10 +55,14 @@ pub use groups::RankGroups;
 pub use plan::{
     plan_step, AutoRecord, PlannedBatch, RankWork, ScheduleStats, StepPlan, StepSequences,
 };
+pub use tensor_parallel::TpGroup;
 
 /// The training backend over an inner backend `B` (burn Flex on the CPU, or a cubecl backend with
 /// the kernels): the decorator over autodiff over `B`.
 pub type CpTrain<B> = ContextParallel<burn::backend::Autodiff<B>>;
+
+/// The model one rank trains: its TP shard of the GPT (the whole GPT at tp 1).
+pub type TrainGpt<B> = TpGpt<CpTrain<B>>;
 
 /// The default training backend: [`CpTrain`] over burn Flex (CPU).
 pub type TrainBackend = CpTrain<burn::backend::Flex>;
@@ -67,6 +72,9 @@ pub type TrainBackend = CpTrain<burn::backend::Flex>;
 pub struct TrainConfig {
     pub cp: usize,
     pub dp: usize,
+    /// Tensor-parallel ranks (`--tp`; innermost axis of the mesh, see `burn_dcp::mesh`).
+    #[serde(default = "default_one")]
+    pub tp: usize,
     pub strategy: Strategy,
     pub layout: Layout,
     /// Tokens per packed micro-batch (one DP replica's CP group processes one at a time).
@@ -135,6 +143,10 @@ fn default_nodes() -> usize {
     1
 }
 
+fn default_one() -> usize {
+    1
+}
+
 fn default_plan_ahead() -> usize {
     DEFAULT_PLAN_AHEAD
 }
@@ -148,18 +160,18 @@ pub const MAX_PLAN_AHEAD: usize = 64;
 impl TrainConfig {
     /// Checks the rules, naming the values.
     pub fn validate(&self) -> Result<(), String> {
-        if self.cp == 0 || self.dp == 0 {
+        if self.cp == 0 || self.dp == 0 || self.tp == 0 {
             return Err(format!(
-                "cp ({}) and dp ({}) must be at least 1",
-                self.cp, self.dp
+                "cp ({}), dp ({}) and tp ({}) must be at least 1",
+                self.cp, self.dp, self.tp
             ));
         }
-        match self.cp.checked_mul(self.dp) {
+        match self.cp.checked_mul(self.dp).and_then(|n| n.checked_mul(self.tp)) {
             Some(world) if world <= MAX_IN_PROCESS_RANKS => {}
             _ => {
                 return Err(format!(
-                    "cp {} × dp {} ranks exceed the {MAX_IN_PROCESS_RANKS} ranks (threads) an in-process world can hold",
-                    self.cp, self.dp
+                    "tp {} × cp {} × dp {} ranks exceed the {MAX_IN_PROCESS_RANKS} ranks (threads) an in-process world can hold",
+                    self.tp, self.cp, self.dp
                 ))
             }
         }
@@ -202,6 +214,8 @@ impl TrainConfig {
             ));
         }
         let model = self.model_config()?;
+        burn_dcp_models::tensor_parallel::validate_tp(&model, self.tp)?;
+        let (heads, kv_heads) = self.rank_heads(&model);
         if let Some(auto) = &self.auto {
             if auto.candidates.is_empty() {
                 return Err(
@@ -209,13 +223,12 @@ impl TrainConfig {
                 );
             }
             // Every candidate but Ulysses runs on any group; Ulysses needs the heads to split.
-            let model = self.model_config()?;
             if auto.candidates.iter().all(|c| *c == AutoCandidate::Ulysses)
-                && !model.n_heads.is_multiple_of(self.cp)
+                && !heads.is_multiple_of(self.cp)
             {
                 return Err(format!(
-                    "--auto-candidates ulysses alone cannot run on cp {}: Ulysses needs the query heads ({}) to be a multiple of the CP size",
-                    self.cp, model.n_heads
+                    "--auto-candidates ulysses alone cannot run on cp {}: Ulysses needs the query heads of a TP rank ({heads}) to be a multiple of the CP size",
+                    self.cp
                 ));
             }
         }
@@ -234,8 +247,8 @@ impl TrainConfig {
                 .validate_mesh(self.cp)
                 .map_err(|e| e.to_string())?;
             self.strategy
-                .validate_heads(model.n_heads, model.n_kv_heads, self.cp)
-                .map_err(|e| e.to_string())?;
+                .validate_heads(heads, kv_heads, self.cp)
+                .map_err(|e| format!("{e} (the heads of one TP rank of {})", self.tp))?;
         }
         if self.plan_ahead == 0 || self.plan_ahead > MAX_PLAN_AHEAD {
             return Err(format!(
@@ -287,8 +300,9 @@ impl TrainConfig {
     /// sequence (`seq_len` tokens) fitting the pool.
     fn validate_dynamic(&self, settings: &DynamicSettings) -> Result<(), String> {
         let model = self.model_config()?;
-        let pool = self.world_size();
-        settings.validate(pool, self.strategy, model.n_heads, model.n_kv_heads)?;
+        let pool = self.pool_size();
+        let (heads, kv_heads) = self.rank_heads(&model);
+        settings.validate(pool, self.strategy, heads, kv_heads)?;
         burn_dcp::planner::dynamic::min_cp_size_for(
             self.seq_len,
             &settings.scheduler(pool),
@@ -327,8 +341,31 @@ impl TrainConfig {
         Tokenizer::from_name(&self.tokenizer).map_err(|e| e.to_string())
     }
 
+    /// tp × cp × dp ranks.
     pub fn world_size(&self) -> usize {
+        self.tp * self.cp * self.dp
+    }
+
+    /// The DP × CP ranks of one TP position: the pool plans (and dynamic CP) schedule over.
+    pub fn pool_size(&self) -> usize {
         self.cp * self.dp
+    }
+
+    /// The mesh of the world (`burn_dcp::mesh`; no pipeline stages yet).
+    pub fn mesh_shape(&self) -> MeshShape {
+        MeshShape {
+            tp: self.tp,
+            cp: self.cp,
+            dp: self.dp,
+            pp: 1,
+        }
+    }
+
+    /// The query and kv heads one TP rank holds (kv heads replicated when tp > kv heads): what
+    /// its CP attention runs on.
+    pub fn rank_heads(&self, model: &GptConfig) -> (usize, usize) {
+        self.mesh_shape()
+            .heads_per_tp_rank(model.n_heads, model.n_kv_heads)
     }
 
     /// World ranks per virtual node (`--nodes` must divide the world).
@@ -336,7 +373,7 @@ impl TrainConfig {
         let world = self.world_size();
         if self.nodes == 0 || !world.is_multiple_of(self.nodes) {
             return Err(CpError::Config(format!(
-                "--nodes {} must divide the {world} ranks (cp × dp)",
+                "--nodes {} must divide the {world} ranks (tp × cp × dp)",
                 self.nodes
             )));
         }
@@ -346,7 +383,16 @@ impl TrainConfig {
     /// The topology of one static CP group (ranks `d·cp .. (d+1)·cp`) as its ranks sit on the
     /// world's nodes: a group must fill whole nodes or sit inside one.
     pub fn group_topology(&self) -> Result<burn_dcp::planner::topology::Topology, CpError> {
-        let per_node = self.ranks_per_node()?;
+        let world_per_node = self.ranks_per_node()?;
+        // TP is the innermost axis: a node holds whole TP groups, and world_per_node / tp ranks
+        // of each CP group.
+        if !world_per_node.is_multiple_of(self.tp) {
+            return Err(CpError::Config(format!(
+                "a node of {world_per_node} ranks (--nodes {}) must hold whole TP groups of {}",
+                self.nodes, self.tp
+            )));
+        }
+        let per_node = world_per_node / self.tp;
         let nodes = if self.cp.is_multiple_of(per_node) {
             self.cp / per_node
         } else if per_node.is_multiple_of(self.cp) {
@@ -515,7 +561,8 @@ fn int_tensor<B: burn::prelude::Backend>(values: &[i64], device: &B::Device) -> 
 /// see `batch`: the placement and the masks); returns its loss sum (unscaled) and its gradients
 /// of `loss_sum / global_labels`.
 fn micro_batch_gradients<B: FlashOps>(
-    model: &Gpt<CpTrain<B>>,
+    model: &TrainGpt<B>,
+    tp: &TpGroup,
     group: CpGroup,
     batch: CpBatch,
     shard: &RankShard,
@@ -523,11 +570,14 @@ fn micro_batch_gradients<B: FlashOps>(
     device: &B::Device,
 ) -> Result<(f64, GradientsParams), CpError> {
     let _context = set_context(CpContext { group, batch });
-    let loss_sum = model.loss_sum(
-        int_tensor(&shard.tokens, device),
-        int_tensor(&shard.positions, device),
-        int_tensor(&shard.labels, device),
-    );
+    let loss_sum = model
+        .loss_sum(
+            int_tensor(&shard.tokens, device),
+            int_tensor(&shard.positions, device),
+            int_tensor(&shard.labels, device),
+            tp,
+        )
+        .map_err(|e| CpError::RunFailed(format!("tensor-parallel forward: {e}")))?;
     let value = loss_sum.clone().into_scalar().to_f64();
     let grads = (loss_sum / global_labels as f64).backward();
     Ok((value, GradientsParams::from_grads(grads, model)))
@@ -538,6 +588,9 @@ fn micro_batch_gradients<B: FlashOps>(
 struct AllReduceGradients<'a, B: AutodiffBackend> {
     grads: GradientsParams,
     comm: &'a Comm,
+    /// Parameters whose gradient is also summed over `kv_comm` (replicated kv projections).
+    kv_params: Vec<ParamId>,
+    kv_comm: Option<&'a Comm>,
     error: Option<CommError>,
     /// Parameters (in visiting order) whose local gradient on this rank is not finite.
     non_finite: Vec<usize>,
@@ -560,7 +613,13 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for AllReduceGradients<'_, B> {
             self.non_finite.push(self.visited);
         }
         self.visited += 1;
-        match self.comm.all_reduce(data) {
+        let summed = self.comm.all_reduce(data).and_then(|summed| {
+            match (self.kv_comm, self.kv_params.contains(&param.id)) {
+                (Some(kv), true) => kv.all_reduce(summed),
+                _ => Ok(summed),
+            }
+        });
+        match summed {
             Ok(summed) => self.grads.register(
                 param.id,
                 Tensor::<B::InnerBackend, D>::from_data(summed, &device),
@@ -574,7 +633,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for AllReduceGradients<'_, B> {
 /// step's token count. The step is planned here, synchronously; training plans ahead on a
 /// background thread and calls [`step_gradients_planned`].
 pub fn step_gradients<B: FlashOps>(
-    model: &Gpt<CpTrain<B>>,
+    model: &TrainGpt<B>,
     groups: &RankGroups,
     config: &TrainConfig,
     data: &TrainData,
@@ -597,7 +656,7 @@ pub struct StepResult {
 /// Runs step `plan.step` by its plan: this rank's shard of every planned batch it is in, in the
 /// batch's group; then the all-reduce over the world.
 pub fn step_gradients_planned<B: FlashOps>(
-    model: &Gpt<CpTrain<B>>,
+    model: &TrainGpt<B>,
     groups: &RankGroups,
     config: &TrainConfig,
     data: &TrainData,
@@ -617,7 +676,7 @@ pub fn step_gradients_planned<B: FlashOps>(
     let sequences = StepSequences::new(batches);
     groups.ensure(plan)?;
     let me = groups.world.rank();
-    let mut accumulator = GradientsAccumulator::<Gpt<CpTrain<B>>>::new();
+    let mut accumulator = GradientsAccumulator::<TrainGpt<B>>::new();
     let mut loss_sum = 0.0;
     for planned in plan.batches_of(me) {
         let RankWork { batch, shard } = planned.shard(&sequences, me)?;
@@ -628,8 +687,15 @@ pub fn step_gradients_planned<B: FlashOps>(
             blocks: planned.blocks.clone(),
         };
         let group = groups.group(&planned.ranks, planned.strategy)?;
-        let (value, grads) =
-            micro_batch_gradients(model, group, context, &shard, global_labels, device)?;
+        let (value, grads) = micro_batch_gradients(
+            model,
+            &groups.tp,
+            group,
+            context,
+            &shard,
+            global_labels,
+            device,
+        )?;
         loss_sum += value;
         accumulator.accumulate(model, grads);
     }
@@ -644,16 +710,18 @@ pub fn step_gradients_planned<B: FlashOps>(
 
 /// All-reduces the accumulated gradients and the loss over the world; stops on non-finite values.
 fn reduce_step<B: FlashOps>(
-    model: &Gpt<CpTrain<B>>,
+    model: &TrainGpt<B>,
     groups: &RankGroups,
     step: usize,
-    mut accumulator: GradientsAccumulator<Gpt<CpTrain<B>>>,
+    mut accumulator: GradientsAccumulator<TrainGpt<B>>,
     loss_sum: f64,
     global_labels: usize,
 ) -> Result<(f64, GradientsParams), CpError> {
     let mut reducer = AllReduceGradients {
         grads: accumulator.grads(),
         comm: &groups.world,
+        kv_params: model.kv_param_ids(),
+        kv_comm: groups.kv_replicas.as_ref(),
         error: None,
         non_finite: Vec::new(),
         visited: 0,
@@ -814,6 +882,18 @@ pub trait StepObserver: Sync {
     fn link_bytes(&self) -> LinkBytes;
 }
 
+/// TP rank `tp_rank`'s shard of the model at initialisation: every TP rank cuts its shard from
+/// the same full initialisation (seed `config.seed`), so tp N starts from tp 1's weights.
+pub fn init_model<B: FlashOps>(
+    config: &TrainConfig,
+    tp_rank: usize,
+    device: &B::Device,
+) -> Result<TrainGpt<B>, String> {
+    let model_config = config.model_config()?;
+    let full = model_config.init::<CpTrain<B>>(config.seed, device)?;
+    TpGpt::shard(&full, &model_config, tp_rank, config.tp)
+}
+
 /// Trains on one rank from `start_step` (after loading `resume` if given); rank 0 saves the
 /// checkpoint to `out` at the end.
 pub fn train_rank<B: FlashOps>(
@@ -827,8 +907,10 @@ pub fn train_rank<B: FlashOps>(
 ) -> Result<RankOutcome, String> {
     let groups = RankGroups::new(world, config).map_err(|e| e.to_string())?;
     let model_config = config.model_config()?;
-    let mut model: Gpt<CpTrain<B>> = model_config.init(config.seed, device)?;
-    let mut optimizer = AdamWConfig::new().init::<CpTrain<B>, Gpt<CpTrain<B>>>();
+    let tp_rank = groups.tp.comm.rank();
+    let mut model = init_model::<B>(config, tp_rank, device)?;
+    let files = CheckpointFiles::of(tp_rank, config.tp);
+    let mut optimizer = AdamWConfig::new().init::<CpTrain<B>, TrainGpt<B>>();
     let recorder = Recorder_::new();
     let mut first_step = 1;
     if let Some(dir) = resume {
@@ -838,7 +920,7 @@ pub fn train_rank<B: FlashOps>(
         let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             model
                 .clone()
-                .load_file(checkpoint.join("model"), &recorder, device)
+                .load_file(checkpoint.join(&files.model), &recorder, device)
         }))
         .map_err(|panic| {
             format!(
@@ -854,7 +936,7 @@ pub fn train_rank<B: FlashOps>(
             )
         })?;
         let record = recorder
-            .load(checkpoint.join("optimizer"), device)
+            .load(checkpoint.join(&files.optimizer), device)
             .map_err(|e| {
                 format!(
                     "cannot load the optimizer checkpoint from {}: {e}",
@@ -876,13 +958,21 @@ pub fn train_rank<B: FlashOps>(
         let plans = plan_ahead(scope, config, data, first_step);
         run.steps(model, &mut optimizer, first_step, &plans)
     })?;
-    if let (Some(out), 0) = (out, groups.world.rank()) {
+    if let Some(out) = out {
         let state = TrainState {
             step: config.steps,
             config: Some(config.clone()),
             model: Some(model_config),
         };
-        save_checkpoint(out, &model, &optimizer, &state, &recorder)?;
+        let saved = Checkpoint {
+            out,
+            model: &model,
+            optimizer: &optimizer,
+            state: &state,
+            recorder: &recorder,
+            files: &files,
+        };
+        save_checkpoint(&groups, &saved).inspect_err(|e| groups.mesh.world.abort(e))?;
     }
     Ok(RankOutcome { metrics })
 }
@@ -921,14 +1011,14 @@ struct StepLoop<'a, B: FlashOps> {
 impl<B: FlashOps> StepLoop<'_, B> {
     /// Trains steps `first..=steps` and returns the trained model; rank 0 also returns (and
     /// reports) the steps' metrics.
-    fn steps<O: Optimizer<Gpt<CpTrain<B>>, CpTrain<B>>>(
+    fn steps<O: Optimizer<TrainGpt<B>, CpTrain<B>>>(
         &self,
-        mut model: Gpt<CpTrain<B>>,
+        mut model: TrainGpt<B>,
         optimizer: &mut O,
         first: usize,
         plans: &PlanReceiver,
-    ) -> Result<(Gpt<CpTrain<B>>, Vec<StepMetrics>), String> {
-        let world = &self.groups.world;
+    ) -> Result<(TrainGpt<B>, Vec<StepMetrics>), String> {
+        let world = &self.groups.mesh.world;
         let mut metrics = Vec::new();
         for step in first..=self.config.steps {
             let started = Instant::now();
@@ -990,13 +1080,48 @@ impl<B: FlashOps> StepLoop<'_, B> {
 /// `checkpoint/` is renamed to `checkpoint.old/`, `checkpoint.tmp/` to `checkpoint/`, and the old
 /// one removed. A run killed at any point leaves a complete checkpoint (`checkpoint/`, or
 /// `checkpoint.old/` between the two renames, which [`saved_checkpoint`] falls back to).
-fn save_checkpoint<B: AutodiffBackend, O: Optimizer<Gpt<B>, B>>(
-    out: &Path,
-    model: &Gpt<B>,
-    optimizer: &O,
-    state: &TrainState,
-    recorder: &Recorder_,
+/// The file names of one TP rank's shard in a checkpoint: `model`/`optimizer` at tp 1,
+/// `model-tp{r}`/`optimizer-tp{r}` otherwise.
+struct CheckpointFiles {
+    model: String,
+    optimizer: String,
+}
+
+impl CheckpointFiles {
+    fn of(tp_rank: usize, tp: usize) -> Self {
+        let suffix = if tp == 1 {
+            String::new()
+        } else {
+            format!("-tp{tp_rank}")
+        };
+        Self {
+            model: format!("model{suffix}"),
+            optimizer: format!("optimizer{suffix}"),
+        }
+    }
+}
+
+/// What a checkpoint holds from one rank.
+struct Checkpoint<'a, M, O> {
+    out: &'a Path,
+    model: &'a M,
+    optimizer: &'a O,
+    state: &'a TrainState,
+    recorder: &'a Recorder_,
+    files: &'a CheckpointFiles,
+}
+
+/// Saves the checkpoint atomically, sharded over TP: world rank 0 prepares `checkpoint.tmp/`;
+/// the first rank of every TP position's pool writes its shard there; then rank 0 writes
+/// `state.json`, renames the old `checkpoint/` to `checkpoint.old/`, `checkpoint.tmp/` to
+/// `checkpoint/`, and removes the old one. A run killed at any point leaves a complete
+/// checkpoint (`checkpoint/`, or `checkpoint.old/` between the two renames, which
+/// [`saved_checkpoint`] falls back to). A collective call of the world.
+fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optimizer<M, B>>(
+    groups: &RankGroups,
+    saved: &Checkpoint<M, O>,
 ) -> Result<(), String> {
+    let out = saved.out;
     let (dir, tmp, old) = (
         checkpoint_dir(out),
         out.join("checkpoint.tmp"),
@@ -1005,18 +1130,34 @@ fn save_checkpoint<B: AutodiffBackend, O: Optimizer<Gpt<B>, B>>(
     let io = |what: &str, path: &Path, e: std::io::Error| {
         format!("cannot {what} {}: {e}", path.display())
     };
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| io("remove", &tmp, e))?;
+    let world = &groups.mesh.world;
+    let leader = world.rank() == 0;
+    if leader {
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(|e| io("remove", &tmp, e))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(|e| io("create", &tmp, e))?;
     }
-    std::fs::create_dir_all(&tmp).map_err(|e| io("create", &tmp, e))?;
-    model
-        .clone()
-        .save_file(tmp.join("model"), recorder)
-        .map_err(|e| format!("cannot save the model to {}: {e}", tmp.display()))?;
-    recorder
-        .record(optimizer.to_record(), tmp.join("optimizer"))
-        .map_err(|e| format!("cannot save the optimizer to {}: {e}", tmp.display()))?;
-    write_json(&tmp.join("state.json"), state)?;
+    world.barrier().map_err(|e| e.to_string())?;
+    if groups.world.rank() == 0 {
+        saved
+            .model
+            .clone()
+            .save_file(tmp.join(&saved.files.model), saved.recorder)
+            .map_err(|e| format!("cannot save the model to {}: {e}", tmp.display()))?;
+        saved
+            .recorder
+            .record(
+                saved.optimizer.to_record(),
+                tmp.join(&saved.files.optimizer),
+            )
+            .map_err(|e| format!("cannot save the optimizer to {}: {e}", tmp.display()))?;
+    }
+    world.barrier().map_err(|e| e.to_string())?;
+    if !leader {
+        return Ok(());
+    }
+    write_json(&tmp.join("state.json"), saved.state)?;
     if dir.exists() {
         if old.exists() {
             std::fs::remove_dir_all(&old).map_err(|e| io("remove", &old, e))?;

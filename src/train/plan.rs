@@ -229,7 +229,7 @@ pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<
             &sequences,
             &works,
             settings,
-            config.world_size(),
+            config.pool_size(),
             config.strategy,
             config.layout,
         )
@@ -357,11 +357,15 @@ pub fn plan_input(
             .iter()
             .map(|&s| sequences.mask(s).clone())
             .collect(),
-        dims: AttentionDims {
-            heads: model.n_heads,
-            kv_heads: model.n_kv_heads,
-            head_dim: model.head_dim(),
-            element_bytes: 4,
+        dims: {
+            // CP attention runs on the heads of one TP rank.
+            let (heads, kv_heads) = config.rank_heads(model);
+            AttentionDims {
+                heads,
+                kv_heads,
+                head_dim: model.head_dim(),
+                element_bytes: 4,
+            }
         },
         topology: config.group_topology()?,
         block: dcp.block,
