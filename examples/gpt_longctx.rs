@@ -467,6 +467,8 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
 /// Rank 0's view of the run: progress bar, metrics.jsonl, byte totals.
 struct Reporter<'a> {
     world: &'a InProcessWorld,
+    /// The mesh, shown on the progress line.
+    mesh: String,
     metrics_file: Option<Mutex<std::fs::File>>,
     steps: usize,
     started: Instant,
@@ -479,11 +481,12 @@ impl StepObserver for Reporter<'_> {
         let done = m.step * width / self.steps.max(1);
         let tokens_per_second = m.tokens as f64 / (m.step_ms / 1e3);
         eprint!(
-            "\r[{}{}] step {}/{} | loss {:.4} | {:.0} tok/s | {:.1} MB sent ",
+            "\r[{}{}] step {}/{} | {} | loss {:.4} | {:.0} tok/s | {:.1} MB sent ",
             "#".repeat(done),
             ".".repeat(width - done),
             m.step,
             self.steps,
+            self.mesh,
             m.loss,
             tokens_per_second,
             m.bytes_communicated as f64 / 1e6
@@ -500,6 +503,16 @@ impl StepObserver for Reporter<'_> {
 
     fn total_bytes(&self) -> u64 {
         self.world.stats().iter().map(|s| s.total_bytes()).sum()
+    }
+
+    fn label_bytes(&self) -> std::collections::BTreeMap<String, u64> {
+        let mut totals = std::collections::BTreeMap::new();
+        for stats in self.world.stats() {
+            for (label, bytes) in stats.bytes_by_label {
+                *totals.entry(label).or_default() += bytes;
+            }
+        }
+        totals
     }
 
     fn link_bytes(&self) -> LinkBytes {
@@ -611,6 +624,7 @@ fn run(args: &Args) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
     let reporter = Reporter {
         world: &world,
+        mesh: config.mesh_shape().to_string(),
         metrics_file: out
             .as_deref()
             .map(|o| open_metrics(o, appending))
@@ -759,6 +773,16 @@ fn summarize(
             "intra_node": metrics.iter().map(|m| m.bytes_by_link.intra_node).sum::<u64>(),
             "inter_node": metrics.iter().map(|m| m.bytes_by_link.inter_node).sum::<u64>(),
         },
+        "bytes_by_axis": burn_dcp_suite::train::AXES
+            .iter()
+            .map(|axis| {
+                let total: u64 = metrics
+                    .iter()
+                    .map(|m| m.bytes_by_axis.get(*axis).copied().unwrap_or(0))
+                    .sum();
+                (axis.to_string(), total)
+            })
+            .collect::<std::collections::BTreeMap<_, _>>(),
         "cp_group_sizes": group_size_totals(metrics),
         "strategy_counts": strategy_totals(metrics),
         "rank_workload_imbalance": mean(metrics.iter().map(|m| m.rank_workload_imbalance)),

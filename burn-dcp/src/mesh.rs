@@ -268,15 +268,22 @@ impl Mesh {
         }
         let rank = world.rank();
         let coords = shape.coords(rank);
-        let split = |axis: Axis| world.split(shape.group_color(axis, rank), coords.get(axis));
+        let split = |axis: Axis| {
+            world.split_labeled(shape.group_color(axis, rank), coords.get(axis), axis.name())
+        };
         let (tp, cp, dp, pp) = (
             split(Axis::Tp)?,
             split(Axis::Cp)?,
             split(Axis::Dp)?,
             split(Axis::Pp)?,
         );
-        // The pool: same TP and PP rank.
-        let pool = world.split(coords.tp + shape.tp * coords.pp, shape.pool_index(rank))?;
+        // The pool: same TP and PP rank. Its own traffic is the gradient all-reduce over DP × CP
+        // (Megatron's dp-cp group), counted as `dp`; CP groups split from it are labelled `cp`.
+        let pool = world.split_labeled(
+            coords.tp + shape.tp * coords.pp,
+            shape.pool_index(rank),
+            Axis::Dp.name(),
+        )?;
         Ok(Self {
             shape,
             world,
@@ -391,6 +398,23 @@ mod tests {
             }
             Ok(sums)
         });
+        let stats = world.stats();
+        for label in ["tp", "cp", "pp", "dp"] {
+            let bytes: u64 = stats
+                .iter()
+                .map(|s| s.bytes_by_label.get(label).copied().unwrap_or(0))
+                .sum();
+            assert!(
+                bytes > 0
+                    || mesh.size(match label {
+                        "tp" => Axis::Tp,
+                        "cp" => Axis::Cp,
+                        "pp" => Axis::Pp,
+                        _ => Axis::Dp,
+                    }) == 1,
+                "{label}: {stats:?}"
+            );
+        }
         for (rank, result) in results.into_iter().enumerate() {
             let sums = result.unwrap();
             let expected = |ranks: Vec<usize>| vec![ranks.iter().sum::<usize>() as f32];

@@ -122,7 +122,7 @@ impl RankGroups {
         let mine = new.iter().position(|r| r.contains(&me));
         // Ranks outside every new range get a color of their own (a group they do not use).
         let color = mine.unwrap_or(new.len() + me);
-        let comm = self.world.split(color, me)?;
+        let comm = self.world.split_labeled(color, me, "cp")?;
         for range in &new {
             cache.created.insert((range.start, range.end));
         }

@@ -530,6 +530,10 @@ pub struct StepMetrics {
     /// The step's bytes by link class (`--topology`/`--nodes`; intra-node only on one node).
     #[serde(default)]
     pub bytes_by_link: LinkBytes,
+    /// The step's bytes by mesh axis: `tp` (the TP region all-reduces), `cp` (attention), `dp`
+    /// (the gradient all-reduce over DP × CP), `pp` (activations between stages).
+    #[serde(default)]
+    pub bytes_by_axis: BTreeMap<String, u64>,
     pub step_ms: f64,
     /// CP group size → number of sequences that ran in groups of that size.
     #[serde(default)]
@@ -880,7 +884,15 @@ pub trait StepObserver: Sync {
     fn total_bytes(&self) -> u64;
     /// The same bytes by link class (`--topology`/`--nodes`), summed over all ranks.
     fn link_bytes(&self) -> LinkBytes;
+    /// The same bytes by the label of the group that sent them (the mesh's axes: `tp`, `cp`,
+    /// `dp`, `pp`), summed over all ranks.
+    fn label_bytes(&self) -> BTreeMap<String, u64> {
+        BTreeMap::new()
+    }
 }
+
+/// The mesh's axes, as `bytes_by_axis` names them.
+pub const AXES: [&str; 4] = ["tp", "cp", "dp", "pp"];
 
 /// TP rank `tp_rank`'s shard of the model at initialisation: every TP rank cuts its shard from
 /// the same full initialisation (seed `config.seed`), so tp N starts from tp 1's weights.
@@ -1023,8 +1035,13 @@ impl<B: FlashOps> StepLoop<'_, B> {
         for step in first..=self.config.steps {
             let started = Instant::now();
             world.barrier().map_err(|e| e.to_string())?;
-            let bytes_before = (world.rank() == 0)
-                .then(|| (self.observer.total_bytes(), self.observer.link_bytes()));
+            let bytes_before = (world.rank() == 0).then(|| {
+                (
+                    self.observer.total_bytes(),
+                    self.observer.link_bytes(),
+                    self.observer.label_bytes(),
+                )
+            });
             world.barrier().map_err(|e| e.to_string())?;
             let waited = Instant::now();
             let plan = plans
@@ -1043,8 +1060,16 @@ impl<B: FlashOps> StepLoop<'_, B> {
             .map_err(|e| e.to_string())?;
             model = optimizer.step(self.config.learning_rate, model, result.grads);
             world.barrier().map_err(|e| e.to_string())?;
-            if let Some((before, links_before)) = bytes_before {
+            if let Some((before, links_before, labels_before)) = bytes_before {
                 let links = self.observer.link_bytes();
+                let labels = self.observer.label_bytes();
+                let bytes_by_axis = AXES
+                    .iter()
+                    .map(|axis| {
+                        let of = |m: &BTreeMap<String, u64>| m.get(*axis).copied().unwrap_or(0);
+                        (axis.to_string(), of(&labels) - of(&labels_before))
+                    })
+                    .collect();
                 let step_metrics = StepMetrics {
                     step,
                     loss: result.loss,
@@ -1064,6 +1089,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
                     rank_workload_imbalance: result.stats.rank_workload_imbalance,
                     plan_ms: Some(plan.plan_ms),
                     plan_wait_ms: Some(plan_wait_ms),
+                    bytes_by_axis,
                     strategy_counts: result.stats.strategy_counts.clone(),
                     auto_choices: plan.auto_choices.clone(),
                 };

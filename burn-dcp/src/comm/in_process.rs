@@ -293,7 +293,15 @@ impl InProcessWorld {
     pub fn communicators(&self) -> Vec<Comm> {
         let members: Arc<[usize]> = (0..self.size).collect();
         (0..self.size)
-            .map(|rank| InProcessComm::open(&self.world, "world".into(), members.clone(), rank))
+            .map(|rank| {
+                InProcessComm::open(
+                    &self.world,
+                    "world".into(),
+                    Arc::from(""),
+                    members.clone(),
+                    rank,
+                )
+            })
             .collect()
     }
 
@@ -427,6 +435,8 @@ fn run_rank<T, E: fmt::Display>(
 pub struct InProcessComm {
     world: Arc<World>,
     name: String,
+    /// The label its bytes count under ([`CommStats::bytes_by_label`]).
+    label: Arc<str>,
     /// World ranks of the group members, in group-rank order.
     members: Arc<[usize]>,
     rank: usize,
@@ -467,7 +477,13 @@ impl Drop for InProcessComm {
 }
 
 impl InProcessComm {
-    fn open(world: &Arc<World>, name: String, members: Arc<[usize]>, rank: usize) -> Comm {
+    fn open(
+        world: &Arc<World>,
+        name: String,
+        label: Arc<str>,
+        members: Arc<[usize]>,
+        rank: usize,
+    ) -> Comm {
         *world
             .lock()
             .handles
@@ -476,6 +492,7 @@ impl InProcessComm {
         Arc::new(InProcessComm {
             world: world.clone(),
             name,
+            label,
             members,
             rank,
             splits: Mutex::new(0),
@@ -616,6 +633,10 @@ impl InProcessComm {
             match accounting {
                 Accounting::Data(kind) => {
                     *stats.bytes_by_op.entry(kind).or_default() += bytes;
+                    *stats
+                        .bytes_by_label
+                        .entry(self.label.to_string())
+                        .or_default() += bytes;
                     stats.messages += 1;
                     let config = &self.world.config;
                     match config.node_of(me) == config.node_of(to) {
@@ -868,6 +889,10 @@ impl Communicator for InProcessComm {
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Comm, CommError> {
+        self.split_labeled(color, key, &self.label.clone())
+    }
+
+    fn split_labeled(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
         self.begin_call("split")?;
         let me = TensorData::new(vec![color as i64, key as i64], [2]);
         let parts = vec![me; self.members.len()];
@@ -896,7 +921,13 @@ impl Communicator for InProcessComm {
             *splits
         };
         let name = format!("{}/split{index}:{color}", self.name);
-        Ok(InProcessComm::open(&self.world, name, members, rank))
+        Ok(InProcessComm::open(
+            &self.world,
+            name,
+            Arc::from(label),
+            members,
+            rank,
+        ))
     }
 
     fn stats(&self) -> CommStats {

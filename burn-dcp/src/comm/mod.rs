@@ -131,6 +131,9 @@ pub struct CommStats {
     pub control_bytes: u64,
     /// The data bytes by link class (see `WorldConfig::ranks_per_node`).
     pub bytes_by_link: LinkBytes,
+    /// The data bytes by the label of the group that sent them (see
+    /// [`Communicator::split_labeled`]; unlabeled groups count under `""`).
+    pub bytes_by_label: BTreeMap<String, u64>,
 }
 
 /// Bytes by link class.
@@ -214,7 +217,15 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         control_payloads(self.name(), what, received)
     }
     /// Splits the group: ranks with the same `color` form a new group, ordered by `(key, rank)`.
+    /// The new group keeps this group's label.
     fn split(&self, color: usize, key: usize) -> Result<Comm, CommError>;
+    /// [`Communicator::split`], labelling the new group (and the groups split from it) for
+    /// [`CommStats::bytes_by_label`] — the mesh labels its axis groups `tp`, `cp`, `dp`, `pp`.
+    /// The default ignores the label.
+    fn split_labeled(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
+        let _ = label;
+        self.split(color, key)
+    }
 
     /// Bytes sent so far by this rank (all its groups).
     fn stats(&self) -> CommStats;
