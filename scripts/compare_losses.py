@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Runs gpt_longctx for several parallel configurations (static CP strategies, DP × CP and
-dynamic CP pools, DCP block plans, strategy auto) at the same seed and data and checks that
+dynamic CP pools, DCP block plans, strategy auto, TP × CP × DP) at the same seed and data and checks that
 every step's loss agrees with the cp 1 × dp 1 run to ≤ 1e-4 relative.
 
 Usage: python3 scripts/compare_losses.py [BIN] [--steps N]
@@ -38,6 +38,9 @@ runs = {
     "auto cp4": ["--cp", "4", "--strategy", "auto"],
     "auto cp4 2 nodes": ["--cp", "4", "--strategy", "auto", "--nodes", "2"],
     "auto dynamic|dcp": ["--cp", "4", "--strategy", "auto", "--auto-candidates", "dynamic,dcp"],
+    # Tensor parallelism composed with CP (and DP).
+    "tp2 cp2": ["--tp", "2", "--cp", "2"],
+    "tp2 cp2 dp2": ["--tp", "2", "--cp", "2", "--dp", "2"],
 }
 reference = losses("--cp", "1", "--dp", "1")
 worst_all = 0.0

@@ -726,3 +726,27 @@ fn gpt_longctx_auto_choices_match_plan_sim() {
     assert_eq!(checked, 4);
     let _ = std::fs::remove_dir_all(&out);
 }
+
+#[test]
+fn gpt_longctx_tensor_parallel_flags_and_bytes_by_axis() {
+    refused_gpt(&["--tp", "3"], "--tp 3 must divide the 4 query heads");
+    refused_gpt(&["--tp", "0"], "must be at least 1");
+    refused_gpt(
+        &["--tp", "2", "--cp", "4", "--strategy", "ulysses"],
+        "the heads of one TP rank of 2",
+    );
+    refused_gpt(
+        &["--tp", "2", "--cp", "2", "--nodes", "4"],
+        "must hold whole TP groups of 2",
+    );
+    let args = gpt(&["--steps", "1", "--tp", "2", "--cp", "2", "--json"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let report: serde_json::Value = serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap();
+    let axes = report["bytes_by_axis"].as_object().unwrap();
+    let sum: u64 = axes.values().map(|v| v.as_u64().unwrap()).sum();
+    assert_eq!(sum, report["bytes_communicated"].as_u64().unwrap(), "{report}");
+    for axis in ["tp", "cp", "dp"] {
+        assert!(axes[axis].as_u64().unwrap() > 0, "{axis}: {report}");
+    }
+    assert_eq!(axes["pp"].as_u64(), Some(0));
+}
