@@ -744,7 +744,11 @@ fn gpt_longctx_tensor_parallel_flags_and_bytes_by_axis() {
     let report: serde_json::Value = serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap();
     let axes = report["bytes_by_axis"].as_object().unwrap();
     let sum: u64 = axes.values().map(|v| v.as_u64().unwrap()).sum();
-    assert_eq!(sum, report["bytes_communicated"].as_u64().unwrap(), "{report}");
+    assert_eq!(
+        sum,
+        report["bytes_communicated"].as_u64().unwrap(),
+        "{report}"
+    );
     for axis in ["tp", "cp", "dp"] {
         assert!(axes[axis].as_u64().unwrap() > 0, "{axis}: {report}");
     }

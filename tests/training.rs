@@ -259,8 +259,18 @@ fn train(
 
 #[test]
 fn resuming_continues_the_loss_curve_exactly() {
-    let dir = std::env::temp_dir().join(format!("burn-dcp-resume-{}", std::process::id()));
-    let mut config = config(2, 1, Strategy::Ring, Layout::Zigzag, "causal");
+    resume_exactly(
+        config(2, 1, Strategy::Ring, Layout::Zigzag, "causal"),
+        "cp2",
+    );
+    // TP shards are saved and loaded per TP rank (model-tp{r}, optimizer-tp{r}).
+    let mut tp = config(2, 1, Strategy::Ring, Layout::Zigzag, "causal");
+    tp.tp = 2;
+    resume_exactly(tp, "tp2-cp2");
+}
+
+fn resume_exactly(mut config: TrainConfig, name: &str) {
+    let dir = std::env::temp_dir().join(format!("burn-dcp-resume-{name}-{}", std::process::id()));
     config.steps = 6;
     let uninterrupted = train(&config, None, None);
     config.steps = 3;
