@@ -92,7 +92,7 @@ struct Args {
     /// Megatron-dynamic: tokens per rank (default: twice an even split).
     #[arg(long)]
     max_seq_len_per_rank: Option<usize>,
-    /// Write the plan of the last strategy (JSON) to this file.
+    /// Write the plan of the last strategy (JSON) to this file (with auto: the winner's).
     #[arg(long)]
     plan_out: Option<PathBuf>,
     /// Plan each strategy this many times and report the median planning time.
@@ -237,6 +237,8 @@ fn run(args: &Args) -> Result<(), String> {
         let started = Instant::now();
         let choice = choose_strategy(&input, &candidates).map_err(|e| e.to_string())?;
         let planning_ms = started.elapsed().as_secs_f64() * 1e3;
+        // --plan-out writes the plan of the last strategy: auto's winner comes last.
+        last_plan = Some(choice.plan.plan.clone());
         Some((choice, planning_ms))
     } else {
         None

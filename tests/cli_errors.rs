@@ -681,7 +681,7 @@ fn gpt_longctx_auto_choices_match_plan_sim() {
                 "--heads",
                 "4",
                 "--kv-heads",
-                "2",
+                "4",
                 "--head-dim",
                 "16",
                 "--element-bytes",

@@ -530,7 +530,8 @@ pub struct StepMetrics {
     /// The step's bytes by link class (`--topology`/`--nodes`; intra-node only on one node).
     #[serde(default)]
     pub bytes_by_link: LinkBytes,
-    /// The step's bytes by mesh axis: `tp` (the TP region all-reduces), `cp` (attention), `dp`
+    /// The step's bytes by mesh axis: `tp` (the TP region all-reduces, the vocab-parallel max,
+    /// replicated kv gradients), `cp` (attention), `dp`
     /// (the gradient all-reduce over DP × CP), `pp` (activations between stages).
     #[serde(default)]
     pub bytes_by_axis: BTreeMap<String, u64>,
@@ -735,7 +736,8 @@ fn reduce_step<B: FlashOps>(
     if let Some(error) = reducer.error {
         return Err(error.into());
     }
-    check_finite(&groups.world, step, loss_sum, &reducer.non_finite)?;
+    // Over the whole world: a non-finite gradient on one TP position stops every rank, named.
+    check_finite(&groups.mesh.world, step, loss_sum, &reducer.non_finite)?;
     let total = groups
         .world
         .all_reduce(TensorData::new(vec![loss_sum], [1]))?;
@@ -906,8 +908,8 @@ pub fn init_model<B: FlashOps>(
     TpGpt::shard(&full, &model_config, tp_rank, config.tp)
 }
 
-/// Trains on one rank from `start_step` (after loading `resume` if given); rank 0 saves the
-/// checkpoint to `out` at the end.
+/// Trains on one rank from `start_step` (after loading `resume` if given); at the end every
+/// rank takes part in saving the sharded checkpoint to `out` (see `save_checkpoint`).
 pub fn train_rank<B: FlashOps>(
     world: Comm,
     config: &TrainConfig,
@@ -1102,10 +1104,6 @@ impl<B: FlashOps> StepLoop<'_, B> {
     }
 }
 
-/// Saves the checkpoint atomically: everything is written to `checkpoint.tmp/`, then the old
-/// `checkpoint/` is renamed to `checkpoint.old/`, `checkpoint.tmp/` to `checkpoint/`, and the old
-/// one removed. A run killed at any point leaves a complete checkpoint (`checkpoint/`, or
-/// `checkpoint.old/` between the two renames, which [`saved_checkpoint`] falls back to).
 /// The file names of one TP rank's shard in a checkpoint: `model`/`optimizer` at tp 1,
 /// `model-tp{r}`/`optimizer-tp{r}` otherwise.
 struct CheckpointFiles {

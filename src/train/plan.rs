@@ -335,8 +335,9 @@ pub fn plan_dynamic(
     Ok(planned)
 }
 
-/// The planner's input for `batch`: its sequences and masks, the model's attention dimensions
-/// (f32 elements, as training runs), the group's topology, and DCP's block, stages and seed.
+/// The planner's input for `batch`: its sequences and masks, the attention dimensions its CP
+/// calls see (one TP rank's query heads, K/V repeated to as many heads, f32 elements, as training
+/// runs), the group's topology, and DCP's block, stages and seed.
 pub fn plan_input(
     batch: &PlannedBatch,
     sequences: &StepSequences,
@@ -358,11 +359,13 @@ pub fn plan_input(
             .map(|&s| sequences.mask(s).clone())
             .collect(),
         dims: {
-            // CP attention runs on the heads of one TP rank.
-            let (heads, kv_heads) = config.rank_heads(model);
+            // CP attention runs on the heads of one TP rank, and the GPT repeats each kv head for
+            // its query group before calling attention: the strategies move K/V with as many
+            // heads as Q, so that is what the plans are costed with.
+            let (heads, _) = config.rank_heads(model);
             AttentionDims {
                 heads,
-                kv_heads,
+                kv_heads: heads,
                 head_dim: model.head_dim(),
                 element_bytes: 4,
             }
