@@ -737,3 +737,42 @@ fn tensor_parallel_steps_match_cp1() {
         }
     }
 }
+
+/// At tp 1 the trained model (`TpGpt`) saves the same record as the plain GPT, so checkpoints
+/// written before training switched to `TpGpt` still load.
+#[test]
+fn a_plain_gpt_checkpoint_loads_into_the_tp1_shard() {
+    use burn::module::Module;
+    use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+    use burn_dcp_models::TpGpt;
+    type B = burn::backend::Flex;
+    let device = burn::backend::flex::FlexDevice;
+    let config = burn_dcp_models::GptConfig::new(61, 32, 2, 4, 2, 64);
+    let plain: Gpt<B> = config.init(9, &device).unwrap();
+    let path = std::env::temp_dir().join(format!("bdcp-plain-gpt-{}", std::process::id()));
+    let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+    plain.clone().save_file(&path, &recorder).unwrap();
+    let other: Gpt<B> = config.init(1, &device).unwrap();
+    let shard = TpGpt::shard(&other, &config, 0, 1).unwrap();
+    let loaded = shard
+        .load_file(&path, &recorder, &device)
+        .expect("a plain GPT record loads into the tp 1 shard");
+    let _ = std::fs::remove_file(path.with_extension("mpk"));
+    let want = TpGpt::shard(&plain, &config, 0, 1).unwrap();
+    let values = |m: &TpGpt<B>| {
+        struct Collect(Vec<Vec<f32>>);
+        impl burn::module::ModuleVisitor<B> for Collect {
+            fn visit_float<const D: usize>(
+                &mut self,
+                param: &burn::module::Param<burn::prelude::Tensor<B, D>>,
+            ) {
+                self.0
+                    .push(param.val().into_data().to_vec::<f32>().unwrap());
+            }
+        }
+        let mut collect = Collect(Vec::new());
+        m.visit(&mut collect);
+        collect.0
+    };
+    assert_eq!(values(&loaded), values(&want));
+}

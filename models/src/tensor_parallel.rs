@@ -19,7 +19,7 @@
 //! trainer sums over [`TpGpt::kv_replicas`].
 
 use burn::module::{Module, Param, ParamId};
-use burn::nn::{Linear, RmsNorm};
+use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::prelude::{Backend, Int, Tensor};
 use burn::tensor::activation::gelu;
 use burn::tensor::module::{attention, embedding};
@@ -93,8 +93,9 @@ pub struct TpBlock<B: Backend> {
 /// One TP rank's shard of the GPT.
 #[derive(Module, Debug)]
 pub struct TpGpt<B: Backend> {
-    /// Rows `vocab_start ..` of the embedding (also the LM head when tied).
-    embedding: Param<Tensor<B, 2>>,
+    /// Rows `vocab_start ..` of the embedding (also the LM head when tied). A burn `Embedding`
+    /// like the plain GPT's, so that at tp 1 the two save the same record.
+    embedding: Embedding<B>,
     blocks: Vec<TpBlock<B>>,
     norm: RmsNorm<B>,
     /// Untied LM head: this rank's vocabulary columns.
@@ -180,7 +181,9 @@ impl<B: Backend> TpGpt<B> {
         let weight = full.embedding.weight.val();
         let d_model = weight.dims()[1];
         Ok(Self {
-            embedding: Param::from_tensor(weight.slice([vocab.clone(), 0..d_model]).detach()),
+            embedding: Embedding {
+                weight: Param::from_tensor(weight.slice([vocab.clone(), 0..d_model]).detach()),
+            },
             blocks,
             norm: own_norm(&full.norm),
             head: full.head.as_ref().map(|h| columns(h, vocab.clone())),
@@ -221,7 +224,7 @@ impl<B: Backend> TpGpt<B> {
     ) -> Result<Tensor<B, 2>, String> {
         let count = tokens.dims()[0];
         let rope = Rope::new(&positions, self.head_dim, self.rope_theta);
-        let local_vocab = self.embedding.dims()[0];
+        let local_vocab = self.embedding.weight.dims()[0];
         // Vocab-parallel lookup: tokens outside this rank's rows contribute zeros.
         let local = tokens.clone().sub_scalar(self.vocab_start as i64);
         let inside = local
@@ -229,7 +232,7 @@ impl<B: Backend> TpGpt<B> {
             .greater_equal_elem(0)
             .bool_and(local.clone().lower_elem(local_vocab as i64));
         let looked_up = embedding(
-            self.embedding.val(),
+            self.embedding.weight.val(),
             reshape(local.clamp(0, local_vocab as i64 - 1), [1, count]),
         );
         let keep = reshape(inside, [1, count, 1]).repeat_dim(2, looked_up.dims()[2]);
@@ -242,7 +245,7 @@ impl<B: Backend> TpGpt<B> {
         let x = tp.copy(reshape(self.norm.forward(x), [count, d_model]))?;
         Ok(match &self.head {
             Some(head) => head.forward(x),
-            None => x.matmul(self.embedding.val().transpose()),
+            None => x.matmul(self.embedding.weight.val().transpose()),
         })
     }
 
