@@ -117,7 +117,7 @@ impl MeshShape {
         match self.checked_world() {
             Some(world) if world <= max_world => Ok(()),
             _ => Err(CpError::Config(format!(
-                "mesh {self} needs more than the {max_world} ranks a world can hold"
+                "the ranks of mesh {self} exceed the {max_world} ranks a world can hold"
             ))),
         }
     }
@@ -187,29 +187,11 @@ impl MeshShape {
         self.rank(self.coords(rank).with(axis, 0))
     }
 
-    /// The model's rules for this mesh: TP splits whole query heads (`heads % tp`) and whole kv
-    /// heads or replicates them (`kv_heads % tp` or `tp % kv_heads`, as Megatron); PP gives every
-    /// stage the same number of layers (`layers % pp`); with PP, every replica runs at least `pp`
-    /// micro-batches per step so that every stage has work in the 1F1B steady state.
-    pub fn validate_model(
-        &self,
-        heads: usize,
-        kv_heads: usize,
-        layers: usize,
-        micro_batches: usize,
-    ) -> Result<(), CpError> {
-        if !heads.is_multiple_of(self.tp) {
-            return Err(CpError::Config(format!(
-                "--tp {} must divide the {heads} query heads (a TP rank owns whole heads)",
-                self.tp
-            )));
-        }
-        if !kv_heads.is_multiple_of(self.tp) && !self.tp.is_multiple_of(kv_heads) {
-            return Err(CpError::Config(format!(
-                "--tp {} and the {kv_heads} kv heads: one must divide the other (kv heads are split over TP ranks, or replicated when tp > kv heads)",
-                self.tp
-            )));
-        }
+    /// The pipeline's rules for this mesh: PP gives every stage the same number of layers
+    /// (`layers % pp`), and with PP every replica runs at least `pp` micro-batches per step so
+    /// that every stage has work in the 1F1B steady state. (The TP rules — heads, kv heads, MLP
+    /// width, vocabulary — belong to the model: `burn_dcp_models::tensor_parallel::validate_tp`.)
+    pub fn validate_pipeline(&self, layers: usize, micro_batches: usize) -> Result<(), CpError> {
         if !layers.is_multiple_of(self.pp) {
             return Err(CpError::Config(format!(
                 "--pp {} must divide the {layers} layers (every pipeline stage holds as many)",
@@ -358,20 +340,14 @@ mod tests {
     }
 
     #[test]
-    fn model_rules_name_the_values() {
+    fn mesh_rules_name_the_values() {
         let mesh = shape(4, 1, 1, 2);
-        assert!(mesh.validate_model(8, 2, 4, 2).is_ok());
-        let tp3 = shape(3, 1, 1, 1).validate_model(8, 2, 4, 1).unwrap_err();
-        assert!(tp3
-            .to_string()
-            .contains("--tp 3 must divide the 8 query heads"));
-        let kv = shape(4, 1, 1, 1).validate_model(8, 3, 4, 1);
-        assert!(kv.is_err());
-        let layers = shape(1, 1, 1, 3).validate_model(8, 2, 4, 3).unwrap_err();
+        assert!(mesh.validate_pipeline(4, 2).is_ok());
+        let layers = shape(1, 1, 1, 3).validate_pipeline(4, 3).unwrap_err();
         assert!(layers
             .to_string()
             .contains("--pp 3 must divide the 4 layers"));
-        let few = shape(1, 1, 2, 2).validate_model(8, 2, 4, 2).unwrap_err();
+        let few = shape(1, 1, 2, 2).validate_pipeline(4, 2).unwrap_err();
         assert!(few
             .to_string()
             .contains("at least 2 micro-batches per DP replica"));

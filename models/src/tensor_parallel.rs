@@ -316,3 +316,26 @@ impl<B: Backend> TpBlock<B> {
         Ok(x + tp.reduce(self.down.forward(gelu(self.up.forward(h))))?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tp_rules_name_the_values() {
+        let config = GptConfig::new(61, 32, 4, 8, 2, 64);
+        assert!(validate_tp(&config, 4).is_ok());
+        let tp3 = validate_tp(&config, 3).unwrap_err();
+        assert!(
+            tp3.contains("--tp 3 must divide the 8 query heads"),
+            "{tp3}"
+        );
+        let kv = GptConfig::new(61, 24, 4, 12, 3, 64);
+        let error = validate_tp(&kv, 4).unwrap_err();
+        assert!(
+            error.contains("the 3 kv heads: one must divide the other"),
+            "{error}"
+        );
+        assert_eq!(vocab_range(61, 1, 2), 30..61);
+    }
+}

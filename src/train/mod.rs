@@ -160,21 +160,9 @@ pub const MAX_PLAN_AHEAD: usize = 64;
 impl TrainConfig {
     /// Checks the rules, naming the values.
     pub fn validate(&self) -> Result<(), String> {
-        if self.cp == 0 || self.dp == 0 || self.tp == 0 {
-            return Err(format!(
-                "cp ({}), dp ({}) and tp ({}) must be at least 1",
-                self.cp, self.dp, self.tp
-            ));
-        }
-        match self.cp.checked_mul(self.dp).and_then(|n| n.checked_mul(self.tp)) {
-            Some(world) if world <= MAX_IN_PROCESS_RANKS => {}
-            _ => {
-                return Err(format!(
-                    "tp {} × cp {} × dp {} ranks exceed the {MAX_IN_PROCESS_RANKS} ranks (threads) an in-process world can hold",
-                    self.tp, self.cp, self.dp
-                ))
-            }
-        }
+        self.mesh_shape()
+            .validate(MAX_IN_PROCESS_RANKS)
+            .map_err(|e| format!("{e} (in-process ranks are threads)"))?;
         if !self.learning_rate.is_finite() || self.learning_rate <= 0.0 || self.learning_rate > 1.0
         {
             return Err(format!(
@@ -215,6 +203,9 @@ impl TrainConfig {
         }
         let model = self.model_config()?;
         burn_dcp_models::tensor_parallel::validate_tp(&model, self.tp)?;
+        self.mesh_shape()
+            .validate_pipeline(model.n_layers, self.micro_batches)
+            .map_err(|e| e.to_string())?;
         let (heads, kv_heads) = self.rank_heads(&model);
         if let Some(auto) = &self.auto {
             if auto.candidates.is_empty() {
