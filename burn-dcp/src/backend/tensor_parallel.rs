@@ -38,13 +38,17 @@ pub enum Region {
     Reduce,
 }
 
-/// Backends that can run the TP region ops on their primitives.
+/// Backends that can run the TP region ops on their primitives. The default is the forward
+/// alone (backends without autodiff: burn Flex, the cubecl backends); `Autodiff<B>` records a
+/// node whose backward is the other half of the pair.
 pub trait TpInner: CpInner {
     fn tp_region(
         x: FloatTensor<Self>,
         comm: &Comm,
         region: Region,
-    ) -> Result<FloatTensor<Self>, CpError>;
+    ) -> Result<FloatTensor<Self>, CpError> {
+        plain::<Self>(x, comm, region)
+    }
 }
 
 /// All-reduce of a primitive of any rank over `comm` (flattened for the wire).
@@ -77,15 +81,7 @@ fn plain<B: Backend>(
     }
 }
 
-impl TpInner for burn::backend::Flex {
-    fn tp_region(
-        x: FloatTensor<Self>,
-        comm: &Comm,
-        region: Region,
-    ) -> Result<FloatTensor<Self>, CpError> {
-        plain::<Self>(x, comm, region)
-    }
-}
+impl TpInner for burn::backend::Flex {}
 
 #[cfg(feature = "cube")]
 impl<R, F, I, BT> TpInner for burn_cubecl::CubeBackend<R, F, I, BT>
@@ -95,13 +91,6 @@ where
     I: burn_cubecl::IntElement,
     BT: burn_cubecl::BoolElement,
 {
-    fn tp_region(
-        x: FloatTensor<Self>,
-        comm: &Comm,
-        region: Region,
-    ) -> Result<FloatTensor<Self>, CpError> {
-        plain::<Self>(x, comm, region)
-    }
 }
 
 /// The backward of a region op: the other half of its pair.
