@@ -238,34 +238,55 @@ impl<B: Backend> Block<B> {
         n_heads: usize,
         n_kv_heads: usize,
     ) -> Tensor<B, 3> {
-        let [_, tokens, d_model] = x.dims();
-        let head_dim = d_model / n_heads;
+        let head_dim = x.dims()[2] / n_heads;
         let h = self.attn_norm.forward(x.clone());
-        // [1, T, heads·Dh] → [1, heads, T, Dh]
-        let split = |t: Tensor<B, 3>, heads: usize| {
-            reshape(t, [1, tokens, heads, head_dim]).swap_dims(1, 2)
-        };
-        let q = rope.apply(split(self.q.forward(h.clone()), n_heads));
-        let k = rope.apply(split(self.k.forward(h.clone()), n_kv_heads));
-        let v = split(self.v.forward(h), n_kv_heads);
-        // burn's attention takes equal head counts: repeat each kv head for its query group.
-        let group = n_heads / n_kv_heads;
-        let (k, v) = (repeat_heads(k, group), repeat_heads(v, group));
-        let options = AttentionModuleOptions {
-            scale: None,
-            softcap: None,
-            is_causal: true,
-        };
-        let attended = attention(q, k, v, None, None, options);
-        let merged = reshape(attended.swap_dims(1, 2), [1, tokens, d_model]);
+        let merged = self_attention(
+            [&self.q, &self.k, &self.v],
+            h,
+            rope,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        );
         let x = x + self.o.forward(merged);
         let h = self.mlp_norm.forward(x.clone());
         x.clone() + self.down.forward(gelu(self.up.forward(h)))
     }
 }
 
+/// The attention of a block on its normalised input `h [1, T, d]`: Q/K/V projections of
+/// `heads` / `kv_heads` heads (RoPE on Q and K), each kv head repeated for its query group (burn's
+/// attention takes equal head counts), causal attention, heads merged back to `[1, T, heads·Dh]`
+/// (before the output projection). Shared by the plain block and its TP shard, which passes its
+/// own heads.
+pub(crate) fn self_attention<B: Backend>(
+    [q, k, v]: [&Linear<B>; 3],
+    h: Tensor<B, 3>,
+    rope: &Rope<B>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Tensor<B, 3> {
+    let tokens = h.dims()[1];
+    // [1, T, heads·Dh] → [1, heads, T, Dh]
+    let split =
+        |t: Tensor<B, 3>, heads: usize| reshape(t, [1, tokens, heads, head_dim]).swap_dims(1, 2);
+    let q = rope.apply(split(q.forward(h.clone()), heads));
+    let k = rope.apply(split(k.forward(h.clone()), kv_heads));
+    let v = split(v.forward(h), kv_heads);
+    let group = heads / kv_heads;
+    let (k, v) = (repeat_heads(k, group), repeat_heads(v, group));
+    let options = AttentionModuleOptions {
+        scale: None,
+        softcap: None,
+        is_causal: true,
+    };
+    let attended = attention(q, k, v, None, None, options);
+    reshape(attended.swap_dims(1, 2), [1, tokens, heads * head_dim])
+}
+
 /// `[1, K, T, D]` → `[1, K·group, T, D]`, each kv head repeated `group` times in place.
-pub(crate) fn repeat_heads<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
+fn repeat_heads<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
     if group == 1 {
         return x;
     }

@@ -20,12 +20,11 @@
 
 use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, Linear, RmsNorm};
-use burn::prelude::{Backend, Int, Tensor};
+use burn::prelude::{Backend, Bool, Int, Tensor};
 use burn::tensor::activation::gelu;
-use burn::tensor::module::{attention, embedding};
-use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::module::embedding;
 
-use crate::gpt::{repeat_heads, reshape, Gpt, GptConfig, Rope};
+use crate::gpt::{reshape, self_attention, Gpt, GptConfig, Rope};
 
 /// The TP group's communication, as the model needs it. Every TP rank calls the same ops in the
 /// same order (collectives).
@@ -45,6 +44,22 @@ pub trait TensorParallel<B: Backend> {
 /// The vocabulary rows TP rank `rank` of `tp` owns (an uneven split when `tp` does not divide).
 pub fn vocab_range(vocab: usize, rank: usize, tp: usize) -> std::ops::Range<usize> {
     rank * vocab / tp..(rank + 1) * vocab / tp
+}
+
+/// `ids [T]` relative to the vocabulary rows `start .. start + rows` of this rank: the local
+/// row of each id (clamped into range, so a lookup is always valid) and whether it is one of
+/// this rank's rows.
+fn local_rows<B: Backend>(
+    ids: Tensor<B, 1, Int>,
+    start: usize,
+    rows: usize,
+) -> (Tensor<B, 1, Int>, Tensor<B, 1, Bool>) {
+    let local = ids.sub_scalar(start as i64);
+    let inside = local
+        .clone()
+        .greater_equal_elem(0)
+        .bool_and(local.clone().lower_elem(rows as i64));
+    (local.clamp(0, rows as i64 - 1), inside)
 }
 
 /// Checks the config for `tp` ranks, naming the rule.
@@ -226,15 +241,8 @@ impl<B: Backend> TpGpt<B> {
         let rope = Rope::new(&positions, self.head_dim, self.rope_theta);
         let local_vocab = self.embedding.weight.dims()[0];
         // Vocab-parallel lookup: tokens outside this rank's rows contribute zeros.
-        let local = tokens.clone().sub_scalar(self.vocab_start as i64);
-        let inside = local
-            .clone()
-            .greater_equal_elem(0)
-            .bool_and(local.clone().lower_elem(local_vocab as i64));
-        let looked_up = embedding(
-            self.embedding.weight.val(),
-            reshape(local.clamp(0, local_vocab as i64 - 1), [1, count]),
-        );
+        let (local, inside) = local_rows(tokens, self.vocab_start, local_vocab);
+        let looked_up = embedding(self.embedding.weight.val(), reshape(local, [1, count]));
         let keep = reshape(inside, [1, count, 1]).repeat_dim(2, looked_up.dims()[2]);
         let looked_up = looked_up.zeros_like().mask_where(keep, looked_up);
         let mut x = tp.reduce(looked_up)?;
@@ -265,18 +273,8 @@ impl<B: Backend> TpGpt<B> {
         let max = tp.max(logits.clone().detach().max_dim(1))?;
         let sum_exp = tp.reduce((logits.clone() - max.clone()).exp().sum_dim(1))?;
         let lse = reshape(sum_exp.log() + max, [count]);
-        let local = labels.clone().sub_scalar(self.vocab_start as i64);
-        let inside = local
-            .clone()
-            .greater_equal_elem(0)
-            .bool_and(local.clone().lower_elem(local_vocab as i64));
-        let picked = reshape(
-            logits.gather(
-                1,
-                reshape(local.clamp(0, local_vocab as i64 - 1), [count, 1]),
-            ),
-            [count],
-        );
+        let (local, inside) = local_rows(labels.clone(), self.vocab_start, local_vocab);
+        let picked = reshape(logits.gather(1, reshape(local, [count, 1])), [count]);
         let target = tp.reduce(picked.zeros_like().mask_where(inside, picked))?;
         let valid = labels.greater_equal_elem(0);
         let losses = lse - target;
@@ -294,23 +292,15 @@ impl<B: Backend> TpBlock<B> {
         head_dim: usize,
         tp: &T,
     ) -> Result<Tensor<B, 3>, String> {
-        let [_, tokens, _] = x.dims();
         let h = tp.copy(self.attn_norm.forward(x.clone()))?;
-        let split = |t: Tensor<B, 3>, heads: usize| {
-            reshape(t, [1, tokens, heads, head_dim]).swap_dims(1, 2)
-        };
-        let q = rope.apply(split(self.q.forward(h.clone()), heads));
-        let k = rope.apply(split(self.k.forward(h.clone()), kv_heads));
-        let v = split(self.v.forward(h), kv_heads);
-        let group = heads / kv_heads;
-        let (k, v) = (repeat_heads(k, group), repeat_heads(v, group));
-        let options = AttentionModuleOptions {
-            scale: None,
-            softcap: None,
-            is_causal: true,
-        };
-        let attended = attention(q, k, v, None, None, options);
-        let merged = reshape(attended.swap_dims(1, 2), [1, tokens, heads * head_dim]);
+        let merged = self_attention(
+            [&self.q, &self.k, &self.v],
+            h,
+            rope,
+            heads,
+            kv_heads,
+            head_dim,
+        );
         let x = x + tp.reduce(self.o.forward(merged))?;
         let h = tp.copy(self.mlp_norm.forward(x.clone()))?;
         Ok(x + tp.reduce(self.down.forward(gelu(self.up.forward(h))))?)
