@@ -25,10 +25,11 @@ use std::time::Instant;
 
 use burn_dcp::kernels::{MaskSpec, MicroBatch};
 use burn_dcp::planner::auto::{choose_strategy, executable_dcp_plan, AutoCandidate};
-use burn_dcp::planner::cost::AttentionDims;
+use burn_dcp::planner::cost::{AttentionDims, RoutedPlan};
 use burn_dcp::planner::dcp::DcpConfig;
-use burn_dcp::planner::dynamic::{rank_work, schedule_with};
+use burn_dcp::planner::dynamic::{rank_work, schedule_with, DynamicCpSchedule};
 use burn_dcp::planner::strategies::{megatron_schedule, usp_ulysses_degree, PlanInput};
+use burn_dcp::planner::topology::Topology;
 use burn_dcp::shard::RankShard;
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::{CpError, Layout, Placement, Strategy};
@@ -317,16 +318,32 @@ pub fn plan_dynamic(
 ) -> Result<Vec<PlannedBatch>, CpError> {
     let lengths = sequences.lengths();
     let schedule = schedule_with(&lengths, works, &settings.scheduler(pool), layout)?;
+    schedule_batches(schedule, &lengths, |s| s, 0, inner, layout)
+}
+
+/// The planned batches of a dynamic CP schedule: every group of every sub-step, placed by
+/// `layout` over its group and run by `inner` (sized to the group). The schedule's sequence `s`
+/// is the step's sequence `sequence_of(s)` (whose length is in `lengths`) and its rank `r` the
+/// pool rank `first_rank + r`.
+fn schedule_batches(
+    schedule: DynamicCpSchedule,
+    lengths: &[usize],
+    sequence_of: impl Fn(usize) -> usize,
+    first_rank: usize,
+    inner: Strategy,
+    layout: Layout,
+) -> Result<Vec<PlannedBatch>, CpError> {
     let mut planned = Vec::new();
     for (sub_step, micro_batch) in schedule.micro_batches.into_iter().enumerate() {
         for group in micro_batch.groups {
-            let group_lengths: Vec<usize> = group.sequences.iter().map(|&s| lengths[s]).collect();
+            let sequences: Vec<usize> = group.sequences.iter().map(|&s| sequence_of(s)).collect();
+            let group_lengths: Vec<usize> = sequences.iter().map(|&s| lengths[s]).collect();
             let placement = Placement::of_layout(&group_lengths, group.ranks.len(), layout)?;
             planned.push(PlannedBatch {
                 sub_step,
                 strategy: strategy_for(inner, group.ranks.len())?,
-                ranks: group.ranks,
-                sequences: group.sequences,
+                ranks: first_rank + group.ranks.start..first_rank + group.ranks.end,
+                sequences,
                 placement: Arc::new(placement),
                 blocks: None,
             });
@@ -390,8 +407,16 @@ fn plan_blocks(
     model: &GptConfig,
 ) -> Result<(), CpError> {
     let input = plan_input(batch, sequences, config, model)?;
-    let routed = executable_dcp_plan(&input)?;
-    let schedule = BlockSchedule::new(&routed.plan, &routed.problem, &input.topology)?;
+    run_blocks(batch, &executable_dcp_plan(&input)?, &input.topology)
+}
+
+/// Makes `batch` run the DCP plan `routed`: its homes become the placement.
+fn run_blocks(
+    batch: &mut PlannedBatch,
+    routed: &RoutedPlan,
+    topology: &Topology,
+) -> Result<(), CpError> {
+    let schedule = BlockSchedule::new(&routed.plan, &routed.problem, topology)?;
     batch.placement = Arc::new(schedule.placement().clone());
     batch.blocks = Some(Arc::new(schedule));
     batch.strategy = Strategy::Dcp;
@@ -449,43 +474,17 @@ pub fn plan_auto(
                 planned.push(batch);
             }
             AutoCandidate::Dcp => {
-                let schedule =
-                    BlockSchedule::new(&choice.plan.plan, &choice.plan.problem, &input.topology)?;
-                batch.placement = Arc::new(schedule.placement().clone());
-                batch.blocks = Some(Arc::new(schedule));
-                batch.strategy = Strategy::Dcp;
+                run_blocks(&mut batch, &choice.plan, &input.topology)?;
                 planned.push(batch);
             }
-            AutoCandidate::Dynamic => {
-                let schedule = megatron_schedule(&input)?;
-                for (sub_step, micro) in schedule.micro_batches.into_iter().enumerate() {
-                    for group in micro.groups {
-                        let group_lengths: Vec<usize> = group
-                            .sequences
-                            .iter()
-                            .map(|&s| lengths[batch.sequences[s]])
-                            .collect();
-                        let size = group.ranks.len();
-                        planned.push(PlannedBatch {
-                            sub_step: batch.sub_step + sub_step,
-                            ranks: batch.ranks.start + group.ranks.start
-                                ..batch.ranks.start + group.ranks.end,
-                            sequences: group
-                                .sequences
-                                .iter()
-                                .map(|&s| batch.sequences[s])
-                                .collect(),
-                            placement: Arc::new(Placement::of_layout(
-                                &group_lengths,
-                                size,
-                                Layout::Zigzag,
-                            )?),
-                            blocks: None,
-                            strategy: Strategy::Ring,
-                        });
-                    }
-                }
-            }
+            AutoCandidate::Dynamic => planned.extend(schedule_batches(
+                megatron_schedule(&input)?,
+                &lengths,
+                |s| batch.sequences[s],
+                batch.ranks.start,
+                Strategy::Ring,
+                Layout::Zigzag,
+            )?),
         }
     }
     assign_sub_steps(&mut planned);
