@@ -722,20 +722,16 @@ fn train_world<B: FlashOps>(
     })
 }
 
-/// Group size → sequences, summed over the steps.
-fn group_size_totals(metrics: &[StepMetrics]) -> std::collections::BTreeMap<String, usize> {
-    let mut totals = std::collections::BTreeMap::new();
-    for (size, count) in metrics.iter().flat_map(|m| &m.cp_group_sizes) {
-        *totals.entry(size.clone()).or_default() += count;
-    }
-    totals
-}
-
-/// Strategy → micro-batches that ran it, summed over the steps.
-fn strategy_totals(metrics: &[StepMetrics]) -> std::collections::BTreeMap<String, usize> {
-    let mut totals = std::collections::BTreeMap::new();
-    for (name, count) in metrics.iter().flat_map(|m| &m.strategy_counts) {
-        *totals.entry(name.clone()).or_default() += count;
+/// A per-step map (group sizes, strategy counts, bytes by axis) summed over the steps, starting
+/// from `keys` at zero.
+fn totals<'a, V: Copy + Default + std::ops::AddAssign + 'a>(
+    keys: &[&str],
+    maps: impl Iterator<Item = &'a std::collections::BTreeMap<String, V>>,
+) -> std::collections::BTreeMap<String, V> {
+    let mut totals: std::collections::BTreeMap<String, V> =
+        keys.iter().map(|k| (k.to_string(), V::default())).collect();
+    for (key, value) in maps.flatten() {
+        *totals.entry(key.clone()).or_default() += *value;
     }
     totals
 }
@@ -773,18 +769,12 @@ fn summarize(
             "intra_node": metrics.iter().map(|m| m.bytes_by_link.intra_node).sum::<u64>(),
             "inter_node": metrics.iter().map(|m| m.bytes_by_link.inter_node).sum::<u64>(),
         },
-        "bytes_by_axis": burn_dcp_suite::train::AXES
-            .iter()
-            .map(|axis| {
-                let total: u64 = metrics
-                    .iter()
-                    .map(|m| m.bytes_by_axis.get(*axis).copied().unwrap_or(0))
-                    .sum();
-                (axis.to_string(), total)
-            })
-            .collect::<std::collections::BTreeMap<_, _>>(),
-        "cp_group_sizes": group_size_totals(metrics),
-        "strategy_counts": strategy_totals(metrics),
+        "bytes_by_axis": totals(
+            &burn_dcp_suite::train::AXES,
+            metrics.iter().map(|m| &m.bytes_by_axis)
+        ),
+        "cp_group_sizes": totals(&[], metrics.iter().map(|m| &m.cp_group_sizes)),
+        "strategy_counts": totals(&[], metrics.iter().map(|m| &m.strategy_counts)),
         "rank_workload_imbalance": mean(metrics.iter().map(|m| m.rank_workload_imbalance)),
         "plan_wait_ms": metrics.iter().filter_map(|m| m.plan_wait_ms).fold(0.0, |a, b| a + b),
         "wall_seconds": wall,
