@@ -421,6 +421,21 @@ fn checkpoints_never_move_backwards_and_survive_an_interrupted_save() {
 
 /// Dynamic CP over pools of 2, 4 and 8 ranks on the default corpus: every step's loss and every
 /// parameter's gradient equal cp 1 on the same data, with groups of several sizes in use.
+/// The first step whose micro-batches hold a sequence of at most 128 tokens (the tail of a
+/// document) and one of at least `long` tokens.
+fn step_with_short_and_long(data: &TrainData, micro_batches: usize, long: usize) -> usize {
+    (1..=data.len() / micro_batches)
+        .find(|&step| {
+            let lengths: Vec<usize> = data
+                .step_batches(step, micro_batches)
+                .iter()
+                .flat_map(|b| b.seq_lens())
+                .collect();
+            lengths.iter().any(|&l| l <= 128) && lengths.iter().any(|&l| l >= long)
+        })
+        .expect("a step with short and long sequences")
+}
+
 #[test]
 fn dynamic_cp_pools_match_cp1_on_the_default_corpus() {
     use burn_dcp_suite::train::{plan_step, CpSizes, DynamicSettings};
@@ -431,16 +446,7 @@ fn dynamic_cp_pools_match_cp1_on_the_default_corpus() {
     // Most pieces of the default corpus fill a micro-batch: take the first step that also holds
     // short sequences (the tails of documents).
     let data = TrainData::load(&base).unwrap();
-    let step = (1..=data.len() / base.micro_batches)
-        .find(|&step| {
-            let lengths: Vec<usize> = data
-                .step_batches(step, base.micro_batches)
-                .iter()
-                .flat_map(|b| b.seq_lens())
-                .collect();
-            lengths.iter().any(|&l| l <= 128) && lengths.iter().any(|&l| l >= 1000)
-        })
-        .expect("a step with short and long sequences");
+    let step = step_with_short_and_long(&data, base.micro_batches, 1000);
     let flex = burn::backend::flex::FlexDevice;
     let reference = step_on::<burn::backend::Flex>(&base, step, &flex);
     let mut mixed = false;
@@ -513,16 +519,7 @@ fn auto_runs_each_candidate_it_can_choose_exactly() {
     base.corpus = "default".into();
     base.seq_len = 1024;
     let data = TrainData::load(&base).unwrap();
-    let step = (1..=data.len() / base.micro_batches)
-        .find(|&step| {
-            let lengths: Vec<usize> = data
-                .step_batches(step, base.micro_batches)
-                .iter()
-                .flat_map(|b| b.seq_lens())
-                .collect();
-            lengths.iter().any(|&l| l <= 128) && lengths.iter().any(|&l| l >= 600)
-        })
-        .expect("a step with short and long sequences");
+    let step = step_with_short_and_long(&data, base.micro_batches, 600);
     let flex = burn::backend::flex::FlexDevice;
     let reference = step_on::<burn::backend::Flex>(&base, step, &flex);
     let auto = |cp: usize, dp: usize, nodes: usize, candidates: Vec<AutoCandidate>| {
