@@ -17,8 +17,8 @@ use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::train::{
     check_resume, read_json, train_rank, write_atomically, write_json, AutoSettings, CpSizes,
-    DcpSettings, DynamicSettings, RankOutcome, StepMetrics, StepObserver, TrainConfig, TrainData,
-    DEFAULT_PLAN_AHEAD, MAX_SEQ_LEN,
+    DcpSettings, DynamicSettings, PpSchedule, RankOutcome, StepMetrics, StepObserver, TrainConfig,
+    TrainData, DEFAULT_PLAN_AHEAD, MAX_SEQ_LEN,
 };
 use clap::Parser;
 use serde_json::json;
@@ -32,9 +32,15 @@ struct Args {
     /// Data-parallel replicas [default: 1]
     #[arg(long)]
     dp: Option<usize>,
-    /// Tensor-parallel ranks (Megatron-style; innermost axis of the tp × cp × dp mesh) [default: 1]
+    /// Tensor-parallel ranks (Megatron-style; innermost axis of the tp × cp × dp × pp mesh) [default: 1]
     #[arg(long)]
     tp: Option<usize>,
+    /// Pipeline stages (outermost axis of the mesh; must divide the layers) [default: 1]
+    #[arg(long)]
+    pp: Option<usize>,
+    /// Pipeline schedule over each step's micro-batches, 1f1b | gpipe [default: 1f1b]
+    #[arg(long)]
+    pp_schedule: Option<String>,
     /// ulysses | ring | all-gather | usp | dcp, or ring-zigzag | ring-contiguous | ring-stripe, or dynamic (Megatron-style dynamic CP over the dp × cp pool), or auto (per micro-batch the strategy with the lowest estimated attention time) [default: ring]
     #[arg(long)]
     strategy: Option<String>,
@@ -264,6 +270,13 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
         cp,
         dp: args.dp.unwrap_or(1),
         tp: args.tp.unwrap_or(1),
+        pp: args.pp.unwrap_or(1),
+        pp_schedule: args
+            .pp_schedule
+            .as_deref()
+            .map(PpSchedule::parse)
+            .transpose()?
+            .unwrap_or_default(),
         strategy,
         layout,
         seq_len,
@@ -325,12 +338,16 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
     if let Some(steps) = args.steps {
         config.steps = steps;
     }
-    // Planning ahead changes when plans are made, not what they are.
+    // Planning ahead changes when plans are made, not what they are; the pipeline schedule the
+    // order of the passes, not their results.
     if let Some(plan_ahead) = args.plan_ahead {
         config.plan_ahead = plan_ahead;
     }
     let given = config_from_args(args)?;
-    let checks: [(&str, bool, String, String); 12] = [
+    if args.pp_schedule.is_some() {
+        config.pp_schedule = given.pp_schedule;
+    }
+    let checks: [(&str, bool, String, String); 13] = [
         (
             "--corpus",
             args.corpus.is_some() && given.corpus != saved.corpus,
@@ -360,6 +377,12 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
             args.tp.is_some() && given.tp != saved.tp,
             given.tp.to_string(),
             saved.tp.to_string(),
+        ),
+        (
+            "--pp",
+            args.pp.is_some() && given.pp != saved.pp,
+            given.pp.to_string(),
+            saved.pp.to_string(),
         ),
         (
             "--strategy",
@@ -647,6 +670,10 @@ fn run(args: &Args) -> Result<(), String> {
             config.topology, config.nodes
         ),
         None => format!("{} strategy", config.strategy),
+    };
+    let strategy = match config.pp {
+        1 => strategy,
+        _ => format!("{strategy}, {} pipeline schedule", config.pp_schedule),
     };
     eprintln!(
         "gpt_longctx: {} model, world {} = {} ({strategy}, {} layout), {} tokens/micro-batch, {} micro-batches/step, mask {}",

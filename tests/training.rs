@@ -17,6 +17,8 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         cp,
         dp,
         tp: 1,
+        pp: 1,
+        pp_schedule: Default::default(),
         strategy,
         layout,
         seq_len: 150,
@@ -65,23 +67,35 @@ fn step_on<B: FlashOps>(
     let data = TrainData::load(config).unwrap();
     let results = world.run(|comm| -> Result<_, String> {
         let groups = RankGroups::new(comm, config).map_err(|e| e.to_string())?;
-        let model = init_model::<B>(config, groups.tp.comm.rank(), device)?;
+        let model = init_model::<B>(config, groups.tp.comm.rank(), groups.mesh.pp.rank(), device)?;
         let (loss, grads, _) = step_gradients(&model, &groups, config, &data, step, device)
             .map_err(|e| e.to_string())?;
         Ok((loss, gradient_values(&model, &grads)))
     });
     let bytes = world.stats().iter().map(|s| s.total_bytes()).sum();
-    let mut results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
-    // Every rank holds the same loss, and the ranks of one TP position (the TP rank is the
-    // innermost axis) the same all-reduced gradients.
+    let results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+    // Every rank holds the same loss, and the ranks of one TP position of one pipeline stage
+    // (TP is the innermost axis, PP the outermost) the same all-reduced gradients.
+    let per_stage = config.world_size() / config.pp;
     for (rank, other) in results.iter().enumerate() {
         assert_eq!(other.0, results[0].0);
         if rank % config.tp == 0 {
-            assert_eq!(other.1, results[0].1);
+            let first = rank / per_stage * per_stage;
+            assert_eq!(other.1, results[first].1, "rank {rank}");
         }
     }
-    let (loss, grads) = results.swap_remove(0);
-    (loss, grads, bytes)
+    // The whole model's gradients: every stage's (TP rank 0) in order; the last stage's copy of
+    // the tied embedding holds the same summed gradient as the first's, and is left out.
+    let mut grads = Vec::new();
+    for stage in 0..config.pp {
+        let stage_grads = &results[stage * per_stage].1;
+        let skip = usize::from(stage > 0 && stage + 1 == config.pp);
+        if skip == 1 {
+            assert_eq!(stage_grads[0], results[0].1[0], "tied embedding copies");
+        }
+        grads.extend(stage_grads[skip..].iter().cloned());
+    }
+    (results[0].0, grads, bytes)
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f64 {
@@ -266,7 +280,12 @@ fn resuming_continues_the_loss_curve_exactly() {
     // TP shards are saved and loaded per TP rank (model-tp{r}, optimizer-tp{r}).
     let mut tp = config(2, 1, Strategy::Ring, Layout::Zigzag, "causal");
     tp.tp = 2;
-    resume_exactly(tp, "tp2-cp2");
+    resume_exactly(tp.clone(), "tp2-cp2");
+    // And per (TP rank, stage) under PP (model-tp{r}-pp{s}, …).
+    let mut pp = tp;
+    pp.pp = 2;
+    pp.micro_batches = 4;
+    resume_exactly(pp, "tp2-pp2-cp2");
 }
 
 fn resume_exactly(mut config: TrainConfig, name: &str) {
@@ -354,7 +373,7 @@ fn a_non_finite_loss_stops_training_naming_step_and_rank() {
     let device = burn::backend::flex::FlexDevice;
     let results = world.run(|comm| -> Result<_, String> {
         let groups = RankGroups::new(comm.clone(), &config).map_err(|e| e.to_string())?;
-        let mut model = init_model::<burn::backend::Flex>(&config, 0, &device)?;
+        let mut model = init_model::<burn::backend::Flex>(&config, 0, 0, &device)?;
         if comm.rank() == 1 {
             model = model.map(&mut Poison);
         }
@@ -772,4 +791,106 @@ fn a_plain_gpt_checkpoint_loads_into_the_tp1_shard() {
         collect.0
     };
     assert_eq!(values(&loaded), values(&want));
+}
+
+/// Pipeline parallelism composed with CP, TP, DP and dynamic CP: one step of `--pp 2 --cp 2`
+/// (1F1B and GPipe), `--tp 2 --pp 2 --cp 2`, `--pp 2 --cp 2 --dp 2 --strategy dynamic`, and pp 2
+/// under dcp and auto gives cp 1's loss and every parameter's gradient (the stages' gradients
+/// put together; the tied embedding's two copies summed).
+#[test]
+fn pipeline_steps_match_cp1() {
+    use burn_dcp_suite::train::{AutoSettings, CpSizes, DcpSettings, DynamicSettings, PpSchedule};
+    let base = |cp: usize, dp: usize| {
+        let mut config = config(cp, dp, Strategy::Ring, Layout::Zigzag, "mixed");
+        config.micro_batches = 4;
+        config
+    };
+    let reference = one_step(&base(1, 1));
+    let pp_config = |tp: usize, cp: usize, dp: usize| {
+        let mut config = base(cp, dp);
+        config.tp = tp;
+        config.pp = 2;
+        config
+    };
+    let mut configs = vec![
+        ("pp 2 cp 2", pp_config(1, 2, 1)),
+        ("tp 2 pp 2 cp 2", pp_config(2, 2, 1)),
+    ];
+    let mut gpipe = pp_config(1, 2, 1);
+    gpipe.pp_schedule = PpSchedule::Gpipe;
+    configs.push(("pp 2 cp 2 gpipe", gpipe));
+    let mut dynamic = pp_config(1, 2, 2);
+    dynamic.dynamic = Some(DynamicSettings {
+        max_tokens_per_rank: 60,
+        min_cp_size: 1,
+        cp_sizes: CpSizes::Pow2,
+    });
+    configs.push(("pp 2 cp 2 dp 2 dynamic", dynamic));
+    let mut dcp = pp_config(1, 2, 1);
+    dcp.strategy = Strategy::Dcp;
+    dcp.dcp = Some(DcpSettings {
+        block: 16,
+        stages: 2,
+    });
+    configs.push(("pp 2 dcp", dcp));
+    let mut auto = pp_config(1, 2, 1);
+    auto.auto = Some(AutoSettings {
+        candidates: burn_dcp::planner::auto::AutoCandidate::ALL.to_vec(),
+    });
+    auto.dcp = Some(DcpSettings {
+        block: 16,
+        stages: 2,
+    });
+    configs.push(("pp 2 auto", auto));
+    for (what, config) in configs {
+        config.validate().unwrap();
+        let got = one_step(&config);
+        if config.tp == 1 {
+            assert_same_step(&got, &reference, what);
+            continue;
+        }
+        // TP rank 0 holds shards of most parameters: the loss, and the norms (whole on every TP
+        // rank: the first block's attention norm, the final norm) match.
+        let loss_err = ((got.0 - reference.0) / reference.0).abs();
+        assert!(
+            loss_err <= 1e-5,
+            "{what}: loss {} vs {}",
+            got.0,
+            reference.0
+        );
+        for index in [1, got.1.len() - 1] {
+            let err = max_rel(&got.1[index], &reference.1[index]);
+            assert!(err <= 1e-4, "{what}: parameter {index} gradient {err:e}");
+        }
+    }
+}
+
+/// Over 8 steps of training (AdamW updates included), the per-step losses of the pipeline
+/// configurations equal cp 1's within 1e-4 relative.
+#[test]
+fn pipeline_training_follows_cp1_over_8_steps() {
+    let base = |cp: usize, dp: usize| {
+        let mut config = config(cp, dp, Strategy::Ring, Layout::Zigzag, "causal");
+        config.micro_batches = 4;
+        config.steps = 8;
+        config
+    };
+    let reference = train(&base(1, 1), None, None);
+    assert_eq!(reference.len(), 8);
+    let mut pp_cp = base(2, 1);
+    pp_cp.pp = 2;
+    let mut tp_pp_cp = pp_cp.clone();
+    tp_pp_cp.tp = 2;
+    for (what, config) in [("pp 2 cp 2", pp_cp), ("tp 2 pp 2 cp 2", tp_pp_cp)] {
+        let losses = train(&config, None, None);
+        assert_eq!(losses.len(), 8, "{what}");
+        for (step, (got, want)) in losses.iter().zip(&reference).enumerate() {
+            let err = ((got - want) / want).abs();
+            assert!(
+                err <= 1e-4,
+                "{what}: step {} loss {got} vs {want} (rel {err:e})",
+                step + 1
+            );
+        }
+    }
 }

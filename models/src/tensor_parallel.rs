@@ -92,6 +92,17 @@ pub fn validate_tp(config: &GptConfig, tp: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks that `stages` pipeline stages can split the config's layers evenly.
+pub fn validate_stages(config: &GptConfig, stages: usize) -> Result<(), String> {
+    if stages == 0 || !config.n_layers.is_multiple_of(stages) {
+        return Err(format!(
+            "--pp {stages} must divide the {} layers (every pipeline stage holds as many)",
+            config.n_layers
+        ));
+    }
+    Ok(())
+}
+
 /// One TP rank's transformer block.
 #[derive(Module, Debug)]
 pub struct TpBlock<B: Backend> {
@@ -105,22 +116,32 @@ pub struct TpBlock<B: Backend> {
     down: Linear<B>,
 }
 
-/// One TP rank's shard of the GPT.
+/// One TP rank's shard of one pipeline stage of the GPT (the whole depth when there is one
+/// stage): the first stage holds the embedding, the last the final norm and the LM head (with a
+/// copy of the embedding when tied, like Megatron-LM's last stage), every stage `layers / pp`
+/// blocks.
 #[derive(Module, Debug)]
 pub struct TpGpt<B: Backend> {
-    /// Rows `vocab_start ..` of the embedding (also the LM head when tied). A burn `Embedding`
-    /// like the plain GPT's, so that at tp 1 the two save the same record.
-    embedding: Embedding<B>,
+    /// Rows `vocab_start ..` of the embedding: the lookup on the first stage, the tied LM head on
+    /// the last. A burn `Embedding` like the plain GPT's, so that at tp 1, pp 1 the two save the
+    /// same record (an `Option` that is `Some` records as its value).
+    embedding: Option<Embedding<B>>,
     blocks: Vec<TpBlock<B>>,
-    norm: RmsNorm<B>,
-    /// Untied LM head: this rank's vocabulary columns.
+    /// Final norm (last stage).
+    norm: Option<RmsNorm<B>>,
+    /// Untied LM head: this rank's vocabulary columns (last stage).
     head: Option<Linear<B>>,
     /// Query and kv heads on this rank.
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    d_model: usize,
     vocab_start: usize,
     rope_theta: f64,
+    /// Whether this is the first / last pipeline stage, and how many there are.
+    first_stage: bool,
+    last_stage: bool,
+    stages: usize,
 }
 
 /// `linear` with only the columns `columns` of its weight (`[d_in, d_out]`).
@@ -153,16 +174,35 @@ fn own_norm<B: Backend>(norm: &RmsNorm<B>) -> RmsNorm<B> {
 }
 
 impl<B: Backend> TpGpt<B> {
-    /// TP rank `rank`'s shard of `full` over `tp` ranks (`config` is `full`'s).
+    /// TP rank `rank`'s shard of `full` over `tp` ranks (`config` is `full`'s), one stage.
     pub fn shard(
         full: &Gpt<B>,
         config: &GptConfig,
         rank: usize,
         tp: usize,
     ) -> Result<Self, String> {
+        Self::stage(full, config, rank, tp, 0, 1)
+    }
+
+    /// TP rank `rank`'s shard over `tp` ranks of pipeline stage `stage` of `stages` (blocks
+    /// `stage·L/stages .. (stage+1)·L/stages`) of `full`.
+    pub fn stage(
+        full: &Gpt<B>,
+        config: &GptConfig,
+        rank: usize,
+        tp: usize,
+        stage: usize,
+        stages: usize,
+    ) -> Result<Self, String> {
         validate_tp(config, tp)?;
         if rank >= tp {
             return Err(format!("TP rank {rank} is outside a TP group of {tp}"));
+        }
+        validate_stages(config, stages)?;
+        if stage >= stages {
+            return Err(format!(
+                "pipeline stage {stage} is outside a pipeline of {stages} stages"
+            ));
         }
         let head_dim = config.head_dim();
         let heads = config.n_heads / tp;
@@ -178,8 +218,8 @@ impl<B: Backend> TpGpt<B> {
         let kv_cols = kv_first * head_dim..(kv_first + kv_heads) * head_dim;
         let ff = config.d_ff / tp;
         let ff_range = rank * ff..(rank + 1) * ff;
-        let blocks = full
-            .blocks
+        let per_stage = config.n_layers / stages;
+        let blocks = full.blocks[stage * per_stage..(stage + 1) * per_stage]
             .iter()
             .map(|b| TpBlock {
                 attn_norm: own_norm(&b.attn_norm),
@@ -192,22 +232,59 @@ impl<B: Backend> TpGpt<B> {
                 down: rows(&b.down, ff_range.clone()),
             })
             .collect();
+        let (first, last) = (stage == 0, stage + 1 == stages);
         let vocab = vocab_range(config.vocab_size, rank, tp);
         let weight = full.embedding.weight.val();
         let d_model = weight.dims()[1];
+        let needs_embedding = first || (last && full.head.is_none());
         Ok(Self {
-            embedding: Embedding {
+            embedding: needs_embedding.then(|| Embedding {
                 weight: Param::from_tensor(weight.slice([vocab.clone(), 0..d_model]).detach()),
-            },
+            }),
             blocks,
-            norm: own_norm(&full.norm),
-            head: full.head.as_ref().map(|h| columns(h, vocab.clone())),
+            norm: last.then(|| own_norm(&full.norm)),
+            head: if last {
+                full.head.as_ref().map(|h| columns(h, vocab.clone()))
+            } else {
+                None
+            },
             heads,
             kv_heads,
             head_dim,
+            d_model,
             vocab_start: vocab.start,
             rope_theta: full.rope_theta,
+            first_stage: first,
+            last_stage: last,
+            stages,
         })
+    }
+
+    /// The model width (of the hidden states that cross pipeline stages).
+    pub fn d_model(&self) -> usize {
+        self.d_model
+    }
+
+    /// Whether this shard is of the first pipeline stage (it embeds the tokens).
+    pub fn is_first_stage(&self) -> bool {
+        self.first_stage
+    }
+
+    /// Whether this shard is of the last pipeline stage (it computes the loss).
+    pub fn is_last_stage(&self) -> bool {
+        self.last_stage
+    }
+
+    /// The embedding shared by the first and the last stage when the LM head is tied and there
+    /// is more than one stage: each stage's copy gets part of the gradient (the lookup's, the
+    /// head's), which the trainer sums over the two (Megatron-LM's embedding group).
+    pub fn tied_embedding_id(&self) -> Option<ParamId> {
+        match (&self.embedding, &self.head) {
+            (Some(embedding), None) if self.stages > 1 && (self.first_stage || self.last_stage) => {
+                Some(embedding.weight.id)
+            }
+            _ => None,
+        }
     }
 
     /// The TP ranks that hold the same kv projection as `rank` (more than one only when tp >
@@ -230,45 +307,69 @@ impl<B: Backend> TpGpt<B> {
             .collect()
     }
 
-    /// This rank's vocabulary-parallel logits `[T, V / tp]` of `tokens [T]` at `positions [T]`.
-    pub fn forward_local<T: TensorParallel<B>>(
+    /// The embedding's `[1, T, d]` rows of `tokens [T]` (first stage): a vocab-parallel lookup,
+    /// tokens outside this rank's rows contribute zeros to the sum over the TP group.
+    pub fn embed<T: TensorParallel<B>>(
         &self,
         tokens: Tensor<B, 1, Int>,
-        positions: Tensor<B, 1, Int>,
         tp: &T,
-    ) -> Result<Tensor<B, 2>, String> {
+    ) -> Result<Tensor<B, 3>, String> {
+        let table = match (&self.embedding, self.first_stage) {
+            (Some(table), true) => table.weight.val(),
+            _ => return Err("only the first pipeline stage embeds tokens".into()),
+        };
         let count = tokens.dims()[0];
-        let rope = Rope::new(&positions, self.head_dim, self.rope_theta);
-        let local_vocab = self.embedding.weight.dims()[0];
-        // Vocab-parallel lookup: tokens outside this rank's rows contribute zeros.
+        let local_vocab = table.dims()[0];
         let (local, inside) = local_rows(tokens, self.vocab_start, local_vocab);
-        let looked_up = embedding(self.embedding.weight.val(), reshape(local, [1, count]));
+        let looked_up = embedding(table, reshape(local, [1, count]));
         let keep = reshape(inside, [1, count, 1]).repeat_dim(2, looked_up.dims()[2]);
         let looked_up = looked_up.zeros_like().mask_where(keep, looked_up);
-        let mut x = tp.reduce(looked_up)?;
+        tp.reduce(looked_up)
+    }
+
+    /// This stage's blocks on the hidden states `x [1, T, d]` of tokens at `positions [T]`.
+    pub fn blocks_forward<T: TensorParallel<B>>(
+        &self,
+        mut x: Tensor<B, 3>,
+        positions: Tensor<B, 1, Int>,
+        tp: &T,
+    ) -> Result<Tensor<B, 3>, String> {
+        let rope = Rope::new(&positions, self.head_dim, self.rope_theta);
         for block in &self.blocks {
             x = block.forward(x, &rope, self.heads, self.kv_heads, self.head_dim, tp)?;
         }
-        let d_model = x.dims()[2];
-        let x = tp.copy(reshape(self.norm.forward(x), [count, d_model]))?;
-        Ok(match &self.head {
-            Some(head) => head.forward(x),
-            None => x.matmul(self.embedding.weight.val().transpose()),
-        })
+        Ok(x)
     }
 
-    /// Sum of the next-token cross-entropy over labels `≥ 0`, as [`Gpt::loss_sum`], with the
-    /// softmax over the vocabulary split across the TP group (the same `[1]` value on every TP
-    /// rank).
-    pub fn loss_sum<T: TensorParallel<B>>(
+    /// The vocabulary-parallel logits `[T, V / tp]` of the last stage's output `x [1, T, d]`.
+    pub fn logits<T: TensorParallel<B>>(
         &self,
-        tokens: Tensor<B, 1, Int>,
-        positions: Tensor<B, 1, Int>,
+        x: Tensor<B, 3>,
+        tp: &T,
+    ) -> Result<Tensor<B, 2>, String> {
+        let Some(norm) = self.norm.as_ref().filter(|_| self.last_stage) else {
+            return Err("only the last pipeline stage computes logits".into());
+        };
+        let [_, count, d_model] = x.dims();
+        let x = tp.copy(reshape(norm.forward(x), [count, d_model]))?;
+        match (&self.head, &self.embedding) {
+            (Some(head), _) => Ok(head.forward(x)),
+            (None, Some(embedding)) => Ok(x.matmul(embedding.weight.val().transpose())),
+            (None, None) => Err("the last stage holds no LM head".into()),
+        }
+    }
+
+    /// Sum of the next-token cross-entropy over labels `≥ 0` of the last stage's output
+    /// `x [1, T, d]`, with the softmax over the vocabulary split across the TP group (the same
+    /// `[1]` value on every TP rank).
+    pub fn loss_from_hidden<T: TensorParallel<B>>(
+        &self,
+        x: Tensor<B, 3>,
         labels: Tensor<B, 1, Int>,
         tp: &T,
     ) -> Result<Tensor<B, 1>, String> {
-        let count = tokens.dims()[0];
-        let logits = self.forward_local(tokens, positions, tp)?;
+        let count = x.dims()[1];
+        let logits = self.logits(x, tp)?;
         let local_vocab = logits.dims()[1];
         let max = tp.max(logits.clone().detach().max_dim(1))?;
         let sum_exp = tp.reduce((logits.clone() - max.clone()).exp().sum_dim(1))?;
@@ -279,6 +380,34 @@ impl<B: Backend> TpGpt<B> {
         let valid = labels.greater_equal_elem(0);
         let losses = lse - target;
         Ok(losses.zeros_like().mask_where(valid, losses).sum())
+    }
+
+    /// This rank's vocabulary-parallel logits `[T, V / tp]` of `tokens [T]` at `positions [T]`
+    /// (a model of one stage).
+    pub fn forward_local<T: TensorParallel<B>>(
+        &self,
+        tokens: Tensor<B, 1, Int>,
+        positions: Tensor<B, 1, Int>,
+        tp: &T,
+    ) -> Result<Tensor<B, 2>, String> {
+        let x = self.embed(tokens, tp)?;
+        let x = self.blocks_forward(x, positions, tp)?;
+        self.logits(x, tp)
+    }
+
+    /// Sum of the next-token cross-entropy over labels `≥ 0`, as [`Gpt::loss_sum`], with the
+    /// softmax over the vocabulary split across the TP group (the same `[1]` value on every TP
+    /// rank; a model of one stage).
+    pub fn loss_sum<T: TensorParallel<B>>(
+        &self,
+        tokens: Tensor<B, 1, Int>,
+        positions: Tensor<B, 1, Int>,
+        labels: Tensor<B, 1, Int>,
+        tp: &T,
+    ) -> Result<Tensor<B, 1>, String> {
+        let x = self.embed(tokens, tp)?;
+        let x = self.blocks_forward(x, positions, tp)?;
+        self.loss_from_hidden(x, labels, tp)
     }
 }
 

@@ -13,9 +13,9 @@ use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 use burn_dcp::comm::Comm;
-use burn_dcp::mesh::Mesh;
+use burn_dcp::mesh::{Axis, Coords, Mesh};
 use burn_dcp::{CpError, CpGroup, Strategy};
-use burn_dcp_models::TpGpt;
+use burn_dcp_models::{GptConfig, TpGpt};
 
 use super::plan::StepPlan;
 use super::tensor_parallel::TpGroup;
@@ -32,6 +32,10 @@ pub struct RankGroups {
     pub tp: TpGroup,
     /// The TP ranks sharing this rank's replicated kv heads (tp > kv heads), if any.
     pub kv_replicas: Option<Comm>,
+    /// With a tied LM head and pp > 1, on the first and the last stage: the two ranks (same TP, CP
+    /// and DP coordinates) holding a copy of the embedding, whose gradients they sum (Megatron's
+    /// embedding group).
+    pub embedding: Option<Comm>,
     cache: RefCell<GroupCache>,
 }
 
@@ -59,12 +63,14 @@ impl RankGroups {
         } else {
             None
         };
+        let embedding = Self::embedding_group(&mesh, &model)?;
         let groups = Self {
             world: mesh.pool.clone(),
             tp: TpGroup {
                 comm: mesh.tp.clone(),
             },
             kv_replicas,
+            embedding,
             mesh,
             cache: RefCell::new(GroupCache {
                 created: HashSet::new(),
@@ -77,6 +83,28 @@ impl RankGroups {
             groups.create(&replicas.collect::<Vec<_>>())?;
         }
         Ok(groups)
+    }
+
+    /// The embedding group of this rank (see [`Self::embedding`]): a collective split of the
+    /// world when pp > 1 and the LM head is tied.
+    fn embedding_group(mesh: &Mesh, model: &GptConfig) -> Result<Option<Comm>, CpError> {
+        let shape = mesh.shape;
+        if shape.pp == 1 || !model.tied_embeddings {
+            return Ok(None);
+        }
+        let coords = mesh.coords();
+        let ends = coords.pp == 0 || coords.pp + 1 == shape.pp;
+        let rank = mesh.world.rank();
+        // The pair's color is its stage-0 rank; every other rank gets one of its own.
+        let color = if ends {
+            shape.rank(Coords { pp: 0, ..coords })
+        } else {
+            shape.world() + rank
+        };
+        let comm = mesh
+            .world
+            .split_labeled(color, coords.pp, Axis::Pp.name())?;
+        Ok(ends.then_some(comm))
     }
 
     /// Creates the communicators `plan` uses that do not exist yet (a collective call: every

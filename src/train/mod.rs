@@ -23,6 +23,7 @@
 
 pub mod dynamic;
 pub mod groups;
+pub mod pipeline;
 pub mod plan;
 pub mod tensor_parallel;
 
@@ -32,18 +33,17 @@ use std::time::Instant;
 
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
-use burn::prelude::{Int, Tensor, TensorData, ToElement};
+use burn::prelude::{Int, Tensor, TensorData};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
-use burn_dcp::backend::{set_context, ContextParallel, CpContext};
+use burn_dcp::backend::ContextParallel;
 use burn_dcp::comm::{
     panic_message, Comm, CommError, LinkBytes, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT,
 };
 use burn_dcp::kernels::{FlashOps, MaskSpec, MicroBatch};
 use burn_dcp::mesh::MeshShape;
 use burn_dcp::planner::auto::AutoCandidate;
-use burn_dcp::shard::RankShard;
-use burn_dcp::{CpBatch, CpError, CpGroup, Layout, Strategy};
+use burn_dcp::{CpError, Layout, Strategy};
 use burn_dcp_datasets::corpus::{open_documents, Document};
 use burn_dcp_datasets::tokenizer::{cache_dir, default_tokenized, files_identity, tokenize_cached};
 use burn_dcp_datasets::{pack_corpus, MaskPolicy, PackingConfig, TokenizedCorpus, Tokenizer};
@@ -52,6 +52,8 @@ use serde::{Deserialize, Serialize};
 
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
 pub use groups::RankGroups;
+pub use pipeline::PpSchedule;
+use pipeline::{stage_passes, Pass, StageRun};
 pub use plan::{
     plan_step, AutoRecord, PlannedBatch, RankWork, ScheduleStats, StepPlan, StepSequences,
 };
@@ -75,6 +77,12 @@ pub struct TrainConfig {
     /// Tensor-parallel ranks (`--tp`; innermost axis of the mesh, see `burn_dcp::mesh`).
     #[serde(default = "default_one")]
     pub tp: usize,
+    /// Pipeline stages (`--pp`; outermost axis of the mesh).
+    #[serde(default = "default_one")]
+    pub pp: usize,
+    /// The pipeline's schedule (`--pp-schedule`).
+    #[serde(default)]
+    pub pp_schedule: PpSchedule,
     pub strategy: Strategy,
     pub layout: Layout,
     /// Tokens per packed micro-batch (one DP replica's CP group processes one at a time).
@@ -332,23 +340,23 @@ impl TrainConfig {
         Tokenizer::from_name(&self.tokenizer).map_err(|e| e.to_string())
     }
 
-    /// tp × cp × dp ranks.
+    /// tp × cp × dp × pp ranks.
     pub fn world_size(&self) -> usize {
-        self.tp * self.cp * self.dp
+        self.tp * self.cp * self.dp * self.pp
     }
 
-    /// The DP × CP ranks of one TP position: the pool plans (and dynamic CP) schedule over.
+    /// The DP × CP ranks of one (TP, PP) position: the pool plans (and dynamic CP) schedule over.
     pub fn pool_size(&self) -> usize {
         self.cp * self.dp
     }
 
-    /// The mesh of the world (`burn_dcp::mesh`; no pipeline stages yet).
+    /// The mesh of the world (`burn_dcp::mesh`).
     pub fn mesh_shape(&self) -> MeshShape {
         MeshShape {
             tp: self.tp,
             cp: self.cp,
             dp: self.dp,
-            pp: 1,
+            pp: self.pp,
         }
     }
 
@@ -364,7 +372,7 @@ impl TrainConfig {
         let world = self.world_size();
         if self.nodes == 0 || !world.is_multiple_of(self.nodes) {
             return Err(CpError::Config(format!(
-                "--nodes {} must divide the {world} ranks (tp × cp × dp)",
+                "--nodes {} must divide the {world} ranks (tp × cp × dp × pp)",
                 self.nodes
             )));
         }
@@ -553,40 +561,15 @@ fn int_tensor<B: burn::prelude::Backend>(values: &[i64], device: &B::Device) -> 
     Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
 }
 
-/// Forward and backward of this rank's shard of a planned batch on `group` (whose attention calls
-/// see `batch`: the placement and the masks); returns its loss sum (unscaled) and its gradients
-/// of `loss_sum / global_labels`.
-fn micro_batch_gradients<B: FlashOps>(
-    model: &TrainGpt<B>,
-    tp: &TpGroup,
-    group: CpGroup,
-    batch: CpBatch,
-    shard: &RankShard,
-    global_labels: usize,
-    device: &B::Device,
-) -> Result<(f64, GradientsParams), CpError> {
-    let _context = set_context(CpContext { group, batch });
-    let loss_sum = model
-        .loss_sum(
-            int_tensor(&shard.tokens, device),
-            int_tensor(&shard.positions, device),
-            int_tensor(&shard.labels, device),
-            tp,
-        )
-        .map_err(|e| CpError::RunFailed(format!("tensor-parallel forward: {e}")))?;
-    let value = loss_sum.clone().into_scalar().to_f64();
-    let grads = (loss_sum / global_labels as f64).backward();
-    Ok((value, GradientsParams::from_grads(grads, model)))
-}
-
-/// Sums every parameter's gradient over the world (zeros where a rank has none), in the model's
-/// parameter order, which is the same on every rank.
+/// Sums every parameter's gradient over the pool (zeros where a rank has none), in the model's
+/// parameter order, which is the same on every rank of the pool; some parameters are then also
+/// summed over another group (`extra`).
 struct AllReduceGradients<'a, B: AutodiffBackend> {
     grads: GradientsParams,
     comm: &'a Comm,
-    /// Parameters whose gradient is also summed over `kv_comm` (replicated kv projections).
-    kv_params: Vec<ParamId>,
-    kv_comm: Option<&'a Comm>,
+    /// Parameters whose gradient is also summed over a group: the replicated kv projections over
+    /// their TP replicas (tp > kv heads), the tied embedding over the first and last stage.
+    extra: Vec<(Vec<ParamId>, &'a Comm)>,
     error: Option<CommError>,
     /// Parameters (in visiting order) whose local gradient on this rank is not finite.
     non_finite: Vec<usize>,
@@ -609,12 +592,15 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for AllReduceGradients<'_, B> {
             self.non_finite.push(self.visited);
         }
         self.visited += 1;
-        let summed = self.comm.all_reduce(data).and_then(|summed| {
-            match (self.kv_comm, self.kv_params.contains(&param.id)) {
-                (Some(kv), true) => kv.all_reduce(summed),
-                _ => Ok(summed),
-            }
-        });
+        let summed = self
+            .extra
+            .iter()
+            .fold(self.comm.all_reduce(data), |summed, (ids, comm)| {
+                summed.and_then(|summed| match ids.contains(&param.id) {
+                    true => comm.all_reduce(summed),
+                    false => Ok(summed),
+                })
+            });
         match summed {
             Ok(summed) => self.grads.register(
                 param.id,
@@ -650,7 +636,8 @@ pub struct StepResult {
 }
 
 /// Runs step `plan.step` by its plan: this rank's shard of every planned batch it is in, in the
-/// batch's group; then the all-reduce over the world.
+/// batch's group, through the pipeline's stages on the pipeline schedule ([`pipeline`]; at pp 1
+/// one forward and backward after the other); then the all-reduces of the gradients and the loss.
 pub fn step_gradients_planned<B: FlashOps>(
     model: &TrainGpt<B>,
     groups: &RankGroups,
@@ -671,31 +658,44 @@ pub fn step_gradients_planned<B: FlashOps>(
     let tokens = batches.iter().map(|b| b.tokens.len()).sum();
     let sequences = StepSequences::new(batches);
     groups.ensure(plan)?;
-    let me = groups.world.rank();
-    let mut accumulator = GradientsAccumulator::<TrainGpt<B>>::new();
-    let mut loss_sum = 0.0;
-    for planned in plan.batches_of(me) {
-        let RankWork { batch, shard } = planned.shard(&sequences, me)?;
-        let context = CpBatch {
-            placement: planned.placement.clone(),
-            masks: batch.masks,
-            scale: None,
-            blocks: planned.blocks.clone(),
-        };
-        let group = groups.group(&planned.ranks, planned.strategy)?;
-        let (value, grads) = micro_batch_gradients(
-            model,
-            &groups.tp,
-            group,
-            context,
-            &shard,
-            global_labels,
-            device,
-        )?;
-        loss_sum += value;
-        accumulator.accumulate(model, grads);
+    if config.pp > 1 {
+        check_stages_agree(&groups.mesh.pp, plan)?;
     }
-    let (loss, grads) = reduce_step(model, groups, step, accumulator, loss_sum, global_labels)?;
+    // The schedule's units are the plan's sub-steps: this rank's batch in each, if any.
+    let me = groups.world.rank();
+    let mut units: Vec<Option<&PlannedBatch>> = vec![None; plan.sub_step_ranges().len()];
+    for planned in plan.batches_of(me) {
+        units[planned.sub_step] = Some(planned);
+    }
+    let mut run = StageRun::new(model, groups, &sequences, global_labels, device);
+    let passes = stage_passes(
+        config.pp_schedule,
+        groups.mesh.pp.rank(),
+        config.pp,
+        units.len(),
+    );
+    for pass in passes {
+        match pass {
+            Pass::Forward(unit) => {
+                if let Some(planned) = units[unit] {
+                    run.forward(unit, planned)?;
+                }
+            }
+            Pass::Backward(unit) => {
+                if units[unit].is_some() {
+                    run.backward(unit)?;
+                }
+            }
+        }
+    }
+    let (loss, grads) = reduce_step(
+        model,
+        groups,
+        step,
+        run.accumulator,
+        run.loss_sum,
+        global_labels,
+    )?;
     Ok(StepResult {
         loss,
         grads,
@@ -713,11 +713,17 @@ fn reduce_step<B: FlashOps>(
     loss_sum: f64,
     global_labels: usize,
 ) -> Result<(f64, GradientsParams), CpError> {
+    let mut extra = Vec::new();
+    if let Some(kv) = &groups.kv_replicas {
+        extra.push((model.kv_param_ids(), kv));
+    }
+    if let (Some(id), Some(embedding)) = (model.tied_embedding_id(), &groups.embedding) {
+        extra.push((vec![id], embedding));
+    }
     let mut reducer = AllReduceGradients {
         grads: accumulator.grads(),
         comm: &groups.world,
-        kv_params: model.kv_param_ids(),
-        kv_comm: groups.kv_replicas.as_ref(),
+        extra,
         error: None,
         non_finite: Vec::new(),
         visited: 0,
@@ -729,13 +735,46 @@ fn reduce_step<B: FlashOps>(
     }
     // Over the whole world: a non-finite gradient on one TP position stops every rank, named.
     check_finite(&groups.mesh.world, step, loss_sum, &reducer.non_finite)?;
-    let total = groups
+    let mut total = groups
         .world
         .all_reduce(TensorData::new(vec![loss_sum], [1]))?;
+    if groups.mesh.pp.size() > 1 {
+        // Only the last stage computes losses: every stage gets their sum.
+        total = groups.mesh.pp.all_reduce(total)?;
+    }
     let total: f64 = total
         .to_vec::<f64>()
         .map_err(|e| CpError::Input(format!("{e:?}")))?[0];
     Ok((total / global_labels as f64, reducer.grads))
+}
+
+/// Stops the step with an error, rather than a hang or a wrong gradient, when the pipeline's stages
+/// hold different plans for it (they compute them independently from the same configuration and
+/// data, so this means the ranks were started inconsistently): every stage of a micro-batch must
+/// run it on the same CP group, placement and strategy.
+fn check_stages_agree(pp: &Comm, plan: &StepPlan) -> Result<(), CpError> {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for batch in &plan.batches {
+        (batch.sub_step, &batch.ranks, &batch.sequences).hash(&mut hasher);
+        format!("{}", batch.strategy).hash(&mut hasher);
+        format!("{:?}", batch.placement).hash(&mut hasher);
+    }
+    let fingerprint = format!("{:016x}", hasher.finish());
+    let stages = pp.all_gather_control("pipeline plan check", fingerprint.clone().into_bytes())?;
+    if let Some((stage, other)) = stages
+        .iter()
+        .enumerate()
+        .find(|(_, f)| f.as_slice() != fingerprint.as_bytes())
+    {
+        return Err(CpError::Config(format!(
+            "step {}: pipeline stage {} planned the step differently from stage {stage} (plan fingerprints {fingerprint} and {}): every stage of a micro-batch must run it on the same CP group",
+            plan.step,
+            pp.rank(),
+            String::from_utf8_lossy(other)
+        )));
+    }
+    Ok(())
 }
 
 fn all_finite(data: &TensorData) -> bool {
@@ -887,16 +926,18 @@ pub trait StepObserver: Sync {
 /// The mesh's axes, as `bytes_by_axis` names them.
 pub const AXES: [&str; 4] = ["tp", "cp", "dp", "pp"];
 
-/// TP rank `tp_rank`'s shard of the model at initialisation: every TP rank cuts its shard from
-/// the same full initialisation (seed `config.seed`), so tp N starts from tp 1's weights.
+/// TP rank `tp_rank`'s shard of pipeline stage `pp_rank` of the model at initialisation: every
+/// rank cuts its shard from the same full initialisation (seed `config.seed`), so any mesh starts
+/// from tp 1, pp 1's weights.
 pub fn init_model<B: FlashOps>(
     config: &TrainConfig,
     tp_rank: usize,
+    pp_rank: usize,
     device: &B::Device,
 ) -> Result<TrainGpt<B>, String> {
     let model_config = config.model_config()?;
     let full = model_config.init::<CpTrain<B>>(config.seed, device)?;
-    TpGpt::shard(&full, &model_config, tp_rank, config.tp)
+    TpGpt::stage(&full, &model_config, tp_rank, config.tp, pp_rank, config.pp)
 }
 
 /// Trains on one rank from `start_step` (after loading `resume` if given); at the end every
@@ -912,9 +953,9 @@ pub fn train_rank<B: FlashOps>(
 ) -> Result<RankOutcome, String> {
     let groups = RankGroups::new(world, config).map_err(|e| e.to_string())?;
     let model_config = config.model_config()?;
-    let tp_rank = groups.tp.comm.rank();
-    let mut model = init_model::<B>(config, tp_rank, device)?;
-    let files = CheckpointFiles::of(tp_rank, config.tp);
+    let (tp_rank, pp_rank) = (groups.tp.comm.rank(), groups.mesh.pp.rank());
+    let mut model = init_model::<B>(config, tp_rank, pp_rank, device)?;
+    let files = CheckpointFiles::of(config, tp_rank, pp_rank);
     let mut optimizer = AdamWConfig::new().init::<CpTrain<B>, TrainGpt<B>>();
     let recorder = Recorder_::new();
     let mut first_step = 1;
@@ -1095,20 +1136,22 @@ impl<B: FlashOps> StepLoop<'_, B> {
     }
 }
 
-/// The file names of one TP rank's shard in a checkpoint: `model`/`optimizer` at tp 1,
-/// `model-tp{r}`/`optimizer-tp{r}` otherwise.
+/// The file names of one (TP rank, pipeline stage)'s shard in a checkpoint: `model` and
+/// `optimizer`, with `-tp{r}` when tp > 1 and `-pp{s}` when pp > 1 (`model-tp1-pp0`).
 struct CheckpointFiles {
     model: String,
     optimizer: String,
 }
 
 impl CheckpointFiles {
-    fn of(tp_rank: usize, tp: usize) -> Self {
-        let suffix = if tp == 1 {
-            String::new()
-        } else {
-            format!("-tp{tp_rank}")
-        };
+    fn of(config: &TrainConfig, tp_rank: usize, pp_rank: usize) -> Self {
+        let mut suffix = String::new();
+        if config.tp > 1 {
+            suffix += &format!("-tp{tp_rank}");
+        }
+        if config.pp > 1 {
+            suffix += &format!("-pp{pp_rank}");
+        }
         Self {
             model: format!("model{suffix}"),
             optimizer: format!("optimizer{suffix}"),
@@ -1126,8 +1169,8 @@ struct Checkpoint<'a, M, O> {
     files: &'a CheckpointFiles,
 }
 
-/// Saves the checkpoint atomically, sharded over TP: world rank 0 prepares `checkpoint.tmp/`;
-/// the first rank of every TP position's pool writes its shard there; then rank 0 writes
+/// Saves the checkpoint atomically, sharded over TP and PP: world rank 0 prepares
+/// `checkpoint.tmp/`; the first rank of every (TP, PP) position's pool writes its shard there; then rank 0 writes
 /// `state.json`, renames the old `checkpoint/` to `checkpoint.old/`, `checkpoint.tmp/` to
 /// `checkpoint/`, and removes the old one. A run killed at any point leaves a complete
 /// checkpoint (`checkpoint/`, or `checkpoint.old/` between the two renames, which

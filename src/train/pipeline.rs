@@ -1,0 +1,342 @@
+//! Pipeline parallelism (PP), Megatron-LM style: the model's layers are split into `pp` stages
+//! (`TpGpt::stage`: the embedding on the first, the final norm, LM head and loss on the last), and
+//! a step's micro-batches flow through them on a 1F1B or GPipe schedule. Activations go forward
+//! and their gradients backward by send/recv on the PP group (the ranks that differ only in their
+//! stage).
+//!
+//! **The unit of the schedule is a sub-step of the step's plan** (`PlannedBatch::sub_step`): the
+//! batches of one sub-step run side by side on disjoint ranks of the DP × CP pool. Every stage
+//! holds the same pool and computes the same plan, so the ranks of a sub-step's CP group at stage
+//! `s` hand their activations to the same group at stage `s + 1`: every stage of a micro-batch
+//! agrees on its CP group, its placement and its strategy, whether it is static, dynamic, DCP or
+//! auto (Megatron's dynamic CP with PP has the same rule). A rank that holds no batch in a
+//! sub-step skips it at every stage; since all ranks of a stage walk the sub-steps in the same
+//! order, the CP groups' collectives never cross.
+//!
+//! At a stage boundary the sender keeps the autodiff graph of its output `y`; the receiver makes
+//! the received tensor a leaf `x` that requires its gradient. Backward, the receiver sends
+//! `∂L/∂x` back and the sender runs the backward of `Σ y ⊙ ∂L/∂y`, whose gradient with respect to
+//! `y` is exactly the received one. The CP context a micro-batch ran with travels in its
+//! attention's autodiff node, so its backward runs on its own group however the passes interleave.
+
+use std::collections::HashMap;
+
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::prelude::{Tensor, TensorData, ToElement};
+use burn_dcp::backend::{set_context, CpContext};
+use burn_dcp::comm::Comm;
+use burn_dcp::kernels::FlashOps;
+use burn_dcp::{CpBatch, CpError, CpGroup};
+use serde::{Deserialize, Serialize};
+
+use super::plan::{PlannedBatch, RankWork, StepSequences};
+use super::{int_tensor, CpTrain, RankGroups, TrainGpt};
+
+/// The order of a stage's forward and backward passes (`--pp-schedule`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PpSchedule {
+    /// One forward, one backward (PipeDream-Flush, Megatron's default): stage `s` of `p` runs
+    /// `p − s − 1` warm-up forwards, then alternates, then drains; at most `p − s` micro-batches'
+    /// activations are alive at a time.
+    #[default]
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// GPipe: every forward, then every backward (all micro-batches' activations alive at once).
+    #[serde(rename = "gpipe")]
+    Gpipe,
+}
+
+impl PpSchedule {
+    pub fn parse(name: &str) -> Result<Self, String> {
+        match name {
+            "1f1b" => Ok(Self::OneFOneB),
+            "gpipe" => Ok(Self::Gpipe),
+            other => Err(format!(
+                "unknown pipeline schedule '{other}': expected 1f1b or gpipe"
+            )),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::OneFOneB => "1f1b",
+            Self::Gpipe => "gpipe",
+        }
+    }
+}
+
+impl std::fmt::Display for PpSchedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A forward or backward pass of one schedule unit (a sub-step of the plan).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    Forward(usize),
+    Backward(usize),
+}
+
+/// The passes stage `stage` of `stages` runs over `units` schedule units, in order. Backward
+/// passes come in the forwards' order on every schedule, so a stage receives gradients in the
+/// order it sent activations.
+pub fn stage_passes(schedule: PpSchedule, stage: usize, stages: usize, units: usize) -> Vec<Pass> {
+    let warmup = match schedule {
+        PpSchedule::OneFOneB => (stages - stage - 1).min(units),
+        PpSchedule::Gpipe => units,
+    };
+    let mut passes: Vec<Pass> = (0..warmup).map(Pass::Forward).collect();
+    for unit in 0..units - warmup {
+        passes.push(Pass::Forward(warmup + unit));
+        passes.push(Pass::Backward(unit));
+    }
+    passes.extend((units - warmup..units).map(Pass::Backward));
+    passes
+}
+
+/// What a forward pass leaves for its backward pass.
+enum InFlight<B: FlashOps> {
+    /// Last stage: the loss sum (its backward is that of `loss / global_labels`).
+    Loss {
+        loss: Tensor<CpTrain<B>, 1>,
+        input: Option<Tensor<CpTrain<B>, 3>>,
+        group: CpGroup,
+    },
+    /// Other stages: the output sent to the next stage, the received input (not the first),
+    /// and the CP group the unit ran on.
+    Hidden {
+        output: Tensor<CpTrain<B>, 3>,
+        input: Option<Tensor<CpTrain<B>, 3>>,
+        group: CpGroup,
+    },
+}
+
+/// One rank's passes over a step: its stage of the model, and what is in flight.
+pub(super) struct StageRun<'a, B: FlashOps> {
+    pub model: &'a TrainGpt<B>,
+    pub groups: &'a RankGroups,
+    pub sequences: &'a StepSequences<'a>,
+    pub global_labels: usize,
+    pub device: &'a B::Device,
+    pub accumulator: GradientsAccumulator<TrainGpt<B>>,
+    /// Sum of the last stage's unscaled losses (0 on the other stages).
+    pub loss_sum: f64,
+    in_flight: HashMap<usize, InFlight<B>>,
+}
+
+impl<'a, B: FlashOps> StageRun<'a, B> {
+    pub fn new(
+        model: &'a TrainGpt<B>,
+        groups: &'a RankGroups,
+        sequences: &'a StepSequences<'a>,
+        global_labels: usize,
+        device: &'a B::Device,
+    ) -> Self {
+        Self {
+            model,
+            groups,
+            sequences,
+            global_labels,
+            device,
+            accumulator: GradientsAccumulator::new(),
+            loss_sum: 0.0,
+            in_flight: HashMap::new(),
+        }
+    }
+
+    fn pp(&self) -> &Comm {
+        &self.groups.mesh.pp
+    }
+
+    /// Receives a `[1, tokens, d]` tensor of unit `unit` from stage `peer` (`what`: activations
+    /// or gradients), checking its shape.
+    fn receive(
+        &self,
+        peer: usize,
+        unit: usize,
+        tokens: usize,
+        what: &str,
+    ) -> Result<Tensor<CpTrain<B>, 3>, CpError> {
+        let data = self.pp().irecv(peer)?.wait()?;
+        let d_model = self.model.d_model();
+        if data.shape.as_slice() != [1, tokens, d_model] {
+            return Err(CpError::Input(format!(
+                "pipeline stage {}: the {what} of sub-step {unit} from stage {peer} have shape {:?}, expected [1, {tokens}, {d_model}] (the stages disagree on the plan)",
+                self.pp().rank(),
+                data.shape.as_slice(),
+            )));
+        }
+        Ok(Tensor::from_data(data, self.device))
+    }
+
+    /// Waits until the ranks that communicate in a backward pass (the unit's CP group, each with
+    /// its TP group) are all about to run it. burn-autodiff holds a rank's graph lock through its
+    /// backward, CP and TP collectives included, and after every backward it briefly locks every
+    /// graph of the process (`cleanup_orphaned_entries`). A rank starting a backward while a peer
+    /// is still busy elsewhere (waiting for its gradient from the next stage, or cleaning up after
+    /// its previous backward) could wait for that peer while the peer, or the rank the peer waits
+    /// for, waits for its lock: a deadlock. Without a pipeline every backward follows its forward,
+    /// whose collectives already line the ranks up.
+    fn enter_backward(&self, group: &CpGroup) -> Result<(), CpError> {
+        if self.pp().size() > 1 {
+            group.comm.barrier()?;
+            self.groups.tp.comm.barrier()?;
+        }
+        Ok(())
+    }
+
+    /// The forward pass of schedule unit `unit`, in which this rank runs `planned`.
+    pub fn forward(&mut self, unit: usize, planned: &PlannedBatch) -> Result<(), CpError> {
+        let me = self.groups.world.rank();
+        let RankWork { batch, shard } = planned.shard(self.sequences, me)?;
+        let context = CpBatch {
+            placement: planned.placement.clone(),
+            masks: batch.masks,
+            scale: None,
+            blocks: planned.blocks.clone(),
+        };
+        let group = self.groups.group(&planned.ranks, planned.strategy)?;
+        let _context = set_context(CpContext {
+            group: group.clone(),
+            batch: context,
+        });
+        let tp = &self.groups.tp;
+        let failed = |e: String| CpError::RunFailed(format!("model forward: {e}"));
+        let stage = self.pp().rank();
+        let (input, x) = if self.model.is_first_stage() {
+            let tokens = int_tensor(&shard.tokens, self.device);
+            (None, self.model.embed(tokens, tp).map_err(failed)?)
+        } else {
+            let x = self
+                .receive(stage - 1, unit, shard.tokens.len(), "activations")?
+                .require_grad();
+            (Some(x.clone()), x)
+        };
+        let positions = int_tensor(&shard.positions, self.device);
+        let output = self
+            .model
+            .blocks_forward(x, positions, tp)
+            .map_err(failed)?;
+        let in_flight = if self.model.is_last_stage() {
+            let labels = int_tensor(&shard.labels, self.device);
+            let loss = self
+                .model
+                .loss_from_hidden(output, labels, tp)
+                .map_err(failed)?;
+            self.loss_sum += loss.clone().into_scalar().to_f64();
+            InFlight::Loss { loss, input, group }
+        } else {
+            let sent = output.clone().detach().into_data();
+            self.pp().isend(stage + 1, sent)?.wait()?;
+            InFlight::Hidden {
+                output,
+                input,
+                group,
+            }
+        };
+        self.in_flight.insert(unit, in_flight);
+        Ok(())
+    }
+
+    /// The backward pass of schedule unit `unit` (whose forward this rank ran).
+    pub fn backward(&mut self, unit: usize) -> Result<(), CpError> {
+        let stage = self.pp().rank();
+        let in_flight = self.in_flight.remove(&unit).ok_or_else(|| {
+            CpError::Config(format!(
+                "pipeline stage {stage}: backward of sub-step {unit} before its forward"
+            ))
+        })?;
+        let (grads, input) = match in_flight {
+            InFlight::Loss { loss, input, group } => {
+                self.enter_backward(&group)?;
+                ((loss / self.global_labels as f64).backward(), input)
+            }
+            InFlight::Hidden {
+                output,
+                input,
+                group,
+            } => {
+                let tokens = output.dims()[1];
+                let grad = self.receive(stage + 1, unit, tokens, "gradients")?;
+                self.enter_backward(&group)?;
+                ((output * grad).sum().backward(), input)
+            }
+        };
+        if let Some(input) = input {
+            let grad = match input.grad(&grads) {
+                Some(grad) => grad.into_data(),
+                // An input no output depends on (no tokens): a zero gradient of its shape.
+                None => TensorData::zeros::<f32, _>(input.shape()),
+            };
+            self.pp().isend(stage - 1, grad)?.wait()?;
+        }
+        let grads = GradientsParams::from_grads(grads, self.model);
+        self.accumulator.accumulate(self.model, grads);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_f_one_b_warms_up_alternates_and_drains() {
+        use Pass::{Backward as B, Forward as F};
+        // Stage 0 of 3 over 4 units: two warm-up forwards.
+        assert_eq!(
+            stage_passes(PpSchedule::OneFOneB, 0, 3, 4),
+            vec![F(0), F(1), F(2), B(0), F(3), B(1), B(2), B(3)]
+        );
+        // The last stage alternates from the start.
+        assert_eq!(
+            stage_passes(PpSchedule::OneFOneB, 2, 3, 2),
+            vec![F(0), B(0), F(1), B(1)]
+        );
+        // Fewer units than warm-up forwards.
+        assert_eq!(
+            stage_passes(PpSchedule::OneFOneB, 0, 4, 2),
+            vec![F(0), F(1), B(0), B(1)]
+        );
+        assert_eq!(
+            stage_passes(PpSchedule::Gpipe, 1, 3, 3),
+            vec![F(0), F(1), F(2), B(0), B(1), B(2)]
+        );
+        for schedule in [PpSchedule::OneFOneB, PpSchedule::Gpipe] {
+            for stages in 1..5 {
+                for stage in 0..stages {
+                    for units in 0..6 {
+                        let passes = stage_passes(schedule, stage, stages, units);
+                        let forwards: Vec<usize> = passes
+                            .iter()
+                            .filter_map(|p| match p {
+                                Pass::Forward(u) => Some(*u),
+                                _ => None,
+                            })
+                            .collect();
+                        let backwards: Vec<usize> = passes
+                            .iter()
+                            .filter_map(|p| match p {
+                                Pass::Backward(u) => Some(*u),
+                                _ => None,
+                            })
+                            .collect();
+                        assert_eq!(forwards, (0..units).collect::<Vec<_>>());
+                        assert_eq!(backwards, forwards);
+                        // Every backward comes after its forward.
+                        for unit in 0..units {
+                            let f = passes.iter().position(|p| *p == Pass::Forward(unit));
+                            let b = passes.iter().position(|p| *p == Pass::Backward(unit));
+                            assert!(f < b);
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(PpSchedule::parse("gpipe"), Ok(PpSchedule::Gpipe));
+        assert!(PpSchedule::parse("zb")
+            .unwrap_err()
+            .contains("expected 1f1b or gpipe"));
+    }
+}
