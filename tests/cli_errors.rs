@@ -727,6 +727,20 @@ fn gpt_longctx_auto_choices_match_plan_sim() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// The `--json` summary's `bytes_by_axis`, checked to add up to `bytes_communicated`.
+fn axes_summing_to_the_total(
+    report: &serde_json::Value,
+) -> &serde_json::Map<String, serde_json::Value> {
+    let axes = report["bytes_by_axis"].as_object().unwrap();
+    let sum: u64 = axes.values().map(|v| v.as_u64().unwrap()).sum();
+    assert_eq!(
+        sum,
+        report["bytes_communicated"].as_u64().unwrap(),
+        "{report}"
+    );
+    axes
+}
+
 #[test]
 fn gpt_longctx_tensor_parallel_flags_and_bytes_by_axis() {
     refused_gpt(&["--tp", "3"], "--tp 3 must divide the 4 query heads");
@@ -742,15 +756,82 @@ fn gpt_longctx_tensor_parallel_flags_and_bytes_by_axis() {
     let args = gpt(&["--steps", "1", "--tp", "2", "--cp", "2", "--json"]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let report: serde_json::Value = serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap();
-    let axes = report["bytes_by_axis"].as_object().unwrap();
-    let sum: u64 = axes.values().map(|v| v.as_u64().unwrap()).sum();
-    assert_eq!(
-        sum,
-        report["bytes_communicated"].as_u64().unwrap(),
-        "{report}"
-    );
+    let axes = axes_summing_to_the_total(&report);
     for axis in ["tp", "cp", "dp"] {
         assert!(axes[axis].as_u64().unwrap() > 0, "{axis}: {report}");
     }
     assert_eq!(axes["pp"].as_u64(), Some(0));
+}
+
+#[test]
+fn gpt_longctx_pipeline_flags_bytes_by_axis_and_resume() {
+    let refusals: [(&[&str], &str); 5] = [
+        (&["--pp", "3"], "--pp 3 must divide the 2 layers"),
+        (&["--pp", "0"], "must be at least 1"),
+        (
+            &["--pp", "2", "--dp", "2"],
+            "--pp 2 needs at least 2 micro-batches per DP replica",
+        ),
+        (
+            &["--pp", "2", "--pp-schedule", "zero-bubble"],
+            "unknown pipeline schedule 'zero-bubble': expected 1f1b or gpipe",
+        ),
+        // tp 2 × cp 2 × pp 2 = 8 ranks over 8 nodes: a node of 1 rank cannot hold a TP group.
+        (
+            &["--tp", "2", "--pp", "2", "--cp", "2", "--nodes", "8"],
+            "must hold whole TP groups of 2",
+        ),
+    ];
+    for (args, expected) in refusals {
+        refused_gpt(args, expected);
+    }
+    let dir = temp_dir("pipeline");
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let args = gpt(&[&["--steps", "2", "--json", "--out"], extra].concat());
+        let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+        args.insert(args.len() - extra.len(), dir.to_str().unwrap());
+        serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap()
+    };
+    let report = run(&["--tp", "2", "--pp", "2", "--cp", "2"]);
+    let axes = axes_summing_to_the_total(&report);
+    for axis in ["tp", "cp", "dp", "pp"] {
+        assert!(axes[axis].as_u64().unwrap() > 0, "{axis}: {report}");
+    }
+    assert_eq!(report["config"]["pp"], 2);
+    assert_eq!(report["config"]["pp_schedule"], "1f1b");
+    // The checkpoint is sharded per (TP rank, stage).
+    for shard in ["model-tp0-pp0", "model-tp1-pp1", "optimizer-tp1-pp0"] {
+        assert!(
+            dir.join("checkpoint")
+                .join(format!("{shard}.mpk"))
+                .is_file(),
+            "{shard}"
+        );
+    }
+    // Resuming under another pipeline depth is refused; another schedule is allowed and
+    // continues the same curve (the schedule orders the passes, it does not change them).
+    let resume = |extra: &[&str]| -> Vec<String> {
+        [
+            &["--resume", dir.to_str().unwrap(), "--steps", "3", "--json"][..],
+            extra,
+        ]
+        .concat()
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let args = resume(&["--pp", "1"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    refused(
+        "gpt_longctx",
+        &args,
+        "--pp 1 differs from the resumed run's 2",
+    );
+    let args = resume(&["--pp-schedule", "gpipe"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let resumed: serde_json::Value =
+        serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap();
+    assert_eq!(resumed["first_step"], 3, "{resumed}");
+    assert_eq!(resumed["config"]["pp_schedule"], "gpipe");
+    let _ = std::fs::remove_dir_all(&dir);
 }

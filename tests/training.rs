@@ -865,8 +865,9 @@ fn pipeline_steps_match_cp1() {
     }
 }
 
-/// Over 8 steps of training (AdamW updates included), the per-step losses of the pipeline
-/// configurations equal cp 1's within 1e-4 relative.
+/// Over 8 steps of training (AdamW updates included), the per-step losses of `--pp 2 --cp 2`,
+/// `--tp 2 --pp 2 --cp 2` and `--pp 2 --cp 2 --dp 2 --strategy dynamic` equal cp 1's within 1e-4
+/// relative.
 #[test]
 fn pipeline_training_follows_cp1_over_8_steps() {
     let base = |cp: usize, dp: usize| {
@@ -881,7 +882,18 @@ fn pipeline_training_follows_cp1_over_8_steps() {
     pp_cp.pp = 2;
     let mut tp_pp_cp = pp_cp.clone();
     tp_pp_cp.tp = 2;
-    for (what, config) in [("pp 2 cp 2", pp_cp), ("tp 2 pp 2 cp 2", tp_pp_cp)] {
+    let mut dynamic = base(2, 2);
+    dynamic.pp = 2;
+    dynamic.dynamic = Some(burn_dcp_suite::train::DynamicSettings {
+        max_tokens_per_rank: 60,
+        min_cp_size: 1,
+        cp_sizes: burn_dcp_suite::train::CpSizes::Pow2,
+    });
+    for (what, config) in [
+        ("pp 2 cp 2", pp_cp),
+        ("tp 2 pp 2 cp 2", tp_pp_cp),
+        ("pp 2 cp 2 dp 2 dynamic", dynamic),
+    ] {
         let losses = train(&config, None, None);
         assert_eq!(losses.len(), 8, "{what}");
         for (step, (got, want)) in losses.iter().zip(&reference).enumerate() {

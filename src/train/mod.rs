@@ -1,8 +1,11 @@
 //! Long-context GPT training with context parallelism on in-process ranks: the engine of the
 //! `gpt_longctx` example, shared with the tests.
 //!
-//! World: `dp × cp` ranks (threads). Each optimizer step processes `micro_batches` packed
-//! micro-batches of `seq_len` tokens (the global batch). One path for every strategy:
+//! World: `tp × cp × dp × pp` ranks (threads; `burn_dcp::mesh`). Each optimizer step processes
+//! `micro_batches` packed micro-batches of `seq_len` tokens (the global batch). Every (TP rank,
+//! stage) position plans the same step over its DP × CP pool; TP shards the model inside each
+//! rank's work (`TpGpt`), PP runs the plan's sub-steps through the stages ([`pipeline`]). One path
+//! for every strategy:
 //!
 //! ```text
 //! TrainData ──step_batches──▶ the step's MicroBatches ──plan_step──▶ StepPlan (plan.rs)
@@ -757,8 +760,8 @@ fn check_stages_agree(pp: &Comm, plan: &StepPlan) -> Result<(), CpError> {
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     for batch in &plan.batches {
         (batch.sub_step, &batch.ranks, &batch.sequences).hash(&mut hasher);
-        format!("{}", batch.strategy).hash(&mut hasher);
-        format!("{:?}", batch.placement).hash(&mut hasher);
+        batch.strategy.hash(&mut hasher);
+        batch.placement.hash(&mut hasher);
     }
     let fingerprint = format!("{:016x}", hasher.finish());
     let stages = pp.all_gather_control("pipeline plan check", fingerprint.clone().into_bytes())?;
