@@ -691,14 +691,8 @@ pub fn step_gradients_planned<B: FlashOps>(
             }
         }
     }
-    let (loss, grads) = reduce_step(
-        model,
-        groups,
-        step,
-        run.accumulator,
-        run.loss_sum,
-        global_labels,
-    )?;
+    let (accumulator, loss_sum) = run.finish()?;
+    let (loss, grads) = reduce_step(model, groups, step, accumulator, loss_sum, global_labels)?;
     Ok(StepResult {
         loss,
         grads,

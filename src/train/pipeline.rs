@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::{Tensor, TensorData, ToElement};
 use burn_dcp::backend::{set_context, CpContext};
-use burn_dcp::comm::Comm;
+use burn_dcp::comm::{Comm, PendingSend};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{CpBatch, CpError, CpGroup};
 use serde::{Deserialize, Serialize};
@@ -119,10 +119,15 @@ pub(super) struct StageRun<'a, B: FlashOps> {
     pub sequences: &'a StepSequences<'a>,
     pub global_labels: usize,
     pub device: &'a B::Device,
-    pub accumulator: GradientsAccumulator<TrainGpt<B>>,
+    accumulator: GradientsAccumulator<TrainGpt<B>>,
     /// Sum of the last stage's unscaled losses (0 on the other stages).
-    pub loss_sum: f64,
+    loss_sum: f64,
     in_flight: HashMap<usize, InFlight<B>>,
+    /// Sends not yet known to be complete: waited for at the end of the step ([`Self::finish`]),
+    /// not right after posting, so that a stage never waits for its send while its peer waits
+    /// for it (under a rendezvous transport such as MPI or NCCL, 1F1B's warm-up forward sends
+    /// complete only once the next stage posts their receives, after it sent a gradient back).
+    sends: Vec<PendingSend>,
 }
 
 impl<'a, B: FlashOps> StageRun<'a, B> {
@@ -142,7 +147,16 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
             accumulator: GradientsAccumulator::new(),
             loss_sum: 0.0,
             in_flight: HashMap::new(),
+            sends: Vec::new(),
         }
+    }
+
+    /// Waits for this rank's sends; returns its accumulated gradients and its loss sum.
+    pub fn finish(self) -> Result<(GradientsAccumulator<TrainGpt<B>>, f64), CpError> {
+        for send in self.sends {
+            send.wait()?;
+        }
+        Ok((self.accumulator, self.loss_sum))
     }
 
     fn pp(&self) -> &Comm {
@@ -228,7 +242,7 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
             InFlight::Loss { loss, input, group }
         } else {
             let sent = output.clone().detach().into_data();
-            self.pp().isend(stage + 1, sent)?.wait()?;
+            self.sends.push(self.pp().isend(stage + 1, sent)?);
             InFlight::Hidden {
                 output,
                 input,
@@ -269,7 +283,7 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
                 // An input no output depends on (no tokens): a zero gradient of its shape.
                 None => TensorData::zeros::<f32, _>(input.shape()),
             };
-            self.pp().isend(stage - 1, grad)?.wait()?;
+            self.sends.push(self.pp().isend(stage - 1, grad)?);
         }
         let grads = GradientsParams::from_grads(grads, self.model);
         self.accumulator.accumulate(self.model, grads);
