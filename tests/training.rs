@@ -738,19 +738,23 @@ fn tensor_parallel_steps_match_cp1() {
     for (what, config) in configs {
         config.validate().unwrap();
         let got = step_on::<burn::backend::Flex>(&config, 1, &flex);
-        let loss_err = ((got.0 - reference.0) / reference.0).abs();
-        assert!(
-            loss_err <= 1e-5,
-            "{what}: loss {} vs {}",
-            got.0,
-            reference.0
-        );
-        // Norm weights are whole on every TP rank: parameter 1 (first attention norm) and the
-        // final norm (last) match cp 1's gradients.
-        for index in [1, got.1.len() - 1] {
-            let err = max_rel(&got.1[index], &reference.1[index]);
-            assert!(err <= 1e-4, "{what}: parameter {index} gradient {err:e}");
-        }
+        assert_same_loss_and_norms(&got, &reference, what);
+    }
+}
+
+/// A TP step (whose rank 0 holds shards of most parameters) against cp 1: the loss, and the
+/// gradients of the norm weights, whole on every TP rank — parameter 1 (the first attention norm)
+/// and the final norm (last).
+fn assert_same_loss_and_norms(
+    got: &(f64, Vec<Vec<f32>>, u64),
+    want: &(f64, Vec<Vec<f32>>, u64),
+    what: &str,
+) {
+    let loss_err = ((got.0 - want.0) / want.0).abs();
+    assert!(loss_err <= 1e-5, "{what}: loss {} vs {}", got.0, want.0);
+    for index in [1, got.1.len() - 1] {
+        let err = max_rel(&got.1[index], &want.1[index]);
+        assert!(err <= 1e-4, "{what}: parameter {index} gradient {err:e}");
     }
 }
 
@@ -845,22 +849,9 @@ fn pipeline_steps_match_cp1() {
     for (what, config) in configs {
         config.validate().unwrap();
         let got = one_step(&config);
-        if config.tp == 1 {
-            assert_same_step(&got, &reference, what);
-            continue;
-        }
-        // TP rank 0 holds shards of most parameters: the loss, and the norms (whole on every TP
-        // rank: the first block's attention norm, the final norm) match.
-        let loss_err = ((got.0 - reference.0) / reference.0).abs();
-        assert!(
-            loss_err <= 1e-5,
-            "{what}: loss {} vs {}",
-            got.0,
-            reference.0
-        );
-        for index in [1, got.1.len() - 1] {
-            let err = max_rel(&got.1[index], &reference.1[index]);
-            assert!(err <= 1e-4, "{what}: parameter {index} gradient {err:e}");
+        match config.tp {
+            1 => assert_same_step(&got, &reference, what),
+            _ => assert_same_loss_and_norms(&got, &reference, what),
         }
     }
 }

@@ -382,19 +382,6 @@ impl<B: Backend> TpGpt<B> {
         Ok(losses.zeros_like().mask_where(valid, losses).sum())
     }
 
-    /// This rank's vocabulary-parallel logits `[T, V / tp]` of `tokens [T]` at `positions [T]`
-    /// (a model of one stage).
-    pub fn forward_local<T: TensorParallel<B>>(
-        &self,
-        tokens: Tensor<B, 1, Int>,
-        positions: Tensor<B, 1, Int>,
-        tp: &T,
-    ) -> Result<Tensor<B, 2>, String> {
-        let x = self.embed(tokens, tp)?;
-        let x = self.blocks_forward(x, positions, tp)?;
-        self.logits(x, tp)
-    }
-
     /// Sum of the next-token cross-entropy over labels `≥ 0`, as [`Gpt::loss_sum`], with the
     /// softmax over the vocabulary split across the TP group (the same `[1]` value on every TP
     /// rank; a model of one stage).

@@ -96,29 +96,29 @@ pub fn stage_passes(schedule: PpSchedule, stage: usize, stages: usize, units: us
 }
 
 /// What a forward pass leaves for its backward pass.
-enum InFlight<B: FlashOps> {
+struct InFlight<B: FlashOps> {
+    output: Output<B>,
+    /// The input received from the previous stage (none on the first stage).
+    input: Option<Tensor<CpTrain<B>, 3>>,
+    /// The CP group the unit ran on.
+    group: CpGroup,
+}
+
+/// The end of a stage's forward pass.
+enum Output<B: FlashOps> {
     /// Last stage: the loss sum (its backward is that of `loss / global_labels`).
-    Loss {
-        loss: Tensor<CpTrain<B>, 1>,
-        input: Option<Tensor<CpTrain<B>, 3>>,
-        group: CpGroup,
-    },
-    /// Other stages: the output sent to the next stage, the received input (not the first),
-    /// and the CP group the unit ran on.
-    Hidden {
-        output: Tensor<CpTrain<B>, 3>,
-        input: Option<Tensor<CpTrain<B>, 3>>,
-        group: CpGroup,
-    },
+    Loss(Tensor<CpTrain<B>, 1>),
+    /// Other stages: the hidden states sent to the next stage.
+    Hidden(Tensor<CpTrain<B>, 3>),
 }
 
 /// One rank's passes over a step: its stage of the model, and what is in flight.
 pub(super) struct StageRun<'a, B: FlashOps> {
-    pub model: &'a TrainGpt<B>,
-    pub groups: &'a RankGroups,
-    pub sequences: &'a StepSequences<'a>,
-    pub global_labels: usize,
-    pub device: &'a B::Device,
+    model: &'a TrainGpt<B>,
+    groups: &'a RankGroups,
+    sequences: &'a StepSequences<'a>,
+    global_labels: usize,
+    device: &'a B::Device,
     accumulator: GradientsAccumulator<TrainGpt<B>>,
     /// Sum of the last stage's unscaled losses (0 on the other stages).
     loss_sum: f64,
@@ -232,22 +232,23 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
             .model
             .blocks_forward(x, positions, tp)
             .map_err(failed)?;
-        let in_flight = if self.model.is_last_stage() {
+        let output = if self.model.is_last_stage() {
             let labels = int_tensor(&shard.labels, self.device);
             let loss = self
                 .model
                 .loss_from_hidden(output, labels, tp)
                 .map_err(failed)?;
             self.loss_sum += loss.clone().into_scalar().to_f64();
-            InFlight::Loss { loss, input, group }
+            Output::Loss(loss)
         } else {
             let sent = output.clone().detach().into_data();
             self.sends.push(self.pp().isend(stage + 1, sent)?);
-            InFlight::Hidden {
-                output,
-                input,
-                group,
-            }
+            Output::Hidden(output)
+        };
+        let in_flight = InFlight {
+            output,
+            input,
+            group,
         };
         self.in_flight.insert(unit, in_flight);
         Ok(())
@@ -256,25 +257,25 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
     /// The backward pass of schedule unit `unit` (whose forward this rank ran).
     pub fn backward(&mut self, unit: usize) -> Result<(), CpError> {
         let stage = self.pp().rank();
-        let in_flight = self.in_flight.remove(&unit).ok_or_else(|| {
+        let InFlight {
+            output,
+            input,
+            group,
+        } = self.in_flight.remove(&unit).ok_or_else(|| {
             CpError::Config(format!(
                 "pipeline stage {stage}: backward of sub-step {unit} before its forward"
             ))
         })?;
-        let (grads, input) = match in_flight {
-            InFlight::Loss { loss, input, group } => {
+        let grads = match output {
+            Output::Loss(loss) => {
                 self.enter_backward(&group)?;
-                ((loss / self.global_labels as f64).backward(), input)
+                (loss / self.global_labels as f64).backward()
             }
-            InFlight::Hidden {
-                output,
-                input,
-                group,
-            } => {
+            Output::Hidden(output) => {
                 let tokens = output.dims()[1];
                 let grad = self.receive(stage + 1, unit, tokens, "gradients")?;
                 self.enter_backward(&group)?;
-                ((output * grad).sum().backward(), input)
+                (output * grad).sum().backward()
             }
         };
         if let Some(input) = input {
@@ -322,20 +323,13 @@ mod tests {
                 for stage in 0..stages {
                     for units in 0..6 {
                         let passes = stage_passes(schedule, stage, stages, units);
-                        let forwards: Vec<usize> = passes
-                            .iter()
-                            .filter_map(|p| match p {
-                                Pass::Forward(u) => Some(*u),
-                                _ => None,
-                            })
-                            .collect();
-                        let backwards: Vec<usize> = passes
-                            .iter()
-                            .filter_map(|p| match p {
-                                Pass::Backward(u) => Some(*u),
-                                _ => None,
-                            })
-                            .collect();
+                        let (forwards, backwards): (Vec<Pass>, Vec<Pass>) =
+                            passes.iter().partition(|p| matches!(p, Pass::Forward(_)));
+                        let unit = |p: &Pass| match p {
+                            Pass::Forward(u) | Pass::Backward(u) => *u,
+                        };
+                        let forwards: Vec<usize> = forwards.iter().map(unit).collect();
+                        let backwards: Vec<usize> = backwards.iter().map(unit).collect();
                         assert_eq!(forwards, (0..units).collect::<Vec<_>>());
                         assert_eq!(backwards, forwards);
                         // Every backward comes after its forward.
