@@ -12,9 +12,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use burn_dcp::comm::{InProcessWorld, LinkBytes, WorldConfig};
+use burn_dcp::comm::WorldConfig;
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
+use burn_dcp_suite::launch::Ranks;
 use burn_dcp_suite::train::{
     check_resume, read_json, train_rank, write_atomically, write_json, AutoSettings, CpSizes,
     DcpSettings, DynamicSettings, PpSchedule, RankOutcome, StepMetrics, StepObserver, TrainConfig,
@@ -129,7 +130,11 @@ struct Args {
 fn main() {
     let args = Args::parse();
     if let Err(message) = run(&args) {
-        eprintln!("error: {message}");
+        // Under MPI every rank finds the same configuration error: rank 0 alone prints it (a
+        // rank's own failure during training is printed by that rank as it aborts the job).
+        if burn_dcp_suite::launch::launcher_rank() == 0 {
+            eprintln!("error: {message}");
+        }
         std::process::exit(2);
     }
 }
@@ -487,9 +492,8 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
     Ok(config)
 }
 
-/// Rank 0's view of the run: progress bar, metrics.jsonl, byte totals.
-struct Reporter<'a> {
-    world: &'a InProcessWorld,
+/// Rank 0's view of the run: progress bar, metrics.jsonl.
+struct Reporter {
     /// The mesh, shown on the progress line.
     mesh: String,
     metrics_file: Option<Mutex<std::fs::File>>,
@@ -498,7 +502,7 @@ struct Reporter<'a> {
     error: Mutex<Option<String>>,
 }
 
-impl StepObserver for Reporter<'_> {
+impl StepObserver for Reporter {
     fn on_step(&self, m: &StepMetrics) {
         let width = 30;
         let done = m.step * width / self.steps.max(1);
@@ -521,28 +525,6 @@ impl StepObserver for Reporter<'_> {
                 *self.error.lock().unwrap_or_else(|p| p.into_inner()) =
                     Some(format!("cannot write metrics.jsonl: {e}"));
             }
-        }
-    }
-
-    fn total_bytes(&self) -> u64 {
-        self.world.stats().iter().map(|s| s.total_bytes()).sum()
-    }
-
-    fn label_bytes(&self) -> std::collections::BTreeMap<String, u64> {
-        let mut totals = std::collections::BTreeMap::new();
-        for stats in self.world.stats() {
-            for (label, bytes) in stats.bytes_by_label {
-                *totals.entry(label).or_default() += bytes;
-            }
-        }
-        totals
-    }
-
-    fn link_bytes(&self) -> LinkBytes {
-        let stats = self.world.stats();
-        LinkBytes {
-            intra_node: stats.iter().map(|s| s.bytes_by_link.intra_node).sum(),
-            inter_node: stats.iter().map(|s| s.bytes_by_link.inter_node).sum(),
         }
     }
 }
@@ -615,6 +597,9 @@ fn run(args: &Args) -> Result<(), String> {
         None => None,
     };
     if saved_step == Some(config.steps) {
+        if burn_dcp_suite::launch::launcher_rank() != 0 {
+            return Ok(());
+        }
         eprintln!(
             "gpt_longctx: nothing to train: the checkpoint in {} is already at step {} (give a larger --steps to continue)",
             args.resume.as_deref().unwrap_or(Path::new("")).display(),
@@ -622,8 +607,18 @@ fn run(args: &Args) -> Result<(), String> {
         );
         return summarize(args, &config, &[], 0.0, args.resume.as_deref());
     }
+    let ranks = Ranks::new(
+        config.world_size(),
+        WorldConfig {
+            timeout: Duration::from_secs(config.timeout_secs),
+            ranks_per_node: Some(config.ranks_per_node().map_err(|e| e.to_string())?),
+        },
+    )?;
+    // Under MPI only rank 0 prints and writes files (the checkpoint's shards reach it as
+    // messages); every rank trains.
+    let leader = ranks.is_leader();
     let out = args.out.clone().or_else(|| args.resume.clone());
-    if let Some(out) = &out {
+    if let (true, Some(out)) = (leader, &out) {
         refuse_overwrite(out, args.resume.as_deref())?;
         std::fs::create_dir_all(out)
             .map_err(|e| format!("cannot create {}: {e}", out.display()))?;
@@ -633,23 +628,15 @@ fn run(args: &Args) -> Result<(), String> {
         (Some(resume), Some(out)) => same_dir(resume, out),
         _ => false,
     };
-    if let (true, Some(out), Some(step)) = (appending, &out, saved_step) {
+    if let (true, true, Some(out), Some(step)) = (leader, appending, &out, saved_step) {
         // A run killed after some steps logged metrics the checkpoint does not hold: drop them.
         truncate_metrics(&out.join("metrics.jsonl"), step)?;
     }
-    let world = InProcessWorld::new(
-        config.world_size(),
-        WorldConfig {
-            timeout: Duration::from_secs(config.timeout_secs),
-            ranks_per_node: Some(config.ranks_per_node().map_err(|e| e.to_string())?),
-        },
-    )
-    .map_err(|e| e.to_string())?;
     let reporter = Reporter {
-        world: &world,
         mesh: config.mesh_shape().to_string(),
         metrics_file: out
             .as_deref()
+            .filter(|_| leader)
             .map(|o| open_metrics(o, appending))
             .transpose()?
             .map(Mutex::new),
@@ -675,40 +662,43 @@ fn run(args: &Args) -> Result<(), String> {
         1 => strategy,
         _ => format!("{strategy}, {} pipeline schedule", config.pp_schedule),
     };
-    eprintln!(
-        "gpt_longctx: {} model, world {} = {} ({strategy}, {} layout), {} tokens/micro-batch, {} micro-batches/step, mask {}",
-        config.model_size, config.world_size(), config.mesh_shape(), config.layout, config.seq_len, config.micro_batches, config.mask
-    );
+    if leader {
+        eprintln!(
+            "gpt_longctx: {} model, world {} = {} ({strategy}, {} layout) on {}, {} tokens/micro-batch, {} micro-batches/step, mask {}",
+            config.model_size, config.world_size(), config.mesh_shape(), config.layout, ranks.describe(), config.seq_len, config.micro_batches, config.mask
+        );
+    }
     let data = TrainData::load(&config)?;
-    eprintln!(
-        "data: corpus {} ({} tokenizer) packed into {} micro-batches of at most {} tokens",
-        config.corpus,
-        config.tokenizer,
-        data.len(),
-        config.seq_len
-    );
+    if leader {
+        eprintln!(
+            "data: corpus {} ({} tokenizer) packed into {} micro-batches of at most {} tokens",
+            config.corpus,
+            config.tokenizer,
+            data.len(),
+            config.seq_len
+        );
+    }
     let resume = args.resume.as_deref();
     let results = match args.backend.as_str() {
         #[cfg(feature = "wgpu")]
         "wgpu" => {
-            train_world::<burn::backend::Wgpu>(&world, &config, &data, resume, &out, &reporter)
+            train_world::<burn::backend::Wgpu>(&ranks, &config, &data, resume, &out, &reporter)
         }
         #[cfg(feature = "cuda")]
         "cuda" => {
-            train_world::<burn::backend::Cuda>(&world, &config, &data, resume, &out, &reporter)
+            train_world::<burn::backend::Cuda>(&ranks, &config, &data, resume, &out, &reporter)
         }
-        _ => train_world::<burn::backend::Flex>(&world, &config, &data, resume, &out, &reporter),
+        _ => train_world::<burn::backend::Flex>(&ranks, &config, &data, resume, &out, &reporter),
     };
-    eprintln!();
-    if let Some(summary) = world.failure_summary(&results) {
-        return Err(format!("training failed: {summary}"));
+    if leader {
+        eprintln!();
     }
-    let metrics = results
-        .into_iter()
-        .next()
-        .and_then(Result::ok)
-        .map(|outcome| outcome.metrics)
-        .unwrap_or_default();
+    let outcome = results.map_err(|summary| format!("training failed: {summary}"))?;
+    let Some(outcome) = outcome else {
+        // Not rank 0 of an MPI job: rank 0 reports.
+        return Ok(());
+    };
+    let metrics = outcome.metrics;
     if let Some(error) = reporter
         .error
         .lock()
@@ -728,15 +718,15 @@ fn run(args: &Args) -> Result<(), String> {
 
 /// Runs every rank's training on `ContextParallel<Autodiff<B>>` (`B`'s default device).
 fn train_world<B: FlashOps>(
-    world: &InProcessWorld,
+    ranks: &Ranks,
     config: &TrainConfig,
     data: &TrainData,
     resume: Option<&Path>,
     out: &Option<PathBuf>,
     reporter: &Reporter,
-) -> Vec<Result<RankOutcome, String>> {
+) -> Result<Option<RankOutcome>, String> {
     let device = B::Device::default();
-    world.run(|comm| {
+    ranks.run(|comm| {
         train_rank::<B>(
             comm,
             config,

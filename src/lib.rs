@@ -1,6 +1,7 @@
 //! The root package of the workspace: it holds the top-level `examples/`, `tests/` and `benches/`,
 //! the training engine they share ([`train`]) and re-exports the crates they use.
 
+pub mod launch;
 pub mod train;
 
 /// Checks a `--backend` flag of the examples: `flex` always runs; `wgpu`/`cuda` run when the

@@ -242,14 +242,6 @@ impl burn_dcp_suite::train::StepObserver for Quiet {
     fn on_step(&self, metrics: &burn_dcp_suite::train::StepMetrics) {
         self.0.lock().unwrap().push(metrics.loss);
     }
-
-    fn total_bytes(&self) -> u64 {
-        0
-    }
-
-    fn link_bytes(&self) -> burn_dcp::comm::LinkBytes {
-        burn_dcp::comm::LinkBytes::default()
-    }
 }
 
 fn train(

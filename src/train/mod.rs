@@ -37,11 +37,11 @@ use std::time::Instant;
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::prelude::{Int, Tensor, TensorData};
-use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, NamedMpkFileRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::ContextParallel;
 use burn_dcp::comm::{
-    panic_message, Comm, CommError, LinkBytes, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT,
+    panic_message, Comm, CommError, CommStats, LinkBytes, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT,
 };
 use burn_dcp::kernels::{FlashOps, MaskSpec, MicroBatch};
 use burn_dcp::mesh::MeshShape;
@@ -900,6 +900,8 @@ fn model_differences(saved: &GptConfig, wanted: &GptConfig) -> Vec<String> {
 }
 
 type Recorder_ = NamedMpkFileRecorder<FullPrecisionSettings>;
+/// Records to bytes exactly what `Recorder_` writes to a file (named MessagePack).
+type BytesRecorder_ = NamedMpkBytesRecorder<FullPrecisionSettings>;
 
 /// The result of one rank's training.
 pub struct RankOutcome {
@@ -909,14 +911,56 @@ pub struct RankOutcome {
 /// Hooks of rank 0: called after each step with its metrics (progress, metrics.jsonl).
 pub trait StepObserver: Sync {
     fn on_step(&self, metrics: &StepMetrics);
-    /// Bytes sent so far by all ranks (read between two barriers).
-    fn total_bytes(&self) -> u64;
-    /// The same bytes by link class (`--topology`/`--nodes`), summed over all ranks.
-    fn link_bytes(&self) -> LinkBytes;
-    /// The same bytes by the label of the group that sent them (the mesh's axes: `tp`, `cp`,
-    /// `dp`, `pp`), summed over all ranks.
-    fn label_bytes(&self) -> BTreeMap<String, u64> {
-        BTreeMap::new()
+}
+
+/// The bytes one rank sent during one step: every rank measures its own
+/// ([`Communicator::stats`](burn_dcp::comm::Communicator::stats)) and rank 0 sums them, so the
+/// totals are the same whether ranks are threads of one process or processes of an MPI job.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct StepBytes {
+    total: u64,
+    links: LinkBytes,
+    labels: BTreeMap<String, u64>,
+}
+
+impl StepBytes {
+    fn between(before: &CommStats, after: &CommStats) -> Self {
+        let labels = after
+            .bytes_by_label
+            .iter()
+            .map(|(label, bytes)| {
+                let earlier = before.bytes_by_label.get(label).copied().unwrap_or(0);
+                (label.clone(), bytes - earlier)
+            })
+            .collect();
+        StepBytes {
+            total: after.total_bytes() - before.total_bytes(),
+            links: LinkBytes {
+                intra_node: after.bytes_by_link.intra_node - before.bytes_by_link.intra_node,
+                inter_node: after.bytes_by_link.inter_node - before.bytes_by_link.inter_node,
+            },
+            labels,
+        }
+    }
+
+    /// Every rank's bytes of the step, summed (on every rank) through a control all-gather.
+    fn summed(self, world: &Comm) -> Result<StepBytes, String> {
+        let payload = serde_json::to_vec(&self).map_err(|e| e.to_string())?;
+        let all = world
+            .all_gather_control("step bytes", payload)
+            .map_err(|e| e.to_string())?;
+        let mut sum = StepBytes::default();
+        for bytes in all {
+            let rank: StepBytes = serde_json::from_slice(&bytes)
+                .map_err(|e| format!("a malformed per-rank byte count: {e}"))?;
+            sum.total += rank.total;
+            sum.links.intra_node += rank.links.intra_node;
+            sum.links.inter_node += rank.links.inter_node;
+            for (label, bytes) in rank.labels {
+                *sum.labels.entry(label).or_default() += bytes;
+            }
+        }
+        Ok(sum)
     }
 }
 
@@ -1012,7 +1056,6 @@ pub fn train_rank<B: FlashOps>(
             model: &model,
             optimizer: &optimizer,
             state: &state,
-            recorder: &recorder,
             files: &files,
         };
         save_checkpoint(&groups, &saved).inspect_err(|e| groups.mesh.world.abort(e))?;
@@ -1066,14 +1109,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
         for step in first..=self.config.steps {
             let started = Instant::now();
             world.barrier().map_err(|e| e.to_string())?;
-            let bytes_before = (world.rank() == 0).then(|| {
-                (
-                    self.observer.total_bytes(),
-                    self.observer.link_bytes(),
-                    self.observer.label_bytes(),
-                )
-            });
-            world.barrier().map_err(|e| e.to_string())?;
+            let stats_before = world.stats();
             let waited = Instant::now();
             let plan = plans
                 .recv()
@@ -1090,26 +1126,21 @@ impl<B: FlashOps> StepLoop<'_, B> {
             )
             .map_err(|e| e.to_string())?;
             model = optimizer.step(self.config.learning_rate, model, result.grads);
-            world.barrier().map_err(|e| e.to_string())?;
-            if let Some((before, links_before, labels_before)) = bytes_before {
-                let links = self.observer.link_bytes();
-                let labels = self.observer.label_bytes();
+            let bytes = StepBytes::between(&stats_before, &world.stats()).summed(world)?;
+            if world.rank() == 0 {
                 let bytes_by_axis = AXES
                     .iter()
                     .map(|axis| {
-                        let of = |m: &BTreeMap<String, u64>| m.get(*axis).copied().unwrap_or(0);
-                        (axis.to_string(), of(&labels) - of(&labels_before))
+                        let sent = bytes.labels.get(*axis).copied().unwrap_or(0);
+                        (axis.to_string(), sent)
                     })
                     .collect();
                 let step_metrics = StepMetrics {
                     step,
                     loss: result.loss,
                     tokens: result.tokens,
-                    bytes_communicated: self.observer.total_bytes() - before,
-                    bytes_by_link: LinkBytes {
-                        intra_node: links.intra_node - links_before.intra_node,
-                        inter_node: links.inter_node - links_before.inter_node,
-                    },
+                    bytes_communicated: bytes.total,
+                    bytes_by_link: bytes.links,
                     step_ms: started.elapsed().as_secs_f64() * 1e3,
                     cp_group_sizes: result
                         .stats
@@ -1162,21 +1193,89 @@ struct Checkpoint<'a, M, O> {
     model: &'a M,
     optimizer: &'a O,
     state: &'a TrainState,
-    recorder: &'a Recorder_,
     files: &'a CheckpointFiles,
 }
 
-/// Saves the checkpoint atomically, sharded over TP and PP: world rank 0 prepares
-/// `checkpoint.tmp/`; the first rank of every (TP, PP) position's pool writes its shard there; then rank 0 writes
-/// `state.json`, renames the old `checkpoint/` to `checkpoint.old/`, `checkpoint.tmp/` to
-/// `checkpoint/`, and removes the old one. A run killed at any point leaves a complete
-/// checkpoint (`checkpoint/`, or `checkpoint.old/` between the two renames, which
-/// [`saved_checkpoint`] falls back to). A collective call of the world.
+/// Saves the checkpoint atomically, sharded over TP and PP. The first rank of every (TP, PP)
+/// position's pool records its shard (model and optimizer) to bytes and sends them to world rank
+/// 0, which alone touches the file system (under MPI the ranks may be on other nodes): it writes
+/// every shard to `checkpoint.tmp/`, then `state.json`, renames the old `checkpoint/` to
+/// `checkpoint.old/`, `checkpoint.tmp/` to `checkpoint/`, and removes the old one. A run killed
+/// at any point leaves a complete checkpoint (the old or the new) behind.
 fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optimizer<M, B>>(
     groups: &RankGroups,
     saved: &Checkpoint<M, O>,
 ) -> Result<(), String> {
-    let out = saved.out;
+    let world = &groups.mesh.world;
+    let comm_error = |e: CommError| e.to_string();
+    // The shard this rank owns, as (file name, bytes) pairs.
+    let owner = groups.world.rank() == 0;
+    let mut shard = Vec::new();
+    if owner {
+        let bytes = BytesRecorder_::default();
+        let model = Recorder::<B>::record(&bytes, saved.model.clone().into_record(), ())
+            .map_err(|e| format!("cannot record the model: {e}"))?;
+        let optimizer = Recorder::<B>::record(&bytes, saved.optimizer.to_record(), ())
+            .map_err(|e| format!("cannot record the optimizer: {e}"))?;
+        shard.push((format!("{}.mpk", saved.files.model), model));
+        shard.push((format!("{}.mpk", saved.files.optimizer), optimizer));
+    }
+    let owners = world
+        .all_gather_control("checkpoint owners", vec![owner as u8])
+        .map_err(comm_error)?;
+    let leader = world.rank() == 0;
+    // Owners send (name, bytes) pairs to rank 0: the name as one message, the bytes as another.
+    let mut sends = Vec::new();
+    if owner && !leader {
+        for (name, bytes) in shard.drain(..) {
+            let name = name.into_bytes();
+            let (name_len, len) = (name.len(), bytes.len());
+            sends.push(
+                world
+                    .isend(0, TensorData::new(name, [name_len]))
+                    .map_err(comm_error)?,
+            );
+            sends.push(
+                world
+                    .isend(0, TensorData::new(bytes, [len]))
+                    .map_err(comm_error)?,
+            );
+        }
+    }
+    if leader {
+        let mut receives = Vec::new();
+        for (rank, flag) in owners.iter().enumerate() {
+            if rank != 0 && flag.first() == Some(&1) {
+                for _ in 0..2 {
+                    receives.push((
+                        world.irecv(rank).map_err(comm_error)?,
+                        world.irecv(rank).map_err(comm_error)?,
+                    ));
+                }
+            }
+        }
+        for (name, bytes) in receives {
+            let name = name.wait().map_err(comm_error)?.into_vec::<u8>();
+            let bytes = bytes.wait().map_err(comm_error)?.into_vec::<u8>();
+            match (name.map(String::from_utf8), bytes) {
+                (Ok(Ok(name)), Ok(bytes)) => shard.push((name, bytes)),
+                _ => return Err("a malformed checkpoint shard message".into()),
+            }
+        }
+        write_checkpoint(saved.out, &shard, saved.state)?;
+    }
+    for send in sends {
+        send.wait().map_err(comm_error)?;
+    }
+    world.barrier().map_err(comm_error)
+}
+
+/// Rank 0's part of [`save_checkpoint`]: the files, then the atomic swap of directories.
+fn write_checkpoint(
+    out: &Path,
+    files: &[(String, Vec<u8>)],
+    state: &TrainState,
+) -> Result<(), String> {
     let (dir, tmp, old) = (
         checkpoint_dir(out),
         out.join("checkpoint.tmp"),
@@ -1185,34 +1284,15 @@ fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optimizer<M, B>>
     let io = |what: &str, path: &Path, e: std::io::Error| {
         format!("cannot {what} {}: {e}", path.display())
     };
-    let world = &groups.mesh.world;
-    let leader = world.rank() == 0;
-    if leader {
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).map_err(|e| io("remove", &tmp, e))?;
-        }
-        std::fs::create_dir_all(&tmp).map_err(|e| io("create", &tmp, e))?;
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io("remove", &tmp, e))?;
     }
-    world.barrier().map_err(|e| e.to_string())?;
-    if groups.world.rank() == 0 {
-        saved
-            .model
-            .clone()
-            .save_file(tmp.join(&saved.files.model), saved.recorder)
-            .map_err(|e| format!("cannot save the model to {}: {e}", tmp.display()))?;
-        saved
-            .recorder
-            .record(
-                saved.optimizer.to_record(),
-                tmp.join(&saved.files.optimizer),
-            )
-            .map_err(|e| format!("cannot save the optimizer to {}: {e}", tmp.display()))?;
+    std::fs::create_dir_all(&tmp).map_err(|e| io("create", &tmp, e))?;
+    for (name, bytes) in files {
+        let path = tmp.join(name);
+        std::fs::write(&path, bytes).map_err(|e| io("write", &path, e))?;
     }
-    world.barrier().map_err(|e| e.to_string())?;
-    if !leader {
-        return Ok(());
-    }
-    write_json(&tmp.join("state.json"), saved.state)?;
+    write_json(&tmp.join("state.json"), state)?;
     if dir.exists() {
         if old.exists() {
             std::fs::remove_dir_all(&old).map_err(|e| io("remove", &old, e))?;

@@ -943,13 +943,13 @@ impl Communicator for InProcessComm {
     }
 }
 
-fn flatten(data: TensorData) -> TensorData {
+pub(crate) fn flatten(data: TensorData) -> TensorData {
     let count = data.num_elements();
     TensorData::from_bytes(data.bytes, [count], data.dtype)
 }
 
 /// Splits a flat tensor into `parts` contiguous chunks (sizes differ by at most one element).
-fn split_flat(flat: &TensorData, parts: usize) -> Vec<TensorData> {
+pub(crate) fn split_flat(flat: &TensorData, parts: usize) -> Vec<TensorData> {
     let count = flat.num_elements();
     let width = flat.dtype.size();
     let bytes = flat.as_bytes();
@@ -965,7 +965,7 @@ fn split_flat(flat: &TensorData, parts: usize) -> Vec<TensorData> {
         .collect()
 }
 
-fn concat_flat(
+pub(crate) fn concat_flat(
     chunks: Vec<TensorData>,
     shape: &[usize],
     dtype: burn::tensor::DType,

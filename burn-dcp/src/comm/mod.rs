@@ -8,6 +8,8 @@
 //! ([`CommError::Protocol`]) instead of computing with the wrong data.
 
 pub mod in_process;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -17,6 +19,8 @@ use std::time::Duration;
 use burn::tensor::{DType, TensorData};
 
 pub use in_process::{InProcessWorld, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
+#[cfg(feature = "mpi")]
+pub use mpi::{MpiComm, MpiWorld};
 
 /// A shared handle to one rank's view of a group.
 pub type Comm = Arc<dyn Communicator>;

@@ -20,7 +20,7 @@ use burn::tensor::DType;
 use burn_dcp_kernels::definition::packing::token_count;
 use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment};
 
-use crate::comm::{Comm, PendingRecv};
+use crate::comm::{Comm, PendingRecv, PendingSend};
 use crate::error::CpError;
 use crate::strategy::exchange::checked_tensor;
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup};
@@ -37,13 +37,16 @@ struct InFlight<'a> {
     comm: &'a Comm,
     from: usize,
     pieces: Vec<(PendingRecv, [usize; 3], DType)>,
+    /// This rank's sends of the same step, waited for after the receives.
+    sends: Vec<PendingSend>,
     what: &'static str,
 }
 
 impl InFlight<'_> {
     fn wait<B: FlashOps>(self, device: &B::Device) -> Result<Vec<Tensor<B, 3>>, CpError> {
         let (comm, from, what) = (self.comm, self.from, self.what);
-        self.pieces
+        let received = self
+            .pieces
             .into_iter()
             .map(|(pending, expected, dtype)| {
                 Ok(checked_tensor(
@@ -56,7 +59,11 @@ impl InFlight<'_> {
                     device,
                 )?)
             })
-            .collect()
+            .collect::<Result<Vec<_>, CpError>>()?;
+        for send in self.sends {
+            send.wait()?;
+        }
+        Ok(received)
     }
 }
 
@@ -74,23 +81,19 @@ impl RingPass<'_> {
         (self.comm.rank() + self.comm.size() - step % self.comm.size()) % self.comm.size()
     }
 
-    /// Posts the sends of `pieces` to the next rank and the receives of as many from the previous:
-    /// the same pieces of the block of member `incoming` (its tokens, the pieces' heads and dims).
+    /// Posts the receives of `pieces` from the previous rank (the same pieces of the block of
+    /// member `incoming`: its tokens, the pieces' heads and dims), then the sends of `pieces` to
+    /// the next; [`InFlight::wait`] waits for the receives, then the sends. Receives are posted
+    /// before any send is waited for, so the ring never depends on eager sends (MPI and NCCL
+    /// sends of large messages complete only once the receiver has posted its receive).
     fn rotate<B: FlashOps>(
         &self,
         pieces: &[&Tensor<B, 3>],
         incoming: usize,
         what: &'static str,
     ) -> Result<InFlight<'_>, CpError> {
-        for piece in pieces {
-            // In-process sends are eager; a send handle only guards buffer reuse, and the data
-            // was copied into the message, so it need not be kept.
-            self.comm
-                .isend(self.next(), (*piece).clone().into_data())?
-                .wait()?;
-        }
         let tokens = token_count(&self.members[incoming]);
-        let pieces = pieces
+        let receives = pieces
             .iter()
             .map(|piece| {
                 let [_, heads, dim] = piece.dims();
@@ -98,10 +101,15 @@ impl RingPass<'_> {
                 Ok((pending, [tokens, heads, dim], piece.dtype()))
             })
             .collect::<Result<Vec<_>, CpError>>()?;
+        let sends = pieces
+            .iter()
+            .map(|piece| self.comm.isend(self.next(), (*piece).clone().into_data()))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(InFlight {
             comm: self.comm,
             from: self.prev(),
-            pieces,
+            pieces: receives,
+            sends,
             what,
         })
     }

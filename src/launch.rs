@@ -1,0 +1,137 @@
+//! Where the ranks of an example run: threads of this process ([`InProcessWorld`]), or, when an
+//! MPI launcher started the process (`mpirun -n P …`, `srun --mpi=pmix …`) and the binary has
+//! the cargo feature `mpi`, one rank per process ([`MpiWorld`](burn_dcp::comm::MpiWorld)).
+//!
+//! The examples run the same per-rank task either way; under MPI only rank 0 prints and writes
+//! files, and a rank that fails aborts the job (`MPI_Abort`) with a message naming it.
+
+use burn_dcp::comm::{Comm, InProcessWorld, WorldConfig};
+
+/// Launcher variables giving this process's rank, in the order they are trusted.
+const RANK_VARIABLES: [&str; 4] = [
+    "OMPI_COMM_WORLD_RANK",
+    "PMIX_RANK",
+    "PMI_RANK",
+    "SLURM_PROCID",
+];
+/// Launcher variables giving the number of processes.
+const SIZE_VARIABLES: [&str; 4] = [
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "MV2_COMM_WORLD_SIZE",
+    "SLURM_NTASKS",
+];
+
+/// This process's rank as its MPI launcher announces it (0 when no launcher started it). Known
+/// before MPI is initialised, so that only rank 0 prints errors found before the world exists.
+pub fn launcher_rank() -> usize {
+    RANK_VARIABLES
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The number of processes the launcher started (1 when none did).
+fn launcher_size() -> usize {
+    SIZE_VARIABLES
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+        .unwrap_or(1)
+}
+
+/// Whether this process is one of several an MPI launcher started.
+pub fn launched_by_mpi() -> bool {
+    #[cfg(feature = "mpi")]
+    {
+        burn_dcp::comm::MpiWorld::launched() && launcher_size() > 1
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        launcher_size() > 1
+    }
+}
+
+/// The ranks of a run.
+pub enum Ranks {
+    /// Every rank is a thread of this process.
+    InProcess(InProcessWorld),
+    /// This process is one rank of an MPI job.
+    #[cfg(feature = "mpi")]
+    Mpi(burn_dcp::comm::MpiWorld),
+}
+
+impl Ranks {
+    /// `size` ranks: threads, or this process's rank of the MPI job that started it, which must
+    /// have exactly `size` processes. The MPI check is the same on every rank, so a wrong `-n`
+    /// fails everywhere with the same message.
+    pub fn new(size: usize, config: WorldConfig) -> Result<Ranks, String> {
+        if launched_by_mpi() {
+            #[cfg(not(feature = "mpi"))]
+            return Err(format!(
+                "started by an MPI launcher as one of {} processes, but this binary was built without MPI: rebuild with `--features mpi`",
+                launcher_size()
+            ));
+            #[cfg(feature = "mpi")]
+            {
+                let processes = launcher_size();
+                if processes != size {
+                    return Err(format!(
+                        "the MPI job has {processes} processes but the configuration needs {size} ranks (one process per rank: mpirun -n {size})"
+                    ));
+                }
+                let world = burn_dcp::comm::MpiWorld::init(config).map_err(|e| e.to_string())?;
+                if world.size() != size {
+                    return Err(format!(
+                        "MPI's world has {} ranks but the configuration needs {size}",
+                        world.size()
+                    ));
+                }
+                return Ok(Ranks::Mpi(world));
+            }
+        }
+        InProcessWorld::new(size, config)
+            .map(Ranks::InProcess)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Whether this process reports (prints, writes files): always in-process, rank 0 under MPI.
+    pub fn is_leader(&self) -> bool {
+        match self {
+            Ranks::InProcess(_) => true,
+            #[cfg(feature = "mpi")]
+            Ranks::Mpi(world) => world.rank() == 0,
+        }
+    }
+
+    /// How the ranks run, for the start line.
+    pub fn describe(&self) -> String {
+        match self {
+            Ranks::InProcess(_) => "threads".into(),
+            #[cfg(feature = "mpi")]
+            Ranks::Mpi(world) => format!("{} MPI processes", world.size()),
+        }
+    }
+
+    /// Runs `task` on every rank this process holds and returns rank 0's result (`None` on the
+    /// other processes of an MPI job). A failure is an error naming the rank that failed first
+    /// (in-process); under MPI the failing rank prints its error and aborts the job.
+    pub fn run<T: Send>(
+        &self,
+        task: impl Fn(Comm) -> Result<T, String> + Sync,
+    ) -> Result<Option<T>, String> {
+        match self {
+            Ranks::InProcess(world) => {
+                let results = world.run(task);
+                if let Some(summary) = world.failure_summary(&results) {
+                    return Err(summary);
+                }
+                Ok(results.into_iter().next().and_then(Result::ok))
+            }
+            #[cfg(feature = "mpi")]
+            Ranks::Mpi(world) => match task(world.comm()) {
+                Ok(value) => Ok((world.rank() == 0).then_some(value)),
+                Err(error) => world.abort(&error),
+            },
+        }
+    }
+}
