@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 
 use burn::backend::Flex;
 use burn::tensor::{DType, TensorData};
-use burn_dcp::comm::{LinkBytes, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
+use burn_dcp::comm::{LinkBytes, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
 use burn_dcp::harness::{
-    max_rel_err, run_context_parallel, run_single_device, PackedInputs, PackedOutputs, RunReport,
-    RunSpec,
+    max_rel_err, run_context_parallel, run_context_parallel_on, run_single_device, PackedInputs,
+    PackedOutputs, RunReport, RunSpec,
 };
 use burn_dcp::kernels::{validate_cu_seqlens, validate_scale, MaskSpec};
 use burn_dcp::planner::cost::{AttentionDims, Pass};
@@ -37,6 +37,7 @@ use burn_dcp::planner::topology::Topology;
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::volume::{analytic_volume, VolumeShape};
 use burn_dcp::{CpError, Layout, Placement, Strategy};
+use burn_dcp_suite::launch::Ranks;
 use clap::Parser;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -130,7 +131,10 @@ struct Args {
 fn main() {
     let args = Args::parse();
     if let Err(message) = run(&args) {
-        eprintln!("error: {message}");
+        // Under MPI every rank finds the same error: rank 0 alone prints it.
+        if burn_dcp_suite::launch::launcher_rank() == 0 {
+            eprintln!("error: {message}");
+        }
         std::process::exit(2);
     }
 }
@@ -195,7 +199,15 @@ fn run(args: &Args) -> Result<(), String> {
             None
         }
     };
-    if let (true, Some(schedule)) = (args.explain, &blocks) {
+    let ranks = Ranks::new(
+        args.cp,
+        WorldConfig {
+            timeout: Duration::from_secs(args.timeout_secs),
+            ranks_per_node: Some(args.cp / args.nodes.max(1)),
+        },
+    )?;
+    let leader = ranks.is_leader();
+    if let (true, true, Some(schedule)) = (leader, args.explain, &blocks) {
         let text = explain(schedule);
         match args.json {
             true => eprint!("{text}"),
@@ -213,10 +225,33 @@ fn run(args: &Args) -> Result<(), String> {
         nodes: args.nodes,
     };
     let device = Default::default();
-    let started = Instant::now();
-    let reference = run_single_device::<Flex>(&device, &inputs, &spec.masks, spec.scale)
-        .map_err(|e| e.to_string())?;
-    let reference_ms = started.elapsed().as_secs_f64() * 1e3;
+    if ranks.is_distributed() {
+        // One rank per process (MPI): every rank runs its part; rank 0 assembles and reports.
+        let report = ranks.run(|comm| {
+            match args.backend.as_str() {
+                #[cfg(feature = "wgpu")]
+                "wgpu" => run_context_parallel_on::<burn::backend::Wgpu>(
+                    comm,
+                    &Default::default(),
+                    &inputs,
+                    &spec,
+                ),
+                #[cfg(feature = "cuda")]
+                "cuda" => run_context_parallel_on::<burn::backend::Cuda>(
+                    comm,
+                    &Default::default(),
+                    &inputs,
+                    &spec,
+                ),
+                _ => run_context_parallel_on::<Flex>(comm, &device, &inputs, &spec),
+            }
+            .map_err(|e| e.to_string())
+        })?;
+        return match report.flatten() {
+            Some(report) => report_run(args, &inputs, &spec, &report),
+            None => Ok(()),
+        };
+    }
     let report = match args.backend.as_str() {
         #[cfg(feature = "wgpu")]
         "wgpu" => run_context_parallel::<burn::backend::Wgpu>(&Default::default(), &inputs, &spec),
@@ -225,10 +260,24 @@ fn run(args: &Args) -> Result<(), String> {
         _ => run_context_parallel::<Flex>(&device, &inputs, &spec),
     }
     .map_err(|e| e.to_string())?;
+    report_run(args, &inputs, &spec, &report)
+}
+
+/// Compares the run with the single-device reference and prints the summary (rank 0).
+fn report_run(
+    args: &Args,
+    inputs: &PackedInputs,
+    spec: &RunSpec,
+    report: &RunReport,
+) -> Result<(), String> {
+    let started = Instant::now();
+    let reference = run_single_device::<Flex>(&Default::default(), inputs, &spec.masks, spec.scale)
+        .map_err(|e| e.to_string())?;
+    let reference_ms = started.elapsed().as_secs_f64() * 1e3;
     if let Some(path) = &args.output {
-        write_outputs(path, &inputs, &report.outputs)?;
+        write_outputs(path, inputs, &report.outputs)?;
     }
-    let summary = summarize(args, &inputs, &spec, &report, &reference, reference_ms)?;
+    let summary = summarize(args, inputs, spec, report, &reference, reference_ms)?;
     if summary["non_finite_inputs"] == true {
         eprintln!(
             "cp_attention: the inputs hold NaN or infinite values; they propagate into the outputs, so the errors against the reference are not finite"

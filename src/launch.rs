@@ -103,6 +103,11 @@ impl Ranks {
         }
     }
 
+    /// Whether this process is one rank of several processes (MPI).
+    pub fn is_distributed(&self) -> bool {
+        !matches!(self, Ranks::InProcess(_))
+    }
+
     /// How the ranks run, for the start line.
     pub fn describe(&self) -> String {
         match self {

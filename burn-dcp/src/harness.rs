@@ -8,7 +8,7 @@ use burn::prelude::Tensor;
 use burn::tensor::TensorData;
 use burn_dcp_kernels::{FlashOps, MaskSpec, VarlenAttention};
 
-use crate::comm::{CommStats, InProcessWorld, WorldConfig};
+use crate::comm::{Comm, CommStats, InProcessWorld, WorldConfig};
 use crate::error::CpError;
 use crate::layout::Layout;
 use crate::placement::Placement;
@@ -162,6 +162,119 @@ pub fn run_context_parallel<B: FlashOps>(
     inputs: &PackedInputs,
     spec: &RunSpec,
 ) -> Result<RunReport, CpError> {
+    let batch = prepare(inputs, spec)?;
+    let world = InProcessWorld::new(
+        spec.cp,
+        WorldConfig {
+            timeout: spec.timeout,
+            ranks_per_node: Some(spec.cp / spec.nodes.max(1)),
+        },
+    )?;
+    let results = world.run(|comm| run_rank::<B>(device, inputs, &batch, comm, spec.strategy));
+    if let Some(summary) = world.failure_summary(&results) {
+        return Err(CpError::RunFailed(summary));
+    }
+    let ranks = results.into_iter().flatten().collect();
+    Ok(assemble(inputs, ranks, world.stats()))
+}
+
+/// [`run_context_parallel`] as one rank of `comm` (a group of `spec.cp` ranks, e.g. the world of
+/// an MPI job): every rank runs its part, then sends its results and byte counts to rank 0,
+/// which alone returns the report (`None` on the other ranks).
+pub fn run_context_parallel_on<B: FlashOps>(
+    comm: Comm,
+    device: &B::Device,
+    inputs: &PackedInputs,
+    spec: &RunSpec,
+) -> Result<Option<RunReport>, CpError> {
+    if comm.size() != spec.cp {
+        return Err(CpError::Config(format!(
+            "the group has {} ranks but the run needs cp = {}",
+            comm.size(),
+            spec.cp
+        )));
+    }
+    let batch = prepare(inputs, spec)?;
+    let mine = run_rank::<B>(device, inputs, &batch, comm.clone(), spec.strategy)?;
+    let stats = serde_json::to_vec(&comm.stats()).map_err(|e| CpError::Config(e.to_string()))?;
+    let messages = |r: RankResult| {
+        let floats = |v: Vec<f32>| {
+            let n = v.len();
+            TensorData::new(v, [n])
+        };
+        let indices: Vec<i64> = r.indices.iter().map(|&i| i as i64).collect();
+        let count = indices.len();
+        let meta = vec![r.bytes.0 as f64, r.bytes.1 as f64, r.times.0, r.times.1];
+        vec![
+            TensorData::new(indices, [count]),
+            floats(r.out),
+            floats(r.lse),
+            floats(r.dq),
+            floats(r.dk),
+            floats(r.dv),
+            TensorData::new(meta, [4]),
+        ]
+    };
+    if comm.rank() != 0 {
+        let mut sends = Vec::new();
+        for message in messages(mine) {
+            sends.push(comm.isend(0, message)?);
+        }
+        let count = stats.len();
+        sends.push(comm.isend(0, TensorData::new(stats, [count]))?);
+        for send in sends {
+            send.wait()?;
+        }
+        return Ok(None);
+    }
+    let malformed = |what: &str| CpError::Config(format!("a malformed {what} from a rank"));
+    let mut receives = Vec::new();
+    for peer in 1..comm.size() {
+        receives.push(
+            (0..8)
+                .map(|_| comm.irecv(peer))
+                .collect::<Result<Vec<_>, _>>()?,
+        );
+    }
+    let mut ranks = vec![mine];
+    let mut all_stats = vec![serde_json::from_slice(&stats).map_err(|_| malformed("byte count"))?];
+    for pending in receives {
+        let mut parts = Vec::new();
+        for p in pending {
+            parts.push(p.wait()?);
+        }
+        let floats = |d: TensorData| d.into_vec::<f32>().map_err(|_| malformed("result"));
+        let mut parts = parts.into_iter();
+        let mut next = || parts.next().ok_or_else(|| malformed("result"));
+        let indices = next()?.into_vec::<i64>().map_err(|_| malformed("result"))?;
+        let (out, lse, dq, dk, dv) = (
+            floats(next()?)?,
+            floats(next()?)?,
+            floats(next()?)?,
+            floats(next()?)?,
+            floats(next()?)?,
+        );
+        let meta = next()?.into_vec::<f64>().map_err(|_| malformed("result"))?;
+        let stats = next()?
+            .into_vec::<u8>()
+            .map_err(|_| malformed("byte count"))?;
+        ranks.push(RankResult {
+            indices: indices.into_iter().map(|i| i as usize).collect(),
+            out,
+            lse,
+            dq,
+            dk,
+            dv,
+            bytes: (meta[0] as u64, meta[1] as u64),
+            times: (meta[2], meta[3]),
+        });
+        all_stats.push(serde_json::from_slice(&stats).map_err(|_| malformed("byte count"))?);
+    }
+    Ok(Some(assemble(inputs, ranks, all_stats)))
+}
+
+/// Checks the inputs and the run's settings; the batch every rank runs.
+fn prepare(inputs: &PackedInputs, spec: &RunSpec) -> Result<CpBatch, CpError> {
     inputs.validate()?;
     spec.strategy.validate_mesh(spec.cp)?;
     if spec.nodes == 0 || !spec.cp.is_multiple_of(spec.nodes) {
@@ -180,19 +293,7 @@ pub fn run_context_parallel<B: FlashOps>(
         ),
     };
     batch.scale = spec.scale;
-    let world = InProcessWorld::new(
-        spec.cp,
-        WorldConfig {
-            timeout: spec.timeout,
-            ranks_per_node: Some(spec.cp / spec.nodes.max(1)),
-        },
-    )?;
-    let results = world.run(|comm| run_rank::<B>(device, inputs, &batch, comm, spec.strategy));
-    if let Some(summary) = world.failure_summary(&results) {
-        return Err(CpError::RunFailed(summary));
-    }
-    let ranks = results.into_iter().flatten().collect();
-    Ok(assemble(inputs, ranks, world.stats()))
+    Ok(batch)
 }
 
 fn run_rank<B: FlashOps>(

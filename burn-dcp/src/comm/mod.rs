@@ -102,7 +102,9 @@ pub enum FaultKind {
 }
 
 /// Operation kinds, for byte accounting.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum OpKind {
     SendRecv,
@@ -127,7 +129,7 @@ impl fmt::Display for OpKind {
 
 /// Bytes this rank sent to *other* ranks (sends to itself are free), per operation kind, summed
 /// over every group the rank belongs to. Control messages of `split`/`barrier` are not counted.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CommStats {
     pub bytes_by_op: BTreeMap<OpKind, u64>,
     pub messages: u64,
