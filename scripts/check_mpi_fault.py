@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Fault across processes: SIGKILL one rank of an `mpirun -n 4 gpt_longctx --cp 4` job after its
+first step; every rank must end (the job exits non-zero) within the timeout, the output must name
+the killed rank, and no process of the job may be left behind.
+
+Usage: python3 scripts/check_mpi_fault.py [BIN] [--rank R]
+  BIN: gpt_longctx built with `--features mpi` (default target/release/examples/gpt_longctx)
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+args = sys.argv[1:]
+binary = args[0] if args and not args[0].startswith("--") else "target/release/examples/gpt_longctx"
+victim = int(args[args.index("--rank") + 1]) if "--rank" in args else 2
+timeout = 20
+env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+command = ["mpirun", "--oversubscribe", "--allow-run-as-root", "-n", "4", binary, "--cp", "4",
+           "--steps", "200", "--seq-len", "1024", "--timeout-secs", str(timeout)]
+
+
+def ranks_of(binary_name):
+    """PID → MPI world rank of the running processes of the job."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if binary_name not in f.read().split(b"\0")[0].decode(errors="replace"):
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            if b"OMPI_COMM_WORLD_RANK" in environ:
+                found[int(pid)] = int(environ[b"OMPI_COMM_WORLD_RANK"])
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass
+    return found
+
+
+job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+name = os.path.basename(binary)
+# Wait for the first step (the progress line) so the ranks are training, then kill one.
+output = ""
+started = time.time()
+while "step 1/" not in output:
+    chunk = job.stdout.read(1) if job.poll() is None else ""
+    if not chunk:
+        sys.exit(f"the job ended before its first step:\n{output}")
+    output += chunk
+    if time.time() - started > 300:
+        job.kill()
+        sys.exit("no first step within 300 s")
+pids = {rank: pid for pid, rank in ranks_of(name).items()}
+if victim not in pids:
+    job.kill()
+    sys.exit(f"rank {victim} not found among {pids}")
+os.kill(pids[victim], signal.SIGKILL)
+killed_at = time.time()
+try:
+    rest, _ = job.communicate(timeout=timeout + 30)
+except subprocess.TimeoutExpired:
+    job.kill()
+    sys.exit(f"the job still runs {timeout + 30} s after rank {victim} was killed")
+output += rest
+elapsed = time.time() - killed_at
+left = ranks_of(name)
+print(output[-2000:])
+print(f"killed rank {victim} (pid {pids[victim]}); the job exited with {job.returncode} after {elapsed:.1f} s; processes left: {left}")
+if job.returncode == 0:
+    sys.exit("the job exited 0 after a rank was killed")
+if left:
+    sys.exit(f"processes left behind: {left}")
+if f"rank {victim}" not in output:
+    sys.exit(f"the output does not name rank {victim}")
+if elapsed > timeout + 10:
+    sys.exit(f"the job took {elapsed:.1f} s to end, more than the {timeout} s timeout")
+print("fault check passed")
