@@ -26,6 +26,9 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::TensorData;
 
+use crate::comm::common::{
+    all_reduce_by, check_parts, check_peer, split_membership, split_request, Accounting,
+};
 use crate::comm::{
     control_payloads, panic_message, sum_tensor_data, Comm, CommError, CommStats, Communicator,
     Fault, FaultKind, OpKind, PendingRecv, PendingSend,
@@ -69,14 +72,6 @@ enum Channel {
     PointToPoint,
     Collective,
     Control,
-}
-
-/// How a message's bytes are counted in [`CommStats`].
-#[derive(Clone, Copy, Debug)]
-enum Accounting {
-    Data(OpKind),
-    Control,
-    Uncounted,
 }
 
 /// (group name, sender global rank, receiver global rank, channel).
@@ -510,27 +505,6 @@ impl InProcessComm {
         }
     }
 
-    fn check_peer(&self, peer: usize, op: &str) -> Result<(), CommError> {
-        if peer >= self.members.len() {
-            return Err(self.invalid(format!(
-                "{op}: peer rank {peer} does not exist in a group of {} ranks",
-                self.members.len()
-            )));
-        }
-        Ok(())
-    }
-
-    fn check_parts(&self, parts: &[TensorData], op: &str) -> Result<(), CommError> {
-        if parts.len() != self.members.len() {
-            return Err(self.invalid(format!(
-                "{op} needs one part per rank ({}), got {}",
-                self.members.len(),
-                parts.len()
-            )));
-        }
-        Ok(())
-    }
-
     /// The start of every operation: fails fast if any rank has failed, counts the call and
     /// injects a fault planned for it.
     fn begin_call(&self, op: &str) -> Result<(), CommError> {
@@ -630,23 +604,9 @@ impl InProcessComm {
             let mut stats = self.world.stats[me]
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            match accounting {
-                Accounting::Data(kind) => {
-                    *stats.bytes_by_op.entry(kind).or_default() += bytes;
-                    *stats
-                        .bytes_by_label
-                        .entry(self.label.to_string())
-                        .or_default() += bytes;
-                    stats.messages += 1;
-                    let config = &self.world.config;
-                    match config.node_of(me) == config.node_of(to) {
-                        true => stats.bytes_by_link.intra_node += bytes,
-                        false => stats.bytes_by_link.inter_node += bytes,
-                    }
-                }
-                Accounting::Control => stats.control_bytes += bytes,
-                Accounting::Uncounted => {}
-            }
+            let config = &self.world.config;
+            let same_node = config.node_of(me) == config.node_of(to);
+            accounting.count(&mut stats, &self.label, bytes, same_node);
         }
         Ok(())
     }
@@ -815,7 +775,7 @@ impl Communicator for InProcessComm {
     }
 
     fn isend(&self, peer: usize, data: TensorData) -> Result<PendingSend, CommError> {
-        self.check_peer(peer, "isend")?;
+        check_peer(&self.name, self.members.len(), peer, "isend")?;
         self.begin_call("send")?;
         // Eager: the message is in the peer's mailbox when this returns.
         let op = "send/recv";
@@ -830,7 +790,7 @@ impl Communicator for InProcessComm {
     }
 
     fn irecv(&self, peer: usize) -> Result<PendingRecv, CommError> {
-        self.check_peer(peer, "irecv")?;
+        check_peer(&self.name, self.members.len(), peer, "irecv")?;
         self.begin_call("recv")?;
         let seq = self.reserve(peer, Channel::PointToPoint);
         let waiter = self.waiter(peer, Channel::PointToPoint, seq, "send/recv");
@@ -838,7 +798,7 @@ impl Communicator for InProcessComm {
     }
 
     fn all_to_all(&self, parts: Vec<TensorData>) -> Result<Vec<TensorData>, CommError> {
-        self.check_parts(&parts, "all-to-all")?;
+        check_parts(&self.name, self.members.len(), &parts, "all-to-all")?;
         self.begin_call("all-to-all")?;
         self.collective(parts, OpKind::AllToAll)
     }
@@ -850,7 +810,7 @@ impl Communicator for InProcessComm {
     }
 
     fn reduce_scatter(&self, parts: Vec<TensorData>) -> Result<TensorData, CommError> {
-        self.check_parts(&parts, "reduce-scatter")?;
+        check_parts(&self.name, self.members.len(), &parts, "reduce-scatter")?;
         self.begin_call("reduce-scatter")?;
         let received = self.collective(parts, OpKind::ReduceScatter)?;
         sum_tensor_data(received)
@@ -861,15 +821,9 @@ impl Communicator for InProcessComm {
     /// `2·(P−1)/P` of the tensor per rank); the sum is taken in rank order on the chunk's owner.
     fn all_reduce(&self, data: TensorData) -> Result<TensorData, CommError> {
         self.begin_call("all-reduce")?;
-        let invalid = |message: String| self.invalid(format!("all-reduce: {message}"));
-        let (shape, dtype) = (data.shape.clone(), data.dtype);
-        let size = self.members.len();
-        let flat = flatten(data);
-        let chunks = split_flat(&flat, size);
-        let mine = self.collective(chunks, OpKind::AllReduce)?;
-        let reduced = sum_tensor_data(mine).map_err(invalid)?;
-        let gathered = self.collective(vec![reduced; size], OpKind::AllReduce)?;
-        concat_flat(gathered, shape.as_slice(), dtype).map_err(invalid)
+        all_reduce_by(&self.name, self.members.len(), data, |parts| {
+            self.collective(parts, OpKind::AllReduce)
+        })
     }
 
     fn barrier(&self) -> Result<(), CommError> {
@@ -894,27 +848,10 @@ impl Communicator for InProcessComm {
 
     fn split_labeled(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
         self.begin_call("split")?;
-        let me = TensorData::new(vec![color as i64, key as i64], [2]);
-        let parts = vec![me; self.members.len()];
+        let parts = split_request(color, key, self.members.len());
         let received = self.exchange(parts, Channel::Control, "split", Accounting::Uncounted)?;
-        let mut same_color = Vec::new();
-        for (peer, data) in received.into_iter().enumerate() {
-            let values = data
-                .into_vec::<i64>()
-                .map_err(|e| self.invalid(format!("split: malformed control message {e:?}")))?;
-            if values[0] as usize == color {
-                same_color.push((values[1] as usize, peer));
-            }
-        }
-        same_color.sort();
-        let members: Arc<[usize]> = same_color
-            .iter()
-            .map(|&(_, peer)| self.members[peer])
-            .collect();
-        let rank = same_color
-            .iter()
-            .position(|&(_, peer)| peer == self.rank)
-            .unwrap_or(0);
+        let (members, rank) =
+            split_membership(&self.name, &self.members, self.rank, color, received)?;
         let index = {
             let mut splits = self.splits.lock().unwrap_or_else(|p| p.into_inner());
             *splits += 1;
@@ -941,51 +878,4 @@ impl Communicator for InProcessComm {
         self.world
             .mark_failed(self.me(), format!("rank {} aborted: {reason}", self.me()));
     }
-}
-
-pub(crate) fn flatten(data: TensorData) -> TensorData {
-    let count = data.num_elements();
-    TensorData::from_bytes(data.bytes, [count], data.dtype)
-}
-
-/// Splits a flat tensor into `parts` contiguous chunks (sizes differ by at most one element).
-pub(crate) fn split_flat(flat: &TensorData, parts: usize) -> Vec<TensorData> {
-    let count = flat.num_elements();
-    let width = flat.dtype.size();
-    let bytes = flat.as_bytes();
-    (0..parts)
-        .map(|p| {
-            let (start, end) = (p * count / parts, (p + 1) * count / parts);
-            TensorData::from_bytes_vec(
-                bytes[start * width..end * width].to_vec(),
-                [end - start],
-                flat.dtype,
-            )
-        })
-        .collect()
-}
-
-pub(crate) fn concat_flat(
-    chunks: Vec<TensorData>,
-    shape: &[usize],
-    dtype: burn::tensor::DType,
-) -> Result<TensorData, String> {
-    let mut bytes = Vec::new();
-    for chunk in &chunks {
-        if chunk.dtype != dtype {
-            return Err(format!(
-                "chunk dtype {:?} differs from {dtype:?}",
-                chunk.dtype
-            ));
-        }
-        bytes.extend_from_slice(chunk.as_bytes());
-    }
-    let expected = shape.iter().product::<usize>() * dtype.size();
-    if bytes.len() != expected {
-        return Err(format!(
-            "the gathered chunks hold {} bytes but a {shape:?} {dtype:?} tensor needs {expected}: the ranks passed tensors of different sizes",
-            bytes.len()
-        ));
-    }
-    Ok(TensorData::from_bytes_vec(bytes, shape.to_vec(), dtype))
 }

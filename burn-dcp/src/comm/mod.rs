@@ -7,6 +7,7 @@
 //! envelope (operation, index), so a receiver notices a lost, duplicated or mismatched message
 //! ([`CommError::Protocol`]) instead of computing with the wrong data.
 
+mod common;
 pub mod in_process;
 #[cfg(feature = "mpi")]
 pub mod mpi;

@@ -41,6 +41,9 @@ use std::time::{Duration, Instant};
 use burn::tensor::{DType, TensorData};
 use mpi::ffi;
 
+use crate::comm::common::{
+    all_reduce_by, check_parts, check_peer, split_membership, split_request, Accounting,
+};
 use crate::comm::{
     control_payloads, sum_tensor_data, Comm, CommError, CommStats, Communicator, OpKind,
     PendingRecv, PendingSend, WorldConfig,
@@ -442,14 +445,6 @@ fn decode(mut message: Vec<u8>) -> Result<(Header, TensorData), String> {
     Ok((header, data))
 }
 
-/// How a message's bytes are counted (as in the in-process world).
-#[derive(Clone, Copy)]
-enum Accounting {
-    Data(OpKind),
-    Control,
-    Uncounted,
-}
-
 /// A send in flight: the request, and the buffer MPI reads until it completes.
 struct SendHandle {
     shared: Arc<Shared>,
@@ -636,27 +631,6 @@ impl MpiComm {
         }
     }
 
-    fn check_peer(&self, peer: usize, op: &str) -> Result<(), CommError> {
-        if peer >= self.members.len() {
-            return Err(self.invalid(format!(
-                "{op}: peer rank {peer} does not exist in a group of {} ranks",
-                self.members.len()
-            )));
-        }
-        Ok(())
-    }
-
-    fn check_parts(&self, parts: &[TensorData], op: &str) -> Result<(), CommError> {
-        if parts.len() != self.members.len() {
-            return Err(self.invalid(format!(
-                "{op} needs one part per rank ({}), got {}",
-                self.members.len(),
-                parts.len()
-            )));
-        }
-        Ok(())
-    }
-
     fn check_open(&self, op: &str) -> Result<(), CommError> {
         match self.shared.closed.load(Ordering::SeqCst) {
             true => Err(self.invalid(format!("{op}: the MPI job is shutting down"))),
@@ -758,23 +732,9 @@ impl MpiComm {
             return;
         }
         let mut stats = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
-        match accounting {
-            Accounting::Data(kind) => {
-                *stats.bytes_by_op.entry(kind).or_default() += bytes;
-                *stats
-                    .bytes_by_label
-                    .entry(self.label.to_string())
-                    .or_default() += bytes;
-                stats.messages += 1;
-                let config = &self.shared.config;
-                match config.node_of(me) == config.node_of(to) {
-                    true => stats.bytes_by_link.intra_node += bytes,
-                    false => stats.bytes_by_link.inter_node += bytes,
-                }
-            }
-            Accounting::Control => stats.control_bytes += bytes,
-            Accounting::Uncounted => {}
-        }
+        let config = &self.shared.config;
+        let same_node = config.node_of(me) == config.node_of(to);
+        accounting.count(&mut stats, &self.label, bytes, same_node);
     }
 
     /// Sends `parts[p]` to every `p` and receives one message from every rank (itself
@@ -831,7 +791,7 @@ impl Communicator for MpiComm {
     }
 
     fn isend(&self, peer: usize, data: TensorData) -> Result<PendingSend, CommError> {
-        self.check_peer(peer, "isend")?;
+        check_peer(&self.name, self.members.len(), peer, "isend")?;
         let send = self.post_send(
             peer,
             POINT_TO_POINT,
@@ -843,13 +803,13 @@ impl Communicator for MpiComm {
     }
 
     fn irecv(&self, peer: usize) -> Result<PendingRecv, CommError> {
-        self.check_peer(peer, "irecv")?;
+        check_peer(&self.name, self.members.len(), peer, "irecv")?;
         let recv = self.post_recv(peer, POINT_TO_POINT, "send/recv")?;
         Ok(PendingRecv::new(move || recv.wait()))
     }
 
     fn all_to_all(&self, parts: Vec<TensorData>) -> Result<Vec<TensorData>, CommError> {
-        self.check_parts(&parts, "all-to-all")?;
+        check_parts(&self.name, self.members.len(), &parts, "all-to-all")?;
         self.collective(parts, OpKind::AllToAll)
     }
 
@@ -859,7 +819,7 @@ impl Communicator for MpiComm {
     }
 
     fn reduce_scatter(&self, parts: Vec<TensorData>) -> Result<TensorData, CommError> {
-        self.check_parts(&parts, "reduce-scatter")?;
+        check_parts(&self.name, self.members.len(), &parts, "reduce-scatter")?;
         let received = self.collective(parts, OpKind::ReduceScatter)?;
         sum_tensor_data(received)
             .map_err(|message| self.invalid(format!("reduce-scatter: {message}")))
@@ -868,15 +828,9 @@ impl Communicator for MpiComm {
     /// The in-process world's algorithm (reduce-scatter of flat chunks, sum in rank order,
     /// all-gather), so both worlds compute identical sums.
     fn all_reduce(&self, data: TensorData) -> Result<TensorData, CommError> {
-        let invalid = |message: String| self.invalid(format!("all-reduce: {message}"));
-        let (shape, dtype) = (data.shape.clone(), data.dtype);
-        let size = self.members.len();
-        let flat = super::in_process::flatten(data);
-        let chunks = super::in_process::split_flat(&flat, size);
-        let mine = self.collective(chunks, OpKind::AllReduce)?;
-        let reduced = sum_tensor_data(mine).map_err(invalid)?;
-        let gathered = self.collective(vec![reduced; size], OpKind::AllReduce)?;
-        super::in_process::concat_flat(gathered, shape.as_slice(), dtype).map_err(invalid)
+        all_reduce_by(&self.name, self.members.len(), data, |parts| {
+            self.collective(parts, OpKind::AllReduce)
+        })
     }
 
     fn barrier(&self) -> Result<(), CommError> {
@@ -903,27 +857,10 @@ impl Communicator for MpiComm {
             )));
         };
         // Everyone arrives (with a deadline) before the blocking MPI_Comm_split.
-        let me = TensorData::new(vec![color as i64, key as i64], [2]);
-        let parts = vec![me; self.members.len()];
+        let parts = split_request(color, key, self.members.len());
         let received = self.exchange(parts, CONTROL, "split", Accounting::Uncounted)?;
-        let mut same_color = Vec::new();
-        for (peer, data) in received.into_iter().enumerate() {
-            let values = data
-                .into_vec::<i64>()
-                .map_err(|e| self.invalid(format!("split: malformed control message {e:?}")))?;
-            if values[0] as usize == color {
-                same_color.push((values[1] as usize, peer));
-            }
-        }
-        same_color.sort();
-        let members: Arc<[usize]> = same_color
-            .iter()
-            .map(|&(_, peer)| self.members[peer])
-            .collect();
-        let rank = same_color
-            .iter()
-            .position(|&(_, peer)| peer == self.rank)
-            .unwrap_or(0);
+        let (members, rank) =
+            split_membership(&self.name, &self.members, self.rank, color, received)?;
         self.check_open("split")?;
         let mut comm: ffi::MPI_Comm = unsafe { ffi::RSMPI_COMM_NULL };
         let code = {

@@ -1,0 +1,169 @@
+//! What both communicators (in-process and MPI) share, so that they check, count and compute
+//! alike: argument checks, byte accounting, split membership and the all-reduce algorithm.
+
+use std::sync::Arc;
+
+use burn::tensor::TensorData;
+
+use crate::comm::{sum_tensor_data, CommError, CommStats, OpKind};
+
+/// How a message's bytes are counted in [`CommStats`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Accounting {
+    Data(OpKind),
+    Control,
+    Uncounted,
+}
+
+impl Accounting {
+    /// Counts `bytes` sent to another rank by a group labelled `label`; `same_node`: whether
+    /// the receiver is on the sender's node.
+    pub(crate) fn count(self, stats: &mut CommStats, label: &str, bytes: u64, same_node: bool) {
+        match self {
+            Accounting::Data(kind) => {
+                *stats.bytes_by_op.entry(kind).or_default() += bytes;
+                *stats.bytes_by_label.entry(label.to_string()).or_default() += bytes;
+                stats.messages += 1;
+                match same_node {
+                    true => stats.bytes_by_link.intra_node += bytes,
+                    false => stats.bytes_by_link.inter_node += bytes,
+                }
+            }
+            Accounting::Control => stats.control_bytes += bytes,
+            Accounting::Uncounted => {}
+        }
+    }
+}
+
+fn invalid(group: &str, message: String) -> CommError {
+    CommError::Invalid {
+        group: group.to_string(),
+        message,
+    }
+}
+
+/// `peer` must be a rank of a group of `size`.
+pub(crate) fn check_peer(group: &str, size: usize, peer: usize, op: &str) -> Result<(), CommError> {
+    if peer >= size {
+        return Err(invalid(
+            group,
+            format!("{op}: peer rank {peer} does not exist in a group of {size} ranks"),
+        ));
+    }
+    Ok(())
+}
+
+/// A collective of a group of `size` takes one part per rank.
+pub(crate) fn check_parts(
+    group: &str,
+    size: usize,
+    parts: &[TensorData],
+    op: &str,
+) -> Result<(), CommError> {
+    if parts.len() != size {
+        return Err(invalid(
+            group,
+            format!("{op} needs one part per rank ({size}), got {}", parts.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// What a rank sends every member of its group when splitting it: its color and key.
+pub(crate) fn split_request(color: usize, key: usize, size: usize) -> Vec<TensorData> {
+    vec![TensorData::new(vec![color as i64, key as i64], [2]); size]
+}
+
+/// The new group of the members of `members` that sent `color` (ordered by `(key, rank)`), and
+/// this rank's place in it, from every member's [`split_request`] (`received`, by rank).
+pub(crate) fn split_membership(
+    group: &str,
+    members: &[usize],
+    rank: usize,
+    color: usize,
+    received: Vec<TensorData>,
+) -> Result<(Arc<[usize]>, usize), CommError> {
+    let mut same_color = Vec::new();
+    for (peer, data) in received.into_iter().enumerate() {
+        let values = data
+            .into_vec::<i64>()
+            .map_err(|e| invalid(group, format!("split: malformed control message {e:?}")))?;
+        if values[0] as usize == color {
+            same_color.push((values[1] as usize, peer));
+        }
+    }
+    same_color.sort();
+    let new_members: Arc<[usize]> = same_color.iter().map(|&(_, peer)| members[peer]).collect();
+    let new_rank = same_color
+        .iter()
+        .position(|&(_, peer)| peer == rank)
+        .unwrap_or(0);
+    Ok((new_members, new_rank))
+}
+
+/// All-reduce over a group of `size` as a reduce-scatter of flat chunks then an all-gather (the
+/// ring all-reduce's traffic, `2·(P−1)/P` of the tensor per rank); the sum is taken in rank
+/// order on the chunk's owner. `collective` sends `parts[p]` to rank `p` and returns what every
+/// rank sent here.
+pub(crate) fn all_reduce_by(
+    group: &str,
+    size: usize,
+    data: TensorData,
+    mut collective: impl FnMut(Vec<TensorData>) -> Result<Vec<TensorData>, CommError>,
+) -> Result<TensorData, CommError> {
+    let invalid = |message: String| invalid(group, format!("all-reduce: {message}"));
+    let (shape, dtype) = (data.shape.clone(), data.dtype);
+    let flat = flatten(data);
+    let chunks = split_flat(&flat, size);
+    let mine = collective(chunks)?;
+    let reduced = sum_tensor_data(mine).map_err(invalid)?;
+    let gathered = collective(vec![reduced; size])?;
+    concat_flat(gathered, shape.as_slice(), dtype).map_err(invalid)
+}
+
+fn flatten(data: TensorData) -> TensorData {
+    let count = data.num_elements();
+    TensorData::from_bytes(data.bytes, [count], data.dtype)
+}
+
+/// Splits a flat tensor into `parts` contiguous chunks (sizes differ by at most one element).
+fn split_flat(flat: &TensorData, parts: usize) -> Vec<TensorData> {
+    let count = flat.num_elements();
+    let width = flat.dtype.size();
+    let bytes = flat.as_bytes();
+    (0..parts)
+        .map(|p| {
+            let (start, end) = (p * count / parts, (p + 1) * count / parts);
+            TensorData::from_bytes_vec(
+                bytes[start * width..end * width].to_vec(),
+                [end - start],
+                flat.dtype,
+            )
+        })
+        .collect()
+}
+
+fn concat_flat(
+    chunks: Vec<TensorData>,
+    shape: &[usize],
+    dtype: burn::tensor::DType,
+) -> Result<TensorData, String> {
+    let mut bytes = Vec::new();
+    for chunk in &chunks {
+        if chunk.dtype != dtype {
+            return Err(format!(
+                "chunk dtype {:?} differs from {dtype:?}",
+                chunk.dtype
+            ));
+        }
+        bytes.extend_from_slice(chunk.as_bytes());
+    }
+    let expected = shape.iter().product::<usize>() * dtype.size();
+    if bytes.len() != expected {
+        return Err(format!(
+            "the gathered chunks hold {} bytes but a {shape:?} {dtype:?} tensor needs {expected}: the ranks passed tensors of different sizes",
+            bytes.len()
+        ));
+    }
+    Ok(TensorData::from_bytes_vec(bytes, shape.to_vec(), dtype))
+}
