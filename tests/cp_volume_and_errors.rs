@@ -3,11 +3,12 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use burn::backend::Flex;
+use burn::prelude::Tensor;
 use burn::tensor::TensorData;
-use burn_dcp::comm::{CommError, InProcessWorld, WorldConfig};
+use burn_dcp::comm::{CommError, InProcessWorld, Payload, WorldConfig};
 use burn_dcp::harness::run_context_parallel;
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::volume::{analytic_volume, VolumeShape};
@@ -196,7 +197,7 @@ fn a_failing_rank_makes_its_peers_fail_instead_of_hanging() {
             panic!("simulated failure on rank 2");
         }
         // Rank 2 never joins: the others would wait forever without failure propagation.
-        comm.all_gather(TensorData::new(vec![1.0f32; 4], [4]))?;
+        comm.all_gather(TensorData::new(vec![1.0f32; 4], [4]).into())?;
         Ok(())
     });
     assert!(
@@ -263,49 +264,68 @@ fn a_missing_peer_times_out_with_an_error_naming_it() {
     );
 }
 
-#[test]
-fn collectives_compute_the_right_values() {
+/// A payload of `values`: host bytes, or a Flex tensor kept on its device.
+fn payload(values: Vec<f32>, on_device: bool) -> Payload {
+    let n = values.len();
+    let data = TensorData::new(values, [n]);
+    match on_device {
+        true => Payload::device(Tensor::<Flex, 1>::from_data(data, &Default::default())),
+        false => data.into(),
+    }
+}
+
+fn values(payload: &Payload) -> Vec<f32> {
+    payload
+        .clone()
+        .into_host()
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
+}
+
+/// Every collective gives the right values, from host bytes and from device tensors alike; the
+/// in-process world hands device tensors over as they are (never through the host).
+fn check_collectives(on_device: bool) {
     let world = InProcessWorld::new(3, WorldConfig::default()).unwrap();
     let results = world.run(|comm| -> Result<_, CommError> {
         let r = comm.rank() as f32;
-        let reduced = comm.all_reduce(TensorData::new(vec![r, 2.0 * r, 1.0, 5.0, r], [5]))?;
+        let reduced = comm.all_reduce(payload(vec![r, 2.0 * r, 1.0, 5.0, r], on_device))?;
         let parts = (0..3)
-            .map(|p| TensorData::new(vec![r * 10.0 + p as f32], [1]))
+            .map(|p| payload(vec![r * 10.0 + p as f32], on_device))
             .collect();
         let scattered = comm.reduce_scatter(parts)?;
         let swapped = comm.all_to_all(
             (0..3)
-                .map(|p| TensorData::new(vec![r, p as f32], [2]))
+                .map(|p| payload(vec![r, p as f32], on_device))
                 .collect(),
         )?;
         let sub = comm.split(comm.rank() % 2, comm.rank())?;
-        let gathered = sub.all_gather(TensorData::new(vec![r], [1]))?;
+        let gathered = sub.all_gather(payload(vec![r], on_device))?;
+        let peer = (comm.rank() + 1) % 3;
+        let from = (comm.rank() + 2) % 3;
+        let pending = comm.irecv(from)?;
+        let sent = comm.isend(peer, payload(vec![r; 2], on_device))?;
+        let received = pending.wait()?;
+        sent.wait()?;
         comm.barrier()?;
-        Ok((
-            reduced,
-            scattered,
-            swapped,
-            gathered,
-            Arc::strong_count(&sub),
-        ))
+        Ok((reduced, scattered, swapped, gathered, received))
     });
     for (rank, result) in results.into_iter().enumerate() {
-        let (reduced, scattered, swapped, gathered, _) = result.unwrap();
-        assert_eq!(
-            reduced.to_vec::<f32>().unwrap(),
-            vec![3.0, 6.0, 3.0, 15.0, 3.0]
-        );
-        assert_eq!(
-            scattered.to_vec::<f32>().unwrap(),
-            vec![30.0 + 3.0 * rank as f32]
-        );
-        for (p, data) in swapped.iter().enumerate() {
-            assert_eq!(data.to_vec::<f32>().unwrap(), vec![p as f32, rank as f32]);
+        let (reduced, scattered, swapped, gathered, received) = result.unwrap();
+        let all = [&reduced, &scattered, &received]
+            .into_iter()
+            .chain(&swapped)
+            .chain(&gathered);
+        for payload in all {
+            assert_eq!(payload.is_device(), on_device, "{payload:?}");
         }
-        let members: Vec<f32> = gathered
-            .iter()
-            .map(|d| d.to_vec::<f32>().unwrap()[0])
-            .collect();
+        assert_eq!(values(&reduced), vec![3.0, 6.0, 3.0, 15.0, 3.0]);
+        assert_eq!(reduced.shape(), vec![5]);
+        assert_eq!(values(&scattered), vec![30.0 + 3.0 * rank as f32]);
+        for (p, data) in swapped.iter().enumerate() {
+            assert_eq!(values(data), vec![p as f32, rank as f32]);
+        }
+        let members: Vec<f32> = gathered.iter().map(|d| values(d)[0]).collect();
         assert_eq!(
             members,
             if rank % 2 == 0 {
@@ -314,5 +334,54 @@ fn collectives_compute_the_right_values() {
                 vec![1.0]
             }
         );
+        assert_eq!(values(&received), vec![((rank + 2) % 3) as f32; 2]);
+    }
+}
+
+#[test]
+fn collectives_compute_the_right_values() {
+    check_collectives(false);
+}
+
+#[test]
+fn collectives_move_device_tensors_without_host_copies() {
+    check_collectives(true);
+}
+
+/// wgpu gives every thread its own stream and memory pool: tensors handed between rank threads
+/// must stay correct while both sides keep allocating (the receiver copies them into its own
+/// memory and drains its queue before letting the sender's buffer go). Without that, buffers were
+/// reused under pending reads and some ranks summed wrong values.
+#[cfg(feature = "wgpu")]
+#[test]
+fn device_payloads_stay_correct_across_wgpu_threads() {
+    use burn::backend::wgpu::{Wgpu, WgpuDevice};
+    let (ranks, n, rounds) = (4usize, 3000usize, 40usize);
+    let world = InProcessWorld::new(ranks, WorldConfig::default()).unwrap();
+    let results = world.run(|comm| -> Result<_, CommError> {
+        let device = WgpuDevice::default();
+        let mut sums = Vec::new();
+        for round in 0..rounds {
+            let fill = |rank: usize| (round * 7 + rank * 3) as f32;
+            let mine = Tensor::<Wgpu, 1>::full([n], fill(comm.rank()), &device);
+            // Busy work on this thread's stream, allocating and dropping while messages fly.
+            let noise = Tensor::<Wgpu, 1>::full([n], 1.0, &device) * 3.0 + 1.0;
+            let reduced = comm.all_reduce(Payload::device(mine))?;
+            let reduced = reduced.into_tensor::<Wgpu, 1>(&device).unwrap();
+            let scratch = (noise.clone() * 2.0).exp();
+            let want: f32 = (0..ranks).map(fill).sum();
+            sums.push((reduced.into_data().to_vec::<f32>().unwrap(), want));
+            drop((noise, scratch));
+        }
+        Ok(sums)
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        for (round, (got, want)) in result.unwrap().into_iter().enumerate() {
+            let wrong = got.iter().filter(|&&v| v != want).count();
+            assert_eq!(
+                wrong, 0,
+                "rank {rank} round {round}: {wrong} of {n} elements are not {want}"
+            );
+        }
     }
 }

@@ -310,7 +310,7 @@ fn a_rank_that_returns_early_is_named_at_once() {
         if comm.rank() == 3 {
             return Ok(()); // leaves without joining the collective
         }
-        comm.all_gather(TensorData::new(vec![1.0f32; 4], [4]))?;
+        comm.all_gather(TensorData::new(vec![1.0f32; 4], [4]).into())?;
         Ok(())
     });
     assert!(
@@ -337,7 +337,7 @@ fn the_first_failure_is_blamed_not_a_bystander_that_fails_after_it() {
             panic!("the real cause on rank 2");
         }
         // Bystanders panic on the error they get (as a burn op boundary does).
-        if let Err(error) = comm.all_gather(TensorData::new(vec![1.0f32; 4], [4])) {
+        if let Err(error) = comm.all_gather(TensorData::new(vec![1.0f32; 4], [4]).into()) {
             panic!("bystander {} gave up: {error}", comm.rank());
         }
         Ok(())

@@ -218,10 +218,10 @@ pub fn run_context_parallel_on<B: FlashOps>(
     if comm.rank() != 0 {
         let mut sends = Vec::new();
         for message in messages(mine) {
-            sends.push(comm.isend(0, message)?);
+            sends.push(comm.isend(0, message.into())?);
         }
         let count = stats.len();
-        sends.push(comm.isend(0, TensorData::new(stats, [count]))?);
+        sends.push(comm.isend(0, TensorData::new(stats, [count]).into())?);
         for send in sends {
             send.wait()?;
         }
@@ -241,7 +241,7 @@ pub fn run_context_parallel_on<B: FlashOps>(
     for pending in receives {
         let mut parts = Vec::new();
         for p in pending {
-            parts.push(p.wait()?);
+            parts.push(p.wait()?.into_host().map_err(|_| malformed("result"))?);
         }
         let floats = |d: TensorData| d.into_vec::<f32>().map_err(|_| malformed("result"));
         let mut parts = parts.into_iter();

@@ -370,7 +370,8 @@ mod tests {
                 .chain([&built.pool])
             {
                 let data = TensorData::new(vec![rank as f32], [1]);
-                sums.push(axis.all_reduce(data)?.to_vec::<f32>().unwrap());
+                let sum = axis.all_reduce(data.into())?.into_host().unwrap();
+                sums.push(sum.to_vec::<f32>().unwrap());
             }
             Ok(sums)
         });

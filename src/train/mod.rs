@@ -41,7 +41,8 @@ use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, NamedMpkFileRec
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::ContextParallel;
 use burn_dcp::comm::{
-    panic_message, Comm, CommError, CommStats, LinkBytes, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT,
+    panic_message, Comm, CommError, CommStats, LinkBytes, Payload, MAX_IN_PROCESS_RANKS,
+    MAX_TIMEOUT,
 };
 use burn_dcp::kernels::{FlashOps, MaskSpec, MicroBatch};
 use burn_dcp::mesh::MeshShape;
@@ -590,25 +591,30 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for AllReduceGradients<'_, B> {
             .remove::<B::InnerBackend, D>(param.id)
             .unwrap_or_else(|| param.val().inner().zeros_like());
         let device = grad.device();
-        let data = grad.into_data();
-        if !all_finite(&data) {
+        // One flag read back; the gradient itself stays on its device.
+        if !all_finite(&grad) {
             self.non_finite.push(self.visited);
         }
         self.visited += 1;
-        let summed = self
-            .extra
-            .iter()
-            .fold(self.comm.all_reduce(data), |summed, (ids, comm)| {
+        let summed = self.extra.iter().fold(
+            self.comm.all_reduce(Payload::device(grad)),
+            |summed, (ids, comm)| {
                 summed.and_then(|summed| match ids.contains(&param.id) {
                     true => comm.all_reduce(summed),
                     false => Ok(summed),
                 })
-            });
+            },
+        );
+        let summed = summed.and_then(|summed| {
+            summed
+                .into_tensor::<B::InnerBackend, D>(&device)
+                .map_err(|message| CommError::Invalid {
+                    group: self.comm.name().to_string(),
+                    message: format!("gradient all-reduce: {message}"),
+                })
+        });
         match summed {
-            Ok(summed) => self.grads.register(
-                param.id,
-                Tensor::<B::InnerBackend, D>::from_data(summed, &device),
-            ),
+            Ok(summed) => self.grads.register(param.id, summed),
             Err(error) => self.error = Some(error),
         }
     }
@@ -734,12 +740,14 @@ fn reduce_step<B: FlashOps>(
     check_finite(&groups.mesh.world, step, loss_sum, &reducer.non_finite)?;
     let mut total = groups
         .world
-        .all_reduce(TensorData::new(vec![loss_sum], [1]))?;
+        .all_reduce(TensorData::new(vec![loss_sum], [1]).into())?;
     if groups.mesh.pp.size() > 1 {
         // Only the last stage computes losses: every stage gets their sum.
         total = groups.mesh.pp.all_reduce(total)?;
     }
     let total: f64 = total
+        .into_host()
+        .map_err(CpError::Input)?
         .to_vec::<f64>()
         .map_err(|e| CpError::Input(format!("{e:?}")))?[0];
     Ok((total / global_labels as f64, reducer.grads))
@@ -774,11 +782,14 @@ fn check_stages_agree(pp: &Comm, plan: &StepPlan) -> Result<(), CpError> {
     Ok(())
 }
 
-fn all_finite(data: &TensorData) -> bool {
-    match data.dtype {
-        burn::tensor::DType::F64 => data.iter::<f64>().all(f64::is_finite),
-        _ => data.iter::<f32>().all(f32::is_finite),
-    }
+fn all_finite<B: burn::prelude::Backend, const D: usize>(tensor: &Tensor<B, D>) -> bool {
+    use burn::tensor::ElementConversion;
+    tensor
+        .clone()
+        .is_finite()
+        .all()
+        .into_scalar()
+        .elem::<bool>()
 }
 
 /// Stops the step on every rank when any rank's loss or gradients are not finite (NaN or ±∞),
@@ -1232,12 +1243,12 @@ fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optimizer<M, B>>
             let (name_len, len) = (name.len(), bytes.len());
             sends.push(
                 world
-                    .isend(0, TensorData::new(name, [name_len]))
+                    .isend(0, TensorData::new(name, [name_len]).into())
                     .map_err(comm_error)?,
             );
             sends.push(
                 world
-                    .isend(0, TensorData::new(bytes, [len]))
+                    .isend(0, TensorData::new(bytes, [len]).into())
                     .map_err(comm_error)?,
             );
         }
@@ -1255,8 +1266,16 @@ fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optimizer<M, B>>
             }
         }
         for (name, bytes) in receives {
-            let name = name.wait().map_err(comm_error)?.into_vec::<u8>();
-            let bytes = bytes.wait().map_err(comm_error)?.into_vec::<u8>();
+            let name = name
+                .wait()
+                .map_err(comm_error)?
+                .into_host()?
+                .into_vec::<u8>();
+            let bytes = bytes
+                .wait()
+                .map_err(comm_error)?
+                .into_host()?
+                .into_vec::<u8>();
             match (name.map(String::from_utf8), bytes) {
                 (Ok(Ok(name)), Ok(bytes)) => shard.push((name, bytes)),
                 _ => return Err("a malformed checkpoint shard message".into()),

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::{Tensor, TensorData, ToElement};
 use burn_dcp::backend::{set_context, CpContext};
-use burn_dcp::comm::{Comm, PendingSend};
+use burn_dcp::comm::{Comm, Payload, PendingSend};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{CpBatch, CpError, CpGroup};
 use serde::{Deserialize, Serialize};
@@ -174,14 +174,14 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
     ) -> Result<Tensor<CpTrain<B>, 3>, CpError> {
         let data = self.pp().irecv(peer)?.wait()?;
         let d_model = self.model.d_model();
-        if data.shape.as_slice() != [1, tokens, d_model] {
+        if data.shape() != [1, tokens, d_model] {
             return Err(CpError::Input(format!(
                 "pipeline stage {}: the {what} of sub-step {unit} from stage {peer} have shape {:?}, expected [1, {tokens}, {d_model}] (the stages disagree on the plan)",
                 self.pp().rank(),
-                data.shape.as_slice(),
+                data.shape(),
             )));
         }
-        Ok(Tensor::from_data(data, self.device))
+        data.into_tensor(self.device).map_err(CpError::Input)
     }
 
     /// Waits until the ranks that communicate in a backward pass (the unit's CP group, each with
@@ -241,7 +241,7 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
             self.loss_sum += loss.clone().into_scalar().to_f64();
             Output::Loss(loss)
         } else {
-            let sent = output.clone().detach().into_data();
+            let sent = Payload::device(output.clone().detach());
             self.sends.push(self.pp().isend(stage + 1, sent)?);
             Output::Hidden(output)
         };
@@ -280,9 +280,9 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
         };
         if let Some(input) = input {
             let grad = match input.grad(&grads) {
-                Some(grad) => grad.into_data(),
+                Some(grad) => Payload::device(grad),
                 // An input no output depends on (no tokens): a zero gradient of its shape.
-                None => TensorData::zeros::<f32, _>(input.shape()),
+                None => TensorData::zeros::<f32, _>(input.shape()).into(),
             };
             self.sends.push(self.pp().isend(stage - 1, grad)?);
         }

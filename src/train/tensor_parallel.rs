@@ -47,11 +47,14 @@ impl<B: TpInner> TensorParallel<ContextParallel<B>> for TpGroup {
         let shape = x.shape();
         let gathered = self
             .comm
-            .all_gather(x.detach().into_data().convert::<f32>())
+            .all_gather(x.detach().into_data().convert::<f32>().into())
             .map_err(|e| e.to_string())?;
         let mut max: Vec<f32> = vec![f32::NEG_INFINITY; shape.num_elements()];
         for part in gathered {
-            let values = part.to_vec::<f32>().map_err(|e| format!("TP max: {e:?}"))?;
+            let values = part
+                .into_host()?
+                .to_vec::<f32>()
+                .map_err(|e| format!("TP max: {e:?}"))?;
             for (m, v) in max.iter_mut().zip(values) {
                 // NaN wins, so a NaN logit stays visible.
                 if v.is_nan() || v > *m {

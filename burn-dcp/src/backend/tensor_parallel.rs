@@ -22,11 +22,11 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, Shape, TensorMetadata};
+use burn_backend::Backend;
 use burn_dcp_kernels::FlashOps;
 
 use crate::backend::{ContextParallel, CpInner};
-use crate::comm::Comm;
+use crate::comm::{Comm, CommError, Payload};
 use crate::error::CpError;
 
 /// Which TP region boundary an op is.
@@ -56,18 +56,15 @@ fn all_reduce<B: Backend>(x: FloatTensor<B>, comm: &Comm) -> Result<FloatTensor<
     if comm.size() == 1 {
         return Ok(x);
     }
-    let shape = x.shape();
-    let numel = shape.num_elements();
     let device = B::float_device(&x);
-    let flat = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(
-        x,
-        Shape::from([numel]),
-    )));
-    let summed = comm.all_reduce(flat.into_data())?;
-    let summed = Tensor::<B, 1>::from_data(summed, &device)
-        .into_primitive()
-        .tensor();
-    Ok(B::float_reshape(summed, shape))
+    // The tensor stays on its device (the in-process world passes it as it is).
+    let summed = comm.all_reduce(Payload::from_float::<B>(x))?;
+    summed.into_float::<B>(&device).map_err(|message| {
+        CpError::Comm(CommError::Invalid {
+            group: comm.name().to_string(),
+            message: format!("all-reduce: {message}"),
+        })
+    })
 }
 
 fn plain<B: Backend>(

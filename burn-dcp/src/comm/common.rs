@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use burn::tensor::TensorData;
 
-use crate::comm::{sum_tensor_data, CommError, CommStats, OpKind};
+use crate::comm::payload::{concat_flat, flatten, split_flat, sum_payloads};
+use crate::comm::{CommError, CommStats, OpKind, Payload};
 
 /// How a message's bytes are counted in [`CommStats`].
 #[derive(Clone, Copy, Debug)]
@@ -57,7 +58,7 @@ pub(crate) fn check_peer(group: &str, size: usize, peer: usize, op: &str) -> Res
 pub(crate) fn check_parts(
     group: &str,
     size: usize,
-    parts: &[TensorData],
+    parts: &[Payload],
     op: &str,
 ) -> Result<(), CommError> {
     if parts.len() != size {
@@ -70,8 +71,8 @@ pub(crate) fn check_parts(
 }
 
 /// What a rank sends every member of its group when splitting it: its color and key.
-pub(crate) fn split_request(color: usize, key: usize, size: usize) -> Vec<TensorData> {
-    vec![TensorData::new(vec![color as i64, key as i64], [2]); size]
+pub(crate) fn split_request(color: usize, key: usize, size: usize) -> Vec<Payload> {
+    vec![TensorData::new(vec![color as i64, key as i64], [2]).into(); size]
 }
 
 /// The new group of the members of `members` that sent `color` (ordered by `(key, rank)`), and
@@ -81,11 +82,13 @@ pub(crate) fn split_membership(
     members: &[usize],
     rank: usize,
     color: usize,
-    received: Vec<TensorData>,
+    received: Vec<Payload>,
 ) -> Result<(Arc<[usize]>, usize), CommError> {
     let mut same_color = Vec::new();
     for (peer, data) in received.into_iter().enumerate() {
         let values = data
+            .into_host()
+            .map_err(|e| invalid(group, format!("split: malformed control message {e}")))?
             .into_vec::<i64>()
             .map_err(|e| invalid(group, format!("split: malformed control message {e:?}")))?;
         if values[0] as usize == color {
@@ -108,62 +111,15 @@ pub(crate) fn split_membership(
 pub(crate) fn all_reduce_by(
     group: &str,
     size: usize,
-    data: TensorData,
-    mut collective: impl FnMut(Vec<TensorData>) -> Result<Vec<TensorData>, CommError>,
-) -> Result<TensorData, CommError> {
+    data: Payload,
+    mut collective: impl FnMut(Vec<Payload>) -> Result<Vec<Payload>, CommError>,
+) -> Result<Payload, CommError> {
     let invalid = |message: String| invalid(group, format!("all-reduce: {message}"));
-    let (shape, dtype) = (data.shape.clone(), data.dtype);
+    let (shape, dtype) = (data.shape(), data.dtype());
     let flat = flatten(data);
     let chunks = split_flat(&flat, size);
     let mine = collective(chunks)?;
-    let reduced = sum_tensor_data(mine).map_err(invalid)?;
+    let reduced = sum_payloads(mine).map_err(invalid)?;
     let gathered = collective(vec![reduced; size])?;
-    concat_flat(gathered, shape.as_slice(), dtype).map_err(invalid)
-}
-
-fn flatten(data: TensorData) -> TensorData {
-    let count = data.num_elements();
-    TensorData::from_bytes(data.bytes, [count], data.dtype)
-}
-
-/// Splits a flat tensor into `parts` contiguous chunks (sizes differ by at most one element).
-fn split_flat(flat: &TensorData, parts: usize) -> Vec<TensorData> {
-    let count = flat.num_elements();
-    let width = flat.dtype.size();
-    let bytes = flat.as_bytes();
-    (0..parts)
-        .map(|p| {
-            let (start, end) = (p * count / parts, (p + 1) * count / parts);
-            TensorData::from_bytes_vec(
-                bytes[start * width..end * width].to_vec(),
-                [end - start],
-                flat.dtype,
-            )
-        })
-        .collect()
-}
-
-fn concat_flat(
-    chunks: Vec<TensorData>,
-    shape: &[usize],
-    dtype: burn::tensor::DType,
-) -> Result<TensorData, String> {
-    let mut bytes = Vec::new();
-    for chunk in &chunks {
-        if chunk.dtype != dtype {
-            return Err(format!(
-                "chunk dtype {:?} differs from {dtype:?}",
-                chunk.dtype
-            ));
-        }
-        bytes.extend_from_slice(chunk.as_bytes());
-    }
-    let expected = shape.iter().product::<usize>() * dtype.size();
-    if bytes.len() != expected {
-        return Err(format!(
-            "the gathered chunks hold {} bytes but a {shape:?} {dtype:?} tensor needs {expected}: the ranks passed tensors of different sizes",
-            bytes.len()
-        ));
-    }
-    Ok(TensorData::from_bytes_vec(bytes, shape.to_vec(), dtype))
+    concat_flat(gathered, &shape, dtype).map_err(invalid)
 }

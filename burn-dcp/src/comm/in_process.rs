@@ -29,9 +29,10 @@ use burn::tensor::TensorData;
 use crate::comm::common::{
     all_reduce_by, check_parts, check_peer, split_membership, split_request, Accounting,
 };
+use crate::comm::payload::sum_payloads;
 use crate::comm::{
-    control_payloads, panic_message, sum_tensor_data, Comm, CommError, CommStats, Communicator,
-    Fault, FaultKind, OpKind, PendingRecv, PendingSend,
+    control_payloads, panic_message, Comm, CommError, CommStats, Communicator, Fault, FaultKind,
+    OpKind, Payload, PendingRecv, PendingSend,
 };
 
 /// The most ranks an in-process world may have (one thread each).
@@ -81,7 +82,7 @@ type MailboxKey = (String, usize, usize, Channel);
 struct Envelope {
     op: String,
     index: u64,
-    data: TensorData,
+    data: Payload,
 }
 
 #[derive(Default)]
@@ -561,12 +562,12 @@ impl InProcessComm {
         &self,
         peer: usize,
         channel: Channel,
-        data: TensorData,
+        data: Payload,
         op: &str,
         accounting: Accounting,
     ) -> Result<(), CommError> {
         let (me, to) = (self.me(), self.members[peer]);
-        let bytes = data.bytes.len() as u64;
+        let bytes = data.num_bytes();
         {
             let mut state = self.world.lock();
             if let Some(error) = state.peer_failed(&self.name, self.rank, op) {
@@ -633,7 +634,7 @@ impl InProcessComm {
         }
     }
 
-    fn recv_now(&self, peer: usize, channel: Channel, op: &str) -> Result<TensorData, CommError> {
+    fn recv_now(&self, peer: usize, channel: Channel, op: &str) -> Result<Payload, CommError> {
         let seq = self.reserve(peer, channel);
         self.waiter(peer, channel, seq, op).wait()
     }
@@ -641,11 +642,11 @@ impl InProcessComm {
     /// Sends `parts[p]` to every `p` and receives one message from every rank (itself included).
     fn exchange(
         &self,
-        parts: Vec<TensorData>,
+        parts: Vec<Payload>,
         channel: Channel,
         op: &str,
         accounting: Accounting,
-    ) -> Result<Vec<TensorData>, CommError> {
+    ) -> Result<Vec<Payload>, CommError> {
         for (peer, part) in parts.into_iter().enumerate() {
             self.post(peer, channel, part, op, accounting)?;
         }
@@ -655,11 +656,7 @@ impl InProcessComm {
     }
 
     /// A collective of `kind` on the collective channel.
-    fn collective(
-        &self,
-        parts: Vec<TensorData>,
-        kind: OpKind,
-    ) -> Result<Vec<TensorData>, CommError> {
+    fn collective(&self, parts: Vec<Payload>, kind: OpKind) -> Result<Vec<Payload>, CommError> {
         self.exchange(
             parts,
             Channel::Collective,
@@ -683,7 +680,7 @@ struct Waiter {
 }
 
 impl Waiter {
-    fn wait(self) -> Result<TensorData, CommError> {
+    fn wait(self) -> Result<Payload, CommError> {
         let (me, sender) = (self.members[self.rank], self.members[self.peer]);
         let key = (self.group.clone(), sender, me, self.channel);
         let started = Instant::now();
@@ -694,7 +691,18 @@ impl Waiter {
                 .get_mut(&key)
                 .and_then(|m| m.messages.remove(&self.seq));
             if let Some(envelope) = arrived {
-                return self.open(envelope, &mut state);
+                let data = self.open(envelope, &mut state)?;
+                drop(state);
+                if sender == me {
+                    return Ok(data);
+                }
+                // Another rank's thread produced it: copy it into this thread's memory.
+                return data.adopt().map_err(|message| CommError::Protocol {
+                    group: self.group.clone(),
+                    rank: self.rank,
+                    peer_global: sender,
+                    message: format!("{} message #{}: {message}", self.op, self.seq),
+                });
             }
             if let Some(error) = state.peer_failed(&self.group, self.rank, &self.op) {
                 return Err(error);
@@ -732,7 +740,7 @@ impl Waiter {
     }
 
     /// Checks the envelope of the message that arrived.
-    fn open(&self, envelope: Envelope, state: &mut WorldState) -> Result<TensorData, CommError> {
+    fn open(&self, envelope: Envelope, state: &mut WorldState) -> Result<Payload, CommError> {
         if envelope.op == self.op && envelope.index == self.seq {
             return Ok(envelope.data);
         }
@@ -774,7 +782,7 @@ impl Communicator for InProcessComm {
         self.members[rank]
     }
 
-    fn isend(&self, peer: usize, data: TensorData) -> Result<PendingSend, CommError> {
+    fn isend(&self, peer: usize, data: Payload) -> Result<PendingSend, CommError> {
         check_peer(&self.name, self.members.len(), peer, "isend")?;
         self.begin_call("send")?;
         // Eager: the message is in the peer's mailbox when this returns.
@@ -797,29 +805,28 @@ impl Communicator for InProcessComm {
         Ok(PendingRecv::new(move || waiter.wait()))
     }
 
-    fn all_to_all(&self, parts: Vec<TensorData>) -> Result<Vec<TensorData>, CommError> {
+    fn all_to_all(&self, parts: Vec<Payload>) -> Result<Vec<Payload>, CommError> {
         check_parts(&self.name, self.members.len(), &parts, "all-to-all")?;
         self.begin_call("all-to-all")?;
         self.collective(parts, OpKind::AllToAll)
     }
 
-    fn all_gather(&self, data: TensorData) -> Result<Vec<TensorData>, CommError> {
+    fn all_gather(&self, data: Payload) -> Result<Vec<Payload>, CommError> {
         self.begin_call("all-gather")?;
         let parts = vec![data; self.members.len()];
         self.collective(parts, OpKind::AllGather)
     }
 
-    fn reduce_scatter(&self, parts: Vec<TensorData>) -> Result<TensorData, CommError> {
+    fn reduce_scatter(&self, parts: Vec<Payload>) -> Result<Payload, CommError> {
         check_parts(&self.name, self.members.len(), &parts, "reduce-scatter")?;
         self.begin_call("reduce-scatter")?;
         let received = self.collective(parts, OpKind::ReduceScatter)?;
-        sum_tensor_data(received)
-            .map_err(|message| self.invalid(format!("reduce-scatter: {message}")))
+        sum_payloads(received).map_err(|message| self.invalid(format!("reduce-scatter: {message}")))
     }
 
     /// Reduce-scatter of flat chunks then all-gather (the ring all-reduce's traffic,
     /// `2·(P−1)/P` of the tensor per rank); the sum is taken in rank order on the chunk's owner.
-    fn all_reduce(&self, data: TensorData) -> Result<TensorData, CommError> {
+    fn all_reduce(&self, data: Payload) -> Result<Payload, CommError> {
         self.begin_call("all-reduce")?;
         all_reduce_by(&self.name, self.members.len(), data, |parts| {
             self.collective(parts, OpKind::AllReduce)
@@ -828,7 +835,7 @@ impl Communicator for InProcessComm {
 
     fn barrier(&self) -> Result<(), CommError> {
         self.begin_call("barrier")?;
-        let parts = vec![TensorData::new(Vec::<i64>::new(), [0]); self.members.len()];
+        let parts = vec![TensorData::new(Vec::<i64>::new(), [0]).into(); self.members.len()];
         self.exchange(parts, Channel::Control, "barrier", Accounting::Uncounted)?;
         Ok(())
     }
@@ -836,7 +843,7 @@ impl Communicator for InProcessComm {
     fn all_gather_control(&self, what: &str, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError> {
         self.begin_call(what)?;
         let count = payload.len();
-        let data = TensorData::new(payload, [count]);
+        let data: Payload = TensorData::new(payload, [count]).into();
         let parts = vec![data; self.members.len()];
         let received = self.exchange(parts, Channel::Control, what, Accounting::Control)?;
         control_payloads(&self.name, what, received)

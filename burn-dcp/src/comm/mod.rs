@@ -1,7 +1,8 @@
 //! Communicators (process groups): the only way ranks exchange data.
 //!
-//! Payloads are [`TensorData`] (bytes + shape + dtype), so one communicator serves every backend
-//! and dtype. Every blocking wait has a timeout and fails with an error naming the peer; when a
+//! Messages are [`Payload`]s: a backend's tensor on its device, or host [`TensorData`] (bytes +
+//! shape + dtype), so one communicator serves every backend and dtype, and a communicator that
+//! can pass device tensors as they are (the in-process world) never copies them to the host. Every blocking wait has a timeout and fails with an error naming the peer; when a
 //! rank fails, every rank's pending and future operations fail with [`CommError::PeerFailed`]
 //! naming the rank that failed *first* (the root cause) and its reason. Every message carries an
 //! envelope (operation, index), so a receiver notices a lost, duplicated or mismatched message
@@ -11,6 +12,7 @@ mod common;
 pub mod in_process;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod payload;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -22,6 +24,7 @@ use burn::tensor::{DType, TensorData};
 pub use in_process::{InProcessWorld, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiWorld};
+pub use payload::{DeviceTensor, Payload};
 
 /// A shared handle to one rank's view of a group.
 pub type Comm = Arc<dyn Communicator>;
@@ -161,14 +164,14 @@ impl CommStats {
 }
 
 /// A receive in flight: [`PendingRecv::wait`] blocks (up to the timeout) for the data.
-pub struct PendingRecv(Box<dyn FnOnce() -> Result<TensorData, CommError> + Send>);
+pub struct PendingRecv(Box<dyn FnOnce() -> Result<Payload, CommError> + Send>);
 
 impl PendingRecv {
-    pub fn new(wait: impl FnOnce() -> Result<TensorData, CommError> + Send + 'static) -> Self {
+    pub fn new(wait: impl FnOnce() -> Result<Payload, CommError> + Send + 'static) -> Self {
         Self(Box::new(wait))
     }
 
-    pub fn wait(self) -> Result<TensorData, CommError> {
+    pub fn wait(self) -> Result<Payload, CommError> {
         (self.0)()
     }
 }
@@ -201,18 +204,18 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     fn global_rank(&self, rank: usize) -> usize;
 
     /// Starts sending `data` to `peer`; messages between two ranks arrive in send order.
-    fn isend(&self, peer: usize, data: TensorData) -> Result<PendingSend, CommError>;
+    fn isend(&self, peer: usize, data: Payload) -> Result<PendingSend, CommError>;
     /// Posts a receive of the next message from `peer` (receives match sends in posting order).
     fn irecv(&self, peer: usize) -> Result<PendingRecv, CommError>;
 
     /// `parts[p]` goes to rank `p`; returns what every rank sent here, indexed by sender.
-    fn all_to_all(&self, parts: Vec<TensorData>) -> Result<Vec<TensorData>, CommError>;
+    fn all_to_all(&self, parts: Vec<Payload>) -> Result<Vec<Payload>, CommError>;
     /// Every rank's `data`, indexed by rank.
-    fn all_gather(&self, data: TensorData) -> Result<Vec<TensorData>, CommError>;
+    fn all_gather(&self, data: Payload) -> Result<Vec<Payload>, CommError>;
     /// `parts[p]` goes to rank `p`; returns the elementwise sum (in rank order) of what was sent here.
-    fn reduce_scatter(&self, parts: Vec<TensorData>) -> Result<TensorData, CommError>;
+    fn reduce_scatter(&self, parts: Vec<Payload>) -> Result<Payload, CommError>;
     /// Elementwise sum over ranks; every rank gets the identical result.
-    fn all_reduce(&self, data: TensorData) -> Result<TensorData, CommError>;
+    fn all_reduce(&self, data: Payload) -> Result<Payload, CommError>;
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<(), CommError>;
     /// Every rank's small control payload, indexed by rank (configuration agreement before data
@@ -220,7 +223,7 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// control bytes only; the default (for communicators written elsewhere) is an `all_gather`.
     fn all_gather_control(&self, what: &str, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError> {
         let count = payload.len();
-        let received = self.all_gather(TensorData::new(payload, [count]))?;
+        let received = self.all_gather(TensorData::new(payload, [count]).into())?;
         control_payloads(self.name(), what, received)
     }
     /// Splits the group: ranks with the same `color` form a new group, ordered by `(key, rank)`.
@@ -245,15 +248,19 @@ pub trait Communicator: Send + Sync + fmt::Debug {
 pub(crate) fn control_payloads(
     group: &str,
     what: &str,
-    received: Vec<TensorData>,
+    received: Vec<Payload>,
 ) -> Result<Vec<Vec<u8>>, CommError> {
     received
         .into_iter()
         .map(|data| {
-            data.into_vec::<u8>().map_err(|e| CommError::Invalid {
+            let invalid = |message: String| CommError::Invalid {
                 group: group.to_string(),
-                message: format!("{what}: malformed control message {e:?}"),
-            })
+                message: format!("{what}: malformed control message {message}"),
+            };
+            data.into_host()
+                .map_err(invalid)?
+                .into_vec::<u8>()
+                .map_err(|e| invalid(format!("{e:?}")))
         })
         .collect()
 }

@@ -44,9 +44,10 @@ use mpi::ffi;
 use crate::comm::common::{
     all_reduce_by, check_parts, check_peer, split_membership, split_request, Accounting,
 };
+use crate::comm::payload::sum_payloads;
 use crate::comm::{
-    control_payloads, sum_tensor_data, Comm, CommError, CommStats, Communicator, OpKind,
-    PendingRecv, PendingSend, WorldConfig,
+    control_payloads, Comm, CommError, CommStats, Communicator, OpKind, Payload, PendingRecv,
+    PendingSend, WorldConfig,
 };
 
 /// Environment variables set by MPI launchers for each rank they start: OpenMPI's `mpirun`,
@@ -297,7 +298,7 @@ impl MpiWorld {
             closed: AtomicBool::new(false),
         });
         let _ = SHARED.set(shared.clone());
-        let world = MpiComm::new(
+        let world = MpiComm::create(
             &shared,
             RawComm(unsafe { ffi::RSMPI_COMM_WORLD }),
             false,
@@ -536,7 +537,7 @@ struct RecvHandle {
 }
 
 impl RecvHandle {
-    fn wait(self) -> Result<TensorData, CommError> {
+    fn wait(self) -> Result<Payload, CommError> {
         let started = Instant::now();
         let mut backoff = Backoff(0);
         loop {
@@ -574,12 +575,12 @@ impl RecvHandle {
         }
     }
 
-    fn open(&self, message: Result<Vec<u8>, String>) -> Result<TensorData, CommError> {
+    fn open(&self, message: Result<Vec<u8>, String>) -> Result<Payload, CommError> {
         let (header, data) = message
             .and_then(decode)
             .map_err(|e| self.protocol(format!("{} message #{}: {e}", self.op, self.index)))?;
         if header.op == self.op && header.index == self.index {
-            return Ok(data);
+            return Ok(Payload::Host(data));
         }
         let cause = if header.op == self.op {
             "a message on this link was lost or duplicated"
@@ -600,7 +601,7 @@ impl Drop for RecvHandle {
 }
 
 impl MpiComm {
-    fn new(
+    fn create(
         shared: &Arc<Shared>,
         comm: RawComm,
         owned: bool,
@@ -652,11 +653,15 @@ impl MpiComm {
         &self,
         peer: usize,
         channel: usize,
-        data: TensorData,
+        data: Payload,
         op: &str,
         accounting: Accounting,
     ) -> Result<SendHandle, CommError> {
         self.check_open(op)?;
+        // MPI moves host bytes: a device tensor is read back once, here.
+        let data = data
+            .into_host()
+            .map_err(|e| self.invalid(format!("{op}: {e}")))?;
         let index = Self::next(&self.sent, peer, channel);
         let buffer = encode(op, index, &data).map_err(|e| self.invalid(format!("{op}: {e}")))?;
         let count = c_int::try_from(buffer.len()).map_err(|_| {
@@ -741,11 +746,11 @@ impl MpiComm {
     /// included): receives are posted first, then sends; then everything is waited for.
     fn exchange(
         &self,
-        parts: Vec<TensorData>,
+        parts: Vec<Payload>,
         channel: usize,
         op: &str,
         accounting: Accounting,
-    ) -> Result<Vec<TensorData>, CommError> {
+    ) -> Result<Vec<Payload>, CommError> {
         let receives = (0..self.members.len())
             .map(|peer| self.post_recv(peer, channel, op))
             .collect::<Result<Vec<_>, _>>()?;
@@ -764,11 +769,7 @@ impl MpiComm {
         Ok(received)
     }
 
-    fn collective(
-        &self,
-        parts: Vec<TensorData>,
-        kind: OpKind,
-    ) -> Result<Vec<TensorData>, CommError> {
+    fn collective(&self, parts: Vec<Payload>, kind: OpKind) -> Result<Vec<Payload>, CommError> {
         self.exchange(parts, COLLECTIVE, &kind.to_string(), Accounting::Data(kind))
     }
 }
@@ -790,7 +791,7 @@ impl Communicator for MpiComm {
         self.members[rank]
     }
 
-    fn isend(&self, peer: usize, data: TensorData) -> Result<PendingSend, CommError> {
+    fn isend(&self, peer: usize, data: Payload) -> Result<PendingSend, CommError> {
         check_peer(&self.name, self.members.len(), peer, "isend")?;
         let send = self.post_send(
             peer,
@@ -808,40 +809,43 @@ impl Communicator for MpiComm {
         Ok(PendingRecv::new(move || recv.wait()))
     }
 
-    fn all_to_all(&self, parts: Vec<TensorData>) -> Result<Vec<TensorData>, CommError> {
+    fn all_to_all(&self, parts: Vec<Payload>) -> Result<Vec<Payload>, CommError> {
         check_parts(&self.name, self.members.len(), &parts, "all-to-all")?;
         self.collective(parts, OpKind::AllToAll)
     }
 
-    fn all_gather(&self, data: TensorData) -> Result<Vec<TensorData>, CommError> {
-        let parts = vec![data; self.members.len()];
+    fn all_gather(&self, data: Payload) -> Result<Vec<Payload>, CommError> {
+        // Read a device tensor back once, not once per peer.
+        let data = data
+            .into_host()
+            .map_err(|e| self.invalid(format!("all-gather: {e}")))?;
+        let parts = vec![Payload::Host(data); self.members.len()];
         self.collective(parts, OpKind::AllGather)
     }
 
-    fn reduce_scatter(&self, parts: Vec<TensorData>) -> Result<TensorData, CommError> {
+    fn reduce_scatter(&self, parts: Vec<Payload>) -> Result<Payload, CommError> {
         check_parts(&self.name, self.members.len(), &parts, "reduce-scatter")?;
         let received = self.collective(parts, OpKind::ReduceScatter)?;
-        sum_tensor_data(received)
-            .map_err(|message| self.invalid(format!("reduce-scatter: {message}")))
+        sum_payloads(received).map_err(|message| self.invalid(format!("reduce-scatter: {message}")))
     }
 
     /// The in-process world's algorithm (reduce-scatter of flat chunks, sum in rank order,
     /// all-gather), so both worlds compute identical sums.
-    fn all_reduce(&self, data: TensorData) -> Result<TensorData, CommError> {
+    fn all_reduce(&self, data: Payload) -> Result<Payload, CommError> {
         all_reduce_by(&self.name, self.members.len(), data, |parts| {
             self.collective(parts, OpKind::AllReduce)
         })
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        let parts = vec![TensorData::new(Vec::<i64>::new(), [0]); self.members.len()];
+        let parts = vec![TensorData::new(Vec::<i64>::new(), [0]).into(); self.members.len()];
         self.exchange(parts, CONTROL, "barrier", Accounting::Uncounted)?;
         Ok(())
     }
 
     fn all_gather_control(&self, what: &str, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError> {
         let count = payload.len();
-        let parts = vec![TensorData::new(payload, [count]); self.members.len()];
+        let parts = vec![TensorData::new(payload, [count]).into(); self.members.len()];
         let received = self.exchange(parts, CONTROL, what, Accounting::Control)?;
         control_payloads(&self.name, what, received)
     }
@@ -885,7 +889,7 @@ impl Communicator for MpiComm {
             *splits
         };
         let name = format!("{}/split{index}:{color}", self.name);
-        Ok(MpiComm::new(
+        Ok(MpiComm::create(
             &self.shared,
             RawComm(comm),
             true,

@@ -8,6 +8,7 @@
 use burn::prelude::Tensor;
 use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, VarlenAttention};
 
+use crate::comm::Payload;
 use crate::error::CpError;
 use crate::strategy::exchange::{
     all_gather, cat_tokens, checked_tensor, concat_segments, split_sizes,
@@ -68,7 +69,7 @@ impl AttentionStrategy for AllGatherKv {
             let dtype = full.dtype();
             let parts = split_sizes(full, 0, &sizes)
                 .into_iter()
-                .map(Tensor::into_data)
+                .map(Payload::device)
                 .collect();
             let summed = group.comm.reduce_scatter(parts)?;
             let me = group.comm.rank();

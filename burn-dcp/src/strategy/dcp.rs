@@ -16,14 +16,14 @@
 use std::collections::HashMap;
 
 use burn::prelude::Tensor;
-use burn::tensor::{DType, TensorCreationOptions, TensorData};
+use burn::tensor::{DType, TensorCreationOptions};
 use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment, VarlenAttention};
 
-use crate::comm::{Comm, CommError, PendingSend};
+use crate::comm::{Comm, CommError, Payload, PendingSend};
 use crate::error::CpError;
 use crate::planner::cost::{Pass, Side};
 use crate::strategy::block_plan::{BlockId, BlockSchedule, Instruction};
-use crate::strategy::exchange::{cat_tokens, narrow, split_sizes, tensor_from};
+use crate::strategy::exchange::{cat_tokens, narrow, split_sizes};
 use crate::strategy::{BackwardInputs, CpBatch};
 
 /// Dims of a pass's tensors: query heads, kv heads, head dim.
@@ -184,7 +184,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
                 Instruction::Receive { side, block, from } => {
                     let shapes = self.copy_shapes(*side, *block, backward);
                     let parts = self.receive(*from, &shapes, "a block copy")?;
-                    self.store_copy(*side, *block, parts);
+                    self.store_copy(*side, *block, parts)?;
                 }
                 Instruction::Attend { q, kv } => match backward {
                     false => self.attend_forward(*q, kv)?,
@@ -212,7 +212,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
     fn send(
         &self,
         to: usize,
-        parts: Vec<TensorData>,
+        parts: Vec<Payload>,
         sends: &mut Vec<PendingSend>,
     ) -> Result<(), CpError> {
         for part in parts {
@@ -226,7 +226,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
         from: usize,
         shapes: &[Vec<usize>],
         what: &str,
-    ) -> Result<Vec<TensorData>, CpError> {
+    ) -> Result<Vec<Payload>, CpError> {
         let mut parts = Vec::with_capacity(shapes.len());
         for shape in shapes {
             let data = self.comm.irecv(from)?.wait()?;
@@ -236,15 +236,15 @@ impl<'a, B: FlashOps> Run<'a, B> {
             } else {
                 self.dtype
             };
-            if data.shape.as_slice() != shape.as_slice() || data.dtype != dtype {
+            if data.shape() != *shape || data.dtype() != dtype {
                 return Err(CpError::Comm(CommError::Protocol {
                     group: self.comm.name().to_string(),
                     rank: self.comm.rank(),
                     peer_global: self.comm.global_rank(from),
                     message: format!(
                         "DCP {what}: expected a {shape:?} {dtype:?} block, got {:?} {:?}",
-                        data.shape.as_slice(),
-                        data.dtype
+                        data.shape(),
+                        data.dtype()
                     ),
                 }));
             }
@@ -289,12 +289,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
         ))
     }
 
-    fn copy_of(
-        &self,
-        side: Side,
-        block: BlockId,
-        backward: bool,
-    ) -> Result<Vec<TensorData>, CpError> {
+    fn copy_of(&self, side: Side, block: BlockId, backward: bool) -> Result<Vec<Payload>, CpError> {
         match side {
             Side::QueryOutput => {
                 let query = self
@@ -302,13 +297,17 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     .queries
                     .get(&block)
                     .ok_or_else(|| self.missing("the queries", block))?;
-                let mut parts = vec![query.q.clone().into_data()];
+                let mut parts = vec![Payload::device(query.q.clone())];
                 if backward {
                     let (out, lse, dout) = query
                         .grads
                         .clone()
                         .ok_or_else(|| self.missing("the output", block))?;
-                    parts.extend([out.into_data(), lse.into_data(), dout.into_data()]);
+                    parts.extend([
+                        Payload::device(out),
+                        Payload::device(lse),
+                        Payload::device(dout),
+                    ]);
                 }
                 Ok(parts)
             }
@@ -319,32 +318,55 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     .get(&block)
                     .cloned()
                     .ok_or_else(|| self.missing("the keys", block))?;
-                Ok(vec![k.into_data(), v.into_data()])
+                Ok(vec![Payload::device(k), Payload::device(v)])
             }
         }
     }
 
-    fn store_copy(&mut self, side: Side, block: BlockId, parts: Vec<TensorData>) {
-        let device = self.device.clone();
+    fn store_copy(
+        &mut self,
+        side: Side,
+        block: BlockId,
+        parts: Vec<Payload>,
+    ) -> Result<(), CpError> {
         let mut parts = parts.into_iter();
-        let mut next3 = || tensor_from::<B, 3>(parts.next().expect("checked count"), &device);
         match side {
             Side::QueryOutput => {
-                let q = next3();
-                let grads = (parts.len() == 3).then(|| {
-                    let out = tensor_from::<B, 3>(parts.next().expect("out"), &device);
-                    let lse = tensor_from::<B, 2>(parts.next().expect("lse"), &device);
-                    let dout = tensor_from::<B, 3>(parts.next().expect("dout"), &device);
-                    (out, lse, dout)
-                });
+                let q = self.take::<3>(&mut parts)?;
+                let grads = match parts.len() == 3 {
+                    true => Some((
+                        self.take::<3>(&mut parts)?,
+                        self.take::<2>(&mut parts)?,
+                        self.take::<3>(&mut parts)?,
+                    )),
+                    false => None,
+                };
                 self.blocks.queries.insert(block, QuerySide { q, grads });
             }
             Side::KeyValue => {
-                let k = next3();
-                let v = next3();
+                let k = self.take::<3>(&mut parts)?;
+                let v = self.take::<3>(&mut parts)?;
                 self.blocks.keys.insert(block, (k, v));
             }
         }
+        Ok(())
+    }
+
+    /// The next received part (checked by [`Self::receive`]) as a tensor on this rank's device.
+    fn take<const D: usize>(
+        &self,
+        parts: &mut impl Iterator<Item = Payload>,
+    ) -> Result<Tensor<B, D>, CpError> {
+        let invalid = |message: String| {
+            CpError::Comm(CommError::Invalid {
+                group: self.comm.name().to_string(),
+                message: format!("DCP: a received block {message}"),
+            })
+        };
+        let part = parts
+            .next()
+            .ok_or_else(|| invalid("has too few parts".into()))?;
+        part.into_tensor(&self.device).map_err(invalid)
     }
 
     /// The kernel problem of query block `q` against key blocks `kv` of its sequence.
@@ -434,7 +456,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
         side: Side,
         block: BlockId,
         backward: bool,
-    ) -> Result<Vec<TensorData>, CpError> {
+    ) -> Result<Vec<Payload>, CpError> {
         match (side, backward) {
             (Side::QueryOutput, false) => {
                 let output = self
@@ -443,8 +465,8 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     .get(&block)
                     .ok_or_else(|| self.missing("the partial output", block))?;
                 Ok(vec![
-                    output.out.clone().into_data(),
-                    output.lse.clone().into_data(),
+                    Payload::device(output.out.clone()),
+                    Payload::device(output.lse.clone()),
                 ])
             }
             (Side::QueryOutput, true) => {
@@ -453,7 +475,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     .dq
                     .get(&block)
                     .ok_or_else(|| self.missing("the dq", block))?;
-                Ok(vec![dq.clone().into_data()])
+                Ok(vec![Payload::device(dq.clone())])
             }
             (Side::KeyValue, _) => {
                 let (dk, dv) = self
@@ -462,7 +484,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     .get(&block)
                     .cloned()
                     .ok_or_else(|| self.missing("the dk/dv", block))?;
-                Ok(vec![dk.into_data(), dv.into_data()])
+                Ok(vec![Payload::device(dk), Payload::device(dv)])
             }
         }
     }
@@ -471,22 +493,23 @@ impl<'a, B: FlashOps> Run<'a, B> {
         &mut self,
         side: Side,
         block: BlockId,
-        parts: Vec<TensorData>,
+        parts: Vec<Payload>,
         backward: bool,
     ) -> Result<(), CpError> {
-        let device = self.device.clone();
         let mut parts = parts.into_iter();
-        let mut next3 = || tensor_from::<B, 3>(parts.next().expect("checked count"), &device);
         match (side, backward) {
             (Side::QueryOutput, false) => {
-                let out = next3();
-                let lse = tensor_from::<B, 2>(parts.next().expect("lse"), &device);
+                let out = self.take::<3>(&mut parts)?;
+                let lse = self.take::<2>(&mut parts)?;
                 self.merge_output(block, FlashOutput { out, lse })?;
             }
-            (Side::QueryOutput, true) => add_into(&mut self.blocks.dq, block, next3()),
+            (Side::QueryOutput, true) => {
+                let dq = self.take::<3>(&mut parts)?;
+                add_into(&mut self.blocks.dq, block, dq)
+            }
             (Side::KeyValue, _) => {
-                let dk = next3();
-                let dv = next3();
+                let dk = self.take::<3>(&mut parts)?;
+                let dv = self.take::<3>(&mut parts)?;
                 add_pair_into(&mut self.blocks.dkv, block, dk, dv);
             }
         }

@@ -1,48 +1,38 @@
 //! Moving burn tensors through a [`Communicator`](crate::comm::Communicator).
 
 use burn::prelude::{Backend, Tensor};
-use burn::tensor::{DType, TensorCreationOptions, TensorData};
+use burn::tensor::{DType, TensorCreationOptions};
 use burn_dcp_kernels::Segment;
 
-use crate::comm::{Comm, CommError};
+use crate::comm::{Comm, CommError, Payload};
 
-/// A tensor rebuilt from received data, on `device`, keeping the data's dtype.
-pub fn tensor_from<B: Backend, const D: usize>(
-    data: TensorData,
-    device: &B::Device,
-) -> Tensor<B, D> {
-    let dtype = data.dtype;
-    Tensor::from_data(
-        data,
-        TensorCreationOptions::new(device.clone()).with_dtype(dtype),
-    )
-}
-
-/// A block received from group rank `from`, as a tensor on `device`, once checked against what
-/// the receiver expects (`expected` dims and `dtype`): a block of another shape means the ranks
-/// disagree or a message was mixed up.
+/// A block received from group rank `from`, as a tensor on `device` (moved when it is already a
+/// tensor of this backend, copied only from another device or from the host), once checked
+/// against what the receiver expects (`expected` dims and `dtype`): a block of another shape
+/// means the ranks disagree or a message was mixed up.
 pub fn checked_tensor<B: Backend, const D: usize>(
     comm: &Comm,
-    data: TensorData,
+    data: Payload,
     from: usize,
     expected: [usize; D],
     dtype: DType,
     what: &str,
     device: &B::Device,
 ) -> Result<Tensor<B, D>, CommError> {
-    if data.shape.as_slice() == expected && data.dtype == dtype {
-        return Ok(tensor_from(data, device));
-    }
-    Err(CommError::Protocol {
+    let protocol = |message: String| CommError::Protocol {
         group: comm.name().to_string(),
         rank: comm.rank(),
         peer_global: comm.global_rank(from),
-        message: format!(
-            "{what}: expected a {expected:?} {dtype:?} block, got {:?} {:?}",
-            data.shape.as_slice(),
-            data.dtype
-        ),
-    })
+        message: format!("{what}: {message}"),
+    };
+    if data.shape() != expected || data.dtype() != dtype {
+        return Err(protocol(format!(
+            "expected a {expected:?} {dtype:?} block, got {:?} {:?}",
+            data.shape(),
+            data.dtype()
+        )));
+    }
+    data.into_tensor(device).map_err(protocol)
 }
 
 /// All-to-all of tensors: `parts[p]` goes to rank `p`; returns what each rank sent here, each
@@ -55,7 +45,7 @@ pub fn all_to_all<B: Backend, const D: usize>(
     what: &str,
 ) -> Result<Vec<Tensor<B, D>>, CommError> {
     let dtype = parts[0].dtype();
-    let received = comm.all_to_all(parts.into_iter().map(Tensor::into_data).collect())?;
+    let received = comm.all_to_all(parts.into_iter().map(Payload::device).collect())?;
     received
         .into_iter()
         .enumerate()
@@ -72,7 +62,7 @@ pub fn all_gather<B: Backend, const D: usize>(
     what: &str,
 ) -> Result<Vec<Tensor<B, D>>, CommError> {
     let (device, dtype) = (tensor.device(), tensor.dtype());
-    let received = comm.all_gather(tensor.into_data())?;
+    let received = comm.all_gather(Payload::device(tensor))?;
     received
         .into_iter()
         .enumerate()

@@ -20,7 +20,7 @@ use burn::tensor::DType;
 use burn_dcp_kernels::definition::packing::token_count;
 use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment};
 
-use crate::comm::{Comm, PendingRecv, PendingSend};
+use crate::comm::{Comm, Payload, PendingRecv, PendingSend};
 use crate::error::CpError;
 use crate::strategy::exchange::checked_tensor;
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup};
@@ -103,7 +103,10 @@ impl RingPass<'_> {
             .collect::<Result<Vec<_>, CpError>>()?;
         let sends = pieces
             .iter()
-            .map(|piece| self.comm.isend(self.next(), (*piece).clone().into_data()))
+            .map(|piece| {
+                self.comm
+                    .isend(self.next(), Payload::device((*piece).clone()))
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(InFlight {
             comm: self.comm,
