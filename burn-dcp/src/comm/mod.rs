@@ -12,6 +12,8 @@ mod common;
 pub mod in_process;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod payload;
 
 use std::collections::BTreeMap;
@@ -24,6 +26,8 @@ use burn::tensor::{DType, TensorData};
 pub use in_process::{InProcessWorld, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiWorld};
+#[cfg(feature = "cuda")]
+pub use nccl::{NcclComm, NcclWorld};
 pub use payload::{DeviceTensor, Payload};
 
 /// A shared handle to one rank's view of a group.

@@ -77,6 +77,15 @@ impl Payload {
         matches!(self, Payload::Device(_))
     }
 
+    /// The backend primitive of a device payload, for communicators that need its type.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn device_any(&self) -> Option<&dyn Any> {
+        match self {
+            Payload::Host(_) => None,
+            Payload::Device(tensor) => Some(tensor.0.as_any()),
+        }
+    }
+
     /// The payload's bytes on the host (reads a device tensor back).
     pub fn into_host(self) -> Result<TensorData, String> {
         match self {
