@@ -396,7 +396,7 @@ impl NcclComm {
             let result = match finished(&done) {
                 Some(result) => result,
                 None => {
-                    comm.launch_for(None, Some(peer))?;
+                    comm.launch_for(&[])?;
                     finished(&done).unwrap_or_else(|| {
                         Err(comm.invalid(format!("{op}: the send to rank {peer} was not launched")))
                     })
@@ -409,40 +409,62 @@ impl NcclComm {
 
     /// Posts a receive from `peer`; its header is taken in when it is waited for.
     fn post_recv(&self, peer: usize, op: &str) -> Result<PendingRecv, CommError> {
-        let header = self.control.irecv(peer)?;
-        let incoming = {
-            let mut queues = self.queues();
-            let index = queues.posted[peer];
-            queues.posted[peer] += 1;
-            let incoming = Arc::new(Incoming {
-                header: Mutex::new(Some(header)),
-                op: op.to_string(),
-                index,
-                slot: Mutex::new(None),
-            });
-            queues.receives[peer].push_back(incoming.clone());
-            incoming
-        };
+        let incoming = self.post_incoming(peer, op)?;
         let comm = self.handle();
         Ok(PendingRecv::new(move || {
-            let take = || {
-                incoming
-                    .slot
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .take()
-            };
-            if let Some(result) = take() {
-                return result;
-            }
-            comm.launch_for(Some(&incoming), Some(peer))?;
-            take().unwrap_or_else(|| {
-                Err(comm.invalid(format!(
-                    "{} message #{} from rank {peer} was not received",
-                    incoming.op, incoming.index
-                )))
-            })
+            comm.receive(&[(peer, incoming)]).map(|mut r| r.remove(0))
         }))
+    }
+
+    /// Registers a receive from `peer` (its header's control receive is posted now).
+    fn post_incoming(&self, peer: usize, op: &str) -> Result<Arc<Incoming>, CommError> {
+        let header = self.control.irecv(peer)?;
+        let mut queues = self.queues();
+        let index = queues.posted[peer];
+        queues.posted[peer] += 1;
+        let incoming = Arc::new(Incoming {
+            header: Mutex::new(Some(header)),
+            op: op.to_string(),
+            index,
+            slot: Mutex::new(None),
+        });
+        queues.receives[peer].push_back(incoming.clone());
+        Ok(incoming)
+    }
+
+    /// Waits for posted receives: the ones not yet received are launched together (with every
+    /// queued send) in one NCCL group.
+    fn receive(&self, targets: &[(usize, Arc<Incoming>)]) -> Result<Vec<Payload>, CommError> {
+        let take = |incoming: &Incoming| {
+            incoming
+                .slot
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take()
+        };
+        let mut results: Vec<Option<Result<Payload, CommError>>> =
+            targets.iter().map(|(_, incoming)| take(incoming)).collect();
+        let pending: Vec<(usize, Arc<Incoming>)> = targets
+            .iter()
+            .zip(&results)
+            .filter(|(_, result)| result.is_none())
+            .map(|(target, _)| target.clone())
+            .collect();
+        if !pending.is_empty() {
+            self.launch_for(&pending)?;
+        }
+        targets
+            .iter()
+            .zip(results.iter_mut())
+            .map(|((peer, incoming), result)| {
+                result.take().or_else(|| take(incoming)).unwrap_or_else(|| {
+                    Err(self.invalid(format!(
+                        "{} message #{} from rank {peer} was not received",
+                        incoming.op, incoming.index
+                    )))
+                })
+            })
+            .collect()
     }
 
     /// This communicator, kept alive by the pending operations that need it.
@@ -465,23 +487,21 @@ impl NcclComm {
 
     /// Launches every queued send, and the receives from `peer` up to and including `until`
     /// (their headers are awaited first, in posting order), in one NCCL group, then waits.
-    fn launch_for(
-        &self,
-        until: Option<&Arc<Incoming>>,
-        peer: Option<usize>,
-    ) -> Result<(), CommError> {
+    fn launch_for(&self, targets: &[(usize, Arc<Incoming>)]) -> Result<(), CommError> {
         let _launch = self.launch.lock().unwrap_or_else(|p| p.into_inner());
-        // Headers of the receives to launch (NCCL matches a link's receives in posting order).
+        // Headers of the receives to launch: for each target, its link's receives up to it
+        // (NCCL matches a link's receives in posting order). Headers travel eagerly over the
+        // control communicator, so waiting for them depends on no NCCL operation.
         let mut receives: Vec<(usize, Arc<Incoming>, Header, Option<CudaTensor>)> = Vec::new();
-        let waiting = match (until, peer) {
+        for (peer, until) in targets {
+            let (peer, until) = (*peer, until);
             // Another wait may have launched it meanwhile.
-            (Some(until), Some(peer)) => self.queues().receives[peer]
+            let queued = self.queues().receives[peer]
                 .iter()
-                .any(|queued| Arc::ptr_eq(queued, until))
-                .then_some((until, peer)),
-            _ => None,
-        };
-        if let Some((until, peer)) = waiting {
+                .any(|queued| Arc::ptr_eq(queued, until));
+            if !queued {
+                continue;
+            }
             loop {
                 let front = self.queues().receives[peer].pop_front();
                 let Some(incoming) = front else { break };
@@ -706,9 +726,10 @@ impl NcclComm {
         let me = self.control.rank();
         let size = self.control.size();
         let receives = (0..size)
-            .map(|peer| match peer == me {
-                true => Ok(None),
-                false => self.post_recv(peer, op).map(Some),
+            .filter(|&peer| peer != me)
+            .map(|peer| {
+                self.post_incoming(peer, op)
+                    .map(|incoming| (peer, incoming))
             })
             .collect::<Result<Vec<_>, _>>()?;
         let own = std::mem::replace(
@@ -721,14 +742,20 @@ impl NcclComm {
             .filter(|&(peer, _)| peer != me)
             .map(|(peer, part)| self.post_send(peer, part, op, accounting))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut own = Some(own);
-        let received = receives
+        // Every receive of the exchange in one group with the sends: waiting peer by peer
+        // would chain groups into a cycle (rank 1's group waits for rank 2's second group, which
+        // waits for rank 2's first, which waits for rank 1's second).
+        let mut received = self
+            .receive(&receives)?
             .into_iter()
-            .map(|receive| match receive {
-                Some(receive) => receive.wait(),
-                None => Ok(own.take().expect("one own part")),
+            .collect::<VecDeque<_>>();
+        let mut own = Some(own);
+        let received: Vec<Payload> = (0..size)
+            .map(|peer| match peer == me {
+                true => own.take().expect("one own part"),
+                false => received.pop_front().expect("one message per peer"),
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect();
         for send in sends {
             send.wait()?;
         }
