@@ -1,12 +1,12 @@
-//! What both communicators (in-process and MPI) share, so that they check, count and compute
+//! What the communicators (in-process, MPI, NCCL) share, so that they check, count and compute
 //! alike: argument checks, byte accounting, split membership and the all-reduce algorithm.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use burn::tensor::TensorData;
 
 use crate::comm::payload::{concat_flat, flatten, split_flat, sum_payloads};
-use crate::comm::{CommError, CommStats, OpKind, Payload};
+use crate::comm::{CommError, CommStats, OpKind, Payload, WorldConfig};
 
 /// How a message's bytes are counted in [`CommStats`].
 #[derive(Clone, Copy, Debug)]
@@ -34,6 +34,64 @@ impl Accounting {
             Accounting::Uncounted => {}
         }
     }
+
+    /// Counts `bytes` that global rank `me` sends to global rank `to` in `stats` (nothing when
+    /// they are the same rank); the link class comes from `config`'s nodes.
+    pub(crate) fn count_link(
+        self,
+        stats: &Mutex<CommStats>,
+        config: &WorldConfig,
+        label: &str,
+        (me, to): (usize, usize),
+        bytes: u64,
+    ) {
+        if me == to {
+            return;
+        }
+        let mut stats = stats.lock().unwrap_or_else(|p| p.into_inner());
+        let same_node = config.node_of(me) == config.node_of(to);
+        self.count(&mut stats, label, bytes, same_node);
+    }
+}
+
+/// Names a communicator's sub-groups `parent/split<n>:<color>`, `n` counting its splits from 1.
+#[derive(Default)]
+pub(crate) struct SplitNames(Mutex<u64>);
+
+impl SplitNames {
+    pub(crate) fn next(&self, parent: &str, color: usize) -> String {
+        let mut splits = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        *splits += 1;
+        format!("{parent}/split{}:{color}", *splits)
+    }
+}
+
+/// A message of its serialised header then its body: `[u32 header length][JSON header][body]`.
+#[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
+pub(crate) fn frame<H: serde::Serialize>(header: &H, body: &[u8]) -> Result<Vec<u8>, String> {
+    let json = serde_json::to_vec(header).map_err(|e| e.to_string())?;
+    let mut message = Vec::with_capacity(4 + json.len() + body.len());
+    message.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    message.extend_from_slice(&json);
+    message.extend_from_slice(body);
+    Ok(message)
+}
+
+/// The header and body of a [`frame`]d message.
+#[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
+pub(crate) fn unframe<H: serde::de::DeserializeOwned>(
+    mut message: Vec<u8>,
+) -> Result<(H, Vec<u8>), String> {
+    let len = message
+        .get(..4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+        .ok_or("a message shorter than its header length")?;
+    let header: H = message
+        .get(4..4 + len)
+        .ok_or("a message shorter than its header")
+        .and_then(|h| serde_json::from_slice(h).map_err(|_| "a malformed message header"))?;
+    let body = message.split_off(4 + len);
+    Ok((header, body))
 }
 
 fn invalid(group: &str, message: String) -> CommError {

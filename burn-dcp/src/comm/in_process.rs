@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::TensorData;
 
 use crate::comm::common::{
-    all_reduce_by, check_parts, check_peer, split_membership, split_request, Accounting,
+    all_reduce_by, check_parts, check_peer, split_membership, split_request, Accounting, SplitNames,
 };
 use crate::comm::payload::sum_payloads;
 use crate::comm::{
@@ -436,7 +436,7 @@ pub struct InProcessComm {
     /// World ranks of the group members, in group-rank order.
     members: Arc<[usize]>,
     rank: usize,
-    splits: Mutex<u64>,
+    splits: SplitNames,
 }
 
 impl fmt::Debug for InProcessComm {
@@ -491,7 +491,7 @@ impl InProcessComm {
             label,
             members,
             rank,
-            splits: Mutex::new(0),
+            splits: SplitNames::default(),
         })
     }
 
@@ -601,14 +601,13 @@ impl InProcessComm {
             }
         }
         self.world.wake[to].notify_all();
-        if me != to {
-            let mut stats = self.world.stats[me]
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            let config = &self.world.config;
-            let same_node = config.node_of(me) == config.node_of(to);
-            accounting.count(&mut stats, &self.label, bytes, same_node);
-        }
+        accounting.count_link(
+            &self.world.stats[me],
+            &self.world.config,
+            &self.label,
+            (me, to),
+            bytes,
+        );
         Ok(())
     }
 
@@ -859,12 +858,7 @@ impl Communicator for InProcessComm {
         let received = self.exchange(parts, Channel::Control, "split", Accounting::Uncounted)?;
         let (members, rank) =
             split_membership(&self.name, &self.members, self.rank, color, received)?;
-        let index = {
-            let mut splits = self.splits.lock().unwrap_or_else(|p| p.into_inner());
-            *splits += 1;
-            *splits
-        };
-        let name = format!("{}/split{index}:{color}", self.name);
+        let name = self.splits.next(&self.name, color);
         Ok(InProcessComm::open(
             &self.world,
             name,

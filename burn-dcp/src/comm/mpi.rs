@@ -42,7 +42,8 @@ use burn::tensor::{DType, TensorData};
 use mpi::ffi;
 
 use crate::comm::common::{
-    all_reduce_by, check_parts, check_peer, split_membership, split_request, Accounting,
+    all_reduce_by, check_parts, check_peer, frame, split_membership, split_request, unframe,
+    Accounting, SplitNames,
 };
 use crate::comm::payload::sum_payloads;
 use crate::comm::{
@@ -372,7 +373,7 @@ pub struct MpiComm {
     /// Per peer and channel: messages sent, receives posted.
     sent: Mutex<Vec<[u64; CHANNELS]>>,
     received: Mutex<Vec<[u64; CHANNELS]>>,
-    splits: Mutex<usize>,
+    splits: SplitNames,
 }
 
 impl fmt::Debug for MpiComm {
@@ -414,25 +415,11 @@ fn encode(op: &str, index: u64, data: &TensorData) -> Result<Vec<u8>, String> {
         dtype: data.dtype,
         shape: data.shape.as_slice().to_vec(),
     };
-    let header = serde_json::to_vec(&header).map_err(|e| e.to_string())?;
-    let bytes = data.as_bytes();
-    let mut message = Vec::with_capacity(4 + header.len() + bytes.len());
-    message.extend_from_slice(&(header.len() as u32).to_le_bytes());
-    message.extend_from_slice(&header);
-    message.extend_from_slice(bytes);
-    Ok(message)
+    frame(&header, data.as_bytes())
 }
 
-fn decode(mut message: Vec<u8>) -> Result<(Header, TensorData), String> {
-    let len = message
-        .get(..4)
-        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-        .ok_or("a message shorter than its header length")?;
-    let header: Header = message
-        .get(4..4 + len)
-        .ok_or("a message shorter than its header")
-        .and_then(|h| serde_json::from_slice(h).map_err(|_| "a malformed message header"))?;
-    let payload = message.split_off(4 + len);
+fn decode(message: Vec<u8>) -> Result<(Header, TensorData), String> {
+    let (header, payload): (Header, _) = unframe(message)?;
     let expected = header.shape.iter().product::<usize>() * header.dtype.size();
     if payload.len() != expected {
         return Err(format!(
@@ -621,7 +608,7 @@ impl MpiComm {
             rank,
             sent: Mutex::new(vec![[0; CHANNELS]; size]),
             received: Mutex::new(vec![[0; CHANNELS]; size]),
-            splits: Mutex::new(0),
+            splits: SplitNames::default(),
         })
     }
 
@@ -732,14 +719,9 @@ impl MpiComm {
     }
 
     fn count(&self, peer: usize, bytes: u64, accounting: Accounting) {
-        let (me, to) = (self.members[self.rank], self.members[peer]);
-        if me == to {
-            return;
-        }
-        let mut stats = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
-        let config = &self.shared.config;
-        let same_node = config.node_of(me) == config.node_of(to);
-        accounting.count(&mut stats, &self.label, bytes, same_node);
+        let link = (self.members[self.rank], self.members[peer]);
+        let shared = &self.shared;
+        accounting.count_link(&shared.stats, &shared.config, &self.label, link, bytes);
     }
 
     /// Sends `parts[p]` to every `p` and receives one message from every rank (itself
@@ -883,12 +865,7 @@ impl Communicator for MpiComm {
                 "split: MPI_Comm_split failed with error code {code}"
             )));
         }
-        let index = {
-            let mut splits = self.splits.lock().unwrap_or_else(|p| p.into_inner());
-            *splits += 1;
-            *splits
-        };
-        let name = format!("{}/split{index}:{color}", self.name);
+        let name = self.splits.next(&self.name, color);
         Ok(MpiComm::create(
             &self.shared,
             RawComm(comm),

@@ -43,7 +43,9 @@ use cubecl::Runtime;
 use cudarc::driver::{sys as cuda_sys, CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
-use crate::comm::common::{all_reduce_by, check_parts, check_peer, Accounting};
+use crate::comm::common::{
+    all_reduce_by, check_parts, check_peer, frame, unframe, Accounting, SplitNames,
+};
 use crate::comm::payload::sum_payloads;
 use crate::comm::{
     Comm, CommError, CommStats, Communicator, OpKind, Payload, PendingRecv, PendingSend,
@@ -80,27 +82,15 @@ impl Header {
     }
 }
 
-/// `[u32 header length][JSON header][host bytes]`, as one control message.
+/// One control message: the header, then the host bytes (none for data that follows over NCCL).
 fn encode(header: &Header, host: &[u8]) -> Result<TensorData, String> {
-    let json = serde_json::to_vec(header).map_err(|e| e.to_string())?;
-    let mut message = Vec::with_capacity(4 + json.len() + host.len());
-    message.extend_from_slice(&(json.len() as u32).to_le_bytes());
-    message.extend_from_slice(&json);
-    message.extend_from_slice(host);
+    let message = frame(header, host)?;
     let len = message.len();
     Ok(TensorData::new(message, [len]))
 }
 
 fn decode(message: Vec<u8>) -> Result<(Header, Vec<u8>), String> {
-    let len = message
-        .get(..4)
-        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-        .ok_or("a control message shorter than its header length")?;
-    let header: Header = message
-        .get(4..4 + len)
-        .ok_or("a control message shorter than its header")
-        .and_then(|h| serde_json::from_slice(h).map_err(|_| "a malformed message header"))?;
-    let host = message[4 + len..].to_vec();
+    let (header, host): (Header, _) = unframe(message)?;
     let expected = if header.on_device { 0 } else { header.bytes() };
     if host.len() != expected {
         return Err(format!(
@@ -262,7 +252,7 @@ pub struct NcclComm {
     queues: Mutex<Queues>,
     /// Held while NCCL calls are launched and waited for.
     launch: Mutex<()>,
-    splits: Mutex<usize>,
+    splits: SplitNames,
 }
 
 impl fmt::Debug for NcclComm {
@@ -320,7 +310,7 @@ impl NcclComm {
                 posted: vec![0; size],
             }),
             launch: Mutex::new(()),
-            splits: Mutex::new(0),
+            splits: SplitNames::default(),
         }))
     }
 
@@ -473,16 +463,9 @@ impl NcclComm {
     }
 
     fn count(&self, peer: usize, bytes: u64, accounting: Accounting) {
-        let (me, to) = (
-            self.control.global_rank(self.control.rank()),
-            self.control.global_rank(peer),
-        );
-        if me == to {
-            return;
-        }
-        let mut stats = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
-        let same_node = self.shared.config.node_of(me) == self.shared.config.node_of(to);
-        accounting.count(&mut stats, &self.label, bytes, same_node);
+        let link = (self.global_rank(self.rank()), self.global_rank(peer));
+        let shared = &self.shared;
+        accounting.count_link(&shared.stats, &shared.config, &self.label, link, bytes);
     }
 
     /// Launches every queued send, and the receives from `peer` up to and including `until`
@@ -492,7 +475,7 @@ impl NcclComm {
         // Headers of the receives to launch: for each target, its link's receives up to it
         // (NCCL matches a link's receives in posting order). Headers travel eagerly over the
         // control communicator, so waiting for them depends on no NCCL operation.
-        let mut receives: Vec<(usize, Arc<Incoming>, Header, Option<CudaTensor>)> = Vec::new();
+        let mut receives: Vec<(usize, Arc<Incoming>, Header, CudaTensor)> = Vec::new();
         for (peer, until) in targets {
             let (peer, until) = (*peer, until);
             // Another wait may have launched it meanwhile.
@@ -505,43 +488,17 @@ impl NcclComm {
             loop {
                 let front = self.queues().receives[peer].pop_front();
                 let Some(incoming) = front else { break };
-                let header = incoming
-                    .header
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .take();
-                let result = match header {
-                    Some(header) => header.wait().and_then(|message| {
-                        let message = message
-                            .into_host()
-                            .map_err(|e| self.invalid(e))?
-                            .into_vec::<u8>()
-                            .map_err(|e| self.invalid(format!("{e:?}")))?;
-                        decode(message).map_err(|e| self.protocol(peer, &incoming, e))
-                    }),
-                    None => Err(self.invalid("a receive was launched twice".into())),
-                };
                 let last = Arc::ptr_eq(&incoming, until);
-                match result {
+                match self.take_header(peer, &incoming) {
                     Err(error) => self.fill(&incoming, Err(error)),
-                    Ok((header, host)) => {
-                        if header.op != incoming.op || header.index != incoming.index {
-                            let message = format!(
-                                "expected {} message #{}, got {} message #{}",
-                                incoming.op, incoming.index, header.op, header.index
-                            );
-                            self.fill(&incoming, Err(self.protocol(peer, &incoming, message)));
-                        } else if !header.on_device {
-                            let data = TensorData::from_bytes_vec(
-                                host,
-                                header.shape.clone(),
-                                header.dtype,
-                            );
-                            self.fill(&incoming, Ok(Payload::Host(data)));
-                        } else {
-                            let tensor = self.allocate(&header);
-                            receives.push((peer, incoming.clone(), header, Some(tensor)));
-                        }
+                    Ok((header, host)) if !header.on_device => {
+                        let data =
+                            TensorData::from_bytes_vec(host, header.shape.clone(), header.dtype);
+                        self.fill(&incoming, Ok(Payload::Host(data)));
+                    }
+                    Ok((header, _)) => {
+                        let tensor = self.allocate(&header);
+                        receives.push((peer, incoming.clone(), header, tensor));
                     }
                 }
                 if last {
@@ -558,12 +515,40 @@ impl NcclComm {
             *send.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(result.clone());
         }
         for (_, incoming, _, tensor) in receives {
-            let outcome = result
-                .clone()
-                .map(|()| (self.shared.wrap)(tensor.expect("allocated above")));
+            let outcome = result.clone().map(|()| (self.shared.wrap)(tensor));
             self.fill(&incoming, outcome);
         }
         result
+    }
+
+    /// Waits for a receive's header (over the control communicator), decodes it and checks its
+    /// envelope.
+    fn take_header(
+        &self,
+        peer: usize,
+        incoming: &Incoming,
+    ) -> Result<(Header, Vec<u8>), CommError> {
+        let header = incoming
+            .header
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| self.invalid("a receive was launched twice".into()))?;
+        let message = header
+            .wait()?
+            .into_host()
+            .map_err(|e| self.invalid(e))?
+            .into_vec::<u8>()
+            .map_err(|e| self.invalid(format!("{e:?}")))?;
+        let (header, host) = decode(message).map_err(|e| self.protocol(peer, incoming, e))?;
+        if header.op != incoming.op || header.index != incoming.index {
+            let message = format!(
+                "expected {} message #{}, got {} message #{}",
+                incoming.op, incoming.index, header.op, header.index
+            );
+            return Err(self.protocol(peer, incoming, message));
+        }
+        Ok((header, host))
     }
 
     fn fill(&self, incoming: &Incoming, result: Result<Payload, CommError>) {
@@ -596,7 +581,7 @@ impl NcclComm {
     fn run_group(
         &self,
         sends: &[Outgoing],
-        receives: &[(usize, Arc<Incoming>, Header, Option<CudaTensor>)],
+        receives: &[(usize, Arc<Incoming>, Header, CudaTensor)],
     ) -> Result<(), CommError> {
         if self.shared.aborted.load(Ordering::SeqCst) {
             return Err(self.invalid("the NCCL communicator was aborted after a failure".into()));
@@ -645,7 +630,7 @@ impl NcclComm {
             if launched.is_err() {
                 break;
             }
-            let ptr = pointer(tensor.as_ref().expect("allocated"))?;
+            let ptr = pointer(tensor)?;
             // SAFETY: `ptr` is the device memory of a fresh tensor of `header.bytes()` bytes.
             let status = unsafe {
                 nccl::recv(
@@ -870,12 +855,7 @@ impl Communicator for NcclComm {
                 control.rank()
             )));
         }
-        let index = {
-            let mut splits = self.splits.lock().unwrap_or_else(|p| p.into_inner());
-            *splits += 1;
-            *splits
-        };
-        let name = format!("{}/split{index}:{color}", self.name);
+        let name = self.splits.next(&self.name, color);
         NcclComm::create(
             self.shared.clone(),
             control,

@@ -307,19 +307,13 @@ impl<B: Backend> DeviceOps for Float<B> {
             .cloned()
             .collect();
         Some(match parts.len() {
-            0 => self.clone_box_tensor(),
+            0 => DeviceTensor(self.clone_box()),
             _ => Self::wrap(B::float_cat(parts, 0)),
         })
     }
 
     fn reshape(&self, dims: &[usize]) -> DeviceTensor {
         Self::wrap(B::float_reshape(self.0.clone(), Shape::from(dims.to_vec())))
-    }
-}
-
-impl<B: Backend> Float<B> {
-    fn clone_box_tensor(&self) -> DeviceTensor {
-        DeviceTensor(self.clone_box())
     }
 }
 
