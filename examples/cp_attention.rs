@@ -131,7 +131,7 @@ struct Args {
 fn main() {
     let args = Args::parse();
     if let Err(message) = run(&args) {
-        // Under MPI every rank finds the same error: rank 0 alone prints it.
+        // With several processes (MPI or TCP) every rank finds the same error: rank 0 alone prints it.
         if burn_dcp_suite::launch::launcher_rank() == 0 {
             eprintln!("error: {message}");
         }

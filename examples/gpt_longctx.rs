@@ -130,8 +130,9 @@ struct Args {
 fn main() {
     let args = Args::parse();
     if let Err(message) = run(&args) {
-        // Under MPI every rank finds the same configuration error: rank 0 alone prints it (a
-        // rank's own failure during training is printed by that rank as it aborts the job).
+        // With several processes (MPI or TCP) every rank finds the same configuration error:
+        // rank 0 alone prints it (a rank's own failure during training is printed by that rank
+        // as it aborts the job).
         if burn_dcp_suite::launch::launcher_rank() == 0 {
             eprintln!("error: {message}");
         }
@@ -607,14 +608,8 @@ fn run(args: &Args) -> Result<(), String> {
         );
         return summarize(args, &config, &[], 0.0, args.resume.as_deref());
     }
-    let ranks = Ranks::new(
-        config.world_size(),
-        WorldConfig {
-            timeout: Duration::from_secs(config.timeout_secs),
-            ranks_per_node: Some(config.ranks_per_node().map_err(|e| e.to_string())?),
-        },
-    )?;
-    // Under MPI only rank 0 prints and writes files (the checkpoint's shards reach it as
+    let ranks = Ranks::new(config.world_size(), world_config(&config)?)?;
+    // With several processes only rank 0 prints and writes files (the checkpoint's shards reach it as
     // messages); every rank trains.
     let leader = ranks.is_leader();
     let out = args.out.clone().or_else(|| args.resume.clone());
@@ -685,9 +680,7 @@ fn run(args: &Args) -> Result<(), String> {
             train_world::<burn::backend::Wgpu>(&ranks, &config, &data, resume, &out, &reporter)
         }
         #[cfg(feature = "cuda")]
-        "cuda" => {
-            train_world::<burn::backend::Cuda>(&ranks, &config, &data, resume, &out, &reporter)
-        }
+        "cuda" => train_world_cuda(&ranks, &config, &data, resume, &out, &reporter),
         _ => train_world::<burn::backend::Flex>(&ranks, &config, &data, resume, &out, &reporter),
     };
     if leader {
@@ -695,7 +688,7 @@ fn run(args: &Args) -> Result<(), String> {
     }
     let outcome = results.map_err(|summary| format!("training failed: {summary}"))?;
     let Some(outcome) = outcome else {
-        // Not rank 0 of an MPI job: rank 0 reports.
+        // Not rank 0 of a multi-process job: rank 0 reports.
         return Ok(());
     };
     let metrics = outcome.metrics;
@@ -736,6 +729,48 @@ fn train_world<B: FlashOps>(
             reporter,
             &device,
         )
+    })
+}
+
+/// [`train_world`] on burn-cuda. With one process per rank (MPI or TCP launch) each rank uses
+/// the GPU of its local rank and moves tensors with NCCL, the launch's world carrying NCCL's
+/// unique id and the message headers; threads share the default GPU and the in-process world.
+#[cfg(feature = "cuda")]
+fn train_world_cuda(
+    ranks: &Ranks,
+    config: &TrainConfig,
+    data: &TrainData,
+    resume: Option<&Path>,
+    out: &Option<PathBuf>,
+    reporter: &Reporter,
+) -> Result<Option<RankOutcome>, String> {
+    type Cuda = burn::backend::Cuda;
+    let Some(local_rank) = ranks.local_rank() else {
+        return train_world::<Cuda>(ranks, config, data, resume, out, reporter);
+    };
+    let device = burn::backend::cuda::CudaDevice::new(local_rank);
+    let world_config = world_config(config)?;
+    ranks.run(|control| {
+        let comm =
+            burn_dcp::comm::NcclWorld::init::<Cuda>(control, device.clone(), world_config.clone())
+                .map_err(|e| format!("NCCL on GPU {local_rank}: {e}"))?;
+        train_rank::<Cuda>(
+            comm,
+            config,
+            data,
+            resume,
+            out.as_deref(),
+            reporter,
+            &device,
+        )
+    })
+}
+
+/// The communication settings of a run: its timeout and nodes.
+fn world_config(config: &TrainConfig) -> Result<WorldConfig, String> {
+    Ok(WorldConfig {
+        timeout: Duration::from_secs(config.timeout_secs),
+        ranks_per_node: Some(config.ranks_per_node().map_err(|e| e.to_string())?),
     })
 }
 

@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
-"""Loss parity of MPI runs: each configuration runs twice, once as threads of one process and once
-under `mpirun -n <world size>` (one process per rank), with the same flags; every step's loss must
-agree within 1e-6 relative (the MPI communicator moves the same messages and sums in the same
-order, so in practice they are identical), and so must the bytes sent.
+"""Loss parity of multi-process runs: each configuration runs twice, once as threads of one
+process and once as one process per rank — under `mpirun -n <world size>` (MPI), or with
+torchrun's variables through scripts/launch_tcp.py (`--launcher tcp`, the TCP world) — with the
+same flags; every step's loss must agree within 1e-6 relative (the communicators move the same
+messages and sum in the same order, so in practice they are identical), and so must the bytes sent.
 
-Also checks `cp_attention --json` under mpirun (one JSON object, from rank 0, equal to the
+Also checks `cp_attention --json` with processes (one JSON object, from rank 0, equal to the
 in-process run's errors and bytes).
 
-Usage: python3 scripts/check_mpi.py [BIN_DIR] [--quick] [--steps N]
-  BIN_DIR: folder with gpt_longctx and cp_attention built with `--features mpi`
+Usage: python3 scripts/check_mpi.py [BIN_DIR] [--quick] [--steps N] [--launcher mpi|tcp]
+  BIN_DIR: folder with gpt_longctx and cp_attention (built with `--features mpi` for MPI)
            (default target/release/examples)
   --quick: the CI set (2 and 4 processes); default: every mesh and strategy (up to 8 processes)
+  --launcher: mpi (default) or tcp
 """
 import json
 import os
@@ -25,7 +27,18 @@ train = os.path.join(bin_dir, "gpt_longctx")
 attention = os.path.join(bin_dir, "cp_attention")
 common = ["--steps", steps, "--seed", "7", "--seq-len", "1024", "--json"]
 env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-mpirun = ["mpirun", "--oversubscribe", "--allow-run-as-root"]
+launcher = args[args.index("--launcher") + 1] if "--launcher" in args else "mpi"
+if launcher not in ("mpi", "tcp"):
+    sys.exit(f"--launcher {launcher}: expected mpi or tcp")
+
+
+def launch(processes):
+    """The command prefix that starts `processes` ranks."""
+    if launcher == "tcp":
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_tcp.py")
+        return [sys.executable, script, "-n", str(processes), "--grace", "60", "--"]
+    return ["mpirun", "--oversubscribe", "--allow-run-as-root", "-n", str(processes)]
+
 
 # (name, processes, flags)
 runs = [
@@ -63,22 +76,22 @@ def run(command):
 worst = 0.0
 for name, processes, flags in runs:
     threads = run([train, *flags, *common])
-    mpi = run([*mpirun, "-n", str(processes), train, *flags, *common])
+    mpi = run([*launch(processes), train, *flags, *common])
     if len(threads["losses"]) != len(mpi["losses"]):
-        sys.exit(f"{name}: {len(mpi['losses'])} MPI steps vs {len(threads['losses'])}")
+        sys.exit(f"{name}: {len(mpi['losses'])} {launcher} steps vs {len(threads['losses'])}")
     rel = max(abs(a - b) / abs(a) for a, b in zip(threads["losses"], mpi["losses"]))
     worst = max(worst, rel)
     same_bytes = threads["bytes_by_axis"] == mpi["bytes_by_axis"]
-    print(f"{name:22} -n {processes}: losses {mpi['losses']} max rel diff {rel:.2e}, bytes {'equal' if same_bytes else 'DIFFER'}")
+    print(f"{name:22} -n {processes} ({launcher}): losses {mpi['losses']} max rel diff {rel:.2e}, bytes {'equal' if same_bytes else 'DIFFER'}")
     if rel > 1e-6:
-        sys.exit(f"{name}: MPI losses {mpi['losses']} differ from in-process {threads['losses']}")
+        sys.exit(f"{name}: {launcher} losses {mpi['losses']} differ from in-process {threads['losses']}")
     if not same_bytes:
-        sys.exit(f"{name}: MPI bytes {mpi['bytes_by_axis']} differ from in-process {threads['bytes_by_axis']}")
+        sys.exit(f"{name}: {launcher} bytes {mpi['bytes_by_axis']} differ from in-process {threads['bytes_by_axis']}")
 
 # cp_attention: one JSON object from rank 0, the same as the in-process run.
 for processes, flags in [(2, ["--cp", "2", "--strategy", "ring"]), (4, ["--cp", "4", "--strategy", "ulysses"])]:
     attention_flags = [*flags, "--seqlens", "300,200", "--heads", "4", "--head-dim", "16", "--json"]
-    done = subprocess.run([*mpirun, "-n", str(processes), attention, *attention_flags], capture_output=True, text=True, env=env)
+    done = subprocess.run([*launch(processes), attention, *attention_flags], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(f"cp_attention -n {processes} failed: {done.stderr[-3000:]}")
     mpi = json.loads(done.stdout)
@@ -88,4 +101,4 @@ for processes, flags in [(2, ["--cp", "2", "--strategy", "ring"]), (4, ["--cp", 
     for key in keys:
         if mpi.get(key) != threads[key]:
             sys.exit(f"cp_attention -n {processes}: {key} {mpi.get(key)} differs from in-process {threads[key]}")
-print(f"MPI loss parity: {len(runs)} configurations, worst relative difference {worst:.2e}")
+print(f"{launcher} loss parity: {len(runs)} configurations, worst relative difference {worst:.2e}")

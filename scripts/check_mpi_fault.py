@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
-"""Fault across processes: SIGKILL one rank of an `mpirun -n 4 gpt_longctx --cp 4` job after its
+"""Fault across processes: SIGKILL one rank of a 4-process `gpt_longctx --cp 4` job after its
 first step; every rank must end (the job exits non-zero) within the timeout, the output must name
 the killed rank, and no process of the job may be left behind.
 
-Usage: python3 scripts/check_mpi_fault.py [BIN] [--rank R]
-  BIN: gpt_longctx built with `--features mpi` (default target/release/examples/gpt_longctx)
+With `--launcher mpi` (default) the job runs under `mpirun`; with `--launcher tcp` under
+scripts/launch_tcp.py (the TCP world), whose ranks must all exit by themselves (the launcher
+only kills leftovers after a grace period far beyond the timeout, which fails this check).
+
+Usage: python3 scripts/check_mpi_fault.py [BIN] [--rank R] [--launcher mpi|tcp]
+  BIN: gpt_longctx (built with `--features mpi` for MPI; default target/release/examples/gpt_longctx)
 """
 import os
 import signal
@@ -16,13 +20,23 @@ args = sys.argv[1:]
 binary = args[0] if args and not args[0].startswith("--") else "target/release/examples/gpt_longctx"
 victim = int(args[args.index("--rank") + 1]) if "--rank" in args else 2
 timeout = 20
+launcher = args[args.index("--launcher") + 1] if "--launcher" in args else "mpi"
 env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-command = ["mpirun", "--oversubscribe", "--allow-run-as-root", "-n", "4", binary, "--cp", "4",
-           "--steps", "200", "--seq-len", "1024", "--timeout-secs", str(timeout)]
+if launcher == "tcp":
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_tcp.py")
+    prefix = [sys.executable, script, "-n", "4", "--grace", "300", "--"]
+    rank_variable = b"RANK"
+elif launcher == "mpi":
+    prefix = ["mpirun", "--oversubscribe", "--allow-run-as-root", "-n", "4"]
+    rank_variable = b"OMPI_COMM_WORLD_RANK"
+else:
+    sys.exit(f"--launcher {launcher}: expected mpi or tcp")
+command = [*prefix, binary, "--cp", "4", "--steps", "200", "--seq-len", "1024",
+           "--timeout-secs", str(timeout)]
 
 
 def ranks_of(binary_name):
-    """PID → MPI world rank of the running processes of the job."""
+    """PID → world rank of the running processes of the job."""
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -31,8 +45,8 @@ def ranks_of(binary_name):
                     continue
             with open(f"/proc/{pid}/environ", "rb") as f:
                 environ = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-            if b"OMPI_COMM_WORLD_RANK" in environ:
-                found[int(pid)] = int(environ[b"OMPI_COMM_WORLD_RANK"])
+            if rank_variable in environ:
+                found[int(pid)] = int(environ[rank_variable])
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             pass
     return found
@@ -66,13 +80,15 @@ output += rest
 elapsed = time.time() - killed_at
 left = ranks_of(name)
 print(output[-2000:])
-print(f"killed rank {victim} (pid {pids[victim]}); the job exited with {job.returncode} after {elapsed:.1f} s; processes left: {left}")
+print(f"{launcher}: killed rank {victim} (pid {pids[victim]}); the job exited with {job.returncode} after {elapsed:.1f} s; processes left: {left}")
 if job.returncode == 0:
     sys.exit("the job exited 0 after a rank was killed")
 if left:
     sys.exit(f"processes left behind: {left}")
-if f"rank {victim}" not in output:
-    sys.exit(f"the output does not name rank {victim}")
+# The ranks themselves must name it (with TCP the launcher's own line would name it too).
+named = f"global rank {victim} failed" if launcher == "tcp" else f"rank {victim}"
+if named not in output:
+    sys.exit(f"the output does not name rank {victim} ('{named}')")
 if elapsed > timeout + 10:
     sys.exit(f"the job took {elapsed:.1f} s to end, more than the {timeout} s timeout")
 print("fault check passed")

@@ -1,18 +1,31 @@
-//! Where the ranks of an example run: threads of this process ([`InProcessWorld`]), or, when an
-//! MPI launcher started the process (`mpirun -n P …`, `srun --mpi=pmix …`) and the binary has
-//! the cargo feature `mpi`, one rank per process ([`MpiWorld`](burn_dcp::comm::MpiWorld)).
+//! Where the ranks of an example run: threads of this process ([`InProcessWorld`]); one rank per
+//! process when an MPI launcher started the process (`mpirun -n P …`, `srun --mpi=pmix …`) and
+//! the binary has the cargo feature `mpi` ([`MpiWorld`](burn_dcp::comm::MpiWorld)); or one rank
+//! per process over TCP when the process was started the way `torchrun` starts them
+//! (`MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`; [`TcpWorld`]).
 //!
-//! The examples run the same per-rank task either way; under MPI only rank 0 prints and writes
-//! files, and a rank that fails aborts the job (`MPI_Abort`) with a message naming it.
+//! The examples run the same per-rank task either way; with several processes only rank 0
+//! prints and writes files, and a rank that fails ends the job with a message naming it (MPI:
+//! `MPI_Abort`; TCP: it tells every peer, whose operations then fail naming it, and exits).
 
-use burn_dcp::comm::{Comm, InProcessWorld, WorldConfig};
+use burn_dcp::comm::{Comm, InProcessWorld, Rendezvous, TcpWorld, WorldConfig};
 
 /// Launcher variables giving this process's rank, in the order they are trusted.
-const RANK_VARIABLES: [&str; 4] = [
+const RANK_VARIABLES: [&str; 5] = [
     "OMPI_COMM_WORLD_RANK",
     "PMIX_RANK",
     "PMI_RANK",
     "SLURM_PROCID",
+    "RANK",
+];
+/// Launcher variables giving this process's rank on its node (its GPU).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+const LOCAL_RANK_VARIABLES: [&str; 5] = [
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "PMIX_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "SLURM_LOCALID",
+    "LOCAL_RANK",
 ];
 /// Launcher variables giving the number of processes.
 const SIZE_VARIABLES: [&str; 4] = [
@@ -22,7 +35,7 @@ const SIZE_VARIABLES: [&str; 4] = [
     "SLURM_NTASKS",
 ];
 
-/// This process's rank as its MPI launcher announces it (0 when no launcher started it). Known
+/// This process's rank as its launcher announces it (0 when no launcher started it). Known
 /// before MPI is initialised, so that only rank 0 prints errors found before the world exists.
 pub fn launcher_rank() -> usize {
     RANK_VARIABLES
@@ -59,6 +72,8 @@ pub enum Ranks {
     /// This process is one rank of an MPI job.
     #[cfg(feature = "mpi")]
     Mpi(burn_dcp::comm::MpiWorld),
+    /// This process is one rank of a TCP launch (torchrun's variables).
+    Tcp(TcpWorld),
 }
 
 impl Ranks {
@@ -90,21 +105,59 @@ impl Ranks {
                 return Ok(Ranks::Mpi(world));
             }
         }
+        if let Some(rendezvous) = Rendezvous::from_env()? {
+            if rendezvous.world_size != size {
+                return Err(format!(
+                    "WORLD_SIZE={} but the configuration needs {size} ranks (one process per rank)",
+                    rendezvous.world_size
+                ));
+            }
+            return TcpWorld::connect(&rendezvous, config)
+                .map(Ranks::Tcp)
+                .map_err(|e| {
+                    // Each rank meets its own rendezvous failure: every rank prints it (the
+                    // examples print rank 0's errors only, as those of the configuration are
+                    // the same on every rank).
+                    let message = format!("rank {} of the TCP launch: {e}", rendezvous.rank);
+                    if rendezvous.rank != 0 {
+                        eprintln!("error: {message}");
+                    }
+                    message
+                });
+        }
         InProcessWorld::new(size, config)
             .map(Ranks::InProcess)
             .map_err(|e| e.to_string())
     }
 
-    /// Whether this process reports (prints, writes files): always in-process, rank 0 under MPI.
+    /// This process's rank on its node (the GPU it uses) when it is one rank of several
+    /// processes; `None` for threads (they share the default device).
+    pub fn local_rank(&self) -> Option<usize> {
+        match self {
+            Ranks::InProcess(_) => None,
+            #[cfg(feature = "mpi")]
+            Ranks::Mpi(_) => Some(
+                LOCAL_RANK_VARIABLES
+                    .iter()
+                    .find_map(|v| std::env::var(v).ok()?.parse().ok())
+                    .unwrap_or(0),
+            ),
+            Ranks::Tcp(world) => Some(world.local_rank()),
+        }
+    }
+
+    /// Whether this process reports (prints, writes files): always in-process, rank 0 of
+    /// several processes.
     pub fn is_leader(&self) -> bool {
         match self {
             Ranks::InProcess(_) => true,
             #[cfg(feature = "mpi")]
             Ranks::Mpi(world) => world.rank() == 0,
+            Ranks::Tcp(world) => world.rank() == 0,
         }
     }
 
-    /// Whether this process is one rank of several processes (MPI).
+    /// Whether this process is one rank of several processes (MPI or TCP).
     pub fn is_distributed(&self) -> bool {
         !matches!(self, Ranks::InProcess(_))
     }
@@ -115,12 +168,14 @@ impl Ranks {
             Ranks::InProcess(_) => "threads".into(),
             #[cfg(feature = "mpi")]
             Ranks::Mpi(world) => format!("{} MPI processes", world.size()),
+            Ranks::Tcp(world) => format!("{} TCP processes", world.size()),
         }
     }
 
     /// Runs `task` on every rank this process holds and returns rank 0's result (`None` on the
-    /// other processes of an MPI job). A failure is an error naming the rank that failed first
-    /// (in-process); under MPI the failing rank prints its error and aborts the job.
+    /// other processes of a job). A failure is an error naming the rank that failed first
+    /// (in-process); with processes the failing rank prints its error and ends the job (MPI:
+    /// `MPI_Abort`; TCP: its peers fail naming it, and every process exits non-zero).
     pub fn run<T: Send>(
         &self,
         task: impl Fn(Comm) -> Result<T, String> + Sync,
@@ -135,6 +190,10 @@ impl Ranks {
             }
             #[cfg(feature = "mpi")]
             Ranks::Mpi(world) => match task(world.comm()) {
+                Ok(value) => Ok((world.rank() == 0).then_some(value)),
+                Err(error) => world.abort(&error),
+            },
+            Ranks::Tcp(world) => match task(world.comm()) {
                 Ok(value) => Ok((world.rank() == 0).then_some(value)),
                 Err(error) => world.abort(&error),
             },

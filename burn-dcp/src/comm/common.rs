@@ -2,6 +2,7 @@
 //! alike: argument checks, byte accounting, split membership and the all-reduce algorithm.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use burn::tensor::TensorData;
 
@@ -67,7 +68,6 @@ impl SplitNames {
 }
 
 /// A message of its serialised header then its body: `[u32 header length][JSON header][body]`.
-#[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
 pub(crate) fn frame<H: serde::Serialize>(header: &H, body: &[u8]) -> Result<Vec<u8>, String> {
     let json = serde_json::to_vec(header).map_err(|e| e.to_string())?;
     let mut message = Vec::with_capacity(4 + json.len() + body.len());
@@ -78,7 +78,6 @@ pub(crate) fn frame<H: serde::Serialize>(header: &H, body: &[u8]) -> Result<Vec<
 }
 
 /// The header and body of a [`frame`]d message.
-#[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
 pub(crate) fn unframe<H: serde::de::DeserializeOwned>(
     mut message: Vec<u8>,
 ) -> Result<(H, Vec<u8>), String> {
@@ -98,6 +97,34 @@ fn invalid(group: &str, message: String) -> CommError {
     CommError::Invalid {
         group: group.to_string(),
         message,
+    }
+}
+
+/// A world's timeout is more than zero and at most [`MAX_TIMEOUT`](crate::comm::MAX_TIMEOUT).
+pub(crate) fn check_timeout(group: &str, timeout: Duration) -> Result<(), CommError> {
+    let max = crate::comm::MAX_TIMEOUT;
+    if timeout.is_zero() || timeout > max {
+        return Err(invalid(
+            group,
+            format!(
+                "the communication timeout must be more than 0 and at most {} s, got {timeout:?}",
+                max.as_secs()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `config`'s virtual nodes must divide a world of `size` ranks.
+pub(crate) fn check_nodes(size: usize, config: &WorldConfig) -> Result<(), CommError> {
+    match config.ranks_per_node {
+        Some(per_node) if per_node == 0 || !size.is_multiple_of(per_node) => Err(invalid(
+            "world",
+            format!(
+                "{size} ranks cannot form nodes of {per_node} ranks each (it must divide the world size)"
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 

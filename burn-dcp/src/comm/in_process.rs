@@ -27,7 +27,8 @@ use std::time::{Duration, Instant};
 use burn::tensor::TensorData;
 
 use crate::comm::common::{
-    all_reduce_by, check_parts, check_peer, split_membership, split_request, Accounting, SplitNames,
+    all_reduce_by, check_nodes, check_parts, check_peer, check_timeout, split_membership,
+    split_request, Accounting, SplitNames,
 };
 use crate::comm::payload::sum_payloads;
 use crate::comm::{
@@ -252,20 +253,8 @@ impl InProcessWorld {
                 "an in-process world has 1 to {MAX_IN_PROCESS_RANKS} ranks (one thread each), got {size}"
             ));
         }
-        if config.timeout.is_zero() || config.timeout > MAX_TIMEOUT {
-            return invalid(format!(
-                "the communication timeout must be more than 0 and at most {} s, got {:?}",
-                MAX_TIMEOUT.as_secs(),
-                config.timeout
-            ));
-        }
-        if let Some(per_node) = config.ranks_per_node {
-            if per_node == 0 || !size.is_multiple_of(per_node) {
-                return invalid(format!(
-                    "{size} ranks cannot form nodes of {per_node} ranks each (it must divide the world size)"
-                ));
-            }
-        }
+        check_timeout("world", config.timeout)?;
+        check_nodes(size, &config)?;
         install_panic_hook();
         let state = WorldState {
             calls: vec![0; size],

@@ -15,6 +15,7 @@ pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod payload;
+pub mod tcp;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -29,6 +30,7 @@ pub use mpi::{MpiComm, MpiWorld};
 #[cfg(feature = "cuda")]
 pub use nccl::{NcclComm, NcclWorld};
 pub use payload::{DeviceTensor, Payload};
+pub use tcp::{Rendezvous, TcpComm, TcpWorld};
 
 /// A shared handle to one rank's view of a group.
 pub type Comm = Arc<dyn Communicator>;

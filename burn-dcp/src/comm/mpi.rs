@@ -42,8 +42,8 @@ use burn::tensor::{DType, TensorData};
 use mpi::ffi;
 
 use crate::comm::common::{
-    all_reduce_by, check_parts, check_peer, frame, split_membership, split_request, unframe,
-    Accounting, SplitNames,
+    all_reduce_by, check_nodes, check_parts, check_peer, check_timeout, frame, split_membership,
+    split_request, unframe, Accounting, SplitNames,
 };
 use crate::comm::payload::sum_payloads;
 use crate::comm::{
@@ -222,13 +222,7 @@ impl MpiWorld {
             group: "world".into(),
             message,
         };
-        if config.timeout.is_zero() || config.timeout > super::MAX_TIMEOUT {
-            return Err(invalid(format!(
-                "the timeout {:?} must be positive and at most {:?}",
-                config.timeout,
-                super::MAX_TIMEOUT
-            )));
-        }
+        check_timeout("world", config.timeout)?;
         if SHARED.get().is_some() {
             return Err(invalid(
                 "MPI is already initialised in this process (MpiWorld::init may be called once)"
@@ -289,6 +283,11 @@ impl MpiWorld {
                 (tag_ub as u64 + 1) / CHANNELS as u64,
             )
         };
+        if let Err(error) = check_nodes(size, &config) {
+            // SAFETY: initialised above; nothing else uses MPI yet.
+            unsafe { ffi::MPI_Finalize() };
+            return Err(error);
+        }
         let shared = Arc::new(Shared {
             config,
             rank,

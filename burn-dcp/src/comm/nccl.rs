@@ -44,7 +44,7 @@ use cudarc::driver::{sys as cuda_sys, CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use crate::comm::common::{
-    all_reduce_by, check_parts, check_peer, frame, unframe, Accounting, SplitNames,
+    all_reduce_by, check_parts, check_peer, check_timeout, frame, unframe, Accounting, SplitNames,
 };
 use crate::comm::payload::sum_payloads;
 use crate::comm::{
@@ -149,13 +149,7 @@ impl NcclWorld {
             group: control.name().to_string(),
             message: format!("NCCL initialisation: {message}"),
         };
-        if config.timeout.is_zero() || config.timeout > super::MAX_TIMEOUT {
-            return Err(invalid(format!(
-                "the timeout {:?} must be positive and at most {:?}",
-                config.timeout,
-                super::MAX_TIMEOUT
-            )));
-        }
+        check_timeout(control.name(), config.timeout)?;
         let context = loading("the CUDA driver (libcuda)", || {
             CudaContext::new(device.index)
         })
