@@ -226,7 +226,7 @@ fn run(args: &Args) -> Result<(), String> {
     };
     let device = Default::default();
     if ranks.is_distributed() {
-        // One rank per process (MPI): every rank runs its part; rank 0 assembles and reports.
+        // One rank per process (MPI or TCP): every rank runs its part; rank 0 assembles and reports.
         let report = ranks.run(|comm| {
             match args.backend.as_str() {
                 #[cfg(feature = "wgpu")]

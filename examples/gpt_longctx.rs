@@ -609,15 +609,31 @@ fn run(args: &Args) -> Result<(), String> {
         return summarize(args, &config, &[], 0.0, args.resume.as_deref());
     }
     let ranks = Ranks::new(config.world_size(), world_config(&config)?)?;
-    // With several processes only rank 0 prints and writes files (the checkpoint's shards reach it as
-    // messages); every rank trains.
+    let result = train(args, &config, &ranks, saved_step);
+    if let Err(message) = &result {
+        // With several processes a rank's own failure ends the job, naming this rank, so its
+        // peers do not take it for a rank that finished.
+        ranks.abort(message);
+    }
+    result
+}
+
+/// The run once its ranks exist: output files, data, training on the backend, the summary.
+fn train(
+    args: &Args,
+    config: &TrainConfig,
+    ranks: &Ranks,
+    saved_step: Option<usize>,
+) -> Result<(), String> {
+    // With several processes only rank 0 prints and writes files (the checkpoint's shards reach
+    // it as messages); every rank trains.
     let leader = ranks.is_leader();
     let out = args.out.clone().or_else(|| args.resume.clone());
     if let (true, Some(out)) = (leader, &out) {
         refuse_overwrite(out, args.resume.as_deref())?;
         std::fs::create_dir_all(out)
             .map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-        write_json(&out.join("config.json"), &config)?;
+        write_json(&out.join("config.json"), config)?;
     }
     let appending = match (&args.resume, &out) {
         (Some(resume), Some(out)) => same_dir(resume, out),
@@ -663,7 +679,7 @@ fn run(args: &Args) -> Result<(), String> {
             config.model_size, config.world_size(), config.mesh_shape(), config.layout, ranks.describe(), config.seq_len, config.micro_batches, config.mask
         );
     }
-    let data = TrainData::load(&config)?;
+    let data = TrainData::load(config)?;
     if leader {
         eprintln!(
             "data: corpus {} ({} tokenizer) packed into {} micro-batches of at most {} tokens",
@@ -676,12 +692,10 @@ fn run(args: &Args) -> Result<(), String> {
     let resume = args.resume.as_deref();
     let results = match args.backend.as_str() {
         #[cfg(feature = "wgpu")]
-        "wgpu" => {
-            train_world::<burn::backend::Wgpu>(&ranks, &config, &data, resume, &out, &reporter)
-        }
+        "wgpu" => train_world::<burn::backend::Wgpu>(ranks, config, &data, resume, &out, &reporter),
         #[cfg(feature = "cuda")]
-        "cuda" => train_world_cuda(&ranks, &config, &data, resume, &out, &reporter),
-        _ => train_world::<burn::backend::Flex>(&ranks, &config, &data, resume, &out, &reporter),
+        "cuda" => train_world_cuda(ranks, config, &data, resume, &out, &reporter),
+        _ => train_world::<burn::backend::Flex>(ranks, config, &data, resume, &out, &reporter),
     };
     if leader {
         eprintln!();
@@ -702,7 +716,7 @@ fn run(args: &Args) -> Result<(), String> {
     }
     summarize(
         args,
-        &config,
+        config,
         &metrics,
         reporter.started.elapsed().as_secs_f64(),
         out.as_deref(),

@@ -162,6 +162,19 @@ impl Ranks {
         !matches!(self, Ranks::InProcess(_))
     }
 
+    /// With several processes, ends the job after a failure of this process outside a rank's
+    /// task (loading its data, writing its files): prints `message` naming this rank and stops
+    /// every rank (MPI: `MPI_Abort`; TCP: its peers fail naming it); never returns. With threads
+    /// it does nothing (the caller reports the error).
+    pub fn abort(&self, message: &str) {
+        match self {
+            Ranks::InProcess(_) => {}
+            #[cfg(feature = "mpi")]
+            Ranks::Mpi(world) => world.abort(message),
+            Ranks::Tcp(world) => world.abort(message),
+        }
+    }
+
     /// How the ranks run, for the start line.
     pub fn describe(&self) -> String {
         match self {
@@ -189,14 +202,26 @@ impl Ranks {
                 Ok(results.into_iter().next().and_then(Result::ok))
             }
             #[cfg(feature = "mpi")]
-            Ranks::Mpi(world) => match task(world.comm()) {
+            Ranks::Mpi(world) => match unwound(world.rank(), || task(world.comm())) {
                 Ok(value) => Ok((world.rank() == 0).then_some(value)),
                 Err(error) => world.abort(&error),
             },
-            Ranks::Tcp(world) => match task(world.comm()) {
+            Ranks::Tcp(world) => match unwound(world.rank(), || task(world.comm())) {
                 Ok(value) => Ok((world.rank() == 0).then_some(value)),
                 Err(error) => world.abort(&error),
             },
         }
     }
+}
+
+/// Runs rank `rank`'s task; a panic (a burn op cannot return an error, so a failed
+/// context-parallel attention panics) becomes an error naming the rank, so the job ends
+/// through the world's abort like any other failure.
+fn unwound<T>(rank: usize, task: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)).unwrap_or_else(|panic| {
+        Err(format!(
+            "rank {rank} panicked: {}",
+            burn_dcp::comm::panic_message(panic.as_ref())
+        ))
+    })
 }

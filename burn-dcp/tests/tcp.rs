@@ -30,7 +30,7 @@ fn config(timeout: Duration) -> WorldConfig {
 fn config_of(size: usize, timeout: Duration) -> WorldConfig {
     WorldConfig {
         timeout,
-        ranks_per_node: (size % 2 == 0).then_some(2),
+        ranks_per_node: size.is_multiple_of(2).then_some(2),
     }
 }
 

@@ -116,7 +116,11 @@ impl TokenizedCorpus {
                 .iter()
                 .for_each(|t| bytes.extend_from_slice(&t.to_le_bytes()));
         }
-        let temporary = path.with_extension("tmp");
+        // A name of this writer's own: ranks started together (processes or threads) may all
+        // write the cache at once, and each rename must find its own file.
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let write = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let temporary = path.with_extension(format!("tmp.{}.{write}", std::process::id()));
         let mut file =
             std::fs::File::create(&temporary).map_err(|e| DataError::io(&temporary, e))?;
         file.write_all(&bytes)
