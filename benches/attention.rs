@@ -12,6 +12,9 @@
 //!
 //!     cargo bench --bench attention -- --quick
 //!
+//! The group `peak` times a plain square f32 matmul on Flex in the same run: the attention
+//! GFLOP/s are read as a fraction of it.
+//!
 //! With `--features wgpu`, the group `wgpu` adds the cubecl kernels against burn's `attention` on
 //! the same backend (`burn::backend::Wgpu`, no autotune: burn's fallback matmul/softmax path),
 //! forward and forward + backward (burn's on `Autodiff<Wgpu>`), on smaller shapes (without a GPU,
@@ -145,6 +148,24 @@ fn burn_attention<B: Backend>(shape: &Shape, x: &Inputs<B>) -> Vec<Tensor<B, 4>>
 
 fn flops(shape: &Shape, x: &VarlenAttention) -> u64 {
     x.allowed_pairs() * 4 * shape.head_dim as u64 * shape.heads as u64
+}
+
+/// This machine's practical f32 peak on the same run: a plain square matmul on Flex (burn's
+/// CPU backend, the one burn's `attention` on Flex runs on), `2·n³` FLOPs per call. The
+/// attention rows are reported as a fraction of the fastest of these.
+fn peak(c: &mut Criterion) {
+    let device = Default::default();
+    let mut group = c.benchmark_group("peak");
+    group.sample_size(10);
+    for n in [256usize, 512, 1024] {
+        let a = random::<Flex>([1, n, n], 5, &device);
+        let b = random::<Flex>([1, n, n], 6, &device);
+        group.throughput(Throughput::Elements(2 * (n as u64).pow(3)));
+        group.bench_function(BenchmarkId::new("matmul-flex", n), |bench| {
+            bench.iter(|| a.clone().matmul(b.clone()).into_data())
+        });
+    }
+    group.finish();
 }
 
 fn forward(c: &mut Criterion) {
@@ -378,5 +399,5 @@ fn wgpu(c: &mut Criterion) {
 #[cfg(not(feature = "wgpu"))]
 fn wgpu(_: &mut Criterion) {}
 
-criterion_group!(benches, forward, forward_backward, merge, wgpu);
+criterion_group!(benches, peak, forward, forward_backward, merge, wgpu);
 criterion_main!(benches);

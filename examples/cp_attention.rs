@@ -37,6 +37,8 @@ use burn_dcp::planner::topology::Topology;
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::volume::{analytic_volume, VolumeShape};
 use burn_dcp::{CpError, Layout, Placement, Strategy};
+#[cfg(feature = "wgpu")]
+use burn_dcp_suite::kernels::backends::{WgpuFusion, WgpuPlain};
 use burn_dcp_suite::launch::Ranks;
 use clap::Parser;
 use rand::rngs::SmallRng;
@@ -114,6 +116,10 @@ struct Args {
     /// with `--features wgpu` / `--features cuda`). The reference always runs on flex.
     #[arg(long, default_value = "flex")]
     backend: String,
+    /// With --backend wgpu: burn's plain CubeBackend instead of the default Fusion<CubeBackend>
+    /// (the type burn's default features make burn::backend::Wgpu).
+    #[arg(long)]
+    no_fusion: bool,
     /// Timeout of every communication wait, in seconds.
     #[arg(long, default_value_t = 60)]
     timeout_secs: u64,
@@ -140,7 +146,7 @@ fn main() {
 }
 
 fn run(args: &Args) -> Result<(), String> {
-    burn_dcp_suite::check_backend(&args.backend, "cp_attention")?;
+    burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "cp_attention")?;
     if args.cp == 0 || args.cp > MAX_IN_PROCESS_RANKS {
         return Err(format!(
             "--cp {} must be between 1 and {MAX_IN_PROCESS_RANKS} (ranks are threads of this process)",
@@ -230,12 +236,13 @@ fn run(args: &Args) -> Result<(), String> {
         let report = ranks.run(|comm| {
             match args.backend.as_str() {
                 #[cfg(feature = "wgpu")]
-                "wgpu" => run_context_parallel_on::<burn::backend::Wgpu>(
-                    comm,
-                    &Default::default(),
-                    &inputs,
-                    &spec,
-                ),
+                "wgpu" if args.no_fusion => {
+                    run_context_parallel_on::<WgpuPlain>(comm, &Default::default(), &inputs, &spec)
+                }
+                #[cfg(feature = "wgpu")]
+                "wgpu" => {
+                    run_context_parallel_on::<WgpuFusion>(comm, &Default::default(), &inputs, &spec)
+                }
                 #[cfg(feature = "cuda")]
                 "cuda" => run_context_parallel_on::<burn::backend::Cuda>(
                     comm,
@@ -254,7 +261,11 @@ fn run(args: &Args) -> Result<(), String> {
     }
     let report = match args.backend.as_str() {
         #[cfg(feature = "wgpu")]
-        "wgpu" => run_context_parallel::<burn::backend::Wgpu>(&Default::default(), &inputs, &spec),
+        "wgpu" if args.no_fusion => {
+            run_context_parallel::<WgpuPlain>(&Default::default(), &inputs, &spec)
+        }
+        #[cfg(feature = "wgpu")]
+        "wgpu" => run_context_parallel::<WgpuFusion>(&Default::default(), &inputs, &spec),
         #[cfg(feature = "cuda")]
         "cuda" => run_context_parallel::<burn::backend::Cuda>(&Default::default(), &inputs, &spec),
         _ => run_context_parallel::<Flex>(&device, &inputs, &spec),
@@ -504,6 +515,7 @@ fn summarize(
         "tokens": inputs.tokens(),
         "mask": spec.masks[0].to_string(),
         "backend": args.backend,
+        "backend_type": burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "cp_attention")?,
         "seed": args.seed,
         "non_finite_inputs": non_finite,
         "max_rel_err": {

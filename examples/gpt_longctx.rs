@@ -13,6 +13,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use burn_dcp::comm::WorldConfig;
+#[cfg(feature = "wgpu")]
+use burn_dcp::kernels::backends::{WgpuFusion, WgpuPlain};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::launch::Ranks;
@@ -116,6 +118,10 @@ struct Args {
     /// flex (CPU) | wgpu | cuda
     #[arg(long, default_value = "flex")]
     backend: String,
+    /// With --backend wgpu: burn's plain CubeBackend instead of the default Fusion<CubeBackend>
+    /// (the type burn's default features make burn::backend::Wgpu)
+    #[arg(long)]
+    no_fusion: bool,
     /// Write config.json, metrics.jsonl and a checkpoint here
     #[arg(long)]
     out: Option<PathBuf>,
@@ -587,7 +593,7 @@ fn open_metrics(out: &Path, append: bool) -> Result<std::fs::File, String> {
 }
 
 fn run(args: &Args) -> Result<(), String> {
-    burn_dcp_suite::check_backend(&args.backend, "gpt_longctx")?;
+    burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "gpt_longctx")?;
     let config = match &args.resume {
         Some(dir) => resumed_config(args, dir)?,
         None => config_from_args(args)?,
@@ -618,6 +624,15 @@ fn run(args: &Args) -> Result<(), String> {
     result
 }
 
+/// `config.json`: the run's configuration and the backend type it ran on (`"backend"`, see
+/// [`burn_dcp_suite::backend_type`]; a resumed run may continue on another backend).
+#[derive(serde::Serialize)]
+struct SavedConfig<'a> {
+    #[serde(flatten)]
+    config: &'a TrainConfig,
+    backend: &'static str,
+}
+
 /// The run once its ranks exist: output files, data, training on the backend, the summary.
 fn train(
     args: &Args,
@@ -633,7 +648,17 @@ fn train(
         refuse_overwrite(out, args.resume.as_deref())?;
         std::fs::create_dir_all(out)
             .map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-        write_json(&out.join("config.json"), config)?;
+        write_json(
+            &out.join("config.json"),
+            &SavedConfig {
+                config,
+                backend: burn_dcp_suite::backend_type(
+                    &args.backend,
+                    args.no_fusion,
+                    "gpt_longctx",
+                )?,
+            },
+        )?;
     }
     let appending = match (&args.resume, &out) {
         (Some(resume), Some(out)) => same_dir(resume, out),
@@ -692,7 +717,11 @@ fn train(
     let resume = args.resume.as_deref();
     let results = match args.backend.as_str() {
         #[cfg(feature = "wgpu")]
-        "wgpu" => train_world::<burn::backend::Wgpu>(ranks, config, &data, resume, &out, &reporter),
+        "wgpu" if args.no_fusion => {
+            train_world::<WgpuPlain>(ranks, config, &data, resume, &out, &reporter)
+        }
+        #[cfg(feature = "wgpu")]
+        "wgpu" => train_world::<WgpuFusion>(ranks, config, &data, resume, &out, &reporter),
         #[cfg(feature = "cuda")]
         "cuda" => train_world_cuda(ranks, config, &data, resume, &out, &reporter),
         _ => train_world::<burn::backend::Flex>(ranks, config, &data, resume, &out, &reporter),
@@ -823,6 +852,7 @@ fn summarize(
     let train_seconds: f64 = metrics.iter().map(|m| m.step_ms).sum::<f64>() / 1e3;
     let summary = json!({
         "config": config,
+        "backend": burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "gpt_longctx")?,
         "steps_run": metrics.len(),
         "first_step": metrics.first().map(|m| m.step),
         "last_step": metrics.last().map(|m| m.step),

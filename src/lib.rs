@@ -26,6 +26,24 @@ pub fn check_backend(backend: &str, example: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The backend type an example runs for `--backend` (checked with [`check_backend`]) and
+/// `--no-fusion`, as recorded in its outputs: `flex`; `wgpu-fusion` (burn-fusion's
+/// `Fusion<CubeBackend<WgpuRuntime>>`, the type burn's default features make
+/// `burn::backend::Wgpu`) or `wgpu` (the plain `CubeBackend`, `--no-fusion`); `cuda` (the plain
+/// `CubeBackend<CudaRuntime>`: NCCL reads its tensors' device memory).
+pub fn backend_type(backend: &str, no_fusion: bool, example: &str) -> Result<&'static str, String> {
+    check_backend(backend, example)?;
+    match (backend, no_fusion) {
+        ("wgpu", false) => Ok("wgpu-fusion"),
+        ("wgpu", true) => Ok("wgpu"),
+        (other, true) => Err(format!(
+            "--no-fusion applies to --backend wgpu only, not {other} (flex has no fusion layer; cuda runs burn's plain CubeBackend already)"
+        )),
+        ("cuda", false) => Ok("cuda"),
+        _ => Ok("flex"),
+    }
+}
+
 pub use burn_dcp;
 pub use burn_dcp_datasets as datasets;
 pub use burn_dcp_kernels as kernels;

@@ -184,12 +184,13 @@ fn sparse_masks_train_the_same_under_cp() {
 }
 
 /// The same training step on the cubecl kernels (wgpu; lavapipe in CI) as on Flex: loss and every
-/// parameter's gradient, through the GPT's other burn ops on wgpu too.
+/// parameter's gradient, through the GPT's other burn ops on wgpu too. On burn's plain
+/// `CubeBackend`.
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_training_step_matches_flex() {
-    let device = burn::backend::wgpu::WgpuDevice::default();
-    for (cp, strategy, layout, mask) in [
+    use burn_dcp::kernels::backends::WgpuPlain;
+    wgpu_steps_match_flex::<WgpuPlain>(&[
         (2, Strategy::Ring, Layout::Zigzag, "causal"),
         (
             4,
@@ -200,13 +201,34 @@ fn wgpu_training_step_matches_flex() {
             Layout::Zigzag,
             "lambda:8,32",
         ),
-    ] {
-        let reference = one_step_on::<burn::backend::Wgpu>(
-            &config(1, 1, Strategy::Ring, Layout::Zigzag, mask),
-            &device,
-        );
-        let got =
-            one_step_on::<burn::backend::Wgpu>(&config(cp, 1, strategy, layout, mask), &device);
+    ]);
+}
+
+/// The same on burn-fusion's `Fusion<CubeBackend>` (burn's default `Wgpu`): the kernels run as
+/// custom operations of the fusion streams of the rank threads, tensors cross threads between
+/// streams, and the GPT's element-wise work around them is fused.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_fusion_training_step_matches_flex() {
+    use burn_dcp::kernels::backends::WgpuFusion;
+    wgpu_steps_match_flex::<WgpuFusion>(&[
+        (2, Strategy::Ring, Layout::Zigzag, "causal"),
+        (2, Strategy::Ulysses, Layout::Contiguous, "lambda:8,32"),
+    ]);
+}
+
+/// Per configuration `(cp, strategy, layout, mask)`: the CP step on `B` equals `B`'s CP 1 step
+/// (loss and gradients, [`assert_same_step`]) and Flex's loss within 1e-5.
+#[cfg(feature = "wgpu")]
+fn wgpu_steps_match_flex<B>(configs: &[(usize, Strategy, Layout, &str)])
+where
+    B: FlashOps<Device = burn::backend::wgpu::WgpuDevice>,
+{
+    let device = burn::backend::wgpu::WgpuDevice::default();
+    for &(cp, strategy, layout, mask) in configs {
+        let reference =
+            one_step_on::<B>(&config(1, 1, Strategy::Ring, Layout::Zigzag, mask), &device);
+        let got = one_step_on::<B>(&config(cp, 1, strategy, layout, mask), &device);
         assert!(got.2 > 0, "{strategy}: wgpu CP {cp} communicated nothing");
         assert_same_step(
             &got,

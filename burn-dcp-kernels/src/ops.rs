@@ -29,6 +29,11 @@ pub struct FlashGradients<B: Backend> {
 
 /// Attention with LSE over packed varlen sequences (see [`VarlenAttention`] for the layout).
 pub trait FlashOps: Backend {
+    /// What this backend's kernels take beyond the rules every backend shares. [`check_forward`],
+    /// [`check_backward`] and [`check_merge`] apply them to shapes and dtypes alone, so a lazy
+    /// backend (burn-fusion) can reject a call before it queues it.
+    const LIMITS: KernelLimits = KernelLimits::NONE;
+
     /// `softmax(scale·q·kᵀ + mask)·v` and the natural-log LSE of every (head, query).
     /// Queries with no allowed key get `out = 0`, `lse = −∞`.
     fn flash_forward(
@@ -66,6 +71,141 @@ pub trait FlashOps: Backend {
 }
 
 impl FlashOps for burn::backend::Flex {}
+
+/// What a backend's kernels take, beyond the rules every backend shares (see [`FlashOps::LIMITS`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelLimits {
+    /// The input dtypes taken; `None`: every float dtype.
+    pub dtypes: Option<&'static [DType]>,
+    /// Head and value dims must lie in `1..=max_dim`; `None`: any dim.
+    pub max_dim: Option<usize>,
+    /// The most query or key tokens (the width of the kernels' index tables); `None`: no limit.
+    pub max_tokens: Option<usize>,
+}
+
+impl KernelLimits {
+    /// No limit beyond the shared rules (the portable host implementation).
+    pub const NONE: Self = Self {
+        dtypes: None,
+        max_dim: None,
+        max_tokens: None,
+    };
+
+    fn check_dtype(&self, dtype: DType) -> Result<(), KernelError> {
+        match self.dtypes {
+            Some(taken) if !taken.contains(&dtype) => Err(KernelError::InvalidDType(format!(
+                "these attention kernels take {} inputs, not {dtype:?}",
+                taken
+                    .iter()
+                    .map(|d| format!("{d:?}"))
+                    .collect::<Vec<_>>()
+                    .join(" / ")
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    fn check_dim(&self, name: &str, dim: usize) -> Result<(), KernelError> {
+        match self.max_dim {
+            Some(max) if dim == 0 || dim > max => Err(KernelError::InvalidShape(format!(
+                "{name} {dim}: these attention kernels take dims from 1 to {max}"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    fn check_shape(&self, shape: &AttentionShape) -> Result<(), KernelError> {
+        self.check_dim("head dim", shape.head_dim)?;
+        self.check_dim("value dim", shape.value_dim)?;
+        match self.max_tokens {
+            Some(max) if shape.q_tokens > max || shape.kv_tokens > max => {
+                Err(KernelError::InvalidShape(format!(
+                    "{} query and {} key tokens: these attention kernels take at most {max} on each side",
+                    shape.q_tokens, shape.kv_tokens
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The dims and dtype of one tensor operand: all the checks below read.
+#[derive(Clone, Copy, Debug)]
+pub struct Operand<'a> {
+    pub dims: &'a [usize],
+    pub dtype: DType,
+}
+
+impl<'a> Operand<'a> {
+    pub fn new(dims: &'a [usize], dtype: DType) -> Self {
+        Self { dims, dtype }
+    }
+}
+
+/// Every check of a forward call, on shapes and dtypes alone: one float dtype, consistent
+/// `[tokens, heads, dim]` shapes, a valid problem for them, and `limits`. Returns the shape and
+/// the dtype.
+pub fn check_forward(
+    limits: &KernelLimits,
+    q: Operand,
+    k: Operand,
+    v: Operand,
+    problem: &VarlenAttention,
+) -> Result<(AttentionShape, DType), KernelError> {
+    let dtype = common_float_dtype(&[("q", q.dtype), ("k", k.dtype), ("v", v.dtype)])?;
+    limits.check_dtype(dtype)?;
+    let shape = AttentionShape::from_dims(q.dims, k.dims, v.dims)?;
+    problem.validate(&shape)?;
+    limits.check_shape(&shape)?;
+    Ok((shape, dtype))
+}
+
+/// Every check of a backward call: those of [`check_forward`], `out`/`dout` in the inputs' dtype
+/// and `lse` in f32, with the shapes of [`check_backward_shapes`].
+#[allow(clippy::too_many_arguments)]
+pub fn check_backward(
+    limits: &KernelLimits,
+    q: Operand,
+    k: Operand,
+    v: Operand,
+    out: Operand,
+    lse: Operand,
+    dout: Operand,
+    problem: &VarlenAttention,
+) -> Result<(AttentionShape, DType), KernelError> {
+    let (shape, dtype) = check_forward(limits, q, k, v, problem)?;
+    common_float_dtype(&[("q", dtype), ("out", out.dtype), ("dout", dout.dtype)])?;
+    check_lse_dtype("lse", lse.dtype)?;
+    check_backward_shapes(&shape, out.dims, dout.dims, lse.dims)?;
+    Ok((shape, dtype))
+}
+
+/// Every check of a merge: one float dtype for both outputs, f32 LSEs, equal shapes, `limits`
+/// on the value dim. Returns the outputs' dtype.
+pub fn check_merge(
+    limits: &KernelLimits,
+    out_a: Operand,
+    lse_a: Operand,
+    out_b: Operand,
+    lse_b: Operand,
+) -> Result<DType, KernelError> {
+    let dtype = common_float_dtype(&[("out a", out_a.dtype), ("out b", out_b.dtype)])?;
+    limits.check_dtype(dtype)?;
+    check_lse_dtype("lse a", lse_a.dtype)?;
+    check_lse_dtype("lse b", lse_b.dtype)?;
+    check_merge_shapes(out_a.dims, out_b.dims, lse_a.dims, lse_b.dims)?;
+    limits.check_dim("value dim", out_a.dims[2])?;
+    Ok(dtype)
+}
+
+fn check_lse_dtype(name: &str, dtype: DType) -> Result<(), KernelError> {
+    if dtype != DType::F32 {
+        return Err(KernelError::InvalidDType(format!(
+            "{name} has dtype {dtype:?}, expected f32"
+        )));
+    }
+    Ok(())
+}
 
 /// Checks that tensors share one float dtype and returns it.
 pub fn common_float_dtype(named: &[(&str, DType)]) -> Result<DType, KernelError> {

@@ -42,8 +42,8 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
 
-use crate::definition::{AttentionShape, KernelError, VarlenAttention};
-use crate::ops::{check_backward_shapes, check_merge_shapes, common_float_dtype};
+use crate::definition::{KernelError, VarlenAttention};
+use crate::ops::{check_backward, check_forward, check_merge, KernelLimits, Operand};
 use crate::tiling::{DenseSpans, TileIntervals};
 use crate::{FlashGradients, FlashOps, FlashOutput};
 
@@ -55,6 +55,8 @@ const ELEMENTWISE_UNITS: u32 = 256;
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FlashOps
     for CubeBackend<R, F, I, BT>
 {
+    const LIMITS: KernelLimits = LIMITS;
+
     fn flash_forward(
         q: Tensor<Self, 3>,
         k: Tensor<Self, 3>,
@@ -128,24 +130,19 @@ const UNITS: usize = 64;
 /// online-softmax rescaling.
 const CHUNK: usize = 16;
 
-fn cube_dtype(dtype: DType) -> Result<StorageType, KernelError> {
-    match dtype {
-        DType::F32 | DType::F16 | DType::BF16 => Ok(dtype.into()),
-        other => Err(KernelError::InvalidDType(format!(
-            "the cubecl attention kernels take f32, f16 or bf16 inputs, not {other:?}"
-        ))),
-    }
-}
+/// The dtypes the kernels take (f32 accumulation and LSE whatever the input).
+const DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 
-fn check_dims(shape: &AttentionShape) -> Result<(), KernelError> {
-    for (name, dim) in [("head dim", shape.head_dim), ("value dim", shape.value_dim)] {
-        if dim == 0 || dim > MAX_HEAD_DIM {
-            return Err(KernelError::InvalidShape(format!(
-                "{name} {dim}: the cubecl kernels take dims from 1 to {MAX_HEAD_DIM}"
-            )));
-        }
-    }
-    Ok(())
+/// What the kernels take: [`DTYPES`], dims up to [`MAX_HEAD_DIM`], 32-bit token indices.
+pub const LIMITS: KernelLimits = KernelLimits {
+    dtypes: Some(DTYPES),
+    max_dim: Some(MAX_HEAD_DIM),
+    max_tokens: Some(u32::MAX as usize),
+};
+
+/// The kernels' storage type of a dtype [`LIMITS`] admitted.
+fn storage(dtype: DType) -> StorageType {
+    dtype.into()
 }
 
 fn dims3<R: CubeRuntime>(tensor: &CubeTensor<R>) -> Vec<usize> {
@@ -220,18 +217,8 @@ impl<R: CubeRuntime> QueryTables<R> {
     }
 }
 
-fn validate(
-    q: &CubeTensor<impl CubeRuntime>,
-    k: &CubeTensor<impl CubeRuntime>,
-    v: &CubeTensor<impl CubeRuntime>,
-    problem: &VarlenAttention,
-) -> Result<(AttentionShape, DType), KernelError> {
-    let dtype = common_float_dtype(&[("q", q.dtype), ("k", k.dtype), ("v", v.dtype)])?;
-    cube_dtype(dtype)?;
-    let shape = AttentionShape::from_dims(&dims3(q), &dims3(k), &dims3(v))?;
-    problem.validate(&shape)?;
-    check_dims(&shape)?;
-    Ok((shape, dtype))
+fn operand<R: CubeRuntime>(tensor: &CubeTensor<R>) -> Operand<'_> {
+    Operand::new(tensor.meta.shape().as_slice(), tensor.dtype)
 }
 
 /// Forward on device tensors: `(out [Tq, H, Dv], lse [H, Tq] f32)`.
@@ -241,7 +228,7 @@ pub fn forward<R: CubeRuntime>(
     v: CubeTensor<R>,
     problem: &VarlenAttention,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), KernelError> {
-    let (s, dtype) = validate(&q, &k, &v, problem)?;
+    let (s, dtype) = check_forward(&LIMITS, operand(&q), operand(&k), operand(&v), problem)?;
     let out_dims = [s.q_tokens, s.heads, s.value_dim];
     let lse_dims = [s.heads, s.q_tokens];
     if s.q_tokens == 0 || s.kv_tokens == 0 {
@@ -275,7 +262,7 @@ pub fn forward<R: CubeRuntime>(
             UNITS,
             CHUNK,
             tables.max_spans,
-            cube_dtype(dtype)?,
+            storage(dtype),
         );
     }
     Ok((out, lse))
@@ -294,15 +281,16 @@ pub fn backward<R: CubeRuntime>(
     dout: CubeTensor<R>,
     problem: &VarlenAttention,
 ) -> Result<Gradients<R>, KernelError> {
-    let (s, dtype) = validate(&q, &k, &v, problem)?;
-    common_float_dtype(&[("q", dtype), ("out", out.dtype), ("dout", dout.dtype)])?;
-    if lse.dtype != DType::F32 {
-        return Err(KernelError::InvalidDType(format!(
-            "lse has dtype {:?}, expected f32",
-            lse.dtype
-        )));
-    }
-    check_backward_shapes(&s, &dims3(&out), &dims3(&dout), &dims3(&lse))?;
+    let (s, dtype) = check_backward(
+        &LIMITS,
+        operand(&q),
+        operand(&k),
+        operand(&v),
+        operand(&out),
+        operand(&lse),
+        operand(&dout),
+        problem,
+    )?;
     let dq_dims = [s.q_tokens, s.heads, s.head_dim];
     let dk_dims = [s.kv_tokens, s.kv_heads, s.head_dim];
     let dv_dims = [s.kv_tokens, s.kv_heads, s.value_dim];
@@ -314,7 +302,7 @@ pub fn backward<R: CubeRuntime>(
         ));
     }
     let client = q.client.clone();
-    let storage = cube_dtype(dtype)?;
+    let storage = storage(dtype);
     let scale = problem.softmax_scale(s.head_dim) as f32;
 
     let delta = empty(&q, vec![s.heads, s.q_tokens], DType::F32);
@@ -403,24 +391,16 @@ pub fn merge<R: CubeRuntime>(
     out_b: CubeTensor<R>,
     lse_b: CubeTensor<R>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), KernelError> {
-    let dtype = common_float_dtype(&[("out a", out_a.dtype), ("out b", out_b.dtype)])?;
-    let storage = cube_dtype(dtype)?;
-    for (name, lse) in [("lse a", &lse_a), ("lse b", &lse_b)] {
-        if lse.dtype != DType::F32 {
-            return Err(KernelError::InvalidDType(format!(
-                "{name} has dtype {:?}, expected f32",
-                lse.dtype
-            )));
-        }
-    }
+    let dtype = check_merge(
+        &LIMITS,
+        operand(&out_a),
+        operand(&lse_a),
+        operand(&out_b),
+        operand(&lse_b),
+    )?;
+    let storage = storage(dtype);
     let dims = dims3(&out_a);
-    check_merge_shapes(&dims, &dims3(&out_b), &dims3(&lse_a), &dims3(&lse_b))?;
     let (tokens, heads, value_dim) = (dims[0], dims[1], dims[2]);
-    if value_dim == 0 || value_dim > MAX_HEAD_DIM {
-        return Err(KernelError::InvalidShape(format!(
-            "value dim {value_dim}: the cubecl kernels take dims from 1 to {MAX_HEAD_DIM}"
-        )));
-    }
     if tokens * heads == 0 {
         return Ok((out_a, lse_a));
     }

@@ -114,6 +114,20 @@ where
     }
 }
 
+/// burn-fusion's backends (`Fusion<CubeBackend<…>>`, burn's default `Wgpu` and `Cuda`) without
+/// autodiff: forward only, the kernels queued on the fusion stream.
+#[cfg(feature = "fusion")]
+impl<B: burn_fusion::FusionBackend + FlashOps> CpInner for burn_fusion::Fusion<B> {
+    fn cp_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        context: Arc<CpContext>,
+    ) -> FloatTensor<Self> {
+        cp_attention_forward_only::<Self>(query, key, value, context)
+    }
+}
+
 /// What the backward of one CP attention call needs: the forward's inputs and outputs in token
 /// layout, and the context it ran with.
 #[derive(Clone, Debug)]

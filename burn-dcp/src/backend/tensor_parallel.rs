@@ -90,6 +90,9 @@ where
 {
 }
 
+#[cfg(feature = "fusion")]
+impl<B: burn_fusion::FusionBackend + FlashOps> TpInner for burn_fusion::Fusion<B> {}
+
 /// The backward of a region op: the other half of its pair.
 #[derive(Debug)]
 struct RegionBackward;
