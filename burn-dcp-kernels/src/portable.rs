@@ -63,6 +63,7 @@ fn to_token_major(per_head: &[Vec<f32>], tokens: usize, dim: usize) -> Vec<f32> 
     out
 }
 
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -80,9 +81,51 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+#[inline(always)]
 fn axpy(alpha: f32, x: &[f32], out: &mut [f32]) {
     for (o, x) in out.iter_mut().zip(x) {
         *o += alpha * x;
+    }
+}
+
+/// [`dot`] of four rows with one `b`, each with `dot`'s exact arithmetic, `b` read once.
+#[inline(always)]
+fn dot4(a: [&[f32]; QUERY_BLOCK], b: &[f32]) -> [f32; QUERY_BLOCK] {
+    let n = b.len();
+    let a = a.map(|row| &row[..n]);
+    let body = n - n % 8;
+    let mut acc = [[0.0f32; 8]; QUERY_BLOCK];
+    for c in (0..body).step_by(8) {
+        let y: [f32; 8] = b[c..c + 8].try_into().expect("eight values");
+        for (r, row) in a.iter().enumerate() {
+            let x: [f32; 8] = row[c..c + 8].try_into().expect("eight values");
+            for i in 0..8 {
+                acc[r][i] += x[i] * y[i];
+            }
+        }
+    }
+    std::array::from_fn(|r| {
+        let tail: f32 = a[r][body..]
+            .iter()
+            .zip(&b[body..])
+            .map(|(x, y)| x * y)
+            .sum();
+        acc[r].iter().sum::<f32>() + tail
+    })
+}
+
+/// [`axpy`] of one `x` into four rows, `x` read once.
+#[inline(always)]
+fn axpy4(alpha: [f32; QUERY_BLOCK], x: &[f32], out: &mut [&mut [f32]; QUERY_BLOCK]) {
+    let n = x.len();
+    let [o0, o1, o2, o3] = out;
+    let (o0, o1, o2, o3) = (&mut o0[..n], &mut o1[..n], &mut o2[..n], &mut o3[..n]);
+    for i in 0..n {
+        let xi = x[i];
+        o0[i] += alpha[0] * xi;
+        o1[i] += alpha[1] * xi;
+        o2[i] += alpha[2] * xi;
+        o3[i] += alpha[3] * xi;
     }
 }
 
@@ -157,8 +200,45 @@ pub fn forward(
     })
 }
 
-/// One query head: `(out [q_tokens, value_dim], lse [q_tokens])`.
+/// One query head: `(out [q_tokens, value_dim], lse [q_tokens])`, compiled for AVX2 where the CPU
+/// has it (the same arithmetic, eight lanes wide instead of four: the same bits).
 fn forward_head(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    spans: &QuerySpans,
+    s: &AttentionShape,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { forward_head_avx2(q, k, v, spans, s, scale) };
+    }
+    forward_head_any(q, k, v, spans, s, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn forward_head_avx2(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    spans: &QuerySpans,
+    s: &AttentionShape,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    forward_head_any(q, k, v, spans, s, scale)
+}
+
+/// Queries of one register block: each key and value row loaded serves all of them.
+const QUERY_BLOCK: usize = 4;
+
+/// [`forward_head`] for the caller's target features: blocks of [`QUERY_BLOCK`] queries whose
+/// key sets nearly coincide share every key/value row load ([`KeyBlock`]); other queries run one
+/// at a time. Both paths compute each query's result with the same arithmetic.
+#[inline(always)]
+fn forward_head_any(
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -170,33 +250,218 @@ fn forward_head(
     let mut out = vec![0.0f32; s.q_tokens * dv];
     let mut lse = vec![f32::NEG_INFINITY; s.q_tokens];
     let mut scores = Vec::new();
-    for t in 0..s.q_tokens {
-        let q_row = &q[t * d..(t + 1) * d];
-        scores.clear();
-        for span in spans.of(t) {
-            scores.extend(
-                span.clone()
-                    .map(|j| scale * dot(q_row, &k[j * d..(j + 1) * d])),
-            );
+    let mut block = KeyBlock::default();
+    let mut first = 0;
+    while first < s.q_tokens {
+        let end = (first + QUERY_BLOCK).min(s.q_tokens);
+        if end - first == QUERY_BLOCK && block.plan(spans, first) {
+            let rows = &mut out[first * dv..end * dv];
+            let lse_rows = &mut lse[first..end];
+            block.forward(&q[first * d..end * d], k, v, d, dv, scale, rows, lse_rows);
+        } else {
+            for t in first..end {
+                let row = &mut out[t * dv..(t + 1) * dv];
+                lse[t] = forward_query(
+                    &q[t * d..(t + 1) * d],
+                    k,
+                    v,
+                    spans.of(t),
+                    d,
+                    dv,
+                    scale,
+                    &mut scores,
+                    row,
+                );
+            }
         }
-        if scores.is_empty() {
-            continue;
-        }
-        // `f32::max` ignores NaN; a NaN score must poison the row (NaN out and LSE), never look
-        // like a masked row, so the maximum propagates it.
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, nan_max);
-        let out_row = &mut out[t * dv..(t + 1) * dv];
-        let mut sum = 0.0f32;
-        let keys = spans.of(t).iter().flat_map(|span| span.clone());
-        for (j, &score) in keys.zip(&scores) {
-            let weight = (score - max).exp();
-            sum += weight;
-            axpy(weight, &v[j * dv..(j + 1) * dv], out_row);
-        }
-        out_row.iter_mut().for_each(|o| *o /= sum);
-        lse[t] = max + sum.ln();
+        first = end;
     }
     (out, lse)
+}
+
+/// One query: writes its `out` row, returns its LSE (`−∞` and a zero row without keys).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn forward_query(
+    q_row: &[f32],
+    k: &[f32],
+    v: &[f32],
+    spans: &[Range<usize>],
+    d: usize,
+    dv: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out_row: &mut [f32],
+) -> f32 {
+    scores.clear();
+    for span in spans {
+        scores.extend(
+            span.clone()
+                .map(|j| scale * dot(q_row, &k[j * d..(j + 1) * d])),
+        );
+    }
+    if scores.is_empty() {
+        return f32::NEG_INFINITY;
+    }
+    // `f32::max` ignores NaN; a NaN score must poison the row (NaN out and LSE), never look
+    // like a masked row, so the maximum propagates it.
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, nan_max);
+    let mut sum = 0.0f32;
+    let keys = spans.iter().flat_map(|span| span.clone());
+    for (j, &score) in keys.zip(scores.iter()) {
+        let weight = (score - max).exp();
+        sum += weight;
+        axpy(weight, &v[j * dv..(j + 1) * dv], out_row);
+    }
+    out_row.iter_mut().for_each(|o| *o /= sum);
+    max + sum.ln()
+}
+
+/// The union of the key spans of a block of [`QUERY_BLOCK`] queries, which of its keys each query
+/// may attend, and the block's scores.
+#[derive(Default)]
+struct KeyBlock {
+    /// Sorted, merged runs of packed key indices: the union of the queries' spans.
+    keys: Vec<Range<usize>>,
+    /// Keys in the union.
+    len: usize,
+    /// `[QUERY_BLOCK, len]`: whether query `r` may attend the union's key `u`.
+    allowed: Vec<bool>,
+    /// Per key of the union: every query of the block may attend it.
+    shared: Vec<bool>,
+    /// `[QUERY_BLOCK, len]`: scores, then softmax weights.
+    scores: Vec<f32>,
+}
+
+impl KeyBlock {
+    /// Plans the block of queries `first..first + QUERY_BLOCK`; false when the union of their
+    /// keys exceeds the largest single key set by more than a quarter (plus 8): then computing
+    /// the union for every query would waste work, and the queries run one at a time.
+    #[inline(always)]
+    fn plan(&mut self, spans: &QuerySpans, first: usize) -> bool {
+        self.keys.clear();
+        let mut largest = 0;
+        for t in first..first + QUERY_BLOCK {
+            let own = spans.of(t);
+            largest = largest.max(own.iter().map(ExactSizeIterator::len).sum::<usize>());
+            self.keys.extend(own.iter().cloned());
+        }
+        self.keys.sort_unstable_by_key(|r| r.start);
+        let mut merged: Vec<Range<usize>> = Vec::with_capacity(self.keys.len());
+        for range in self.keys.drain(..) {
+            match merged.last_mut() {
+                Some(last) if range.start <= last.end => last.end = last.end.max(range.end),
+                _ => merged.push(range),
+            }
+        }
+        self.keys = merged;
+        self.len = self.keys.iter().map(ExactSizeIterator::len).sum();
+        if largest == 0 || self.len > largest + largest / 4 + 8 {
+            return false;
+        }
+        let len = self.len;
+        self.allowed.clear();
+        self.allowed.resize(QUERY_BLOCK * len, false);
+        for r in 0..QUERY_BLOCK {
+            for span in spans.of(first + r) {
+                // A span lies inside one run of the union (the runs are merged unions of spans).
+                let mut at = 0;
+                for run in &self.keys {
+                    if run.start <= span.start && span.end <= run.end {
+                        let u = at + span.start - run.start;
+                        self.allowed[r * len + u..r * len + u + span.len()].fill(true);
+                        break;
+                    }
+                    at += run.len();
+                }
+            }
+        }
+        self.shared.clear();
+        self.shared
+            .extend((0..len).map(|u| (0..QUERY_BLOCK).all(|r| self.allowed[r * len + u])));
+        true
+    }
+
+    /// The block's forward: each key row is read once for the block's four dot products, each
+    /// value row once for the four accumulations where all four queries attend it. Per query the
+    /// arithmetic is [`forward_query`]'s, over its keys in ascending order.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &mut self,
+        q_rows: &[f32],
+        k: &[f32],
+        v: &[f32],
+        d: usize,
+        dv: usize,
+        scale: f32,
+        out_rows: &mut [f32],
+        lse: &mut [f32],
+    ) {
+        let len = self.len;
+        self.scores.clear();
+        self.scores.resize(QUERY_BLOCK * len, 0.0);
+        let q: [&[f32]; QUERY_BLOCK] = std::array::from_fn(|r| &q_rows[r * d..(r + 1) * d]);
+        let mut u = 0;
+        for run in &self.keys {
+            for j in run.clone() {
+                let dots = dot4(q, &k[j * d..(j + 1) * d]);
+                for (r, value) in dots.into_iter().enumerate() {
+                    self.scores[r * len + u] = scale * value;
+                }
+                u += 1;
+            }
+        }
+        let mut sums = [0.0f32; QUERY_BLOCK];
+        let mut maxima = [f32::NEG_INFINITY; QUERY_BLOCK];
+        let mut seen = [false; QUERY_BLOCK];
+        for r in 0..QUERY_BLOCK {
+            let (scores, allowed) = (
+                &mut self.scores[r * len..(r + 1) * len],
+                &self.allowed[r * len..(r + 1) * len],
+            );
+            let mut max = f32::NEG_INFINITY;
+            for (score, &ok) in scores.iter().zip(allowed) {
+                if ok {
+                    max = nan_max(max, *score);
+                    seen[r] = true;
+                }
+            }
+            let mut sum = 0.0f32;
+            for (score, &ok) in scores.iter_mut().zip(allowed) {
+                *score = if ok { (*score - max).exp() } else { 0.0 };
+                sum += *score;
+            }
+            (sums[r], maxima[r]) = (sum, max);
+        }
+        let (o0, rest) = out_rows.split_at_mut(dv);
+        let (o1, rest) = rest.split_at_mut(dv);
+        let (o2, o3) = rest.split_at_mut(dv);
+        let mut rows = [o0, o1, o2, o3];
+        let mut u = 0;
+        for run in &self.keys {
+            for j in run.clone() {
+                let v_row = &v[j * dv..(j + 1) * dv];
+                if self.shared[u] {
+                    let weights = std::array::from_fn(|r| self.scores[r * len + u]);
+                    axpy4(weights, v_row, &mut rows);
+                } else {
+                    for (r, row) in rows.iter_mut().enumerate() {
+                        if self.allowed[r * len + u] {
+                            axpy(self.scores[r * len + u], v_row, row);
+                        }
+                    }
+                }
+                u += 1;
+            }
+        }
+        for (r, row) in rows.into_iter().enumerate() {
+            if seen[r] {
+                row.iter_mut().for_each(|o| *o /= sums[r]);
+                lse[r] = maxima[r] + sums[r].ln();
+            }
+        }
+    }
 }
 
 /// Backward attention from the final `out` and `lse` of the forward pass and `dout`.
