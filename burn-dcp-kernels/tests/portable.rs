@@ -121,6 +121,42 @@ fn long_segments_match_the_naive_reference() {
     }
 }
 
+/// A NaN key or value reaches exactly the queries that attend it, also where the query block
+/// around it has queries that do not (a causal diagonal tile of the tiled forward).
+#[test]
+fn a_nan_key_or_value_reaches_only_the_queries_that_attend_it() {
+    let (tokens, heads, dim, bad) = (100, 2, 8, 50);
+    let problem = VarlenAttention::packed(vec![tokens], vec![MaskSpec::Causal]);
+    let shape = AttentionShape {
+        q_tokens: tokens,
+        kv_tokens: tokens,
+        heads,
+        kv_heads: 1,
+        head_dim: dim,
+        value_dim: dim,
+    };
+    let mut rng = SmallRng::seed_from_u64(5);
+    let q = random(&mut rng, tokens * heads * dim);
+    for poisoned in ["k", "v"] {
+        let (mut k, mut v) = (
+            random(&mut rng, tokens * dim),
+            random(&mut rng, tokens * dim),
+        );
+        let target = if poisoned == "k" { &mut k } else { &mut v };
+        target[bad * dim + 3] = f32::NAN;
+        let HostForward { out, lse } = portable::forward(&q, &k, &v, &shape, &problem).unwrap();
+        for t in 0..tokens {
+            let row = &out[t * heads * dim..(t + 1) * heads * dim];
+            if t < bad {
+                assert!(row.iter().all(|x| x.is_finite()), "{poisoned}: query {t}");
+                assert!(lse[t].is_finite() && lse[tokens + t].is_finite());
+            } else {
+                assert!(row.iter().any(|x| x.is_nan()), "{poisoned}: query {t}");
+            }
+        }
+    }
+}
+
 #[test]
 fn fully_masked_rows_give_zero_and_minus_infinity() {
     let Case { problem, shape } = fully_masked_case();

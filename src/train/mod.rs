@@ -445,7 +445,7 @@ pub fn builtin_documents() -> Vec<Document> {
         ),
         (
             "portable.rs",
-            include_str!("../../burn-dcp-kernels/src/portable.rs"),
+            include_str!("../../burn-dcp-kernels/src/portable/mod.rs"),
         ),
         (
             "mask.rs",
