@@ -12,8 +12,8 @@
 //!
 //!     cargo bench --bench attention -- --quick
 //!
-//! The group `peak` times a plain square f32 matmul on Flex in the same run: the attention
-//! GFLOP/s are read as a fraction of it.
+//! The group `peak` times a plain square f32 matmul on Flex in the same run, on one core and on
+//! every core at once (one matmul per core): the attention GFLOP/s are read as a fraction of it.
 //!
 //! With `--features wgpu`, the group `wgpu` adds the cubecl kernels against burn's `attention` on
 //! the same backend (`burn::backend::Wgpu`, no autotune: burn's fallback matmul/softmax path),
@@ -165,6 +165,28 @@ fn peak(c: &mut Criterion) {
             bench.iter(|| a.clone().matmul(b.clone()).into_data())
         });
     }
+    // Flex's matmul runs on one core here (burn-flex without its `rayon` feature); the portable
+    // kernels use every core. The machine's peak: one independent matmul per core at once.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let n = 512usize;
+    let a = random::<Flex>([1, n, n], 5, &device);
+    let b = random::<Flex>([1, n, n], 6, &device);
+    group.throughput(Throughput::Elements(2 * (n as u64).pow(3) * cores as u64));
+    group.bench_function(
+        BenchmarkId::new(format!("matmul-flex-x{cores}-threads"), n),
+        |bench| {
+            bench.iter(|| {
+                std::thread::scope(|scope| {
+                    let runs: Vec<_> = (0..cores)
+                        .map(|_| scope.spawn(|| a.clone().matmul(b.clone()).into_data()))
+                        .collect();
+                    runs.into_iter()
+                        .map(|run| run.join().expect("matmul thread"))
+                        .collect::<Vec<_>>()
+                })
+            })
+        },
+    );
     group.finish();
 }
 
@@ -182,6 +204,20 @@ fn forward(c: &mut Criterion) {
                 out.out.into_data()
             })
         });
+        // The same on one thread, as burn's attention on Flex runs here.
+        std::env::set_var(burn_dcp_kernels::portable::THREADS_VAR, "1");
+        group.bench_function(
+            BenchmarkId::new("portable-flex-1-thread", shape.name),
+            |b| {
+                b.iter(|| {
+                    let out =
+                        Flex::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
+                            .expect("valid problem");
+                    out.out.into_data()
+                })
+            },
+        );
+        std::env::remove_var(burn_dcp_kernels::portable::THREADS_VAR);
         group.bench_function(BenchmarkId::new("burn-attention-flex", shape.name), |b| {
             b.iter(|| {
                 burn_attention(&shape, &x)

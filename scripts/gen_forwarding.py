@@ -6,16 +6,30 @@ becomes `fn m(args) -> R { B::m(args) }`. Types generic over the backend (not pl
 types) get converted by helpers in `burn-dcp/src/backend/convert.rs`. `ModuleOps::attention` is
 routed to the hand-written interception in `burn-dcp/src/backend/attention.rs`.
 
-Usage: python3 scripts/gen_forwarding.py [PATH_TO_burn-backend-0.21.0/src]
-Rerun after changing it; the output is committed (burn-dcp/src/backend/ops/*.rs).
+Usage: python3 scripts/gen_forwarding.py [--check] [PATH_TO_burn-backend-0.21.0/src]
+Rerun after changing it; the output is committed (burn-dcp/src/backend/ops/*.rs), formatted by
+rustfmt. `--check` writes nothing: it generates into a temporary folder and fails (exit 1), naming
+the files, when the committed ones differ (CI runs it).
 """
+import filecmp
 import glob
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
-SRC = sys.argv[1] if len(sys.argv) > 1 else glob.glob(
-    os.path.expanduser("~/.cargo/registry/src/*/burn-backend-0.21.0/src"))[0]
+ARGS = [a for a in sys.argv[1:] if a != "--check"]
+CHECK = "--check" in sys.argv[1:]
+if ARGS:
+    SRC = ARGS[0]
+else:
+    found = glob.glob(os.path.join(os.environ.get("CARGO_HOME", os.path.expanduser("~/.cargo")),
+                                   "registry/src/*/burn-backend-0.21.0/src"))
+    if not found:
+        sys.exit("burn-backend 0.21.0's sources are not in cargo's registry: run `cargo fetch` "
+                 "first, or pass PATH_TO_burn-backend-0.21.0/src")
+    SRC = found[0]
 OUT = os.path.join(os.path.dirname(__file__), "..", "burn-dcp", "src", "backend", "ops")
 
 # (source file, trait, output file)
@@ -199,9 +213,11 @@ impl<B: CpInner> {trait}<Self> for ContextParallel<B> {{
 """
 
 
-def main():
-    os.makedirs(OUT, exist_ok=True)
+def generate(out):
+    """Writes the forwarding files into `out`, formatted; returns their names."""
+    os.makedirs(out, exist_ok=True)
     total = 0
+    names = []
     for source, trait, output in TRAITS:
         text = strip_comments(open(os.path.join(SRC, source)).read())
         body = find_trait_body(text, trait)
@@ -209,13 +225,35 @@ def main():
         extra = ""
         if trait == "ModuleOps":
             extra = "\n//! Except `attention`, which `crate::backend::attention` intercepts for context parallelism."
-        with open(os.path.join(OUT, output), "w") as f:
+        names.append(output)
+        with open(os.path.join(out, output), "w") as f:
             f.write(HEADER.format(trait=trait, extra=extra))
             f.write("\n".join(rendered))
             f.write("}\n")
         total += len(rendered)
-        print(f"{output}: {len(rendered)} methods of {trait}")
-    print(f"{total} methods in all")
+        if not CHECK:
+            print(f"{output}: {len(rendered)} methods of {trait}")
+    subprocess.run(["rustfmt", "--edition", "2021"] + [os.path.join(out, n) for n in names],
+                   check=True)
+    if not CHECK:
+        print(f"{total} methods in all")
+    return names
+
+
+def main():
+    if not CHECK:
+        generate(OUT)
+        return
+    with tempfile.TemporaryDirectory() as fresh:
+        names = generate(fresh)
+        stale = [n for n in names
+                 if not os.path.exists(os.path.join(OUT, n))
+                 or not filecmp.cmp(os.path.join(fresh, n), os.path.join(OUT, n), shallow=False)]
+    if stale:
+        print("stale generated forwarding (rerun python3 scripts/gen_forwarding.py): "
+              + ", ".join(f"burn-dcp/src/backend/ops/{n}" for n in stale), file=sys.stderr)
+        sys.exit(1)
+    print(f"generated forwarding is current ({len(names)} files)")
 
 
 if __name__ == "__main__":

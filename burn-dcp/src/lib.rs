@@ -20,6 +20,7 @@
 pub mod backend;
 pub mod comm;
 pub mod error;
+#[cfg(feature = "harness")]
 pub mod harness;
 pub mod layout;
 pub mod mesh;

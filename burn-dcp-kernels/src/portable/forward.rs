@@ -36,6 +36,8 @@ pub(super) struct Inputs<'a> {
     pub problem: &'a VarlenAttention,
     pub shape: &'a AttentionShape,
     pub scale: f32,
+    /// Threads to run the work items on.
+    pub threads: usize,
 }
 
 /// Query tokens per block for `group` query heads per key/value head: a block stacks
@@ -74,7 +76,7 @@ pub(super) fn tiled(x: Inputs) -> (Vec<f32>, Vec<f32>) {
     let group = s.group_size();
     let blocks = query_blocks(x.problem, block_tokens(group));
     let nonfinite_v = nonfinite_value_prefix(&x);
-    let items = parallel_map(s.kv_heads * blocks.len(), |item| {
+    let items = parallel_map(x.threads, s.kv_heads * blocks.len(), |item| {
         let (kv, block) = (item % s.kv_heads, &blocks[item / s.kv_heads]);
         block_forward(&x, &nonfinite_v[kv], kv, block.clone())
     });

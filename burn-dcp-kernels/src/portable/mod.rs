@@ -94,12 +94,27 @@ fn axpy(alpha: f32, x: &[f32], out: &mut [f32]) {
     }
 }
 
-/// Runs `task(i)` for `i in 0..count` on up to `available_parallelism` scoped threads, in order.
-fn parallel_map<T: Send>(count: usize, task: impl Fn(usize) -> T + Sync) -> Vec<T> {
-    let workers = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(count)
-        .max(1);
+/// The environment variable that caps the portable kernels' threads (default: every core).
+pub const THREADS_VAR: &str = "BURN_DCP_CPU_THREADS";
+
+/// Threads the portable kernels use: `BURN_DCP_CPU_THREADS` when set (a positive integer, else
+/// an error naming the value), else every core (`available_parallelism`).
+pub fn threads() -> Result<usize, KernelError> {
+    match std::env::var(THREADS_VAR) {
+        Ok(value) => match value.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(KernelError::InvalidValue(format!(
+                "{THREADS_VAR}={value:?}: the portable kernels' thread count must be a positive \
+                 integer"
+            ))),
+        },
+        Err(_) => Ok(std::thread::available_parallelism().map_or(1, |n| n.get())),
+    }
+}
+
+/// Runs `task(i)` for `i in 0..count` on up to `threads` scoped threads, in order.
+fn parallel_map<T: Send>(threads: usize, count: usize, task: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let workers = threads.min(count).max(1);
     if workers == 1 {
         return (0..count).map(task).collect();
     }
@@ -157,6 +172,7 @@ pub fn forward(
         problem,
         shape: s,
         scale,
+        threads: threads()?,
     });
     Ok(HostForward { out, lse })
 }
@@ -188,7 +204,7 @@ pub fn backward(
     let vh = to_head_major(v, s.kv_tokens, s.kv_heads, s.value_dim);
     let outh = to_head_major(out, s.q_tokens, s.heads, s.value_dim);
     let douth = to_head_major(dout, s.q_tokens, s.heads, s.value_dim);
-    let per_kv_head = parallel_map(s.kv_heads, |kv| {
+    let per_kv_head = parallel_map(threads()?, s.kv_heads, |kv| {
         let inputs = HeadInputs {
             k: &kh[kv],
             v: &vh[kv],
