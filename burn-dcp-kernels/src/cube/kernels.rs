@@ -1,14 +1,26 @@
-//! The `#[cube]` kernels. One unit owns one row (a query in the forward and dq kernels, a key in
-//! the dk/dv kernel) and keeps its accumulators in registers (f32, whatever the input dtype). The
-//! cube walks the other side tile by tile, visiting only the tiles listed in the launch tables
-//! ([`crate::tiling`]) and, inside a tile, only the keys the query's spans allow. All units of a
-//! cube read the same key (or query) row at the same time, so the reads are broadcasts served by
-//! the cache; the kernels use no shared memory and no barriers (see the module docs of
-//! [`super`] for why).
+//! The `#[cube]` kernels: flash attention tiled like FlashAttention-2, on vectors.
+//!
+//! - **Rows per unit.** One unit owns `rows` rows (queries in the forward and dq kernels, keys in
+//!   the dk/dv kernel), strided by the cube's unit count so neighbouring units own neighbouring
+//!   rows. Its accumulators live in registers in f32, whatever the input dtype. Every value a
+//!   unit loads from the other side (a key, value, query or gradient row) is used for all of its
+//!   rows, so a unit issues `1/rows` of the loads of the one-row-per-unit form.
+//! - **Staged tiles.** The cube walks the other side tile by tile, visiting only the tiles of the
+//!   launch tables ([`crate::tiling`]). Each tile is loaded once per cube, cooperatively, into
+//!   shared memory (and, for the key side, the per-query `lse`, `delta` and spans with it), then
+//!   every unit reads it from there; `sync_cube` fences the tile before and after use.
+//! - **Vectors.** Rows are read and written as vectors of `N` elements (`N = 4` when the last dim
+//!   is contiguous and every stride, dim and offset allows it; else 2 or 1), and the dot products
+//!   and axpys run on vectors.
+//! - Inside a tile, only the (row, column) pairs the query's spans allow are accumulated: a
+//!   masked key never contributes, not even as `0 · value` (a non-finite value must not reach a
+//!   query that does not attend it).
 //!
 //! Inputs are read through their strides, so burn's strided views (`swap_dims`, `narrow`) need
 //! no copy. No infinity is ever written as a literal (WGSL forbids it): "no key yet" is the finite
-//! sentinel [`NONE`], and the `-inf` of fully masked rows comes in as a runtime scalar.
+//! sentinel [`NONE`], and the `-inf` of fully masked rows comes in as a runtime scalar. Every loop
+//! over a head dim, a value dim, the rows of a unit or a staging pass is unrolled (see
+//! [`super`]'s docs for why lavapipe needs it).
 
 // `!(lse < NONE_LIMIT)` is deliberate: it is true for a NaN lse, so NaN inputs reach the outputs.
 #![allow(clippy::neg_cmp_op_on_partial_ord)]
@@ -20,159 +32,190 @@ const NONE: f32 = -3.0e38;
 /// Scores and LSE values below this are "no key" (the sentinel or `-inf`).
 const NONE_LIMIT: f32 = -1.0e38;
 
-/// The `max_spans` spans of query `query` as registers (empty spans when `present` is false).
+/// Index (in vectors of `N`) of element `col·N` of row `row`, head `head` of a
+/// `[tokens, heads, dim]` tensor read as vectors. With `N > 1` the host guarantees a contiguous
+/// last dim and strides that are multiples of `N`; with `N = 1` any strides work.
+#[cube]
+fn vector_at<F: Float, N: Size>(
+    source: &Tensor<Vector<F, N>>,
+    row: usize,
+    head: usize,
+    col: usize,
+) -> usize {
+    (row * source.stride(0) + head * source.stride(1) + col * N::value() * source.stride(2))
+        / N::value()
+}
+
+/// The `max_spans` spans of `query`, appended at slot `slot` of `into` (empty when `present` is
+/// false, so that no key is allowed).
 #[cube]
 fn read_spans(
     spans: &Tensor<u32>,
     query: usize,
     present: bool,
+    into: &mut Array<u32>,
+    slot: usize,
     #[comptime] max_spans: usize,
-) -> Array<u32> {
-    let mut row = Array::<u32>::new(2 * max_spans);
+) {
     #[unroll]
-    for slot in 0..2 * max_spans {
+    for s in 0..2 * max_spans {
         let mut value = 0u32;
         if present {
-            value = spans[query * 2 * max_spans + slot];
+            value = spans[query * 2 * max_spans + s];
         }
-        row[slot] = value;
+        into[slot * 2 * max_spans + s] = value;
     }
-    row
 }
 
-/// Whether packed key `key` lies in one of the spans of [`read_spans`].
+/// Whether packed key `key` lies in one of the spans stored at slot `slot` of `spans`.
 #[cube]
-fn allowed(spans: &Array<u32>, key: usize, #[comptime] max_spans: usize) -> bool {
+fn allowed(spans: &Array<u32>, slot: usize, key: usize, #[comptime] max_spans: usize) -> bool {
     let mut allowed = false;
     #[unroll]
-    for slot in 0..max_spans {
-        if key >= spans[2 * slot] as usize && key < spans[2 * slot + 1] as usize {
+    for s in 0..max_spans {
+        let at = slot * 2 * max_spans + 2 * s;
+        if key >= spans[at] as usize && key < spans[at + 1] as usize {
             allowed = true;
         }
     }
     allowed
 }
 
-/// Reads row `row` of head `head` of `[tokens, heads, dim]` into `values` as f32.
+/// Zeroed f32 vectors.
 #[cube]
-fn read_row<F: Float>(
-    source: &Tensor<F>,
-    row: usize,
-    head: usize,
-    values: &mut Array<f32>,
-    #[comptime] dim: usize,
-) {
-    let base = row * source.stride(0) + head * source.stride(1);
+fn zero_vectors<N: Size>(#[comptime] len: usize) -> Array<Vector<f32, N>> {
+    let mut values = Array::<Vector<f32, N>>::new(len);
     #[unroll]
-    for d in 0..dim {
-        values[d] = f32::cast_from(source[base + d * source.stride(2)]);
-    }
-}
-
-/// `values · source[row, head, :]` in f32.
-#[cube]
-fn dot_row<F: Float>(
-    values: &Array<f32>,
-    source: &Tensor<F>,
-    row: usize,
-    head: usize,
-    #[comptime] dim: usize,
-) -> f32 {
-    let base = row * source.stride(0) + head * source.stride(1);
-    let mut total = f32::new(0.0);
-    #[unroll]
-    for d in 0..dim {
-        total += values[d] * f32::cast_from(source[base + d * source.stride(2)]);
-    }
-    total
-}
-
-/// `acc += weight · source[row, head, :]`.
-#[cube]
-fn add_row<F: Float>(
-    acc: &mut Array<f32>,
-    weight: f32,
-    source: &Tensor<F>,
-    row: usize,
-    head: usize,
-    #[comptime] dim: usize,
-) {
-    let base = row * source.stride(0) + head * source.stride(1);
-    #[unroll]
-    for d in 0..dim {
-        acc[d] += weight * f32::cast_from(source[base + d * source.stride(2)]);
-    }
-}
-
-/// `target[row, head, :] = factor · values`, in the target's dtype.
-#[cube]
-fn write_row<F: Float>(
-    target: &mut Tensor<F>,
-    row: usize,
-    head: usize,
-    values: &Array<f32>,
-    factor: f32,
-    #[comptime] dim: usize,
-) {
-    let base = row * target.stride(0) + head * target.stride(1);
-    #[unroll]
-    for d in 0..dim {
-        target[base + d * target.stride(2)] = F::cast_from(values[d] * factor);
-    }
-}
-
-/// Zeroed f32 registers.
-#[cube]
-fn zeros(#[comptime] len: usize) -> Array<f32> {
-    let mut values = Array::<f32>::new(len);
-    #[unroll]
-    for d in 0..len {
-        values[d] = f32::new(0.0);
+    for i in 0..len {
+        values[i] = Vector::new(0.0f32);
     }
     values
 }
 
+/// Reads row `row` of head `head` into slot `slot` of `into` (f32 vectors; `vecs` vectors per
+/// row). The caller clamps `row` into range.
+#[cube]
+fn load_row<F: Float, N: Size>(
+    source: &Tensor<Vector<F, N>>,
+    row: usize,
+    head: usize,
+    into: &mut Array<Vector<f32, N>>,
+    slot: usize,
+    #[comptime] vecs: usize,
+) {
+    #[unroll]
+    for i in 0..vecs {
+        into[slot * vecs + i] = Vector::cast_from(source[vector_at(source, row, head, i)]);
+    }
+}
+
+/// Writes slot `slot` of `values`, times `factor`, to row `row` of head `head`.
+#[cube]
+fn store_row<F: Float, N: Size>(
+    target: &mut Tensor<Vector<F, N>>,
+    row: usize,
+    head: usize,
+    values: &Array<Vector<f32, N>>,
+    slot: usize,
+    factor: f32,
+    #[comptime] vecs: usize,
+) {
+    let base = (row * target.stride(0) + head * target.stride(1)) / N::value();
+    #[unroll]
+    for i in 0..vecs {
+        target[base + i] = Vector::cast_from(values[slot * vecs + i] * Vector::new(factor));
+    }
+}
+
+/// Stages rows `first_row..first_row + block` of head `head` (`vecs` vectors each) into `tile`,
+/// all `units` units of the cube together; rows past `rows_total` are zeros.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_rows<F: Float, N: Size>(
+    source: &Tensor<Vector<F, N>>,
+    tile: &mut SharedMemory<Vector<F, N>>,
+    first_row: usize,
+    head: usize,
+    rows_total: usize,
+    #[comptime] block: usize,
+    #[comptime] vecs: usize,
+    #[comptime] units: usize,
+) {
+    let unit = UNIT_POS_X as usize;
+    #[unroll]
+    for pass in 0..(block * vecs).div_ceil(units) {
+        let index = pass * units + unit;
+        if index < block * vecs {
+            let row = first_row + index / vecs;
+            let mut value = Vector::new(F::new(0.0));
+            if row < rows_total {
+                value = source[vector_at(source, row, head, index % vecs)];
+            }
+            tile[index] = value;
+        }
+    }
+}
+
 /// Forward: `out [Tq, H, Dv]` (input dtype) and `lse [H, Tq]` (f32).
 ///
-/// Cube `(x, y)` = (query tile of `block_q` queries, head); unit = query. Key tiles of
-/// `block_kv` keys come from `tile_offsets`/`tile_runs` (the query tile's runs of key tiles).
+/// Cube `(x, y)` = (query tile of `units · rows` queries, head). Key tiles of `block_kv` keys
+/// come from `tile_offsets`/`tile_runs` (the query tile's runs of key tiles).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn forward_kernel<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+pub fn forward_kernel<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
     spans: &Tensor<u32>,
     tile_offsets: &Tensor<u32>,
     tile_runs: &Tensor<u32>,
-    out: &mut Tensor<F>,
+    out: &mut Tensor<Vector<F, N>>,
     lse: &mut Tensor<f32>,
     scale: f32,
     neg_inf: f32,
-    #[comptime] head_dim: usize,
-    #[comptime] value_dim: usize,
-    #[comptime] block_q: usize,
+    #[comptime] vq: usize,
+    #[comptime] vv: usize,
+    #[comptime] rows: usize,
+    #[comptime] units: usize,
     #[comptime] block_kv: usize,
     #[comptime] max_spans: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let q_tile = CUBE_POS_X as usize;
     let head = CUBE_POS_Y as usize;
-    let query = q_tile * block_q + UNIT_POS_X as usize;
-    let active = query < q.shape(0);
+    let unit = UNIT_POS_X as usize;
+    let q_tokens = q.shape(0);
+    let kv_tokens = k.shape(0);
     let kv_head = head / (q.shape(1) / k.shape(1));
+    let first_query = q_tile * rows * units + unit;
 
-    let mut q_row = zeros(head_dim);
-    if active {
-        read_row::<F>(q, query, head, &mut q_row, head_dim);
+    // The unit's queries: registers, spans; rows past the end read the last row and no spans.
+    let mut q_rows = zero_vectors::<N>(rows * vq);
+    let mut row_spans = Array::<u32>::new(rows * 2 * max_spans);
+    #[unroll]
+    for r in 0..rows {
+        let query = first_query + r * units;
+        let present = query < q_tokens;
+        let row = select(present, query, q_tokens - 1);
+        load_row::<F, N>(q, row, head, &mut q_rows, r, vq);
+        read_spans(spans, row, present, &mut row_spans, r, max_spans);
     }
-    let row_spans = read_spans(spans, query, active, max_spans);
-    let mut acc = zeros(value_dim);
-    let mut running_max = f32::new(NONE);
-    let mut sum = f32::new(0.0);
+    let mut acc = zero_vectors::<N>(rows * vv);
+    let mut running_max = Array::<f32>::new(rows);
+    let mut sum = Array::<f32>::new(rows);
     // Whether the query saw any key: a masked row is one without keys, never one whose sum
     // looks empty (a NaN score makes the sum NaN, and that NaN must reach out and lse).
-    let mut any_key = false;
+    let mut seen = Array::<u32>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        running_max[r] = NONE;
+        sum[r] = 0.0;
+        seen[r] = 0;
+    }
+    let mut k_tile = SharedMemory::<Vector<F, N>>::new(block_kv * vq);
+    let mut v_tile = SharedMemory::<Vector<F, N>>::new(block_kv * vv);
+    let mut weight = Array::<f32>::new(rows);
+    let mut take = Array::<u32>::new(rows);
 
     let first_run = tile_offsets[q_tile] as usize;
     let end_run = tile_offsets[q_tile + 1] as usize;
@@ -181,42 +224,95 @@ pub fn forward_kernel<F: Float>(
         let end_tile = tile_runs[2 * run + 1] as usize;
         for kv_tile in first_tile..end_tile {
             let first_key = kv_tile * block_kv;
-            if active {
-                for jj in 0..block_kv {
-                    let key = first_key + jj;
-                    if allowed(&row_spans, key, max_spans) {
-                        let score = dot_row::<F>(&q_row, k, key, kv_head, head_dim) * scale;
-                        // Online softmax one key at a time: rescale only when the max grows.
-                        if score > running_max {
-                            let correction = (running_max - score).exp();
-                            sum *= correction;
+            stage_rows::<F, N>(
+                k,
+                &mut k_tile,
+                first_key,
+                kv_head,
+                kv_tokens,
+                block_kv,
+                vq,
+                units,
+            );
+            stage_rows::<F, N>(
+                v,
+                &mut v_tile,
+                first_key,
+                kv_head,
+                kv_tokens,
+                block_kv,
+                vv,
+                units,
+            );
+            sync_cube();
+            for jj in 0..block_kv {
+                let key = first_key + jj;
+                let mut scores = Array::<f32>::new(rows);
+                #[unroll]
+                for r in 0..rows {
+                    scores[r] = 0.0;
+                }
+                #[unroll]
+                for i in 0..vq {
+                    let key_part = Vector::<f32, N>::cast_from(k_tile[jj * vq + i]);
+                    #[unroll]
+                    for r in 0..rows {
+                        scores[r] += q_rows[r * vq + i].dot(key_part);
+                    }
+                }
+                // Online softmax one key at a time: rescale only when the max grows.
+                #[unroll]
+                for r in 0..rows {
+                    let score = scores[r] * scale;
+                    let mut p = f32::new(0.0);
+                    let ok = allowed(&row_spans, r, key, max_spans);
+                    if ok {
+                        if score > running_max[r] {
+                            let correction = (running_max[r] - score).exp();
+                            sum[r] *= correction;
                             #[unroll]
-                            for d in 0..value_dim {
-                                acc[d] *= correction;
+                            for i in 0..vv {
+                                acc[r * vv + i] *= Vector::new(correction);
                             }
-                            running_max = score;
+                            running_max[r] = score;
                         }
-                        let p = (score - running_max).exp();
-                        sum += p;
-                        any_key = true;
-                        add_row::<F>(&mut acc, p, v, key, kv_head, value_dim);
+                        p = (score - running_max[r]).exp();
+                        sum[r] += p;
+                        seen[r] = 1;
+                    }
+                    weight[r] = p;
+                    take[r] = select(ok, 1u32, 0u32);
+                }
+                #[unroll]
+                for i in 0..vv {
+                    let value_part = Vector::<f32, N>::cast_from(v_tile[jj * vv + i]);
+                    #[unroll]
+                    for r in 0..rows {
+                        if take[r] == 1 {
+                            acc[r * vv + i] += value_part * Vector::new(weight[r]);
+                        }
                     }
                 }
             }
+            sync_cube();
         }
     }
 
-    if active {
-        let lse_at = head * lse.stride(0) + query * lse.stride(1);
-        // A query without any key has `acc = 0`: a zero factor writes `out = 0`.
-        let mut inverse = f32::new(0.0);
-        if any_key {
-            inverse = f32::new(1.0) / sum;
-            lse[lse_at] = running_max + sum.ln();
-        } else {
-            lse[lse_at] = neg_inf;
+    #[unroll]
+    for r in 0..rows {
+        let query = first_query + r * units;
+        if query < q_tokens {
+            let lse_at = head * lse.stride(0) + query * lse.stride(1);
+            // A query without any key has `acc = 0`: a zero factor writes `out = 0`.
+            let mut inverse = f32::new(0.0);
+            if seen[r] == 1 {
+                inverse = 1.0 / sum[r];
+                lse[lse_at] = running_max[r] + sum[r].ln();
+            } else {
+                lse[lse_at] = neg_inf;
+            }
+            store_row::<F, N>(out, query, head, &acc, r, inverse, vv);
         }
-        write_row::<F>(out, query, head, &acc, inverse, value_dim);
     }
 }
 
@@ -250,46 +346,58 @@ pub fn delta_kernel<F: Float>(
 /// Backward, query side: `dq [Tq, H, D]`. Same geometry and tile lists as the forward.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn dq_kernel<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    dout: &Tensor<F>,
+pub fn dq_kernel<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    dout: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     spans: &Tensor<u32>,
     tile_offsets: &Tensor<u32>,
     tile_runs: &Tensor<u32>,
-    dq: &mut Tensor<F>,
+    dq: &mut Tensor<Vector<F, N>>,
     scale: f32,
-    #[comptime] head_dim: usize,
-    #[comptime] value_dim: usize,
-    #[comptime] block_q: usize,
+    #[comptime] vq: usize,
+    #[comptime] vv: usize,
+    #[comptime] rows: usize,
+    #[comptime] units: usize,
     #[comptime] block_kv: usize,
     #[comptime] max_spans: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let q_tile = CUBE_POS_X as usize;
     let head = CUBE_POS_Y as usize;
-    let query = q_tile * block_q + UNIT_POS_X as usize;
-    let in_range = query < q.shape(0);
+    let unit = UNIT_POS_X as usize;
+    let q_tokens = q.shape(0);
+    let kv_tokens = k.shape(0);
     let kv_head = head / (q.shape(1) / k.shape(1));
+    let first_query = q_tile * rows * units + unit;
 
-    let mut q_row = zeros(head_dim);
-    let mut dout_row = zeros(value_dim);
-    let row_spans = read_spans(spans, query, in_range, max_spans);
-    let mut row_lse = f32::new(NONE);
-    let mut row_delta = f32::new(0.0);
-    if in_range {
-        read_row::<F>(q, query, head, &mut q_row, head_dim);
-        read_row::<F>(dout, query, head, &mut dout_row, value_dim);
-        row_lse = lse[head * lse.stride(0) + query * lse.stride(1)];
-        row_delta = delta[head * delta.stride(0) + query * delta.stride(1)];
+    let mut q_rows = zero_vectors::<N>(rows * vq);
+    let mut dout_rows = zero_vectors::<N>(rows * vv);
+    let mut row_spans = Array::<u32>::new(rows * 2 * max_spans);
+    let mut row_lse = Array::<f32>::new(rows);
+    let mut row_delta = Array::<f32>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        let query = first_query + r * units;
+        let present = query < q_tokens;
+        let row = select(present, query, q_tokens - 1);
+        load_row::<F, N>(q, row, head, &mut q_rows, r, vq);
+        load_row::<F, N>(dout, row, head, &mut dout_rows, r, vv);
+        // A row without any key (lse −∞) has no gradient; a NaN lse (non-finite inputs) is not
+        // below the limit, so its NaN reaches the gradients. Rows past the end have no spans.
+        read_spans(spans, row, present, &mut row_spans, r, max_spans);
+        row_lse[r] = lse[head * lse.stride(0) + row * lse.stride(1)];
+        row_delta[r] = delta[head * delta.stride(0) + row * delta.stride(1)];
     }
-    // A row without any key (lse −∞) has no gradient; a NaN lse (non-finite inputs) is not
-    // below the limit, so its NaN reaches the gradients.
-    let active = in_range && !(row_lse < NONE_LIMIT);
-    let mut dq_acc = zeros(head_dim);
+    let mut dq_acc = zero_vectors::<N>(rows * vq);
+    let mut k_tile = SharedMemory::<Vector<F, N>>::new(block_kv * vq);
+    let mut v_tile = SharedMemory::<Vector<F, N>>::new(block_kv * vv);
+    let mut key_row = zero_vectors::<N>(vq);
+    let mut ds = Array::<f32>::new(rows);
+    let mut take = Array::<u32>::new(rows);
 
     let first_run = tile_offsets[q_tile] as usize;
     let end_run = tile_offsets[q_tile + 1] as usize;
@@ -298,68 +406,143 @@ pub fn dq_kernel<F: Float>(
         let end_tile = tile_runs[2 * run + 1] as usize;
         for kv_tile in first_tile..end_tile {
             let first_key = kv_tile * block_kv;
-            if active {
-                for jj in 0..block_kv {
-                    let key = first_key + jj;
-                    if allowed(&row_spans, key, max_spans) {
-                        let score = dot_row::<F>(&q_row, k, key, kv_head, head_dim) * scale;
-                        let p = (score - row_lse).exp();
-                        let dp = dot_row::<F>(&dout_row, v, key, kv_head, value_dim);
-                        let ds = p * (dp - row_delta);
-                        add_row::<F>(&mut dq_acc, ds, k, key, kv_head, head_dim);
+            stage_rows::<F, N>(
+                k,
+                &mut k_tile,
+                first_key,
+                kv_head,
+                kv_tokens,
+                block_kv,
+                vq,
+                units,
+            );
+            stage_rows::<F, N>(
+                v,
+                &mut v_tile,
+                first_key,
+                kv_head,
+                kv_tokens,
+                block_kv,
+                vv,
+                units,
+            );
+            sync_cube();
+            for jj in 0..block_kv {
+                let key = first_key + jj;
+                let mut scores = Array::<f32>::new(rows);
+                let mut dp = Array::<f32>::new(rows);
+                #[unroll]
+                for r in 0..rows {
+                    scores[r] = 0.0;
+                    dp[r] = 0.0;
+                }
+                #[unroll]
+                for i in 0..vq {
+                    let key_part = Vector::<f32, N>::cast_from(k_tile[jj * vq + i]);
+                    key_row[i] = key_part;
+                    #[unroll]
+                    for r in 0..rows {
+                        scores[r] += q_rows[r * vq + i].dot(key_part);
+                    }
+                }
+                #[unroll]
+                for i in 0..vv {
+                    let value_part = Vector::<f32, N>::cast_from(v_tile[jj * vv + i]);
+                    #[unroll]
+                    for r in 0..rows {
+                        dp[r] += dout_rows[r * vv + i].dot(value_part);
+                    }
+                }
+                #[unroll]
+                for r in 0..rows {
+                    let ok = !(row_lse[r] < NONE_LIMIT) && allowed(&row_spans, r, key, max_spans);
+                    let p = (scores[r] * scale - row_lse[r]).exp();
+                    ds[r] = p * (dp[r] - row_delta[r]);
+                    take[r] = select(ok, 1u32, 0u32);
+                }
+                #[unroll]
+                for i in 0..vq {
+                    #[unroll]
+                    for r in 0..rows {
+                        if take[r] == 1 {
+                            dq_acc[r * vq + i] += key_row[i] * Vector::new(ds[r]);
+                        }
                     }
                 }
             }
+            sync_cube();
         }
     }
 
-    if in_range {
-        write_row::<F>(dq, query, head, &dq_acc, scale, head_dim);
+    #[unroll]
+    for r in 0..rows {
+        let query = first_query + r * units;
+        if query < q_tokens {
+            store_row::<F, N>(dq, query, head, &dq_acc, r, scale, vq);
+        }
     }
 }
 
 /// Backward, key side: `dk [Tk, K, D]`, `dv [Tk, K, Dv]`.
 ///
-/// Cube `(x, y)` = (key tile of `block_kv` keys, kv head); unit = key. It loops over the query
-/// heads of its group and the query tiles (of `block_q` queries) listed for its key tile, so the
-/// grouped-query reduction happens in registers: no atomics, deterministic results.
+/// Cube `(x, y)` = (key tile of `units · rows` keys, kv head); a unit owns `rows` keys. It loops
+/// over the query heads of its group and the query tiles (of `block_q` queries) listed for its
+/// key tile, staging each query tile (rows of `q` and `dout`, `lse`, `delta`, spans) in shared
+/// memory, so the grouped-query reduction happens in registers: no atomics, deterministic.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn dkdv_kernel<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    dout: &Tensor<F>,
+pub fn dkdv_kernel<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    dout: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     spans: &Tensor<u32>,
     tile_offsets: &Tensor<u32>,
     tile_runs: &Tensor<u32>,
-    dk: &mut Tensor<F>,
-    dv: &mut Tensor<F>,
+    dk: &mut Tensor<Vector<F, N>>,
+    dv: &mut Tensor<Vector<F, N>>,
     scale: f32,
-    #[comptime] head_dim: usize,
-    #[comptime] value_dim: usize,
+    #[comptime] vq: usize,
+    #[comptime] vv: usize,
+    #[comptime] rows: usize,
+    #[comptime] units: usize,
     #[comptime] block_q: usize,
-    #[comptime] block_kv: usize,
     #[comptime] max_spans: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let kv_tile = CUBE_POS_X as usize;
     let kv_head = CUBE_POS_Y as usize;
-    let key = kv_tile * block_kv + UNIT_POS_X as usize;
-    let active = key < k.shape(0);
+    let unit = UNIT_POS_X as usize;
     let q_tokens = q.shape(0);
+    let kv_tokens = k.shape(0);
     let group = q.shape(1) / k.shape(1);
+    let first_key = kv_tile * rows * units + unit;
 
-    let mut k_row = zeros(head_dim);
-    let mut v_row = zeros(value_dim);
-    if active {
-        read_row::<F>(k, key, kv_head, &mut k_row, head_dim);
-        read_row::<F>(v, key, kv_head, &mut v_row, value_dim);
+    let mut k_rows = zero_vectors::<N>(rows * vq);
+    let mut v_rows = zero_vectors::<N>(rows * vv);
+    #[unroll]
+    for r in 0..rows {
+        let key = first_key + r * units;
+        let row = select(key < kv_tokens, key, kv_tokens - 1);
+        load_row::<F, N>(k, row, kv_head, &mut k_rows, r, vq);
+        load_row::<F, N>(v, row, kv_head, &mut v_rows, r, vv);
     }
-    let mut dk_acc = zeros(head_dim);
-    let mut dv_acc = zeros(value_dim);
+    let mut dk_acc = zero_vectors::<N>(rows * vq);
+    let mut dv_acc = zero_vectors::<N>(rows * vv);
+    let mut q_tile = SharedMemory::<Vector<F, N>>::new(block_q * vq);
+    let mut dout_tile = SharedMemory::<Vector<F, N>>::new(block_q * vv);
+    let mut lse_tile = SharedMemory::<f32>::new(block_q);
+    let mut delta_tile = SharedMemory::<f32>::new(block_q);
+    let mut spans_tile = SharedMemory::<u32>::new(block_q * 2 * max_spans);
+    let mut query_spans = Array::<u32>::new(2 * max_spans);
+    let mut query_row = zero_vectors::<N>(vq);
+    let mut dout_row = zero_vectors::<N>(vv);
+    let mut weight = Array::<f32>::new(rows);
+    let mut ds = Array::<f32>::new(rows);
+    let mut take = Array::<u32>::new(rows);
+
     let first_run = tile_offsets[kv_tile] as usize;
     let end_run = tile_offsets[kv_tile + 1] as usize;
     for member in 0..group {
@@ -369,45 +552,129 @@ pub fn dkdv_kernel<F: Float>(
             let end_tile = tile_runs[2 * run + 1] as usize;
             for tile in first_tile..end_tile {
                 let first_query = tile * block_q;
-                if active {
-                    for ii in 0..block_q {
-                        let query = first_query + ii;
-                        // Rows past the end have no spans in the table: read nothing for them.
+                stage_rows::<F, N>(
+                    q,
+                    &mut q_tile,
+                    first_query,
+                    head,
+                    q_tokens,
+                    block_q,
+                    vq,
+                    units,
+                );
+                stage_rows::<F, N>(
+                    dout,
+                    &mut dout_tile,
+                    first_query,
+                    head,
+                    q_tokens,
+                    block_q,
+                    vv,
+                    units,
+                );
+                // Per query: lse (the sentinel past the end: no gradient), delta, spans.
+                #[unroll]
+                for pass in 0..(block_q * (2 + 2 * max_spans)).div_ceil(units) {
+                    let index = pass * units + unit;
+                    if index < block_q {
+                        let query = first_query + index;
+                        let mut value = f32::new(NONE);
                         if query < q_tokens {
-                            let row_lse = lse[head * lse.stride(0) + query * lse.stride(1)];
-                            let row_spans = read_spans(spans, query, true, max_spans);
-                            if !(row_lse < NONE_LIMIT) && allowed(&row_spans, key, max_spans) {
-                                let score = dot_row::<F>(&k_row, q, query, head, head_dim) * scale;
-                                let p = (score - row_lse).exp();
-                                let dout_base = query * dout.stride(0) + head * dout.stride(1);
-                                let mut dp = f32::new(0.0);
-                                #[unroll]
-                                for d in 0..value_dim {
-                                    let g = f32::cast_from(dout[dout_base + d * dout.stride(2)]);
-                                    dv_acc[d] += p * g;
-                                    dp += g * v_row[d];
-                                }
-                                let row_delta =
-                                    delta[head * delta.stride(0) + query * delta.stride(1)];
-                                add_row::<F>(
-                                    &mut dk_acc,
-                                    p * (dp - row_delta),
-                                    q,
-                                    query,
-                                    head,
-                                    head_dim,
-                                );
+                            value = lse[head * lse.stride(0) + query * lse.stride(1)];
+                        }
+                        lse_tile[index] = value;
+                    } else if index < 2 * block_q {
+                        let query = first_query + index - block_q;
+                        let mut value = f32::new(0.0);
+                        if query < q_tokens {
+                            value = delta[head * delta.stride(0) + query * delta.stride(1)];
+                        }
+                        delta_tile[index - block_q] = value;
+                    } else if index < block_q * (2 + 2 * max_spans) {
+                        let slot = index - 2 * block_q;
+                        let query = first_query + slot / (2 * max_spans);
+                        let mut value = 0u32;
+                        if query < q_tokens {
+                            value = spans[first_query * 2 * max_spans + slot];
+                        }
+                        spans_tile[slot] = value;
+                    }
+                }
+                sync_cube();
+                for ii in 0..block_q {
+                    let query = first_query + ii;
+                    let row_lse = lse_tile[ii];
+                    let row_delta = delta_tile[ii];
+                    #[unroll]
+                    for s in 0..2 * max_spans {
+                        query_spans[s] = spans_tile[ii * 2 * max_spans + s];
+                    }
+                    let mut scores = Array::<f32>::new(rows);
+                    let mut dp = Array::<f32>::new(rows);
+                    #[unroll]
+                    for r in 0..rows {
+                        scores[r] = 0.0;
+                        dp[r] = 0.0;
+                    }
+                    #[unroll]
+                    for i in 0..vq {
+                        let query_part = Vector::<f32, N>::cast_from(q_tile[ii * vq + i]);
+                        query_row[i] = query_part;
+                        #[unroll]
+                        for r in 0..rows {
+                            scores[r] += k_rows[r * vq + i].dot(query_part);
+                        }
+                    }
+                    #[unroll]
+                    for i in 0..vv {
+                        let dout_part = Vector::<f32, N>::cast_from(dout_tile[ii * vv + i]);
+                        dout_row[i] = dout_part;
+                        #[unroll]
+                        for r in 0..rows {
+                            dp[r] += v_rows[r * vv + i].dot(dout_part);
+                        }
+                    }
+                    let live = !(row_lse < NONE_LIMIT) && query < q_tokens;
+                    #[unroll]
+                    for r in 0..rows {
+                        let key = first_key + r * units;
+                        let ok = live && allowed(&query_spans, 0, key, max_spans);
+                        let p = (scores[r] * scale - row_lse).exp();
+                        weight[r] = p;
+                        ds[r] = p * (dp[r] - row_delta);
+                        take[r] = select(ok, 1u32, 0u32);
+                    }
+                    #[unroll]
+                    for i in 0..vv {
+                        #[unroll]
+                        for r in 0..rows {
+                            if take[r] == 1 {
+                                dv_acc[r * vv + i] += dout_row[i] * Vector::new(weight[r]);
+                            }
+                        }
+                    }
+                    #[unroll]
+                    for i in 0..vq {
+                        #[unroll]
+                        for r in 0..rows {
+                            if take[r] == 1 {
+                                dk_acc[r * vq + i] += query_row[i] * Vector::new(ds[r]);
                             }
                         }
                     }
                 }
+                sync_cube();
             }
         }
     }
 
-    if active {
-        write_row::<F>(dk, key, kv_head, &dk_acc, scale, head_dim);
-        write_row::<F>(dv, key, kv_head, &dv_acc, f32::new(1.0), value_dim);
+    #[unroll]
+    for r in 0..rows {
+        let key = first_key + r * units;
+        if key < kv_tokens {
+            store_row::<F, N>(dk, key, kv_head, &dk_acc, r, scale, vq);
+            store_row::<F, N>(dv, key, kv_head, &dv_acc, r, 1.0, vv);
+        }
     }
 }
 

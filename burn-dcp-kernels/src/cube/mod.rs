@@ -124,11 +124,68 @@ fn tensor<B: burn::prelude::Backend, const D: usize>(
     Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
 
-/// Rows owned by the units of one cube of the tiled kernels: queries (forward, dq) or keys (dk/dv).
-const UNITS: usize = 64;
-/// Rows of the other side per tile: the granularity of the tile lists and of the forward's
-/// online-softmax rescaling.
-const CHUNK: usize = 16;
+/// Rows (queries, or keys in the dk/dv kernel) per cube of the tiled kernels.
+const CUBE_ROWS: usize = 128;
+
+/// The tile geometry of one launch, chosen from the head and value dims.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Geometry {
+    /// Rows per unit: every loaded row of the other side serves this many of the unit's rows.
+    rows: usize,
+    /// Units per cube (`rows · units = CUBE_ROWS`).
+    units: usize,
+    /// Rows of the other side per staged tile: the granularity of the tile lists.
+    block: usize,
+}
+
+impl Geometry {
+    /// Four rows per unit up to dim 64, two up to 128, one above (the f32 registers of a unit
+    /// stay near `4 · rows · dim`); tiles of 16 rows of the other side (8 when `D + Dv > 256`, so
+    /// a staged tile stays within 16 KiB of shared memory in f32).
+    fn of(head_dim: usize, value_dim: usize) -> Self {
+        let dim = head_dim.max(value_dim);
+        let rows = match dim {
+            0..=64 => 4,
+            65..=128 => 2,
+            _ => 1,
+        };
+        let block = if head_dim + value_dim <= 256 { 16 } else { 8 };
+        Self {
+            rows,
+            units: CUBE_ROWS / rows,
+            block,
+        }
+    }
+}
+
+/// The widest vector (4, 2 or 1 elements) every tensor can be read and written with: the dims
+/// divide it, the last dim is contiguous, the other strides and the buffer offset are multiples
+/// of it, and the runtime loads vectors that wide.
+fn vector_size<R: CubeRuntime>(tensors: &[&CubeTensor<R>], dims: &[usize]) -> usize {
+    let Some(first) = tensors.first() else {
+        return 1;
+    };
+    let supported: Vec<usize> = first
+        .client
+        .io_optimized_vector_sizes(first.dtype.size())
+        .collect();
+    [4usize, 2]
+        .into_iter()
+        .find(|&n| {
+            supported.contains(&n)
+                && dims.iter().all(|d| d % n == 0)
+                && tensors.iter().all(|t| {
+                    let strides = t.meta.strides();
+                    let offset = t.handle.offset_start.unwrap_or(0);
+                    strides.len() == 3
+                        && strides[2] == 1
+                        && strides[0] % n == 0
+                        && strides[1] % n == 0
+                        && offset % (n * t.dtype.size()) as u64 == 0
+                })
+        })
+        .unwrap_or(1)
+}
 
 /// The dtypes the kernels take (f32 accumulation and LSE whatever the input).
 const DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16];
@@ -204,9 +261,13 @@ struct QueryTables<R: CubeRuntime> {
 }
 
 impl<R: CubeRuntime> QueryTables<R> {
-    fn build(like: &CubeTensor<R>, problem: &VarlenAttention) -> Result<Self, KernelError> {
+    fn build(
+        like: &CubeTensor<R>,
+        problem: &VarlenAttention,
+        geometry: Geometry,
+    ) -> Result<Self, KernelError> {
         let dense = DenseSpans::build(problem)?;
-        let tiles = TileIntervals::by_query_tile(&dense, UNITS, CHUNK);
+        let tiles = TileIntervals::by_query_tile(&dense, CUBE_ROWS, geometry.block);
         Ok(Self {
             spans: upload_u32(&like.client, &like.device, &dense.spans),
             max_spans: dense.max_spans,
@@ -237,16 +298,19 @@ pub fn forward<R: CubeRuntime>(
             filled(&q, lse_dims, f32::NEG_INFINITY, DType::F32),
         ));
     }
-    let tables = QueryTables::build(&q, problem)?;
+    let geometry = Geometry::of(s.head_dim, s.value_dim);
+    let tables = QueryTables::build(&q, problem, geometry)?;
     let out = empty(&q, out_dims.to_vec(), dtype);
     let lse = empty(&q, lse_dims.to_vec(), DType::F32);
+    let vector = vector_size(&[&q, &k, &v, &out], &[s.head_dim, s.value_dim]);
     let client = q.client.clone();
     // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
     unsafe {
         kernels::forward_kernel::launch_unchecked::<R>(
             &client,
-            CubeCount::Static(s.q_tokens.div_ceil(UNITS) as u32, s.heads as u32, 1),
-            CubeDim::new_1d(UNITS as u32),
+            CubeCount::Static(s.q_tokens.div_ceil(CUBE_ROWS) as u32, s.heads as u32, 1),
+            CubeDim::new_1d(geometry.units as u32),
+            vector,
             q.into_tensor_arg(),
             k.into_tensor_arg(),
             v.into_tensor_arg(),
@@ -257,10 +321,11 @@ pub fn forward<R: CubeRuntime>(
             lse.clone().into_tensor_arg(),
             problem.softmax_scale(s.head_dim) as f32,
             f32::NEG_INFINITY,
-            s.head_dim,
-            s.value_dim,
-            UNITS,
-            CHUNK,
+            s.head_dim / vector,
+            s.value_dim / vector,
+            geometry.rows,
+            geometry.units,
+            geometry.block,
             tables.max_spans,
             storage(dtype),
         );
@@ -322,18 +387,26 @@ pub fn backward<R: CubeRuntime>(
         );
     }
 
-    let tables = QueryTables::build(&q, problem)?;
-    // Key side: key tiles of `UNITS` keys against query tiles of `CHUNK` queries.
-    let key_tiles = s.kv_tokens.div_ceil(UNITS);
-    let by_key = TileIntervals::by_query_tile(&tables.dense, CHUNK, UNITS).transpose(key_tiles);
+    let geometry = Geometry::of(s.head_dim, s.value_dim);
+    let tables = QueryTables::build(&q, problem, geometry)?;
+    // Key side: key tiles of `CUBE_ROWS` keys against query tiles of `block` queries.
+    let key_tiles = s.kv_tokens.div_ceil(CUBE_ROWS);
+    let by_key = TileIntervals::by_query_tile(&tables.dense, geometry.block, CUBE_ROWS)
+        .transpose(key_tiles);
     let dk = empty(&q, dk_dims.to_vec(), dtype);
     let dv = empty(&q, dv_dims.to_vec(), dtype);
+    let dq = empty(&q, dq_dims.to_vec(), dtype);
+    let vector = vector_size(
+        &[&q, &k, &v, &dout, &dq, &dk, &dv],
+        &[s.head_dim, s.value_dim],
+    );
     // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
     unsafe {
         kernels::dkdv_kernel::launch_unchecked::<R>(
             &client,
             CubeCount::Static(key_tiles as u32, s.kv_heads as u32, 1),
-            CubeDim::new_1d(UNITS as u32),
+            CubeDim::new_1d(geometry.units as u32),
+            vector,
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
             v.clone().into_tensor_arg(),
@@ -346,21 +419,22 @@ pub fn backward<R: CubeRuntime>(
             dk.clone().into_tensor_arg(),
             dv.clone().into_tensor_arg(),
             scale,
-            s.head_dim,
-            s.value_dim,
-            CHUNK,
-            UNITS,
+            s.head_dim / vector,
+            s.value_dim / vector,
+            geometry.rows,
+            geometry.units,
+            geometry.block,
             tables.max_spans,
             storage,
         );
     }
-    let dq = empty(&q, dq_dims.to_vec(), dtype);
     // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
     unsafe {
         kernels::dq_kernel::launch_unchecked::<R>(
             &client,
-            CubeCount::Static(s.q_tokens.div_ceil(UNITS) as u32, s.heads as u32, 1),
-            CubeDim::new_1d(UNITS as u32),
+            CubeCount::Static(s.q_tokens.div_ceil(CUBE_ROWS) as u32, s.heads as u32, 1),
+            CubeDim::new_1d(geometry.units as u32),
+            vector,
             q.into_tensor_arg(),
             k.into_tensor_arg(),
             v.into_tensor_arg(),
@@ -372,10 +446,11 @@ pub fn backward<R: CubeRuntime>(
             tables.runs.into_tensor_arg(),
             dq.clone().into_tensor_arg(),
             scale,
-            s.head_dim,
-            s.value_dim,
-            UNITS,
-            CHUNK,
+            s.head_dim / vector,
+            s.value_dim / vector,
+            geometry.rows,
+            geometry.units,
+            geometry.block,
             tables.max_spans,
             storage,
         );
