@@ -163,6 +163,93 @@ macro_rules! suite {
             }
 
             #[test]
+            fn every_vector_width_and_rows_per_unit_match_the_reference() {
+                // The launch picks vectors of 4, 2 or 1 elements from the dims and strides, and
+                // 4, 2 or 1 rows per unit (with 16- or 8-row tiles) from the dims: dims 6/10
+                // read pairs, 5/3 single elements, 136/136 one row per unit with 8-row tiles.
+                for (index, dims) in [(6, 10), (5, 3), (136, 136)].into_iter().enumerate() {
+                    let case = long_case(vec![MaskSpec::Causal], 2, 1, dims);
+                    check_against_reference(&case, 70 + index as u64, &format!("dims {dims:?}"));
+                }
+            }
+
+            #[test]
+            fn a_non_contiguous_last_dim_is_read_element_by_element() {
+                // `[T, D, H]` swapped to `[T, H, D]`: the head dim has stride H, so no vectors.
+                let case = long_case(vec![MaskSpec::Sliding { window: 20 }], 2, 2, (8, 8));
+                let Case { problem, shape: s } = &case;
+                let x = inputs(&mut SmallRng::seed_from_u64(80), s);
+                let transposed = |values: &[f32], tokens: usize, heads: usize, dim: usize| {
+                    let mut dim_major = vec![0.0; values.len()];
+                    for t in 0..tokens {
+                        for h in 0..heads {
+                            for d in 0..dim {
+                                dim_major[(t * dim + d) * heads + h] =
+                                    values[(t * heads + h) * dim + d];
+                            }
+                        }
+                    }
+                    upload(&dim_major, [tokens, dim, heads]).swap_dims(1, 2)
+                };
+                let q = transposed(&x.q, s.q_tokens, s.heads, s.head_dim);
+                let k = transposed(&x.k, s.kv_tokens, s.kv_heads, s.head_dim);
+                let v = transposed(&x.v, s.kv_tokens, s.kv_heads, s.value_dim);
+                let dout = transposed(&x.dout, s.q_tokens, s.heads, s.value_dim);
+                let forward = B::flash_forward(q.clone(), k.clone(), v.clone(), problem).unwrap();
+                let want = reference::forward(&x.q, &x.k, &x.v, problem, s).unwrap();
+                assert!(rel_err(&read(forward.out.clone()), &want.out) <= 1e-5);
+                assert!(rel_err(&read(forward.lse.clone()), &want.lse) <= 1e-5);
+                let grads =
+                    B::flash_backward(q, k, v, forward.out, forward.lse, dout, problem).unwrap();
+                let want = reference::backward(&x.q, &x.k, &x.v, &x.dout, problem, s).unwrap();
+                assert!(rel_err(&read(grads.dq), &want.dq) <= 1e-5);
+                assert!(rel_err(&read(grads.dk), &want.dk) <= 1e-5);
+                assert!(rel_err(&read(grads.dv), &want.dv) <= 1e-5);
+            }
+
+            #[test]
+            fn half_precision_inputs_accumulate_in_f32() {
+                // f16 q/k/v/dout; the oracle runs in f64 on the same (f16-rounded) values. The
+                // LSE is f32 from f32 accumulation: as exact as with f32 inputs. `out` and the
+                // gradients are stored in f16: within half an f16 ulp of the largest magnitude
+                // (2^-11 ≈ 4.9e-4 relative to it); the gradients also inherit the rounding of
+                // `out` through delta = rowsum(dout ∘ out), as in FlashAttention's backward.
+                let case = long_case(vec![MaskSpec::Causal], 4, 2, (16, 16));
+                let Case { problem, shape: s } = &case;
+                let x = inputs(&mut SmallRng::seed_from_u64(90), s);
+                let half = |values: &[f32], dims: [usize; 3]| {
+                    let tensor = upload(values, dims).cast(burn::tensor::DType::F16);
+                    (read(tensor.clone()), tensor)
+                };
+                let (hq, q) = half(&x.q, [s.q_tokens, s.heads, s.head_dim]);
+                let (hk, k) = half(&x.k, [s.kv_tokens, s.kv_heads, s.head_dim]);
+                let (hv, v) = half(&x.v, [s.kv_tokens, s.kv_heads, s.value_dim]);
+                let (hdout, dout) = half(&x.dout, [s.q_tokens, s.heads, s.value_dim]);
+                let forward = B::flash_forward(q.clone(), k.clone(), v.clone(), problem).unwrap();
+                assert_eq!(forward.out.dtype(), burn::tensor::DType::F16);
+                assert_eq!(forward.lse.dtype(), burn::tensor::DType::F32);
+                let want = reference::forward(&hq, &hk, &hv, problem, s).unwrap();
+                let out_err = rel_err(&read(forward.out.clone()), &want.out);
+                let lse_err = rel_err(&read(forward.lse.clone()), &want.lse);
+                assert!(
+                    out_err <= 4.9e-4 && lse_err <= 1e-5,
+                    "out {out_err}, lse {lse_err}"
+                );
+                let grads =
+                    B::flash_backward(q, k, v, forward.out, forward.lse, dout, problem).unwrap();
+                let want = reference::backward(&hq, &hk, &hv, &hdout, problem, s).unwrap();
+                let errors = [
+                    rel_err(&read(grads.dq), &want.dq),
+                    rel_err(&read(grads.dk), &want.dk),
+                    rel_err(&read(grads.dv), &want.dv),
+                ];
+                assert!(
+                    errors.iter().all(|&e| e <= 2e-3),
+                    "dq/dk/dv errors {errors:?}"
+                );
+            }
+
+            #[test]
             fn strided_views_are_read_without_copies() {
                 // q/k/v handed over as `[H, T, D]` tensors swapped to `[T, H, D]` (the decorator's layout).
                 let case = long_case(vec![MaskSpec::Causal], 2, 2, (8, 8));

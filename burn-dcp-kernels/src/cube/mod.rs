@@ -391,8 +391,8 @@ pub fn backward<R: CubeRuntime>(
     let tables = QueryTables::build(&q, problem, geometry)?;
     // Key side: key tiles of `CUBE_ROWS` keys against query tiles of `block` queries.
     let key_tiles = s.kv_tokens.div_ceil(CUBE_ROWS);
-    let by_key = TileIntervals::by_query_tile(&tables.dense, geometry.block, CUBE_ROWS)
-        .transpose(key_tiles);
+    let by_key =
+        TileIntervals::by_query_tile(&tables.dense, geometry.block, CUBE_ROWS).transpose(key_tiles);
     let dk = empty(&q, dk_dims.to_vec(), dtype);
     let dv = empty(&q, dv_dims.to_vec(), dtype);
     let dq = empty(&q, dq_dims.to_vec(), dtype);
