@@ -23,7 +23,9 @@
 //! has up to `stages + 1` compute stages and `stages` communication stages, local work first.
 
 use crate::error::CpError;
-use crate::planner::cost::{direct_transfers, AttentionDims, RoutedPlan, BACKWARD_FLOPS_FACTOR};
+use crate::planner::cost::{
+    direct_transfers, AttentionDims, RoutedPlan, UnitSizes, BACKWARD_FLOPS_FACTOR,
+};
 use crate::planner::hypergraph::{partition, FastMap, Hypergraph, PartitionConfig};
 use crate::planner::plan::{BlockProblem, ComputeBlock, Plan, TileGrid};
 use crate::planner::topology::Topology;
@@ -252,65 +254,46 @@ pub fn dcp_plan(
     let group = tile_group(tile_count, topology.ranks());
     let built = build_graph(problem, &grids, dims, group)?;
     let rank = place(&built.graph, topology, config);
-    let ranks = topology.ranks();
-    let home = |seq: u32, head: u32, block: u32| {
-        rank[(built.data_base[seq as usize][head as usize] + block) as usize] as usize
-    };
-    // stage schedule, rank by rank: remote inputs in the order the rank's tiles first need them
-    let mut tiles_of_rank: Vec<Vec<usize>> = vec![Vec::new(); ranks];
-    for (i, tile) in built.tiles.iter().enumerate() {
-        tiles_of_rank[rank[tile.vertex as usize] as usize].push(i);
-    }
-    let mut stage_of_tile = vec![0usize; built.tiles.len()];
-    let mut largest_chunk_fraction: f64 = 0.0;
-    for (r, tiles) in tiles_of_rank.iter().enumerate() {
-        let mut inputs: Vec<f64> = Vec::new();
-        let mut index: FastMap<(bool, u32, u32, u32), usize> = FastMap::default();
-        for &i in tiles {
-            let t = built.tiles[i];
-            for (is_kv, block, per_token) in
-                [(false, t.q_block, sizes.q), (true, t.kv_block, sizes.kv)]
-            {
-                if home(t.seq, t.head, block) != r {
-                    index
-                        .entry((is_kv, t.seq, t.head, block))
-                        .or_insert_with(|| {
-                            let tokens =
-                                problem.block_tokens(t.seq as usize, block as usize).len() as f64;
-                            inputs.push(per_token * tokens);
-                            inputs.len() - 1
-                        });
-                }
-            }
-        }
-        let total: f64 = inputs.iter().sum();
-        let limit = total / config.stages as f64;
-        let mut chunk_of_input = vec![0usize; inputs.len()];
-        let (mut chunk, mut filled) = (0usize, 0.0f64);
-        let mut chunk_bytes = vec![0.0f64; config.stages];
-        for (i, &bytes) in inputs.iter().enumerate() {
-            if filled > 0.0 && filled + bytes > limit * (1.0 + 1e-9) && chunk + 1 < config.stages {
-                chunk += 1;
-                filled = 0.0;
-            }
-            filled += bytes;
-            chunk_bytes[chunk] += bytes;
-            chunk_of_input[i] = chunk;
-        }
-        if total > 0.0 {
-            let largest = chunk_bytes.iter().copied().fold(0.0, f64::max);
-            largest_chunk_fraction = largest_chunk_fraction.max(largest / total);
-        }
-        for &i in tiles {
-            let t = built.tiles[i];
-            stage_of_tile[i] = [(false, t.q_block), (true, t.kv_block)]
-                .iter()
-                .filter_map(|&(is_kv, block)| index.get(&(is_kv, t.seq, t.head, block)))
-                .map(|&input| chunk_of_input[input] + 1)
-                .max()
-                .unwrap_or(0);
-        }
-    }
+    let schedule = StageSchedule::build(problem, &built, &rank, &sizes, topology.ranks(), config);
+    let mut plan = placed_plan(
+        problem,
+        &built,
+        &rank,
+        &schedule.stage_of_tile,
+        topology.ranks(),
+    );
+    plan.stats = serde_json::json!({
+        "strategy": "dcp",
+        "communication_stages": config.stages,
+        "largest_stage_fraction": schedule.largest_chunk_fraction,
+        "connectivity_cost_bytes": built.graph.connectivity_cost(&rank),
+        "vertices": built.graph.vertices(),
+        "tile_group": group,
+        "hyperedges": built.graph.edges(),
+        "compute_epsilon": config.compute_epsilon,
+        "block": problem.block,
+        "memory_epsilon": config.memory_epsilon,
+    });
+    let transfers = direct_transfers(&plan, problem, &sizes, topology);
+    Ok(RoutedPlan {
+        name: "dcp".into(),
+        plan,
+        problem: problem.clone(),
+        grids,
+        sizes,
+        transfers,
+    })
+}
+
+/// The plan of a placement: each data block at its vertex's rank, each tile at its vertex's rank
+/// and stage.
+fn placed_plan(
+    problem: &BlockProblem,
+    built: &DcpGraph,
+    rank: &[u32],
+    stage_of_tile: &[usize],
+    ranks: usize,
+) -> Plan {
     let mut plan = Plan::empty(ranks, "dcp");
     for (seq, bases) in built.data_base.iter().enumerate() {
         for (head, &base) in bases.iter().enumerate() {
@@ -329,25 +312,139 @@ pub fn dcp_plan(
             stage: stage_of_tile[i],
         });
     }
-    plan.stats = serde_json::json!({
-        "strategy": "dcp",
-        "communication_stages": config.stages,
-        "largest_stage_fraction": largest_chunk_fraction,
-        "connectivity_cost_bytes": built.graph.connectivity_cost(&rank),
-        "vertices": built.graph.vertices(),
-        "tile_group": group,
-        "hyperedges": built.graph.edges(),
-        "compute_epsilon": config.compute_epsilon,
-        "block": problem.block,
-        "memory_epsilon": config.memory_epsilon,
-    });
-    let transfers = direct_transfers(&plan, problem, &sizes, topology);
-    Ok(RoutedPlan {
-        name: "dcp".into(),
-        plan,
-        problem: problem.clone(),
-        grids,
-        sizes,
-        transfers,
-    })
+    plan
+}
+
+/// A data block a rank needs from another rank: its Q (`is_kv` false) or its K/V.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct RemoteInput {
+    is_kv: bool,
+    seq: u32,
+    head: u32,
+    block: u32,
+}
+
+/// The remote inputs of one rank, in the order its tiles first need them, with their bytes.
+struct RemoteInputs {
+    bytes: Vec<f64>,
+    index: FastMap<RemoteInput, usize>,
+}
+
+impl RemoteInputs {
+    /// The inputs of `rank`'s tiles (indices into `built.tiles`) whose home is another rank.
+    fn of_rank(
+        rank: usize,
+        tiles: &[usize],
+        built: &DcpGraph,
+        home: impl Fn(u32, u32, u32) -> usize,
+        problem: &BlockProblem,
+        sizes: &UnitSizes,
+    ) -> Self {
+        let mut inputs = Self {
+            bytes: Vec::new(),
+            index: FastMap::default(),
+        };
+        for &i in tiles {
+            let t = built.tiles[i];
+            for (is_kv, block, per_token) in
+                [(false, t.q_block, sizes.q), (true, t.kv_block, sizes.kv)]
+            {
+                if home(t.seq, t.head, block) == rank {
+                    continue;
+                }
+                let key = RemoteInput {
+                    is_kv,
+                    seq: t.seq,
+                    head: t.head,
+                    block,
+                };
+                let bytes = &mut inputs.bytes;
+                inputs.index.entry(key).or_insert_with(|| {
+                    let tokens = problem.block_tokens(t.seq as usize, block as usize).len() as f64;
+                    bytes.push(per_token * tokens);
+                    bytes.len() - 1
+                });
+            }
+        }
+        inputs
+    }
+
+    /// Splits the inputs, in order, into at most `stages` chunks of about equal bytes: the chunk
+    /// of each input and the largest chunk's share of the bytes (0 when there are none).
+    fn chunks(&self, stages: usize) -> (Vec<usize>, f64) {
+        let total: f64 = self.bytes.iter().sum();
+        let limit = total / stages as f64;
+        let mut chunk_of_input = vec![0usize; self.bytes.len()];
+        let (mut chunk, mut filled) = (0usize, 0.0f64);
+        let mut chunk_bytes = vec![0.0f64; stages];
+        for (i, &bytes) in self.bytes.iter().enumerate() {
+            if filled > 0.0 && filled + bytes > limit * (1.0 + 1e-9) && chunk + 1 < stages {
+                chunk += 1;
+                filled = 0.0;
+            }
+            filled += bytes;
+            chunk_bytes[chunk] += bytes;
+            chunk_of_input[i] = chunk;
+        }
+        let largest = if total > 0.0 {
+            chunk_bytes.iter().copied().fold(0.0, f64::max) / total
+        } else {
+            0.0
+        };
+        (chunk_of_input, largest)
+    }
+}
+
+/// DCP's stage schedule, rank by rank: remote inputs in the order the rank's tiles first need
+/// them, cut into `stages` chunks; a tile runs in the stage after its last remote input arrives
+/// (stage 0 when all of its inputs are local).
+struct StageSchedule {
+    stage_of_tile: Vec<usize>,
+    /// Over all ranks, the largest chunk's share of its rank's remote bytes.
+    largest_chunk_fraction: f64,
+}
+
+impl StageSchedule {
+    fn build(
+        problem: &BlockProblem,
+        built: &DcpGraph,
+        rank: &[u32],
+        sizes: &UnitSizes,
+        ranks: usize,
+        config: &DcpConfig,
+    ) -> Self {
+        let home = |seq: u32, head: u32, block: u32| {
+            rank[(built.data_base[seq as usize][head as usize] + block) as usize] as usize
+        };
+        let mut tiles_of_rank: Vec<Vec<usize>> = vec![Vec::new(); ranks];
+        for (i, tile) in built.tiles.iter().enumerate() {
+            tiles_of_rank[rank[tile.vertex as usize] as usize].push(i);
+        }
+        let mut schedule = Self {
+            stage_of_tile: vec![0; built.tiles.len()],
+            largest_chunk_fraction: 0.0,
+        };
+        for (r, tiles) in tiles_of_rank.iter().enumerate() {
+            let inputs = RemoteInputs::of_rank(r, tiles, built, home, problem, sizes);
+            let (chunk_of_input, largest) = inputs.chunks(config.stages);
+            schedule.largest_chunk_fraction = schedule.largest_chunk_fraction.max(largest);
+            for &i in tiles {
+                let t = built.tiles[i];
+                schedule.stage_of_tile[i] = [(false, t.q_block), (true, t.kv_block)]
+                    .iter()
+                    .filter_map(|&(is_kv, block)| {
+                        inputs.index.get(&RemoteInput {
+                            is_kv,
+                            seq: t.seq,
+                            head: t.head,
+                            block,
+                        })
+                    })
+                    .map(|&input| chunk_of_input[input] + 1)
+                    .max()
+                    .unwrap_or(0);
+            }
+        }
+        schedule
+    }
 }
