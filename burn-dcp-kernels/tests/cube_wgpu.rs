@@ -66,6 +66,17 @@ macro_rules! suite {
 
             /// Forward and backward on wgpu against the f64 oracle (≤ 1e-5 relative, as the portable one).
             fn check_against_reference(case: &Case, seed: u64, what: &str) {
+                check_uploaded(case, seed, what, upload);
+            }
+
+            /// [`check_against_reference`] with the `[tokens, heads, dim]` inputs put on the
+            /// device by `upload` (which may hand over any strided view of them).
+            fn check_uploaded(
+                case: &Case,
+                seed: u64,
+                what: &str,
+                upload: impl Fn(&[f32], [usize; 3]) -> Tensor<B, 3>,
+            ) {
                 let Case { problem, shape: s } = case;
                 let x = inputs(&mut SmallRng::seed_from_u64(seed), s);
                 let q = upload(&x.q, [s.q_tokens, s.heads, s.head_dim]);
@@ -176,10 +187,7 @@ macro_rules! suite {
             #[test]
             fn a_non_contiguous_last_dim_is_read_element_by_element() {
                 // `[T, D, H]` swapped to `[T, H, D]`: the head dim has stride H, so no vectors.
-                let case = long_case(vec![MaskSpec::Sliding { window: 20 }], 2, 2, (8, 8));
-                let Case { problem, shape: s } = &case;
-                let x = inputs(&mut SmallRng::seed_from_u64(80), s);
-                let transposed = |values: &[f32], tokens: usize, heads: usize, dim: usize| {
+                let transposed = |values: &[f32], [tokens, heads, dim]: [usize; 3]| {
                     let mut dim_major = vec![0.0; values.len()];
                     for t in 0..tokens {
                         for h in 0..heads {
@@ -191,20 +199,8 @@ macro_rules! suite {
                     }
                     upload(&dim_major, [tokens, dim, heads]).swap_dims(1, 2)
                 };
-                let q = transposed(&x.q, s.q_tokens, s.heads, s.head_dim);
-                let k = transposed(&x.k, s.kv_tokens, s.kv_heads, s.head_dim);
-                let v = transposed(&x.v, s.kv_tokens, s.kv_heads, s.value_dim);
-                let dout = transposed(&x.dout, s.q_tokens, s.heads, s.value_dim);
-                let forward = B::flash_forward(q.clone(), k.clone(), v.clone(), problem).unwrap();
-                let want = reference::forward(&x.q, &x.k, &x.v, problem, s).unwrap();
-                assert!(rel_err(&read(forward.out.clone()), &want.out) <= 1e-5);
-                assert!(rel_err(&read(forward.lse.clone()), &want.lse) <= 1e-5);
-                let grads =
-                    B::flash_backward(q, k, v, forward.out, forward.lse, dout, problem).unwrap();
-                let want = reference::backward(&x.q, &x.k, &x.v, &x.dout, problem, s).unwrap();
-                assert!(rel_err(&read(grads.dq), &want.dq) <= 1e-5);
-                assert!(rel_err(&read(grads.dk), &want.dk) <= 1e-5);
-                assert!(rel_err(&read(grads.dv), &want.dv) <= 1e-5);
+                let case = long_case(vec![MaskSpec::Sliding { window: 20 }], 2, 2, (8, 8));
+                check_uploaded(&case, 80, "dim-strided views", transposed);
             }
 
             #[test]

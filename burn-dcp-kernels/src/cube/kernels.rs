@@ -156,6 +156,101 @@ fn stage_rows<F: Float, N: Size>(
     }
 }
 
+/// Stages one tile of the other side: rows `first_row..first_row + block` of head `head` of
+/// `first` (`first_vecs` vectors each) and of `second` (`second_vecs`), e.g. K and V.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_tile<F: Float, N: Size>(
+    first: &Tensor<Vector<F, N>>,
+    second: &Tensor<Vector<F, N>>,
+    first_tile: &mut SharedMemory<Vector<F, N>>,
+    second_tile: &mut SharedMemory<Vector<F, N>>,
+    first_row: usize,
+    head: usize,
+    rows_total: usize,
+    #[comptime] block: usize,
+    #[comptime] first_vecs: usize,
+    #[comptime] second_vecs: usize,
+    #[comptime] units: usize,
+) {
+    stage_rows::<F, N>(
+        first, first_tile, first_row, head, rows_total, block, first_vecs, units,
+    );
+    stage_rows::<F, N>(
+        second,
+        second_tile,
+        first_row,
+        head,
+        rows_total,
+        block,
+        second_vecs,
+        units,
+    );
+}
+
+/// Row `at` of a staged tile, as f32 vectors, into `row`.
+#[cube]
+fn load_tile_row<F: Float, N: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    at: usize,
+    row: &mut Array<Vector<f32, N>>,
+    #[comptime] vecs: usize,
+) {
+    #[unroll]
+    for i in 0..vecs {
+        row[i] = Vector::<f32, N>::cast_from(tile[at * vecs + i]);
+    }
+}
+
+/// Row `at` of a staged tile into `row` (as [`load_tile_row`]), and its dot product with each
+/// of the unit's `rows` rows held in `regs`.
+#[cube]
+fn dot_tile_row<F: Float, N: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    at: usize,
+    regs: &Array<Vector<f32, N>>,
+    row: &mut Array<Vector<f32, N>>,
+    #[comptime] rows: usize,
+    #[comptime] vecs: usize,
+) -> Array<f32> {
+    load_tile_row::<F, N>(tile, at, row, vecs);
+    let mut dots = Array::<f32>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        dots[r] = 0.0;
+    }
+    #[unroll]
+    for i in 0..vecs {
+        #[unroll]
+        for r in 0..rows {
+            dots[r] += regs[r * vecs + i].dot(row[i]);
+        }
+    }
+    dots
+}
+
+/// `acc[r] += weight[r] · row` for each of the unit's rows `r` with `take[r] == 1` (a row that
+/// does not attend the pair gets nothing, not even `0 · row`).
+#[cube]
+fn add_weighted_row<N: Size>(
+    acc: &mut Array<Vector<f32, N>>,
+    row: &Array<Vector<f32, N>>,
+    weight: &Array<f32>,
+    take: &Array<u32>,
+    #[comptime] rows: usize,
+    #[comptime] vecs: usize,
+) {
+    #[unroll]
+    for i in 0..vecs {
+        #[unroll]
+        for r in 0..rows {
+            if take[r] == 1 {
+                acc[r * vecs + i] += row[i] * Vector::new(weight[r]);
+            }
+        }
+    }
+}
+
 /// Forward: `out [Tq, H, Dv]` (input dtype) and `lse [H, Tq]` (f32).
 ///
 /// Cube `(x, y)` = (query tile of `units · rows` queries, head). Key tiles of `block_kv` keys
@@ -214,6 +309,8 @@ pub fn forward_kernel<F: Float, N: Size>(
     }
     let mut k_tile = SharedMemory::<Vector<F, N>>::new(block_kv * vq);
     let mut v_tile = SharedMemory::<Vector<F, N>>::new(block_kv * vv);
+    let mut key_row = zero_vectors::<N>(vq);
+    let mut value_row = zero_vectors::<N>(vv);
     let mut weight = Array::<f32>::new(rows);
     let mut take = Array::<u32>::new(rows);
 
@@ -224,42 +321,23 @@ pub fn forward_kernel<F: Float, N: Size>(
         let end_tile = tile_runs[2 * run + 1] as usize;
         for kv_tile in first_tile..end_tile {
             let first_key = kv_tile * block_kv;
-            stage_rows::<F, N>(
+            stage_tile::<F, N>(
                 k,
-                &mut k_tile,
-                first_key,
-                kv_head,
-                kv_tokens,
-                block_kv,
-                vq,
-                units,
-            );
-            stage_rows::<F, N>(
                 v,
+                &mut k_tile,
                 &mut v_tile,
                 first_key,
                 kv_head,
                 kv_tokens,
                 block_kv,
+                vq,
                 vv,
                 units,
             );
             sync_cube();
             for jj in 0..block_kv {
                 let key = first_key + jj;
-                let mut scores = Array::<f32>::new(rows);
-                #[unroll]
-                for r in 0..rows {
-                    scores[r] = 0.0;
-                }
-                #[unroll]
-                for i in 0..vq {
-                    let key_part = Vector::<f32, N>::cast_from(k_tile[jj * vq + i]);
-                    #[unroll]
-                    for r in 0..rows {
-                        scores[r] += q_rows[r * vq + i].dot(key_part);
-                    }
-                }
+                let scores = dot_tile_row::<F, N>(&k_tile, jj, &q_rows, &mut key_row, rows, vq);
                 // Online softmax one key at a time: rescale only when the max grows.
                 #[unroll]
                 for r in 0..rows {
@@ -283,16 +361,8 @@ pub fn forward_kernel<F: Float, N: Size>(
                     weight[r] = p;
                     take[r] = select(ok, 1u32, 0u32);
                 }
-                #[unroll]
-                for i in 0..vv {
-                    let value_part = Vector::<f32, N>::cast_from(v_tile[jj * vv + i]);
-                    #[unroll]
-                    for r in 0..rows {
-                        if take[r] == 1 {
-                            acc[r * vv + i] += value_part * Vector::new(weight[r]);
-                        }
-                    }
-                }
+                load_tile_row::<F, N>(&v_tile, jj, &mut value_row, vv);
+                add_weighted_row::<N>(&mut acc, &value_row, &weight, &take, rows, vv);
             }
             sync_cube();
         }
@@ -396,6 +466,7 @@ pub fn dq_kernel<F: Float, N: Size>(
     let mut k_tile = SharedMemory::<Vector<F, N>>::new(block_kv * vq);
     let mut v_tile = SharedMemory::<Vector<F, N>>::new(block_kv * vv);
     let mut key_row = zero_vectors::<N>(vq);
+    let mut value_row = zero_vectors::<N>(vv);
     let mut ds = Array::<f32>::new(rows);
     let mut take = Array::<u32>::new(rows);
 
@@ -406,53 +477,24 @@ pub fn dq_kernel<F: Float, N: Size>(
         let end_tile = tile_runs[2 * run + 1] as usize;
         for kv_tile in first_tile..end_tile {
             let first_key = kv_tile * block_kv;
-            stage_rows::<F, N>(
+            stage_tile::<F, N>(
                 k,
-                &mut k_tile,
-                first_key,
-                kv_head,
-                kv_tokens,
-                block_kv,
-                vq,
-                units,
-            );
-            stage_rows::<F, N>(
                 v,
+                &mut k_tile,
                 &mut v_tile,
                 first_key,
                 kv_head,
                 kv_tokens,
                 block_kv,
+                vq,
                 vv,
                 units,
             );
             sync_cube();
             for jj in 0..block_kv {
                 let key = first_key + jj;
-                let mut scores = Array::<f32>::new(rows);
-                let mut dp = Array::<f32>::new(rows);
-                #[unroll]
-                for r in 0..rows {
-                    scores[r] = 0.0;
-                    dp[r] = 0.0;
-                }
-                #[unroll]
-                for i in 0..vq {
-                    let key_part = Vector::<f32, N>::cast_from(k_tile[jj * vq + i]);
-                    key_row[i] = key_part;
-                    #[unroll]
-                    for r in 0..rows {
-                        scores[r] += q_rows[r * vq + i].dot(key_part);
-                    }
-                }
-                #[unroll]
-                for i in 0..vv {
-                    let value_part = Vector::<f32, N>::cast_from(v_tile[jj * vv + i]);
-                    #[unroll]
-                    for r in 0..rows {
-                        dp[r] += dout_rows[r * vv + i].dot(value_part);
-                    }
-                }
+                let scores = dot_tile_row::<F, N>(&k_tile, jj, &q_rows, &mut key_row, rows, vq);
+                let dp = dot_tile_row::<F, N>(&v_tile, jj, &dout_rows, &mut value_row, rows, vv);
                 #[unroll]
                 for r in 0..rows {
                     let ok = !(row_lse[r] < NONE_LIMIT) && allowed(&row_spans, r, key, max_spans);
@@ -460,15 +502,7 @@ pub fn dq_kernel<F: Float, N: Size>(
                     ds[r] = p * (dp[r] - row_delta[r]);
                     take[r] = select(ok, 1u32, 0u32);
                 }
-                #[unroll]
-                for i in 0..vq {
-                    #[unroll]
-                    for r in 0..rows {
-                        if take[r] == 1 {
-                            dq_acc[r * vq + i] += key_row[i] * Vector::new(ds[r]);
-                        }
-                    }
-                }
+                add_weighted_row::<N>(&mut dq_acc, &key_row, &ds, &take, rows, vq);
             }
             sync_cube();
         }
@@ -552,23 +586,16 @@ pub fn dkdv_kernel<F: Float, N: Size>(
             let end_tile = tile_runs[2 * run + 1] as usize;
             for tile in first_tile..end_tile {
                 let first_query = tile * block_q;
-                stage_rows::<F, N>(
+                stage_tile::<F, N>(
                     q,
-                    &mut q_tile,
-                    first_query,
-                    head,
-                    q_tokens,
-                    block_q,
-                    vq,
-                    units,
-                );
-                stage_rows::<F, N>(
                     dout,
+                    &mut q_tile,
                     &mut dout_tile,
                     first_query,
                     head,
                     q_tokens,
                     block_q,
+                    vq,
                     vv,
                     units,
                 );
@@ -609,31 +636,9 @@ pub fn dkdv_kernel<F: Float, N: Size>(
                     for s in 0..2 * max_spans {
                         query_spans[s] = spans_tile[ii * 2 * max_spans + s];
                     }
-                    let mut scores = Array::<f32>::new(rows);
-                    let mut dp = Array::<f32>::new(rows);
-                    #[unroll]
-                    for r in 0..rows {
-                        scores[r] = 0.0;
-                        dp[r] = 0.0;
-                    }
-                    #[unroll]
-                    for i in 0..vq {
-                        let query_part = Vector::<f32, N>::cast_from(q_tile[ii * vq + i]);
-                        query_row[i] = query_part;
-                        #[unroll]
-                        for r in 0..rows {
-                            scores[r] += k_rows[r * vq + i].dot(query_part);
-                        }
-                    }
-                    #[unroll]
-                    for i in 0..vv {
-                        let dout_part = Vector::<f32, N>::cast_from(dout_tile[ii * vv + i]);
-                        dout_row[i] = dout_part;
-                        #[unroll]
-                        for r in 0..rows {
-                            dp[r] += v_rows[r * vv + i].dot(dout_part);
-                        }
-                    }
+                    let scores =
+                        dot_tile_row::<F, N>(&q_tile, ii, &k_rows, &mut query_row, rows, vq);
+                    let dp = dot_tile_row::<F, N>(&dout_tile, ii, &v_rows, &mut dout_row, rows, vv);
                     let live = !(row_lse < NONE_LIMIT) && query < q_tokens;
                     #[unroll]
                     for r in 0..rows {
@@ -644,24 +649,8 @@ pub fn dkdv_kernel<F: Float, N: Size>(
                         ds[r] = p * (dp[r] - row_delta);
                         take[r] = select(ok, 1u32, 0u32);
                     }
-                    #[unroll]
-                    for i in 0..vv {
-                        #[unroll]
-                        for r in 0..rows {
-                            if take[r] == 1 {
-                                dv_acc[r * vv + i] += dout_row[i] * Vector::new(weight[r]);
-                            }
-                        }
-                    }
-                    #[unroll]
-                    for i in 0..vq {
-                        #[unroll]
-                        for r in 0..rows {
-                            if take[r] == 1 {
-                                dk_acc[r * vq + i] += query_row[i] * Vector::new(ds[r]);
-                            }
-                        }
-                    }
+                    add_weighted_row::<N>(&mut dv_acc, &dout_row, &weight, &take, rows, vv);
+                    add_weighted_row::<N>(&mut dk_acc, &query_row, &ds, &take, rows, vq);
                 }
                 sync_cube();
             }
