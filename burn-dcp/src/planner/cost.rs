@@ -244,81 +244,110 @@ pub fn evaluate(routed: &RoutedPlan, topology: &Topology) -> Result<StrategyRepo
             plan.ranks
         )));
     }
-    let stages = plan
-        .blocks
-        .iter()
-        .map(|b| b.stage + 1)
-        .max()
-        .unwrap_or(1)
-        .max(
-            routed
-                .transfers
-                .iter()
-                .filter(|t| t.stage != POST)
-                .map(|t| t.stage + 1)
-                .max()
-                .unwrap_or(1),
-        );
-    let mut flops = vec![vec![0.0f64; ranks]; stages];
-    let mut rank_flops = vec![0.0f64; ranks];
-    for b in &plan.blocks {
-        let pairs = routed.grids[b.seq].pairs(b.q_block, b.kv_block) as f64;
-        let f = pairs * routed.sizes.forward_flops_per_pair;
-        flops[b.stage][b.rank] += f;
-        rank_flops[b.rank] += f;
+    let loads = RankLoads::of(routed, ranks);
+    let (inter, intra) = link_bytes(&routed.transfers, topology);
+    let pass_ms = |pass, factor| 1e3 * pass_seconds(routed, &loads.flops, topology, pass, factor);
+    Ok(StrategyReport {
+        name: routed.name.clone(),
+        inter_node_bytes: inter,
+        intra_node_bytes: intra,
+        compute_imbalance: max_over_mean(&loads.rank_flops),
+        memory_imbalance: max_over_mean(&loads.memory),
+        attention_fwd_ms: pass_ms(Pass::Forward, 1.0),
+        attention_bwd_ms: pass_ms(Pass::Backward, BACKWARD_FLOPS_FACTOR),
+        planning_ms: 0.0,
+        stages: loads.flops.len(),
+        compute_blocks: plan.blocks.len(),
+    })
+}
+
+/// What each rank computes and holds under a routed plan.
+struct RankLoads {
+    /// Forward FLOPs per stage and rank (`flops[stage][rank]`); one row per stage of the plan's
+    /// compute blocks or transfers, whichever has more.
+    flops: Vec<Vec<f64>>,
+    /// Forward FLOPs per rank, all stages.
+    rank_flops: Vec<f64>,
+    /// Resident bytes of the data blocks homed on each rank.
+    memory: Vec<f64>,
+}
+
+impl RankLoads {
+    fn of(routed: &RoutedPlan, ranks: usize) -> Self {
+        let plan = &routed.plan;
+        let last_compute = plan.blocks.iter().map(|b| b.stage + 1).max();
+        let last_transfer = (routed.transfers.iter())
+            .filter(|t| t.stage != POST)
+            .map(|t| t.stage + 1)
+            .max();
+        let stages = last_compute.unwrap_or(1).max(last_transfer.unwrap_or(1));
+        let mut flops = vec![vec![0.0f64; ranks]; stages];
+        let mut rank_flops = vec![0.0f64; ranks];
+        for b in &plan.blocks {
+            let pairs = routed.grids[b.seq].pairs(b.q_block, b.kv_block) as f64;
+            let f = pairs * routed.sizes.forward_flops_per_pair;
+            flops[b.stage][b.rank] += f;
+            rank_flops[b.rank] += f;
+        }
+        let mut memory = vec![0.0f64; ranks];
+        for d in &plan.data {
+            let per_token = match d.kind {
+                DataKind::Q => routed.sizes.q,
+                DataKind::Kv => routed.sizes.kv,
+                DataKind::O => routed.sizes.o,
+            };
+            memory[d.home_rank] += per_token * block_tokens(&routed.problem, d.seq, d.block);
+        }
+        Self {
+            flops,
+            rank_flops,
+            memory,
+        }
     }
-    let mut memory = vec![0.0f64; ranks];
-    for d in &plan.data {
-        let per_token = match d.kind {
-            DataKind::Q => routed.sizes.q,
-            DataKind::Kv => routed.sizes.kv,
-            DataKind::O => routed.sizes.o,
-        };
-        memory[d.home_rank] += per_token * block_tokens(&routed.problem, d.seq, d.block);
-    }
+}
+
+/// Bytes of `transfers` over (inter-node, intra-node) links.
+fn link_bytes(transfers: &[Transfer], topology: &Topology) -> (f64, f64) {
     let (mut inter, mut intra) = (0.0, 0.0);
-    for t in &routed.transfers {
+    for t in transfers {
         match topology.link(t.from, t.to) {
             LinkClass::Local => {}
             LinkClass::IntraNode => intra += t.bytes,
             LinkClass::InterNode => inter += t.bytes,
         }
     }
-    // each rank runs its stages as soon as their inputs are in: per rank,
-    // comm(0) + Σ_t max(compute(t), comm(t+1)) + comm(post); the pass takes the slowest rank's time
-    let pass_seconds = |pass: Pass, factor: f64| {
-        let mut by_stage: FastMap<usize, Vec<&Transfer>> = FastMap::default();
-        for t in routed.transfers.iter().filter(|t| t.pass == pass) {
-            by_stage.entry(t.stage).or_default().push(t);
-        }
-        let comm: FastMap<usize, Vec<f64>> = by_stage
-            .iter()
-            .map(|(&stage, ts)| (stage, stage_comm_seconds(ts, topology)))
-            .collect();
-        let comm_of = |stage: usize, rank: usize| comm.get(&stage).map_or(0.0, |c| c[rank]);
-        (0..ranks)
-            .map(|r| {
-                let mut seconds = comm_of(0, r) + comm_of(POST, r);
-                for (t, stage_flops) in flops.iter().enumerate() {
-                    let compute = topology.compute_seconds(factor * stage_flops[r]);
-                    seconds += compute.max(comm_of(t + 1, r));
-                }
-                seconds
-            })
-            .fold(0.0, f64::max)
-    };
-    Ok(StrategyReport {
-        name: routed.name.clone(),
-        inter_node_bytes: inter,
-        intra_node_bytes: intra,
-        compute_imbalance: max_over_mean(&rank_flops),
-        memory_imbalance: max_over_mean(&memory),
-        attention_fwd_ms: 1e3 * pass_seconds(Pass::Forward, 1.0),
-        attention_bwd_ms: 1e3 * pass_seconds(Pass::Backward, BACKWARD_FLOPS_FACTOR),
-        planning_ms: 0.0,
-        stages,
-        compute_blocks: plan.blocks.len(),
-    })
+    (inter, intra)
+}
+
+/// Seconds of one pass (compute FLOPs × `factor`): each rank runs its stages as soon as their
+/// inputs are in, `comm(0) + Σ_t max(compute(t), comm(t+1)) + comm(post)`; the pass takes the
+/// slowest rank's time.
+fn pass_seconds(
+    routed: &RoutedPlan,
+    flops: &[Vec<f64>],
+    topology: &Topology,
+    pass: Pass,
+    factor: f64,
+) -> f64 {
+    let mut by_stage: FastMap<usize, Vec<&Transfer>> = FastMap::default();
+    for t in routed.transfers.iter().filter(|t| t.pass == pass) {
+        by_stage.entry(t.stage).or_default().push(t);
+    }
+    let comm: FastMap<usize, Vec<f64>> = by_stage
+        .iter()
+        .map(|(&stage, ts)| (stage, stage_comm_seconds(ts, topology)))
+        .collect();
+    let comm_of = |stage: usize, rank: usize| comm.get(&stage).map_or(0.0, |c| c[rank]);
+    (0..topology.ranks())
+        .map(|r| {
+            let mut seconds = comm_of(0, r) + comm_of(POST, r);
+            for (t, stage_flops) in flops.iter().enumerate() {
+                let compute = topology.compute_seconds(factor * stage_flops[r]);
+                seconds += compute.max(comm_of(t + 1, r));
+            }
+            seconds
+        })
+        .fold(0.0, f64::max)
 }
 
 /// Which side of a tile a data block feeds.
@@ -358,81 +387,103 @@ pub struct Route {
 /// last stage. Each copy is sent for the earliest stage that needs it. Routes are ordered by
 /// side (Q before KV), sequence, head and block.
 pub fn routes(plan: &Plan, topology: &Topology) -> Vec<Route> {
-    let mut homes: FastMap<(Side, usize, usize, usize), usize> = FastMap::default();
+    let mut homes: FastMap<SideBlock, usize> = FastMap::default();
     for d in &plan.data {
         let side = match d.kind {
             DataKind::Q => Side::QueryOutput,
             DataKind::Kv => Side::KeyValue,
             DataKind::O => continue,
         };
-        homes.insert((side, d.seq, d.head, d.block), d.home_rank);
+        homes.insert(SideBlock::new(side, d.seq, d.head, d.block), d.home_rank);
     }
-    // (side, seq, head, block) -> [(rank, earliest stage)]
-    type Needs = FastMap<(Side, usize, usize, usize), Vec<(usize, usize)>>;
-    let mut needs: Needs = FastMap::default();
-    for b in &plan.blocks {
-        for (side, block) in [(Side::QueryOutput, b.q_block), (Side::KeyValue, b.kv_block)] {
-            let list = needs.entry((side, b.seq, b.head, block)).or_default();
-            match list.iter_mut().find(|(r, _)| *r == b.rank) {
-                Some((_, stage)) => *stage = (*stage).min(b.stage),
-                None => list.push((b.rank, b.stage)),
-            }
-        }
-    }
-    let mut keys: Vec<_> = needs.keys().copied().collect();
-    keys.sort_by_key(|&(side, s, h, b)| (side == Side::KeyValue, s, h, b));
-    let mut routes = Vec::with_capacity(keys.len());
-    for key in keys {
-        let (side, seq, head, block) = key;
-        let Some(&home) = homes.get(&key) else {
-            continue;
-        };
-        let mut remote: Vec<(usize, usize)> = needs[&key]
-            .iter()
-            .copied()
-            .filter(|&(r, _)| r != home)
-            .collect();
-        remote.sort_by_key(|&(r, stage)| (topology.node_of(r), stage, r));
-        let home_node = topology.node_of(home);
-        let mut hops = Vec::with_capacity(remote.len());
-        let mut i = 0;
-        while i < remote.len() {
-            let node = topology.node_of(remote[i].0);
-            let end = i + remote[i..]
-                .iter()
-                .take_while(|(r, _)| topology.node_of(*r) == node)
-                .count();
-            let (entry, entry_stage) = remote[i];
-            if node == home_node {
-                hops.extend(remote[i..end].iter().map(|&(to, stage)| Hop {
-                    from: home,
-                    to,
-                    stage,
-                }));
-            } else {
-                hops.push(Hop {
-                    from: home,
-                    to: entry,
-                    stage: entry_stage,
-                });
-                hops.extend(remote[i + 1..end].iter().map(|&(to, stage)| Hop {
-                    from: entry,
-                    to,
-                    stage,
-                }));
-            }
-            i = end;
-        }
-        routes.push(Route {
+    let needs = needs(plan);
+    let mut keys: Vec<SideBlock> = needs.keys().copied().collect();
+    keys.sort_by_key(|k| (k.side == Side::KeyValue, k.seq, k.head, k.block));
+    keys.into_iter()
+        .filter_map(|key| {
+            let home = *homes.get(&key)?;
+            Some(Route {
+                side: key.side,
+                seq: key.seq,
+                head: key.head,
+                block: key.block,
+                home,
+                hops: hops(home, &needs[&key], topology),
+            })
+        })
+        .collect()
+}
+
+/// One side of one data block: the key of a block's home and of the ranks that need it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct SideBlock {
+    side: Side,
+    seq: usize,
+    head: usize,
+    block: usize,
+}
+
+impl SideBlock {
+    fn new(side: Side, seq: usize, head: usize, block: usize) -> Self {
+        Self {
             side,
             seq,
             head,
             block,
-            home,
-            hops,
-        });
+        }
     }
-    routes
+}
+
+/// A rank that computes with a block, and the earliest stage it does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Need {
+    rank: usize,
+    stage: usize,
+}
+
+/// For every block side a compute block reads, the ranks that read it (in order of first use).
+fn needs(plan: &Plan) -> FastMap<SideBlock, Vec<Need>> {
+    let mut needs: FastMap<SideBlock, Vec<Need>> = FastMap::default();
+    for b in &plan.blocks {
+        for (side, block) in [(Side::QueryOutput, b.q_block), (Side::KeyValue, b.kv_block)] {
+            let list = needs
+                .entry(SideBlock::new(side, b.seq, b.head, block))
+                .or_default();
+            match list.iter_mut().find(|need| need.rank == b.rank) {
+                Some(need) => need.stage = need.stage.min(b.stage),
+                None => list.push(Need {
+                    rank: b.rank,
+                    stage: b.stage,
+                }),
+            }
+        }
+    }
+    needs
+}
+
+/// The copies of a block homed on `home` for the ranks that need it: per remote node, one copy
+/// to the rank of that node that needs it first (nodes in order, ties to the lower rank), which
+/// forwards it to the node's other ranks; ranks on the home's node get theirs from the home.
+fn hops(home: usize, needs: &[Need], topology: &Topology) -> Vec<Hop> {
+    let mut remote: Vec<Need> = needs.iter().copied().filter(|n| n.rank != home).collect();
+    remote.sort_by_key(|n| (topology.node_of(n.rank), n.stage, n.rank));
+    let home_node = topology.node_of(home);
+    let mut hops = Vec::with_capacity(remote.len());
+    let hop = |from: usize, to: &Need| Hop {
+        from,
+        to: to.rank,
+        stage: to.stage,
+    };
+    for on_node in remote.chunk_by(|a, b| topology.node_of(a.rank) == topology.node_of(b.rank)) {
+        let entry = &on_node[0];
+        if topology.node_of(entry.rank) == home_node {
+            hops.extend(on_node.iter().map(|to| hop(home, to)));
+        } else {
+            hops.push(hop(home, entry));
+            hops.extend(on_node[1..].iter().map(|to| hop(entry.rank, to)));
+        }
+    }
+    hops
 }
 
 /// Bytes per token of one copy of a `side` block, for `pass`: (to the compute rank, back home).

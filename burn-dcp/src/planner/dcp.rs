@@ -119,82 +119,142 @@ fn build_graph(
     group: usize,
 ) -> Result<DcpGraph, CpError> {
     let sizes = dims.unit_sizes(problem.head_groups)?;
-    let flops_per_pair = sizes.forward_flops_per_pair * (1.0 + BACKWARD_FLOPS_FACTOR);
-    let mut tiles = Vec::new();
-    let mut compute = Vec::new();
-    let mut memory = Vec::new();
-    let mut edges: Vec<(f64, Vec<u32>)> = Vec::new();
+    let mut builder = GraphBuilder {
+        sizes,
+        flops_per_pair: sizes.forward_flops_per_pair * (1.0 + BACKWARD_FLOPS_FACTOR),
+        group,
+        tiles: Vec::new(),
+        compute: Vec::new(),
+        memory: Vec::new(),
+        edges: Vec::new(),
+    };
     let mut data_base = Vec::with_capacity(problem.seq_lens.len());
     for (seq, grid) in grids.iter().enumerate() {
-        let blocks = problem.blocks_of(seq);
-        let mut bases = Vec::with_capacity(problem.head_groups);
-        for head in 0..problem.head_groups {
-            let base = compute.len() as u32;
-            bases.push(base);
-            for block in 0..blocks {
-                compute.push(0.0);
-                memory.push(sizes.resident() * problem.block_tokens(seq, block).len() as f64);
-            }
-            let mut group_vertex: FastMap<(u32, u32), u32> = FastMap::default();
-            let mut columns: Vec<Vec<u32>> = vec![Vec::new(); blocks];
-            let mut column_data_placed = vec![false; blocks];
-            for (q_block, row) in grid.rows.iter().enumerate() {
-                let data = base + q_block as u32;
-                let mut pins = Vec::with_capacity(row.len() + 1);
-                let mut data_placed = false;
-                for &(kv_block, pairs) in row {
-                    if !data_placed && kv_block as usize >= q_block {
-                        pins.push(data);
-                        data_placed = true;
-                    }
-                    let key = ((q_block / group) as u32, kv_block / group as u32);
-                    let id = *group_vertex.entry(key).or_insert_with(|| {
-                        compute.push(0.0);
-                        memory.push(0.0);
-                        (compute.len() - 1) as u32
-                    });
-                    compute[id as usize] += pairs as f64 * flops_per_pair;
-                    tiles.push(Tile {
-                        seq: seq as u32,
-                        head: head as u32,
-                        q_block: q_block as u32,
-                        kv_block,
-                        vertex: id,
-                    });
-                    if pins.last() != Some(&id) {
-                        pins.push(id);
-                    }
-                    let column = &mut columns[kv_block as usize];
-                    if !column_data_placed[kv_block as usize] && q_block >= kv_block as usize {
-                        // the column's data vertex sits where its own row would be
-                        column.push(base + kv_block);
-                        column_data_placed[kv_block as usize] = true;
-                    }
-                    if column.last() != Some(&id) {
-                        column.push(id);
-                    }
-                }
-                if !data_placed {
-                    pins.push(data);
-                }
-                let tokens = problem.block_tokens(seq, q_block).len() as f64;
-                edges.push((sizes.qo_traffic() * tokens, pins));
-            }
-            for (kv_block, mut pins) in columns.into_iter().enumerate() {
-                if !column_data_placed[kv_block] {
-                    pins.push(base + kv_block as u32);
-                }
-                let tokens = problem.block_tokens(seq, kv_block).len() as f64;
-                edges.push((sizes.kv_traffic() * tokens, pins));
-            }
-        }
+        let bases = (0..problem.head_groups)
+            .map(|head| builder.add_head(problem, grid, seq, head))
+            .collect();
         data_base.push(bases);
     }
     Ok(DcpGraph {
-        graph: Hypergraph::new(compute, memory, edges),
-        tiles,
+        graph: Hypergraph::new(builder.compute, builder.memory, builder.edges),
+        tiles: builder.tiles,
         data_base,
     })
+}
+
+/// The vertices, weights and hyperedges of a [`DcpGraph`] as they are added, head by head.
+struct GraphBuilder {
+    sizes: UnitSizes,
+    /// Forward plus backward FLOPs of one unmasked (query, key) pair.
+    flops_per_pair: f64,
+    /// Side of the tile squares one compute vertex holds.
+    group: usize,
+    tiles: Vec<Tile>,
+    compute: Vec<f64>,
+    memory: Vec<f64>,
+    edges: Vec<(f64, Vec<u32>)>,
+}
+
+impl GraphBuilder {
+    fn add_vertex(&mut self, compute: f64, memory: f64) -> u32 {
+        self.compute.push(compute);
+        self.memory.push(memory);
+        (self.compute.len() - 1) as u32
+    }
+
+    /// Adds the vertices and hyperedges of head group `head` of sequence `seq`: one data vertex
+    /// per token block (its Q, KV and O), one compute vertex per `group × group` square of
+    /// non-empty tiles, a Q/O hyperedge per tile row and a KV hyperedge per tile column. Returns
+    /// the vertex of block 0's data (the others follow it).
+    fn add_head(
+        &mut self,
+        problem: &BlockProblem,
+        grid: &TileGrid,
+        seq: usize,
+        head: usize,
+    ) -> u32 {
+        let blocks = problem.blocks_of(seq);
+        let base = self.compute.len() as u32;
+        for block in 0..blocks {
+            let tokens = problem.block_tokens(seq, block).len() as f64;
+            self.add_vertex(0.0, self.sizes.resident() * tokens);
+        }
+        let mut group_vertex: FastMap<(u32, u32), u32> = FastMap::default();
+        let mut columns: Vec<EdgePins> = (0..blocks as u32)
+            .map(|b| EdgePins::new(base + b))
+            .collect();
+        for (q_block, row) in grid.rows.iter().enumerate() {
+            let mut pins = EdgePins::new(base + q_block as u32);
+            for &(kv_block, pairs) in row {
+                let key = ((q_block / self.group) as u32, kv_block / self.group as u32);
+                let vertex = match group_vertex.get(&key) {
+                    Some(&vertex) => vertex,
+                    None => {
+                        let vertex = self.add_vertex(0.0, 0.0);
+                        group_vertex.insert(key, vertex);
+                        vertex
+                    }
+                };
+                self.compute[vertex as usize] += pairs as f64 * self.flops_per_pair;
+                self.tiles.push(Tile {
+                    seq: seq as u32,
+                    head: head as u32,
+                    q_block: q_block as u32,
+                    kv_block,
+                    vertex,
+                });
+                pins.push(vertex, kv_block as usize >= q_block);
+                columns[kv_block as usize].push(vertex, q_block >= kv_block as usize);
+            }
+            let tokens = problem.block_tokens(seq, q_block).len() as f64;
+            self.edges
+                .push((self.sizes.qo_traffic() * tokens, pins.finish()));
+        }
+        for (kv_block, pins) in columns.into_iter().enumerate() {
+            let tokens = problem.block_tokens(seq, kv_block).len() as f64;
+            self.edges
+                .push((self.sizes.kv_traffic() * tokens, pins.finish()));
+        }
+        base
+    }
+}
+
+/// The pins of one hyperedge, a row (Q/O) or column (KV) of tiles: its compute vertices in tile
+/// order, each once in a run, with the block's data vertex where the diagonal tile is (or
+/// would be).
+struct EdgePins {
+    data: u32,
+    data_placed: bool,
+    pins: Vec<u32>,
+}
+
+impl EdgePins {
+    fn new(data: u32) -> Self {
+        Self {
+            data,
+            data_placed: false,
+            pins: Vec::new(),
+        }
+    }
+
+    /// Adds a tile's compute vertex; `past_diagonal`: the tile is on or past the diagonal, so
+    /// the data vertex goes first.
+    fn push(&mut self, vertex: u32, past_diagonal: bool) {
+        if !self.data_placed && past_diagonal {
+            self.pins.push(self.data);
+            self.data_placed = true;
+        }
+        if self.pins.last() != Some(&vertex) {
+            self.pins.push(vertex);
+        }
+    }
+
+    fn finish(mut self) -> Vec<u32> {
+        if !self.data_placed {
+            self.pins.push(self.data);
+        }
+        self.pins
+    }
 }
 
 /// Places every vertex on a rank: nodes first, then devices of each node.

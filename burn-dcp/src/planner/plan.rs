@@ -255,18 +255,40 @@ pub fn tile_grids(problem: &BlockProblem) -> Vec<TileGrid> {
 /// once, nothing else computed, every q/kv/o block exactly one home, every rank in range.
 pub fn validate_plan(plan: &Plan, problem: &BlockProblem) -> Result<(), CpError> {
     problem.validate()?;
-    let bad = |message: String| Err(CpError::Config(format!("invalid plan: {message}")));
-    let mut computed: HashMap<(usize, usize, usize, usize), usize> = HashMap::new();
+    check_tiles(plan, problem)?;
+    check_homes(plan, problem)
+}
+
+fn invalid(message: String) -> Result<(), CpError> {
+    Err(CpError::Config(format!("invalid plan: {message}")))
+}
+
+/// One tile of one head group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct TileKey {
+    seq: usize,
+    head: usize,
+    q_block: usize,
+    kv_block: usize,
+}
+
+/// Every non-empty tile computed exactly once, on a rank of the plan, and nothing else.
+fn check_tiles(plan: &Plan, problem: &BlockProblem) -> Result<(), CpError> {
+    let mut computed: HashMap<TileKey, usize> = HashMap::new();
     for b in &plan.blocks {
         if b.rank >= plan.ranks {
-            return bad(format!(
+            return invalid(format!(
                 "compute block {b:?} is on rank {} of {}",
                 b.rank, plan.ranks
             ));
         }
-        *computed
-            .entry((b.seq, b.head, b.q_block, b.kv_block))
-            .or_default() += 1;
+        let key = TileKey {
+            seq: b.seq,
+            head: b.head,
+            q_block: b.q_block,
+            kv_block: b.kv_block,
+        };
+        *computed.entry(key).or_default() += 1;
     }
     let mut expected = 0usize;
     for seq in 0..problem.seq_lens.len() {
@@ -274,47 +296,73 @@ pub fn validate_plan(plan: &Plan, problem: &BlockProblem) -> Result<(), CpError>
             for &kv_block in kv_blocks {
                 for head in 0..problem.head_groups {
                     expected += 1;
-                    match computed.get(&(seq, head, q_block, kv_block)) {
+                    let tile =
+                        || format!("tile (seq {seq}, head {head}, q {q_block}, kv {kv_block})");
+                    match computed.get(&TileKey {
+                        seq,
+                        head,
+                        q_block,
+                        kv_block,
+                    }) {
                         Some(1) => {}
-                        Some(n) => return bad(format!("tile (seq {seq}, head {head}, q {q_block}, kv {kv_block}) computed {n} times")),
-                        None => return bad(format!("tile (seq {seq}, head {head}, q {q_block}, kv {kv_block}) is never computed")),
+                        Some(n) => return invalid(format!("{} computed {n} times", tile())),
+                        None => return invalid(format!("{} is never computed", tile())),
                     }
                 }
             }
         }
     }
     if computed.len() != expected {
-        return bad(format!(
+        return invalid(format!(
             "{} tiles computed but only {expected} are non-empty",
             computed.len()
         ));
     }
-    let mut homes: BTreeMap<(DataKind, usize, usize, usize), usize> = BTreeMap::new();
+    Ok(())
+}
+
+/// One data block of one head group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct DataKey {
+    kind: DataKind,
+    seq: usize,
+    head: usize,
+    block: usize,
+}
+
+/// Every Q, KV and O block of the problem exactly one home, on a rank of the plan, and no
+/// other data block.
+fn check_homes(plan: &Plan, problem: &BlockProblem) -> Result<(), CpError> {
+    let mut homes: BTreeMap<DataKey, usize> = BTreeMap::new();
     for d in &plan.data {
         if d.home_rank >= plan.ranks {
-            return bad(format!(
+            return invalid(format!(
                 "data block {d:?} lives on rank {} of {}",
                 d.home_rank, plan.ranks
             ));
         }
-        *homes.entry((d.kind, d.seq, d.head, d.block)).or_default() += 1;
+        let key = DataKey {
+            kind: d.kind,
+            seq: d.seq,
+            head: d.head,
+            block: d.block,
+        };
+        *homes.entry(key).or_default() += 1;
     }
     for seq in 0..problem.seq_lens.len() {
         for block in 0..problem.blocks_of(seq) {
             for head in 0..problem.head_groups {
                 for kind in [DataKind::Q, DataKind::Kv, DataKind::O] {
-                    match homes.get(&(kind, seq, head, block)) {
+                    let data = || format!("{kind:?} block (seq {seq}, head {head}, block {block})");
+                    match homes.get(&DataKey {
+                        kind,
+                        seq,
+                        head,
+                        block,
+                    }) {
                         Some(1) => {}
-                        Some(n) => {
-                            return bad(format!(
-                            "{kind:?} block (seq {seq}, head {head}, block {block}) has {n} homes"
-                        ))
-                        }
-                        None => {
-                            return bad(format!(
-                            "{kind:?} block (seq {seq}, head {head}, block {block}) has no home"
-                        ))
-                        }
+                        Some(n) => return invalid(format!("{} has {n} homes", data())),
+                        None => return invalid(format!("{} has no home", data())),
                     }
                 }
             }
@@ -324,7 +372,7 @@ pub fn validate_plan(plan: &Plan, problem: &BlockProblem) -> Result<(), CpError>
         .map(|s| problem.blocks_of(s))
         .sum();
     if homes.len() != 3 * total_blocks * problem.head_groups {
-        return bad("data blocks outside the problem".into());
+        return invalid("data blocks outside the problem".into());
     }
     Ok(())
 }

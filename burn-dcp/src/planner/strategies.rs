@@ -27,7 +27,9 @@ use burn_dcp_kernels::{mask_of, MaskSpec};
 
 use crate::error::CpError;
 use crate::layout::Layout;
-use crate::planner::cost::{AttentionDims, Pass, RoutedPlan, Transfer, UnitSizes, POST};
+use crate::planner::cost::{
+    hop_bytes, AttentionDims, Pass, RoutedPlan, Side, Transfer, UnitSizes, POST,
+};
 use crate::planner::dcp::{dcp_plan, DcpConfig};
 use crate::planner::dynamic::{schedule_with, DynamicCpConfig, DynamicCpSchedule};
 use crate::planner::plan::{tile_grids, BlockProblem, ComputeBlock, Plan, TileGrid};
@@ -241,6 +243,80 @@ fn ring_hops(ring: &[usize], kv_bytes_at: &[f64], offset: usize, transfers: &mut
     }
 }
 
+/// The zigzag layout of one sequence's blocks over a ring (see [`zigzag_position`]).
+#[derive(Clone, Copy, Debug)]
+struct Zigzag {
+    blocks: usize,
+    ring: usize,
+    rotation: usize,
+}
+
+impl Zigzag {
+    /// Sequence `seq` of `problem` over `ring` positions, rotated by the sequence index.
+    fn of(problem: &BlockProblem, seq: usize, ring: usize) -> Self {
+        Self {
+            blocks: problem.blocks_of(seq),
+            ring,
+            rotation: seq % ring,
+        }
+    }
+
+    fn position(&self, block: usize) -> usize {
+        zigzag_position(self.blocks, block, self.ring, self.rotation)
+    }
+}
+
+/// Homes every token block of `seq` (all head units) on the rank of its zigzag position of
+/// `ring`, and adds its KV bytes to that position's `kv_bytes_at`.
+fn home_zigzag(
+    problem: &BlockProblem,
+    seq: usize,
+    ring: &[usize],
+    sizes: &UnitSizes,
+    plan: &mut Plan,
+    kv_bytes_at: &mut [f64],
+) -> Zigzag {
+    let zigzag = Zigzag::of(problem, seq, ring.len());
+    for block in 0..zigzag.blocks {
+        let p = zigzag.position(block);
+        kv_bytes_at[p] +=
+            sizes.kv * problem.block_tokens(seq, block).len() as f64 * problem.head_groups as f64;
+        for head in 0..problem.head_groups {
+            plan.home_token_block(seq, head, block, ring[p]);
+        }
+    }
+    zigzag
+}
+
+/// Pushes every tile of `seq` for `units` head units; `place(q position, kv position, unit)`
+/// gives a tile's (rank, stage).
+fn push_tiles(
+    plan: &mut Plan,
+    grid: &TileGrid,
+    seq: usize,
+    units: usize,
+    zigzag: Zigzag,
+    place: impl Fn(usize, usize, usize) -> (usize, usize),
+) {
+    for (q_block, row) in grid.rows.iter().enumerate() {
+        let q = zigzag.position(q_block);
+        for &(kv_block, _) in row {
+            let kv = zigzag.position(kv_block as usize);
+            for head in 0..units {
+                let (rank, stage) = place(q, kv, head);
+                plan.blocks.push(ComputeBlock {
+                    seq,
+                    head,
+                    q_block,
+                    kv_block: kv_block as usize,
+                    rank,
+                    stage,
+                });
+            }
+        }
+    }
+}
+
 /// Ring-zigzag of `seqs` over `ring`, every head unit, stages from `offset`.
 #[allow(clippy::too_many_arguments)]
 fn ring_over(
@@ -256,33 +332,15 @@ fn ring_over(
     let g = ring.len();
     let mut kv_bytes_at = vec![0.0; g];
     for &seq in seqs {
-        let blocks = problem.blocks_of(seq);
-        let position = |block: usize| zigzag_position(blocks, block, g, seq % g);
-        for block in 0..blocks {
-            let p = position(block);
-            kv_bytes_at[p] += sizes.kv
-                * problem.block_tokens(seq, block).len() as f64
-                * problem.head_groups as f64;
-            for head in 0..problem.head_groups {
-                plan.home_token_block(seq, head, block, ring[p]);
-            }
-        }
-        for (q_block, row) in grids[seq].rows.iter().enumerate() {
-            let q = position(q_block);
-            for &(kv_block, _) in row {
-                let stage = offset + (q + g - position(kv_block as usize)) % g;
-                for head in 0..problem.head_groups {
-                    plan.blocks.push(ComputeBlock {
-                        seq,
-                        head,
-                        q_block,
-                        kv_block: kv_block as usize,
-                        rank: ring[q],
-                        stage,
-                    });
-                }
-            }
-        }
+        let zigzag = home_zigzag(problem, seq, ring, sizes, plan, &mut kv_bytes_at);
+        push_tiles(
+            plan,
+            &grids[seq],
+            seq,
+            problem.head_groups,
+            zigzag,
+            |q, kv, _| (ring[q], offset + (q + g - kv) % g),
+        );
     }
     ring_hops(ring, &kv_bytes_at, offset, transfers);
 }
@@ -406,37 +464,35 @@ fn all_gather(input: &PlanInput) -> Result<RoutedPlan, CpError> {
     let problem = input.static_problem(input.dims.kv_heads, ranks);
     let sizes = input.dims.unit_sizes(problem.head_groups)?;
     let grids = tile_grids(&problem);
-    let units = problem.head_groups;
     let mut plan = Plan::empty(ranks, "all-gather");
     plan.stats["block"] = problem.block.into();
+    let all: Vec<usize> = (0..ranks).collect();
     let mut kv_bytes_at = vec![0.0; ranks];
     for (seq, grid) in grids.iter().enumerate() {
-        let blocks = problem.blocks_of(seq);
-        let position = |block: usize| zigzag_position(blocks, block, ranks, seq % ranks);
-        for block in 0..blocks {
-            let home = position(block);
-            kv_bytes_at[home] +=
-                sizes.kv * problem.block_tokens(seq, block).len() as f64 * units as f64;
-            for head in 0..units {
-                plan.home_token_block(seq, head, block, home);
-            }
-        }
-        for (q_block, row) in grid.rows.iter().enumerate() {
-            let rank = position(q_block);
-            for &(kv_block, _) in row {
-                for head in 0..units {
-                    plan.blocks.push(ComputeBlock {
-                        seq,
-                        head,
-                        q_block,
-                        kv_block: kv_block as usize,
-                        rank,
-                        stage: 0,
-                    });
-                }
-            }
-        }
+        let zigzag = home_zigzag(&problem, seq, &all, &sizes, &mut plan, &mut kv_bytes_at);
+        push_tiles(
+            &mut plan,
+            grid,
+            seq,
+            problem.head_groups,
+            zigzag,
+            |q, _, _| (q, 0),
+        );
     }
+    Ok(RoutedPlan {
+        name: "all-gather".into(),
+        plan,
+        problem,
+        grids,
+        sizes,
+        transfers: gather_transfers(&kv_bytes_at),
+    })
+}
+
+/// All-gather's communication: every rank's KV (`kv_bytes_at[rank]`) to every other rank before
+/// the forward and again before the backward; the partial dK/dV back home after it.
+fn gather_transfers(kv_bytes_at: &[f64]) -> Vec<Transfer> {
+    let ranks = kv_bytes_at.len();
     let mut transfers = Vec::new();
     for (home, &bytes) in kv_bytes_at.iter().enumerate() {
         if bytes == 0.0 {
@@ -458,14 +514,81 @@ fn all_gather(input: &PlanInput) -> Result<RoutedPlan, CpError> {
             }
         }
     }
-    Ok(RoutedPlan {
-        name: "all-gather".into(),
-        plan,
-        problem,
-        grids,
-        sizes,
-        transfers,
-    })
+    transfers
+}
+
+/// USP's 2D mesh: `degree` Ulysses columns × `ring_degree` ring positions, rank
+/// `position · degree + column`; head unit `u` of `units` is computed in column
+/// `u · degree / units`.
+#[derive(Clone, Copy, Debug)]
+struct UspMesh {
+    degree: usize,
+    ring_degree: usize,
+    units: usize,
+}
+
+impl UspMesh {
+    fn column(&self, unit: usize) -> usize {
+        unit * self.degree / self.units
+    }
+
+    /// The rank computing `unit` at ring position `position`.
+    fn rank(&self, position: usize, unit: usize) -> usize {
+        position * self.degree + self.column(unit)
+    }
+
+    /// Homes `seq`'s token blocks round-robin on the ranks of their zigzag ring position, adds
+    /// each unit's KV bytes to `kv_at[column][position]` and pushes the all-to-all that brings
+    /// each head unit to its column's rank (and the results back).
+    fn home_blocks(
+        &self,
+        problem: &BlockProblem,
+        seq: usize,
+        sizes: &UnitSizes,
+        plan: &mut Plan,
+        kv_at: &mut [Vec<f64>],
+        transfers: &mut Vec<Transfer>,
+    ) -> Zigzag {
+        let zigzag = Zigzag::of(problem, seq, self.ring_degree);
+        for block in 0..zigzag.blocks {
+            let p = zigzag.position(block);
+            let home = p * self.degree + (block + seq) % self.degree;
+            let tokens = problem.block_tokens(seq, block).len() as f64;
+            for unit in 0..self.units {
+                plan.home_token_block(seq, unit, block, home);
+                kv_at[self.column(unit)][p] += sizes.kv * tokens;
+                let rank = self.rank(p, unit);
+                if rank != home {
+                    all_to_all(home, rank, tokens, sizes, transfers);
+                }
+            }
+        }
+        zigzag
+    }
+}
+
+/// The all-to-all of one head unit of a token block between its `home` and the `rank` that
+/// computes it, per pass: Q and KV (backward: also O and dO) out before compute, the results
+/// (O; backward: dQ, dK, dV) back after; bytes as [`hop_bytes`] of both sides.
+fn all_to_all(home: usize, rank: usize, tokens: f64, sizes: &UnitSizes, out: &mut Vec<Transfer>) {
+    for pass in [Pass::Forward, Pass::Backward] {
+        let (q_to, q_back) = hop_bytes(sizes, Side::QueryOutput, pass);
+        let (kv_to, kv_back) = hop_bytes(sizes, Side::KeyValue, pass);
+        out.push(Transfer {
+            pass,
+            stage: 0,
+            from: home,
+            to: rank,
+            bytes: (q_to + kv_to) * tokens,
+        });
+        out.push(Transfer {
+            pass,
+            stage: POST,
+            from: rank,
+            to: home,
+            bytes: (q_back + kv_back) * tokens,
+        });
+    }
 }
 
 /// USP with Ulysses degree `degree` (ulysses when `degree` is every rank).
@@ -476,76 +599,28 @@ fn usp(input: &PlanInput, degree: usize, name: &str) -> Result<RoutedPlan, CpErr
             "{name}: Ulysses degree {degree} must divide the {ranks} ranks"
         )));
     }
-    let ring_degree = ranks / degree;
-    let units = input.dims.kv_heads.max(degree);
-    let problem = input.static_problem(units, ring_degree);
-    let sizes = input.dims.unit_sizes(units)?;
+    let mesh = UspMesh {
+        degree,
+        ring_degree: ranks / degree,
+        units: input.dims.kv_heads.max(degree),
+    };
+    let ring_degree = mesh.ring_degree;
+    let problem = input.static_problem(mesh.units, ring_degree);
+    let sizes = input.dims.unit_sizes(mesh.units)?;
     let grids = tile_grids(&problem);
-    let column = |unit: usize| unit * degree / units;
     let mut plan = Plan::empty(ranks, name);
     plan.stats = serde_json::json!({
-        "strategy": name, "ulysses_degree": degree, "ring_degree": ring_degree, "head_units": units,
-        "block": problem.block,
+        "strategy": name, "ulysses_degree": degree, "ring_degree": ring_degree,
+        "head_units": mesh.units, "block": problem.block,
     });
     let mut transfers = Vec::new();
     // kv bytes at (column, ring position) after the all-to-all
     let mut kv_at = vec![vec![0.0; ring_degree]; degree];
     for (seq, grid) in grids.iter().enumerate() {
-        let blocks = problem.blocks_of(seq);
-        let position =
-            |block: usize| zigzag_position(blocks, block, ring_degree, seq % ring_degree);
-        for block in 0..blocks {
-            let p = position(block);
-            let home = p * degree + (block + seq) % degree;
-            let tokens = problem.block_tokens(seq, block).len() as f64;
-            for unit in 0..units {
-                plan.home_token_block(seq, unit, block, home);
-                let rank = p * degree + column(unit);
-                kv_at[column(unit)][p] += sizes.kv * tokens;
-                if rank == home {
-                    continue;
-                }
-                for (pass, to, back) in [
-                    (Pass::Forward, sizes.q + sizes.kv, sizes.o),
-                    (
-                        Pass::Backward,
-                        2.0 * sizes.q + sizes.o + sizes.kv,
-                        sizes.q + sizes.kv,
-                    ),
-                ] {
-                    transfers.push(Transfer {
-                        pass,
-                        stage: 0,
-                        from: home,
-                        to: rank,
-                        bytes: to * tokens,
-                    });
-                    transfers.push(Transfer {
-                        pass,
-                        stage: POST,
-                        from: rank,
-                        to: home,
-                        bytes: back * tokens,
-                    });
-                }
-            }
-        }
-        for (q_block, row) in grid.rows.iter().enumerate() {
-            let q = position(q_block);
-            for &(kv_block, _) in row {
-                let stage = (q + ring_degree - position(kv_block as usize)) % ring_degree;
-                for unit in 0..units {
-                    plan.blocks.push(ComputeBlock {
-                        seq,
-                        head: unit,
-                        q_block,
-                        kv_block: kv_block as usize,
-                        rank: q * degree + column(unit),
-                        stage,
-                    });
-                }
-            }
-        }
+        let zigzag = mesh.home_blocks(&problem, seq, &sizes, &mut plan, &mut kv_at, &mut transfers);
+        push_tiles(&mut plan, grid, seq, mesh.units, zigzag, |q, kv, unit| {
+            (mesh.rank(q, unit), (q + ring_degree - kv) % ring_degree)
+        });
     }
     for (c, kv_bytes_at) in kv_at.iter().enumerate() {
         let ring: Vec<usize> = (0..ring_degree).map(|p| p * degree + c).collect();

@@ -157,6 +157,72 @@ pub struct BlockSchedule {
     programs: Vec<Programs>,
 }
 
+/// A valid plan of one head unit for as many ranks as `topology` has.
+fn check_executable(
+    plan: &Plan,
+    problem: &BlockProblem,
+    topology: &Topology,
+) -> Result<(), CpError> {
+    crate::planner::plan::validate_plan(plan, problem)?;
+    if problem.head_groups != 1 {
+        return Err(CpError::Config(format!(
+            "an executed plan keeps every head of a token together: plan with 1 head unit, not {}",
+            problem.head_groups
+        )));
+    }
+    if topology.ranks() != plan.ranks {
+        return Err(CpError::Config(format!(
+            "the plan is for {} ranks but the topology has {}",
+            plan.ranks,
+            topology.ranks()
+        )));
+    }
+    Ok(())
+}
+
+/// The home rank of every token block (`homes[seq][block]`), checking that its Q, KV and O
+/// share it.
+fn shared_homes(plan: &Plan, problem: &BlockProblem) -> Result<Vec<Vec<usize>>, CpError> {
+    let mut homes: Vec<Vec<Option<usize>>> = (0..problem.seq_lens.len())
+        .map(|seq| vec![None; problem.blocks_of(seq)])
+        .collect();
+    for data in plan.data.iter().filter(|data| data.kind == DataKind::Q) {
+        homes[data.seq][data.block].get_or_insert(data.home_rank);
+    }
+    for data in &plan.data {
+        if homes[data.seq][data.block] != Some(data.home_rank) {
+            return Err(CpError::Config(format!(
+                "block {} of sequence {}: its {:?} lives on rank {} but its Q on rank {:?}; an executed plan keeps a token block's Q, KV and O on one home",
+                data.block, data.seq, data.kind, data.home_rank, homes[data.seq][data.block]
+            )));
+        }
+    }
+    // validate_plan gave every block exactly one Q home
+    Ok(homes
+        .into_iter()
+        .map(|blocks| blocks.into_iter().map(|h| h.unwrap_or(0)).collect())
+        .collect())
+}
+
+/// Each rank's tiles, sorted by (stage, q block, kv block).
+fn rank_tiles(plan: &Plan) -> Vec<Vec<Tile>> {
+    let mut tiles = vec![Vec::new(); plan.ranks];
+    for b in &plan.blocks {
+        tiles[b.rank].push(Tile {
+            stage: b.stage,
+            q: BlockId {
+                seq: b.seq,
+                block: b.q_block,
+            },
+            kv_block: b.kv_block,
+        });
+    }
+    tiles
+        .iter_mut()
+        .for_each(|t: &mut Vec<Tile>| t.sort_unstable());
+    tiles
+}
+
 /// A rank's instruction lists.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Programs {
@@ -168,56 +234,9 @@ impl BlockSchedule {
     /// Checks that `plan` is executable for `problem` (one head unit; Q, KV and O of a block on one
     /// home) and builds its routes on `topology`.
     pub fn new(plan: &Plan, problem: &BlockProblem, topology: &Topology) -> Result<Self, CpError> {
-        crate::planner::plan::validate_plan(plan, problem)?;
-        if problem.head_groups != 1 {
-            return Err(CpError::Config(format!(
-                "an executed plan keeps every head of a token together: plan with 1 head unit, not {}",
-                problem.head_groups
-            )));
-        }
-        if topology.ranks() != plan.ranks {
-            return Err(CpError::Config(format!(
-                "the plan is for {} ranks but the topology has {}",
-                plan.ranks,
-                topology.ranks()
-            )));
-        }
-        let mut homes: Vec<Vec<Option<usize>>> = (0..problem.seq_lens.len())
-            .map(|seq| vec![None; problem.blocks_of(seq)])
-            .collect();
-        for data in &plan.data {
-            let home = &mut homes[data.seq][data.block];
-            match *home {
-                None if data.kind == DataKind::Q => *home = Some(data.home_rank),
-                _ => {}
-            }
-        }
-        for data in &plan.data {
-            if homes[data.seq][data.block] != Some(data.home_rank) {
-                return Err(CpError::Config(format!(
-                    "block {} of sequence {}: its {:?} lives on rank {} but its Q on rank {:?}; an executed plan keeps a token block's Q, KV and O on one home",
-                    data.block, data.seq, data.kind, data.home_rank, homes[data.seq][data.block]
-                )));
-            }
-        }
-        let homes: Vec<Vec<usize>> = homes
-            .into_iter()
-            .map(|blocks| blocks.into_iter().map(|h| h.unwrap_or(0)).collect())
-            .collect();
-        let mut tiles = vec![Vec::new(); plan.ranks];
-        for b in &plan.blocks {
-            tiles[b.rank].push(Tile {
-                stage: b.stage,
-                q: BlockId {
-                    seq: b.seq,
-                    block: b.q_block,
-                },
-                kv_block: b.kv_block,
-            });
-        }
-        tiles
-            .iter_mut()
-            .for_each(|t: &mut Vec<Tile>| t.sort_unstable());
+        check_executable(plan, problem, topology)?;
+        let homes = shared_homes(plan, problem)?;
+        let tiles = rank_tiles(plan);
         let routes = routes(plan, topology);
         let last_stage = plan.blocks.iter().map(|b| b.stage).max().unwrap_or(0);
         let builder = ProgramBuilder {
