@@ -6,7 +6,7 @@
 //! connectivity.
 
 use burn_dcp::planner::cost::evaluate;
-use burn_dcp::planner::plan::DataKind;
+use burn_dcp::planner::plan::{DataKind, PlanStats};
 use burn_dcp::planner::{
     plan_strategy, validate_plan, AttentionDims, DcpConfig, PlanInput, PlanStrategy, Topology,
 };
@@ -63,6 +63,15 @@ fn every_strategy_and_mask_gives_a_valid_plan() {
                         && report.attention_bwd_ms > report.attention_fwd_ms
                 );
                 assert!(report.compute_imbalance >= 1.0 && report.memory_imbalance >= 1.0);
+                // the plan's stats name its strategy and block size, in Rust and in JSON
+                let stats = &routed.plan.stats;
+                assert_eq!(stats.strategy(), strategy.name());
+                assert_eq!(stats.block(), routed.problem.block);
+                let json = serde_json::to_value(stats).unwrap();
+                assert_eq!(json["strategy"], strategy.name());
+                assert_eq!(json["block"], routed.problem.block);
+                let back: PlanStats = serde_json::from_value(json).unwrap();
+                assert_eq!(&back, stats);
             }
         }
     }

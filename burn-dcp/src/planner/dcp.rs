@@ -27,7 +27,7 @@ use crate::planner::cost::{
     direct_transfers, AttentionDims, RoutedPlan, UnitSizes, BACKWARD_FLOPS_FACTOR,
 };
 use crate::planner::hypergraph::{partition, FastMap, Hypergraph, PartitionConfig};
-use crate::planner::plan::{BlockProblem, ComputeBlock, Plan, TileGrid};
+use crate::planner::plan::{BlockProblem, ComputeBlock, DcpStats, Plan, PlanStats, TileGrid};
 use crate::planner::topology::Topology;
 
 /// Settings of the DCP planner.
@@ -315,25 +315,19 @@ pub fn dcp_plan(
     let built = build_graph(problem, &grids, dims, group)?;
     let rank = place(&built.graph, topology, config);
     let schedule = StageSchedule::build(problem, &built, &rank, &sizes, topology.ranks(), config);
-    let mut plan = placed_plan(
-        problem,
-        &built,
-        &rank,
-        &schedule.stage_of_tile,
-        topology.ranks(),
-    );
-    plan.stats = serde_json::json!({
-        "strategy": "dcp",
-        "communication_stages": config.stages,
-        "largest_stage_fraction": schedule.largest_chunk_fraction,
-        "connectivity_cost_bytes": built.graph.connectivity_cost(&rank),
-        "vertices": built.graph.vertices(),
-        "tile_group": group,
-        "hyperedges": built.graph.edges(),
-        "compute_epsilon": config.compute_epsilon,
-        "block": problem.block,
-        "memory_epsilon": config.memory_epsilon,
-    });
+    let stats = DcpStats {
+        block: problem.block,
+        communication_stages: config.stages,
+        largest_stage_fraction: schedule.largest_chunk_fraction,
+        connectivity_cost_bytes: built.graph.connectivity_cost(&rank),
+        vertices: built.graph.vertices(),
+        hyperedges: built.graph.edges(),
+        tile_group: group,
+        compute_epsilon: config.compute_epsilon,
+        memory_epsilon: config.memory_epsilon,
+    };
+    let mut plan = Plan::new(topology.ranks(), PlanStats::Dcp(stats));
+    place_plan(&mut plan, problem, &built, &rank, &schedule.stage_of_tile);
     let transfers = direct_transfers(&plan, problem, &sizes, topology);
     Ok(RoutedPlan {
         name: "dcp".into(),
@@ -345,16 +339,15 @@ pub fn dcp_plan(
     })
 }
 
-/// The plan of a placement: each data block at its vertex's rank, each tile at its vertex's rank
-/// and stage.
-fn placed_plan(
+/// Fills `plan` with a placement: each data block at its vertex's rank, each tile at its
+/// vertex's rank and stage.
+fn place_plan(
+    plan: &mut Plan,
     problem: &BlockProblem,
     built: &DcpGraph,
     rank: &[u32],
     stage_of_tile: &[usize],
-    ranks: usize,
-) -> Plan {
-    let mut plan = Plan::empty(ranks, "dcp");
+) {
     for (seq, bases) in built.data_base.iter().enumerate() {
         for (head, &base) in bases.iter().enumerate() {
             for block in 0..problem.blocks_of(seq) {
@@ -372,7 +365,6 @@ fn placed_plan(
             stage: stage_of_tile[i],
         });
     }
-    plan
 }
 
 /// A data block a rank needs from another rank: its Q (`is_kv` false) or its K/V.

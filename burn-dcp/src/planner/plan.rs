@@ -8,8 +8,10 @@
 //! {"ranks": R,
 //!  "blocks": [{"seq": s, "head": h, "q_block": i, "kv_block": j, "rank": r, "stage": t}, …],
 //!  "data":   [{"kind": "q"|"kv"|"o", "seq": s, "head": h, "block": i, "home_rank": r}, …],
-//!  "stats":  {…}}
+//!  "stats":  {"strategy": "dcp", "block": B, …}}
 //! ```
+//!
+//! `stats` is a [`PlanStats`]: what the planner reports, tagged by its strategy.
 //!
 //! `head` is the head group (one kv head and the query heads sharing it). The validator checks
 //! that every non-empty mask tile is computed exactly once and every data block has exactly one
@@ -59,17 +61,94 @@ pub struct Plan {
     pub ranks: usize,
     pub blocks: Vec<ComputeBlock>,
     pub data: Vec<DataBlock>,
-    pub stats: serde_json::Value,
+    pub stats: PlanStats,
+}
+
+/// What a planner reports about its plan: the plan JSON's `"stats"` object, tagged by
+/// `"strategy"` (the strategy names of `plan_sim --strategies`). Every variant has the block size
+/// the plan was made with (static strategies may halve `--block`, see
+/// [`crate::planner::strategies::PlanInput::static_problem`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "strategy", rename_all = "kebab-case")]
+pub enum PlanStats {
+    RingZigzag {
+        block: usize,
+    },
+    Ulysses(MeshStats),
+    Usp(MeshStats),
+    AllGather {
+        block: usize,
+    },
+    MegatronDynamic {
+        block: usize,
+        /// Micro-batches the dynamic CP schedule needed (their stages follow each other).
+        micro_batches: usize,
+        /// The scheduler's token budget per rank.
+        max_seq_len_per_rank: usize,
+    },
+    Dcp(DcpStats),
+}
+
+/// Ulysses / USP: the 2D mesh the plan was made for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MeshStats {
+    pub block: usize,
+    pub ulysses_degree: usize,
+    pub ring_degree: usize,
+    /// Head units: `max(kv heads, ulysses degree)`.
+    pub head_units: usize,
+}
+
+/// DCP: the hypergraph, its partition and the stage schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DcpStats {
+    pub block: usize,
+    pub communication_stages: usize,
+    /// Over all ranks, the largest communication chunk's share of its rank's remote bytes.
+    pub largest_stage_fraction: f64,
+    /// The partition's connectivity cost `Σ_e w(e)·(λ(e) − 1)`, in bytes.
+    pub connectivity_cost_bytes: f64,
+    pub vertices: usize,
+    pub hyperedges: usize,
+    /// Side of the tile squares one compute vertex holds.
+    pub tile_group: usize,
+    pub compute_epsilon: f64,
+    pub memory_epsilon: f64,
+}
+
+impl PlanStats {
+    /// The strategy name (the `"strategy"` tag).
+    pub fn strategy(&self) -> &'static str {
+        match self {
+            Self::RingZigzag { .. } => "ring-zigzag",
+            Self::Ulysses(_) => "ulysses",
+            Self::Usp(_) => "usp",
+            Self::AllGather { .. } => "all-gather",
+            Self::MegatronDynamic { .. } => "megatron-dynamic",
+            Self::Dcp(_) => "dcp",
+        }
+    }
+
+    /// The block size of the plan.
+    pub fn block(&self) -> usize {
+        match self {
+            Self::RingZigzag { block }
+            | Self::AllGather { block }
+            | Self::MegatronDynamic { block, .. } => *block,
+            Self::Ulysses(mesh) | Self::Usp(mesh) => mesh.block,
+            Self::Dcp(dcp) => dcp.block,
+        }
+    }
 }
 
 impl Plan {
-    /// A plan with no blocks yet; `stats` starts as `{"strategy": strategy}`.
-    pub fn empty(ranks: usize, strategy: &str) -> Self {
+    /// A plan with no blocks yet.
+    pub fn new(ranks: usize, stats: PlanStats) -> Self {
         Self {
             ranks,
             blocks: Vec::new(),
             data: Vec::new(),
-            stats: serde_json::json!({ "strategy": strategy }),
+            stats,
         }
     }
 

@@ -32,7 +32,9 @@ use crate::planner::cost::{
 };
 use crate::planner::dcp::{dcp_plan, DcpConfig};
 use crate::planner::dynamic::{schedule_with, DynamicCpConfig, DynamicCpSchedule};
-use crate::planner::plan::{tile_grids, BlockProblem, ComputeBlock, Plan, TileGrid};
+use crate::planner::plan::{
+    tile_grids, BlockProblem, ComputeBlock, MeshStats, Plan, PlanStats, TileGrid,
+};
 use crate::planner::topology::Topology;
 
 /// Most (q, kv) block pairs (full-mask count) a static strategy's plan may have.
@@ -162,11 +164,11 @@ pub fn plan_strategy(strategy: PlanStrategy, input: &PlanInput) -> Result<Routed
                     input.dims.heads
                 )));
             }
-            usp(input, ranks, "ulysses")
+            usp(input, ranks, PlanStrategy::Ulysses)
         }
         PlanStrategy::Usp => {
             let degree = usp_ulysses_degree(input)?;
-            usp(input, degree, "usp")
+            usp(input, degree, PlanStrategy::Usp)
         }
         PlanStrategy::AllGather => all_gather(input),
         PlanStrategy::MegatronDynamic => megatron_dynamic(input),
@@ -350,8 +352,12 @@ fn ring_zigzag(input: &PlanInput) -> Result<RoutedPlan, CpError> {
     let sizes = input.dims.unit_sizes(problem.head_groups)?;
     let grids = tile_grids(&problem);
     let ranks = input.topology.ranks();
-    let mut plan = Plan::empty(ranks, "ring-zigzag");
-    plan.stats["block"] = problem.block.into();
+    let mut plan = Plan::new(
+        ranks,
+        PlanStats::RingZigzag {
+            block: problem.block,
+        },
+    );
     let mut transfers = Vec::new();
     let seqs: Vec<usize> = (0..problem.seq_lens.len()).collect();
     let ring: Vec<usize> = (0..ranks).collect();
@@ -421,7 +427,14 @@ fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
     let ranks = input.topology.ranks();
     let config = megatron_config(input);
     let schedule = megatron_schedule(input)?;
-    let mut plan = Plan::empty(ranks, "megatron-dynamic");
+    let mut plan = Plan::new(
+        ranks,
+        PlanStats::MegatronDynamic {
+            block: problem.block,
+            micro_batches: schedule.micro_batches.len(),
+            max_seq_len_per_rank: config.max_seq_len_per_rank,
+        },
+    );
     let mut transfers = Vec::new();
     let mut offset = 0;
     for micro_batch in &schedule.micro_batches {
@@ -442,12 +455,6 @@ fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
         }
         offset += longest;
     }
-    plan.stats = serde_json::json!({
-        "strategy": "megatron-dynamic",
-        "micro_batches": schedule.micro_batches.len(),
-        "max_seq_len_per_rank": config.max_seq_len_per_rank,
-        "block": problem.block,
-    });
     Ok(RoutedPlan {
         name: "megatron-dynamic".into(),
         plan,
@@ -464,8 +471,12 @@ fn all_gather(input: &PlanInput) -> Result<RoutedPlan, CpError> {
     let problem = input.static_problem(input.dims.kv_heads, ranks);
     let sizes = input.dims.unit_sizes(problem.head_groups)?;
     let grids = tile_grids(&problem);
-    let mut plan = Plan::empty(ranks, "all-gather");
-    plan.stats["block"] = problem.block.into();
+    let mut plan = Plan::new(
+        ranks,
+        PlanStats::AllGather {
+            block: problem.block,
+        },
+    );
     let all: Vec<usize> = (0..ranks).collect();
     let mut kv_bytes_at = vec![0.0; ranks];
     for (seq, grid) in grids.iter().enumerate() {
@@ -591,8 +602,10 @@ fn all_to_all(home: usize, rank: usize, tokens: f64, sizes: &UnitSizes, out: &mu
     }
 }
 
-/// USP with Ulysses degree `degree` (ulysses when `degree` is every rank).
-fn usp(input: &PlanInput, degree: usize, name: &str) -> Result<RoutedPlan, CpError> {
+/// USP with Ulysses degree `degree`; `strategy` (ulysses: `degree` is every rank, or usp) names
+/// the plan.
+fn usp(input: &PlanInput, degree: usize, strategy: PlanStrategy) -> Result<RoutedPlan, CpError> {
+    let name = strategy.name();
     let ranks = input.topology.ranks();
     if degree == 0 || !ranks.is_multiple_of(degree) {
         return Err(CpError::Config(format!(
@@ -608,11 +621,17 @@ fn usp(input: &PlanInput, degree: usize, name: &str) -> Result<RoutedPlan, CpErr
     let problem = input.static_problem(mesh.units, ring_degree);
     let sizes = input.dims.unit_sizes(mesh.units)?;
     let grids = tile_grids(&problem);
-    let mut plan = Plan::empty(ranks, name);
-    plan.stats = serde_json::json!({
-        "strategy": name, "ulysses_degree": degree, "ring_degree": ring_degree,
-        "head_units": mesh.units, "block": problem.block,
-    });
+    let stats = MeshStats {
+        block: problem.block,
+        ulysses_degree: degree,
+        ring_degree,
+        head_units: mesh.units,
+    };
+    let stats = match strategy {
+        PlanStrategy::Ulysses => PlanStats::Ulysses(stats),
+        _ => PlanStats::Usp(stats),
+    };
+    let mut plan = Plan::new(ranks, stats);
     let mut transfers = Vec::new();
     // kv bytes at (column, ring position) after the all-to-all
     let mut kv_at = vec![vec![0.0; ring_degree]; degree];

@@ -9,26 +9,14 @@ pub(super) fn greedy_initial(
     config: &PartitionConfig,
     rng: &mut SplitMix,
 ) -> Vec<u32> {
-    let n = graph.vertices();
     let k = config.parts;
-    let mut order: Vec<u32> = (0..n as u32).collect();
-    rng.shuffle(&mut order);
-    let total_compute: f64 = graph.compute.iter().sum::<f64>().max(f64::MIN_POSITIVE);
-    let total_memory: f64 = graph.memory.iter().sum::<f64>().max(f64::MIN_POSITIVE);
-    order.sort_by(|&a, &b| {
-        let weight = |v: u32| {
-            graph.compute[v as usize] / total_compute + graph.memory[v as usize] / total_memory
-        };
-        weight(b).total_cmp(&weight(a))
-    });
-    let mut part = vec![u32::MAX; n];
+    let mut part = vec![u32::MAX; graph.vertices()];
     let mut compute = vec![0.0; k];
     let mut memory = vec![0.0; k];
     let mut affinity = vec![0.0; k];
     // placed pins per (hyperedge, part)
     let mut placed = vec![0u32; graph.edges() * k];
-    for &v in &order {
-        let v = v as usize;
+    for v in heaviest_first(graph, rng) {
         affinity.iter_mut().for_each(|a| *a = 0.0);
         for &e in graph.edges_of(v) {
             let e = e as usize;
@@ -65,4 +53,20 @@ pub(super) fn greedy_initial(
         }
     }
     part
+}
+
+/// The vertices in a seeded random order, then stably by decreasing normalised weight (compute
+/// and memory as fractions of their totals).
+fn heaviest_first(graph: &Hypergraph, rng: &mut SplitMix) -> Vec<usize> {
+    let mut order: Vec<u32> = (0..graph.vertices() as u32).collect();
+    rng.shuffle(&mut order);
+    let total_compute: f64 = graph.compute.iter().sum::<f64>().max(f64::MIN_POSITIVE);
+    let total_memory: f64 = graph.memory.iter().sum::<f64>().max(f64::MIN_POSITIVE);
+    order.sort_by(|&a, &b| {
+        let weight = |v: u32| {
+            graph.compute[v as usize] / total_compute + graph.memory[v as usize] / total_memory
+        };
+        weight(b).total_cmp(&weight(a))
+    });
+    order.into_iter().map(|v| v as usize).collect()
 }
