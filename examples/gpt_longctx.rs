@@ -21,7 +21,7 @@ use burn_dcp_suite::launch::Ranks;
 use burn_dcp_suite::train::{
     check_resume, read_json, train_rank, write_atomically, write_json, AutoSettings, CpSizes,
     DcpSettings, DynamicSettings, PpSchedule, RankOutcome, StepMetrics, StepObserver, TrainConfig,
-    TrainData, DEFAULT_PLAN_AHEAD, MAX_SEQ_LEN,
+    TrainData, TrainError, DEFAULT_PLAN_AHEAD, MAX_SEQ_LEN,
 };
 use clap::Parser;
 use serde_json::json;
@@ -147,45 +147,40 @@ fn main() {
 }
 
 /// Strategy and layout from the flags (`ring-zigzag` is ring with the zigzag layout).
-fn strategy_and_layout(args: &Args, cp: usize) -> Result<(Strategy, Layout), String> {
+fn strategy_and_layout(args: &Args, cp: usize) -> Result<(Strategy, Layout), TrainError> {
     let name = args.strategy.as_deref().unwrap_or("ring");
     if name == "auto" {
         // Auto's static candidates run zigzag, the layout its cost model plans them with.
         if let Some(layout) = args.layout.as_deref().filter(|l| *l != "zigzag") {
-            return Err(format!(
+            return Err(TrainError::Config(format!(
                 "--strategy auto places its static candidates zigzag (as its cost model plans them); --layout {layout} is not supported with it"
-            ));
+            )));
         }
         if let Some(degree) = args.ulysses_degree {
-            return Err(format!(
+            return Err(TrainError::Config(format!(
                 "--ulysses-degree {degree} does not apply to --strategy auto: its usp candidate takes the largest degree that fits a node and the heads"
-            ));
+            )));
         }
         return Ok((Strategy::Ring, Layout::Zigzag));
     }
     let (name, implied_layout) = match name.strip_prefix("ring-") {
-        Some(layout) => (
-            "ring",
-            Some(layout.parse::<Layout>().map_err(|e| e.to_string())?),
-        ),
+        Some(layout) => ("ring", Some(layout.parse::<Layout>()?)),
         None => (name, None),
     };
     let layout = match (&args.layout, implied_layout) {
-        (Some(given), Some(implied))
-            if given.parse::<Layout>().map_err(|e| e.to_string())? != implied =>
-        {
-            return Err(format!(
+        (Some(given), Some(implied)) if given.parse::<Layout>()? != implied => {
+            return Err(TrainError::Config(format!(
                 "--strategy {} implies the {implied} layout but --layout is {given}",
                 args.strategy.as_deref().unwrap_or_default()
-            ))
+            )))
         }
         (Some(given), _) => given
             .parse()
-            .map_err(|e: burn_dcp::CpError| e.to_string())?,
+            .map_err(|e: burn_dcp::CpError| TrainError::from(e))?,
         (None, Some(implied)) => implied,
         (None, None) => Layout::Zigzag,
     };
-    let strategy = Strategy::parse(name, args.ulysses_degree, cp).map_err(|e| e.to_string())?;
+    let strategy = Strategy::parse(name, args.ulysses_degree, cp)?;
     Ok((strategy, layout))
 }
 
@@ -195,7 +190,7 @@ fn dynamic_settings(
     args: &Args,
     cp: usize,
     seq_len: usize,
-) -> Result<Option<(Strategy, DynamicSettings)>, String> {
+) -> Result<Option<(Strategy, DynamicSettings)>, TrainError> {
     if args.strategy.as_deref() != Some("dynamic") {
         let given = [
             ("--inner-strategy", args.inner_strategy.is_some()),
@@ -203,19 +198,18 @@ fn dynamic_settings(
             ("--cp-sizes", args.cp_sizes.is_some()),
         ];
         if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
-            return Err(format!("{flag} only applies to --strategy dynamic"));
+            return Err(TrainError::Config(format!(
+                "{flag} only applies to --strategy dynamic"
+            )));
         }
         return Ok(None);
     }
     let name = args.inner_strategy.as_deref().unwrap_or("ring");
     // USP keeps its Ulysses degree; the ring degree follows each group's size.
     let degree_cp = args.ulysses_degree.unwrap_or(1);
-    let inner = Strategy::parse(name, args.ulysses_degree, degree_cp).map_err(|e| e.to_string())?;
+    let inner = Strategy::parse(name, args.ulysses_degree, degree_cp)?;
     if inner == Strategy::Dcp {
-        return Err(
-            "--inner-strategy dcp is not supported yet: dynamic CP groups run ring, ulysses, usp or all-gather"
-                .into(),
-        );
+        return Err(TrainError::Config("--inner-strategy dcp is not supported yet: dynamic CP groups run ring, ulysses, usp or all-gather".into()));
     }
     let settings = DynamicSettings {
         max_tokens_per_rank: args
@@ -233,14 +227,16 @@ fn dynamic_settings(
 
 /// `--strategy dcp` and `auto`: the block plans' settings; `None` otherwise (then
 /// `--block`/`--stages` are an error).
-fn dcp_settings(args: &Args, strategy: Strategy) -> Result<Option<DcpSettings>, String> {
+fn dcp_settings(args: &Args, strategy: Strategy) -> Result<Option<DcpSettings>, TrainError> {
     let auto = args.strategy.as_deref() == Some("auto");
     if strategy != Strategy::Dcp && !auto {
         if let Some(flag) = [("--block", args.block), ("--stages", args.stages)]
             .iter()
             .find_map(|(flag, value)| value.map(|_| flag))
         {
-            return Err(format!("{flag} only applies to --strategy dcp or auto"));
+            return Err(TrainError::Config(format!(
+                "{flag} only applies to --strategy dcp or auto"
+            )));
         }
         return Ok(None);
     }
@@ -253,11 +249,11 @@ fn dcp_settings(args: &Args, strategy: Strategy) -> Result<Option<DcpSettings>, 
     }))
 }
 
-fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
+fn config_from_args(args: &Args) -> Result<TrainConfig, TrainError> {
     let cp = args.cp.unwrap_or(4);
     let dynamic = args.strategy.as_deref() == Some("dynamic");
     if !dynamic && args.seq_len.is_some() && args.max_tokens_per_rank.is_some() {
-        return Err("give --seq-len or --max-tokens-per-rank (= seq-len / cp), not both (with --strategy dynamic, --max-tokens-per-rank is the scheduler's per-rank budget)".into());
+        return Err(TrainError::Config("give --seq-len or --max-tokens-per-rank (= seq-len / cp), not both (with --strategy dynamic, --max-tokens-per-rank is the scheduler's per-rank budget)".into()));
     }
     let (strategy, layout) = if dynamic {
         (Strategy::Ring, layout_flag(args)?)
@@ -270,10 +266,10 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
         (None, Some(per_rank)) => match per_rank.checked_mul(cp) {
             Some(tokens) if tokens <= MAX_SEQ_LEN => tokens,
             product => {
-                return Err(format!(
+                return Err(TrainError::Config(format!(
                     "--max-tokens-per-rank {per_rank} × --cp {cp} {} the limit of {MAX_SEQ_LEN} tokens per micro-batch",
                     if product.is_some() { "exceeds" } else { "overflows, far beyond" }
-                ))
+                )))
             }
         },
         (None, None) => 4096,
@@ -319,32 +315,34 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, String> {
 }
 
 /// `--strategy auto`: the candidates; `None` otherwise (then `--auto-candidates` is an error).
-fn auto_settings(args: &Args) -> Result<Option<AutoSettings>, String> {
+fn auto_settings(args: &Args) -> Result<Option<AutoSettings>, TrainError> {
     if args.strategy.as_deref() != Some("auto") {
         if args.auto_candidates.is_some() {
-            return Err("--auto-candidates only applies to --strategy auto".into());
+            return Err(TrainError::Config(
+                "--auto-candidates only applies to --strategy auto".into(),
+            ));
         }
         return Ok(None);
     }
     let candidates = match &args.auto_candidates {
         Some(text) => burn_dcp::planner::auto::parse_candidates(text)
-            .map_err(|e| format!("--auto-candidates {text}: {e}"))?,
+            .map_err(|e| TrainError::Config(format!("--auto-candidates {text}: {e}")))?,
         None => burn_dcp::planner::auto::AutoCandidate::ALL.to_vec(),
     };
     Ok(Some(AutoSettings { candidates }))
 }
 
 /// `--layout` alone (dynamic CP: the layout inside each group) [default: zigzag].
-fn layout_flag(args: &Args) -> Result<Layout, String> {
+fn layout_flag(args: &Args) -> Result<Layout, TrainError> {
     args.layout
         .as_deref()
         .unwrap_or("zigzag")
         .parse()
-        .map_err(|e: burn_dcp::CpError| e.to_string())
+        .map_err(|e: burn_dcp::CpError| TrainError::from(e))
 }
 
 /// On resume: the saved config, with `--steps` as the new total; any other flag must agree.
-fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
+fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, TrainError> {
     let saved: TrainConfig = read_json(&dir.join("config.json"))?;
     let mut config = saved.clone();
     if let Some(steps) = args.steps {
@@ -448,53 +446,53 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, String> {
         || args.cp_sizes.is_some()
         || (args.max_tokens_per_rank.is_some() && saved.dynamic.is_some());
     if (args.strategy.is_some() || dynamic_flags) && given.dynamic != saved.dynamic {
-        return Err(format!(
+        return Err(TrainError::Config(format!(
             "the dynamic CP settings {:?} differ from the resumed run's {:?} (saved in {})",
             given.dynamic,
             saved.dynamic,
             dir.display()
-        ));
+        )));
     }
     if args.auto_candidates.is_some() && given.auto != saved.auto {
-        return Err(format!(
+        return Err(TrainError::Config(format!(
             "the auto settings {:?} differ from the resumed run's {:?} (saved in {})",
             given.auto,
             saved.auto,
             dir.display()
-        ));
+        )));
     }
     if (args.block.is_some() || args.stages.is_some()) && given.dcp != saved.dcp {
-        return Err(format!(
+        return Err(TrainError::Config(format!(
             "the DCP settings {:?} differ from the resumed run's {:?} (saved in {})",
             given.dcp,
             saved.dcp,
             dir.display()
-        ));
+        )));
     }
     // The topology changes DCP's plans and the byte counts by link; given, it must agree.
     if (args.topology.is_some() && given.topology != saved.topology)
         || (args.nodes.is_some() && given.nodes != saved.nodes)
     {
-        return Err(format!(
+        return Err(TrainError::Config(format!(
             "--topology {} --nodes {} differ from the resumed run's {} × {} nodes (saved in {})",
             given.topology,
             given.nodes,
             saved.topology,
             saved.nodes,
             dir.display()
-        ));
+        )));
     }
     if let Some((flag, _, value, saved_value)) = checks.into_iter().find(|c| c.1) {
-        return Err(format!(
+        return Err(TrainError::Config(format!(
             "{flag} {value} differs from the resumed run's {saved_value} (saved in {})",
             dir.display()
-        ));
+        )));
     }
     if args.lr.is_some_and(|lr| lr != saved.learning_rate) {
-        return Err(format!(
+        return Err(TrainError::Config(format!(
             "--lr differs from the resumed run's {}",
             saved.learning_rate
-        ));
+        )));
     }
     Ok(config)
 }
@@ -506,7 +504,7 @@ struct Reporter {
     metrics_file: Option<Mutex<std::fs::File>>,
     steps: usize,
     started: Instant,
-    error: Mutex<Option<String>>,
+    error: Mutex<Option<TrainError>>,
 }
 
 impl StepObserver for Reporter {
@@ -530,7 +528,7 @@ impl StepObserver for Reporter {
             let mut file = file.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = writeln!(file, "{line}") {
                 *self.error.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(format!("cannot write metrics.jsonl: {e}"));
+                    Some(TrainError::io("write", "metrics.jsonl", e));
             }
         }
     }
@@ -538,7 +536,7 @@ impl StepObserver for Reporter {
 
 /// `--out DIR` must not overwrite another run: a directory holding a run's files (config.json,
 /// metrics.jsonl, a checkpoint) is only written to when it is the run being resumed.
-fn refuse_overwrite(out: &Path, resume: Option<&Path>) -> Result<(), String> {
+fn refuse_overwrite(out: &Path, resume: Option<&Path>) -> Result<(), TrainError> {
     if resume.is_some_and(|dir| same_dir(dir, out)) {
         return Ok(());
     }
@@ -549,11 +547,11 @@ fn refuse_overwrite(out: &Path, resume: Option<&Path>) -> Result<(), String> {
         "checkpoint.old",
     ];
     if let Some(found) = files.iter().find(|name| out.join(name).exists()) {
-        return Err(format!(
+        return Err(TrainError::Config(format!(
             "--out {} already holds a run ({found} exists): use --resume {} to continue it, or choose another --out",
             out.display(),
             out.display()
-        ));
+        )));
     }
     Ok(())
 }
@@ -566,7 +564,7 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 }
 
 /// Keeps the lines of `metrics.jsonl` up to step `last_step` (rewritten atomically).
-fn truncate_metrics(path: &Path, last_step: usize) -> Result<(), String> {
+fn truncate_metrics(path: &Path, last_step: usize) -> Result<(), TrainError> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(());
     };
@@ -581,7 +579,7 @@ fn truncate_metrics(path: &Path, last_step: usize) -> Result<(), String> {
     write_atomically(path, content.as_bytes())
 }
 
-fn open_metrics(out: &Path, append: bool) -> Result<std::fs::File, String> {
+fn open_metrics(out: &Path, append: bool) -> Result<std::fs::File, TrainError> {
     let path = out.join("metrics.jsonl");
     std::fs::OpenOptions::new()
         .create(true)
@@ -589,11 +587,12 @@ fn open_metrics(out: &Path, append: bool) -> Result<std::fs::File, String> {
         .write(true)
         .truncate(!append)
         .open(&path)
-        .map_err(|e| format!("cannot open {}: {e}", path.display()))
+        .map_err(|e| TrainError::io("open", &path, e))
 }
 
-fn run(args: &Args) -> Result<(), String> {
-    burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "gpt_longctx")?;
+fn run(args: &Args) -> Result<(), TrainError> {
+    burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "gpt_longctx")
+        .map_err(TrainError::Config)?;
     let config = match &args.resume {
         Some(dir) => resumed_config(args, dir)?,
         None => config_from_args(args)?,
@@ -614,12 +613,13 @@ fn run(args: &Args) -> Result<(), String> {
         );
         return summarize(args, &config, &[], 0.0, args.resume.as_deref());
     }
-    let ranks = Ranks::new(config.world_size(), world_config(&config)?)?;
+    let ranks =
+        Ranks::new(config.world_size(), world_config(&config)?).map_err(TrainError::Launch)?;
     let result = train(args, &config, &ranks, saved_step);
     if let Err(message) = &result {
         // With several processes a rank's own failure ends the job, naming this rank, so its
         // peers do not take it for a rank that finished.
-        ranks.abort(message);
+        ranks.abort(&message.to_string());
     }
     result
 }
@@ -639,24 +639,20 @@ fn train(
     config: &TrainConfig,
     ranks: &Ranks,
     saved_step: Option<usize>,
-) -> Result<(), String> {
+) -> Result<(), TrainError> {
     // With several processes only rank 0 prints and writes files (the checkpoint's shards reach
     // it as messages); every rank trains.
     let leader = ranks.is_leader();
     let out = args.out.clone().or_else(|| args.resume.clone());
     if let (true, Some(out)) = (leader, &out) {
         refuse_overwrite(out, args.resume.as_deref())?;
-        std::fs::create_dir_all(out)
-            .map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+        std::fs::create_dir_all(out).map_err(|e| TrainError::io("create", out, e))?;
         write_json(
             &out.join("config.json"),
             &SavedConfig {
                 config,
-                backend: burn_dcp_suite::backend_type(
-                    &args.backend,
-                    args.no_fusion,
-                    "gpt_longctx",
-                )?,
+                backend: burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "gpt_longctx")
+                    .map_err(TrainError::Config)?,
             },
         )?;
     }
@@ -729,7 +725,7 @@ fn train(
     if leader {
         eprintln!();
     }
-    let outcome = results.map_err(|summary| format!("training failed: {summary}"))?;
+    let outcome = results.map_err(TrainError::RankFailed)?;
     let Some(outcome) = outcome else {
         // Not rank 0 of a multi-process job: rank 0 reports.
         return Ok(());
@@ -796,7 +792,7 @@ fn train_world_cuda(
     ranks.run(|control| {
         let comm =
             burn_dcp::comm::NcclWorld::init::<Cuda>(control, device.clone(), world_config.clone())
-                .map_err(|e| format!("NCCL on GPU {local_rank}: {e}"))?;
+                .map_err(|e| TrainError::Launch(format!("NCCL on GPU {local_rank}: {e}")))?;
         train_rank::<Cuda>(
             comm,
             config,
@@ -810,10 +806,10 @@ fn train_world_cuda(
 }
 
 /// The communication settings of a run: its timeout and nodes.
-fn world_config(config: &TrainConfig) -> Result<WorldConfig, String> {
+fn world_config(config: &TrainConfig) -> Result<WorldConfig, TrainError> {
     Ok(WorldConfig {
         timeout: Duration::from_secs(config.timeout_secs),
-        ranks_per_node: Some(config.ranks_per_node().map_err(|e| e.to_string())?),
+        ranks_per_node: Some(config.ranks_per_node()?),
     })
 }
 
@@ -846,13 +842,14 @@ fn summarize(
     metrics: &[StepMetrics],
     wall: f64,
     out: Option<&Path>,
-) -> Result<(), String> {
+) -> Result<(), TrainError> {
     let tokens: usize = metrics.iter().map(|m| m.tokens).sum();
     let bytes: u64 = metrics.iter().map(|m| m.bytes_communicated).sum();
     let train_seconds: f64 = metrics.iter().map(|m| m.step_ms).sum::<f64>() / 1e3;
     let summary = json!({
         "config": config,
-        "backend": burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "gpt_longctx")?,
+        "backend": burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "gpt_longctx")
+            .map_err(TrainError::Config)?,
         "steps_run": metrics.len(),
         "first_step": metrics.first().map(|m| m.step),
         "last_step": metrics.last().map(|m| m.step),
@@ -879,7 +876,8 @@ fn summarize(
     if args.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?
+            serde_json::to_string_pretty(&summary)
+                .map_err(|e| TrainError::Malformed(format!("the summary: {e}")))?
         );
     } else if metrics.is_empty() {
         println!("done: 0 steps (nothing to train)");

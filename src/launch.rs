@@ -189,9 +189,9 @@ impl Ranks {
     /// other processes of a job). A failure is an error naming the rank that failed first
     /// (in-process); with processes the failing rank prints its error and ends the job (MPI:
     /// `MPI_Abort`; TCP: its peers fail naming it, and every process exits non-zero).
-    pub fn run<T: Send>(
+    pub fn run<T: Send, E: std::fmt::Display>(
         &self,
-        task: impl Fn(Comm) -> Result<T, String> + Sync,
+        task: impl Fn(Comm) -> Result<T, E> + Sync,
     ) -> Result<Option<T>, String> {
         match self {
             Ranks::InProcess(world) => {
@@ -217,7 +217,11 @@ impl Ranks {
 /// Runs rank `rank`'s task; a panic (a burn op cannot return an error, so a failed
 /// context-parallel attention panics) becomes an error naming the rank, so the job ends
 /// through the world's abort like any other failure.
-fn unwound<T>(rank: usize, task: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+fn unwound<T, E: std::fmt::Display>(
+    rank: usize,
+    task: impl FnOnce() -> Result<T, E>,
+) -> Result<T, String> {
+    let task = || task().map_err(|e| e.to_string());
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)).unwrap_or_else(|panic| {
         Err(format!(
             "rank {rank} panicked: {}",

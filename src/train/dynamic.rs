@@ -20,6 +20,8 @@
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::planner::dynamic::DynamicCpConfig;
 use burn_dcp::{CpError, Strategy};
+
+use super::TrainError;
 use burn_dcp_models::GptConfig;
 use serde::{Deserialize, Serialize};
 
@@ -34,15 +36,15 @@ pub enum CpSizes {
 }
 
 impl std::str::FromStr for CpSizes {
-    type Err = String;
+    type Err = TrainError;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         match text {
             "pow2" => Ok(Self::Pow2),
             "any" => Ok(Self::Any),
-            other => Err(format!(
+            other => Err(TrainError::Config(format!(
                 "unknown --cp-sizes '{other}': expected pow2 or any"
-            )),
+            ))),
         }
     }
 }
@@ -76,14 +78,16 @@ impl DynamicSettings {
         inner: Strategy,
         heads: usize,
         kv_heads: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), TrainError> {
         let scheduler = self.scheduler(pool);
-        scheduler.validate().map_err(|e| e.to_string())?;
+        scheduler.validate()?;
         for size in scheduler.sizes() {
-            let strategy = strategy_for(inner, size).map_err(|e| e.to_string())?;
+            let strategy = strategy_for(inner, size)?;
             strategy
                 .validate_heads(heads, kv_heads, size)
-                .map_err(|e| format!("dynamic CP may use groups of {size} ranks: {e}"))?;
+                .map_err(|e| {
+                    TrainError::Config(format!("dynamic CP may use groups of {size} ranks: {e}"))
+                })?;
         }
         Ok(())
     }

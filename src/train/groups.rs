@@ -54,7 +54,9 @@ impl RankGroups {
     /// of the world's ranks).
     pub fn new(world: Comm, config: &TrainConfig) -> Result<Self, CpError> {
         let mesh = Mesh::new(world, config.mesh_shape())?;
-        let model = config.model_config().map_err(CpError::Config)?;
+        let model = config
+            .model_config()
+            .map_err(|e| CpError::Config(e.to_string()))?;
         let tp_rank = mesh.tp.rank();
         let replicas = TpGpt::<burn::backend::Flex>::kv_replicas(&model, tp_rank, config.tp);
         // Either every TP rank has replicas (tp > kv heads) and splits, or none does.

@@ -25,6 +25,7 @@
 //! gradients of the global mean loss, whatever the plan.
 
 pub mod dynamic;
+pub mod error;
 pub mod groups;
 pub mod pipeline;
 pub mod plan;
@@ -55,6 +56,7 @@ use burn_dcp_models::{GptConfig, TpGpt};
 use serde::{Deserialize, Serialize};
 
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
+pub use error::TrainError;
 pub use groups::RankGroups;
 pub use pipeline::PpSchedule;
 use pipeline::{stage_passes, Pass, StageRun};
@@ -170,138 +172,174 @@ pub const DEFAULT_PLAN_AHEAD: usize = 2;
 pub const MAX_PLAN_AHEAD: usize = 64;
 
 impl TrainConfig {
-    /// Checks the rules, naming the values.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Checks the rules, naming the values. In order: the mesh, the schedule, the model and
+    /// the strategy on it, the limits, dynamic CP, the topology, DCP, the mask.
+    pub fn validate(&self) -> Result<(), TrainError> {
         self.mesh_shape()
             .validate(MAX_IN_PROCESS_RANKS)
-            .map_err(|e| format!("{e} (in-process ranks are threads)"))?;
-        if !self.learning_rate.is_finite() || self.learning_rate <= 0.0 || self.learning_rate > 1.0
-        {
-            return Err(format!(
-                "learning rate {} must be a finite number in (0, 1]",
-                self.learning_rate
-            ));
-        }
-        if self.timeout_secs == 0 || self.timeout_secs > MAX_TIMEOUT.as_secs() {
-            return Err(format!(
-                "timeout {} s must be between 1 and {} s (a week)",
-                self.timeout_secs,
-                MAX_TIMEOUT.as_secs()
-            ));
-        }
-        if self.steps == 0 || self.steps.checked_mul(self.micro_batches).is_none() {
-            return Err(format!(
-                "steps {} must be at least 1, and steps × micro-batches ({}) must not overflow",
-                self.steps, self.micro_batches
-            ));
-        }
-        if self.seq_len > MAX_SEQ_LEN {
-            return Err(format!(
-                "seq_len {} exceeds the limit of {MAX_SEQ_LEN} tokens per micro-batch (token positions are 32-bit)",
-                self.seq_len
-            ));
-        }
-        if self.micro_batches == 0 || !self.micro_batches.is_multiple_of(self.dp) {
-            return Err(format!(
-                "the global batch of {} micro-batches must be a positive multiple of dp {}",
-                self.micro_batches, self.dp
-            ));
-        }
-        if self.seq_len < 2 {
-            return Err(format!(
-                "seq_len {} must be at least 2 tokens",
-                self.seq_len
-            ));
-        }
-        let model = self.model_config()?;
-        burn_dcp_models::tensor_parallel::validate_tp(&model, self.tp)?;
-        self.mesh_shape()
-            .validate_pipeline(model.n_layers, self.micro_batches)
-            .map_err(|e| e.to_string())?;
-        let (heads, kv_heads) = self.rank_heads(&model);
-        if let Some(auto) = &self.auto {
-            if auto.candidates.is_empty() {
-                return Err(
-                    "strategy auto needs at least one candidate (--auto-candidates)".into(),
-                );
-            }
-            // Every candidate but Ulysses runs on any group; Ulysses needs the heads to split.
-            if auto.candidates.iter().all(|c| *c == AutoCandidate::Ulysses)
-                && !heads.is_multiple_of(self.cp)
-            {
-                return Err(format!(
-                    "--auto-candidates ulysses alone cannot run on cp {}: Ulysses needs the query heads of a TP rank ({heads}) to be a multiple of the CP size",
-                    self.cp
-                ));
-            }
-        }
-        if self.auto.is_some()
-            && (self.dynamic.is_some()
-                || self.strategy != Strategy::Ring
-                || self.layout != Layout::Zigzag)
-        {
-            return Err(format!(
-                "strategy auto chooses per micro-batch among ring-zigzag, ulysses, usp, all-gather, dynamic and dcp: it cannot be combined with dynamic settings {:?}, strategy {} or layout {}",
-                self.dynamic, self.strategy, self.layout
-            ));
-        }
-        if self.dynamic.is_none() {
-            self.strategy
-                .validate_mesh(self.cp)
-                .map_err(|e| e.to_string())?;
-            self.strategy
-                .validate_heads(heads, kv_heads, self.cp)
-                .map_err(|e| format!("{e} (the heads of one TP rank of {})", self.tp))?;
-        }
-        if self.plan_ahead == 0 || self.plan_ahead > MAX_PLAN_AHEAD {
-            return Err(format!(
-                "--plan-ahead {} must be between 1 and {MAX_PLAN_AHEAD} steps",
-                self.plan_ahead
-            ));
-        }
-        if self.micro_batches > MAX_MICRO_BATCHES {
-            return Err(format!(
-                "{} micro-batches per step exceed the limit of {MAX_MICRO_BATCHES}",
-                self.micro_batches
-            ));
-        }
+            .map_err(|e| TrainError::Config(format!("{e} (in-process ranks are threads)")))?;
+        self.validate_schedule()?;
+        self.validate_parallelism()?;
+        self.validate_limits()?;
         if let Some(settings) = &self.dynamic {
             self.validate_dynamic(settings)?;
         }
-        self.group_topology().map_err(|e| e.to_string())?;
+        self.group_topology()?;
+        self.validate_dcp()?;
+        self.validate_mask()
+    }
+
+    /// Learning rate, timeout, steps, sequence length and the global batch.
+    fn validate_schedule(&self) -> Result<(), TrainError> {
+        if !self.learning_rate.is_finite() || self.learning_rate <= 0.0 || self.learning_rate > 1.0
+        {
+            return Err(TrainError::Config(format!(
+                "learning rate {} must be a finite number in (0, 1]",
+                self.learning_rate
+            )));
+        }
+        if self.timeout_secs == 0 || self.timeout_secs > MAX_TIMEOUT.as_secs() {
+            return Err(TrainError::Config(format!(
+                "timeout {} s must be between 1 and {} s (a week)",
+                self.timeout_secs,
+                MAX_TIMEOUT.as_secs()
+            )));
+        }
+        if self.steps == 0 || self.steps.checked_mul(self.micro_batches).is_none() {
+            return Err(TrainError::Config(format!(
+                "steps {} must be at least 1, and steps × micro-batches ({}) must not overflow",
+                self.steps, self.micro_batches
+            )));
+        }
+        if self.seq_len > MAX_SEQ_LEN {
+            return Err(TrainError::Config(format!(
+                "seq_len {} exceeds the limit of {MAX_SEQ_LEN} tokens per micro-batch (token positions are 32-bit)",
+                self.seq_len
+            )));
+        }
+        if self.micro_batches == 0 || !self.micro_batches.is_multiple_of(self.dp) {
+            return Err(TrainError::Config(format!(
+                "the global batch of {} micro-batches must be a positive multiple of dp {}",
+                self.micro_batches, self.dp
+            )));
+        }
+        if self.seq_len < 2 {
+            return Err(TrainError::Config(format!(
+                "seq_len {} must be at least 2 tokens",
+                self.seq_len
+            )));
+        }
+        Ok(())
+    }
+
+    /// The model's shape under TP and PP, then the strategy on the heads of one TP rank:
+    /// auto's candidates, or the static strategy on the CP group.
+    fn validate_parallelism(&self) -> Result<(), TrainError> {
+        let model = self.model_config()?;
+        burn_dcp_models::tensor_parallel::validate_tp(&model, self.tp)
+            .map_err(TrainError::Config)?;
+        self.mesh_shape()
+            .validate_pipeline(model.n_layers, self.micro_batches)?;
+        let (heads, kv_heads) = self.rank_heads(&model);
+        if let Some(auto) = &self.auto {
+            self.validate_auto(auto, heads)?;
+        }
+        if self.dynamic.is_none() {
+            self.strategy.validate_mesh(self.cp)?;
+            self.strategy
+                .validate_heads(heads, kv_heads, self.cp)
+                .map_err(|e| {
+                    TrainError::Config(format!("{e} (the heads of one TP rank of {})", self.tp))
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Auto's candidates (with `heads` query heads per TP rank), and no other strategy setting.
+    fn validate_auto(&self, auto: &AutoSettings, heads: usize) -> Result<(), TrainError> {
+        if auto.candidates.is_empty() {
+            return Err(TrainError::Config(
+                "strategy auto needs at least one candidate (--auto-candidates)".into(),
+            ));
+        }
+        // Every candidate but Ulysses runs on any group; Ulysses needs the heads to split.
+        if auto.candidates.iter().all(|c| *c == AutoCandidate::Ulysses)
+            && !heads.is_multiple_of(self.cp)
+        {
+            return Err(TrainError::Config(format!(
+                "--auto-candidates ulysses alone cannot run on cp {}: Ulysses needs the query heads of a TP rank ({heads}) to be a multiple of the CP size",
+                self.cp
+            )));
+        }
+        if self.dynamic.is_some()
+            || self.strategy != Strategy::Ring
+            || self.layout != Layout::Zigzag
+        {
+            return Err(TrainError::Config(format!(
+                "strategy auto chooses per micro-batch among ring-zigzag, ulysses, usp, all-gather, dynamic and dcp: it cannot be combined with dynamic settings {:?}, strategy {} or layout {}",
+                self.dynamic, self.strategy, self.layout
+            )));
+        }
+        Ok(())
+    }
+
+    /// Plan-ahead depth and micro-batches per step.
+    fn validate_limits(&self) -> Result<(), TrainError> {
+        if self.plan_ahead == 0 || self.plan_ahead > MAX_PLAN_AHEAD {
+            return Err(TrainError::Config(format!(
+                "--plan-ahead {} must be between 1 and {MAX_PLAN_AHEAD} steps",
+                self.plan_ahead
+            )));
+        }
+        if self.micro_batches > MAX_MICRO_BATCHES {
+            return Err(TrainError::Config(format!(
+                "{} micro-batches per step exceed the limit of {MAX_MICRO_BATCHES}",
+                self.micro_batches
+            )));
+        }
+        Ok(())
+    }
+
+    /// DCP settings exactly with strategies dcp and auto; their block and stages.
+    fn validate_dcp(&self) -> Result<(), TrainError> {
         if (self.strategy == Strategy::Dcp || self.auto.is_some()) != self.dcp.is_some() {
-            return Err(format!(
+            return Err(TrainError::Config(format!(
                 "strategy {} with DCP settings {:?}: strategies dcp and auto need them, the others none",
                 self.strategy_name(),
                 self.dcp
-            ));
+            )));
         }
         if let Some(dcp) = &self.dcp {
             if dcp.block == 0 || dcp.block > self.seq_len.max(1) {
-                return Err(format!(
+                return Err(TrainError::Config(format!(
                     "--block {} must be between 1 and --seq-len {}",
                     dcp.block, self.seq_len
-                ));
+                )));
             }
             burn_dcp::planner::dcp::DcpConfig {
                 stages: dcp.stages,
                 ..Default::default()
             }
             .validate()
-            .map_err(|e| format!("--stages {}: {e}", dcp.stages))?;
+            .map_err(|e| TrainError::Config(format!("--stages {}: {e}", dcp.stages)))?;
         }
+        Ok(())
+    }
+
+    /// The mask must keep a token from seeing its own label.
+    fn validate_mask(&self) -> Result<(), TrainError> {
         if let MaskPolicy::Same(MaskSpec::Full) = self.mask_policy()? {
-            return Err(
+            return Err(TrainError::Config(
                 "mask full lets every token attend the tokens after it, including its own label: a GPT trained as a language model needs a causal-family mask (causal, sliding:W, lambda, blockwise, shared-question or mixed)"
                     .into(),
-            );
+            ));
         }
         Ok(())
     }
 
     /// Dynamic CP: the settings, the inner strategy on every group size, and the longest packed
     /// sequence (`seq_len` tokens) fitting the pool.
-    fn validate_dynamic(&self, settings: &DynamicSettings) -> Result<(), String> {
+    fn validate_dynamic(&self, settings: &DynamicSettings) -> Result<(), TrainError> {
         let model = self.model_config()?;
         let pool = self.pool_size();
         let (heads, kv_heads) = self.rank_heads(&model);
@@ -313,10 +351,10 @@ impl TrainConfig {
         )
         .map(|_| ())
         .map_err(|e| {
-            format!(
+            TrainError::Config(format!(
                 "--seq-len {} makes packed sequences of up to that length: {e}",
                 self.seq_len
-            )
+            ))
         })
     }
 
@@ -332,16 +370,17 @@ impl TrainConfig {
         }
     }
 
-    pub fn model_config(&self) -> Result<GptConfig, String> {
+    pub fn model_config(&self) -> Result<GptConfig, TrainError> {
         GptConfig::sized(&self.model_size, self.tokenizer()?.vocab_size())
+            .map_err(TrainError::Config)
     }
 
-    pub fn mask_policy(&self) -> Result<MaskPolicy, String> {
-        MaskPolicy::parse(&self.mask).map_err(|e| e.to_string())
+    pub fn mask_policy(&self) -> Result<MaskPolicy, TrainError> {
+        MaskPolicy::parse(&self.mask).map_err(|e| TrainError::Config(e.to_string()))
     }
 
-    pub fn tokenizer(&self) -> Result<Tokenizer, String> {
-        Tokenizer::from_name(&self.tokenizer).map_err(|e| e.to_string())
+    pub fn tokenizer(&self) -> Result<Tokenizer, TrainError> {
+        Tokenizer::from_name(&self.tokenizer).map_err(|e| TrainError::Config(e.to_string()))
     }
 
     /// tp × cp × dp × pp ranks.
@@ -470,7 +509,7 @@ pub struct TrainData {
 }
 
 impl TrainData {
-    pub fn load(config: &TrainConfig) -> Result<Self, String> {
+    pub fn load(config: &TrainConfig) -> Result<Self, TrainError> {
         let tokenizer = config.tokenizer()?;
         let corpus = match config.corpus.as_str() {
             "builtin" => {
@@ -482,24 +521,27 @@ impl TrainData {
                 tokenize_cached(&identity, || open_documents(path), tokenizer, &cache_dir())
             }
         }
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| TrainError::Data(e.to_string()))?;
         let packing = PackingConfig {
             max_tokens_per_rank: config.seq_len,
             ranks: 1,
             max_seq_len: None,
             seed: config.seed,
         };
-        let packing =
-            pack_corpus(&corpus, &packing, &config.mask_policy()?).map_err(|e| e.to_string())?;
+        let packing = pack_corpus(&corpus, &packing, &config.mask_policy()?)
+            .map_err(|e| TrainError::Data(e.to_string()))?;
         let batches = packing.micro_batches;
         if batches.is_empty() {
-            return Err(format!("corpus '{}' holds no tokens", config.corpus));
+            return Err(TrainError::Data(format!(
+                "corpus '{}' holds no tokens",
+                config.corpus
+            )));
         }
         if batches.iter().all(|b| b.label_count() == 0) {
-            return Err(format!(
+            return Err(TrainError::Data(format!(
                 "corpus '{}' holds no token with a next token to predict (every document is a single token)",
                 config.corpus
-            ));
+            )));
         }
         Ok(Self { batches })
     }
@@ -844,7 +886,7 @@ pub struct TrainState {
 
 /// The checkpoint to load from the run directory `dir`: `checkpoint/`, or `checkpoint.old/` when
 /// a save was cut between its two renames (see [`save_checkpoint`]).
-pub fn saved_checkpoint(dir: &Path) -> Result<PathBuf, String> {
+pub fn saved_checkpoint(dir: &Path) -> Result<PathBuf, TrainError> {
     let current = checkpoint_dir(dir);
     if current.join("state.json").is_file() {
         return Ok(current);
@@ -853,38 +895,38 @@ pub fn saved_checkpoint(dir: &Path) -> Result<PathBuf, String> {
     if previous.join("state.json").is_file() {
         return Ok(previous);
     }
-    Err(format!(
+    Err(TrainError::Checkpoint(format!(
         "{} holds no checkpoint (no {})",
         dir.display(),
         current.join("state.json").display()
-    ))
+    )))
 }
 
 /// Checks that the run saved in `dir` can continue under `config` and returns its saved step: the
 /// checkpoint never moves backwards (`config.steps` ≥ the saved step), and the saved model has
 /// the shape `config` describes (config.json may have been edited).
-pub fn check_resume(dir: &Path, config: &TrainConfig) -> Result<usize, String> {
+pub fn check_resume(dir: &Path, config: &TrainConfig) -> Result<usize, TrainError> {
     let checkpoint = saved_checkpoint(dir)?;
     let state: TrainState = read_json(&checkpoint.join("state.json"))?;
     if config.steps < state.step {
-        return Err(format!(
+        return Err(TrainError::Config(format!(
             "--steps {} is below the step {} of the checkpoint in {}: a checkpoint never moves backwards (use --steps {} or more, or --out to start a new run)",
             config.steps,
             state.step,
             checkpoint.display(),
             state.step
-        ));
+        )));
     }
     if let Some(saved) = &state.model {
         let wanted = config.model_config()?;
         let differences = model_differences(saved, &wanted);
         if !differences.is_empty() {
-            return Err(format!(
+            return Err(TrainError::Checkpoint(format!(
                 "the checkpoint in {} holds a different model than the configuration asks for ({}): {}",
                 checkpoint.display(),
                 dir.join("config.json").display(),
                 differences.join(", ")
-            ));
+            )));
         }
     }
     Ok(state.step)
@@ -955,15 +997,15 @@ impl StepBytes {
     }
 
     /// Every rank's bytes of the step, summed (on every rank) through a control all-gather.
-    fn summed(self, world: &Comm) -> Result<StepBytes, String> {
-        let payload = serde_json::to_vec(&self).map_err(|e| e.to_string())?;
-        let all = world
-            .all_gather_control("step bytes", payload)
-            .map_err(|e| e.to_string())?;
+    fn summed(self, world: &Comm) -> Result<StepBytes, TrainError> {
+        let payload = serde_json::to_vec(&self)
+            .map_err(|e| TrainError::Malformed(format!("a per-rank byte count: {e}")))?;
+        let all = world.all_gather_control("step bytes", payload)?;
         let mut sum = StepBytes::default();
         for bytes in all {
-            let rank: StepBytes = serde_json::from_slice(&bytes)
-                .map_err(|e| format!("a malformed per-rank byte count: {e}"))?;
+            let rank: StepBytes = serde_json::from_slice(&bytes).map_err(|e| {
+                TrainError::Malformed(format!("a malformed per-rank byte count: {e}"))
+            })?;
             sum.total += rank.total;
             sum.links.intra_node += rank.links.intra_node;
             sum.links.inter_node += rank.links.inter_node;
@@ -986,10 +1028,13 @@ pub fn init_model<B: FlashOps>(
     tp_rank: usize,
     pp_rank: usize,
     device: &B::Device,
-) -> Result<TrainGpt<B>, String> {
+) -> Result<TrainGpt<B>, TrainError> {
     let model_config = config.model_config()?;
-    let full = model_config.init::<CpTrain<B>>(config.seed, device)?;
+    let full = model_config
+        .init::<CpTrain<B>>(config.seed, device)
+        .map_err(TrainError::Model)?;
     TpGpt::stage(&full, &model_config, tp_rank, config.tp, pp_rank, config.pp)
+        .map_err(TrainError::Model)
 }
 
 /// Trains on one rank from `start_step` (after loading `resume` if given); at the end every
@@ -1002,8 +1047,8 @@ pub fn train_rank<B: FlashOps>(
     out: Option<&Path>,
     observer: &dyn StepObserver,
     device: &B::Device,
-) -> Result<RankOutcome, String> {
-    let groups = RankGroups::new(world, config).map_err(|e| e.to_string())?;
+) -> Result<RankOutcome, TrainError> {
+    let groups = RankGroups::new(world, config)?;
     let model_config = config.model_config()?;
     let (tp_rank, pp_rank) = (groups.tp.comm.rank(), groups.mesh.pp.rank());
     let mut model = init_model::<B>(config, tp_rank, pp_rank, device)?;
@@ -1021,25 +1066,25 @@ pub fn train_rank<B: FlashOps>(
                 .load_file(checkpoint.join(&files.model), &recorder, device)
         }))
         .map_err(|panic| {
-            format!(
+            TrainError::Checkpoint(format!(
                 "the model checkpoint in {} does not fit the configured model: {}",
                 checkpoint.display(),
                 panic_message(&*panic)
-            )
+            ))
         })?;
         model = loaded.map_err(|e| {
-            format!(
+            TrainError::Checkpoint(format!(
                 "cannot load the model checkpoint from {}: {e}",
                 checkpoint.display()
-            )
+            ))
         })?;
         let record = recorder
             .load(checkpoint.join(&files.optimizer), device)
             .map_err(|e| {
-                format!(
+                TrainError::Checkpoint(format!(
                     "cannot load the optimizer checkpoint from {}: {e}",
                     checkpoint.display()
-                )
+                ))
             })?;
         optimizer = optimizer.load_record(record);
         let state: TrainState = read_json(&checkpoint.join("state.json"))?;
@@ -1069,7 +1114,8 @@ pub fn train_rank<B: FlashOps>(
             state: &state,
             files: &files,
         };
-        save_checkpoint(&groups, &saved).inspect_err(|e| groups.mesh.world.abort(e))?;
+        save_checkpoint(&groups, &saved)
+            .inspect_err(|e| groups.mesh.world.abort(&e.to_string()))?;
     }
     Ok(RankOutcome { metrics })
 }
@@ -1114,18 +1160,17 @@ impl<B: FlashOps> StepLoop<'_, B> {
         optimizer: &mut O,
         first: usize,
         plans: &PlanReceiver,
-    ) -> Result<(TrainGpt<B>, Vec<StepMetrics>), String> {
+    ) -> Result<(TrainGpt<B>, Vec<StepMetrics>), TrainError> {
         let world = &self.groups.mesh.world;
         let mut metrics = Vec::new();
         for step in first..=self.config.steps {
             let started = Instant::now();
-            world.barrier().map_err(|e| e.to_string())?;
+            world.barrier()?;
             let stats_before = world.stats();
             let waited = Instant::now();
             let plan = plans
                 .recv()
-                .map_err(|_| format!("step {step}: the planning thread stopped"))?
-                .map_err(|e| e.to_string())?;
+                .map_err(|_| TrainError::PlannerStopped { step })??;
             let plan_wait_ms = waited.elapsed().as_secs_f64() * 1e3;
             let result = step_gradients_planned(
                 &model,
@@ -1134,8 +1179,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
                 self.data,
                 &plan,
                 self.device,
-            )
-            .map_err(|e| e.to_string())?;
+            )?;
             model = optimizer.step(self.config.learning_rate, model, result.grads);
             let bytes = StepBytes::between(&stats_before, &world.stats()).summed(world)?;
             if world.rank() == 0 {
@@ -1169,7 +1213,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
                 self.observer.on_step(&step_metrics);
                 metrics.push(step_metrics);
             }
-            world.barrier().map_err(|e| e.to_string())?;
+            world.barrier()?;
         }
         Ok((model, metrics))
     }
@@ -1216,24 +1260,21 @@ struct Checkpoint<'a, M, O> {
 fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optimizer<M, B>>(
     groups: &RankGroups,
     saved: &Checkpoint<M, O>,
-) -> Result<(), String> {
+) -> Result<(), TrainError> {
     let world = &groups.mesh.world;
-    let comm_error = |e: CommError| e.to_string();
     // The shard this rank owns, as (file name, bytes) pairs.
     let owner = groups.world.rank() == 0;
     let mut shard = Vec::new();
     if owner {
         let bytes = BytesRecorder_::default();
         let model = Recorder::<B>::record(&bytes, saved.model.clone().into_record(), ())
-            .map_err(|e| format!("cannot record the model: {e}"))?;
+            .map_err(|e| TrainError::Model(format!("cannot record the model: {e}")))?;
         let optimizer = Recorder::<B>::record(&bytes, saved.optimizer.to_record(), ())
-            .map_err(|e| format!("cannot record the optimizer: {e}"))?;
+            .map_err(|e| TrainError::Model(format!("cannot record the optimizer: {e}")))?;
         shard.push((format!("{}.mpk", saved.files.model), model));
         shard.push((format!("{}.mpk", saved.files.optimizer), optimizer));
     }
-    let owners = world
-        .all_gather_control("checkpoint owners", vec![owner as u8])
-        .map_err(comm_error)?;
+    let owners = world.all_gather_control("checkpoint owners", vec![owner as u8])?;
     let leader = world.rank() == 0;
     // Owners send (name, bytes) pairs to rank 0: the name as one message, the bytes as another.
     let mut sends = Vec::new();
@@ -1241,16 +1282,8 @@ fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optimizer<M, B>>
         for (name, bytes) in shard.drain(..) {
             let name = name.into_bytes();
             let (name_len, len) = (name.len(), bytes.len());
-            sends.push(
-                world
-                    .isend(0, TensorData::new(name, [name_len]).into())
-                    .map_err(comm_error)?,
-            );
-            sends.push(
-                world
-                    .isend(0, TensorData::new(bytes, [len]).into())
-                    .map_err(comm_error)?,
-            );
+            sends.push(world.isend(0, TensorData::new(name, [name_len]).into())?);
+            sends.push(world.isend(0, TensorData::new(bytes, [len]).into())?);
         }
     }
     if leader {
@@ -1258,35 +1291,36 @@ fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optimizer<M, B>>
         for (rank, flag) in owners.iter().enumerate() {
             if rank != 0 && flag.first() == Some(&1) {
                 for _ in 0..2 {
-                    receives.push((
-                        world.irecv(rank).map_err(comm_error)?,
-                        world.irecv(rank).map_err(comm_error)?,
-                    ));
+                    receives.push((world.irecv(rank)?, world.irecv(rank)?));
                 }
             }
         }
         for (name, bytes) in receives {
             let name = name
-                .wait()
-                .map_err(comm_error)?
-                .into_host()?
+                .wait()?
+                .into_host()
+                .map_err(TrainError::Malformed)?
                 .into_vec::<u8>();
             let bytes = bytes
-                .wait()
-                .map_err(comm_error)?
-                .into_host()?
+                .wait()?
+                .into_host()
+                .map_err(TrainError::Malformed)?
                 .into_vec::<u8>();
             match (name.map(String::from_utf8), bytes) {
                 (Ok(Ok(name)), Ok(bytes)) => shard.push((name, bytes)),
-                _ => return Err("a malformed checkpoint shard message".into()),
+                _ => {
+                    return Err(TrainError::Malformed(
+                        "a malformed checkpoint shard message".into(),
+                    ))
+                }
             }
         }
         write_checkpoint(saved.out, &shard, saved.state)?;
     }
     for send in sends {
-        send.wait().map_err(comm_error)?;
+        send.wait()?;
     }
-    world.barrier().map_err(comm_error)
+    Ok(world.barrier()?)
 }
 
 /// Rank 0's part of [`save_checkpoint`]: the files, then the atomic swap of directories.
@@ -1294,15 +1328,13 @@ fn write_checkpoint(
     out: &Path,
     files: &[(String, Vec<u8>)],
     state: &TrainState,
-) -> Result<(), String> {
+) -> Result<(), TrainError> {
     let (dir, tmp, old) = (
         checkpoint_dir(out),
         out.join("checkpoint.tmp"),
         out.join("checkpoint.old"),
     );
-    let io = |what: &str, path: &Path, e: std::io::Error| {
-        format!("cannot {what} {}: {e}", path.display())
-    };
+    let io = |what: &'static str, path: &Path, e: std::io::Error| TrainError::io(what, path, e);
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| io("remove", &tmp, e))?;
     }
@@ -1325,28 +1357,29 @@ fn write_checkpoint(
     Ok(())
 }
 
-pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    serde_json::from_str(&text).map_err(|e| format!("{} is not valid: {e}", path.display()))
+pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, TrainError> {
+    let text = std::fs::read_to_string(path).map_err(|e| TrainError::io("read", path, e))?;
+    serde_json::from_str(&text)
+        .map_err(|e| TrainError::Malformed(format!("{} is not valid: {e}", path.display())))
 }
 
 /// Writes `value` as JSON atomically (a temporary file renamed over `path`).
-pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), String> {
-    let text = serde_json::to_string_pretty(value).map_err(|e| e.to_string())?;
+pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), TrainError> {
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| TrainError::Malformed(format!("{}: {e}", path.display())))?;
     write_atomically(path, text.as_bytes())
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
 /// reader (or a run killed while writing) sees the old or the new content, never a mix.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), String> {
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy())
         .unwrap_or_default();
     let tmp = path.with_file_name(format!(".{name}.tmp"));
-    std::fs::write(&tmp, bytes).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    std::fs::write(&tmp, bytes).map_err(|e| TrainError::io("write", &tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| TrainError::io("write", path, e))
 }
 
 /// Every parameter's gradient in `grads`, in the model's parameter order (for checks).

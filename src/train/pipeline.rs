@@ -30,7 +30,7 @@ use burn_dcp::{CpBatch, CpError, CpGroup};
 use serde::{Deserialize, Serialize};
 
 use super::plan::{PlannedBatch, RankWork, StepSequences};
-use super::{int_tensor, CpTrain, RankGroups, TrainGpt};
+use super::{int_tensor, CpTrain, RankGroups, TrainError, TrainGpt};
 
 /// The order of a stage's forward and backward passes (`--pp-schedule`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,13 +47,13 @@ pub enum PpSchedule {
 }
 
 impl PpSchedule {
-    pub fn parse(name: &str) -> Result<Self, String> {
+    pub fn parse(name: &str) -> Result<Self, TrainError> {
         match name {
             "1f1b" => Ok(Self::OneFOneB),
             "gpipe" => Ok(Self::Gpipe),
-            other => Err(format!(
+            other => Err(TrainError::Config(format!(
                 "unknown pipeline schedule '{other}': expected 1f1b or gpipe"
-            )),
+            ))),
         }
     }
 
@@ -342,9 +342,9 @@ mod tests {
                 }
             }
         }
-        assert_eq!(PpSchedule::parse("gpipe"), Ok(PpSchedule::Gpipe));
-        assert!(PpSchedule::parse("zb")
-            .unwrap_err()
-            .contains("expected 1f1b or gpipe"));
+        assert_eq!(PpSchedule::parse("gpipe").unwrap(), PpSchedule::Gpipe);
+        let error = PpSchedule::parse("zb").unwrap_err();
+        assert!(matches!(error, TrainError::Config(_)), "{error:?}");
+        assert!(error.to_string().contains("expected 1f1b or gpipe"));
     }
 }

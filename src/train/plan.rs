@@ -217,7 +217,9 @@ impl StepPlan {
 pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<StepPlan, CpError> {
     let started = Instant::now();
     let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
-    let model = config.model_config().map_err(CpError::Config)?;
+    let model = config
+        .model_config()
+        .map_err(|e| CpError::Config(e.to_string()))?;
     let works = sequence_works(&sequences, &model);
     let at_step = |e: CpError| match e {
         CpError::Config(message) => CpError::Config(format!("step {step}: {message}")),

@@ -5,11 +5,14 @@
 //! - `dynamic`: Megatron-style dynamic CP group sizes and scheduling.
 //! - `plan`: the block-level plan format (JSON), the non-empty tile grid and the independent
 //!   validator.
-//! - `hypergraph`: the multilevel hypergraph partitioner the DCP planner uses.
-//! - `dcp`: the DCP block planner (hierarchical placement + stage schedule).
+//! - `hypergraph`: the multilevel hypergraph partitioner the DCP planner uses: `coarsen`,
+//!   `initial` (partition), `refine` (rebalance, greedy moves, FM).
+//! - `dcp`: the DCP block planner: `graph` (hypergraph construction), `place` (hierarchical
+//!   placement), `stages` (stage schedule).
 //! - `strategies`: ring-zigzag, Ulysses, USP, all-gather, Megatron-dynamic and DCP as block plans
 //!   with their communication.
-//! - `cost`: bytes per link class, balance and estimated attention time of a plan.
+//! - `cost`: the byte model (`hop_bytes`), routing (`routes`), bytes per link class, balance and
+//!   estimated attention time of a plan.
 //! - `auto`: the per-micro-batch choice of `--strategy auto` (lowest estimated time).
 //!
 //! The planners produce and measure plans; DCP plans are executed by `strategy::dcp`, the other
