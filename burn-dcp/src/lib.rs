@@ -18,6 +18,7 @@
 //! sends.
 
 pub mod backend;
+pub mod bytes;
 pub mod comm;
 pub mod error;
 #[cfg(feature = "harness")]

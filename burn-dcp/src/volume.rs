@@ -18,9 +18,12 @@
 //!   token counts) plus the ring formulas across the ring group, whose member `g` holds
 //!   `T_g = Σ_u T_{g,u}` tokens with `Hs = H/U` heads and `K_u` kv heads.
 //!
-//! The all-to-alls of Ulysses move exactly the tensors, nothing else; ring steps that are skipped
+//! Each term is a per-token size of the one byte model ([`crate::bytes::TokenBytes::hop`], the
+//! planner's too) times a token count. The all-to-alls of Ulysses move exactly the tensors, nothing
+//! else; ring steps that are skipped
 //! for lack of unmasked work still pass their block on (the next rank may need it).
 
+use crate::bytes::{Pass, Side, TokenBytes};
 use crate::placement::Placement;
 use crate::strategy::ulysses::HeadSplit;
 use crate::strategy::Strategy;
@@ -43,7 +46,14 @@ pub struct RankVolume {
     pub backward: u64,
 }
 
-const LSE_BYTES: u64 = 4;
+impl RankVolume {
+    fn pass_mut(&mut self, pass: Pass) -> &mut u64 {
+        match pass {
+            Pass::Forward => &mut self.forward,
+            Pass::Backward => &mut self.backward,
+        }
+    }
+}
 
 /// Analytic bytes per rank (index = CP rank) for `strategy` on `placement`. Strategy dcp moves
 /// what its plan says: use `BlockSchedule::predicted_volume` (here: an empty list).
@@ -73,60 +83,76 @@ fn ulysses(tokens: &[u64], s: &VolumeShape, heads: usize, degree: usize) -> Vec<
         kv_heads: s.kv_heads,
         degree,
     };
-    let hs = (heads / degree) as u64;
-    let (d, dv, b) = (
-        s.head_dim as u64,
-        s.value_dim as u64,
-        s.element_bytes as u64,
-    );
-    let kv_heads = |p: usize| split.kv_heads(p).len() as u64;
+    // the bytes of the heads rank `p` computes
+    let computed_by = |p: usize| {
+        TokenBytes::exact(
+            heads / degree,
+            split.kv_heads(p).len(),
+            s.head_dim,
+            s.value_dim,
+            s.element_bytes,
+        )
+    };
     (0..degree)
         .map(|r| {
             let mut volume = RankVolume::default();
             for p in (0..degree).filter(|&p| p != r) {
                 let (mine, theirs) = (tokens[r], tokens[p]);
-                volume.forward += mine * (hs * d + kv_heads(p) * (d + dv)) * b
-                    + theirs * hs * (dv * b + LSE_BYTES);
-                volume.backward += mine
-                    * (hs * (d + 2 * dv) * b + hs * LSE_BYTES + kv_heads(p) * (d + dv) * b)
-                    + theirs * (hs * d + kv_heads(r) * (d + dv)) * b;
+                // my tokens' q, k, v (backward: also out, lse, dout) to p's heads; the results
+                // of my heads for p's tokens back to p
+                let (to_peer, home) = (computed_by(p), computed_by(r));
+                for pass in [Pass::Forward, Pass::Backward] {
+                    let out = to_peer.hop(Side::QueryOutput, pass).0
+                        + to_peer.hop(Side::KeyValue, pass).0;
+                    let back =
+                        home.hop(Side::QueryOutput, pass).1 + home.hop(Side::KeyValue, pass).1;
+                    *volume.pass_mut(pass) += mine * out + theirs * back;
+                }
             }
             volume
         })
         .collect()
 }
 
+/// Key/value bytes per token of `kv_heads` heads.
+fn kv_bytes(s: &VolumeShape, kv_heads: usize) -> TokenBytes<u64> {
+    TokenBytes::exact(0, kv_heads, s.head_dim, s.value_dim, s.element_bytes)
+}
+
 fn ring(tokens: &[u64], s: &VolumeShape, kv_heads: u64) -> Vec<RankVolume> {
     let size = tokens.len();
-    let block = |p: usize| {
-        tokens[p] * kv_heads * (s.head_dim + s.value_dim) as u64 * s.element_bytes as u64
-    };
-    let owner = |r: usize, step: usize| (r + size - step) % size;
+    let kv = kv_bytes(s, kv_heads as usize);
+    let (forward_kv, _) = kv.hop(Side::KeyValue, Pass::Forward);
+    let (backward_kv, accumulators) = kv.hop(Side::KeyValue, Pass::Backward);
+    let owner = |r: usize, step: usize| tokens[(r + size - step) % size];
     (0..size)
         .map(|r| {
             if size == 1 {
                 return RankVolume::default();
             }
-            let kv_passes: u64 = (0..size - 1).map(|step| block(owner(r, step))).sum();
-            let grad_passes: u64 = (0..size).map(|step| block(owner(r, step))).sum();
+            // KV passes on at steps 0..P−1; backward the dK/dV accumulators at every step
+            let passes: u64 = (0..size - 1).map(|step| owner(r, step)).sum();
+            let every: u64 = (0..size).map(|step| owner(r, step)).sum();
             RankVolume {
-                forward: kv_passes,
-                backward: kv_passes + grad_passes,
+                forward: passes * forward_kv,
+                backward: passes * backward_kv + every * accumulators,
             }
         })
         .collect()
 }
 
 fn all_gather(tokens: &[u64], s: &VolumeShape) -> Vec<RankVolume> {
-    let size = tokens.len() as u64;
-    let block =
-        |t: u64| t * s.kv_heads as u64 * (s.head_dim + s.value_dim) as u64 * s.element_bytes as u64;
-    let total: u64 = tokens.iter().map(|&t| block(t)).sum();
+    let peers = tokens.len() as u64 - 1;
+    let kv = kv_bytes(s, s.kv_heads);
+    let (forward_kv, _) = kv.hop(Side::KeyValue, Pass::Forward);
+    let (backward_kv, partials) = kv.hop(Side::KeyValue, Pass::Backward);
+    let total: u64 = tokens.iter().sum();
     tokens
         .iter()
         .map(|&t| RankVolume {
-            forward: (size - 1) * block(t),
-            backward: (size - 1) * block(t) + total - block(t),
+            // my KV to every peer; backward again, and every peer's partial dK/dV of its tokens
+            forward: peers * t * forward_kv,
+            backward: peers * t * backward_kv + (total - t) * partials,
         })
         .collect()
 }

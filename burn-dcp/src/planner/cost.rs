@@ -5,13 +5,9 @@
 //! needs it. Every strategy routes its own way (ring: hop by hop; DCP and all-to-all: directly,
 //! one copy per remote node then forwarded inside the node), so the same evaluator measures all.
 //!
-//! **Bytes moved per block** (per token and head unit: `q` = query heads × D × element bytes,
-//! `kv` = 2 × kv heads × D × element bytes, `o` = q + 4 bytes of LSE per query head):
-//!
-//! | pass     | to the compute rank            | back to the home rank |
-//! |----------|--------------------------------|-----------------------|
-//! | forward  | Q: q, KV: kv                   | partial O: o          |
-//! | backward | Q, O, dO: 2q + o; KV: kv       | dQ: q; dK,dV: kv      |
+//! **Bytes moved per block** follow the one byte model, [`crate::bytes`] (per token and head unit:
+//! `q` = query heads × D × element bytes, `kv` = 2 × kv heads × D × element bytes, `o` = q + 4
+//! bytes of LSE per query head, `dout` = q).
 //!
 //! **Time model.** Ranks do not wait for each other between stages: each runs a stage as soon as
 //! its inputs are in. Per rank and pass over `S` stages: `comm(0) + Σ_t max(compute(t),
@@ -26,6 +22,8 @@
 
 use serde::Serialize;
 
+use crate::bytes::TokenBytes;
+pub use crate::bytes::{Pass, Side};
 use crate::error::CpError;
 use crate::planner::hypergraph::FastMap;
 use crate::planner::plan::{BlockProblem, DataKind, Plan, TileGrid};
@@ -48,6 +46,8 @@ pub struct UnitSizes {
     pub q: f64,
     pub kv: f64,
     pub o: f64,
+    /// dO (the planner's dims have the value dim equal to the head dim: as many bytes as Q).
+    pub dout: f64,
     /// Forward FLOPs per unmasked (query, key) pair of one unit.
     pub forward_flops_per_pair: f64,
 }
@@ -102,6 +102,7 @@ impl AttentionDims {
             q: q_heads as f64 * d * e,
             kv: 2.0 * kv_heads * d * e,
             o: q_heads as f64 * (d * e + 4.0),
+            dout: q_heads as f64 * d * e,
             forward_flops_per_pair: attention_flops(1, q_heads, self.head_dim).0,
         })
     }
@@ -111,25 +112,28 @@ impl UnitSizes {
     /// Bytes of the (query, output) side of one token on the way to a compute rank and back,
     /// forward plus backward: the weight of a q/o hyperedge per token.
     pub fn qo_traffic(&self) -> f64 {
-        (self.q + self.o) + (2.0 * self.q + self.o + self.q)
+        self.token_bytes().round_trips(Side::QueryOutput)
     }
 
     /// Bytes of the kv side of one token, forward plus backward.
     pub fn kv_traffic(&self) -> f64 {
-        self.kv + 2.0 * self.kv
+        self.token_bytes().round_trips(Side::KeyValue)
+    }
+
+    /// The sizes as the byte model's per-token bytes.
+    pub fn token_bytes(&self) -> TokenBytes<f64> {
+        TokenBytes {
+            q: self.q,
+            kv: self.kv,
+            o: self.o,
+            dout: self.dout,
+        }
     }
 
     /// Memory one token's Q, KV and O occupy on their home.
     pub fn resident(&self) -> f64 {
         self.q + self.kv + self.o
     }
-}
-
-/// Forward or backward.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Pass {
-    Forward,
-    Backward,
 }
 
 /// Stage tag of transfers that bring results home after the last compute stage.
@@ -350,15 +354,6 @@ fn pass_seconds(
         .fold(0.0, f64::max)
 }
 
-/// Which side of a tile a data block feeds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Side {
-    /// Q goes out; the partial O (forward) and dQ (backward) come back.
-    QueryOutput,
-    /// K and V go out; dK and dV (backward) come back.
-    KeyValue,
-}
-
 /// One copy of a block on its way to a rank that computes with it: sent by `from` (the block's
 /// home, or the first rank of `to`'s node that got it) for compute stage `stage` of `to`. Results
 /// come back the same way reversed, after the last stage.
@@ -486,14 +481,10 @@ fn hops(home: usize, needs: &[Need], topology: &Topology) -> Vec<Hop> {
     hops
 }
 
-/// Bytes per token of one copy of a `side` block, for `pass`: (to the compute rank, back home).
+/// Bytes per token of one copy of a `side` block, for `pass`: (to the compute rank, back home),
+/// by the byte model ([`TokenBytes::hop`]).
 pub fn hop_bytes(sizes: &UnitSizes, side: Side, pass: Pass) -> (f64, f64) {
-    match (side, pass) {
-        (Side::QueryOutput, Pass::Forward) => (sizes.q, sizes.o),
-        (Side::QueryOutput, Pass::Backward) => (2.0 * sizes.q + sizes.o, sizes.q),
-        (Side::KeyValue, Pass::Forward) => (sizes.kv, 0.0),
-        (Side::KeyValue, Pass::Backward) => (sizes.kv, sizes.kv),
-    }
+    sizes.token_bytes().hop(side, pass)
 }
 
 /// The transfers of [`routes`] (see the module docs for the bytes of each pass).

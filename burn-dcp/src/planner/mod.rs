@@ -11,7 +11,7 @@
 //!   placement), `stages` (stage schedule).
 //! - `strategies`: ring-zigzag, Ulysses, USP, all-gather, Megatron-dynamic and DCP as block plans
 //!   with their communication.
-//! - `cost`: the byte model (`hop_bytes`), routing (`routes`), bytes per link class, balance and
+//! - `cost`: the byte model of `crate::bytes` per head unit (`hop_bytes`), routing (`routes`), bytes per link class, balance and
 //!   estimated attention time of a plan.
 //! - `auto`: the per-micro-batch choice of `--strategy auto` (lowest estimated time).
 //!

@@ -1,0 +1,108 @@
+//! The one byte model: what one copy of a block costs per token, by side (the query/output side or
+//! the key/value side of a tile) and pass. The planner's cost model (`f64` per head unit,
+//! [`crate::planner::cost`]), the DCP executor's predictions ([`crate::strategy::block_plan`]) and
+//! the analytic per-rank volumes of the static strategies ([`crate::volume`], exact `u64`) are all
+//! written with [`TokenBytes::hop`].
+//!
+//! | pass     | to the compute rank            | back to the home rank |
+//! |----------|--------------------------------|-----------------------|
+//! | forward  | Q: q; KV: kv                   | O and LSE: o; —       |
+//! | backward | Q, dO, O and LSE: q + dout + o; KV: kv | dQ: q; dK, dV: kv |
+
+use std::ops::Add;
+
+/// Bytes of the LSE per query head and token (always f32).
+pub const LSE_BYTES: u64 = 4;
+
+/// Forward or backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pass {
+    Forward,
+    Backward,
+}
+
+/// Which side of a tile a data block feeds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Side {
+    /// Q goes out; the partial O (forward) and dQ (backward) come back.
+    QueryOutput,
+    /// K and V go out; dK and dV (backward) come back.
+    KeyValue,
+}
+
+/// Bytes per token of the tensors context parallelism moves, for some query heads and the kv
+/// heads they read.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TokenBytes<T> {
+    /// Q (and dQ).
+    pub q: T,
+    /// K and V together (and dK, dV).
+    pub kv: T,
+    /// The output and its LSE.
+    pub o: T,
+    /// dO.
+    pub dout: T,
+}
+
+impl TokenBytes<u64> {
+    /// Exact bytes for `q_heads` query heads and `kv_heads` kv heads of dims `head_dim` (q, k) and
+    /// `value_dim` (v, out) at `element_bytes` per element, the LSE in f32.
+    pub fn exact(
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        value_dim: usize,
+        element_bytes: usize,
+    ) -> Self {
+        let (hq, hk) = (q_heads as u64, kv_heads as u64);
+        let (d, dv, b) = (head_dim as u64, value_dim as u64, element_bytes as u64);
+        Self {
+            q: hq * d * b,
+            kv: hk * (d + dv) * b,
+            o: hq * (dv * b + LSE_BYTES),
+            dout: hq * dv * b,
+        }
+    }
+}
+
+impl<T: Copy + Add<Output = T> + Default> TokenBytes<T> {
+    /// Bytes per token of one copy of a `side` block in `pass`: (to the compute rank, back home).
+    pub fn hop(&self, side: Side, pass: Pass) -> (T, T) {
+        match (side, pass) {
+            (Side::QueryOutput, Pass::Forward) => (self.q, self.o),
+            (Side::QueryOutput, Pass::Backward) => (self.q + self.dout + self.o, self.q),
+            (Side::KeyValue, Pass::Forward) => (self.kv, T::default()),
+            (Side::KeyValue, Pass::Backward) => (self.kv, self.kv),
+        }
+    }
+
+    /// Bytes per token of a `side` block out and back, forward plus backward.
+    pub fn round_trips(&self, side: Side) -> T {
+        let (forward_to, forward_back) = self.hop(side, Pass::Forward);
+        let (backward_to, backward_back) = self.hop(side, Pass::Backward);
+        (forward_to + forward_back) + (backward_to + backward_back)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exact_bytes_follow_the_tensors() {
+        // 4 query heads, 2 kv heads, d 8, dv 6, bf16
+        let bytes = TokenBytes::exact(4, 2, 8, 6, 2);
+        assert_eq!(bytes.q, 4 * 8 * 2);
+        assert_eq!(bytes.kv, 2 * (8 + 6) * 2);
+        assert_eq!(bytes.o, 4 * (6 * 2 + 4));
+        assert_eq!(bytes.dout, 4 * 6 * 2);
+        assert_eq!(bytes.hop(Side::QueryOutput, Pass::Forward), (64, 64));
+        assert_eq!(
+            bytes.hop(Side::QueryOutput, Pass::Backward),
+            (64 + 48 + 64, 64)
+        );
+        assert_eq!(bytes.hop(Side::KeyValue, Pass::Forward), (56, 0));
+        assert_eq!(bytes.hop(Side::KeyValue, Pass::Backward), (56, 56));
+        assert_eq!(bytes.round_trips(Side::KeyValue), 3 * 56);
+    }
+}
