@@ -1058,26 +1058,7 @@ pub fn train_rank<B: FlashOps>(
     let mut first_step = 1;
     if let Some(dir) = resume {
         let checkpoint = saved_checkpoint(dir)?;
-        // burn's record loader panics on a record of another shape (a checkpoint older than the
-        // shape check of `check_resume`): turn that into an error.
-        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            model
-                .clone()
-                .load_file(checkpoint.join(&files.model), &recorder, device)
-        }))
-        .map_err(|panic| {
-            TrainError::Checkpoint(format!(
-                "the model checkpoint in {} does not fit the configured model: {}",
-                checkpoint.display(),
-                panic_message(&*panic)
-            ))
-        })?;
-        model = loaded.map_err(|e| {
-            TrainError::Checkpoint(format!(
-                "cannot load the model checkpoint from {}: {e}",
-                checkpoint.display()
-            ))
-        })?;
+        model = load_model(model, &checkpoint, &files.model, device)?;
         let record = recorder
             .load(checkpoint.join(&files.optimizer), device)
             .map_err(|e| {
@@ -1118,6 +1099,33 @@ pub fn train_rank<B: FlashOps>(
             .inspect_err(|e| groups.mesh.world.abort(&e.to_string()))?;
     }
     Ok(RankOutcome { metrics })
+}
+
+/// `model` with the weights of `file` in the checkpoint directory `checkpoint`.
+fn load_model<B: FlashOps>(
+    model: TrainGpt<B>,
+    checkpoint: &Path,
+    file: &str,
+    device: &B::Device,
+) -> Result<TrainGpt<B>, TrainError> {
+    // burn's record loader panics on a record of another shape (a checkpoint older than the
+    // shape check of `check_resume`): turn that into an error.
+    let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        model.load_file(checkpoint.join(file), &Recorder_::new(), device)
+    }))
+    .map_err(|panic| {
+        TrainError::Checkpoint(format!(
+            "the model checkpoint in {} does not fit the configured model: {}",
+            checkpoint.display(),
+            panic_message(&*panic)
+        ))
+    })?;
+    loaded.map_err(|e| {
+        TrainError::Checkpoint(format!(
+            "cannot load the model checkpoint from {}: {e}",
+            checkpoint.display()
+        ))
+    })
 }
 
 /// A receiver of the plans of consecutive steps, computed ahead on a background thread.

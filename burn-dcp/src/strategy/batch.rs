@@ -1,0 +1,86 @@
+//! What a call needs besides the tensors: the micro-batch (placement, masks, scale, block
+//! plan) and, for the backward, the forward's results.
+
+use std::sync::Arc;
+
+use burn::prelude::Tensor;
+use burn_dcp_kernels::{FlashOps, MaskSpec, Segment, VarlenAttention};
+
+use crate::error::CpError;
+use crate::placement::Placement;
+use crate::strategy::block_plan::BlockSchedule;
+
+/// What a micro-batch's attention needs besides the tensors: where tokens live, the masks, the
+/// scale, and (strategy dcp) the block plan. Identical on every rank of the group.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CpBatch {
+    pub placement: Arc<Placement>,
+    /// One mask per sequence, or one for all.
+    pub masks: Vec<MaskSpec>,
+    /// Softmax scale; `None` is `1/√head_dim`.
+    pub scale: Option<f64>,
+    /// Strategy dcp: the executable block plan (its placement must be `placement`).
+    pub blocks: Option<Arc<BlockSchedule>>,
+}
+
+impl CpBatch {
+    pub fn new(placement: Placement, masks: Vec<MaskSpec>) -> Self {
+        Self {
+            placement: Arc::new(placement),
+            masks,
+            scale: None,
+            blocks: None,
+        }
+    }
+
+    /// A micro-batch run by a DCP block plan: tokens placed where the plan homes them.
+    pub fn from_blocks(schedule: Arc<BlockSchedule>, masks: Vec<MaskSpec>) -> Self {
+        Self {
+            placement: Arc::new(schedule.placement().clone()),
+            masks,
+            scale: None,
+            blocks: Some(schedule),
+        }
+    }
+
+    /// The block plan of strategy dcp.
+    pub(crate) fn schedule(&self) -> Result<&BlockSchedule, CpError> {
+        self.blocks.as_deref().ok_or_else(|| {
+            CpError::Config(
+                "strategy dcp needs the micro-batch's block plan (CpBatch::from_blocks)".into(),
+            )
+        })
+    }
+
+    /// The mask of sequence `seq` (the single mask when one is given for all).
+    pub fn mask(&self, seq: usize) -> &MaskSpec {
+        burn_dcp_kernels::mask_of(&self.masks, seq)
+    }
+
+    /// The kernel problem: queries `q_segments` against keys `kv_segments`.
+    pub(crate) fn problem(
+        &self,
+        q_segments: Vec<Segment>,
+        kv_segments: Vec<Segment>,
+    ) -> VarlenAttention {
+        VarlenAttention {
+            seq_lens: self.placement.seq_lens.clone(),
+            masks: self.masks.clone(),
+            q_segments,
+            kv_segments,
+            scale: self.scale,
+        }
+    }
+}
+
+/// Inputs of a backward pass, all local to this rank: `q [T, H, D]`, `k`/`v [T, K, D]`,
+/// `out`/`dout [T, H, Dv]`, `lse [H, T]` (the forward's final output and LSE).
+#[derive(Clone, Debug)]
+pub struct BackwardInputs<B: FlashOps> {
+    pub q: Tensor<B, 3>,
+    pub k: Tensor<B, 3>,
+    pub v: Tensor<B, 3>,
+    pub out: Tensor<B, 3>,
+    pub lse: Tensor<B, 2>,
+    pub dout: Tensor<B, 3>,
+}
