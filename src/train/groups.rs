@@ -42,11 +42,11 @@ pub struct RankGroups {
 /// The CP groups created so far, and this rank's membership of them.
 struct GroupCache {
     /// Every rank range created so far (the same on every rank: creation is collective).
-    created: HashSet<(usize, usize)>,
+    created: HashSet<Range<usize>>,
     /// This rank's communicator of each range it is in.
-    comms: HashMap<(usize, usize), Comm>,
+    comms: HashMap<Range<usize>, Comm>,
     /// This rank's group of each (range, strategy) it ran (a strategy may need sub-groups: USP).
-    groups: HashMap<(usize, usize, Strategy), CpGroup>,
+    groups: HashMap<(Range<usize>, Strategy), CpGroup>,
 }
 
 impl RankGroups {
@@ -122,19 +122,19 @@ impl RankGroups {
     /// [`Self::ensure`] created). The first call for a (range, strategy) builds the group: for
     /// USP a collective call of the range's ranks, which all reach it in plan order.
     pub fn group(&self, ranks: &Range<usize>, strategy: Strategy) -> Result<CpGroup, CpError> {
-        let key = (ranks.start, ranks.end);
+        let key = (ranks.clone(), strategy);
         let mut cache = self.cache.borrow_mut();
-        if let Some(group) = cache.groups.get(&(key.0, key.1, strategy)) {
+        if let Some(group) = cache.groups.get(&key) {
             return Ok(group.clone());
         }
-        let comm = cache.comms.get(&key).cloned().ok_or_else(|| {
+        let comm = cache.comms.get(ranks).cloned().ok_or_else(|| {
             CpError::Config(format!(
                 "rank {}: no CP group for world ranks {ranks:?} (it is not one of them, or the plan's groups were not created)",
                 self.world.rank()
             ))
         })?;
         let group = CpGroup::new(comm, strategy)?;
-        cache.groups.insert((key.0, key.1, strategy), group.clone());
+        cache.groups.insert(key, group.clone());
         Ok(group)
     }
 
@@ -143,7 +143,7 @@ impl RankGroups {
         let mut cache = self.cache.borrow_mut();
         let new: Vec<&Range<usize>> = ranges
             .iter()
-            .filter(|r| !cache.created.contains(&(r.start, r.end)))
+            .filter(|r| !cache.created.contains(*r))
             .collect();
         if new.is_empty() {
             return Ok(());
@@ -154,11 +154,11 @@ impl RankGroups {
         let color = mine.unwrap_or(new.len() + me);
         let comm = self.world.split_labeled(color, me, "cp")?;
         for range in &new {
-            cache.created.insert((range.start, range.end));
+            cache.created.insert((*range).clone());
         }
         if let Some(index) = mine {
             let range = new[index];
-            cache.comms.insert((range.start, range.end), comm);
+            cache.comms.insert(range.clone(), comm);
         }
         Ok(())
     }

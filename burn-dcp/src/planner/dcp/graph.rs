@@ -106,19 +106,23 @@ impl GraphBuilder {
             let tokens = problem.block_tokens(seq, block).len() as f64;
             self.add_vertex(0.0, self.sizes.resident() * tokens);
         }
-        let mut group_vertex: FastMap<(u32, u32), u32> = FastMap::default();
+        // the compute vertex of each (q group, kv group) square of tiles
+        let mut square_vertex: FastMap<TileSquare, u32> = FastMap::default();
         let mut columns: Vec<EdgePins> = (0..blocks as u32)
             .map(|b| EdgePins::new(base + b))
             .collect();
         for (q_block, row) in grid.rows.iter().enumerate() {
             let mut pins = EdgePins::new(base + q_block as u32);
             for &(kv_block, pairs) in row {
-                let key = ((q_block / self.group) as u32, kv_block / self.group as u32);
-                let vertex = match group_vertex.get(&key) {
+                let key = TileSquare {
+                    q: (q_block / self.group) as u32,
+                    kv: kv_block / self.group as u32,
+                };
+                let vertex = match square_vertex.get(&key) {
                     Some(&vertex) => vertex,
                     None => {
                         let vertex = self.add_vertex(0.0, 0.0);
-                        group_vertex.insert(key, vertex);
+                        square_vertex.insert(key, vertex);
                         vertex
                     }
                 };
@@ -144,6 +148,13 @@ impl GraphBuilder {
         }
         base
     }
+}
+
+/// A `group × group` square of tiles of one head: its q and kv block indices divided by the group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct TileSquare {
+    q: u32,
+    kv: u32,
 }
 
 /// The pins of one hyperedge, a row (Q/O) or column (KV) of tiles: its compute vertices in tile
