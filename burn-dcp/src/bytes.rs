@@ -1,7 +1,8 @@
 //! The one byte model: what one copy of a block costs per token, by side (the query/output side or
 //! the key/value side of a tile) and pass. The planner's cost model (`f64` per head unit,
 //! [`crate::planner::cost`]), the DCP executor's predictions ([`crate::strategy::block_plan`]) and
-//! the analytic per-rank volumes of the static strategies ([`crate::volume`], exact `u64`) are all
+//! the analytic per-rank volumes of the static strategies (`volume`, feature `harness`; exact
+//! `u64`) are all
 //! written with [`TokenBytes::hop`].
 //!
 //! | pass     | to the compute rank            | back to the home rank |
@@ -81,6 +82,23 @@ impl<T: Copy + Add<Output = T> + Default> TokenBytes<T> {
         let (forward_to, forward_back) = self.hop(side, Pass::Forward);
         let (backward_to, backward_back) = self.hop(side, Pass::Backward);
         (forward_to + forward_back) + (backward_to + backward_back)
+    }
+}
+
+/// Bytes one rank sends in the forward and in the backward pass.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RankVolume {
+    pub forward: u64,
+    pub backward: u64,
+}
+
+impl RankVolume {
+    /// The bytes of `pass`.
+    pub fn pass_mut(&mut self, pass: Pass) -> &mut u64 {
+        match pass {
+            Pass::Forward => &mut self.forward,
+            Pass::Backward => &mut self.backward,
+        }
     }
 }
 

@@ -23,6 +23,7 @@
 //! else; ring steps that are skipped
 //! for lack of unmasked work still pass their block on (the next rank may need it).
 
+pub use crate::bytes::RankVolume;
 use crate::bytes::{Pass, Side, TokenBytes};
 use crate::placement::Placement;
 use crate::strategy::ulysses::HeadSplit;
@@ -37,22 +38,6 @@ pub struct VolumeShape {
     pub value_dim: usize,
     /// Bytes per element of q, k, v, out and their gradients.
     pub element_bytes: usize,
-}
-
-/// Bytes one rank sends in the forward and in the backward pass.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct RankVolume {
-    pub forward: u64,
-    pub backward: u64,
-}
-
-impl RankVolume {
-    fn pass_mut(&mut self, pass: Pass) -> &mut u64 {
-        match pass {
-            Pass::Forward => &mut self.forward,
-            Pass::Backward => &mut self.backward,
-        }
-    }
 }
 
 /// Analytic bytes per rank (index = CP rank) for `strategy` on `placement`. Strategy dcp moves

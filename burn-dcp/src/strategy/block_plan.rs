@@ -34,6 +34,7 @@ use std::fmt;
 
 use burn_dcp_kernels::Segment;
 
+use crate::bytes::RankVolume;
 use crate::comm::LinkBytes;
 use crate::error::CpError;
 use crate::placement::Placement;
@@ -42,7 +43,6 @@ use crate::planner::cost::{
 };
 use crate::planner::plan::{BlockProblem, DataKind, Plan};
 use crate::planner::topology::Topology;
-use crate::volume::RankVolume;
 
 /// A token block: block `block` of sequence `seq`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -312,10 +312,7 @@ impl BlockSchedule {
     ) -> Result<Vec<RankVolume>, CpError> {
         let mut volume = vec![RankVolume::default(); self.ranks];
         for t in self.transfers(heads, kv_heads, head_dim)? {
-            match t.pass {
-                Pass::Forward => volume[t.from].forward += t.bytes as u64,
-                Pass::Backward => volume[t.from].backward += t.bytes as u64,
-            }
+            *volume[t.from].pass_mut(t.pass) += t.bytes as u64;
         }
         Ok(volume)
     }
