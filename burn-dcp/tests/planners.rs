@@ -66,7 +66,7 @@ fn every_strategy_and_mask_gives_a_valid_plan() {
                 // the plan's stats name its strategy and block size, in Rust and in JSON
                 let stats = &routed.plan.stats;
                 assert_eq!(stats.strategy(), strategy.name());
-                assert_eq!(stats.block(), routed.problem.block);
+                assert_eq!(stats.block(), Some(routed.problem.block));
                 let json = serde_json::to_value(stats).unwrap();
                 assert_eq!(json["strategy"], strategy.name());
                 assert_eq!(json["block"], routed.problem.block);

@@ -87,6 +87,11 @@ pub enum PlanStats {
         max_seq_len_per_rank: usize,
     },
     Dcp(DcpStats),
+    /// Statistics of a plan made elsewhere: any JSON that is not one of the objects above (also
+    /// a known strategy name with other fields), kept as it is. Statistics are informational:
+    /// they never make a plan invalid, so the plan format stays open to other planners.
+    #[serde(untagged)]
+    Other(serde_json::Value),
 }
 
 /// Ulysses / USP: the 2D mesh the plan was made for.
@@ -117,8 +122,9 @@ pub struct DcpStats {
 }
 
 impl PlanStats {
-    /// The strategy name (the `"strategy"` tag).
-    pub fn strategy(&self) -> &'static str {
+    /// The strategy name (the `"strategy"` tag); for [`PlanStats::Other`], its `"strategy"`
+    /// string if it has one, else `""`.
+    pub fn strategy(&self) -> &str {
         match self {
             Self::RingZigzag { .. } => "ring-zigzag",
             Self::Ulysses(_) => "ulysses",
@@ -126,17 +132,19 @@ impl PlanStats {
             Self::AllGather { .. } => "all-gather",
             Self::MegatronDynamic { .. } => "megatron-dynamic",
             Self::Dcp(_) => "dcp",
+            Self::Other(value) => value["strategy"].as_str().unwrap_or_default(),
         }
     }
 
-    /// The block size of the plan.
-    pub fn block(&self) -> usize {
+    /// The block size of the plan (for [`PlanStats::Other`], its `"block"` if it has one).
+    pub fn block(&self) -> Option<usize> {
         match self {
             Self::RingZigzag { block }
             | Self::AllGather { block }
-            | Self::MegatronDynamic { block, .. } => *block,
-            Self::Ulysses(mesh) | Self::Usp(mesh) => mesh.block,
-            Self::Dcp(dcp) => dcp.block,
+            | Self::MegatronDynamic { block, .. } => Some(*block),
+            Self::Ulysses(mesh) | Self::Usp(mesh) => Some(mesh.block),
+            Self::Dcp(dcp) => Some(dcp.block),
+            Self::Other(value) => value["block"].as_u64().map(|block| block as usize),
         }
     }
 }
@@ -571,5 +579,46 @@ mod tests {
                 .to_string()
                 .contains("has no home"));
         }
+    }
+
+    /// A plan written by another tool keeps its statistics as they are: it deserializes,
+    /// validates and serializes back unchanged; plans of ours parse into their typed stats.
+    #[test]
+    fn plans_with_foreign_statistics_round_trip() {
+        let problem = BlockProblem {
+            seq_lens: vec![3],
+            masks: vec![MaskSpec::Causal],
+            head_groups: 1,
+            block: 2,
+        };
+        let text = r#"{"ranks": 2,
+            "blocks": [{"seq": 0, "head": 0, "q_block": 0, "kv_block": 0, "rank": 0, "stage": 0},
+                       {"seq": 0, "head": 0, "q_block": 1, "kv_block": 0, "rank": 1, "stage": 1},
+                       {"seq": 0, "head": 0, "q_block": 1, "kv_block": 1, "rank": 1, "stage": 0}],
+            "data": [{"kind": "q", "seq": 0, "head": 0, "block": 0, "home_rank": 0},
+                     {"kind": "kv", "seq": 0, "head": 0, "block": 0, "home_rank": 0},
+                     {"kind": "o", "seq": 0, "head": 0, "block": 0, "home_rank": 0},
+                     {"kind": "q", "seq": 0, "head": 0, "block": 1, "home_rank": 1},
+                     {"kind": "kv", "seq": 0, "head": 0, "block": 1, "home_rank": 1},
+                     {"kind": "o", "seq": 0, "head": 0, "block": 1, "home_rank": 1}],
+            "stats": {"strategy": "hand-made", "note": "two ranks"}}"#;
+        let plan: Plan = serde_json::from_str(text).unwrap();
+        validate_plan(&plan, &problem).unwrap();
+        assert_eq!(plan.stats.strategy(), "hand-made");
+        assert_eq!(plan.stats.block(), None);
+        let again: serde_json::Value = serde_json::to_value(&plan).unwrap();
+        assert_eq!(
+            again["stats"],
+            serde_json::json!({"strategy": "hand-made", "note": "two ranks"})
+        );
+        let ours: PlanStats =
+            serde_json::from_str(r#"{"strategy": "all-gather", "block": 64}"#).unwrap();
+        assert_eq!(ours, PlanStats::AllGather { block: 64 });
+        // statistics never make a plan invalid: a known name with other fields stays as written
+        let odd: PlanStats = serde_json::from_str(r#"{"strategy": "dcp", "block": "x"}"#).unwrap();
+        assert_eq!(
+            odd,
+            PlanStats::Other(serde_json::json!({"strategy": "dcp", "block": "x"}))
+        );
     }
 }
