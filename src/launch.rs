@@ -1,6 +1,6 @@
 //! Where the ranks of an example run: threads of this process ([`InProcessWorld`]); one rank per
 //! process when an MPI launcher started the process (`mpirun -n P …`, `srun --mpi=pmix …`) and
-//! the binary has the cargo feature `mpi` ([`MpiWorld`](burn_dcp::comm::MpiWorld)); or one rank
+//! the binary has the cargo feature `mpi` (`burn_dcp::comm::MpiWorld`); or one rank
 //! per process over TCP when the process was started the way `torchrun` starts them
 //! (`MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`; [`TcpWorld`]).
 //!

@@ -885,7 +885,7 @@ pub struct TrainState {
 }
 
 /// The checkpoint to load from the run directory `dir`: `checkpoint/`, or `checkpoint.old/` when
-/// a save was cut between its two renames (see [`save_checkpoint`]).
+/// a save was cut between its two renames (see `save_checkpoint`).
 pub fn saved_checkpoint(dir: &Path) -> Result<PathBuf, TrainError> {
     let current = checkpoint_dir(dir);
     if current.join("state.json").is_file() {

@@ -14,19 +14,19 @@
 //! 3. **Work** of a sequence: a caller-given estimate (training: attention FLOPs of its mask plus
 //!    its token-linear FLOPs; [`schedule`] uses Megatron's `len²`). A rank of a group of size `c`
 //!    gets `work / c` of each of its sequences.
-//! 4. **Placement** ([`place`]), longest sequence first: join an existing group (size ≥ the
+//! 4. **Placement** (`place`), longest sequence first: join an existing group (size ≥ the
 //!    sequence's minimum, the group's per-rank tokens stay ≤ `B`) or open a group of the
 //!    sequence's minimum size on free ranks, whichever gives the lower projected maximum per-rank
 //!    work (ties: open, then the lower group index). A sequence that fits nowhere waits for the
 //!    next sub-step.
-//! 5. **No idle ranks** ([`fill_idle_ranks`]): while the groups use fewer than `P` ranks, widen
+//! 5. **No idle ranks** (`fill_idle_ranks`): while the groups use fewer than `P` ranks, widen
 //!    the most loaded group that can grow (to the next allowed size) without exceeding `P`. If
 //!    ranks stay idle, the sub-step becomes one whole-pool group of all its sequences when that
 //!    fits `B` (Megatron's `fill_with_full_dpxcp_group`); otherwise the last group extends to the
 //!    end of the pool. Hence every rank belongs to a group of every sub-step. (The whole pool is
 //!    not chosen merely because it balances work better: that would turn dynamic CP back into
 //!    static CP over the pool, with its communication.)
-//! 6. **Layout** ([`lay_out`]): groups get consecutive rank ranges, largest first, so a
+//! 6. **Layout** (`lay_out`): groups get consecutive rank ranges, largest first, so a
 //!    power-of-two group starts at a multiple of its size.
 //!
 //! Megatron's test vectors: `[6144, 2048]` on 2 ranks with `B = 4096` → one sub-step, both

@@ -21,7 +21,7 @@ pub enum Strategy {
         ring_degree: usize,
     },
     /// A DCP block plan: tokens live where the plan homes them, blocks move once per (block,
-    /// destination) and results come home ([`CpBatch::blocks`] carries the plan).
+    /// destination) and results come home ([`CpBatch::blocks`](super::CpBatch::blocks) carries the plan).
     Dcp,
 }
 

@@ -12,17 +12,17 @@
 //! a seed, and fast because the planner keeps `k` small (nodes, then devices of one node).
 //!
 //! Recipe (the known multilevel one, simplified), one file per step:
-//! 1. **Coarsening** ([`coarsen`]): vertices are visited in a seeded random order and matched
+//! 1. **Coarsening** (`coarsen.rs`): vertices are visited in a seeded random order and matched
 //!    with the unmatched neighbour of best rating `Σ_shared w(e)/(|e|−1)` divided by the product
 //!    of the two (normalised) weights, never over a cluster weight cap. Neighbours are looked up
 //!    in a window of ±2 pins around the vertex in each of its hyperedges (pin lists keep the
 //!    order the caller gave, so for the DCP grid these are the adjacent tiles), which keeps a
 //!    level at `O(pins)` even when hyperedges have hundreds of pins. Contraction drops
 //!    single-pin hyperedges and merges parallel ones.
-//! 2. **Initial partition** ([`initial`]) of the coarsest hypergraph: several seeded greedy
+//! 2. **Initial partition** (`initial.rs`) of the coarsest hypergraph: several seeded greedy
 //!    placements (heaviest first, into the part that already holds most of its hyperedges'
 //!    weight, within the capacities), each refined; the cheapest balanced one wins.
-//! 3. **Uncoarsening** ([`refine`]): at every level, project, then rebalance (move the cheapest
+//! 3. **Uncoarsening** (`refine.rs`): at every level, project, then rebalance (move the cheapest
 //!    vertices out of over-full parts) and refine: passes of best-gain single-vertex moves with
 //!    positive gain (or zero gain that evens the load), never breaking a capacity (the greedy
 //!    k-way variant of FM, as in Mt-KaHyPar's label propagation refiner). Levels of up to
