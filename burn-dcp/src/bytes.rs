@@ -2,8 +2,7 @@
 //! the key/value side of a tile) and pass. The planner's cost model (`f64` per head unit,
 //! [`crate::planner::cost`]), the DCP executor's predictions ([`crate::strategy::block_plan`]) and
 //! the analytic per-rank volumes of the static strategies (`volume`, feature `harness`; exact
-//! `u64`) are all
-//! written with [`TokenBytes::hop`].
+//! `u64`) are all written with [`TokenBytes::hop`].
 //!
 //! | pass     | to the compute rank            | back to the home rank |
 //! |----------|--------------------------------|-----------------------|
@@ -77,6 +76,14 @@ impl<T: Copy + Add<Output = T> + Default> TokenBytes<T> {
         }
     }
 
+    /// Bytes per token of both sides of a token at once in `pass` (an all-to-all moving a head
+    /// unit to the rank that computes it): (to the compute rank, back home).
+    pub fn both_sides(&self, pass: Pass) -> (T, T) {
+        let (query_to, query_back) = self.hop(Side::QueryOutput, pass);
+        let (kv_to, kv_back) = self.hop(Side::KeyValue, pass);
+        (query_to + kv_to, query_back + kv_back)
+    }
+
     /// Bytes per token of a `side` block out and back, forward plus backward.
     pub fn round_trips(&self, side: Side) -> T {
         let (forward_to, forward_back) = self.hop(side, Pass::Forward);
@@ -122,5 +129,10 @@ mod tests {
         assert_eq!(bytes.hop(Side::KeyValue, Pass::Forward), (56, 0));
         assert_eq!(bytes.hop(Side::KeyValue, Pass::Backward), (56, 56));
         assert_eq!(bytes.round_trips(Side::KeyValue), 3 * 56);
+        assert_eq!(bytes.both_sides(Pass::Forward), (64 + 56, 64));
+        assert_eq!(
+            bytes.both_sides(Pass::Backward),
+            (64 + 48 + 64 + 56, 64 + 56)
+        );
     }
 }

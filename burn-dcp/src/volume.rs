@@ -68,16 +68,19 @@ fn ulysses(tokens: &[u64], s: &VolumeShape, heads: usize, degree: usize) -> Vec<
         kv_heads: s.kv_heads,
         degree,
     };
-    // the bytes of the heads rank `p` computes
-    let computed_by = |p: usize| {
-        TokenBytes::exact(
-            heads / degree,
-            split.kv_heads(p).len(),
-            s.head_dim,
-            s.value_dim,
-            s.element_bytes,
-        )
-    };
+    // per rank, the bytes per token of the heads it computes
+    let computed_by: Vec<TokenBytes<u64>> = (0..degree)
+        .map(|p| {
+            let kv_heads = split.kv_heads(p).len();
+            TokenBytes::exact(
+                heads / degree,
+                kv_heads,
+                s.head_dim,
+                s.value_dim,
+                s.element_bytes,
+            )
+        })
+        .collect();
     (0..degree)
         .map(|r| {
             let mut volume = RankVolume::default();
@@ -85,12 +88,9 @@ fn ulysses(tokens: &[u64], s: &VolumeShape, heads: usize, degree: usize) -> Vec<
                 let (mine, theirs) = (tokens[r], tokens[p]);
                 // my tokens' q, k, v (backward: also out, lse, dout) to p's heads; the results
                 // of my heads for p's tokens back to p
-                let (to_peer, home) = (computed_by(p), computed_by(r));
                 for pass in [Pass::Forward, Pass::Backward] {
-                    let out = to_peer.hop(Side::QueryOutput, pass).0
-                        + to_peer.hop(Side::KeyValue, pass).0;
-                    let back =
-                        home.hop(Side::QueryOutput, pass).1 + home.hop(Side::KeyValue, pass).1;
+                    let (out, _) = computed_by[p].both_sides(pass);
+                    let (_, back) = computed_by[r].both_sides(pass);
                     *volume.pass_mut(pass) += mine * out + theirs * back;
                 }
             }
@@ -109,15 +109,15 @@ fn ring(tokens: &[u64], s: &VolumeShape, kv_heads: u64) -> Vec<RankVolume> {
     let kv = kv_bytes(s, kv_heads as usize);
     let (forward_kv, _) = kv.hop(Side::KeyValue, Pass::Forward);
     let (backward_kv, accumulators) = kv.hop(Side::KeyValue, Pass::Backward);
-    let owner = |r: usize, step: usize| tokens[(r + size - step) % size];
+    let owner_tokens = |r: usize, step: usize| tokens[(r + size - step) % size];
     (0..size)
         .map(|r| {
             if size == 1 {
                 return RankVolume::default();
             }
             // KV passes on at steps 0..P−1; backward the dK/dV accumulators at every step
-            let passes: u64 = (0..size - 1).map(|step| owner(r, step)).sum();
-            let every: u64 = (0..size).map(|step| owner(r, step)).sum();
+            let passes: u64 = (0..size - 1).map(|step| owner_tokens(r, step)).sum();
+            let every: u64 = (0..size).map(|step| owner_tokens(r, step)).sum();
             RankVolume {
                 forward: passes * forward_kv,
                 backward: passes * backward_kv + every * accumulators,

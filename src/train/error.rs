@@ -31,7 +31,7 @@ pub enum TrainError {
     /// A rank failed while training; the message names the rank that failed first.
     #[error("training failed: {0}")]
     RankFailed(String),
-    /// The ranks could not be started (launcher, rendezvous, backend choice).
+    /// The ranks could not be started (MPI or TCP launch, rendezvous, NCCL).
     #[error("{0}")]
     Launch(String),
     /// The thread planning steps ahead stopped before it sent the plan of `step`.

@@ -27,9 +27,7 @@ use burn_dcp_kernels::{mask_of, MaskSpec};
 
 use crate::error::CpError;
 use crate::layout::Layout;
-use crate::planner::cost::{
-    hop_bytes, AttentionDims, Pass, RoutedPlan, Side, Transfer, UnitSizes, POST,
-};
+use crate::planner::cost::{AttentionDims, Pass, RoutedPlan, Transfer, UnitSizes, POST};
 use crate::planner::dcp::{dcp_plan, DcpConfig};
 use crate::planner::dynamic::{schedule_with, DynamicCpConfig, DynamicCpSchedule};
 use crate::planner::plan::{
@@ -580,24 +578,23 @@ impl UspMesh {
 
 /// The all-to-all of one head unit of a token block between its `home` and the `rank` that
 /// computes it, per pass: Q and KV (backward: also O and dO) out before compute, the results
-/// (O; backward: dQ, dK, dV) back after; bytes as [`hop_bytes`] of both sides.
+/// (O; backward: dQ, dK, dV) back after; bytes as the byte model's `both_sides`.
 fn all_to_all(home: usize, rank: usize, tokens: f64, sizes: &UnitSizes, out: &mut Vec<Transfer>) {
     for pass in [Pass::Forward, Pass::Backward] {
-        let (q_to, q_back) = hop_bytes(sizes, Side::QueryOutput, pass);
-        let (kv_to, kv_back) = hop_bytes(sizes, Side::KeyValue, pass);
+        let (to, back) = sizes.token_bytes().both_sides(pass);
         out.push(Transfer {
             pass,
             stage: 0,
             from: home,
             to: rank,
-            bytes: (q_to + kv_to) * tokens,
+            bytes: to * tokens,
         });
         out.push(Transfer {
             pass,
             stage: POST,
             from: rank,
             to: home,
-            bytes: (q_back + kv_back) * tokens,
+            bytes: back * tokens,
         });
     }
 }
