@@ -24,6 +24,7 @@ use common::{
     rel_err, Case,
 };
 
+#[derive(Debug)]
 struct Inputs {
     q: Vec<f32>,
     k: Vec<f32>,
@@ -554,4 +555,184 @@ fn fusion_rejects_bad_calls_before_queueing() {
     };
     let err = B::flash_merge(forward, other).unwrap_err().to_string();
     assert!(err.contains("merge needs equal shapes"), "{err}");
+}
+
+/// The matrix-tile forward (`cube::forward_with`) with its tile products on ordinary units: the
+/// structure of the tensor-core kernel (staging, zero padding, per-plane score tiles, online
+/// softmax, `O += P·V`, write-back) on lavapipe. In f32 nothing is rounded on the way, so it must
+/// match the oracle as tightly as the vector kernel.
+mod matrix_tiles {
+    use super::*;
+    use burn::tensor::{DType, TensorPrimitive};
+    use burn_dcp_kernels::cube::{forward_with, ForwardKernel};
+
+    type B = WgpuPlain;
+    const TILES: ForwardKernel = ForwardKernel::MatrixTiles {
+        tensor_cores: false,
+    };
+
+    fn upload(values: &[f32], dims: [usize; 3], dtype: DType) -> Tensor<B, 3> {
+        Tensor::<B, 3>::from_data(
+            TensorData::new(values.to_vec(), dims),
+            &WgpuDevice::default(),
+        )
+        .cast(dtype)
+    }
+
+    fn read<const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
+        tensor
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .unwrap()
+    }
+
+    /// `(out, lse)` of the matrix-tile forward, and the inputs as the device holds them (rounded
+    /// to `dtype`).
+    fn run(
+        case: &Case,
+        seed: u64,
+        dtype: DType,
+        kernel: ForwardKernel,
+    ) -> Result<(Vec<f32>, Vec<f32>, Inputs), burn_dcp_kernels::KernelError> {
+        let Case { problem, shape: s } = case;
+        let x = inputs(&mut SmallRng::seed_from_u64(seed), s);
+        let q = upload(&x.q, [s.q_tokens, s.heads, s.head_dim], dtype);
+        let k = upload(&x.k, [s.kv_tokens, s.kv_heads, s.head_dim], dtype);
+        let v = upload(&x.v, [s.kv_tokens, s.kv_heads, s.value_dim], dtype);
+        let rounded = Inputs {
+            q: read(q.clone()),
+            k: read(k.clone()),
+            v: read(v.clone()),
+            dout: Vec::new(),
+        };
+        let primitive = |t: Tensor<B, 3>| t.into_primitive().tensor();
+        let (out, lse) = forward_with(primitive(q), primitive(k), primitive(v), problem, kernel)?;
+        let out = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out));
+        let lse = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse));
+        assert_eq!(out.dtype(), dtype);
+        assert_eq!(lse.dtype(), DType::F32);
+        Ok((read(out), read(lse), rounded))
+    }
+
+    fn check_f32(case: &Case, seed: u64, what: &str) {
+        let (out, lse, x) = run(case, seed, DType::F32, TILES).unwrap();
+        let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
+        let errors = [rel_err(&out, &want.out), rel_err(&lse, &want.lse)];
+        assert!(
+            errors.iter().all(|&e| e <= 1e-5),
+            "matrix tiles {what}: out/lse errors {errors:?}"
+        );
+    }
+
+    #[test]
+    fn every_mask_on_ragged_gqa_batches_matches_the_reference() {
+        for (index, mask) in masks().into_iter().enumerate() {
+            for (heads, kv_heads) in [(2, 2), (3, 1)] {
+                let case = ragged_case(mask.clone(), heads, kv_heads);
+                check_f32(
+                    &case,
+                    100 + index as u64,
+                    &format!("{mask} H{heads} K{kv_heads}"),
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn several_query_and_key_tiles_and_padded_dims_match_the_reference() {
+        // Dims 16/24: one and two 16-column chunks (the second zero-padded); 5/3: padded to 16;
+        // 40/8: three chunks. Sequences of 200, 37 and 130 tokens span several 64-query cubes.
+        for (index, mask) in long_masks().into_iter().enumerate() {
+            let case = long_case(vec![mask.clone()], 4, 2, (16, 24));
+            check_f32(&case, 110 + index as u64, &format!("{mask} D16/24"));
+        }
+        let case = long_case(long_mixed_masks(), 2, 1, (40, 8));
+        check_f32(&case, 120, "per-sequence masks with key ranges, D40/8");
+        let case = long_case(vec![MaskSpec::Causal], 2, 1, (5, 3));
+        check_f32(&case, 121, "causal D5/3");
+        let case = long_case(vec![MaskSpec::Causal], 2, 2, (64, 64));
+        check_f32(&case, 122, "causal D64");
+    }
+
+    #[test]
+    fn half_precision_rounds_only_p_and_out() {
+        // f16/bf16 inputs; the oracle runs in f64 on the same rounded values. S and O
+        // accumulate in f32 and the LSE is f32, so the LSE is as exact as in f32. `P` is stored
+        // in the input dtype before `P·V` (as on tensor cores) and `out` is stored in it: with
+        // u the dtype's unit roundoff, |out − exact| ≤ u·max|v| + u·|out| (P's rounding, then
+        // the store), up to f32 sums. (Only f16 here: burn's own cast to bf16 yields NaNs on
+        // wgpu/lavapipe, which has no bf16; the tensor-core test on CUDA covers bf16.)
+        {
+            let (dtype, unit_roundoff) = (DType::F16, 2f32.powi(-11));
+            for (index, dims) in [(64, 64), (128, 128)].into_iter().enumerate() {
+                let case = long_case(vec![MaskSpec::Causal], 4, 2, dims);
+                let (out, lse, x) = run(&case, 130 + index as u64, dtype, TILES).unwrap();
+                let want =
+                    reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
+                let max_v = x.v.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let max_out = want.out.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let worst = out
+                    .iter()
+                    .zip(&want.out)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                let bound = unit_roundoff * (max_v + max_out) * 1.01;
+                assert!(
+                    worst <= bound,
+                    "{dtype:?} dims {dims:?}: |out - oracle| {worst} > {bound}"
+                );
+                let lse_err = rel_err(&lse, &want.lse);
+                assert!(lse_err <= 1e-5, "{dtype:?} dims {dims:?}: lse {lse_err}");
+            }
+        }
+    }
+
+    #[test]
+    fn fully_masked_rows_and_nan_scores_keep_their_meaning() {
+        let (out, lse, _) = run(&fully_masked_case(), 140, DType::F32, TILES).unwrap();
+        assert!(out.iter().all(|&x| x == 0.0), "{out:?}");
+        assert!(lse.iter().all(|&x| x == f32::NEG_INFINITY), "{lse:?}");
+
+        let (heads, dim) = (2, 4);
+        let problem = VarlenAttention::packed(vec![5, 3], vec![MaskSpec::Causal]);
+        let mut rng = SmallRng::seed_from_u64(141);
+        let mut q = random(&mut rng, 8 * heads * dim);
+        let (k, v) = (
+            random(&mut rng, 8 * heads * dim),
+            random(&mut rng, 8 * heads * dim),
+        );
+        q[2 * heads * dim] = f32::NAN; // token 2 (sequence 0), head 0
+        let primitive = |values: &[f32]| upload(values, [8, heads, dim], DType::F32);
+        let (out, lse) = forward_with(
+            primitive(&q).into_primitive().tensor(),
+            primitive(&k).into_primitive().tensor(),
+            primitive(&v).into_primitive().tensor(),
+            &problem,
+            TILES,
+        )
+        .unwrap();
+        let out = read(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out)));
+        let lse = read(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse)));
+        let row = 2 * heads * dim;
+        assert!(out[row..row + dim].iter().all(|x| x.is_nan()), "{out:?}");
+        assert!(lse[2].is_nan(), "lse of the NaN row: {}", lse[2]);
+        // Sequence 1 shares the cube but not the NaN query's keys.
+        assert!(out[5 * heads * dim..].iter().all(|x| x.is_finite()));
+    }
+
+    #[test]
+    fn tensor_cores_are_refused_with_the_reason_where_the_device_lacks_them() {
+        // lavapipe has no cooperative-matrix support; CUDA devices are tested in cube_cuda.rs.
+        let case = long_case(vec![MaskSpec::Causal], 2, 1, (16, 16));
+        let cores = ForwardKernel::MatrixTiles { tensor_cores: true };
+        let err = run(&case, 150, DType::F16, cores).unwrap_err().to_string();
+        assert!(err.contains("cmma") && err.contains("F16"), "{err}");
+        let err = run(&case, 150, DType::F32, cores).unwrap_err().to_string();
+        assert!(err.contains("f16 or bf16") && err.contains("F32"), "{err}");
+        // Auto falls back to the vector kernel there, with the same result as asking for it.
+        let (auto, _, _) = run(&case, 151, DType::F32, ForwardKernel::Auto).unwrap();
+        let (vector, _, _) = run(&case, 151, DType::F32, ForwardKernel::Vector).unwrap();
+        assert_eq!(auto, vector);
+    }
 }

@@ -28,7 +28,7 @@
 use cubecl::prelude::*;
 
 /// The running maximum before any key: far below any real score, still finite.
-const NONE: f32 = -3.0e38;
+pub(super) const NONE: f32 = -3.0e38;
 /// Scores and LSE values below this are "no key" (the sentinel or `-inf`).
 const NONE_LIMIT: f32 = -1.0e38;
 
@@ -70,6 +70,25 @@ fn read_spans(
 /// Whether packed key `key` lies in one of the spans stored at slot `slot` of `spans`.
 #[cube]
 fn allowed(spans: &Array<u32>, slot: usize, key: usize, #[comptime] max_spans: usize) -> bool {
+    let mut allowed = false;
+    #[unroll]
+    for s in 0..max_spans {
+        let at = slot * 2 * max_spans + 2 * s;
+        if key >= spans[at] as usize && key < spans[at + 1] as usize {
+            allowed = true;
+        }
+    }
+    allowed
+}
+
+/// [`allowed`] for spans staged in shared memory (the matrix-tile kernel's).
+#[cube]
+pub(super) fn allowed_in(
+    spans: &SharedMemory<u32>,
+    slot: usize,
+    key: usize,
+    #[comptime] max_spans: usize,
+) -> bool {
     let mut allowed = false;
     #[unroll]
     for s in 0..max_spans {

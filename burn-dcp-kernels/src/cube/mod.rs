@@ -47,6 +47,11 @@
 //! here (no GPU was available), and no tensor-core variant exists yet.
 
 pub mod kernels;
+pub mod matrix;
+mod matrix_launch;
+
+pub use matrix_launch::ForwardKernel;
+use matrix_launch::{forward_on_tiles, MatrixTiles};
 
 use burn::prelude::Tensor;
 use burn::tensor::{DType, Shape, TensorCreationOptions, TensorPrimitive};
@@ -275,20 +280,16 @@ struct QueryTables<R: CubeRuntime> {
 }
 
 impl<R: CubeRuntime> QueryTables<R> {
-    fn build(
-        like: &CubeTensor<R>,
-        problem: &VarlenAttention,
-        geometry: Geometry,
-    ) -> Result<Self, KernelError> {
-        let dense = DenseSpans::build(problem)?;
-        let tiles = TileIntervals::by_query_tile(&dense, CUBE_ROWS, geometry.block);
-        Ok(Self {
+    /// Tables for query tiles of `rows` queries against key tiles of `block` keys.
+    fn build(like: &CubeTensor<R>, dense: DenseSpans, rows: usize, block: usize) -> Self {
+        let tiles = TileIntervals::by_query_tile(&dense, rows, block);
+        Self {
             spans: upload_u32(&like.client, &like.device, &dense.spans),
             max_spans: dense.max_spans,
             offsets: upload_u32(&like.client, &like.device, &tiles.offsets),
             runs: upload_u32(&like.client, &like.device, &tiles.intervals),
             dense,
-        })
+        }
     }
 }
 
@@ -296,12 +297,25 @@ fn operand<R: CubeRuntime>(tensor: &CubeTensor<R>) -> Operand<'_> {
     Operand::new(tensor.meta.shape().as_slice(), tensor.dtype)
 }
 
-/// Forward on device tensors: `(out [Tq, H, Dv], lse [H, Tq] f32)`.
+/// Forward on device tensors: `(out [Tq, H, Dv], lse [H, Tq] f32)`, on the kernel
+/// [`ForwardKernel::Auto`] picks.
 pub fn forward<R: CubeRuntime>(
     q: CubeTensor<R>,
     k: CubeTensor<R>,
     v: CubeTensor<R>,
     problem: &VarlenAttention,
+) -> Result<(CubeTensor<R>, CubeTensor<R>), KernelError> {
+    forward_with(q, k, v, problem, ForwardKernel::Auto)
+}
+
+/// [`forward`] on a chosen kernel. Errors when the device cannot run it (tensor cores it lacks,
+/// tiles beyond its shared memory), naming what is missing.
+pub fn forward_with<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    problem: &VarlenAttention,
+    kernel: ForwardKernel,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), KernelError> {
     let (s, dtype) = check_forward(&LIMITS, operand(&q), operand(&k), operand(&v), problem)?;
     let out_dims = [s.q_tokens, s.heads, s.value_dim];
@@ -312,8 +326,24 @@ pub fn forward<R: CubeRuntime>(
             filled(&q, lse_dims, f32::NEG_INFINITY, DType::F32),
         ));
     }
+    let dense = DenseSpans::build(problem)?;
+    let properties = q.client.properties();
+    let tiles = match kernel {
+        ForwardKernel::Vector => None,
+        ForwardKernel::Auto => MatrixTiles::fit(properties, dtype, &s, dense.max_spans, true).ok(),
+        ForwardKernel::MatrixTiles { tensor_cores } => Some(MatrixTiles::fit(
+            properties,
+            dtype,
+            &s,
+            dense.max_spans,
+            tensor_cores,
+        )?),
+    };
+    if let Some(tiles) = tiles {
+        return forward_on_tiles(q, k, v, problem, &s, dtype, dense, tiles);
+    }
     let geometry = Geometry::of(s.head_dim, s.value_dim);
-    let tables = QueryTables::build(&q, problem, geometry)?;
+    let tables = QueryTables::build(&q, dense, CUBE_ROWS, geometry.block);
     let out = empty(&q, out_dims.to_vec(), dtype);
     let lse = empty(&q, lse_dims.to_vec(), DType::F32);
     let vector = vector_size(&[&q, &k, &v, &out], &[s.head_dim, s.value_dim]);
@@ -402,7 +432,7 @@ pub fn backward<R: CubeRuntime>(
     }
 
     let geometry = Geometry::of(s.head_dim, s.value_dim);
-    let tables = QueryTables::build(&q, problem, geometry)?;
+    let tables = QueryTables::build(&q, DenseSpans::build(problem)?, CUBE_ROWS, geometry.block);
     // Key side: key tiles of `CUBE_ROWS` keys against query tiles of `block` queries.
     let key_tiles = s.kv_tokens.div_ceil(CUBE_ROWS);
     let by_key =

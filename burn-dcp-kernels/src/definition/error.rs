@@ -14,4 +14,7 @@ pub enum KernelError {
     /// A setting out of its range (e.g. the softmax scale).
     #[error("invalid value: {0}")]
     InvalidValue(String),
+    /// A kernel the device cannot run (e.g. tensor cores it does not have).
+    #[error("unsupported on this device: {0}")]
+    Unsupported(String),
 }
