@@ -26,13 +26,14 @@
 //! Finite inputs give the same results up to rounding; fully masked rows still give `out = 0`
 //! and `lse = -inf`, and a NaN score still propagates to its query's `out` and `lse`.
 
-// `!(x < NONE_LIMIT)`-style comparisons are not used here, but the sentinels are shared.
 use cubecl::prelude::*;
 
 use super::kernels::{allowed_in, NONE};
 
 /// Rows, columns and depth of one matrix tile product.
 pub const TILE: usize = 16;
+/// Alignment in bytes of the shared-memory tiles (256 bits, `wmma::load_matrix_sync`'s rule).
+const ALIGN: usize = 32;
 
 /// `S [16 × 16] = Q [16 × dim] · K [16 × dim]ᵀ` for the plane's rows: `q_tile` holds the
 /// plane's 16 query rows at `q_at` (row-major, `dim` columns), `k_tile` the 16 keys (row-major,
@@ -336,12 +337,14 @@ pub fn forward_tiles_kernel<F: Float>(
     let kv_head = head / (q.shape(1) / k.shape(1));
     let first_query = q_tile_index * rows;
 
-    let mut q_tile = SharedMemory::<F>::new(rows * head_pad);
-    let mut k_tile = SharedMemory::<F>::new(TILE * head_pad);
-    let mut v_tile = SharedMemory::<F>::new(TILE * value_pad);
-    let mut s_tile = SharedMemory::<f32>::new(rows * TILE);
-    let mut p_tile = SharedMemory::<F>::new(rows * TILE);
-    let mut o_tile = SharedMemory::<f32>::new(rows * value_pad);
+    // The tiles the products read and write start on 32-byte boundaries (as `wmma` loads and
+    // stores require); every 16-column chunk inside them does too.
+    let mut q_tile = SharedMemory::<F>::new_aligned(rows * head_pad, ALIGN);
+    let mut k_tile = SharedMemory::<F>::new_aligned(TILE * head_pad, ALIGN);
+    let mut v_tile = SharedMemory::<F>::new_aligned(TILE * value_pad, ALIGN);
+    let mut s_tile = SharedMemory::<f32>::new_aligned(rows * TILE, ALIGN);
+    let mut p_tile = SharedMemory::<F>::new_aligned(rows * TILE, ALIGN);
+    let mut o_tile = SharedMemory::<f32>::new_aligned(rows * value_pad, ALIGN);
     // Per row: running max, running sum, last rescale factor.
     let mut stats = SharedMemory::<f32>::new(3 * rows);
     let mut seen = SharedMemory::<u32>::new(rows);

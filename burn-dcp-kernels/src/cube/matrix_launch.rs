@@ -13,20 +13,58 @@ use super::{empty, storage, QueryTables};
 use crate::definition::{AttentionShape, KernelError, VarlenAttention};
 use crate::tiling::DenseSpans;
 
-/// Which forward kernel [`super::forward_with`] runs.
+/// Which forward kernel [`super::forward_with`] runs; [`super::forward`] (every `FlashOps`
+/// call, hence `ContextParallel`) takes it from [`FORWARD_KERNEL_ENV`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ForwardKernel {
-    /// Matrix tiles on tensor cores where the device has them for the inputs (f16/bf16 in, f32
-    /// accumulation, 16 × 16 × 16, planes of 32 units) and the tiles fit its shared memory;
-    /// the vector kernel otherwise.
+    /// The vector kernel ([`super::kernels::forward_kernel`]), on every device. The default:
+    /// the tensor-core path has not yet run on a GPU (none was available to this project), so
+    /// it is opt-in until `tests/cube_cuda.rs` has passed on one.
     #[default]
-    Auto,
-    /// The vector kernel ([`super::kernels::forward_kernel`]), on every device.
     Vector,
-    /// The matrix-tile kernel ([`super::matrix::forward_tiles_kernel`]). With
-    /// `tensor_cores: false` its tile products run on ordinary units, on any device and for f32
-    /// too: the path CI tests on lavapipe.
+    /// Matrix tiles on tensor cores where the device has them for the inputs (f16/bf16 in, f32
+    /// accumulation, 16 × 16 × 16, planes of 32 units) and the tiles fit its shared memory; the
+    /// vector kernel otherwise.
+    Auto,
+    /// The matrix-tile kernel ([`super::matrix::forward_tiles_kernel`]), or an error naming
+    /// what the device lacks. With `tensor_cores: false` its tile products run on ordinary
+    /// units, on any device and for f32 too: the path CI tests on lavapipe.
     MatrixTiles { tensor_cores: bool },
+}
+
+/// The environment variable [`super::forward`] reads its [`ForwardKernel`] from: `vector`
+/// (also when unset), `auto`, `tiles` (matrix tiles without tensor cores) or `tensor-cores`.
+pub const FORWARD_KERNEL_ENV: &str = "BURN_DCP_FORWARD_KERNEL";
+
+impl ForwardKernel {
+    /// The kernel [`FORWARD_KERNEL_ENV`] names ([`ForwardKernel::Vector`] when it is unset).
+    pub fn from_env() -> Result<Self, KernelError> {
+        match std::env::var(FORWARD_KERNEL_ENV) {
+            Ok(value) => value.parse(),
+            Err(std::env::VarError::NotPresent) => Ok(Self::default()),
+            Err(std::env::VarError::NotUnicode(value)) => Err(KernelError::InvalidValue(format!(
+                "{FORWARD_KERNEL_ENV}={value:?} is not Unicode"
+            ))),
+        }
+    }
+}
+
+impl std::str::FromStr for ForwardKernel {
+    type Err = KernelError;
+
+    fn from_str(value: &str) -> Result<Self, KernelError> {
+        match value {
+            "vector" => Ok(Self::Vector),
+            "auto" => Ok(Self::Auto),
+            "tiles" => Ok(Self::MatrixTiles {
+                tensor_cores: false,
+            }),
+            "tensor-cores" => Ok(Self::MatrixTiles { tensor_cores: true }),
+            other => Err(KernelError::InvalidValue(format!(
+                "{FORWARD_KERNEL_ENV}={other:?}: expected one of vector, auto, tiles, tensor-cores"
+            ))),
+        }
+    }
 }
 
 /// Units per plane of the matrix-tile kernel: a CUDA warp (the `cmma` fragments are per warp).
@@ -97,7 +135,8 @@ fn shared_bytes(
     let inputs = rows * head_pad + TILE * head_pad + TILE * value_pad + rows * TILE;
     let f32s = rows * TILE + rows * value_pad + 3 * rows;
     let u32s = rows + rows * 2 * max_spans;
-    element * inputs + 4 * (f32s + u32s)
+    // Each of the nine arrays may start up to 31 bytes later for its 32-byte alignment.
+    element * inputs + 4 * (f32s + u32s) + 9 * 32
 }
 
 /// Errors unless the device multiplies 16 × 16 × 16 tiles of `dtype` into f32 on planes of
@@ -185,4 +224,41 @@ pub(super) fn forward_on_tiles<R: CubeRuntime>(
         );
     }
     Ok((out, lse))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_names_parse_and_bad_ones_name_the_choices() {
+        assert_eq!("vector".parse(), Ok(ForwardKernel::Vector));
+        assert_eq!("auto".parse(), Ok(ForwardKernel::Auto));
+        assert_eq!(
+            "tiles".parse(),
+            Ok(ForwardKernel::MatrixTiles {
+                tensor_cores: false
+            })
+        );
+        assert_eq!(
+            "tensor-cores".parse(),
+            Ok(ForwardKernel::MatrixTiles { tensor_cores: true })
+        );
+        let err = "cmma".parse::<ForwardKernel>().unwrap_err().to_string();
+        assert!(
+            err.contains("BURN_DCP_FORWARD_KERNEL=\"cmma\"") && err.contains("tensor-cores"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn shared_memory_decides_the_planes_per_cube() {
+        // f16, D = Dv = 128, one span slot, 4 planes (64 rows): Q 64·128 + K 16·128 + V 16·128
+        // + P 64·16 halves (26 624 B); S 64·16 + O 64·128 + stats 3·64 floats and seen 64 +
+        // spans 64·2 words (38 400 B); 9 · 32 B of alignment: 65 312 B. 2 planes: 36 896 B
+        // (over lavapipe's 32 KiB); 1 plane: 22 688 B.
+        assert_eq!(shared_bytes(4, 128, 128, 1, 2), 65_312);
+        assert_eq!(shared_bytes(2, 128, 128, 1, 2), 36_896);
+        assert_eq!(shared_bytes(1, 128, 128, 1, 2), 22_688);
+    }
 }

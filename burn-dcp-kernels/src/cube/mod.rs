@@ -50,8 +50,8 @@ pub mod kernels;
 pub mod matrix;
 mod matrix_launch;
 
-pub use matrix_launch::ForwardKernel;
 use matrix_launch::{forward_on_tiles, MatrixTiles};
+pub use matrix_launch::{ForwardKernel, FORWARD_KERNEL_ENV};
 
 use burn::prelude::Tensor;
 use burn::tensor::{DType, Shape, TensorCreationOptions, TensorPrimitive};
@@ -298,14 +298,14 @@ fn operand<R: CubeRuntime>(tensor: &CubeTensor<R>) -> Operand<'_> {
 }
 
 /// Forward on device tensors: `(out [Tq, H, Dv], lse [H, Tq] f32)`, on the kernel
-/// [`ForwardKernel::Auto`] picks.
+/// [`FORWARD_KERNEL_ENV`] names ([`ForwardKernel::Vector`] when unset).
 pub fn forward<R: CubeRuntime>(
     q: CubeTensor<R>,
     k: CubeTensor<R>,
     v: CubeTensor<R>,
     problem: &VarlenAttention,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), KernelError> {
-    forward_with(q, k, v, problem, ForwardKernel::Auto)
+    forward_with(q, k, v, problem, ForwardKernel::from_env()?)
 }
 
 /// [`forward`] on a chosen kernel. Errors when the device cannot run it (tensor cores it lacks,
