@@ -21,6 +21,12 @@
 //! wgpu runs on lavapipe):
 //!
 //!     cargo bench --features wgpu --bench attention -- --quick wgpu
+//!
+//! With `--features cuda` (an NVIDIA GPU), the group `cuda` times issue 17's GPU shape (1 × 32
+//! heads × 8192 tokens × 128 dims, bf16, causal and full): our forward on the vector kernel and
+//! on tensor cores, forward + backward, and burn's attention:
+//!
+//!     cargo bench --features cuda --bench attention -- cuda
 
 use burn::backend::{Autodiff, Flex};
 use burn::prelude::*;
@@ -435,5 +441,109 @@ fn wgpu(c: &mut Criterion) {
 #[cfg(not(feature = "wgpu"))]
 fn wgpu(_: &mut Criterion) {}
 
-criterion_group!(benches, peak, forward, forward_backward, merge, wgpu);
+/// The GPU shape of issue 17 (FlashAttention-3 reports 740 TFLOP/s forward on an H100 in
+/// bf16 at this size): 1 × 32 heads × 8192 tokens × 128 dims, bf16, causal and full. Our
+/// forward on the vector kernel and on tensor cores, forward + backward, and burn's attention;
+/// the throughput is in FLOP/s (criterion's "elem/s"). Each timed call ends with a device
+/// sync, not a read-back. Never run yet: no GPU was available to this project.
+#[cfg(feature = "cuda")]
+fn cuda(c: &mut Criterion) {
+    use burn::tensor::{DType, TensorPrimitive};
+    use burn_dcp_kernels::backends::CudaPlain as B;
+    use burn_dcp_kernels::cube::{forward_with, ForwardKernel};
+    let device = Default::default();
+    let mut group = c.benchmark_group("cuda");
+    group.sample_size(10);
+    for mask in ["causal", "full"] {
+        let shape = Shape {
+            name: if mask == "causal" {
+                "causal-1x8192-h32-d128-bf16"
+            } else {
+                "full-1x8192-h32-d128-bf16"
+            },
+            seq_lens: vec![8192],
+            heads: 32,
+            kv_heads: 32,
+            head_dim: 128,
+            mask,
+        };
+        let x = inputs::<B>(&shape, &device);
+        let x = Inputs {
+            q: x.q.cast(DType::BF16),
+            k: x.k.cast(DType::BF16),
+            v: x.v.cast(DType::BF16),
+            dout: x.dout.cast(DType::BF16),
+            problem: x.problem,
+        };
+        let forward_flops = flops(&shape, &x.problem);
+        group.throughput(Throughput::Elements(forward_flops));
+        let kernels = [
+            ("vector", ForwardKernel::Vector),
+            (
+                "tensor-cores",
+                ForwardKernel::MatrixTiles { tensor_cores: true },
+            ),
+        ];
+        for (label, kernel) in kernels {
+            let run = || {
+                let primitive = |t: &Tensor<B, 3>| t.clone().into_primitive().tensor();
+                let (out, _lse) = forward_with(
+                    primitive(&x.q),
+                    primitive(&x.k),
+                    primitive(&x.v),
+                    &x.problem,
+                    kernel,
+                )
+                .expect("the device runs this kernel");
+                B::sync(&device).expect("device sync");
+                Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out))
+            };
+            run();
+            group.bench_function(
+                BenchmarkId::new(format!("forward/{label}-cuda"), shape.name),
+                |b| b.iter(run),
+            );
+        }
+        group.bench_function(
+            BenchmarkId::new("forward/burn-attention-cuda", shape.name),
+            |b| {
+                b.iter(|| {
+                    let outs = burn_attention(&shape, &x);
+                    B::sync(&device).expect("device sync");
+                    outs
+                })
+            },
+        );
+        group.throughput(Throughput::Elements(
+            ((1.0 + BACKWARD_FLOPS_FACTOR) * forward_flops as f64) as u64,
+        ));
+        group.bench_function(
+            BenchmarkId::new("forward+backward/vector-cuda", shape.name),
+            |b| {
+                b.iter(|| {
+                    let fwd = B::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
+                        .expect("valid problem");
+                    let grads = B::flash_backward(
+                        x.q.clone(),
+                        x.k.clone(),
+                        x.v.clone(),
+                        fwd.out,
+                        fwd.lse,
+                        x.dout.clone(),
+                        &x.problem,
+                    )
+                    .expect("valid problem");
+                    B::sync(&device).expect("device sync");
+                    grads
+                })
+            },
+        );
+    }
+    group.finish();
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_: &mut Criterion) {}
+
+criterion_group!(benches, peak, forward, forward_backward, merge, wgpu, cuda);
 criterion_main!(benches);

@@ -1,0 +1,202 @@
+//! The cubecl kernels on CUDA, including the tensor-core (`cmma`) forward, against the f64
+//! oracle. They need an NVIDIA GPU, so every test is `#[ignore]`d (CI has none); run them with
+//!
+//! ```text
+//! cargo test --release -p burn-dcp-kernels --features cuda --test cube_cuda -- --ignored
+//! ```
+//!
+//! **Status:** written alongside the tensor-core kernel, never run: no GPU was available to the
+//! sessions that wrote them. The same kernel with its tile products on ordinary units is tested
+//! on lavapipe (`cube_wgpu.rs`, module `matrix_tiles`).
+#![cfg(feature = "cuda")]
+
+use burn::prelude::Tensor;
+use burn::tensor::{DType, TensorData, TensorPrimitive};
+use burn_dcp_kernels::backends::CudaPlain;
+use burn_dcp_kernels::cube::{forward_with, ForwardKernel};
+use burn_dcp_kernels::{reference, FlashOps, MaskSpec};
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+
+mod common;
+use common::{long_case, long_masks, masks, ragged_case, random, rel_err, Case};
+
+type B = CudaPlain;
+
+fn upload(values: &[f32], dims: [usize; 3], dtype: DType) -> Tensor<B, 3> {
+    Tensor::<B, 3>::from_data(TensorData::new(values.to_vec(), dims), &Default::default())
+        .cast(dtype)
+}
+
+fn read<const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
+    tensor
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap()
+}
+
+/// Rounded inputs `(q, k, v)` of a case and the forward `(out, lse)` of `kernel` on them.
+fn forward(
+    case: &Case,
+    seed: u64,
+    dtype: DType,
+    kernel: ForwardKernel,
+) -> ([Vec<f32>; 3], Vec<f32>, Vec<f32>) {
+    let s = &case.shape;
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let q = upload(
+        &random(&mut rng, s.q_tokens * s.heads * s.head_dim),
+        [s.q_tokens, s.heads, s.head_dim],
+        dtype,
+    );
+    let k = upload(
+        &random(&mut rng, s.kv_tokens * s.kv_heads * s.head_dim),
+        [s.kv_tokens, s.kv_heads, s.head_dim],
+        dtype,
+    );
+    let v = upload(
+        &random(&mut rng, s.kv_tokens * s.kv_heads * s.value_dim),
+        [s.kv_tokens, s.kv_heads, s.value_dim],
+        dtype,
+    );
+    let rounded = [read(q.clone()), read(k.clone()), read(v.clone())];
+    let primitive = |t: Tensor<B, 3>| t.into_primitive().tensor();
+    let (out, lse) = forward_with(
+        primitive(q),
+        primitive(k),
+        primitive(v),
+        &case.problem,
+        kernel,
+    )
+    .unwrap();
+    let out = read(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out)));
+    let lse = read(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse)));
+    (rounded, out, lse)
+}
+
+/// `out` within `u·(max|v| + max|out|)` of the oracle (P and `out` rounded to the dtype, unit
+/// roundoff `u`; see `cube_wgpu.rs`), the f32 LSE within 1e-5.
+fn check_half(case: &Case, seed: u64, dtype: DType, kernel: ForwardKernel, what: &str) {
+    let unit_roundoff = match dtype {
+        DType::F16 => 2f32.powi(-11),
+        DType::BF16 => 2f32.powi(-8),
+        other => panic!("not a half dtype: {other:?}"),
+    };
+    let ([q, k, v], out, lse) = forward(case, seed, dtype, kernel);
+    let want = reference::forward(&q, &k, &v, &case.problem, &case.shape).unwrap();
+    let max_v = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let max_out = want.out.iter().fold(0f32, |m, x| m.max(x.abs()));
+    assert!(out.iter().all(|x| !x.is_nan()), "{what}: NaN in out");
+    let worst = out
+        .iter()
+        .zip(&want.out)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    let bound = unit_roundoff * (max_v + max_out) * 1.01;
+    assert!(worst <= bound, "{what}: |out - oracle| {worst} > {bound}");
+    let lse_err = rel_err(&lse, &want.lse);
+    assert!(lse_err <= 1e-5, "{what}: lse {lse_err}");
+}
+
+const TENSOR_CORES: ForwardKernel = ForwardKernel::MatrixTiles { tensor_cores: true };
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn tensor_cores_match_the_oracle_for_every_mask_in_f16_and_bf16() {
+    for dtype in [DType::F16, DType::BF16] {
+        for (index, mask) in masks().into_iter().enumerate() {
+            let case = ragged_case(mask.clone(), 4, 2);
+            let case = Case {
+                shape: burn_dcp_kernels::AttentionShape {
+                    head_dim: 64,
+                    value_dim: 64,
+                    ..case.shape
+                },
+                problem: case.problem,
+            };
+            check_half(
+                &case,
+                index as u64,
+                dtype,
+                TENSOR_CORES,
+                &format!("{dtype:?} {mask}"),
+            );
+        }
+        for (index, mask) in long_masks().into_iter().enumerate() {
+            for dims in [(64, 64), (128, 128), (40, 24), (256, 256)] {
+                let case = long_case(vec![mask.clone()], 4, 2, dims);
+                check_half(
+                    &case,
+                    20 + index as u64,
+                    dtype,
+                    TENSOR_CORES,
+                    &format!("{dtype:?} {mask} dims {dims:?}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn tensor_cores_agree_with_the_same_tiles_on_ordinary_units() {
+    let case = long_case(vec![MaskSpec::Causal], 8, 2, (128, 128));
+    let tiles = ForwardKernel::MatrixTiles {
+        tensor_cores: false,
+    };
+    for (dtype, unit_roundoff) in [(DType::F16, 2f32.powi(-11)), (DType::BF16, 2f32.powi(-8))] {
+        let (_, cores_out, cores_lse) = forward(&case, 40, dtype, TENSOR_CORES);
+        let (_, plain_out, plain_lse) = forward(&case, 40, dtype, tiles);
+        // Same operands, same roundings (P and out); only the f32 summation order differs, which
+        // may flip a rounding of P or out: at most an ulp (2u) of the largest output.
+        assert!(rel_err(&cores_lse, &plain_lse) <= 1e-5, "{dtype:?} lse");
+        let out_err = rel_err(&cores_out, &plain_out);
+        assert!(out_err <= 2.0 * unit_roundoff, "{dtype:?} out {out_err}");
+        check_half(&case, 40, dtype, TENSOR_CORES, "causal H8 K2 D128");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_vector_kernels_match_the_oracle_on_cuda() {
+    for (index, mask) in masks().into_iter().enumerate() {
+        let case = ragged_case(mask.clone(), 4, 2);
+        let s = &case.shape;
+        let mut rng = SmallRng::seed_from_u64(60 + index as u64);
+        let q = random(&mut rng, s.q_tokens * s.heads * s.head_dim);
+        let k = random(&mut rng, s.kv_tokens * s.kv_heads * s.head_dim);
+        let v = random(&mut rng, s.kv_tokens * s.kv_heads * s.value_dim);
+        let dout = random(&mut rng, s.q_tokens * s.heads * s.value_dim);
+        let up = |x: &[f32], dims| upload(x, dims, DType::F32);
+        let (tq, tk, tv) = (
+            up(&q, [s.q_tokens, s.heads, s.head_dim]),
+            up(&k, [s.kv_tokens, s.kv_heads, s.head_dim]),
+            up(&v, [s.kv_tokens, s.kv_heads, s.value_dim]),
+        );
+        let forward = B::flash_forward(tq.clone(), tk.clone(), tv.clone(), &case.problem).unwrap();
+        let want = reference::forward(&q, &k, &v, &case.problem, s).unwrap();
+        assert!(
+            rel_err(&read(forward.out.clone()), &want.out) <= 1e-5,
+            "{mask}"
+        );
+        assert!(
+            rel_err(&read(forward.lse.clone()), &want.lse) <= 1e-5,
+            "{mask}"
+        );
+        let grads = B::flash_backward(
+            tq,
+            tk,
+            tv,
+            forward.out,
+            forward.lse,
+            up(&dout, [s.q_tokens, s.heads, s.value_dim]),
+            &case.problem,
+        )
+        .unwrap();
+        let want = reference::backward(&q, &k, &v, &dout, &case.problem, s).unwrap();
+        assert!(rel_err(&read(grads.dq), &want.dq) <= 1e-5, "{mask} dq");
+        assert!(rel_err(&read(grads.dk), &want.dk) <= 1e-5, "{mask} dk");
+        assert!(rel_err(&read(grads.dv), &want.dv) <= 1e-5, "{mask} dv");
+    }
+}
