@@ -665,7 +665,8 @@ mod matrix_tiles {
         // wgpu/lavapipe, which has no bf16; the tensor-core test on CUDA covers bf16.)
         {
             let (dtype, unit_roundoff) = (DType::F16, 2f32.powi(-11));
-            for (index, dims) in [(64, 64), (128, 128)].into_iter().enumerate() {
+            // D = 128 (one plane per cube on lavapipe); f32 covers D = 64 (two planes).
+            for (index, dims) in [(128, 128)].into_iter().enumerate() {
                 let case = long_case(vec![MaskSpec::Causal], 4, 2, dims);
                 let (out, lse, x) = run(&case, 130 + index as u64, dtype, TILES).unwrap();
                 let want =

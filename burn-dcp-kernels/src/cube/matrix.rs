@@ -108,17 +108,21 @@ pub fn scores<F: Float>(
         for i in 0..per_lane {
             acc[i] = 0.0;
         }
+        // The lane's outputs share one column (`plane_dim` is a multiple of 16): its key row
+        // is loaded once per chunk.
+        let col = lane % TILE;
+        let mut key = Array::<f32>::new(TILE);
         for chunk in 0..dim / TILE {
             #[unroll]
+            for d in 0..TILE {
+                key[d] = f32::cast_from(k_tile[col * dim + chunk * TILE + d]);
+            }
+            #[unroll]
             for i in 0..per_lane {
-                let element = lane + i * plane_dim;
-                let row = element / TILE;
-                let col = element % TILE;
+                let row = (lane + i * plane_dim) / TILE;
                 #[unroll]
                 for d in 0..TILE {
-                    let column = chunk * TILE + d;
-                    acc[i] += f32::cast_from(q_tile[q_at + row * dim + column])
-                        * f32::cast_from(k_tile[col * dim + column]);
+                    acc[i] += f32::cast_from(q_tile[q_at + row * dim + chunk * TILE + d]) * key[d];
                 }
             }
         }
@@ -199,18 +203,22 @@ pub fn add_probabilities_times_values<F: Float>(
     } else {
         let lane = UNIT_POS_X as usize;
         let per_lane = comptime!(TILE * TILE / plane_dim);
+        // As in [`scores`]: the lane's outputs share one column, whose 16 values are loaded once.
+        let mut value = Array::<f32>::new(TILE);
         for chunk in 0..dim / TILE {
+            let col = chunk * TILE + lane % TILE;
+            #[unroll]
+            for key in 0..TILE {
+                value[key] = f32::cast_from(v_tile[key * dim + col]);
+            }
             #[unroll]
             for i in 0..per_lane {
-                let element = lane + i * plane_dim;
-                let row = element / TILE;
-                let col = chunk * TILE + element % TILE;
+                let row = (lane + i * plane_dim) / TILE;
                 let at = o_at + row * dim + col;
                 let mut total = o_tile[at];
                 #[unroll]
                 for key in 0..TILE {
-                    total += f32::cast_from(p_tile[p_at + row * TILE + key])
-                        * f32::cast_from(v_tile[key * dim + col]);
+                    total += f32::cast_from(p_tile[p_at + row * TILE + key]) * value[key];
                 }
                 o_tile[at] = total;
             }
