@@ -450,7 +450,7 @@ fn wgpu(_: &mut Criterion) {}
 fn cuda(c: &mut Criterion) {
     use burn::tensor::{DType, TensorPrimitive};
     use burn_dcp_kernels::backends::CudaPlain as B;
-    use burn_dcp_kernels::cube::{forward_with, ForwardKernel};
+    use burn_dcp_kernels::cube::{backward_with, forward_with, AttentionKernel};
     let device = Default::default();
     let mut group = c.benchmark_group("cuda");
     group.sample_size(10);
@@ -478,10 +478,10 @@ fn cuda(c: &mut Criterion) {
         let forward_flops = flops(&shape, &x.problem);
         group.throughput(Throughput::Elements(forward_flops));
         let kernels = [
-            ("vector", ForwardKernel::Vector),
+            ("vector", AttentionKernel::Vector),
             (
                 "tensor-cores",
-                ForwardKernel::MatrixTiles { tensor_cores: true },
+                AttentionKernel::MatrixTiles { tensor_cores: true },
             ),
         ];
         for (label, kernel) in kernels {

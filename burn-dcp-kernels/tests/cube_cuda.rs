@@ -13,7 +13,7 @@
 use burn::prelude::Tensor;
 use burn::tensor::{DType, TensorData, TensorPrimitive};
 use burn_dcp_kernels::backends::CudaPlain;
-use burn_dcp_kernels::cube::{forward_with, ForwardKernel};
+use burn_dcp_kernels::cube::{backward_with, forward_with, AttentionKernel};
 use burn_dcp_kernels::{reference, FlashOps, MaskSpec};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
@@ -41,7 +41,7 @@ fn forward(
     case: &Case,
     seed: u64,
     dtype: DType,
-    kernel: ForwardKernel,
+    kernel: AttentionKernel,
 ) -> ([Vec<f32>; 3], Vec<f32>, Vec<f32>) {
     let s = &case.shape;
     let mut rng = SmallRng::seed_from_u64(seed);
@@ -77,7 +77,7 @@ fn forward(
 
 /// `out` within `u·(max|v| + max|out|)` of the oracle (P and `out` rounded to the dtype, unit
 /// roundoff `u`; see `cube_wgpu.rs`), the f32 LSE within 1e-5.
-fn check_half(case: &Case, seed: u64, dtype: DType, kernel: ForwardKernel, what: &str) {
+fn check_half(case: &Case, seed: u64, dtype: DType, kernel: AttentionKernel, what: &str) {
     let unit_roundoff = match dtype {
         DType::F16 => 2f32.powi(-11),
         DType::BF16 => 2f32.powi(-8),
@@ -99,7 +99,7 @@ fn check_half(case: &Case, seed: u64, dtype: DType, kernel: ForwardKernel, what:
     assert!(lse_err <= 1e-5, "{what}: lse {lse_err}");
 }
 
-const TENSOR_CORES: ForwardKernel = ForwardKernel::MatrixTiles { tensor_cores: true };
+const TENSOR_CORES: AttentionKernel = AttentionKernel::MatrixTiles { tensor_cores: true };
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -142,7 +142,7 @@ fn tensor_cores_match_the_oracle_for_every_mask_in_f16_and_bf16() {
 #[ignore = "needs an NVIDIA GPU"]
 fn tensor_cores_agree_with_the_same_tiles_on_ordinary_units() {
     let case = long_case(vec![MaskSpec::Causal], 8, 2, (128, 128));
-    let tiles = ForwardKernel::MatrixTiles {
+    let tiles = AttentionKernel::MatrixTiles {
         tensor_cores: false,
     };
     for (dtype, unit_roundoff) in [(DType::F16, 2f32.powi(-11)), (DType::BF16, 2f32.powi(-8))] {

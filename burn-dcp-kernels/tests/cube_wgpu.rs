@@ -564,10 +564,10 @@ fn fusion_rejects_bad_calls_before_queueing() {
 mod matrix_tiles {
     use super::*;
     use burn::tensor::{DType, TensorPrimitive};
-    use burn_dcp_kernels::cube::{forward_with, ForwardKernel};
+    use burn_dcp_kernels::cube::{backward_with, forward_with, AttentionKernel};
 
     type B = WgpuPlain;
-    const TILES: ForwardKernel = ForwardKernel::MatrixTiles {
+    const TILES: AttentionKernel = AttentionKernel::MatrixTiles {
         tensor_cores: false,
     };
 
@@ -593,7 +593,7 @@ mod matrix_tiles {
         case: &Case,
         seed: u64,
         dtype: DType,
-        kernel: ForwardKernel,
+        kernel: AttentionKernel,
     ) -> Result<(Vec<f32>, Vec<f32>, Inputs), burn_dcp_kernels::KernelError> {
         let Case { problem, shape: s } = case;
         let x = inputs(&mut SmallRng::seed_from_u64(seed), s);
@@ -615,6 +615,47 @@ mod matrix_tiles {
         Ok((read(out), read(lse), rounded))
     }
 
+    /// `[dq, dk, dv]` of the matrix-tile backward (after its forward), and the inputs as the
+    /// device holds them.
+    fn run_backward(
+        case: &Case,
+        seed: u64,
+        dtype: DType,
+        kernel: AttentionKernel,
+    ) -> Result<([Vec<f32>; 3], Inputs), burn_dcp_kernels::KernelError> {
+        let Case { problem, shape: s } = case;
+        let x = inputs(&mut SmallRng::seed_from_u64(seed), s);
+        let q = upload(&x.q, [s.q_tokens, s.heads, s.head_dim], dtype);
+        let k = upload(&x.k, [s.kv_tokens, s.kv_heads, s.head_dim], dtype);
+        let v = upload(&x.v, [s.kv_tokens, s.kv_heads, s.value_dim], dtype);
+        let dout = upload(&x.dout, [s.q_tokens, s.heads, s.value_dim], dtype);
+        let rounded = Inputs {
+            q: read(q.clone()),
+            k: read(k.clone()),
+            v: read(v.clone()),
+            dout: read(dout.clone()),
+        };
+        let primitive = |t: &Tensor<B, 3>| t.clone().into_primitive().tensor();
+        let (out, lse) =
+            forward_with(primitive(&q), primitive(&k), primitive(&v), problem, kernel)?;
+        let (dq, dk, dv) = backward_with(
+            primitive(&q),
+            primitive(&k),
+            primitive(&v),
+            out,
+            lse,
+            primitive(&dout),
+            problem,
+            kernel,
+        )?;
+        let grads = [dq, dk, dv].map(|g| {
+            let g = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(g));
+            assert_eq!(g.dtype(), dtype);
+            read(g)
+        });
+        Ok((grads, rounded))
+    }
+
     fn check_f32(case: &Case, seed: u64, what: &str) {
         let (out, lse, x) = run(case, seed, DType::F32, TILES).unwrap();
         let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
@@ -622,6 +663,18 @@ mod matrix_tiles {
         assert!(
             errors.iter().all(|&e| e <= 1e-5),
             "matrix tiles {what}: out/lse errors {errors:?}"
+        );
+        let ([dq, dk, dv], x) = run_backward(case, seed, DType::F32, TILES).unwrap();
+        let want =
+            reference::backward(&x.q, &x.k, &x.v, &x.dout, &case.problem, &case.shape).unwrap();
+        let errors = [
+            rel_err(&dq, &want.dq),
+            rel_err(&dk, &want.dk),
+            rel_err(&dv, &want.dv),
+        ];
+        assert!(
+            errors.iter().all(|&e| e <= 1e-5),
+            "matrix tiles {what}: dq/dk/dv errors {errors:?}"
         );
     }
 
@@ -726,14 +779,14 @@ mod matrix_tiles {
     fn tensor_cores_are_refused_with_the_reason_where_the_device_lacks_them() {
         // lavapipe has no cooperative-matrix support; CUDA devices are tested in cube_cuda.rs.
         let case = long_case(vec![MaskSpec::Causal], 2, 1, (16, 16));
-        let cores = ForwardKernel::MatrixTiles { tensor_cores: true };
+        let cores = AttentionKernel::MatrixTiles { tensor_cores: true };
         let err = run(&case, 150, DType::F16, cores).unwrap_err().to_string();
         assert!(err.contains("cmma") && err.contains("F16"), "{err}");
         let err = run(&case, 150, DType::F32, cores).unwrap_err().to_string();
         assert!(err.contains("f16 or bf16") && err.contains("F32"), "{err}");
         // Auto falls back to the vector kernel there, with the same result as asking for it.
-        let (auto, _, _) = run(&case, 151, DType::F32, ForwardKernel::Auto).unwrap();
-        let (vector, _, _) = run(&case, 151, DType::F32, ForwardKernel::Vector).unwrap();
+        let (auto, _, _) = run(&case, 151, DType::F32, AttentionKernel::Auto).unwrap();
+        let (vector, _, _) = run(&case, 151, DType::F32, AttentionKernel::Vector).unwrap();
         assert_eq!(auto, vector);
     }
 }

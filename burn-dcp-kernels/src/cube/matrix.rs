@@ -259,6 +259,97 @@ fn stage_padded<F: Float>(
     }
 }
 
+/// Stages the spans of queries `first_query..first_query + rows` into `into` (empty spans past
+/// `q_tokens`, so that no key is allowed). All `units` units of the cube take part.
+#[cube]
+fn stage_spans(
+    spans: &Tensor<u32>,
+    into: &mut SharedMemory<u32>,
+    first_query: usize,
+    q_tokens: usize,
+    #[comptime] rows: usize,
+    #[comptime] max_spans: usize,
+    #[comptime] units: usize,
+) {
+    let unit = UNIT_POS as usize;
+    #[unroll]
+    for pass in 0..(rows * 2 * max_spans).div_ceil(units) {
+        let index = pass * units + unit;
+        if index < rows * 2 * max_spans {
+            let query = first_query + index / (2 * max_spans);
+            let mut value = 0u32;
+            if query < q_tokens {
+                value = spans[query * 2 * max_spans + index % (2 * max_spans)];
+            }
+            into[index] = value;
+        }
+    }
+}
+
+/// Per-query f32 values `source [H, Tq]` of head `head` for queries `first_query..+rows` into
+/// `into` (0 past `q_tokens`), by the first `rows` units.
+#[cube]
+fn stage_row_values(
+    source: &Tensor<f32>,
+    into: &mut SharedMemory<f32>,
+    head: usize,
+    first_query: usize,
+    q_tokens: usize,
+    #[comptime] rows: usize,
+) {
+    let unit = UNIT_POS as usize;
+    if unit < rows {
+        let query = first_query + unit;
+        let mut value = f32::new(0.0);
+        if query < q_tokens {
+            value = source[head * source.stride(0) + query * source.stride(1)];
+        }
+        into[unit] = value;
+    }
+}
+
+/// Zeros `len` elements of `tile`, all `units` units of the cube together.
+#[cube]
+fn zero_tile(tile: &mut SharedMemory<f32>, #[comptime] len: usize, #[comptime] units: usize) {
+    let unit = UNIT_POS as usize;
+    #[unroll]
+    for pass in 0..len.div_ceil(units) {
+        let index = pass * units + unit;
+        if index < len {
+            tile[index] = 0.0;
+        }
+    }
+}
+
+/// Writes `factor ·` the f32 rows of `tile` (`padded` columns, row `r` of the plane to token
+/// `first_row + plane·16 + r`) to `target [tokens, heads, dim]` at head `head`, skipping padding.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_rows<F: Float>(
+    tile: &SharedMemory<f32>,
+    target: &mut Tensor<F>,
+    first_row: usize,
+    head: usize,
+    factor: f32,
+    #[comptime] dim: usize,
+    #[comptime] padded: usize,
+    #[comptime] plane_dim: usize,
+) {
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let tokens = target.shape(0);
+    #[unroll]
+    for i in 0..TILE * padded / plane_dim {
+        let element = lane + i * plane_dim;
+        let token = first_row + plane * TILE + element / padded;
+        let col = element % padded;
+        if token < tokens && col < dim {
+            let at = token * target.stride(0) + head * target.stride(1) + col * target.stride(2);
+            target[at] = F::cast_from(tile[plane * TILE * padded + element] * factor);
+        }
+    }
+}
+
 /// The online-softmax step of one query row (`row` of the cube) over one 16-key tile: reads its
 /// scores from `s_tile`, writes its probabilities to `p_tile` (input dtype) and its rescale
 /// factor to `alpha`, and updates its running max, sum and "saw a key" flag.
@@ -369,25 +460,16 @@ pub fn forward_tiles_kernel<F: Float>(
         head_pad,
         units,
     );
-    #[unroll]
-    for pass in 0..(rows * value_pad).div_ceil(units) {
-        let index = pass * units + unit;
-        if index < rows * value_pad {
-            o_tile[index] = 0.0;
-        }
-    }
-    #[unroll]
-    for pass in 0..(rows * 2 * max_spans).div_ceil(units) {
-        let index = pass * units + unit;
-        if index < rows * 2 * max_spans {
-            let query = first_query + index / (2 * max_spans);
-            let mut value = 0u32;
-            if query < q_tokens {
-                value = spans[query * 2 * max_spans + index % (2 * max_spans)];
-            }
-            row_spans[index] = value;
-        }
-    }
+    zero_tile(&mut o_tile, rows * value_pad, units);
+    stage_spans(
+        spans,
+        &mut row_spans,
+        first_query,
+        q_tokens,
+        rows,
+        max_spans,
+        units,
+    );
     if unit < rows {
         stats[unit] = NONE;
         stats[rows + unit] = 0.0;
@@ -502,4 +584,391 @@ pub fn forward_tiles_kernel<F: Float>(
             lse[head * lse.stride(0) + query * lse.stride(1)] = value;
         }
     }
+}
+
+/// Backward, query side, on matrix tiles: `dq [Tq, H, D]`. Same cubes and key-tile lists as
+/// [`forward_tiles_kernel`]. Per key tile each plane recomputes `S = Q·Kᵀ` and `dP = dO·Vᵀ` on
+/// matrix tiles, forms `dS = P ∘ (dP − delta)` with `P = exp(scale·S − lse)` on the allowed
+/// pairs (one unit per query row; `dS` stored in the input dtype), and accumulates
+/// `dQ += dS·K` in f32; the end writes `scale · dQ`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn dq_tiles_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    dout: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    spans: &Tensor<u32>,
+    tile_offsets: &Tensor<u32>,
+    tile_runs: &Tensor<u32>,
+    dq: &mut Tensor<F>,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] value_dim: usize,
+    #[comptime] head_pad: usize,
+    #[comptime] value_pad: usize,
+    #[comptime] planes: usize,
+    #[comptime] plane_dim: usize,
+    #[comptime] max_spans: usize,
+    #[comptime] tensor_cores: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let rows = comptime!(TILE * planes);
+    let units = comptime!(plane_dim * planes);
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let q_tile_index = CUBE_POS_X as usize;
+    let head = CUBE_POS_Y as usize;
+    let q_tokens = q.shape(0);
+    let kv_tokens = k.shape(0);
+    let kv_head = head / (q.shape(1) / k.shape(1));
+    let first_query = q_tile_index * rows;
+
+    let mut q_tile = SharedMemory::<F>::new_aligned(rows * head_pad, ALIGN);
+    let mut do_tile = SharedMemory::<F>::new_aligned(rows * value_pad, ALIGN);
+    let mut k_tile = SharedMemory::<F>::new_aligned(TILE * head_pad, ALIGN);
+    let mut v_tile = SharedMemory::<F>::new_aligned(TILE * value_pad, ALIGN);
+    let mut s_tile = SharedMemory::<f32>::new_aligned(rows * TILE, ALIGN);
+    let mut dp_tile = SharedMemory::<f32>::new_aligned(rows * TILE, ALIGN);
+    let mut ds_tile = SharedMemory::<F>::new_aligned(rows * TILE, ALIGN);
+    let mut dq_tile = SharedMemory::<f32>::new_aligned(rows * head_pad, ALIGN);
+    let mut row_lse = SharedMemory::<f32>::new(rows);
+    let mut row_delta = SharedMemory::<f32>::new(rows);
+    let mut row_spans = SharedMemory::<u32>::new(rows * 2 * max_spans);
+
+    let h = head;
+    let qt = q_tokens;
+    stage_padded::<F>(
+        q,
+        &mut q_tile,
+        first_query,
+        h,
+        qt,
+        rows,
+        head_dim,
+        head_pad,
+        units,
+    );
+    stage_padded::<F>(
+        dout,
+        &mut do_tile,
+        first_query,
+        h,
+        qt,
+        rows,
+        value_dim,
+        value_pad,
+        units,
+    );
+    zero_tile(&mut dq_tile, rows * head_pad, units);
+    stage_spans(
+        spans,
+        &mut row_spans,
+        first_query,
+        qt,
+        rows,
+        max_spans,
+        units,
+    );
+    stage_row_values(lse, &mut row_lse, h, first_query, qt, rows);
+    stage_row_values(delta, &mut row_delta, h, first_query, qt, rows);
+    sync_cube();
+
+    let q_at = plane * TILE * head_pad;
+    let do_at = plane * TILE * value_pad;
+    let s_at = plane * TILE * TILE;
+    let first_run = tile_offsets[q_tile_index] as usize;
+    let end_run = tile_offsets[q_tile_index + 1] as usize;
+    for run in first_run..end_run {
+        let first_tile = tile_runs[2 * run] as usize;
+        let end_tile = tile_runs[2 * run + 1] as usize;
+        for kv_tile in first_tile..end_tile {
+            let first_key = kv_tile * TILE;
+            let kh = kv_head;
+            let kt = kv_tokens;
+            stage_padded::<F>(
+                k,
+                &mut k_tile,
+                first_key,
+                kh,
+                kt,
+                TILE,
+                head_dim,
+                head_pad,
+                units,
+            );
+            stage_padded::<F>(
+                v,
+                &mut v_tile,
+                first_key,
+                kh,
+                kt,
+                TILE,
+                value_dim,
+                value_pad,
+                units,
+            );
+            sync_cube();
+            scores::<F>(
+                &q_tile,
+                q_at,
+                &k_tile,
+                &mut s_tile,
+                s_at,
+                head_pad,
+                plane_dim,
+                tensor_cores,
+            );
+            scores::<F>(
+                &do_tile,
+                do_at,
+                &v_tile,
+                &mut dp_tile,
+                s_at,
+                value_pad,
+                plane_dim,
+                tensor_cores,
+            );
+            sync_cube();
+            if lane < TILE {
+                let row = plane * TILE + lane;
+                #[unroll]
+                for j in 0..TILE {
+                    let mut ds = f32::new(0.0);
+                    if allowed_in(&row_spans, row, first_key + j, max_spans) {
+                        let p = (s_tile[row * TILE + j] * scale - row_lse[row]).exp();
+                        ds = p * (dp_tile[row * TILE + j] - row_delta[row]);
+                    }
+                    ds_tile[row * TILE + j] = F::cast_from(ds);
+                }
+            }
+            sync_cube();
+            add_probabilities_times_values::<F>(
+                &ds_tile,
+                s_at,
+                &k_tile,
+                &mut dq_tile,
+                q_at,
+                head_pad,
+                plane_dim,
+                tensor_cores,
+            );
+            sync_cube();
+        }
+    }
+    write_rows::<F>(
+        &dq_tile,
+        dq,
+        first_query,
+        head,
+        scale,
+        head_dim,
+        head_pad,
+        plane_dim,
+    );
+}
+
+/// Backward, key side, on matrix tiles: `dk [Tk, K, D]`, `dv [Tk, K, Dv]`. Cube `(x, y)` =
+/// (tile of `16 · planes` keys, kv head); plane `p` owns keys `16p..16p + 16`, staged once. For
+/// each query head of the GQA group and each listed tile of 16 queries (`tile_offsets`/
+/// `tile_runs`: per key tile, the runs of query tiles), the cube stages Q, dO, lse, delta and
+/// the spans; each plane computes `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` on matrix tiles, forms `Pᵀ`
+/// and `dSᵀ` on the allowed pairs (one unit per key row; both stored in the input dtype), and
+/// accumulates `dV += Pᵀ·dO`, `dK += dSᵀ·Q` in f32. The end writes `scale · dK` and `dV`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn dkdv_tiles_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    dout: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    spans: &Tensor<u32>,
+    tile_offsets: &Tensor<u32>,
+    tile_runs: &Tensor<u32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] value_dim: usize,
+    #[comptime] head_pad: usize,
+    #[comptime] value_pad: usize,
+    #[comptime] planes: usize,
+    #[comptime] plane_dim: usize,
+    #[comptime] max_spans: usize,
+    #[comptime] tensor_cores: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let rows = comptime!(TILE * planes);
+    let units = comptime!(plane_dim * planes);
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let key_tile_index = CUBE_POS_X as usize;
+    let kv_head = CUBE_POS_Y as usize;
+    let q_tokens = q.shape(0);
+    let kv_tokens = k.shape(0);
+    let group = q.shape(1) / k.shape(1);
+    let first_key = key_tile_index * rows;
+
+    let mut k_tile = SharedMemory::<F>::new_aligned(rows * head_pad, ALIGN);
+    let mut v_tile = SharedMemory::<F>::new_aligned(rows * value_pad, ALIGN);
+    let mut q_tile = SharedMemory::<F>::new_aligned(TILE * head_pad, ALIGN);
+    let mut do_tile = SharedMemory::<F>::new_aligned(TILE * value_pad, ALIGN);
+    let mut s_tile = SharedMemory::<f32>::new_aligned(rows * TILE, ALIGN);
+    let mut dp_tile = SharedMemory::<f32>::new_aligned(rows * TILE, ALIGN);
+    let mut p_tile = SharedMemory::<F>::new_aligned(rows * TILE, ALIGN);
+    let mut ds_tile = SharedMemory::<F>::new_aligned(rows * TILE, ALIGN);
+    let mut dk_tile = SharedMemory::<f32>::new_aligned(rows * head_pad, ALIGN);
+    let mut dv_tile = SharedMemory::<f32>::new_aligned(rows * value_pad, ALIGN);
+    let mut col_lse = SharedMemory::<f32>::new(TILE);
+    let mut col_delta = SharedMemory::<f32>::new(TILE);
+    let mut col_spans = SharedMemory::<u32>::new(TILE * 2 * max_spans);
+
+    let kh = kv_head;
+    let kt = kv_tokens;
+    stage_padded::<F>(
+        k,
+        &mut k_tile,
+        first_key,
+        kh,
+        kt,
+        rows,
+        head_dim,
+        head_pad,
+        units,
+    );
+    stage_padded::<F>(
+        v,
+        &mut v_tile,
+        first_key,
+        kh,
+        kt,
+        rows,
+        value_dim,
+        value_pad,
+        units,
+    );
+    zero_tile(&mut dk_tile, rows * head_pad, units);
+    zero_tile(&mut dv_tile, rows * value_pad, units);
+
+    let k_at = plane * TILE * head_pad;
+    let v_at = plane * TILE * value_pad;
+    let s_at = plane * TILE * TILE;
+    let first_run = tile_offsets[key_tile_index] as usize;
+    let end_run = tile_offsets[key_tile_index + 1] as usize;
+    for member in 0..group {
+        let head = kv_head * group + member;
+        for run in first_run..end_run {
+            let first_tile = tile_runs[2 * run] as usize;
+            let end_tile = tile_runs[2 * run + 1] as usize;
+            for query_tile in first_tile..end_tile {
+                let first_query = query_tile * TILE;
+                let h = head;
+                let qt = q_tokens;
+                // Nobody still reads the previous tile's Q, dO, lse, delta or spans.
+                sync_cube();
+                stage_padded::<F>(
+                    q,
+                    &mut q_tile,
+                    first_query,
+                    h,
+                    qt,
+                    TILE,
+                    head_dim,
+                    head_pad,
+                    units,
+                );
+                stage_padded::<F>(
+                    dout,
+                    &mut do_tile,
+                    first_query,
+                    h,
+                    qt,
+                    TILE,
+                    value_dim,
+                    value_pad,
+                    units,
+                );
+                stage_spans(
+                    spans,
+                    &mut col_spans,
+                    first_query,
+                    qt,
+                    TILE,
+                    max_spans,
+                    units,
+                );
+                stage_row_values(lse, &mut col_lse, h, first_query, qt, TILE);
+                stage_row_values(delta, &mut col_delta, h, first_query, qt, TILE);
+                sync_cube();
+                scores::<F>(
+                    &k_tile,
+                    k_at,
+                    &q_tile,
+                    &mut s_tile,
+                    s_at,
+                    head_pad,
+                    plane_dim,
+                    tensor_cores,
+                );
+                scores::<F>(
+                    &v_tile,
+                    v_at,
+                    &do_tile,
+                    &mut dp_tile,
+                    s_at,
+                    value_pad,
+                    plane_dim,
+                    tensor_cores,
+                );
+                sync_cube();
+                if lane < TILE {
+                    let row = plane * TILE + lane;
+                    let key = first_key + row;
+                    #[unroll]
+                    for j in 0..TILE {
+                        let mut p = f32::new(0.0);
+                        let mut ds = f32::new(0.0);
+                        if allowed_in(&col_spans, j, key, max_spans) {
+                            p = (s_tile[row * TILE + j] * scale - col_lse[j]).exp();
+                            ds = p * (dp_tile[row * TILE + j] - col_delta[j]);
+                        }
+                        p_tile[row * TILE + j] = F::cast_from(p);
+                        ds_tile[row * TILE + j] = F::cast_from(ds);
+                    }
+                }
+                sync_cube();
+                add_probabilities_times_values::<F>(
+                    &p_tile,
+                    s_at,
+                    &do_tile,
+                    &mut dv_tile,
+                    v_at,
+                    value_pad,
+                    plane_dim,
+                    tensor_cores,
+                );
+                add_probabilities_times_values::<F>(
+                    &ds_tile,
+                    s_at,
+                    &q_tile,
+                    &mut dk_tile,
+                    k_at,
+                    head_pad,
+                    plane_dim,
+                    tensor_cores,
+                );
+            }
+        }
+    }
+    sync_cube();
+    write_rows::<F>(
+        &dk_tile, dk, first_key, kv_head, scale, head_dim, head_pad, plane_dim,
+    );
+    write_rows::<F>(
+        &dv_tile, dv, first_key, kv_head, 1.0, value_dim, value_pad, plane_dim,
+    );
 }

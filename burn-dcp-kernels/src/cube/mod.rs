@@ -50,8 +50,8 @@ pub mod kernels;
 pub mod matrix;
 mod matrix_launch;
 
-use matrix_launch::{forward_on_tiles, MatrixTiles};
-pub use matrix_launch::{ForwardKernel, FORWARD_KERNEL_ENV};
+use matrix_launch::{backward_on_tiles, choose, forward_on_tiles, TilesKernel};
+pub use matrix_launch::{AttentionKernel, KERNEL_ENV};
 
 use burn::prelude::Tensor;
 use burn::tensor::{DType, Shape, TensorCreationOptions, TensorPrimitive};
@@ -297,15 +297,15 @@ fn operand<R: CubeRuntime>(tensor: &CubeTensor<R>) -> Operand<'_> {
     Operand::new(tensor.meta.shape().as_slice(), tensor.dtype)
 }
 
-/// Forward on device tensors: `(out [Tq, H, Dv], lse [H, Tq] f32)`, on the kernel
-/// [`FORWARD_KERNEL_ENV`] names ([`ForwardKernel::Vector`] when unset).
+/// Forward on device tensors: `(out [Tq, H, Dv], lse [H, Tq] f32)`, on the kernels
+/// [`KERNEL_ENV`] names ([`AttentionKernel::Vector`] when unset).
 pub fn forward<R: CubeRuntime>(
     q: CubeTensor<R>,
     k: CubeTensor<R>,
     v: CubeTensor<R>,
     problem: &VarlenAttention,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), KernelError> {
-    forward_with(q, k, v, problem, ForwardKernel::from_env()?)
+    forward_with(q, k, v, problem, AttentionKernel::from_env()?)
 }
 
 /// [`forward`] on a chosen kernel. Errors when the device cannot run it (tensor cores it lacks,
@@ -315,7 +315,7 @@ pub fn forward_with<R: CubeRuntime>(
     k: CubeTensor<R>,
     v: CubeTensor<R>,
     problem: &VarlenAttention,
-    kernel: ForwardKernel,
+    kernel: AttentionKernel,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), KernelError> {
     let (s, dtype) = check_forward(&LIMITS, operand(&q), operand(&k), operand(&v), problem)?;
     let out_dims = [s.q_tokens, s.heads, s.value_dim];
@@ -328,19 +328,9 @@ pub fn forward_with<R: CubeRuntime>(
     }
     let dense = DenseSpans::build(problem)?;
     let properties = q.client.properties();
-    let tiles = match kernel {
-        ForwardKernel::Vector => None,
-        ForwardKernel::Auto => MatrixTiles::fit(properties, dtype, &s, dense.max_spans, true).ok(),
-        ForwardKernel::MatrixTiles { tensor_cores } => Some(MatrixTiles::fit(
-            properties,
-            dtype,
-            &s,
-            dense.max_spans,
-            tensor_cores,
-        )?),
-    };
-    if let Some(tiles) = tiles {
-        return forward_on_tiles(q, k, v, problem, &s, dtype, dense, tiles);
+    let kernels = [TilesKernel::Forward];
+    if let Some(tiles) = choose(kernel, properties, dtype, &s, dense.max_spans, &kernels)? {
+        return forward_on_tiles(q, k, v, problem, &s, dtype, dense, tiles[0]);
     }
     let geometry = Geometry::of(s.head_dim, s.value_dim);
     let tables = QueryTables::build(&q, dense, CUBE_ROWS, geometry.block);
@@ -378,9 +368,10 @@ pub fn forward_with<R: CubeRuntime>(
 }
 
 /// `(dq, dk, dv)` on the device.
-type Gradients<R> = (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>);
+pub(crate) type Gradients<R> = (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>);
 
-/// Backward on device tensors: `(dq, dk, dv)`.
+/// Backward on device tensors: `(dq, dk, dv)`, on the kernels [`KERNEL_ENV`] names
+/// ([`AttentionKernel::Vector`] when unset).
 pub fn backward<R: CubeRuntime>(
     q: CubeTensor<R>,
     k: CubeTensor<R>,
@@ -389,6 +380,23 @@ pub fn backward<R: CubeRuntime>(
     lse: CubeTensor<R>,
     dout: CubeTensor<R>,
     problem: &VarlenAttention,
+) -> Result<Gradients<R>, KernelError> {
+    let kernel = AttentionKernel::from_env()?;
+    backward_with(q, k, v, out, lse, dout, problem, kernel)
+}
+
+/// [`backward`] on chosen kernels. Errors when the device cannot run them (tensor cores it
+/// lacks, tiles beyond its shared memory), naming what is missing.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_with<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    out: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    dout: CubeTensor<R>,
+    problem: &VarlenAttention,
+    kernel: AttentionKernel,
 ) -> Result<Gradients<R>, KernelError> {
     let (s, dtype) = check_backward(
         &LIMITS,
@@ -410,6 +418,10 @@ pub fn backward<R: CubeRuntime>(
             filled(&q, dv_dims, 0.0, dtype),
         ));
     }
+    let dense = DenseSpans::build(problem)?;
+    let kernels = [TilesKernel::Dq, TilesKernel::DkDv];
+    let properties = q.client.properties();
+    let tiles = choose(kernel, properties, dtype, &s, dense.max_spans, &kernels)?;
     let client = q.client.clone();
     let storage = storage(dtype);
     let scale = problem.softmax_scale(s.head_dim) as f32;
@@ -431,8 +443,16 @@ pub fn backward<R: CubeRuntime>(
         );
     }
 
+    if let Some(tiles) = tiles {
+        let inputs = [q, k, v, dout, lse, delta];
+        let geometries = [tiles[0], tiles[1]];
+        return Ok(backward_on_tiles(
+            inputs, problem, &s, dtype, dense, geometries,
+        ));
+    }
+
     let geometry = Geometry::of(s.head_dim, s.value_dim);
-    let tables = QueryTables::build(&q, DenseSpans::build(problem)?, CUBE_ROWS, geometry.block);
+    let tables = QueryTables::build(&q, dense, CUBE_ROWS, geometry.block);
     // Key side: key tiles of `CUBE_ROWS` keys against query tiles of `block` queries.
     let key_tiles = s.kv_tokens.div_ceil(CUBE_ROWS);
     let by_key =
