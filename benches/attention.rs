@@ -23,8 +23,8 @@
 //!     cargo bench --features wgpu --bench attention -- --quick wgpu
 //!
 //! With `--features cuda` (an NVIDIA GPU), the group `cuda` times issue 17's GPU shape (1 × 32
-//! heads × 8192 tokens × 128 dims, bf16, causal and full): our forward on the vector kernel and
-//! on tensor cores, forward + backward, and burn's attention:
+//! heads × 8192 tokens × 128 dims, bf16, causal and full): our forward and forward + backward on
+//! the vector kernels and on tensor cores, and burn's attention:
 //!
 //!     cargo bench --features cuda --bench attention -- cuda
 
@@ -443,7 +443,7 @@ fn wgpu(_: &mut Criterion) {}
 
 /// The GPU shape of issue 17 (FlashAttention-3 reports 740 TFLOP/s forward on an H100 in
 /// bf16 at this size): 1 × 32 heads × 8192 tokens × 128 dims, bf16, causal and full. Our
-/// forward on the vector kernel and on tensor cores, forward + backward, and burn's attention;
+/// forward and forward + backward on the vector kernels and on tensor cores, and burn's attention;
 /// the throughput is in FLOP/s (criterion's "elem/s"). Each timed call ends with a device
 /// sync, not a read-back. Never run yet: no GPU was available to this project.
 #[cfg(feature = "cuda")]
@@ -517,6 +517,36 @@ fn cuda(c: &mut Criterion) {
         group.throughput(Throughput::Elements(
             ((1.0 + BACKWARD_FLOPS_FACTOR) * forward_flops as f64) as u64,
         ));
+        let tensor_cores = AttentionKernel::MatrixTiles { tensor_cores: true };
+        group.bench_function(
+            BenchmarkId::new("forward+backward/tensor-cores-cuda", shape.name),
+            |b| {
+                b.iter(|| {
+                    let primitive = |t: &Tensor<B, 3>| t.clone().into_primitive().tensor();
+                    let (out, lse) = forward_with(
+                        primitive(&x.q),
+                        primitive(&x.k),
+                        primitive(&x.v),
+                        &x.problem,
+                        tensor_cores,
+                    )
+                    .expect("the device runs this kernel");
+                    let grads = backward_with(
+                        primitive(&x.q),
+                        primitive(&x.k),
+                        primitive(&x.v),
+                        out,
+                        lse,
+                        primitive(&x.dout),
+                        &x.problem,
+                        tensor_cores,
+                    )
+                    .expect("the device runs this kernel");
+                    B::sync(&device).expect("device sync");
+                    grads
+                })
+            },
+        );
         group.bench_function(
             BenchmarkId::new("forward+backward/vector-cuda", shape.name),
             |b| {

@@ -5,8 +5,8 @@
 //! cargo test --release -p burn-dcp-kernels --features cuda --test cube_cuda -- --ignored
 //! ```
 //!
-//! **Status:** written alongside the tensor-core kernel, never run: no GPU was available to the
-//! sessions that wrote them. The same kernel with its tile products on ordinary units is tested
+//! **Status:** written alongside the tensor-core kernels, never run: no GPU was available to the
+//! sessions that wrote them. The same kernels with their tile products on ordinary units are tested
 //! on lavapipe (`cube_wgpu.rs`, module `matrix_tiles`).
 #![cfg(feature = "cuda")]
 
@@ -154,6 +154,76 @@ fn tensor_cores_agree_with_the_same_tiles_on_ordinary_units() {
         let out_err = rel_err(&cores_out, &plain_out);
         assert!(out_err <= 2.0 * unit_roundoff, "{dtype:?} out {out_err}");
         check_half(&case, 40, dtype, TENSOR_CORES, "causal H8 K2 D128");
+    }
+}
+
+/// `[dq, dk, dv]` of `kernel` (forward and backward) on `dtype` inputs, and the rounded inputs
+/// `[q, k, v, dout]`.
+fn gradients(
+    case: &Case,
+    seed: u64,
+    dtype: DType,
+    kernel: AttentionKernel,
+) -> ([Vec<f32>; 3], [Vec<f32>; 4]) {
+    let s = &case.shape;
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let dims = [
+        [s.q_tokens, s.heads, s.head_dim],
+        [s.kv_tokens, s.kv_heads, s.head_dim],
+        [s.kv_tokens, s.kv_heads, s.value_dim],
+        [s.q_tokens, s.heads, s.value_dim],
+    ];
+    let [q, k, v, dout] = dims.map(|d| upload(&random(&mut rng, d.iter().product()), d, dtype));
+    let rounded = [&q, &k, &v, &dout].map(|t| read(t.clone()));
+    let primitive = |t: &Tensor<B, 3>| t.clone().into_primitive().tensor();
+    let (out, lse) = forward_with(
+        primitive(&q),
+        primitive(&k),
+        primitive(&v),
+        &case.problem,
+        kernel,
+    )
+    .unwrap();
+    let (dq, dk, dv) = backward_with(
+        primitive(&q),
+        primitive(&k),
+        primitive(&v),
+        out,
+        lse,
+        primitive(&dout),
+        &case.problem,
+        kernel,
+    )
+    .unwrap();
+    let grads =
+        [dq, dk, dv].map(|g| read(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(g))));
+    (grads, rounded)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn tensor_core_gradients_match_the_oracle_in_f16_and_bf16() {
+    // Gradients stored in the input dtype, P and dS rounded to it before their products: the
+    // lavapipe test's bound for f16 (2e-3 relative), scaled by the unit roundoff for bf16.
+    for (dtype, bound) in [(DType::F16, 2e-3), (DType::BF16, 2e-3 * 8.0)] {
+        for (index, mask) in long_masks().into_iter().enumerate() {
+            for dims in [(64, 64), (128, 128), (40, 24)] {
+                let case = long_case(vec![mask.clone()], 4, 2, dims);
+                let seed = 80 + index as u64;
+                let ([dq, dk, dv], [q, k, v, dout]) = gradients(&case, seed, dtype, TENSOR_CORES);
+                let want =
+                    reference::backward(&q, &k, &v, &dout, &case.problem, &case.shape).unwrap();
+                let errors = [
+                    rel_err(&dq, &want.dq),
+                    rel_err(&dk, &want.dk),
+                    rel_err(&dv, &want.dv),
+                ];
+                assert!(
+                    errors.iter().all(|&e| e <= bound),
+                    "{dtype:?} {mask} dims {dims:?}: dq/dk/dv errors {errors:?}"
+                );
+            }
+        }
     }
 }
 

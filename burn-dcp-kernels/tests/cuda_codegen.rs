@@ -1,6 +1,6 @@
-//! The tensor-core forward compiled to CUDA C++ without a GPU: the kernel is expanded into
-//! cubecl's IR for CUDA's target and compiled by cubecl-cuda's own compiler (the one a CUDA
-//! launch runs before NVRTC). This checks what can be checked here: the `cmma` branch expands
+//! The tensor-core kernels (forward, dq, dk/dv) compiled to CUDA C++ without a GPU: each is
+//! expanded into cubecl's IR for CUDA's target and compiled by cubecl-cuda's own compiler (the one a CUDA
+//! launch runs before NVRTC). This checks what can be checked here: the `cmma` branches expand
 //! (no expansion-time panic), compiles to `wmma` fragment loads, products and stores on shared
 //! memory, and the ordinary-units branch has none. Whether NVRTC accepts the source and the
 //! results are right needs a GPU (`cube_cuda.rs`, `#[ignore]`d).
@@ -8,55 +8,141 @@
 //! Set `BURN_DCP_DUMP_CUDA=path` to write the generated source there.
 #![cfg(feature = "cuda")]
 
-use burn_dcp_kernels::cube::matrix::forward_tiles_kernel as kernel;
+use burn_dcp_kernels::cube::matrix;
 use cubecl::cuda::{CudaCompiler, CudaRuntime};
 use cubecl::ir::{ElemType, FloatKind, StorageType};
 use cubecl::prelude::*;
 use cubecl::{Compiler, CubeDim, ExecutionMode, KernelSettings};
 
-/// CUDA C++ of the matrix-tile forward for `kind` inputs at head/value dim 128, 2 planes.
-fn cuda_source(kind: FloatKind, tensor_cores: bool) -> String {
+/// The kernels of the matrix-tile path.
+#[derive(Clone, Copy, Debug)]
+enum Kernel {
+    Forward,
+    Dq,
+    DkDv,
+}
+
+/// CUDA C++ of a matrix-tile kernel for `kind` inputs at head/value dim 128, 2 planes.
+fn cuda_source(which: Kernel, kind: FloatKind, tensor_cores: bool) -> String {
     let mut builder = KernelBuilder::default();
     builder.runtime_properties(CudaRuntime::target_properties());
     let dtype = StorageType::Scalar(ElemType::Float(kind));
-    builder.scope.register_type::<kernel::F>(dtype);
     cubecl::ir::AddressType::U32.register(&mut builder.scope);
-    let input = TensorCompilationArg { inplace: None };
-    let q = <Tensor<kernel::F> as LaunchArg>::expand(&input, &mut builder);
-    let k = <Tensor<kernel::F> as LaunchArg>::expand(&input, &mut builder);
-    let v = <Tensor<kernel::F> as LaunchArg>::expand(&input, &mut builder);
-    let spans = <Tensor<u32> as LaunchArg>::expand(&input, &mut builder);
-    let offsets = <Tensor<u32> as LaunchArg>::expand(&input, &mut builder);
-    let runs = <Tensor<u32> as LaunchArg>::expand(&input, &mut builder);
-    let out = <Tensor<kernel::F> as LaunchArg>::expand_output(&input, &mut builder);
-    let lse = <Tensor<f32> as LaunchArg>::expand_output(&input, &mut builder);
-    let scale = <f32 as LaunchArg>::expand(&Default::default(), &mut builder);
-    let neg_inf = <f32 as LaunchArg>::expand(&Default::default(), &mut builder);
-    kernel::expand::<kernel::F>(
-        &mut builder.scope,
-        q,
-        k,
-        v,
-        spans,
-        offsets,
-        runs,
-        out,
-        lse,
-        scale,
-        neg_inf,
-        128,
-        128,
-        128,
-        128,
-        2,
-        32,
-        1,
-        tensor_cores,
-        dtype,
-    );
+    let arg = TensorCompilationArg { inplace: None };
+    let (dims, planes, plane_dim, spans_slots) = ((128, 128, 128, 128), 2, 32, 1);
+    match which {
+        Kernel::Forward => {
+            use matrix::forward_tiles_kernel as kernel;
+            builder.scope.register_type::<kernel::F>(dtype);
+            let q = <Tensor<kernel::F> as LaunchArg>::expand(&arg, &mut builder);
+            let k = <Tensor<kernel::F> as LaunchArg>::expand(&arg, &mut builder);
+            let v = <Tensor<kernel::F> as LaunchArg>::expand(&arg, &mut builder);
+            let spans = <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder);
+            let offsets = <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder);
+            let runs = <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder);
+            let out = <Tensor<kernel::F> as LaunchArg>::expand_output(&arg, &mut builder);
+            let lse = <Tensor<f32> as LaunchArg>::expand_output(&arg, &mut builder);
+            let scale = <f32 as LaunchArg>::expand(&(), &mut builder);
+            let neg_inf = <f32 as LaunchArg>::expand(&(), &mut builder);
+            kernel::expand::<kernel::F>(
+                &mut builder.scope,
+                q,
+                k,
+                v,
+                spans,
+                offsets,
+                runs,
+                out,
+                lse,
+                scale,
+                neg_inf,
+                dims.0,
+                dims.1,
+                dims.2,
+                dims.3,
+                planes,
+                plane_dim,
+                spans_slots,
+                tensor_cores,
+                dtype,
+            );
+        }
+        Kernel::Dq => {
+            use matrix::dq_tiles_kernel as kernel;
+            builder.scope.register_type::<kernel::F>(dtype);
+            let [q, k, v, dout] =
+                [(); 4].map(|_| <Tensor<kernel::F> as LaunchArg>::expand(&arg, &mut builder));
+            let [lse, delta] =
+                [(); 2].map(|_| <Tensor<f32> as LaunchArg>::expand(&arg, &mut builder));
+            let [spans, offsets, runs] =
+                [(); 3].map(|_| <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder));
+            let dq = <Tensor<kernel::F> as LaunchArg>::expand_output(&arg, &mut builder);
+            let scale = <f32 as LaunchArg>::expand(&(), &mut builder);
+            kernel::expand::<kernel::F>(
+                &mut builder.scope,
+                q,
+                k,
+                v,
+                dout,
+                lse,
+                delta,
+                spans,
+                offsets,
+                runs,
+                dq,
+                scale,
+                dims.0,
+                dims.1,
+                dims.2,
+                dims.3,
+                planes,
+                plane_dim,
+                spans_slots,
+                tensor_cores,
+                dtype,
+            );
+        }
+        Kernel::DkDv => {
+            use matrix::dkdv_tiles_kernel as kernel;
+            builder.scope.register_type::<kernel::F>(dtype);
+            let [q, k, v, dout] =
+                [(); 4].map(|_| <Tensor<kernel::F> as LaunchArg>::expand(&arg, &mut builder));
+            let [lse, delta] =
+                [(); 2].map(|_| <Tensor<f32> as LaunchArg>::expand(&arg, &mut builder));
+            let [spans, offsets, runs] =
+                [(); 3].map(|_| <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder));
+            let [dk, dv] = [(); 2]
+                .map(|_| <Tensor<kernel::F> as LaunchArg>::expand_output(&arg, &mut builder));
+            let scale = <f32 as LaunchArg>::expand(&(), &mut builder);
+            kernel::expand::<kernel::F>(
+                &mut builder.scope,
+                q,
+                k,
+                v,
+                dout,
+                lse,
+                delta,
+                spans,
+                offsets,
+                runs,
+                dk,
+                dv,
+                scale,
+                dims.0,
+                dims.1,
+                dims.2,
+                dims.3,
+                planes,
+                plane_dim,
+                spans_slots,
+                tensor_cores,
+                dtype,
+            );
+        }
+    }
     let settings = KernelSettings::default()
         .cube_dim(CubeDim::new_2d(32, 2))
-        .kernel_name("forward_tiles");
+        .kernel_name(format!("{which:?}").to_lowercase());
     let definition = builder.build(settings);
     let mut compiler = CudaCompiler::default();
     let compiled = compiler
@@ -69,32 +155,34 @@ fn cuda_source(kind: FloatKind, tensor_cores: bool) -> String {
         .expect("cubecl-cuda compiles the kernel");
     let source = compiled.to_string();
     if let Ok(path) = std::env::var("BURN_DCP_DUMP_CUDA") {
-        std::fs::write(format!("{path}.{kind:?}.{tensor_cores}.cu"), &source).unwrap();
+        let file = format!("{path}.{which:?}.{kind:?}.{tensor_cores}.cu");
+        std::fs::write(file, &source).unwrap();
     }
     source
 }
 
 #[test]
-fn the_tensor_core_branch_compiles_to_wmma_on_shared_memory() {
-    for kind in [FloatKind::F16, FloatKind::BF16] {
-        let source = cuda_source(kind, true);
-        for needle in [
-            "wmma::fragment",
-            "wmma::mma_sync",
-            "load_matrix_sync",
-            "store_matrix_sync",
-        ] {
-            assert!(
-                source.contains(needle),
-                "{kind:?}: no {needle} in\n{source}"
-            );
+fn the_tensor_core_branches_compile_to_wmma_on_shared_memory() {
+    for which in [Kernel::Forward, Kernel::Dq, Kernel::DkDv] {
+        for kind in [FloatKind::F16, FloatKind::BF16] {
+            let source = cuda_source(which, kind, true);
+            for needle in [
+                "wmma::fragment",
+                "wmma::mma_sync",
+                "load_matrix_sync",
+                "store_matrix_sync",
+                "__shared__",
+            ] {
+                assert!(source.contains(needle), "{which:?} {kind:?}: no {needle}");
+            }
         }
-        assert!(source.contains("__shared__") || source.contains("extern __shared__"));
     }
 }
 
 #[test]
-fn the_ordinary_units_branch_has_no_wmma() {
-    let source = cuda_source(FloatKind::F16, false);
-    assert!(!source.contains("wmma"), "{source}");
+fn the_ordinary_units_branches_have_no_wmma() {
+    for which in [Kernel::Forward, Kernel::Dq, Kernel::DkDv] {
+        let source = cuda_source(which, FloatKind::F16, false);
+        assert!(!source.contains("wmma"), "{which:?}");
+    }
 }

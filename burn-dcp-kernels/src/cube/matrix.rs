@@ -243,7 +243,6 @@ fn stage_padded<F: Float>(
     #[comptime] units: usize,
 ) {
     let unit = UNIT_POS as usize;
-    #[unroll]
     for pass in 0..(rows * padded).div_ceil(units) {
         let index = pass * units + unit;
         if index < rows * padded {
@@ -312,7 +311,6 @@ fn stage_row_values(
 #[cube]
 fn zero_tile(tile: &mut SharedMemory<f32>, #[comptime] len: usize, #[comptime] units: usize) {
     let unit = UNIT_POS as usize;
-    #[unroll]
     for pass in 0..len.div_ceil(units) {
         let index = pass * units + unit;
         if index < len {
@@ -338,7 +336,6 @@ fn write_rows<F: Float>(
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let tokens = target.shape(0);
-    #[unroll]
     for i in 0..TILE * padded / plane_dim {
         let element = lane + i * plane_dim;
         let token = first_row + plane * TILE + element / padded;
@@ -537,7 +534,6 @@ pub fn forward_tiles_kernel<F: Float>(
                 );
             }
             sync_cube();
-            #[unroll]
             for i in 0..TILE * value_pad / plane_dim {
                 let element = lane + i * plane_dim;
                 o_tile[o_at + element] *= stats[2 * rows + plane * TILE + element / value_pad];
@@ -557,7 +553,6 @@ pub fn forward_tiles_kernel<F: Float>(
         }
     }
 
-    #[unroll]
     for i in 0..TILE * value_pad / plane_dim {
         let element = lane + i * plane_dim;
         let row = plane * TILE + element / value_pad;

@@ -303,47 +303,6 @@ pub(super) fn forward_on_tiles<R: CubeRuntime>(
     Ok((out, lse))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kernel_names_parse_and_bad_ones_name_the_choices() {
-        assert_eq!("vector".parse(), Ok(AttentionKernel::Vector));
-        assert_eq!("auto".parse(), Ok(AttentionKernel::Auto));
-        assert_eq!(
-            "tiles".parse(),
-            Ok(AttentionKernel::MatrixTiles {
-                tensor_cores: false
-            })
-        );
-        assert_eq!(
-            "tensor-cores".parse(),
-            Ok(AttentionKernel::MatrixTiles { tensor_cores: true })
-        );
-        let err = "cmma".parse::<AttentionKernel>().unwrap_err().to_string();
-        assert!(
-            err.contains("BURN_DCP_ATTENTION_KERNEL=\"cmma\"") && err.contains("tensor-cores"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn shared_memory_of_each_kernel() {
-        // f16, D = Dv = 128, one span slot, 4 planes (64 rows): Q 64·128 + K 16·128 + V 16·128
-        // + P 64·16 halves (26 624 B); S 64·16 + O 64·128 + stats 3·64 floats and seen 64 +
-        // spans 64·2 words (38 400 B); 9 · 32 B of alignment: 65 312 B. 2 planes: 36 896 B
-        // (over lavapipe's 32 KiB); 1 plane: 22 688 B.
-        let forward = |planes| TilesKernel::Forward.shared_bytes(planes, 128, 128, 1, 2);
-        assert_eq!(forward(4), 65_312);
-        assert_eq!(forward(2), 36_896);
-        assert_eq!(forward(1), 22_688);
-        // dk/dv, 1 plane: K, V rows, Q, dO 16·128 each + P, dS 16·16 halves (17 408 B); S, dP
-        // 16·16 + dK, dV 16·128 + lse, delta 16 floats (18 560 B); spans 32 words; 13 · 32 B.
-        assert_eq!(TilesKernel::DkDv.shared_bytes(1, 128, 128, 1, 2), 36_512);
-    }
-}
-
 /// Launches the matrix-tile backward (`delta` already computed): `(dq, dk, dv)`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward_on_tiles<R: CubeRuntime>(
@@ -426,4 +385,45 @@ pub(super) fn backward_on_tiles<R: CubeRuntime>(
         );
     }
     (dq, dk, dv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_names_parse_and_bad_ones_name_the_choices() {
+        assert_eq!("vector".parse(), Ok(AttentionKernel::Vector));
+        assert_eq!("auto".parse(), Ok(AttentionKernel::Auto));
+        assert_eq!(
+            "tiles".parse(),
+            Ok(AttentionKernel::MatrixTiles {
+                tensor_cores: false
+            })
+        );
+        assert_eq!(
+            "tensor-cores".parse(),
+            Ok(AttentionKernel::MatrixTiles { tensor_cores: true })
+        );
+        let err = "cmma".parse::<AttentionKernel>().unwrap_err().to_string();
+        assert!(
+            err.contains("BURN_DCP_ATTENTION_KERNEL=\"cmma\"") && err.contains("tensor-cores"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn shared_memory_of_each_kernel() {
+        // f16, D = Dv = 128, one span slot, 4 planes (64 rows): Q 64·128 + K 16·128 + V 16·128
+        // + P 64·16 halves (26 624 B); S 64·16 + O 64·128 + stats 3·64 floats and seen 64 +
+        // spans 64·2 words (38 400 B); 9 · 32 B of alignment: 65 312 B. 2 planes: 36 896 B
+        // (over lavapipe's 32 KiB); 1 plane: 22 688 B.
+        let forward = |planes| TilesKernel::Forward.shared_bytes(planes, 128, 128, 1, 2);
+        assert_eq!(forward(4), 65_312);
+        assert_eq!(forward(2), 36_896);
+        assert_eq!(forward(1), 22_688);
+        // dk/dv, 1 plane: K, V rows, Q, dO 16·128 each + P, dS 16·16 halves (17 408 B); S, dP
+        // 16·16 + dK, dV 16·128 + lse, delta 16 floats (18 560 B); spans 32 words; 13 · 32 B.
+        assert_eq!(TilesKernel::DkDv.shared_bytes(1, 128, 128, 1, 2), 36_512);
+    }
 }
