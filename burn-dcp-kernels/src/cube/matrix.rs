@@ -1,6 +1,7 @@
-//! The forward on 16 × 16 matrix tiles: tensor cores (`cmma`) where the device has them.
+//! The kernels on 16 × 16 matrix tiles — forward with LSE, dq, dk/dv — with tensor cores
+//! (`cmma`) where the device has them.
 //!
-//! Layout of one cube (FlashAttention-2's, with one plane per 16 queries):
+//! Layout of one forward cube (FlashAttention-2's, with one plane per 16 queries):
 //!
 //! - The cube owns `16 · planes` queries of one head; plane `p` owns queries `16p..16p + 16`.
 //!   Its Q rows are staged once in shared memory, zero-padded to a multiple of 16 columns.
@@ -13,18 +14,33 @@
 //!   accumulates `O += P · V` on matrix tiles (`O` is an f32 accumulator in shared memory).
 //! - The end divides by the sum and writes `out` and the f32 LSE, as the vector kernel does.
 //!
-//! Both products go through [`scores`] and [`add_probabilities_times_values`], which have two
-//! bodies chosen at compile time: `cmma` fragments (`tensor_cores = true`), or the same products
-//! computed by the plane's units element by element from the same shared-memory operands, in the
-//! same layouts. The second body runs everywhere (lavapipe in CI), so the staging, padding,
-//! masks, online softmax and write-back of this kernel are tested without a GPU; what only a GPU
-//! tests is the fragment load/execute/store of the first body.
+//! The backward has the vector kernels' split (no atomics): [`dq_tiles_kernel`] walks key tiles
+//! per query tile, [`dkdv_tiles_kernel`] walks the query tiles of every query head of its GQA
+//! group per key tile; both recompute `S` and `dP = dO · Vᵀ` on tiles, form `dS` with one unit
+//! per row, and accumulate their gradients in f32 in shared memory (the dk/dv kernel works on
+//! the transposes: `Sᵀ = K · Qᵀ`, `dV += Pᵀ · dO`, `dK += dSᵀ · Q`, so every product has the
+//! forward's two shapes).
 //!
-//! Semantics differ from the vector kernels in one place: a masked key inside a listed tile is
-//! multiplied by a zero probability instead of being skipped, so a non-finite value (`inf`,
-//! `NaN`) in V at a masked key reaches the queries of the same cube tile as `NaN` (`0 · inf`).
-//! Finite inputs give the same results up to rounding; fully masked rows still give `out = 0`
-//! and `lse = -inf`, and a NaN score still propagates to its query's `out` and `lse`.
+//! All products go through [`scores`] (`A · Bᵀ`) and [`add_probabilities_times_values`]
+//! (`C += A · B`), which have two bodies chosen at compile time: `cmma` fragments
+//! (`tensor_cores = true`), or the same products computed by the plane's units element by
+//! element from the same shared-memory operands, in the same layouts. The second body runs
+//! everywhere (lavapipe in CI), so the staging, padding, masks, softmax, gradients and
+//! write-back of these kernels are tested without a GPU; what only a GPU tests is the fragment
+//! load/execute/store of the first body (CI compiles it to CUDA C++, `tests/cuda_codegen.rs`).
+//!
+//! Semantics differ from the vector kernels in one place: a masked pair inside a listed tile
+//! is multiplied by a zero (probability or `dS`) instead of being skipped, so a non-finite
+//! value (`inf`, `NaN`) in V, dO, Q or K at a masked pair can reach other rows of the same
+//! tiles as `NaN` (`0 · inf`). Finite inputs give the same results up to rounding; fully
+//! masked rows still give `out = 0`, `lse = -inf` and zero gradients, and a NaN score still
+//! propagates to its query's `out` and `lse`.
+//!
+//! On lavapipe the staging, zeroing and write-back loops are rolled, and rolled iterations
+//! count against gallivm's per-invocation loop cap of 65 535 (see [`super`]): about 70 to 80
+//! per 16-row tile at head dim 64, so there a query may attend about 14 000 keys and a key be
+//! attended by about 13 000 queries of its GQA group (the vector kernels: about 60 000). GPUs
+//! have no such cap; on lavapipe these kernels are a test vehicle, never the default.
 
 use cubecl::prelude::*;
 

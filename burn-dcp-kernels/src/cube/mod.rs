@@ -42,9 +42,25 @@
 //! minutes to compile at head dim 128. The whole kernel test suite (dims 3 to 136, f32 and f16,
 //! both backends) runs in about 40 s with a cold Mesa shader cache, 10 s with a warm one.
 //!
-//! **Not done:** a tensor-core (`cmma`) path for CUDA. The kernels run on CUDA through the same
-//! generic code (vector loads, shared memory, register rows), but they have never run on a GPU
-//! here (no GPU was available), and no tensor-core variant exists yet.
+//! **Matrix tiles and tensor cores** ([`matrix`], [`AttentionKernel`]): the same three kernels
+//! (forward with LSE, dq, dk/dv) on 16 × 16 tiles, one plane (32 units) per 16 rows: per tile
+//! pair each plane computes `S = Q·Kᵀ` (and `dP = dO·Vᵀ`) as 16 × 16 × 16 products with f32
+//! accumulators, runs the softmax (or `dS`) with one unit per row, stores `P` (`dS`) in the
+//! input dtype and accumulates `O += P·V` (`dQ += dS·K`, `dV += Pᵀ·dO`, `dK += dSᵀ·Q`) in f32
+//! in shared memory. The products are `cmma` (tensor cores: `wmma` on CUDA) or, with
+//! `tensor_cores: false`, the same products on ordinary units; everything else is shared.
+//! [`KERNEL_ENV`] (`BURN_DCP_ATTENTION_KERNEL`) picks the kernels of every `FlashOps` call:
+//! `vector` (the default), `auto` (tensor cores where the device has them for the dtype and
+//! the tiles fit its shared memory, else vector), `tiles`, `tensor-cores`.
+//!
+//! **Not run on a GPU:** no GPU was available to this project's sessions. The matrix-tile
+//! kernels are checked on lavapipe with their products on ordinary units (f32 ≤ 1e-5 vs the
+//! oracle for every mask, ragged GQA, padded dims, several tiles; f16 within the rounding
+//! bounds), and their `cmma` branches are compiled to CUDA C++ by cubecl-cuda's compiler in CI
+//! (`tests/cuda_codegen.rs`: `wmma` loads, products and stores on 32-byte-aligned shared
+//! memory); `tests/cube_cuda.rs` (`#[ignore]`d) and the bench group `cuda` run them on a GPU.
+//! Until those have passed, the default stays `vector`. The vector kernels themselves have
+//! not run on CUDA either (they build for it).
 
 pub mod kernels;
 pub mod matrix;
