@@ -961,3 +961,49 @@ fn a_missing_tcp_rank_fails_the_start_on_every_rank() {
     assert!(rank1.contains("rank 1 of the TCP launch"), "{rank1}");
     assert!(rank1.contains("ranks [2, 3] had not connected"), "{rank1}");
 }
+
+/// The kernel choice of `BURN_DCP_ATTENTION_KERNEL` on wgpu (lavapipe): a bad value and a kernel
+/// the device cannot run are one-line errors naming the rule, before anything is queued on
+/// burn-fusion's stream; `tiles` runs every rank on the matrix-tile kernels within 1e-5.
+#[cfg(feature = "wgpu")]
+#[test]
+fn cp_attention_kernel_choice_is_checked_and_tiles_run() {
+    let with_kernel = |kernel: &str, extra: &[&str]| {
+        let mut args = vec!["--backend", "wgpu", "--cp", "2", "--head-dim", "16"];
+        args.extend([
+            "--seqlens",
+            "100,37",
+            "--strategy",
+            "ring",
+            "--mask",
+            "causal",
+        ]);
+        args.extend(extra);
+        Command::new(example("cp_attention"))
+            .args(&args)
+            .env("BURN_DCP_ATTENTION_KERNEL", kernel)
+            .output()
+            .unwrap()
+    };
+    for (kernel, expected) in [
+        ("cmma", "expected one of vector, auto, tiles, tensor-cores"),
+        (
+            "tensor-cores",
+            "tensor cores take f16 or bf16 inputs, not F32",
+        ),
+    ] {
+        for extra in [&[][..], &["--no-fusion"][..]] {
+            let output = with_kernel(kernel, extra);
+            let text = stderr(&output);
+            assert_eq!(output.status.code(), Some(2), "{kernel} {extra:?}: {text}");
+            assert!(!text.contains("panicked"), "{kernel} {extra:?}: {text}");
+            assert!(text.contains(expected), "{kernel} {extra:?}: {text}");
+        }
+    }
+    let output = with_kernel("tiles", &["--json"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    for (name, error) in report["max_rel_err"].as_object().unwrap() {
+        assert!(error.as_f64().unwrap() <= 1e-5, "{name}: {error}");
+    }
+}

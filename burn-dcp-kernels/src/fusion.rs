@@ -33,6 +33,16 @@ type Handles<B> =
 impl<B: FusionBackend + FlashOps> FlashOps for Fusion<B> {
     const LIMITS: KernelLimits = B::LIMITS;
 
+    fn check_kernels(
+        device: &Self::Device,
+        shape: &crate::AttentionShape,
+        dtype: DType,
+        problem: &VarlenAttention,
+        backward: bool,
+    ) -> Result<(), KernelError> {
+        B::check_kernels(device, shape, dtype, problem, backward)
+    }
+
     fn flash_forward(
         q: Tensor<Self, 3>,
         k: Tensor<Self, 3>,
@@ -41,6 +51,7 @@ impl<B: FusionBackend + FlashOps> FlashOps for Fusion<B> {
     ) -> Result<FlashOutput<Self>, KernelError> {
         let [q, k, v] = [q, k, v].map(primitive);
         let (s, dtype) = check_forward(&B::LIMITS, operand(&q), operand(&k), operand(&v), problem)?;
+        B::check_kernels(q.client.device(), &s, dtype, problem, false)?;
         let client = q.client.clone();
         let streams = OperationStreams::with_inputs([&q, &k, &v]);
         let outputs = [
@@ -89,6 +100,7 @@ impl<B: FusionBackend + FlashOps> FlashOps for Fusion<B> {
             operand(&dout),
             problem,
         )?;
+        B::check_kernels(q.client.device(), &s, dtype, problem, true)?;
         let client = q.client.clone();
         let streams = OperationStreams::with_inputs([&q, &k, &v, &out, &lse, &dout]);
         let outputs = [

@@ -34,6 +34,20 @@ pub trait FlashOps: Backend {
     /// backend (burn-fusion) can reject a call before it queues it.
     const LIMITS: KernelLimits = KernelLimits::NONE;
 
+    /// Errors when this backend cannot run the kernels it would pick for these inputs: a bad
+    /// kernel choice in the environment, a forced kernel the device lacks (`backward`: the
+    /// gradient kernels, else the forward). burn-fusion's backends call it before they record
+    /// their custom op, which cannot fail once queued. Default: nothing to check.
+    fn check_kernels(
+        _device: &Self::Device,
+        _shape: &AttentionShape,
+        _dtype: DType,
+        _problem: &VarlenAttention,
+        _backward: bool,
+    ) -> Result<(), KernelError> {
+        Ok(())
+    }
+
     /// `softmax(scale·q·kᵀ + mask)·v` and the natural-log LSE of every (head, query).
     /// Queries with no allowed key get `out = 0`, `lse = −∞`.
     fn flash_forward(

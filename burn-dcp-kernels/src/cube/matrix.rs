@@ -27,7 +27,8 @@
 //! element from the same shared-memory operands, in the same layouts. The second body runs
 //! everywhere (lavapipe in CI), so the staging, padding, masks, softmax, gradients and
 //! write-back of these kernels are tested without a GPU; what only a GPU tests is the fragment
-//! load/execute/store of the first body (CI compiles it to CUDA C++, `tests/cuda_codegen.rs`).
+//! load/execute/store of the first body (CI compiles it to CUDA C++:
+//! `burn-dcp/tests/cuda_codegen.rs`).
 //!
 //! Semantics differ from the vector kernels in one place: a masked pair inside a listed tile
 //! is multiplied by a zero (probability or `dS`) instead of being skipped, so a non-finite

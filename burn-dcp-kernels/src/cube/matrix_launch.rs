@@ -34,13 +34,20 @@ pub enum AttentionKernel {
 }
 
 /// The environment variable [`super::forward`] and [`super::backward`] read their
-/// [`AttentionKernel`] from: `vector` (also when unset), `auto`, `tiles` (matrix tiles without
+/// [`AttentionKernel`] from (once per process): `vector` (also when unset), `auto`, `tiles` (matrix tiles without
 /// tensor cores) or `tensor-cores`.
 pub const KERNEL_ENV: &str = "BURN_DCP_ATTENTION_KERNEL";
 
 impl AttentionKernel {
-    /// The kernel [`KERNEL_ENV`] names ([`AttentionKernel::Vector`] when it is unset).
+    /// The kernel [`KERNEL_ENV`] names ([`AttentionKernel::Vector`] when it is unset), read
+    /// once per process (at the first kernel call), so every call of the process agrees.
     pub fn from_env() -> Result<Self, KernelError> {
+        static CHOICE: std::sync::OnceLock<Result<AttentionKernel, KernelError>> =
+            std::sync::OnceLock::new();
+        CHOICE.get_or_init(Self::read_env).clone()
+    }
+
+    fn read_env() -> Result<Self, KernelError> {
         match std::env::var(KERNEL_ENV) {
             Ok(value) => value.parse(),
             Err(std::env::VarError::NotPresent) => Ok(Self::default()),

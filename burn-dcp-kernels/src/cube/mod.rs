@@ -57,7 +57,7 @@
 //! kernels are checked on lavapipe with their products on ordinary units (f32 ≤ 1e-5 vs the
 //! oracle for every mask, ragged GQA, padded dims, several tiles; f16 within the rounding
 //! bounds), and their `cmma` branches are compiled to CUDA C++ by cubecl-cuda's compiler in CI
-//! (`tests/cuda_codegen.rs`: `wmma` loads, products and stores on 32-byte-aligned shared
+//! (`burn-dcp/tests/cuda_codegen.rs`: `wmma` loads, products and stores on 32-byte-aligned shared
 //! memory); `tests/cube_cuda.rs` (`#[ignore]`d) and the bench group `cuda` run them on a GPU.
 //! Until those have passed, the default stays `vector`. The vector kernels themselves have
 //! not run on CUDA either (they build for it).
@@ -77,7 +77,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
 
-use crate::definition::{KernelError, VarlenAttention};
+use crate::definition::{AttentionShape, KernelError, VarlenAttention};
 use crate::ops::{check_backward, check_forward, check_merge, KernelLimits, Operand};
 use crate::tiling::{DenseSpans, TileIntervals};
 use crate::{FlashGradients, FlashOps, FlashOutput};
@@ -91,6 +91,35 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FlashOps
     for CubeBackend<R, F, I, BT>
 {
     const LIMITS: KernelLimits = LIMITS;
+
+    fn check_kernels(
+        device: &Self::Device,
+        shape: &AttentionShape,
+        dtype: DType,
+        problem: &VarlenAttention,
+        backward: bool,
+    ) -> Result<(), KernelError> {
+        let kernel = AttentionKernel::from_env()?;
+        if kernel == AttentionKernel::Vector || shape.q_tokens == 0 || shape.kv_tokens == 0 {
+            return Ok(());
+        }
+        let client = R::client(device);
+        let dense = DenseSpans::build(problem)?;
+        let kernels: &[TilesKernel] = if backward {
+            &[TilesKernel::Dq, TilesKernel::DkDv]
+        } else {
+            &[TilesKernel::Forward]
+        };
+        choose(
+            kernel,
+            client.properties(),
+            dtype,
+            shape,
+            dense.max_spans,
+            kernels,
+        )
+        .map(|_| ())
+    }
 
     fn flash_forward(
         q: Tensor<Self, 3>,

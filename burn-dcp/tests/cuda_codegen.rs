@@ -1,11 +1,14 @@
 //! The tensor-core kernels (forward, dq, dk/dv) compiled to CUDA C++ without a GPU: each is
-//! expanded into cubecl's IR for CUDA's target and compiled by cubecl-cuda's own compiler (the one a CUDA
-//! launch runs before NVRTC). This checks what can be checked here: the `cmma` branches expand
-//! (no expansion-time panic), compiles to `wmma` fragment loads, products and stores on shared
-//! memory, and the ordinary-units branch has none. Whether NVRTC accepts the source and the
-//! results are right needs a GPU (`cube_cuda.rs`, `#[ignore]`d).
+//! expanded into cubecl's IR for CUDA's target and compiled by cubecl-cuda's own compiler (the
+//! one a CUDA launch runs before NVRTC). This checks what can be checked here: the `cmma`
+//! branches expand (no expansion-time panic) and compile to `wmma` fragment loads, products and
+//! stores on shared memory, and the ordinary-units branches have none. Whether NVRTC accepts the
+//! source and the results are right needs a GPU (burn-dcp-kernels/tests/cube_cuda.rs,
+//! `#[ignore]`d).
 //!
-//! Set `BURN_DCP_DUMP_CUDA=path` to write the generated source there.
+//! Set `BURN_DCP_DUMP_CUDA=path` to write the generated source there. (It tests
+//! burn-dcp-kernels but lives here so that CI builds it with the NCCL test's feature set, in the
+//! same cargo invocation.)
 #![cfg(feature = "cuda")]
 
 use burn_dcp_kernels::cube::matrix;
