@@ -2,7 +2,7 @@
 //!
 //! Every mask of [`MaskSpec`](crate::MaskSpec), on packed varlen sequences with global offsets,
 //! reduces to the same thing per query: a few *spans* of packed key indices it may attend
-//! ([`spans`](crate::spans)). The kernels therefore know nothing about masks or sequences:
+//! (`crate::spans`). The kernels therefore know nothing about masks or sequences:
 //!
 //! - `spans [q_tokens, max_spans, 2]` (`u32`, half-open `[start, end)`, unused slots `[0, 0)`) is
 //!   the per-element predicate of partially masked tiles;

@@ -18,7 +18,7 @@
 //!
 //! Inputs are read through their strides, so burn's strided views (`swap_dims`, `narrow`) need
 //! no copy. No infinity is ever written as a literal (WGSL forbids it): "no key yet" is the finite
-//! sentinel [`NONE`], and the `-inf` of fully masked rows comes in as a runtime scalar. Every loop
+//! sentinel `NONE`, and the `-inf` of fully masked rows comes in as a runtime scalar. Every loop
 //! over a head dim, a value dim, the rows of a unit or a staging pass is unrolled (see
 //! [`super`]'s docs for why lavapipe needs it).
 

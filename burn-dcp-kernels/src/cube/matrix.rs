@@ -14,14 +14,14 @@
 //!   accumulates `O += P · V` on matrix tiles (`O` is an f32 accumulator in shared memory).
 //! - The end divides by the sum and writes `out` and the f32 LSE, as the vector kernel does.
 //!
-//! The backward has the vector kernels' split (no atomics): [`dq_tiles_kernel`] walks key tiles
-//! per query tile, [`dkdv_tiles_kernel`] walks the query tiles of every query head of its GQA
+//! The backward has the vector kernels' split (no atomics): [`dq_tiles_kernel`](fn@dq_tiles_kernel) walks key tiles
+//! per query tile, [`dkdv_tiles_kernel`](fn@dkdv_tiles_kernel) walks the query tiles of every query head of its GQA
 //! group per key tile; both recompute `S` and `dP = dO · Vᵀ` on tiles, form `dS` with one unit
 //! per row, and accumulate their gradients in f32 in shared memory (the dk/dv kernel works on
 //! the transposes: `Sᵀ = K · Qᵀ`, `dV += Pᵀ · dO`, `dK += dSᵀ · Q`, so every product has the
 //! forward's two shapes).
 //!
-//! All products go through [`scores`] (`A · Bᵀ`) and [`add_probabilities_times_values`]
+//! All products go through [`scores`](fn@scores) (`A · Bᵀ`) and [`add_probabilities_times_values`](fn@add_probabilities_times_values)
 //! (`C += A · B`), which have two bodies chosen at compile time: `cmma` fragments
 //! (`tensor_cores = true`), or the same products computed by the plane's units element by
 //! element from the same shared-memory operands, in the same layouts. The second body runs
@@ -220,7 +220,7 @@ pub fn add_probabilities_times_values<F: Float>(
     } else {
         let lane = UNIT_POS_X as usize;
         let per_lane = comptime!(TILE * TILE / plane_dim);
-        // As in [`scores`]: the lane's outputs share one column, whose 16 values are loaded once.
+        // As in [`scores`](fn@scores): the lane's outputs share one column, whose 16 values are loaded once.
         let mut value = Array::<f32>::new(TILE);
         for chunk in 0..dim / TILE {
             let col = chunk * TILE + lane % TILE;
@@ -413,7 +413,7 @@ fn softmax_row<F: Float>(
 /// Forward on matrix tiles: `out [Tq, H, Dv]` (input dtype) and `lse [H, Tq]` (f32).
 ///
 /// Cube `(x, y)` = (tile of `16 · planes` queries, head), `plane_dim × planes` units. Key tiles
-/// of 16 keys come from `tile_offsets`/`tile_runs`, as for [`super::kernels::forward_kernel`].
+/// of 16 keys come from `tile_offsets`/`tile_runs`, as for [`forward_kernel`](fn@super::kernels::forward_kernel).
 /// `head_pad` and `value_pad` are the dims rounded up to 16.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -599,7 +599,7 @@ pub fn forward_tiles_kernel<F: Float>(
 }
 
 /// Backward, query side, on matrix tiles: `dq [Tq, H, D]`. Same cubes and key-tile lists as
-/// [`forward_tiles_kernel`]. Per key tile each plane recomputes `S = Q·Kᵀ` and `dP = dO·Vᵀ` on
+/// [`forward_tiles_kernel`](fn@forward_tiles_kernel). Per key tile each plane recomputes `S = Q·Kᵀ` and `dP = dO·Vᵀ` on
 /// matrix tiles, forms `dS = P ∘ (dP − delta)` with `P = exp(scale·S − lse)` on the allowed
 /// pairs (one unit per query row; `dS` stored in the input dtype), and accumulates
 /// `dQ += dS·K` in f32; the end writes `scale · dQ`.

@@ -254,7 +254,7 @@ fn vector_size<R: CubeRuntime>(tensors: &[&CubeTensor<R>], dims: &[usize]) -> us
 /// The dtypes the kernels take (f32 accumulation and LSE whatever the input).
 const DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 
-/// What the kernels take: [`DTYPES`], dims up to [`MAX_HEAD_DIM`], 32-bit token indices.
+/// What the kernels take: `DTYPES`, dims up to [`MAX_HEAD_DIM`], 32-bit token indices.
 pub const LIMITS: KernelLimits = KernelLimits {
     dtypes: Some(DTYPES),
     max_dim: Some(MAX_HEAD_DIM),

@@ -2,7 +2,7 @@
 //!
 //! Exact attention over packed varlen sequences. Only the keys the mask allows (per query, the at
 //! most two key ranges of [`MaskSpec::key_ranges`](crate::MaskSpec::key_ranges)) contribute, and
-//! work on masked keys is skipped, not computed and discarded: the forward ([`forward`](mod@forward))
+//! work on masked keys is skipped, not computed and discarded: the forward (`forward`)
 //! is tiled like flash-attention, skipping key tiles no query of a block may attend and running
 //! the others as `gemm` matrix products; the backward visits each query's allowed keys. Work runs
 //! in parallel on scoped threads (one task per key/value head and query block, or per key/value
