@@ -98,6 +98,16 @@ pub(super) enum TilesKernel {
 }
 
 impl TilesKernel {
+    /// The kernels of one pass: the forward, or the backward's dq and dk/dv (in this order,
+    /// as [`backward_on_tiles`] takes their geometries).
+    pub(super) fn of_pass(backward: bool) -> &'static [TilesKernel] {
+        if backward {
+            &[Self::Dq, Self::DkDv]
+        } else {
+            &[Self::Forward]
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Self::Forward => "forward",

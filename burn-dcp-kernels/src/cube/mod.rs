@@ -105,11 +105,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FlashOps
         }
         let client = R::client(device);
         let dense = DenseSpans::build(problem)?;
-        let kernels: &[TilesKernel] = if backward {
-            &[TilesKernel::Dq, TilesKernel::DkDv]
-        } else {
-            &[TilesKernel::Forward]
-        };
+        let kernels = TilesKernel::of_pass(backward);
         choose(
             kernel,
             client.properties(),
@@ -373,8 +369,8 @@ pub fn forward_with<R: CubeRuntime>(
     }
     let dense = DenseSpans::build(problem)?;
     let properties = q.client.properties();
-    let kernels = [TilesKernel::Forward];
-    if let Some(tiles) = choose(kernel, properties, dtype, &s, dense.max_spans, &kernels)? {
+    let kernels = TilesKernel::of_pass(false);
+    if let Some(tiles) = choose(kernel, properties, dtype, &s, dense.max_spans, kernels)? {
         return forward_on_tiles(q, k, v, problem, &s, dtype, dense, tiles[0]);
     }
     let geometry = Geometry::of(s.head_dim, s.value_dim);
@@ -464,9 +460,9 @@ pub fn backward_with<R: CubeRuntime>(
         ));
     }
     let dense = DenseSpans::build(problem)?;
-    let kernels = [TilesKernel::Dq, TilesKernel::DkDv];
+    let kernels = TilesKernel::of_pass(true);
     let properties = q.client.properties();
-    let tiles = choose(kernel, properties, dtype, &s, dense.max_spans, &kernels)?;
+    let tiles = choose(kernel, properties, dtype, &s, dense.max_spans, kernels)?;
     let client = q.client.clone();
     let storage = storage(dtype);
     let scale = problem.softmax_scale(s.head_dim) as f32;
