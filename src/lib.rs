@@ -4,6 +4,11 @@
 pub mod launch;
 pub mod train;
 
+/// The README's Rust code, compiled and run as doctests (`cargo test --workspace --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
 /// Checks a `--backend` flag of the examples: `flex` always runs; `wgpu`/`cuda` run when the
 /// binary was built with that cargo feature, and otherwise name the feature (never a silent CPU
 /// fallback).

@@ -260,3 +260,100 @@ fn dense_masks_softcap_and_causality_conflicts_are_rejected() {
     let msg = panic_message(call(MaskSpec::Causal, false, options(false)));
     assert!(msg.contains("is_causal = false"), "{msg}");
 }
+
+/// Grouped-query K/V go to the op with their real heads: the strategies move `K` kv heads (the
+/// analytic volume with `K`, not `H`), results equal the single-device ones; without a context the
+/// decorator repeats the heads itself and equals the inner backend on repeated heads.
+#[test]
+fn grouped_query_heads_move_only_the_real_kv_heads() {
+    let device = Default::default();
+    let (heads, kv_heads) = (4, 2);
+    let cases = [
+        (Strategy::Ring, 4, Layout::Zigzag),
+        (Strategy::Ulysses, 4, Layout::Contiguous),
+        (Strategy::Ulysses, 2, Layout::Zigzag),
+        (
+            Strategy::Usp {
+                ulysses_degree: 2,
+                ring_degree: 2,
+            },
+            4,
+            Layout::Zigzag,
+        ),
+        (Strategy::AllGather, 3, Layout::Stripe),
+    ];
+    let mask = MaskSpec::Causal;
+    let inputs = random_inputs(&[17, 6, 9], heads, kv_heads, 8, 5);
+    let want =
+        run_single_device::<Flex>(&device, &inputs, std::slice::from_ref(&mask), None).unwrap();
+    for (strategy, cp, layout) in cases {
+        let ranks = run_decorated(&inputs, cp, strategy, layout, &mask);
+        let t = inputs.tokens();
+        let what = format!("GQA {heads}/{kv_heads}: {strategy} cp {cp} {layout}");
+        for (name, got, want, width) in [
+            ("out", unshard(&ranks, |r| &r.out, 32, t), &want.out, 32),
+            ("dq", unshard(&ranks, |r| &r.dq, 32, t), &want.dq, 32),
+            ("dk", unshard(&ranks, |r| &r.dk, 16, t), &want.dk, 16),
+            ("dv", unshard(&ranks, |r| &r.dv, 16, t), &want.dv, 16),
+        ] {
+            assert_eq!(got.len(), t * width, "{what}: {name}");
+            let err = max_rel_err(&got, want);
+            assert!(err <= TOLERANCE, "{what}: {name} max_rel_err {err:e}");
+        }
+        let placement = Placement::of_layout(&inputs.seq_lens, cp, layout).unwrap();
+        let shape = |kv_heads| VolumeShape {
+            heads,
+            kv_heads,
+            head_dim: 8,
+            value_dim: 8,
+            element_bytes: 4,
+        };
+        let real = analytic_volume(strategy, &placement, &shape(kv_heads));
+        let repeated = analytic_volume(strategy, &placement, &shape(heads));
+        let total = |v: &[burn_dcp::volume::RankVolume]| -> u64 {
+            v.iter().map(|r| r.forward + r.backward).sum()
+        };
+        for (rank, r) in ranks.iter().enumerate() {
+            assert_eq!(
+                r.bytes,
+                real[rank].forward + real[rank].backward,
+                "{what}: rank {rank} bytes"
+            );
+        }
+        let measured: u64 = ranks.iter().map(|r| r.bytes).sum();
+        eprintln!(
+            "{what}: {measured} bytes (with {heads} repeated kv heads: {})",
+            total(&repeated)
+        );
+        if strategy == Strategy::Ulysses && cp >= heads {
+            // One query head per rank: each rank needs one kv head either way.
+            assert_eq!(measured, total(&repeated), "{what}");
+        } else {
+            assert!(measured < total(&repeated), "{what}");
+        }
+    }
+    // Without a context: the inner backend's attention on repeated heads.
+    let all: Vec<usize> = (0..inputs.tokens()).collect();
+    let repeat = |data: &[f32]| -> Vec<f32> {
+        data.chunks(8)
+            .flat_map(|head| std::iter::repeat_n(head.to_vec(), heads / kv_heads).flatten())
+            .collect()
+    };
+    let ours = attention(
+        local::<Cp>(&inputs.q, heads, 8, &all),
+        local::<Cp>(&inputs.k, kv_heads, 8, &all),
+        local::<Cp>(&inputs.v, kv_heads, 8, &all),
+        None,
+        None,
+        options(true),
+    );
+    let theirs = attention(
+        local::<Autodiff<Flex>>(&inputs.q, heads, 8, &all),
+        local::<Autodiff<Flex>>(&repeat(&inputs.k), heads, 8, &all),
+        local::<Autodiff<Flex>>(&repeat(&inputs.v), heads, 8, &all),
+        None,
+        None,
+        options(true),
+    );
+    assert_eq!(rows(ours), rows(theirs));
+}

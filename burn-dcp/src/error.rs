@@ -19,6 +19,10 @@ pub enum CpError {
     /// A multi-rank run failed: names the rank that failed first and its reason.
     #[error("context-parallel run failed: {0}")]
     RunFailed(String),
+    /// A CP context saw no attention call at CP size > 1: the model computed attention without
+    /// burn's op (see [`CpContextGuard::finish`](crate::backend::CpContextGuard::finish)).
+    #[error("attention bypassed context parallelism: {0}")]
+    Bypassed(String),
     #[error(transparent)]
     Comm(#[from] CommError),
     #[error(transparent)]

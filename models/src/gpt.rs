@@ -2,8 +2,8 @@
 //!
 //! Token embedding → `n_layers` pre-norm blocks (RMSNorm → multi-head attention with RoPE on the
 //! tokens' *global* positions → residual; RMSNorm → GELU MLP → residual) → RMSNorm → LM head (tied
-//! to the embedding or untied). Attention calls burn's `attention` op with `is_causal = true` and
-//! no mask tensor. There is no context-parallel code here: under `ContextParallel<Autodiff<B>>`
+//! to the embedding or untied). Attention calls burn's `attention` op with `is_causal = true`, no
+//! mask tensor and the real kv heads (`burn_dcp::nn::grouped_attention`). There is no context-parallel code here: under `ContextParallel<Autodiff<B>>`
 //! with a CP context, the same call runs the CP strategy on this rank's tokens.
 //!
 //! Inputs are one packed micro-batch (or this rank's shard of it): `tokens [T]`, `positions [T]`
@@ -14,9 +14,9 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
 use burn::prelude::{Backend, Config, Int, Shape, Tensor, TensorData};
 use burn::tensor::activation::{gelu, log_softmax};
-use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::BasicOps;
+use burn_dcp::nn::grouped_attention;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -255,10 +255,10 @@ impl<B: Backend> Block<B> {
 }
 
 /// The attention of a block on its normalised input `h [1, T, d]`: Q/K/V projections of
-/// `heads` / `kv_heads` heads (RoPE on Q and K), each kv head repeated for its query group (burn's
-/// attention takes equal head counts), causal attention, heads merged back to `[1, T, heads·Dh]`
-/// (before the output projection). Shared by the plain block and its TP shard, which passes its
-/// own heads.
+/// `heads` / `kv_heads` heads (RoPE on Q and K), causal attention with the real kv heads
+/// ([`grouped_attention`]: on `ContextParallel` the strategies move `kv_heads` heads, not
+/// `heads` copies), heads merged back to `[1, T, heads·Dh]` (before the output projection).
+/// Shared by the plain block and its TP shard, which passes its own heads.
 pub(crate) fn self_attention<B: Backend>(
     [q, k, v]: [&Linear<B>; 3],
     h: Tensor<B, 3>,
@@ -274,25 +274,13 @@ pub(crate) fn self_attention<B: Backend>(
     let q = rope.apply(split(q.forward(h.clone()), heads));
     let k = rope.apply(split(k.forward(h.clone()), kv_heads));
     let v = split(v.forward(h), kv_heads);
-    let group = heads / kv_heads;
-    let (k, v) = (repeat_heads(k, group), repeat_heads(v, group));
     let options = AttentionModuleOptions {
         scale: None,
         softcap: None,
         is_causal: true,
     };
-    let attended = attention(q, k, v, None, None, options);
+    let attended = grouped_attention(q, k, v, None, None, options);
     reshape(attended.swap_dims(1, 2), [1, tokens, heads * head_dim])
-}
-
-/// `[1, K, T, D]` → `[1, K·group, T, D]`, each kv head repeated `group` times in place.
-fn repeat_heads<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
-    if group == 1 {
-        return x;
-    }
-    let [batch, heads, tokens, dim] = x.dims();
-    let repeated = reshape(x, [batch, heads, 1, tokens, dim]).repeat_dim(2, group);
-    reshape(repeated, [batch, heads * group, tokens, dim])
 }
 
 impl<B: Backend> Gpt<B> {

@@ -209,9 +209,10 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
             masks: batch.masks,
             scale: None,
             blocks: planned.blocks.clone(),
+            rows: None,
         };
         let group = self.groups.group(&planned.ranks, planned.strategy)?;
-        let _context = set_context(CpContext {
+        let context = set_context(CpContext {
             group: group.clone(),
             batch: context,
         });
@@ -245,6 +246,8 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
             self.sends.push(self.pp().isend(stage + 1, sent)?);
             Output::Hidden(output)
         };
+        // Never silent: a model whose attention bypassed the op fails at its first micro-batch.
+        context.finish()?;
         let in_flight = InFlight {
             output,
             input,

@@ -1,17 +1,24 @@
 //! The interception of `ModuleOps::attention`: the only logic of the decorator.
 //!
-//! burn calls `attention(q, k, v, mask, bias, options)` with `q [batch, heads, seq, dim]`. Under a
-//! CP context, `batch` must be 1 and `seq` is this rank's tokens of the packed micro-batch (in
-//! [`Placement::packed_indices`](crate::placement::Placement::packed_indices) order); the masks come from
-//! the context (per sequence, on global positions), so `mask`/`attn_bias` tensors — dense masks of
-//! the local shard that cannot describe cross-rank attention — are rejected with an error, never
-//! ignored. `options.scale` is honoured; `options.softcap` is rejected (not supported yet);
-//! `options.is_causal` must agree with the context's masks.
+//! burn calls `attention(q, k, v, mask, bias, options)` with `q [batch, heads, seq, dim]` and
+//! `k`/`v [batch, kv_heads, seq, dim]` (`heads % kv_heads == 0`: grouped-query heads are taken as
+//! they are, and the strategies move only the real kv heads). Under a CP context `seq` is this
+//! rank's tokens: without [`BatchRows`](crate::rows::BatchRows) in the context, one packed row
+//! (`batch` 1) in the placement's order; with them, `batch` rows, each holding the rank's tokens
+//! of that row's sequences first and padding after (gathered into the packed order and scattered
+//! back, padding gets zeros). The masks come from the context (per sequence, on global
+//! positions), so `mask`/`attn_bias` tensors — dense masks of the local shard that cannot describe
+//! cross-rank attention — are rejected with an error, never ignored. `options.scale` is honoured;
+//! `options.softcap` is rejected (not supported yet); `options.is_causal` must agree with the
+//! context's masks. Every call under a context is counted for
+//! [`CpContextGuard::finish`](crate::backend::CpContextGuard::finish).
+//!
+//! Without a context, K/V with fewer heads are repeated and the inner backend's attention runs.
 
 use std::sync::Arc;
 
-use burn::prelude::Tensor;
-use burn::tensor::TensorPrimitive;
+use burn::prelude::{Int, Tensor, TensorData};
+use burn::tensor::{IndexingUpdateOp, TensorPrimitive};
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
@@ -21,7 +28,9 @@ use burn_backend::tensor::{BoolTensor, FloatTensor};
 use burn_backend::{Backend, Shape, TensorMetadata};
 use burn_dcp_kernels::{FlashOps, MaskSpec};
 
-use crate::backend::context::{current_context, CpContext};
+use crate::backend::context::{intercept, CpContext};
+use crate::nn::exact_reshape;
+use crate::rows::LocalRows;
 use crate::strategy::{cp_attention_backward, cp_attention_forward, BackwardInputs};
 
 /// Backends `ContextParallel` can wrap: they know how to run CP attention on their primitives.
@@ -233,19 +242,19 @@ pub fn attention<B: CpInner>(
     attn_bias: Option<FloatTensor<B>>,
     options: burn_backend::ops::AttentionModuleOptions,
 ) -> FloatTensor<B> {
-    let Some(context) = current_context() else {
-        return B::attention(query, key, value, mask, attn_bias, options);
+    let Some(context) = intercept() else {
+        return without_context::<B>(query, key, value, mask, attn_bias, options);
     };
     let shape = query.shape().to_vec();
-    if let Err(message) = check_call(
+    let dims = [shape.clone(), key.shape().to_vec(), value.shape().to_vec()];
+    let rows = check_call(
         &context,
-        &shape,
+        &dims,
         mask.is_some(),
         attn_bias.is_some(),
         &options,
-    ) {
-        fail("call", &context, &shape, message);
-    }
+    )
+    .unwrap_or_else(|message| fail("call", &context, &shape, message));
     let context = match options.scale {
         Some(scale) if context.batch.scale != Some(scale) => {
             let mut with_scale = (*context).clone();
@@ -254,17 +263,107 @@ pub fn attention<B: CpInner>(
         }
         _ => context,
     };
-    B::cp_attention(query, key, value, context)
+    let [batch, _, width, _] = [shape[0], shape[1], shape[2], shape[3]];
+    if rows.is_packed_order(batch, width) {
+        return B::cp_attention(query, key, value, context);
+    }
+    // Rows of a `[B, S, …]` batch: this rank's tokens gathered into the packed order the
+    // strategies work in, results scattered back (padding gets zeros). Both are autodiff ops of `B`.
+    let indices = rows
+        .packed_indices(width)
+        .unwrap_or_else(|message| fail("call", &context, &shape, message));
+    let device = B::float_device(&query);
+    let indices = Tensor::<B, 1, Int>::from_data(
+        TensorData::new(
+            indices.iter().map(|&i| i as i64).collect::<Vec<_>>(),
+            [indices.len()],
+        ),
+        &device,
+    );
+    let out = B::cp_attention(
+        to_packed::<B>(query, indices.clone()),
+        to_packed::<B>(key, indices.clone()),
+        to_packed::<B>(value, indices.clone()),
+        context,
+    );
+    from_packed::<B>(out, indices, batch, width)
 }
 
-/// The rules of a CP attention call (see the module docs).
+/// Without a CP context: the inner backend's attention, after repeating each kv head for its
+/// query group (burn's op takes equal head counts; the CP strategies take the real kv heads, so
+/// one model code runs with and without a context).
+fn without_context<B: CpInner>(
+    query: FloatTensor<B>,
+    key: FloatTensor<B>,
+    value: FloatTensor<B>,
+    mask: Option<BoolTensor<B>>,
+    attn_bias: Option<FloatTensor<B>>,
+    options: AttentionModuleOptions,
+) -> FloatTensor<B> {
+    let heads = query.shape()[1];
+    let kv_heads = key.shape()[1];
+    if kv_heads == heads {
+        return B::attention(query, key, value, mask, attn_bias, options);
+    }
+    let tensor = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+    let (key, value) = crate::nn::repeat_kv_heads(tensor(key), tensor(value), heads)
+        .unwrap_or_else(|message| panic!("ContextParallel attention: {message}"));
+    let primitive = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    B::attention(
+        query,
+        primitive(key),
+        primitive(value),
+        mask,
+        attn_bias,
+        options,
+    )
+}
+
+/// `[B, H, S, D]` → `[1, H, T, D]`: the rows' tokens at `indices` of the flattened `[B·S]`.
+fn to_packed<B: Backend>(tensor: FloatTensor<B>, indices: Tensor<B, 1, Int>) -> FloatTensor<B> {
+    let [batch, heads, width, dim] = tensor.shape().dims();
+    let tokens = indices.dims()[0];
+    let rows = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(tensor)).swap_dims(1, 2);
+    let picked = exact_reshape(rows, [batch * width, heads, dim])
+        .select(0, indices)
+        .swap_dims(0, 1);
+    exact_reshape(picked, [1, heads, tokens, dim])
+        .into_primitive()
+        .tensor()
+}
+
+/// `[1, H, T, Dv]` → `[B, H, S, Dv]`, token `t` at index `indices[t]` of `[B·S]`, zeros elsewhere.
+fn from_packed<B: Backend>(
+    tensor: FloatTensor<B>,
+    indices: Tensor<B, 1, Int>,
+    batch: usize,
+    width: usize,
+) -> FloatTensor<B> {
+    let [_, heads, tokens, dim] = tensor.shape().dims();
+    let dtype = tensor.dtype();
+    let device = B::float_device(&tensor);
+    let packed = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(tensor));
+    let packed = exact_reshape(packed, [heads, tokens, dim]).swap_dims(0, 1);
+    let full = Tensor::<B, 3>::zeros([batch * width, heads, dim], (&device, dtype)).select_assign(
+        0,
+        indices,
+        packed,
+        IndexingUpdateOp::Add,
+    );
+    exact_reshape(full, [batch, width, heads, dim])
+        .swap_dims(1, 2)
+        .into_primitive()
+        .tensor()
+}
+
+/// The rules of a CP attention call (see the module docs); returns this rank's rows.
 fn check_call(
     context: &CpContext,
-    shape: &[usize],
+    [q, k, v]: &[Vec<usize>; 3],
     has_mask: bool,
     has_bias: bool,
     options: &AttentionModuleOptions,
-) -> Result<(), String> {
+) -> Result<LocalRows, String> {
     if has_mask || has_bias {
         return Err(format!(
             "an explicit dense {} tensor cannot be sharded across CP ranks; describe the mask per sequence in the CP context (MaskSpec) instead",
@@ -276,10 +375,37 @@ fn check_call(
             "softcap {softcap} is not supported by context-parallel attention yet"
         ));
     }
-    if shape.first() != Some(&1) {
+    if k.len() != 4 || v.len() != 4 || k[0] != q[0] || v[0] != q[0] || k[2] != q[2] || v[2] != q[2]
+    {
         return Err(format!(
-            "CP attention takes the packed micro-batch as batch size 1 ([1, heads, tokens, dim]); got batch {}",
-            shape.first().copied().unwrap_or(0)
+            "CP attention is self-attention over this rank's tokens: q {q:?}, k {k:?} and v {v:?} must share batch and sequence dims"
+        ));
+    }
+    if k[1] != v[1] || k[1] == 0 || !q[1].is_multiple_of(k[1]) {
+        return Err(format!(
+            "k and v need the same number of heads, dividing q's {} (grouped-query attention); got k {} and v {}",
+            q[1], k[1], v[1]
+        ));
+    }
+    let rank = context.group.comm.rank();
+    let rows = context.batch.local_rows(rank).map_err(|e| e.to_string())?;
+    let (batch, width) = (q[0], q[2]);
+    if batch != rows.rows() {
+        return Err(match &context.batch.rows {
+            None => format!(
+                "a batch of {batch} rows needs the CP context to say which sequences each row holds (CpBatch::with_rows(BatchRows::one_per_row({batch})) or BatchRows::packed); without it the context is one packed row ([1, heads, tokens, dim])"
+            ),
+            Some(_) => format!(
+                "the batch has {batch} rows but the CP context's BatchRows describe {}",
+                rows.rows()
+            ),
+        });
+    }
+    if width < rows.width() {
+        return Err(format!(
+            "rows of {width} tokens cannot hold this rank's share: under the {} rank {rank} holds up to {} tokens of a row",
+            context.batch.placement.kind,
+            rows.width()
         ));
     }
     let seq_lens = &context.batch.placement.seq_lens;
@@ -293,11 +419,11 @@ fn check_call(
             return Err(format!("attention was called with is_causal = false but the CP context's mask of sequence {seq} is the causal-family mask {mask}"));
         }
     }
-    Ok(())
+    Ok(rows)
 }
 
 /// Whether every allowed key of the mask is at or before its query.
-fn is_causal_mask(mask: &MaskSpec, len: usize) -> bool {
+pub(crate) fn is_causal_mask(mask: &MaskSpec, len: usize) -> bool {
     match mask {
         MaskSpec::Full => len <= 1,
         MaskSpec::KeyRanges(_) => {

@@ -53,6 +53,15 @@ impl<B: CpInner> BackendTypes for ContextParallel<B> {
     type QuantizedTensorPrimitive = B::QuantizedTensorPrimitive;
 }
 
+/// What [`Backend::name`] of `ContextParallel<B>` starts with.
+const NAME_PREFIX: &str = "context-parallel<";
+
+/// Whether `B` is a `ContextParallel<…>` backend (whose `attention` op runs CP attention under a
+/// context and takes grouped-query K/V with fewer heads than Q).
+pub fn is_context_parallel<B: Backend>(device: &B::Device) -> bool {
+    B::name(device).starts_with(NAME_PREFIX)
+}
+
 impl<B: CpInner> Backend for ContextParallel<B> {
     fn ad_enabled(device: &Self::Device) -> bool {
         B::ad_enabled(device)
@@ -75,7 +84,7 @@ impl<B: CpInner> Backend for ContextParallel<B> {
     }
 
     fn name(device: &Self::Device) -> String {
-        format!("context-parallel<{}>", B::name(device))
+        format!("{NAME_PREFIX}{}>", B::name(device))
     }
 
     fn seed(device: &Self::Device, seed: u64) {

@@ -8,6 +8,7 @@ use burn_dcp_kernels::{FlashOps, MaskSpec, Segment, VarlenAttention};
 
 use crate::error::CpError;
 use crate::placement::Placement;
+use crate::rows::{BatchRows, LocalRows};
 use crate::strategy::block_plan::BlockSchedule;
 
 /// What a micro-batch's attention needs besides the tensors: where tokens live, the masks, the
@@ -21,6 +22,9 @@ pub struct CpBatch {
     pub scale: Option<f64>,
     /// Strategy dcp: the executable block plan (its placement must be `placement`).
     pub blocks: Option<Arc<BlockSchedule>>,
+    /// The rows of `[B, S, …]` batches ([`BatchRows`]); `None` is one packed row of every
+    /// sequence (`[1, T_r, …]` in the placement's order).
+    pub rows: Option<Arc<BatchRows>>,
 }
 
 impl CpBatch {
@@ -30,6 +34,25 @@ impl CpBatch {
             masks,
             scale: None,
             blocks: None,
+            rows: None,
+        }
+    }
+
+    /// The micro-batch as the rows of `[B, S, …]` batches (see [`crate::rows`]): checks that the
+    /// rows hold every sequence.
+    pub fn with_rows(mut self, rows: BatchRows) -> Result<Self, CpError> {
+        rows.local(&self.placement, 0)?;
+        self.rows = Some(Arc::new(rows));
+        Ok(self)
+    }
+
+    /// Rank `rank`'s rows: its tokens of every row, their global positions and padding.
+    pub fn local_rows(&self, rank: usize) -> Result<LocalRows, CpError> {
+        match &self.rows {
+            Some(rows) => rows.local(&self.placement, rank),
+            None => {
+                BatchRows::packed(vec![self.placement.seq_lens.len()]).local(&self.placement, rank)
+            }
         }
     }
 
@@ -40,6 +63,7 @@ impl CpBatch {
             masks,
             scale: None,
             blocks: Some(schedule),
+            rows: None,
         }
     }
 

@@ -1,0 +1,57 @@
+//! burn's `attention` op with grouped-query heads, on any backend.
+
+use burn::prelude::{Backend, Bool, Tensor};
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+
+use crate::backend::is_context_parallel;
+
+/// burn's [`attention`] op with `key`/`value` of fewer heads than `query` (`[B, K, S, D]`,
+/// `H % K == 0`, kv head `h / (H/K)` serving query head `h`).
+///
+/// On a `ContextParallel<…>` backend the kv heads go to the op as they are: under a CP context
+/// the strategies move the real kv heads (not `H/K` copies), and without one the decorator
+/// repeats them before the inner backend's attention. On any other backend they are repeated
+/// here. Panics, naming the counts, when `K` does not divide `H`.
+pub fn grouped_attention<B: Backend>(
+    query: Tensor<B, 4>,
+    key: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+    attn_bias: Option<Tensor<B, 4>>,
+    options: AttentionModuleOptions,
+) -> Tensor<B, 4> {
+    let heads = query.dims()[1];
+    let (key, value) = if is_context_parallel::<B>(&query.device()) {
+        (key, value)
+    } else {
+        repeat_kv_heads(key, value, heads).unwrap_or_else(|message| panic!("{message}"))
+    };
+    attention(query, key, value, mask, attn_bias, options)
+}
+
+/// `key`/`value` `[B, K, S, D]` → `[B, H, S, D]`, each kv head repeated for its `H/K` query
+/// heads (in place: heads `g·H/K .. (g+1)·H/K` read kv head `g`).
+pub fn repeat_kv_heads<B: Backend>(
+    key: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    heads: usize,
+) -> Result<(Tensor<B, 4>, Tensor<B, 4>), String> {
+    let (kv_heads, value_heads) = (key.dims()[1], value.dims()[1]);
+    if kv_heads != value_heads || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(format!(
+            "grouped-query attention needs key and value with the same number of heads, dividing the {heads} query heads; got key {kv_heads} and value {value_heads}"
+        ));
+    }
+    let group = heads / kv_heads;
+    Ok((repeat(key, group), repeat(value, group)))
+}
+
+fn repeat<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
+    if group == 1 {
+        return x;
+    }
+    let [batch, heads, tokens, dim] = x.dims();
+    let repeated = crate::nn::exact_reshape(x, [batch, heads, 1, tokens, dim]).repeat_dim(2, group);
+    crate::nn::exact_reshape(repeated, [batch, heads * group, tokens, dim])
+}
