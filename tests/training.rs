@@ -918,3 +918,57 @@ fn pipeline_training_follows_cp1_over_8_steps() {
         }
     }
 }
+
+/// The GPT passes its real kv heads to the op: a step's CP bytes equal the analytic volume of
+/// every micro-batch's attention with the model's `n_kv_heads` (2 of the tiny model's 4 heads),
+/// per layer — not with the repeated heads.
+#[test]
+fn cp_bytes_of_a_step_are_the_analytic_volume_with_the_real_kv_heads() {
+    use burn_dcp::volume::{analytic_volume, VolumeShape};
+    let config = config(4, 1, Strategy::Ring, Layout::Zigzag, "causal");
+    let model = config.model_config().unwrap();
+    assert!(
+        model.n_kv_heads < model.n_heads,
+        "the test needs a GQA model"
+    );
+    let world = InProcessWorld::new(config.world_size(), WorldConfig::default()).unwrap();
+    let data = TrainData::load(&config).unwrap();
+    for result in world.run(|comm| -> Result<(), String> {
+        let groups = RankGroups::new(comm, &config).map_err(|e| e.to_string())?;
+        let device = burn::backend::flex::FlexDevice;
+        let gpt = init_model::<burn::backend::Flex>(&config, 0, 0, &device)?;
+        step_gradients(&gpt, &groups, &config, &data, 1, &device).map_err(|e| e.to_string())?;
+        Ok(())
+    }) {
+        result.unwrap();
+    }
+    let measured: u64 = world
+        .stats()
+        .iter()
+        .map(|s| s.bytes_by_label.get("cp").copied().unwrap_or(0))
+        .sum();
+    let shape = |kv_heads| VolumeShape {
+        heads: model.n_heads,
+        kv_heads,
+        head_dim: model.head_dim(),
+        value_dim: model.head_dim(),
+        element_bytes: 4,
+    };
+    let analytic = |kv_heads| -> u64 {
+        data.step_batches(1, config.micro_batches)
+            .iter()
+            .map(|batch| {
+                let placement =
+                    burn_dcp::Placement::of_layout(&batch.seq_lens(), 4, Layout::Zigzag).unwrap();
+                analytic_volume(Strategy::Ring, &placement, &shape(kv_heads))
+                    .iter()
+                    .map(|v| v.forward + v.backward)
+                    .sum::<u64>()
+            })
+            .sum::<u64>()
+            * model.n_layers as u64
+    };
+    assert!(measured > 0);
+    assert_eq!(measured, analytic(model.n_kv_heads));
+    assert_eq!(2 * measured, analytic(model.n_heads));
+}
