@@ -1,8 +1,7 @@
 //! The root package of the workspace: it holds the top-level `examples/`, `tests/` and `benches/`,
-//! the training engine they share ([`train`]) and re-exports the crates they use.
+//! helpers of the examples, and re-exports the crates they use (the training engine is
+//! `burn-dcp-train`).
 
-pub mod launch;
-pub mod train;
 
 /// The README's Rust code, compiled and run as doctests (`cargo test --workspace --doc`).
 #[cfg(doctest)]
@@ -53,3 +52,5 @@ pub use burn_dcp;
 pub use burn_dcp_datasets as datasets;
 pub use burn_dcp_kernels as kernels;
 pub use burn_dcp_models as models;
+pub use burn_dcp_train as train;
+pub use burn_dcp_train::launch;

@@ -27,6 +27,7 @@
 pub mod dynamic;
 pub mod error;
 pub mod groups;
+pub mod launch;
 pub mod pipeline;
 pub mod plan;
 pub mod tensor_parallel;
