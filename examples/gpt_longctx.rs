@@ -303,6 +303,7 @@ fn config_from_args(args: &Args) -> Result<TrainConfig, TrainError> {
         topology: args.topology.clone().unwrap_or_else(|| "a100-p4d".into()),
         nodes: args.nodes.unwrap_or(1),
         auto: auto_settings(args)?,
+        model_shape: None,
     })
     .and_then(|mut config| {
         config.dcp = dcp_settings(args, config.strategy)?;

@@ -37,6 +37,7 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         topology: "a100-p4d".into(),
         nodes: 1,
         auto: None,
+        model_shape: None,
     }
 }
 

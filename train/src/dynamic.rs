@@ -22,7 +22,7 @@ use burn_dcp::planner::dynamic::DynamicCpConfig;
 use burn_dcp::{CpError, Strategy};
 
 use super::TrainError;
-use burn_dcp_models::GptConfig;
+use crate::model::ModelShape;
 use serde::{Deserialize, Serialize};
 
 /// Group sizes the scheduler may use.
@@ -120,7 +120,7 @@ fn attention_pairs(mask: &MaskSpec, len: usize) -> f64 {
 }
 
 /// Forward FLOPs of a sequence (see the module docs).
-pub fn sequence_work(len: usize, mask: &MaskSpec, model: &GptConfig) -> f64 {
+pub fn sequence_work(len: usize, mask: &MaskSpec, model: &ModelShape) -> f64 {
     let d = model.d_model as f64;
     let kv_dim = d * model.n_kv_heads as f64 / model.n_heads as f64;
     let per_layer = d * d * 2.0 + 2.0 * d * kv_dim + 2.0 * d * model.d_ff as f64;

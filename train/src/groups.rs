@@ -15,11 +15,22 @@ use std::ops::Range;
 use burn_dcp::comm::Comm;
 use burn_dcp::mesh::{Axis, Coords, Mesh};
 use burn_dcp::{CpError, CpGroup, Strategy};
-use burn_dcp_models::{GptConfig, TpGpt};
 
 use super::plan::StepPlan;
+use super::model::ModelShape;
 use super::tensor_parallel::TpGroup;
 use super::TrainConfig;
+
+/// The TP ranks that hold the same kv heads as `rank` (more than one only when tp > kv heads,
+/// which replicates them): their k/v gradients are summed over these ranks.
+pub fn kv_replicas(model: &ModelShape, rank: usize, tp: usize) -> Vec<usize> {
+    if model.n_kv_heads >= tp {
+        return vec![rank];
+    }
+    let replicas = tp / model.n_kv_heads;
+    let first = rank / replicas * replicas;
+    (first..first + replicas).collect()
+}
 
 /// One rank's communicators.
 pub struct RankGroups {
@@ -55,10 +66,10 @@ impl RankGroups {
     pub fn new(world: Comm, config: &TrainConfig) -> Result<Self, CpError> {
         let mesh = Mesh::new(world, config.mesh_shape())?;
         let model = config
-            .model_config()
+            .model_shape()
             .map_err(|e| CpError::Config(e.to_string()))?;
         let tp_rank = mesh.tp.rank();
-        let replicas = TpGpt::<burn::backend::Flex>::kv_replicas(&model, tp_rank, config.tp);
+        let replicas = kv_replicas(&model, tp_rank, config.tp);
         // Either every TP rank has replicas (tp > kv heads) and splits, or none does.
         let kv_replicas = if replicas.len() > 1 {
             Some(mesh.tp.split(replicas[0], tp_rank)?)
@@ -89,7 +100,7 @@ impl RankGroups {
 
     /// The embedding group of this rank (see [`Self::embedding`]): a collective split of the
     /// world when pp > 1 and the LM head is tied.
-    fn embedding_group(mesh: &Mesh, model: &GptConfig) -> Result<Option<Comm>, CpError> {
+    fn embedding_group(mesh: &Mesh, model: &ModelShape) -> Result<Option<Comm>, CpError> {
         let shape = mesh.shape;
         if shape.pp == 1 || !model.tied_embeddings {
             return Ok(None);

@@ -28,6 +28,7 @@ pub mod dynamic;
 pub mod error;
 pub mod groups;
 pub mod launch;
+pub mod model;
 pub mod pipeline;
 pub mod plan;
 pub mod tensor_parallel;
@@ -36,7 +37,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::prelude::{Int, Tensor, TensorData};
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, NamedMpkFileRecorder, Recorder};
@@ -59,6 +60,7 @@ use serde::{Deserialize, Serialize};
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
 pub use error::TrainError;
 pub use groups::RankGroups;
+pub use model::{InputRows, ModelShape, PipelineStage, ShardInput, TrainModel};
 pub use pipeline::PpSchedule;
 use pipeline::{stage_passes, Pass, StageRun};
 pub use plan::{
@@ -132,6 +134,10 @@ pub struct TrainConfig {
     /// `layout` then hold ring and zigzag, the static candidates' layout.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auto: Option<AutoSettings>,
+    /// The shape of a model other than the GPT of `model_size` (planning and checks read it);
+    /// `None`: the GPT's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_shape: Option<ModelShape>,
 }
 
 /// Settings of `--strategy auto`.
@@ -236,8 +242,8 @@ impl TrainConfig {
     /// The model's shape under TP and PP, then the strategy on the heads of one TP rank:
     /// auto's candidates, or the static strategy on the CP group.
     fn validate_parallelism(&self) -> Result<(), TrainError> {
-        let model = self.model_config()?;
-        burn_dcp_models::tensor_parallel::validate_tp(&model, self.tp)
+        let model = self.model_shape()?;
+        burn_dcp_models::tensor_parallel::validate_tp(&gpt_of_shape(&model), self.tp)
             .map_err(TrainError::Config)?;
         self.mesh_shape()
             .validate_pipeline(model.n_layers, self.micro_batches)?;
@@ -341,7 +347,7 @@ impl TrainConfig {
     /// Dynamic CP: the settings, the inner strategy on every group size, and the longest packed
     /// sequence (`seq_len` tokens) fitting the pool.
     fn validate_dynamic(&self, settings: &DynamicSettings) -> Result<(), TrainError> {
-        let model = self.model_config()?;
+        let model = self.model_shape()?;
         let pool = self.pool_size();
         let (heads, kv_heads) = self.rank_heads(&model);
         settings.validate(pool, self.strategy, heads, kv_heads)?;
@@ -371,9 +377,31 @@ impl TrainConfig {
         }
     }
 
+    /// The GPT of `model_size` (with the tokenizer's vocabulary).
     pub fn model_config(&self) -> Result<GptConfig, TrainError> {
         GptConfig::sized(&self.model_size, self.tokenizer()?.vocab_size())
             .map_err(TrainError::Config)
+    }
+
+    /// The shape of the model trained: `model_shape`, or the GPT's of `model_size`.
+    pub fn model_shape(&self) -> Result<ModelShape, TrainError> {
+        match &self.model_shape {
+            Some(shape) => {
+                shape.validate().map_err(TrainError::Config)?;
+                Ok(shape.clone())
+            }
+            None => Ok(ModelShape::from(&self.model_config()?)),
+        }
+    }
+
+    /// What a checkpoint records of the model (and a resume compares): the GPT's configuration,
+    /// or the custom model's shape, as JSON.
+    pub fn model_identity(&self) -> Result<serde_json::Value, TrainError> {
+        let value = match &self.model_shape {
+            Some(shape) => serde_json::to_value(shape),
+            None => serde_json::to_value(self.model_config()?),
+        };
+        value.map_err(|e| TrainError::Malformed(format!("the model's configuration: {e}")))
     }
 
     pub fn mask_policy(&self) -> Result<MaskPolicy, TrainError> {
@@ -406,7 +434,7 @@ impl TrainConfig {
 
     /// The query and kv heads one TP rank holds (kv heads replicated when tp > kv heads): what
     /// its CP attention runs on.
-    pub fn rank_heads(&self, model: &GptConfig) -> (usize, usize) {
+    pub fn rank_heads(&self, model: &ModelShape) -> (usize, usize) {
         self.mesh_shape()
             .heads_per_tp_rank(model.n_heads, model.n_kv_heads)
     }
@@ -449,6 +477,19 @@ impl TrainConfig {
         burn_dcp::planner::topology::Topology::for_ranks(&self.topology, nodes, self.cp)
             .map_err(|e| CpError::Config(format!("--topology {}: {e}", self.topology)))
     }
+}
+
+/// The GPT of a shape (the TP rules of `burn_dcp_models` are stated on it).
+fn gpt_of_shape(shape: &ModelShape) -> GptConfig {
+    GptConfig::new(
+        shape.vocab_size,
+        shape.d_model,
+        shape.n_layers,
+        shape.n_heads,
+        shape.n_kv_heads,
+        shape.d_ff,
+    )
+    .with_tied_embeddings(shape.tied_embeddings)
 }
 
 /// A static strategy's name in `strategy_counts`: ring with its layout (`ring-zigzag`), the
@@ -666,8 +707,8 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for AllReduceGradients<'_, B> {
 /// Gradients of the global mean loss of step `step` (all-reduced over DP×CP), the loss and the
 /// step's token count. The step is planned here, synchronously; training plans ahead on a
 /// background thread and calls [`step_gradients_planned`].
-pub fn step_gradients<B: FlashOps>(
-    model: &TrainGpt<B>,
+pub fn step_gradients<B: FlashOps, M: TrainModel<CpTrain<B>>>(
+    model: &M,
     groups: &RankGroups,
     config: &TrainConfig,
     data: &TrainData,
@@ -690,8 +731,8 @@ pub struct StepResult {
 /// Runs step `plan.step` by its plan: this rank's shard of every planned batch it is in, in the
 /// batch's group, through the pipeline's stages on the pipeline schedule ([`pipeline`]; at pp 1
 /// one forward and backward after the other); then the all-reduces of the gradients and the loss.
-pub fn step_gradients_planned<B: FlashOps>(
-    model: &TrainGpt<B>,
+pub fn step_gradients_planned<B: FlashOps, M: TrainModel<CpTrain<B>>>(
+    model: &M,
     groups: &RankGroups,
     config: &TrainConfig,
     data: &TrainData,
@@ -751,11 +792,11 @@ pub fn step_gradients_planned<B: FlashOps>(
 }
 
 /// All-reduces the accumulated gradients and the loss over the world; stops on non-finite values.
-fn reduce_step<B: FlashOps>(
-    model: &TrainGpt<B>,
+fn reduce_step<B: FlashOps, M: TrainModel<CpTrain<B>>>(
+    model: &M,
     groups: &RankGroups,
     step: usize,
-    mut accumulator: GradientsAccumulator<TrainGpt<B>>,
+    mut accumulator: GradientsAccumulator<M>,
     loss_sum: f64,
     global_labels: usize,
 ) -> Result<(f64, GradientsParams), CpError> {
@@ -881,8 +922,9 @@ pub struct TrainState {
     pub step: usize,
     #[serde(default)]
     pub config: Option<TrainConfig>,
+    /// The model's configuration ([`TrainConfig::model_identity`]).
     #[serde(default)]
-    pub model: Option<GptConfig>,
+    pub model: Option<serde_json::Value>,
 }
 
 /// The checkpoint to load from the run directory `dir`: `checkpoint/`, or `checkpoint.old/` when
@@ -919,7 +961,7 @@ pub fn check_resume(dir: &Path, config: &TrainConfig) -> Result<usize, TrainErro
         )));
     }
     if let Some(saved) = &state.model {
-        let wanted = config.model_config()?;
+        let wanted = config.model_identity()?;
         let differences = model_differences(saved, &wanted);
         if !differences.is_empty() {
             return Err(TrainError::Checkpoint(format!(
@@ -934,10 +976,10 @@ pub fn check_resume(dir: &Path, config: &TrainConfig) -> Result<usize, TrainErro
 }
 
 /// `field: checkpoint X, configuration Y` for every field where the two models differ (compared
-/// through their JSON form, so every field of [`GptConfig`] counts).
-fn model_differences(saved: &GptConfig, wanted: &GptConfig) -> Vec<String> {
-    let fields = |config: &GptConfig| match serde_json::to_value(config) {
-        Ok(serde_json::Value::Object(fields)) => fields,
+/// through their JSON form, so every field of the configuration counts).
+fn model_differences(saved: &serde_json::Value, wanted: &serde_json::Value) -> Vec<String> {
+    let fields = |config: &serde_json::Value| match config {
+        serde_json::Value::Object(fields) => fields.clone(),
         _ => serde_json::Map::new(),
     };
     let (saved, wanted) = (fields(saved), fields(wanted));
@@ -1038,8 +1080,130 @@ pub fn init_model<B: FlashOps>(
         .map_err(TrainError::Model)
 }
 
-/// Trains on one rank from `start_step` (after loading `resume` if given); at the end every
-/// rank takes part in saving the sharded checkpoint to `out` (see `save_checkpoint`).
+/// What a rank's model is built from: the run's configuration, the rank's TP rank and pipeline
+/// stage, its device.
+pub struct ModelInit<'a, B: FlashOps> {
+    pub config: &'a TrainConfig,
+    pub tp_rank: usize,
+    pub pp_rank: usize,
+    pub device: &'a B::Device,
+}
+
+/// A training run as every rank sees it: the configuration, the data, where to resume from and
+/// save to, and rank 0's observer of the steps.
+pub struct Trainer<'a> {
+    pub config: &'a TrainConfig,
+    pub data: &'a TrainData,
+    /// A run directory to continue (its checkpoint).
+    pub resume: Option<&'a Path>,
+    /// Where the checkpoint is saved at the end (all ranks take part).
+    pub out: Option<&'a Path>,
+    pub observer: &'a dyn StepObserver,
+}
+
+impl Trainer<'_> {
+    /// Trains model `M` on this rank (`world`: the rank's communicator of the whole run) from
+    /// the first step not yet trained; `init` builds the rank's model (every rank of a TP
+    /// position must build the same weights: seed it, or load one record).
+    pub fn train_rank<B, M, F>(
+        &self,
+        world: Comm,
+        device: &B::Device,
+        init: F,
+    ) -> Result<RankOutcome, TrainError>
+    where
+        B: FlashOps,
+        M: TrainModel<CpTrain<B>>,
+        F: FnOnce(&ModelInit<B>) -> Result<M, TrainError>,
+    {
+        let config = self.config;
+        let groups = RankGroups::new(world, config)?;
+        let (tp_rank, pp_rank) = (groups.tp.comm.rank(), groups.mesh.pp.rank());
+        let mut model = init(&ModelInit {
+            config,
+            tp_rank,
+            pp_rank,
+            device,
+        })?;
+        check_model_support(&model, config)?;
+        let files = CheckpointFiles::of(config, tp_rank, pp_rank);
+        let mut optimizer = AdamWConfig::new().init::<CpTrain<B>, M>();
+        let mut first_step = 1;
+        if let Some(dir) = self.resume {
+            let checkpoint = saved_checkpoint(dir)?;
+            model = load_model(model, &checkpoint, &files.model, device)?;
+            let record = Recorder_::new()
+                .load(checkpoint.join(&files.optimizer), device)
+                .map_err(|e| {
+                    TrainError::Checkpoint(format!(
+                        "cannot load the optimizer checkpoint from {}: {e}",
+                        checkpoint.display()
+                    ))
+                })?;
+            optimizer = optimizer.load_record(record);
+            let state: TrainState = read_json(&checkpoint.join("state.json"))?;
+            first_step = state.step + 1;
+        }
+        let run = StepLoop {
+            groups: &groups,
+            config,
+            data: self.data,
+            observer: self.observer,
+            device,
+        };
+        let (model, metrics) = std::thread::scope(|scope| {
+            let plans = plan_ahead(scope, config, self.data, first_step);
+            run.steps(model, &mut optimizer, first_step, &plans)
+        })?;
+        if let Some(out) = self.out {
+            let state = TrainState {
+                step: config.steps,
+                config: Some(config.clone()),
+                model: Some(config.model_identity()?),
+            };
+            let saved = Checkpoint {
+                out,
+                model: &model,
+                optimizer: &optimizer,
+                state: &state,
+                files: &files,
+            };
+            save_checkpoint(&groups, &saved)
+                .inspect_err(|e| groups.mesh.world.abort(&e.to_string()))?;
+        }
+        Ok(RankOutcome { metrics })
+    }
+}
+
+/// The mesh asks only what the model supports: TP needs [`TrainModel::tensor_parallel`], PP
+/// [`TrainModel::stages`].
+fn check_model_support<B: AutodiffBackend, M: TrainModel<B>>(
+    model: &M,
+    config: &TrainConfig,
+) -> Result<(), TrainError> {
+    if config.tp > 1 && !model.tensor_parallel() {
+        return Err(TrainError::Config(format!(
+            "tp {} needs a model that shards itself over a TP group (TrainModel::tensor_parallel); this one does not",
+            config.tp
+        )));
+    }
+    if config.pp > 1 && model.stages().is_none() {
+        return Err(TrainError::Config(format!(
+            "pp {} needs a model split into pipeline stages (TrainModel::stages); this one is not",
+            config.pp
+        )));
+    }
+    if config.pp > 1 && M::INPUT_ROWS != InputRows::Packed {
+        return Err(TrainError::Config(format!(
+            "pp {} sends packed rows between stages: the model must take InputRows::Packed",
+            config.pp
+        )));
+    }
+    Ok(())
+}
+
+/// Trains the GPT of `config.model_size` on one rank ([`Trainer::train_rank`] with
+/// [`init_model`]).
 pub fn train_rank<B: FlashOps>(
     world: Comm,
     config: &TrainConfig,
@@ -1049,66 +1213,25 @@ pub fn train_rank<B: FlashOps>(
     observer: &dyn StepObserver,
     device: &B::Device,
 ) -> Result<RankOutcome, TrainError> {
-    let groups = RankGroups::new(world, config)?;
-    let model_config = config.model_config()?;
-    let (tp_rank, pp_rank) = (groups.tp.comm.rank(), groups.mesh.pp.rank());
-    let mut model = init_model::<B>(config, tp_rank, pp_rank, device)?;
-    let files = CheckpointFiles::of(config, tp_rank, pp_rank);
-    let mut optimizer = AdamWConfig::new().init::<CpTrain<B>, TrainGpt<B>>();
-    let recorder = Recorder_::new();
-    let mut first_step = 1;
-    if let Some(dir) = resume {
-        let checkpoint = saved_checkpoint(dir)?;
-        model = load_model(model, &checkpoint, &files.model, device)?;
-        let record = recorder
-            .load(checkpoint.join(&files.optimizer), device)
-            .map_err(|e| {
-                TrainError::Checkpoint(format!(
-                    "cannot load the optimizer checkpoint from {}: {e}",
-                    checkpoint.display()
-                ))
-            })?;
-        optimizer = optimizer.load_record(record);
-        let state: TrainState = read_json(&checkpoint.join("state.json"))?;
-        first_step = state.step + 1;
-    }
-    let run = StepLoop {
-        groups: &groups,
+    let trainer = Trainer {
         config,
         data,
+        resume,
+        out,
         observer,
-        device,
     };
-    let (model, metrics) = std::thread::scope(|scope| {
-        let plans = plan_ahead(scope, config, data, first_step);
-        run.steps(model, &mut optimizer, first_step, &plans)
-    })?;
-    if let Some(out) = out {
-        let state = TrainState {
-            step: config.steps,
-            config: Some(config.clone()),
-            model: Some(model_config),
-        };
-        let saved = Checkpoint {
-            out,
-            model: &model,
-            optimizer: &optimizer,
-            state: &state,
-            files: &files,
-        };
-        save_checkpoint(&groups, &saved)
-            .inspect_err(|e| groups.mesh.world.abort(&e.to_string()))?;
-    }
-    Ok(RankOutcome { metrics })
+    trainer.train_rank::<B, TrainGpt<B>, _>(world, device, |rank| {
+        init_model::<B>(rank.config, rank.tp_rank, rank.pp_rank, rank.device)
+    })
 }
 
 /// `model` with the weights of `file` in the checkpoint directory `checkpoint`.
-fn load_model<B: FlashOps>(
-    model: TrainGpt<B>,
+fn load_model<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: M,
     checkpoint: &Path,
     file: &str,
     device: &B::Device,
-) -> Result<TrainGpt<B>, TrainError> {
+) -> Result<M, TrainError> {
     // burn's record loader panics on a record of another shape (a checkpoint older than the
     // shape check of `check_resume`): turn that into an error.
     let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1163,13 +1286,13 @@ struct StepLoop<'a, B: FlashOps> {
 impl<B: FlashOps> StepLoop<'_, B> {
     /// Trains steps `first..=steps` and returns the trained model; rank 0 also returns (and
     /// reports) the steps' metrics.
-    fn steps<O: Optimizer<TrainGpt<B>, CpTrain<B>>>(
+    fn steps<M: TrainModel<CpTrain<B>>, O: Optimizer<M, CpTrain<B>>>(
         &self,
-        mut model: TrainGpt<B>,
+        mut model: M,
         optimizer: &mut O,
         first: usize,
         plans: &PlanReceiver,
-    ) -> Result<(TrainGpt<B>, Vec<StepMetrics>), TrainError> {
+    ) -> Result<(M, Vec<StepMetrics>), TrainError> {
         let world = &self.groups.mesh.world;
         let mut metrics = Vec::new();
         for step in first..=self.config.steps {

@@ -29,8 +29,15 @@ use burn_dcp::kernels::FlashOps;
 use burn_dcp::{CpBatch, CpError, CpGroup};
 use serde::{Deserialize, Serialize};
 
+use super::model::{PipelineStage, ShardInput, TrainModel};
 use super::plan::{PlannedBatch, RankWork, StepSequences};
-use super::{int_tensor, CpTrain, RankGroups, TrainError, TrainGpt};
+use super::{int_tensor, CpTrain, RankGroups, TrainError};
+use burn_dcp::shard::RankShard;
+
+/// A model's forward failing, as the step's error.
+fn failed(error: String) -> CpError {
+    CpError::RunFailed(format!("model forward: {error}"))
+}
 
 /// The order of a stage's forward and backward passes (`--pp-schedule`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -113,13 +120,13 @@ enum Output<B: FlashOps> {
 }
 
 /// One rank's passes over a step: its stage of the model, and what is in flight.
-pub(super) struct StageRun<'a, B: FlashOps> {
-    model: &'a TrainGpt<B>,
+pub(super) struct StageRun<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> {
+    model: &'a M,
     groups: &'a RankGroups,
     sequences: &'a StepSequences<'a>,
     global_labels: usize,
     device: &'a B::Device,
-    accumulator: GradientsAccumulator<TrainGpt<B>>,
+    accumulator: GradientsAccumulator<M>,
     /// Sum of the last stage's unscaled losses (0 on the other stages).
     loss_sum: f64,
     in_flight: HashMap<usize, InFlight<B>>,
@@ -130,9 +137,9 @@ pub(super) struct StageRun<'a, B: FlashOps> {
     sends: Vec<PendingSend>,
 }
 
-impl<'a, B: FlashOps> StageRun<'a, B> {
+impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
     pub fn new(
-        model: &'a TrainGpt<B>,
+        model: &'a M,
         groups: &'a RankGroups,
         sequences: &'a StepSequences<'a>,
         global_labels: usize,
@@ -152,7 +159,7 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
     }
 
     /// Waits for this rank's sends; returns its accumulated gradients and its loss sum.
-    pub fn finish(self) -> Result<(GradientsAccumulator<TrainGpt<B>>, f64), CpError> {
+    pub fn finish(self) -> Result<(GradientsAccumulator<M>, f64), CpError> {
         for send in self.sends {
             send.wait()?;
         }
@@ -173,7 +180,7 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
         what: &str,
     ) -> Result<Tensor<CpTrain<B>, 3>, CpError> {
         let data = self.pp().irecv(peer)?.wait()?;
-        let d_model = self.model.d_model();
+        let d_model = self.model.stages().map_or(0, |stage| stage.hidden_size());
         if data.shape() != [1, tokens, d_model] {
             return Err(CpError::Input(format!(
                 "pipeline stage {}: the {what} of sub-step {unit} from stage {peer} have shape {:?}, expected [1, {tokens}, {d_model}] (the stages disagree on the plan)",
@@ -204,47 +211,39 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
     pub fn forward(&mut self, unit: usize, planned: &PlannedBatch) -> Result<(), CpError> {
         let me = self.groups.world.rank();
         let RankWork { batch, shard } = planned.shard(self.sequences, me)?;
-        let context = CpBatch {
+        let batch = M::INPUT_ROWS.rows_of(CpBatch {
             placement: planned.placement.clone(),
             masks: batch.masks,
             scale: None,
             blocks: planned.blocks.clone(),
             rows: None,
-        };
+        })?;
         let group = self.groups.group(&planned.ranks, planned.strategy)?;
+        let stage = self.model.stages().filter(|_| self.pp().size() > 1);
+        let input = match stage {
+            None => Some(ShardInput::new(
+                &shard,
+                &batch,
+                me - planned.ranks.start,
+                self.device,
+            )?),
+            Some(_) => None,
+        };
         let context = set_context(CpContext {
             group: group.clone(),
-            batch: context,
+            batch,
         });
-        let tp = &self.groups.tp;
-        let failed = |e: String| CpError::RunFailed(format!("model forward: {e}"));
-        let stage = self.pp().rank();
-        let (input, x) = if self.model.is_first_stage() {
-            let tokens = int_tensor(&shard.tokens, self.device);
-            (None, self.model.embed(tokens, tp).map_err(failed)?)
-        } else {
-            let x = self
-                .receive(stage - 1, unit, shard.tokens.len(), "activations")?
-                .require_grad();
-            (Some(x.clone()), x)
-        };
-        let positions = int_tensor(&shard.positions, self.device);
-        let output = self
-            .model
-            .blocks_forward(x, positions, tp)
-            .map_err(failed)?;
-        let output = if self.model.is_last_stage() {
-            let labels = int_tensor(&shard.labels, self.device);
-            let loss = self
-                .model
-                .loss_from_hidden(output, labels, tp)
-                .map_err(failed)?;
-            self.loss_sum += loss.clone().into_scalar().to_f64();
-            Output::Loss(loss)
-        } else {
-            let sent = Payload::device(output.clone().detach());
-            self.sends.push(self.pp().isend(stage + 1, sent)?);
-            Output::Hidden(output)
+        let (input, output) = match (stage, input) {
+            (Some(stage), _) => self.stage_forward(stage, unit, &shard)?,
+            (None, Some(input)) => {
+                let loss = self
+                    .model
+                    .loss_sum(input, &self.groups.tp)
+                    .map_err(failed)?;
+                self.loss_sum += loss.clone().into_scalar().to_f64();
+                (None, Output::Loss(loss))
+            }
+            (None, None) => unreachable!("the input of a single-stage forward is built above"),
         };
         // Never silent: a model whose attention bypassed the op fails at its first micro-batch.
         context.finish()?;
@@ -255,6 +254,42 @@ impl<'a, B: FlashOps> StageRun<'a, B> {
         };
         self.in_flight.insert(unit, in_flight);
         Ok(())
+    }
+
+    /// One pipeline stage's forward of unit `unit`: the embedding (first stage) or the previous
+    /// stage's activations, this stage's layers, then the loss (last stage) or a send onwards.
+    fn stage_forward(
+        &mut self,
+        model: &dyn PipelineStage<CpTrain<B>>,
+        unit: usize,
+        shard: &RankShard,
+    ) -> Result<(Option<Tensor<CpTrain<B>, 3>>, Output<B>), CpError> {
+        let tp = &self.groups.tp;
+        let stage = self.pp().rank();
+        let (input, x) = if model.is_first_stage() {
+            let tokens = int_tensor(&shard.tokens, self.device);
+            (None, model.embed(tokens, tp).map_err(failed)?)
+        } else {
+            let x = self
+                .receive(stage - 1, unit, shard.tokens.len(), "activations")?
+                .require_grad();
+            (Some(x.clone()), x)
+        };
+        let positions = int_tensor(&shard.positions, self.device);
+        let output = model.forward_hidden(x, positions, tp).map_err(failed)?;
+        let output = if model.is_last_stage() {
+            let labels = int_tensor(&shard.labels, self.device);
+            let loss = model
+                .loss_from_hidden(output, labels, tp)
+                .map_err(failed)?;
+            self.loss_sum += loss.clone().into_scalar().to_f64();
+            Output::Loss(loss)
+        } else {
+            let sent = Payload::device(output.clone().detach());
+            self.sends.push(self.pp().isend(stage + 1, sent)?);
+            Output::Hidden(output)
+        };
+        Ok((input, output))
     }
 
     /// The backward pass of schedule unit `unit` (whose forward this rank ran).

@@ -33,7 +33,7 @@ use burn_dcp::planner::topology::Topology;
 use burn_dcp::shard::RankShard;
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::{CpError, Layout, Placement, Strategy};
-use burn_dcp_models::GptConfig;
+use crate::model::ModelShape;
 use serde::{Deserialize, Serialize};
 
 use super::dynamic::{sequence_work, strategy_for, DynamicSettings};
@@ -218,7 +218,7 @@ pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<
     let started = Instant::now();
     let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
     let model = config
-        .model_config()
+        .model_shape()
         .map_err(|e| CpError::Config(e.to_string()))?;
     let works = sequence_works(&sequences, &model);
     let at_step = |e: CpError| match e {
@@ -274,7 +274,7 @@ pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<
 }
 
 /// Work estimate of every sequence of the step.
-pub fn sequence_works(sequences: &StepSequences, model: &GptConfig) -> Vec<f64> {
+pub fn sequence_works(sequences: &StepSequences, model: &ModelShape) -> Vec<f64> {
     let lengths = sequences.lengths();
     (0..lengths.len())
         .map(|s| sequence_work(lengths[s], sequences.mask(s), model))
@@ -361,7 +361,7 @@ pub fn plan_input(
     batch: &PlannedBatch,
     sequences: &StepSequences,
     config: &TrainConfig,
-    model: &GptConfig,
+    model: &ModelShape,
 ) -> Result<PlanInput, CpError> {
     let lengths = sequences.lengths();
     let dcp = config.dcp.as_ref().ok_or_else(|| {
@@ -406,7 +406,7 @@ fn plan_blocks(
     batch: &mut PlannedBatch,
     sequences: &StepSequences,
     config: &TrainConfig,
-    model: &GptConfig,
+    model: &ModelShape,
 ) -> Result<(), CpError> {
     let input = plan_input(batch, sequences, config, model)?;
     run_blocks(batch, &executable_dcp_plan(&input)?, &input.topology)
@@ -431,7 +431,7 @@ pub fn plan_auto(
     sequences: &StepSequences,
     config: &TrainConfig,
     candidates: &[AutoCandidate],
-    model: &GptConfig,
+    model: &ModelShape,
 ) -> Result<(Vec<PlannedBatch>, Vec<AutoRecord>), CpError> {
     let lengths = sequences.lengths();
     let mut planned = Vec::new();

@@ -1,0 +1,282 @@
+//! What the engine needs of a model: [`TrainModel`] (the loss over a rank's shard, and optional
+//! tensor- and pipeline-parallel hooks) and [`ModelShape`] (the sizes the planners and the cost
+//! model use). The GPT of `burn-dcp-models` implements both; any burn model can.
+
+use burn::module::{AutodiffModule, ParamId};
+use burn::prelude::{Backend, Bool, Int, Tensor, TensorData};
+use burn::tensor::backend::AutodiffBackend;
+use burn_dcp::kernels::FlashOps;
+use burn_dcp::shard::RankShard;
+use burn_dcp::{BatchRows, CpBatch, CpError};
+use burn_dcp_models::{GptConfig, TpGpt};
+use serde::{Deserialize, Serialize};
+
+use crate::tensor_parallel::TpGroup;
+use crate::CpTrain;
+
+/// The sizes of a transformer that the planners' work and cost estimates, the head checks of the
+/// strategies and the TP rules read.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelShape {
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub n_layers: usize,
+    /// Query heads of one attention layer.
+    pub n_heads: usize,
+    /// Key/value heads (grouped-query attention); divides `n_heads`.
+    pub n_kv_heads: usize,
+    /// Width of the feed-forward network.
+    pub d_ff: usize,
+    /// The LM head shares the embedding (under PP, the first and last stage sum its gradients).
+    #[serde(default)]
+    pub tied_embeddings: bool,
+}
+
+impl ModelShape {
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads.max(1)
+    }
+
+    /// Checks the head rules, naming the values.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) {
+            return Err(format!(
+                "d_model {} must be a multiple of n_heads {}",
+                self.d_model, self.n_heads
+            ));
+        }
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return Err(format!(
+                "n_kv_heads {} must divide n_heads {}",
+                self.n_kv_heads, self.n_heads
+            ));
+        }
+        if self.n_layers == 0 {
+            return Err("a model needs at least one layer".into());
+        }
+        Ok(())
+    }
+}
+
+impl From<&GptConfig> for ModelShape {
+    fn from(config: &GptConfig) -> Self {
+        Self {
+            vocab_size: config.vocab_size,
+            d_model: config.d_model,
+            n_layers: config.n_layers,
+            n_heads: config.n_heads,
+            n_kv_heads: config.n_kv_heads,
+            d_ff: config.d_ff,
+            tied_embeddings: config.tied_embeddings,
+        }
+    }
+}
+
+/// How a model takes a rank's share of a planned micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum InputRows {
+    /// One packed row `[1, T_r]` of every sequence, in the placement's order (the GPT).
+    Packed,
+    /// One row per sequence, right-padded: `[sequences, W_r]` (burn-nn's `mask_pad`
+    /// convention; the CP context carries `BatchRows::one_per_row`).
+    OnePerSequence,
+}
+
+impl InputRows {
+    /// The batch with its rows (see [`burn_dcp::rows`]).
+    pub fn rows_of(self, batch: CpBatch) -> Result<CpBatch, CpError> {
+        match self {
+            InputRows::Packed => Ok(batch),
+            InputRows::OnePerSequence => {
+                let count = batch.placement.seq_lens.len();
+                batch.with_rows(BatchRows::one_per_row(count))
+            }
+        }
+    }
+}
+
+/// A rank's share of a planned micro-batch as tensors `[rows, width]` (see [`InputRows`]).
+pub struct ShardInput<B: Backend> {
+    /// Token ids (0 at padding).
+    pub tokens: Tensor<B, 2, Int>,
+    /// Each token's position in its own sequence (global: a rank's tokens are anywhere in it).
+    pub positions: Tensor<B, 2, Int>,
+    /// The next token of the same sequence, `-1` where there is none (and at padding).
+    pub labels: Tensor<B, 2, Int>,
+    /// burn-nn's padding mask: `true` at padding.
+    pub mask_pad: Tensor<B, 2, Bool>,
+}
+
+impl<B: Backend> ShardInput<B> {
+    /// The shard's tensors laid out as the batch's rows say (`batch` must be the one the CP
+    /// context holds, `rank` this rank's index in the group).
+    pub fn new(
+        shard: &RankShard,
+        batch: &CpBatch,
+        rank: usize,
+        device: &B::Device,
+    ) -> Result<Self, CpError> {
+        let rows = batch.local_rows(rank)?;
+        let width = rows.width();
+        let slots = rows.packed_indices(width)?;
+        let layout = |values: &[i64], pad: i64| -> Tensor<B, 2, Int> {
+            let mut laid = vec![pad; rows.rows() * width];
+            for (&slot, &value) in slots.iter().zip(values) {
+                laid[slot] = value;
+            }
+            Tensor::from_data(TensorData::new(laid, [rows.rows(), width]), device)
+        };
+        Ok(Self {
+            tokens: layout(&shard.tokens, 0),
+            positions: layout(&shard.positions, 0),
+            labels: layout(&shard.labels, -1),
+            mask_pad: rows.mask_pad_tensor(width, device)?,
+        })
+    }
+}
+
+/// A model the engine trains context-parallel, on `B = ContextParallel<Autodiff<…>>`.
+///
+/// The one required method is the loss over a rank's shard. The engine scales it by the step's
+/// global label count (so gradients summed over every rank are the mean loss's) and all-reduces
+/// the gradients of every parameter over the DP × CP pool. Its attention must go through burn's
+/// `attention` op (`burn_dcp::nn` has drop-ins of burn-nn's modules); the engine checks every
+/// micro-batch with `CpContextGuard::finish`.
+pub trait TrainModel<B: AutodiffBackend>: AutodiffModule<B> {
+    /// How the model takes its shard.
+    const INPUT_ROWS: InputRows = InputRows::Packed;
+
+    /// Sum of the loss over the labelled tokens of `input` (labels ≥ 0) as a `[1]` tensor. `tp`
+    /// is the rank's tensor-parallel group (size 1 unless [`Self::tensor_parallel`]).
+    fn loss_sum(&self, input: ShardInput<B>, tp: &TpGroup) -> Result<Tensor<B, 1>, String>;
+
+    /// Whether the model shards itself over a TP group (the engine refuses `tp > 1` otherwise).
+    fn tensor_parallel(&self) -> bool {
+        false
+    }
+
+    /// Pipeline stages (the engine refuses `pp > 1` without them).
+    fn stages(&self) -> Option<&dyn PipelineStage<B>> {
+        None
+    }
+
+    /// Parameters whose gradients are partial over the TP ranks that replicate them (the GPT's
+    /// k/v projections when tp > kv heads): summed over those ranks too.
+    fn kv_param_ids(&self) -> Vec<ParamId> {
+        Vec::new()
+    }
+
+    /// Under PP with a tied LM head: the embedding, whose gradients the first and last stage sum.
+    fn tied_embedding_id(&self) -> Option<ParamId> {
+        None
+    }
+}
+
+/// One pipeline stage of a model (packed rows: `[1, T, d]` hidden states of tokens `[T]`).
+pub trait PipelineStage<B: Backend> {
+    fn is_first_stage(&self) -> bool;
+    fn is_last_stage(&self) -> bool;
+    /// The width `d` of the hidden states sent between stages.
+    fn hidden_size(&self) -> usize;
+    /// First stage: the tokens' embeddings.
+    fn embed(&self, tokens: Tensor<B, 1, Int>, tp: &TpGroup) -> Result<Tensor<B, 3>, String>;
+    /// This stage's layers.
+    fn forward_hidden(
+        &self,
+        x: Tensor<B, 3>,
+        positions: Tensor<B, 1, Int>,
+        tp: &TpGroup,
+    ) -> Result<Tensor<B, 3>, String>;
+    /// Last stage: the loss sum of the labels `≥ 0`.
+    fn loss_from_hidden(
+        &self,
+        x: Tensor<B, 3>,
+        labels: Tensor<B, 1, Int>,
+        tp: &TpGroup,
+    ) -> Result<Tensor<B, 1>, String>;
+}
+
+/// `[1, T]` → `[T]` (the GPT takes one packed row).
+fn packed<B: Backend, K: burn::tensor::BasicOps<B>>(t: Tensor<B, 2, K>) -> Tensor<B, 1, K> {
+    let tokens = t.dims()[1];
+    burn_dcp_models::gpt::reshape(t, [tokens])
+}
+
+/// The GPT (a TP shard of a pipeline stage, `TpGpt::stage`): every hook.
+impl<B: FlashOps> TrainModel<CpTrain<B>> for TpGpt<CpTrain<B>> {
+    fn loss_sum(
+        &self,
+        input: ShardInput<CpTrain<B>>,
+        tp: &TpGroup,
+    ) -> Result<Tensor<CpTrain<B>, 1>, String> {
+        if input.tokens.dims()[0] != 1 {
+            return Err(format!(
+                "the GPT takes one packed row of tokens, got {} rows",
+                input.tokens.dims()[0]
+            ));
+        }
+        TpGpt::loss_sum(
+            self,
+            packed(input.tokens),
+            packed(input.positions),
+            packed(input.labels),
+            tp,
+        )
+    }
+
+    fn tensor_parallel(&self) -> bool {
+        true
+    }
+
+    fn stages(&self) -> Option<&dyn PipelineStage<CpTrain<B>>> {
+        Some(self)
+    }
+
+    fn kv_param_ids(&self) -> Vec<ParamId> {
+        TpGpt::kv_param_ids(self)
+    }
+
+    fn tied_embedding_id(&self) -> Option<ParamId> {
+        TpGpt::tied_embedding_id(self)
+    }
+}
+
+impl<B: FlashOps> PipelineStage<CpTrain<B>> for TpGpt<CpTrain<B>> {
+    fn is_first_stage(&self) -> bool {
+        TpGpt::is_first_stage(self)
+    }
+
+    fn is_last_stage(&self) -> bool {
+        TpGpt::is_last_stage(self)
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.d_model()
+    }
+
+    fn embed(
+        &self,
+        tokens: Tensor<CpTrain<B>, 1, Int>,
+        tp: &TpGroup,
+    ) -> Result<Tensor<CpTrain<B>, 3>, String> {
+        TpGpt::embed(self, tokens, tp)
+    }
+
+    fn forward_hidden(
+        &self,
+        x: Tensor<CpTrain<B>, 3>,
+        positions: Tensor<CpTrain<B>, 1, Int>,
+        tp: &TpGroup,
+    ) -> Result<Tensor<CpTrain<B>, 3>, String> {
+        self.blocks_forward(x, positions, tp)
+    }
+
+    fn loss_from_hidden(
+        &self,
+        x: Tensor<CpTrain<B>, 3>,
+        labels: Tensor<CpTrain<B>, 1, Int>,
+        tp: &TpGroup,
+    ) -> Result<Tensor<CpTrain<B>, 1>, String> {
+        TpGpt::loss_from_hidden(self, x, labels, tp)
+    }
+}
