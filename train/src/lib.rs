@@ -140,6 +140,40 @@ pub struct TrainConfig {
     pub model_shape: Option<ModelShape>,
 }
 
+impl Default for TrainConfig {
+    /// The one home of the defaults (what `gpt_longctx` runs without flags): cp 4 ring-zigzag,
+    /// micro-batches of ≤ 4096 tokens of the default corpus in byte tokens, 2 per step, 30 steps
+    /// of AdamW at 3e-3, causal masks, the tiny GPT.
+    fn default() -> Self {
+        Self {
+            cp: 4,
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            pp_schedule: PpSchedule::default(),
+            strategy: Strategy::Ring,
+            layout: Layout::Zigzag,
+            seq_len: 4096,
+            micro_batches: 2,
+            steps: 30,
+            model_size: "tiny".into(),
+            seed: 0,
+            learning_rate: 3e-3,
+            mask: "causal".into(),
+            corpus: "default".into(),
+            tokenizer: "bytes".into(),
+            timeout_secs: 60,
+            dynamic: None,
+            plan_ahead: DEFAULT_PLAN_AHEAD,
+            dcp: None,
+            topology: default_topology(),
+            nodes: default_nodes(),
+            auto: None,
+            model_shape: None,
+        }
+    }
+}
+
 /// Settings of `--strategy auto`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AutoSettings {

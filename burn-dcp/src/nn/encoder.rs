@@ -43,6 +43,9 @@ pub struct TransformerEncoderConfig {
     /// Extension (burn-nn has none): key/value heads of grouped-query attention, dividing
     /// `n_heads`; `None` is `n_heads`.
     pub n_kv_heads: Option<usize>,
+    /// Extension: rotary position embedding in every layer's attention (see
+    /// [`MultiHeadAttentionConfig::rope_theta`]).
+    pub rope_theta: Option<f32>,
 }
 
 /// The transformer encoder with burn-nn 0.21's public API and record layout; its attention is
@@ -173,6 +176,7 @@ impl<B: Backend> TransformerEncoderLayer<B> {
             .with_dropout(config.dropout)
             .with_quiet_softmax(config.quiet_softmax)
             .with_n_kv_heads(config.n_kv_heads)
+            .with_rope_theta(config.rope_theta)
             .init(device);
         let norm_1 = LayerNormConfig::new(config.d_model)
             .with_epsilon(config.layer_norm_eps)

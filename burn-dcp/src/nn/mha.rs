@@ -38,6 +38,10 @@ pub struct MultiHeadAttentionConfig {
     /// `n_heads`. `None` is `n_heads`. The key and value layers then have
     /// `n_kv_heads · d_model / n_heads` outputs.
     pub n_kv_heads: Option<usize>,
+    /// Extension (burn-nn has none): rotary position embedding of the queries and keys of every
+    /// head with this base (RoFormer's θ, 10000 in most models), at each token's position (global
+    /// positions under a CP context). `None`: no rotation, as burn-nn.
+    pub rope_theta: Option<f32>,
 }
 
 /// Multi-head attention with burn-nn 0.21's public API and record layout, computed by burn's
@@ -80,6 +84,8 @@ pub struct MultiHeadAttention<B: Backend> {
     pub min_float: f64,
     /// Use "quiet softmax" instead of regular softmax.
     pub quiet_softmax: bool,
+    /// Rotary position embedding of queries and keys (extension; not in the record).
+    pub rope_theta: Option<f32>,
 }
 
 impl MultiHeadAttentionConfig {
@@ -106,6 +112,7 @@ impl MultiHeadAttentionConfig {
             min_float: self.min_float,
             quiet_softmax: self.quiet_softmax,
             d_model: self.d_model,
+            rope_theta: self.rope_theta,
         }
     }
 
@@ -116,10 +123,21 @@ impl MultiHeadAttentionConfig {
                 self.d_model, self.n_heads
             ));
         }
-        match self.n_kv_heads {
-            Some(kv) if kv == 0 || !self.n_heads.is_multiple_of(kv) => Err(format!(
-                "MultiHeadAttentionConfig: n_kv_heads {kv} must divide n_heads {}",
-                self.n_heads
+        if let Some(kv) = self.n_kv_heads {
+            if kv == 0 || !self.n_heads.is_multiple_of(kv) {
+                return Err(format!(
+                    "MultiHeadAttentionConfig: n_kv_heads {kv} must divide n_heads {}",
+                    self.n_heads
+                ));
+            }
+        }
+        match self.rope_theta {
+            Some(theta) if !(theta > 0.0 && theta.is_finite()) => Err(format!(
+                "MultiHeadAttentionConfig: rope_theta {theta} must be a positive number"
+            )),
+            Some(_) if !(self.d_model / self.n_heads).is_multiple_of(2) => Err(format!(
+                "MultiHeadAttentionConfig: rotary embeddings need an even head dim, got {}",
+                self.d_model / self.n_heads
             )),
             _ => Ok(()),
         }
@@ -211,8 +229,8 @@ impl<B: Backend> MultiHeadAttention<B> {
     pub fn forward(&self, input: MhaInput<B>) -> MhaOutput<B> {
         let [batch_size, seq_length_1, _] = input.query.dims();
         let kv_heads = self.n_kv_heads();
-        let query = self.attention_linear(input.query, &self.query, self.n_heads);
-        let key = self.attention_linear(input.key, &self.key, kv_heads);
+        let query = self.rotate(self.attention_linear(input.query, &self.query, self.n_heads));
+        let key = self.rotate(self.attention_linear(input.key, &self.key, kv_heads));
         let value = self.attention_linear(input.value, &self.value, kv_heads);
         let masks = Masks {
             pad: input.mask_pad,
@@ -231,6 +249,18 @@ impl<B: Backend> MultiHeadAttention<B> {
             weights,
             context: self.output.forward(context),
         }
+    }
+
+    /// The rotary extension on `[B, heads, S, d_k]`: each token at its position (under a CP
+    /// context the global one, else `0..S`).
+    fn rotate(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let Some(theta) = self.rope_theta else {
+            return x;
+        };
+        let [batch, _, seq, _] = x.dims();
+        let positions = super::context_positions(batch, seq)
+            .unwrap_or_else(|| (0..batch).flat_map(|_| 0..seq as i64).collect());
+        super::rope::rotate_at(x, positions, theta)
     }
 
     /// `[B, S, d]` → `[B, heads, S, d_k]`.

@@ -145,6 +145,44 @@ impl<B: Backend> RotaryEncoding<B> {
     }
 }
 
+/// Rotates `x [batch, …, seq, d]` by RoPE at `positions` (`batch · seq` values, row-major) with
+/// base `theta`, the tables computed for these positions only (burn-nn's formula and pair layout):
+/// the rotary extension of [`super::MultiHeadAttention`].
+pub(crate) fn rotate_at<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    positions: Vec<i64>,
+    theta: f32,
+) -> Tensor<B, D> {
+    let shape = x.dims();
+    let device = x.device();
+    let (seq_len, dim) = (shape[D - 2], shape[D - 1]);
+    let batch = shape[0];
+    let rest = shape[..D - 2].iter().product::<usize>() / batch.max(1);
+    let half = dim / 2;
+    let inverse: Vec<f32> = (0..half)
+        .map(|i| (-(2.0 * i as f64 / dim as f64) * (theta as f64).ln()).exp() as f32)
+        .collect();
+    let count = positions.len();
+    let positions =
+        Tensor::<B, 1, Int>::from_data(burn::prelude::TensorData::new(positions, [count]), &device)
+            .float();
+    let inverse =
+        Tensor::<B, 1>::from_data(burn::prelude::TensorData::new(inverse, [half]), &device);
+    let angles = exact_reshape(positions, [count, 1]) * exact_reshape(inverse, [1, half]);
+    let cos = exact_reshape(angles.clone().cos(), [count, half, 1, 1]);
+    let sin = exact_reshape(angles.sin(), [count, half, 1, 1]);
+    let table = exact_reshape(
+        Tensor::cat(vec![cos, sin], 3).repeat_dim(2, 2),
+        [batch, 1, seq_len, dim, 2],
+    );
+    let signs =
+        Tensor::<B, 2>::from_floats([[1.0, 0.0, 0.0, 1.0], [0.0, -1.0, 1.0, 0.0]], &device);
+    let pairs =
+        exact_reshape(x, [batch, rest, seq_len, half, 2]).matmul(signs.unsqueeze::<5>());
+    let rotated = exact_reshape(pairs, [batch, rest, seq_len, dim, 2]) * table;
+    exact_reshape(rotated.sum_dim(4), shape)
+}
+
 /// `[cos, sin]` of `position · θᵢ` for the positions of `range`: `[positions, d_model, 2]`, each
 /// frequency serving two consecutive dims (burn-nn's layout).
 fn frequencies<B: Backend>(range: Range<usize>, theta: Tensor<B, 1>) -> Tensor<B, 3> {
