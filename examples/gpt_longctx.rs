@@ -7,10 +7,8 @@
 //! The model is an ordinary burn GPT; context parallelism comes from the backend type
 //! `ContextParallel<Autodiff<Flex>>` and the per-rank CP context the training loop sets.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn_dcp::comm::WorldConfig;
 #[cfg(feature = "wgpu")]
@@ -18,10 +16,11 @@ use burn_dcp::kernels::backends::{WgpuFusion, WgpuPlain};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::launch::Ranks;
+use burn_dcp_suite::train::metrics::truncate_metrics;
 use burn_dcp_suite::train::{
-    check_resume, read_json, train_rank, write_atomically, write_json, AutoSettings, CpSizes,
-    DcpSettings, DynamicSettings, PpSchedule, RankOutcome, StepMetrics, StepObserver, TrainConfig,
-    TrainData, TrainError, DEFAULT_PLAN_AHEAD, MAX_SEQ_LEN,
+    check_resume, read_json, train_rank, write_json, AutoSettings, CpSizes, DcpSettings,
+    DynamicSettings, PpSchedule, Progress, RankOutcome, StepMetrics, TrainConfig, TrainData,
+    TrainError, DEFAULT_PLAN_AHEAD, MAX_SEQ_LEN,
 };
 use clap::Parser;
 use serde_json::json;
@@ -498,43 +497,6 @@ fn resumed_config(args: &Args, dir: &Path) -> Result<TrainConfig, TrainError> {
     Ok(config)
 }
 
-/// Rank 0's view of the run: progress bar, metrics.jsonl.
-struct Reporter {
-    /// The mesh, shown on the progress line.
-    mesh: String,
-    metrics_file: Option<Mutex<std::fs::File>>,
-    steps: usize,
-    started: Instant,
-    error: Mutex<Option<TrainError>>,
-}
-
-impl StepObserver for Reporter {
-    fn on_step(&self, m: &StepMetrics) {
-        let width = 30;
-        let done = m.step * width / self.steps.max(1);
-        let tokens_per_second = m.tokens as f64 / (m.step_ms / 1e3);
-        eprint!(
-            "\r[{}{}] step {}/{} | {} | loss {:.4} | {:.0} tok/s | {:.1} MB sent ",
-            "#".repeat(done),
-            ".".repeat(width - done),
-            m.step,
-            self.steps,
-            self.mesh,
-            m.loss,
-            tokens_per_second,
-            m.bytes_communicated as f64 / 1e6
-        );
-        if let Some(file) = &self.metrics_file {
-            let line = serde_json::to_string(m).expect("metrics serialize");
-            let mut file = file.lock().unwrap_or_else(|p| p.into_inner());
-            if let Err(e) = writeln!(file, "{line}") {
-                *self.error.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(TrainError::io("write", "metrics.jsonl", e));
-            }
-        }
-    }
-}
-
 /// `--out DIR` must not overwrite another run: a directory holding a run's files (config.json,
 /// metrics.jsonl, a checkpoint) is only written to when it is the run being resumed.
 fn refuse_overwrite(out: &Path, resume: Option<&Path>) -> Result<(), TrainError> {
@@ -562,33 +524,6 @@ fn same_dir(a: &Path, b: &Path) -> bool {
         (Ok(a), Ok(b)) => a == b,
         _ => a == b,
     }
-}
-
-/// Keeps the lines of `metrics.jsonl` up to step `last_step` (rewritten atomically).
-fn truncate_metrics(path: &Path, last_step: usize) -> Result<(), TrainError> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(());
-    };
-    let kept: Vec<&str> = text
-        .lines()
-        .filter(|line| serde_json::from_str::<StepMetrics>(line).is_ok_and(|m| m.step <= last_step))
-        .collect();
-    let mut content = kept.join("\n");
-    if !content.is_empty() {
-        content.push('\n');
-    }
-    write_atomically(path, content.as_bytes())
-}
-
-fn open_metrics(out: &Path, append: bool) -> Result<std::fs::File, TrainError> {
-    let path = out.join("metrics.jsonl");
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(append)
-        .write(true)
-        .truncate(!append)
-        .open(&path)
-        .map_err(|e| TrainError::io("open", &path, e))
 }
 
 fn run(args: &Args) -> Result<(), TrainError> {
@@ -665,18 +600,12 @@ fn train(
         // A run killed after some steps logged metrics the checkpoint does not hold: drop them.
         truncate_metrics(&out.join("metrics.jsonl"), step)?;
     }
-    let reporter = Reporter {
-        mesh: config.mesh_shape().to_string(),
-        metrics_file: out
-            .as_deref()
-            .filter(|_| leader)
-            .map(|o| open_metrics(o, appending))
-            .transpose()?
-            .map(Mutex::new),
-        steps: config.steps,
-        started: Instant::now(),
-        error: Mutex::new(None),
-    };
+    let reporter = Progress::new(
+        config.mesh_shape().to_string(),
+        config.steps,
+        out.as_deref().filter(|_| leader),
+        appending,
+    )?;
     let strategy = match &config.dynamic {
         Some(d) => format!(
             "dynamic CP over a pool of {} ({} inside groups, {} tokens per rank, {:?} sizes)",
@@ -724,7 +653,7 @@ fn train(
         _ => train_world::<burn::backend::Flex>(ranks, config, &data, resume, &out, &reporter),
     };
     if leader {
-        eprintln!();
+        reporter.finish()?;
     }
     let outcome = results.map_err(TrainError::RankFailed)?;
     let Some(outcome) = outcome else {
@@ -732,19 +661,11 @@ fn train(
         return Ok(());
     };
     let metrics = outcome.metrics;
-    if let Some(error) = reporter
-        .error
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take()
-    {
-        return Err(error);
-    }
     summarize(
         args,
         config,
         &metrics,
-        reporter.started.elapsed().as_secs_f64(),
+        reporter.elapsed_seconds(),
         out.as_deref(),
     )
 }
@@ -756,7 +677,7 @@ fn train_world<B: FlashOps>(
     data: &TrainData,
     resume: Option<&Path>,
     out: &Option<PathBuf>,
-    reporter: &Reporter,
+    reporter: &Progress,
 ) -> Result<Option<RankOutcome>, String> {
     let device = B::Device::default();
     ranks.run(|comm| {
@@ -782,7 +703,7 @@ fn train_world_cuda(
     data: &TrainData,
     resume: Option<&Path>,
     out: &Option<PathBuf>,
-    reporter: &Reporter,
+    reporter: &Progress,
 ) -> Result<Option<RankOutcome>, String> {
     type Cuda = burn::backend::Cuda;
     let Some(local_rank) = ranks.local_rank() else {

@@ -2,7 +2,6 @@
 //! helpers of the examples, and re-exports the crates they use (the training engine is
 //! `burn-dcp-train`).
 
-
 /// The README's Rust code, compiled and run as doctests (`cargo test --workspace --doc`).
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

@@ -16,8 +16,8 @@ use burn_dcp::comm::Comm;
 use burn_dcp::mesh::{Axis, Coords, Mesh};
 use burn_dcp::{CpError, CpGroup, Strategy};
 
-use super::plan::StepPlan;
 use super::model::ModelShape;
+use super::plan::StepPlan;
 use super::tensor_parallel::TpGroup;
 use super::TrainConfig;
 

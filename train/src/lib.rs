@@ -28,6 +28,7 @@ pub mod dynamic;
 pub mod error;
 pub mod groups;
 pub mod launch;
+pub mod metrics;
 pub mod model;
 pub mod pipeline;
 pub mod plan;
@@ -60,6 +61,7 @@ use serde::{Deserialize, Serialize};
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
 pub use error::TrainError;
 pub use groups::RankGroups;
+pub use metrics::{Progress, StepMetrics, StepObserver};
 pub use model::{InputRows, ModelShape, PipelineStage, ShardInput, TrainModel};
 pub use pipeline::PpSchedule;
 use pipeline::{stage_passes, Pass, StageRun};
@@ -638,47 +640,6 @@ impl TrainData {
     }
 }
 
-/// One optimizer step's measurements (a line of `metrics.jsonl`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct StepMetrics {
-    pub step: usize,
-    /// Mean cross-entropy over every labelled token of the global batch.
-    pub loss: f64,
-    /// Tokens processed in the step (all replicas).
-    pub tokens: usize,
-    /// Bytes sent by all ranks during the step (attention and gradient all-reduce).
-    pub bytes_communicated: u64,
-    /// The step's bytes by link class (`--topology`/`--nodes`; intra-node only on one node).
-    #[serde(default)]
-    pub bytes_by_link: LinkBytes,
-    /// The step's bytes by mesh axis: `tp` (the TP region all-reduces, the vocab-parallel max,
-    /// replicated kv gradients), `cp` (attention), `dp`
-    /// (the gradient all-reduce over DP × CP), `pp` (activations between stages).
-    #[serde(default)]
-    pub bytes_by_axis: BTreeMap<String, u64>,
-    pub step_ms: f64,
-    /// CP group size → number of sequences that ran in groups of that size.
-    #[serde(default)]
-    pub cp_group_sizes: BTreeMap<String, usize>,
-    /// Max / mean of the per-rank estimated work of the step (see `dynamic`'s estimator).
-    #[serde(default)]
-    pub rank_workload_imbalance: f64,
-    /// Time the step's planning took (on the planning thread; `None` only in metrics written
-    /// before every strategy was planned).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub plan_ms: Option<f64>,
-    /// Time the step waited for its plan.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub plan_wait_ms: Option<f64>,
-    /// Strategy → micro-batches of the step that ran it (`auto`: its choices; otherwise the one
-    /// strategy, `dynamic` for dynamic CP).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub strategy_counts: BTreeMap<String, usize>,
-    /// `auto` only: every micro-batch's choice, its sequences and every candidate's estimate.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub auto_choices: Vec<AutoRecord>,
-}
-
 fn int_tensor<B: burn::prelude::Backend>(values: &[i64], device: &B::Device) -> Tensor<B, 1, Int> {
     Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
 }
@@ -1036,11 +997,6 @@ type BytesRecorder_ = NamedMpkBytesRecorder<FullPrecisionSettings>;
 /// The result of one rank's training.
 pub struct RankOutcome {
     pub metrics: Vec<StepMetrics>,
-}
-
-/// Hooks of rank 0: called after each step with its metrics (progress, metrics.jsonl).
-pub trait StepObserver: Sync {
-    fn on_step(&self, metrics: &StepMetrics);
 }
 
 /// The bytes one rank sent during one step: every rank measures its own

@@ -34,6 +34,9 @@ use super::plan::{PlannedBatch, RankWork, StepSequences};
 use super::{int_tensor, CpTrain, RankGroups, TrainError};
 use burn_dcp::shard::RankShard;
 
+/// Hidden states between pipeline stages.
+type Hidden<B> = Tensor<CpTrain<B>, 3>;
+
 /// A model's forward failing, as the step's error.
 fn failed(error: String) -> CpError {
     CpError::RunFailed(format!("model forward: {error}"))
@@ -263,7 +266,7 @@ impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
         model: &dyn PipelineStage<CpTrain<B>>,
         unit: usize,
         shard: &RankShard,
-    ) -> Result<(Option<Tensor<CpTrain<B>, 3>>, Output<B>), CpError> {
+    ) -> Result<(Option<Hidden<B>>, Output<B>), CpError> {
         let tp = &self.groups.tp;
         let stage = self.pp().rank();
         let (input, x) = if model.is_first_stage() {
@@ -279,9 +282,7 @@ impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
         let output = model.forward_hidden(x, positions, tp).map_err(failed)?;
         let output = if model.is_last_stage() {
             let labels = int_tensor(&shard.labels, self.device);
-            let loss = model
-                .loss_from_hidden(output, labels, tp)
-                .map_err(failed)?;
+            let loss = model.loss_from_hidden(output, labels, tp).map_err(failed)?;
             self.loss_sum += loss.clone().into_scalar().to_f64();
             Output::Loss(loss)
         } else {

@@ -23,6 +23,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::model::ModelShape;
 use burn_dcp::kernels::{MaskSpec, MicroBatch};
 use burn_dcp::planner::auto::{choose_strategy, executable_dcp_plan, AutoCandidate};
 use burn_dcp::planner::cost::{AttentionDims, RoutedPlan};
@@ -33,7 +34,6 @@ use burn_dcp::planner::topology::Topology;
 use burn_dcp::shard::RankShard;
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::{CpError, Layout, Placement, Strategy};
-use crate::model::ModelShape;
 use serde::{Deserialize, Serialize};
 
 use super::dynamic::{sequence_work, strategy_for, DynamicSettings};

@@ -76,10 +76,15 @@ impl TrainModel<B> for TinyLm<B> {
 
     fn loss_sum(&self, input: ShardInput<B>, _tp: &TpGroup) -> Result<Tensor<B, 1>, String> {
         let x = self.embedding.forward(input.tokens);
-        let x = self
-            .encoder
-            .forward(TransformerEncoderInput::new(x).mask_pad(input.mask_pad).causal());
-        Ok(loss_sum(self.head.forward(self.norm.forward(x)), input.labels))
+        let x = self.encoder.forward(
+            TransformerEncoderInput::new(x)
+                .mask_pad(input.mask_pad)
+                .causal(),
+        );
+        Ok(loss_sum(
+            self.head.forward(self.norm.forward(x)),
+            input.labels,
+        ))
     }
 }
 
@@ -211,7 +216,11 @@ fn burn_nns_own_attention_is_refused_at_the_first_micro_batch() {
         head: LinearConfig::new(D_MODEL, VOCAB).init(device),
     };
     let error = losses(&config(2, 1, Strategy::Ring), init).unwrap_err();
-    for needle in ["no attention call was intercepted", "MultiHeadAttention", "burn_dcp::nn"] {
+    for needle in [
+        "no attention call was intercepted",
+        "MultiHeadAttention",
+        "burn_dcp::nn",
+    ] {
         assert!(error.contains(needle), "{needle:?} missing from: {error}");
     }
 }

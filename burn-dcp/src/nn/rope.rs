@@ -175,10 +175,8 @@ pub(crate) fn rotate_at<B: Backend, const D: usize>(
         Tensor::cat(vec![cos, sin], 3).repeat_dim(2, 2),
         [batch, 1, seq_len, dim, 2],
     );
-    let signs =
-        Tensor::<B, 2>::from_floats([[1.0, 0.0, 0.0, 1.0], [0.0, -1.0, 1.0, 0.0]], &device);
-    let pairs =
-        exact_reshape(x, [batch, rest, seq_len, half, 2]).matmul(signs.unsqueeze::<5>());
+    let signs = Tensor::<B, 2>::from_floats([[1.0, 0.0, 0.0, 1.0], [0.0, -1.0, 1.0, 0.0]], &device);
+    let pairs = exact_reshape(x, [batch, rest, seq_len, half, 2]).matmul(signs.unsqueeze::<5>());
     let rotated = exact_reshape(pairs, [batch, rest, seq_len, dim, 2]) * table;
     exact_reshape(rotated.sum_dim(4), shape)
 }

@@ -1,0 +1,321 @@
+//! A user's own burn model, trained context-parallel through `burn-dcp-train`'s public engine.
+//!
+//! The model is built only from burn modules and the drop-ins of `burn_dcp::nn`: token embedding
+//! → an encoder stack (pre-norm, causal, rotary embeddings, 8 query heads and 2 kv heads by
+//! default) → layer norm → LM head. It takes one right-padded row per sequence (`[B, W]` with
+//! burn-nn's `mask_pad`), as burn models usually do. Everything context-parallel — planning,
+//! sharding, the CP context, loss scaling, the gradient all-reduce — is the engine's.
+//!
+//! ```sh
+//! cargo run --release --example custom_model                      # cp 4, ring (zigzag)
+//! cargo run --release --example custom_model -- --cp 2 --dp 2 --strategy ulysses --out runs/c
+//! cargo run --release --example custom_model -- --burn-nn         # refused: burn-nn's attention
+//! ```
+//!
+//! `--out DIR` writes `metrics.jsonl` (`step`, `loss`, `tokens`, `bytes_communicated`, …). The
+//! same seed gives the same data and weights at any `--cp`/`--dp`, so per-step losses equal
+//! cp 1's. Processes instead of threads: as `gpt_longctx` (mpirun or scripts/launch_tcp.py).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use burn::backend::Flex;
+use burn::module::Module;
+use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::prelude::{Backend, Int, Tensor};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::activation::log_softmax;
+use burn_dcp::comm::WorldConfig;
+use burn_dcp::nn::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
+use burn_dcp::Strategy;
+use burn_dcp_suite::train::launch::Ranks;
+use burn_dcp_suite::train::{
+    CpTrain, InputRows, ModelShape, Progress, ShardInput, TpGroup, TrainConfig, TrainData,
+    TrainError, TrainModel, Trainer,
+};
+use clap::Parser;
+
+/// Train a small causal LM of burn_dcp::nn modules with context parallelism.
+#[derive(Parser, Debug)]
+struct Args {
+    /// Context-parallel ranks per replica
+    #[arg(long, default_value_t = 4)]
+    cp: usize,
+    /// Data-parallel replicas
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    /// ring | ring-zigzag | ring-contiguous | ring-stripe | ulysses | all-gather | usp (with --ulysses-degree)
+    #[arg(long, default_value = "ring")]
+    strategy: String,
+    /// Ulysses degree of USP
+    #[arg(long)]
+    ulysses_degree: Option<usize>,
+    /// Optimizer steps
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Tokens per packed micro-batch (whole documents up to this length, longer ones split)
+    #[arg(long, default_value_t = 2048)]
+    seq_len: usize,
+    /// Micro-batches per step (a multiple of dp)
+    #[arg(long, default_value_t = 2)]
+    micro_batches: usize,
+    /// Query heads
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    /// Key/value heads (grouped-query attention)
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    /// Model width
+    #[arg(long, default_value_t = 64)]
+    d_model: usize,
+    /// Encoder layers
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    /// Training text: default | builtin | a directory | a .jsonl file
+    #[arg(long, default_value = "default")]
+    corpus: String,
+    /// Seed of the weights and the data
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// The same model on burn-nn's own TransformerEncoder (its attention bypasses burn's op:
+    /// refused at the first micro-batch)
+    #[arg(long)]
+    burn_nn: bool,
+    /// Write metrics.jsonl here
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the per-step losses as JSON on stdout
+    #[arg(long)]
+    json: bool,
+}
+
+const VOCAB: usize = 256; // byte tokens
+
+type B = CpTrain<Flex>;
+
+/// The user's model: embedding → drop-in encoder (causal, RoPE, GQA) → norm → LM head.
+#[derive(Module, Debug)]
+struct CausalLm<B: Backend> {
+    embedding: Embedding<B>,
+    encoder: TransformerEncoder<B>,
+    norm: LayerNorm<B>,
+    head: Linear<B>,
+}
+
+impl<B: Backend> CausalLm<B> {
+    fn new(args: &Args, device: &B::Device) -> Self {
+        Self {
+            embedding: EmbeddingConfig::new(VOCAB, args.d_model).init(device),
+            encoder: TransformerEncoderConfig::new(
+                args.d_model,
+                4 * args.d_model,
+                args.heads,
+                args.layers,
+            )
+            .with_n_kv_heads(Some(args.kv_heads))
+            .with_rope_theta(Some(10_000.0))
+            .with_dropout(0.0)
+            .with_norm_first(true)
+            .init(device),
+            norm: LayerNormConfig::new(args.d_model).init(device),
+            head: LinearConfig::new(args.d_model, VOCAB).init(device),
+        }
+    }
+}
+
+/// The same model with burn-nn's encoder (no GQA, no rotary embeddings in burn-nn).
+#[derive(Module, Debug)]
+struct BurnNnLm<B: Backend> {
+    embedding: Embedding<B>,
+    encoder: burn::nn::transformer::TransformerEncoder<B>,
+    head: Linear<B>,
+}
+
+impl<B: Backend> BurnNnLm<B> {
+    fn new(args: &Args, device: &B::Device) -> Self {
+        Self {
+            embedding: EmbeddingConfig::new(VOCAB, args.d_model).init(device),
+            encoder: burn::nn::transformer::TransformerEncoderConfig::new(
+                args.d_model,
+                4 * args.d_model,
+                args.heads,
+                args.layers,
+            )
+            .with_dropout(0.0)
+            .with_norm_first(true)
+            .init(device),
+            head: LinearConfig::new(args.d_model, VOCAB).init(device),
+        }
+    }
+}
+
+/// Next-token cross-entropy summed over the labelled tokens of `[B, W, V]` logits.
+fn loss_sum<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+    let [rows, width, vocab] = logits.dims();
+    let n = rows * width;
+    let log_probs = log_softmax(logits.reshape([n, vocab]), 1);
+    let labels = labels.reshape([n]);
+    let valid = labels.clone().greater_equal_elem(0);
+    let picked = log_probs
+        .gather(1, labels.clamp_min(0).reshape([n, 1]))
+        .reshape([n]);
+    picked.zeros_like().mask_where(valid, picked).sum().neg()
+}
+
+impl TrainModel<B> for CausalLm<B> {
+    const INPUT_ROWS: InputRows = InputRows::OnePerSequence;
+
+    fn loss_sum(&self, input: ShardInput<B>, _tp: &TpGroup) -> Result<Tensor<B, 1>, String> {
+        let x = self.embedding.forward(input.tokens);
+        let x = self.encoder.forward(
+            TransformerEncoderInput::new(x)
+                .mask_pad(input.mask_pad)
+                .causal(),
+        );
+        Ok(loss_sum(
+            self.head.forward(self.norm.forward(x)),
+            input.labels,
+        ))
+    }
+}
+
+impl TrainModel<B> for BurnNnLm<B> {
+    const INPUT_ROWS: InputRows = InputRows::OnePerSequence;
+
+    fn loss_sum(&self, input: ShardInput<B>, _tp: &TpGroup) -> Result<Tensor<B, 1>, String> {
+        let [rows, width] = input.tokens.dims();
+        let device = input.tokens.device();
+        let causal = burn::nn::attention::generate_autoregressive_mask(rows, width, &device);
+        let x = self.embedding.forward(input.tokens);
+        let x = self.encoder.forward(
+            burn::nn::transformer::TransformerEncoderInput::new(x)
+                .mask_pad(input.mask_pad)
+                .mask_attn(causal),
+        );
+        Ok(loss_sum(self.head.forward(x), input.labels))
+    }
+}
+
+fn config(args: &Args) -> Result<TrainConfig, TrainError> {
+    let (strategy, layout) = match args.strategy.as_str() {
+        "ring" | "ring-zigzag" => (Strategy::Ring, burn_dcp::Layout::Zigzag),
+        name => match name.strip_prefix("ring-") {
+            Some(layout) => (Strategy::Ring, layout.parse()?),
+            None => (
+                Strategy::parse(name, args.ulysses_degree, args.cp)?,
+                burn_dcp::Layout::Zigzag,
+            ),
+        },
+    };
+    let config = TrainConfig {
+        cp: args.cp,
+        dp: args.dp,
+        strategy,
+        layout,
+        seq_len: args.seq_len,
+        micro_batches: args.micro_batches,
+        steps: args.steps,
+        seed: args.seed,
+        corpus: args.corpus.clone(),
+        model_shape: Some(ModelShape {
+            vocab_size: VOCAB,
+            d_model: args.d_model,
+            n_layers: args.layers,
+            n_heads: args.heads,
+            n_kv_heads: args.kv_heads,
+            d_ff: 4 * args.d_model,
+            tied_embeddings: false,
+        }),
+        ..TrainConfig::default()
+    };
+    config.validate()?;
+    Ok(config)
+}
+
+/// Every rank starts from the same weights: drawn once from the seed (in every process alike)
+/// and loaded by each rank.
+fn initial_record<M: Module<Flex>>(model: M) -> Vec<u8> {
+    Recorder::<Flex>::record(
+        &BinBytesRecorder::<FullPrecisionSettings>::default(),
+        model.into_record(),
+        (),
+    )
+    .expect("the model records")
+}
+
+fn loaded<M: Module<B>>(model: M, bytes: &[u8]) -> Result<M, TrainError> {
+    let record = Recorder::<B>::load(
+        &BinBytesRecorder::<FullPrecisionSettings>::default(),
+        bytes.to_vec(),
+        &Default::default(),
+    )
+    .map_err(|e| TrainError::Model(format!("cannot load the initial weights: {e}")))?;
+    Ok(model.load_record(record))
+}
+
+fn train<M: TrainModel<B>>(
+    args: &Args,
+    config: &TrainConfig,
+    bytes: &[u8],
+    model: impl Fn() -> M + Sync,
+) -> Result<(), TrainError> {
+    let ranks = Ranks::new(
+        config.world_size(),
+        WorldConfig {
+            timeout: Duration::from_secs(config.timeout_secs),
+            ranks_per_node: None,
+        },
+    )
+    .map_err(TrainError::Launch)?;
+    let leader = ranks.is_leader();
+    if let (true, Some(out)) = (leader, &args.out) {
+        std::fs::create_dir_all(out).map_err(|e| TrainError::io("create", out, e))?;
+    }
+    let data = TrainData::load(config)?;
+    let progress = Progress::new(
+        format!("custom_model {}", config.mesh_shape()),
+        config.steps,
+        args.out.as_deref().filter(|_| leader),
+        false,
+    )?;
+    let trainer = Trainer {
+        config,
+        data: &data,
+        resume: None,
+        out: None,
+        observer: &progress,
+    };
+    let result = ranks.run(|comm| {
+        trainer.train_rank::<Flex, M, _>(comm, &Default::default(), |_| loaded(model(), bytes))
+    });
+    if leader {
+        progress.finish()?;
+    }
+    let outcome = result.map_err(TrainError::RankFailed)?;
+    if let (Some(outcome), true) = (outcome, args.json) {
+        let losses: Vec<f64> = outcome.metrics.iter().map(|m| m.loss).collect();
+        println!("{}", serde_json::json!({ "losses": losses }));
+    }
+    Ok(())
+}
+
+fn run(args: &Args) -> Result<(), TrainError> {
+    let config = config(args)?;
+    let device = Default::default();
+    Flex::seed(&device, args.seed);
+    if args.burn_nn {
+        let bytes = initial_record(BurnNnLm::<Flex>::new(args, &device));
+        train(args, &config, &bytes, || BurnNnLm::<B>::new(args, &device))
+    } else {
+        let bytes = initial_record(CausalLm::<Flex>::new(args, &device));
+        train(args, &config, &bytes, || CausalLm::<B>::new(args, &device))
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Err(error) = run(&args) {
+        eprintln!("custom_model: {error}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,173 @@
+//! What a run reports: [`StepMetrics`] (a line of `metrics.jsonl`), the [`StepObserver`] hook of
+//! rank 0, and [`Progress`], the observer the examples use (a progress line on a terminal, a
+//! plain line per step in a log, `metrics.jsonl`).
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use burn_dcp::comm::LinkBytes;
+use serde::{Deserialize, Serialize};
+
+use crate::plan::AutoRecord;
+use crate::{write_atomically, TrainError};
+
+/// One optimizer step's measurements (a line of `metrics.jsonl`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: usize,
+    /// Mean cross-entropy over every labelled token of the global batch.
+    pub loss: f64,
+    /// Tokens processed in the step (all replicas).
+    pub tokens: usize,
+    /// Bytes sent by all ranks during the step (attention and gradient all-reduce).
+    pub bytes_communicated: u64,
+    /// The step's bytes by link class (`--topology`/`--nodes`; intra-node only on one node).
+    #[serde(default)]
+    pub bytes_by_link: LinkBytes,
+    /// The step's bytes by mesh axis: `tp` (the TP region all-reduces, the vocab-parallel max,
+    /// replicated kv gradients), `cp` (attention), `dp`
+    /// (the gradient all-reduce over DP × CP), `pp` (activations between stages).
+    #[serde(default)]
+    pub bytes_by_axis: BTreeMap<String, u64>,
+    pub step_ms: f64,
+    /// CP group size → number of sequences that ran in groups of that size.
+    #[serde(default)]
+    pub cp_group_sizes: BTreeMap<String, usize>,
+    /// Max / mean of the per-rank estimated work of the step (see `dynamic`'s estimator).
+    #[serde(default)]
+    pub rank_workload_imbalance: f64,
+    /// Time the step's planning took (on the planning thread; `None` only in metrics written
+    /// before every strategy was planned).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan_ms: Option<f64>,
+    /// Time the step waited for its plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan_wait_ms: Option<f64>,
+    /// Strategy → micro-batches of the step that ran it (`auto`: its choices; otherwise the one
+    /// strategy, `dynamic` for dynamic CP).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub strategy_counts: BTreeMap<String, usize>,
+    /// `auto` only: every micro-batch's choice, its sequences and every candidate's estimate.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub auto_choices: Vec<AutoRecord>,
+}
+
+/// Hooks of rank 0: called after each step with its metrics (progress, metrics.jsonl).
+pub trait StepObserver: Sync {
+    fn on_step(&self, metrics: &StepMetrics);
+}
+
+/// Rank 0's report of a run: a progress line on stderr (redrawn in place on a terminal; one plain
+/// line per step otherwise, so mpirun and Slurm logs stay readable) and, with an output
+/// directory, `metrics.jsonl` (one [`StepMetrics`] per line).
+pub struct Progress {
+    /// The program's name and the mesh, at the start of each line.
+    label: String,
+    steps: usize,
+    metrics_file: Option<Mutex<std::fs::File>>,
+    terminal: bool,
+    started: Instant,
+    error: Mutex<Option<TrainError>>,
+}
+
+impl Progress {
+    /// A report of `steps` steps. With `out`, `metrics.jsonl` there is created (or appended to
+    /// when `append`: a resumed run).
+    pub fn new(
+        label: impl Into<String>,
+        steps: usize,
+        out: Option<&Path>,
+        append: bool,
+    ) -> Result<Self, TrainError> {
+        let metrics_file = out.map(|out| open_metrics(out, append)).transpose()?;
+        Ok(Self {
+            label: label.into(),
+            steps,
+            metrics_file: metrics_file.map(Mutex::new),
+            terminal: std::io::stderr().is_terminal(),
+            started: Instant::now(),
+            error: Mutex::new(None),
+        })
+    }
+
+    /// Seconds since the report started.
+    pub fn elapsed_seconds(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// Ends the progress line; returns the first error writing `metrics.jsonl`, if any.
+    pub fn finish(&self) -> Result<(), TrainError> {
+        if self.terminal {
+            eprintln!();
+        }
+        match self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
+    }
+}
+
+impl StepObserver for Progress {
+    fn on_step(&self, m: &StepMetrics) {
+        let tokens_per_second = m.tokens as f64 / (m.step_ms / 1e3);
+        let numbers = format!(
+            "step {}/{} | {} | loss {:.4} | {:.0} tok/s | {:.1} MB sent",
+            m.step,
+            self.steps,
+            self.label,
+            m.loss,
+            tokens_per_second,
+            m.bytes_communicated as f64 / 1e6
+        );
+        if self.terminal {
+            let width = 30;
+            let done = m.step * width / self.steps.max(1);
+            eprint!(
+                "\r[{}{}] {numbers} ",
+                "#".repeat(done),
+                ".".repeat(width - done)
+            );
+        } else {
+            eprintln!("{numbers}");
+        }
+        if let Some(file) = &self.metrics_file {
+            let line = serde_json::to_string(m).expect("metrics serialize");
+            let mut file = file.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = writeln!(file, "{line}") {
+                *self.error.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(TrainError::io("write", "metrics.jsonl", e));
+            }
+        }
+    }
+}
+
+/// Drops the lines of `metrics.jsonl` past `last_step` (a run killed after its checkpoint logged
+/// steps the checkpoint does not hold).
+pub fn truncate_metrics(path: &Path, last_step: usize) -> Result<(), TrainError> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|line| serde_json::from_str::<StepMetrics>(line).is_ok_and(|m| m.step <= last_step))
+        .collect();
+    let mut content = kept.join("\n");
+    if !content.is_empty() {
+        content.push('\n');
+    }
+    write_atomically(path, content.as_bytes())
+}
+
+fn open_metrics(out: &Path, append: bool) -> Result<std::fs::File, TrainError> {
+    let path = out.join("metrics.jsonl");
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(append)
+        .write(true)
+        .truncate(!append)
+        .open(&path)
+        .map_err(|e| TrainError::io("open", &path, e))
+}
