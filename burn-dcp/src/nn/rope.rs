@@ -194,3 +194,34 @@ fn frequencies<B: Backend>(range: Range<usize>, theta: Tensor<B, 1>) -> Tensor<B
     let pair = Tensor::cat(vec![cos, sin], 3).repeat_dim(2, 2);
     exact_reshape(pair, [count, 2 * half, 2])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::prelude::TensorData;
+
+    /// The rotary extension of the attention rotates as burn-nn's RotaryEncoding does.
+    #[test]
+    fn rotation_at_positions_equals_the_encoding_module() {
+        let device = Default::default();
+        let (batch, heads, seq, dim) = (2, 3, 5, 8);
+        let values: Vec<f32> = (0..batch * heads * seq * dim)
+            .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+            .collect();
+        let x = Tensor::<Flex, 4>::from_data(
+            TensorData::new(values, [batch, heads, seq, dim]),
+            &device,
+        );
+        let module = RotaryEncodingConfig::new(16, dim).init::<Flex>(&device);
+        let want = module.apply(x.clone(), 3).into_data().to_vec::<f32>().unwrap();
+        let positions = (0..batch).flat_map(|_| 3..3 + seq as i64).collect();
+        let got = rotate_at(x, positions, 10_000.0)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-5, "{g} vs {w}");
+        }
+    }
+}
