@@ -113,7 +113,6 @@ impl<B: Backend> CausalLm<B> {
                 args.layers,
             )
             .with_n_kv_heads(Some(args.kv_heads))
-            .with_rope_theta(Some(10_000.0))
             .with_dropout(0.0)
             .with_norm_first(true)
             .init(device),
@@ -170,7 +169,8 @@ impl TrainModel<B> for CausalLm<B> {
         let x = self.encoder.forward(
             TransformerEncoderInput::new(x)
                 .mask_pad(input.mask_pad)
-                .causal(),
+                .causal()
+                .rotary(10_000.0),
         );
         Ok(loss_sum(
             self.head.forward(self.norm.forward(x)),

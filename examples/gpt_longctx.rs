@@ -105,7 +105,7 @@ struct Args {
     /// Mask of every sequence: causal | lambda | blockwise | shared-question (DCP defaults) | mixed (one of those per sequence) | full | a spec such as lambda:64,4096 [default: causal]
     #[arg(long)]
     mask: Option<String>,
-    /// Training text: default (Vim help files, Debian vim-runtime) | builtin (this repository's text) | a directory of text files | a .jsonl file [default: default]
+    /// Training text: default (Vim help files, Debian vim-runtime) | builtin (burn-dcp-train's README and sources) | a directory of text files | a .jsonl file [default: default]
     #[arg(long)]
     corpus: Option<String>,
     /// bytes | gpt2 (r50k BPE; its 50257-token LM head makes CPU steps ~8x slower) [default: bytes]

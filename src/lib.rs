@@ -7,6 +7,11 @@
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
+/// docs/models.md's Rust code, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/models.md")]
+pub struct ModelsDoctests;
+
 /// Checks a `--backend` flag of the examples: `flex` always runs; `wgpu`/`cuda` run when the
 /// binary was built with that cargo feature, and otherwise name the feature (never a silent CPU
 /// fallback).

@@ -469,7 +469,9 @@ impl<B: Backend> UserModel<B> {
         let [batch, seq, _] = x.dims();
         let device = x.device();
         let x = self.sinusoids.forward(self.rope.forward(x));
-        let input = TransformerEncoderInput::new(x).mask_pad(mask_pad);
+        let input = TransformerEncoderInput::new(x)
+            .mask_pad(mask_pad)
+            .rotary(10_000.0);
         let input = if dense_causal {
             input.mask_attn(generate_autoregressive_mask(batch, seq, &device))
         } else {

@@ -107,7 +107,7 @@ pub struct TrainConfig {
     /// Mask policy: `causal`, `lambda`, `blockwise`, `shared-question` (DCP defaults), `mixed`
     /// (one of those per sequence), `full`, or a spec such as `lambda:64,4096`.
     pub mask: String,
-    /// `default` (Vim help files, Debian vim-runtime), `builtin` (this repository's text), or a
+    /// `default` (Vim help files, Debian vim-runtime), `builtin` (burn-dcp-train's README and sources), or a
     /// directory of text files / a `.jsonl` file.
     pub corpus: String,
     /// `gpt2` (r50k BPE) or `bytes`.
@@ -544,31 +544,17 @@ pub const MAX_MICRO_BATCHES: usize = 1 << 20;
 /// The most tokens a packed micro-batch may hold (positions are stored as `u32`).
 pub const MAX_SEQ_LEN: usize = u32::MAX as usize;
 
-/// The `builtin` corpus: this repository's own design notes and sources (small; for tests).
+/// The `builtin` corpus: this crate's own README and sources (small, always at hand; for tests and
+/// examples that must not depend on installed files).
 pub fn builtin_documents() -> Vec<Document> {
     [
-        ("README.md", include_str!("../../README.md")),
-        (
-            "ring.rs",
-            include_str!("../../burn-dcp/src/strategy/ring.rs"),
-        ),
-        (
-            "ulysses.rs",
-            include_str!("../../burn-dcp/src/strategy/ulysses.rs"),
-        ),
-        (
-            "in_process.rs",
-            include_str!("../../burn-dcp/src/comm/in_process.rs"),
-        ),
-        (
-            "portable.rs",
-            include_str!("../../burn-dcp-kernels/src/portable/mod.rs"),
-        ),
-        (
-            "mask.rs",
-            include_str!("../../burn-dcp-kernels/src/definition/mask.rs"),
-        ),
-        ("gpt.rs", include_str!("../../models/src/gpt.rs")),
+        ("README.md", include_str!("../README.md")),
+        ("lib.rs", include_str!("lib.rs")),
+        ("plan.rs", include_str!("plan.rs")),
+        ("pipeline.rs", include_str!("pipeline.rs")),
+        ("groups.rs", include_str!("groups.rs")),
+        ("model.rs", include_str!("model.rs")),
+        ("launch.rs", include_str!("launch.rs")),
     ]
     .iter()
     .map(|(name, text)| Document {

@@ -36,7 +36,6 @@ impl<B: Backend> TinyLm<B> {
             embedding: EmbeddingConfig::new(VOCAB, D_MODEL).init(device),
             encoder: TransformerEncoderConfig::new(D_MODEL, 64, 8, 2)
                 .with_n_kv_heads(Some(2))
-                .with_rope_theta(Some(10_000.0))
                 .with_dropout(0.0)
                 .with_norm_first(true)
                 .init(device),
@@ -79,7 +78,8 @@ impl TrainModel<B> for TinyLm<B> {
         let x = self.encoder.forward(
             TransformerEncoderInput::new(x)
                 .mask_pad(input.mask_pad)
-                .causal(),
+                .causal()
+                .rotary(10_000.0),
         );
         Ok(loss_sum(
             self.head.forward(self.norm.forward(x)),

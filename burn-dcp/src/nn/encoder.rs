@@ -43,9 +43,6 @@ pub struct TransformerEncoderConfig {
     /// Extension (burn-nn has none): key/value heads of grouped-query attention, dividing
     /// `n_heads`; `None` is `n_heads`.
     pub n_kv_heads: Option<usize>,
-    /// Extension: rotary position embedding in every layer's attention (see
-    /// [`MultiHeadAttentionConfig::rope_theta`]).
-    pub rope_theta: Option<f32>,
 }
 
 /// The transformer encoder with burn-nn 0.21's public API and record layout; its attention is
@@ -77,6 +74,7 @@ pub struct TransformerEncoderInput<B: Backend> {
     mask_pad: Option<Tensor<B, 2, Bool>>,
     mask_attn: Option<Tensor<B, 3, Bool>>,
     causal: bool,
+    rope_theta: Option<f32>,
 }
 
 impl<B: Backend> TransformerEncoderInput<B> {
@@ -87,6 +85,7 @@ impl<B: Backend> TransformerEncoderInput<B> {
             mask_pad: None,
             mask_attn: None,
             causal: false,
+            rope_theta: None,
         }
     }
 
@@ -105,6 +104,13 @@ impl<B: Backend> TransformerEncoderInput<B> {
     /// Extension: causal attention without a dense `[B, S, S]` mask (see [`MhaInput::causal`]).
     pub fn causal(mut self) -> Self {
         self.causal = true;
+        self
+    }
+
+    /// Extension: rotary position embeddings in every layer's attention (see
+    /// [`MhaInput::rotary`]).
+    pub fn rotary(mut self, theta: f32) -> Self {
+        self.rope_theta = Some(theta);
         self
     }
 }
@@ -142,7 +148,7 @@ impl<B: Backend> TransformerEncoder<B> {
                 x,
                 input.mask_pad.clone(),
                 input.mask_attn.clone(),
-                input.causal,
+                (input.causal, input.rope_theta),
             );
         }
         x
@@ -176,7 +182,6 @@ impl<B: Backend> TransformerEncoderLayer<B> {
             .with_dropout(config.dropout)
             .with_quiet_softmax(config.quiet_softmax)
             .with_n_kv_heads(config.n_kv_heads)
-            .with_rope_theta(config.rope_theta)
             .init(device);
         let norm_1 = LayerNormConfig::new(config.d_model)
             .with_epsilon(config.layer_norm_eps)
@@ -207,7 +212,7 @@ impl<B: Backend> TransformerEncoderLayer<B> {
         mask_pad: Option<Tensor<B, 2, Bool>>,
         mask_attn: Option<Tensor<B, 3, Bool>>,
     ) -> Tensor<B, 3> {
-        self.forward_masks(input, mask_pad, mask_attn, false)
+        self.forward_masks(input, mask_pad, mask_attn, (false, None))
     }
 
     fn forward_masks(
@@ -215,7 +220,7 @@ impl<B: Backend> TransformerEncoderLayer<B> {
         input: Tensor<B, 3>,
         mask_pad: Option<Tensor<B, 2, Bool>>,
         mask_attn: Option<Tensor<B, 3, Bool>>,
-        causal: bool,
+        (causal, rope_theta): (bool, Option<f32>),
     ) -> Tensor<B, 3> {
         let x = input;
         let residual = if self.norm_first {
@@ -232,6 +237,9 @@ impl<B: Backend> TransformerEncoderLayer<B> {
         }
         if causal {
             attention_input = attention_input.causal();
+        }
+        if let Some(theta) = rope_theta {
+            attention_input = attention_input.rotary(theta);
         }
         let residual = self.mha.forward(attention_input).context;
         let mut x = x + self.dropout.forward(residual);

@@ -38,10 +38,6 @@ pub struct MultiHeadAttentionConfig {
     /// `n_heads`. `None` is `n_heads`. The key and value layers then have
     /// `n_kv_heads · d_model / n_heads` outputs.
     pub n_kv_heads: Option<usize>,
-    /// Extension (burn-nn has none): rotary position embedding of the queries and keys of every
-    /// head with this base (RoFormer's θ, 10000 in most models), at each token's position (global
-    /// positions under a CP context). `None`: no rotation, as burn-nn.
-    pub rope_theta: Option<f32>,
 }
 
 /// Multi-head attention with burn-nn 0.21's public API and record layout, computed by burn's
@@ -84,8 +80,6 @@ pub struct MultiHeadAttention<B: Backend> {
     pub min_float: f64,
     /// Use "quiet softmax" instead of regular softmax.
     pub quiet_softmax: bool,
-    /// Rotary position embedding of queries and keys (extension; not in the record).
-    pub rope_theta: Option<f32>,
 }
 
 impl MultiHeadAttentionConfig {
@@ -112,7 +106,6 @@ impl MultiHeadAttentionConfig {
             min_float: self.min_float,
             quiet_softmax: self.quiet_softmax,
             d_model: self.d_model,
-            rope_theta: self.rope_theta,
         }
     }
 
@@ -131,16 +124,7 @@ impl MultiHeadAttentionConfig {
                 ));
             }
         }
-        match self.rope_theta {
-            Some(theta) if !(theta > 0.0 && theta.is_finite()) => Err(format!(
-                "MultiHeadAttentionConfig: rope_theta {theta} must be a positive number"
-            )),
-            Some(_) if !(self.d_model / self.n_heads).is_multiple_of(2) => Err(format!(
-                "MultiHeadAttentionConfig: rotary embeddings need an even head dim, got {}",
-                self.d_model / self.n_heads
-            )),
-            _ => Ok(()),
-        }
+        Ok(())
     }
 }
 
@@ -156,6 +140,7 @@ pub struct MhaInput<B: Backend> {
     mask_pad: Option<Tensor<B, 2, Bool>>,
     mask_attn: Option<Tensor<B, 3, Bool>>,
     causal: bool,
+    rope_theta: Option<f32>,
 }
 
 impl<B: Backend> MhaInput<B> {
@@ -173,6 +158,7 @@ impl<B: Backend> MhaInput<B> {
             mask_pad: None,
             mask_attn: None,
             causal: false,
+            rope_theta: None,
         }
     }
 
@@ -193,6 +179,18 @@ impl<B: Backend> MhaInput<B> {
     /// `mask_attn(generate_autoregressive_mask(..))` means, at any length).
     pub fn causal(mut self) -> Self {
         self.causal = true;
+        self
+    }
+
+    /// Extension: rotary position embedding (RoFormer) of the queries and keys of every head,
+    /// with base `theta` (10000 in most models), each token at its position — its global
+    /// position under a CP context. An input option rather than a config field, so that the
+    /// module's record keeps burn-nn's layout.
+    ///
+    /// # Panics
+    /// In `forward`, when `theta` is not a positive number or the head dim is odd.
+    pub fn rotary(mut self, theta: f32) -> Self {
+        self.rope_theta = Some(theta);
         self
     }
 }
@@ -229,8 +227,12 @@ impl<B: Backend> MultiHeadAttention<B> {
     pub fn forward(&self, input: MhaInput<B>) -> MhaOutput<B> {
         let [batch_size, seq_length_1, _] = input.query.dims();
         let kv_heads = self.n_kv_heads();
-        let query = self.rotate(self.attention_linear(input.query, &self.query, self.n_heads));
-        let key = self.rotate(self.attention_linear(input.key, &self.key, kv_heads));
+        let rope = input.rope_theta;
+        let query = self.rotate(
+            self.attention_linear(input.query, &self.query, self.n_heads),
+            rope,
+        );
+        let key = self.rotate(self.attention_linear(input.key, &self.key, kv_heads), rope);
         let value = self.attention_linear(input.value, &self.value, kv_heads);
         let masks = Masks {
             pad: input.mask_pad,
@@ -253,10 +255,19 @@ impl<B: Backend> MultiHeadAttention<B> {
 
     /// The rotary extension on `[B, heads, S, d_k]`: each token at its position (under a CP
     /// context the global one, else `0..S`).
-    fn rotate(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let Some(theta) = self.rope_theta else {
+    fn rotate(&self, x: Tensor<B, 4>, theta: Option<f32>) -> Tensor<B, 4> {
+        let Some(theta) = theta else {
             return x;
         };
+        assert!(
+            theta > 0.0 && theta.is_finite(),
+            "MultiHeadAttention: rotary theta {theta} must be a positive number"
+        );
+        assert!(
+            self.d_k.is_multiple_of(2),
+            "MultiHeadAttention: rotary embeddings need an even head dim, got {}",
+            self.d_k
+        );
         let [batch, _, seq, _] = x.dims();
         let positions = super::context_positions(batch, seq)
             .unwrap_or_else(|| (0..batch).flat_map(|_| 0..seq as i64).collect());

@@ -214,7 +214,11 @@ mod tests {
             &device,
         );
         let module = RotaryEncodingConfig::new(16, dim).init::<Flex>(&device);
-        let want = module.apply(x.clone(), 3).into_data().to_vec::<f32>().unwrap();
+        let want = module
+            .apply(x.clone(), 3)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
         let positions = (0..batch).flat_map(|_| 3..3 + seq as i64).collect();
         let got = rotate_at(x, positions, 10_000.0)
             .into_data()
