@@ -5,7 +5,7 @@
 //!   (world ranks `d·cp .. (d+1)·cp`), placed by the layout;
 //! - **dynamic CP** ([`plan_dynamic`]): the scheduler's groups, each running the sequences it was
 //!   given, placed by the layout over the group;
-//! - **DCP** (static groups, `plan_blocks`): each micro-batch's DCP block plan for the group's
+//! - **DCP** (static groups, `plan_blocks` in `block_plans.rs`): each micro-batch's DCP block plan for the group's
 //!   topology; its homes are the placement and it travels with the batch to the executor.
 //! - **auto** ([`plan_auto`]): static groups; each micro-batch runs the candidate with the lowest
 //!   estimated attention time (`burn_dcp::planner::auto`): a static strategy placed zigzag, the
@@ -25,12 +25,7 @@ use std::time::Instant;
 
 use crate::model::ModelShape;
 use burn_dcp::kernels::{MaskSpec, MicroBatch};
-use burn_dcp::planner::auto::{choose_strategy, executable_dcp_plan, AutoCandidate};
-use burn_dcp::planner::cost::{AttentionDims, RoutedPlan};
-use burn_dcp::planner::dcp::DcpConfig;
 use burn_dcp::planner::dynamic::{rank_work, schedule_with, DynamicCpSchedule};
-use burn_dcp::planner::strategies::{megatron_schedule, usp_ulysses_degree, PlanInput};
-use burn_dcp::planner::topology::Topology;
 use burn_dcp::shard::RankShard;
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::{CpError, Layout, Placement, Strategy};
@@ -38,6 +33,8 @@ use serde::{Deserialize, Serialize};
 
 use super::dynamic::{sequence_work, strategy_for, DynamicSettings};
 use super::{TrainConfig, TrainData};
+use crate::block_plans::plan_blocks;
+pub use crate::block_plans::{plan_auto, plan_input};
 
 /// The sequences of a step's global batch, micro-batch by micro-batch, numbered in that order.
 pub struct StepSequences<'a> {
@@ -327,7 +324,7 @@ pub fn plan_dynamic(
 /// `layout` over its group and run by `inner` (sized to the group). The schedule's sequence `s`
 /// is the step's sequence `sequence_of(s)` (whose length is in `lengths`) and its rank `r` the
 /// pool rank `first_rank + r`.
-fn schedule_batches(
+pub(crate) fn schedule_batches(
     schedule: DynamicCpSchedule,
     lengths: &[usize],
     sequence_of: impl Fn(usize) -> usize,
@@ -354,148 +351,9 @@ fn schedule_batches(
     Ok(planned)
 }
 
-/// The planner's input for `batch`: its sequences and masks, the attention dimensions its CP
-/// calls see (one TP rank's query heads, K/V repeated to as many heads, f32 elements, as training
-/// runs), the group's topology, and DCP's block, stages and seed.
-pub fn plan_input(
-    batch: &PlannedBatch,
-    sequences: &StepSequences,
-    config: &TrainConfig,
-    model: &ModelShape,
-) -> Result<PlanInput, CpError> {
-    let lengths = sequences.lengths();
-    let dcp = config.dcp.as_ref().ok_or_else(|| {
-        CpError::Config(format!(
-            "strategy {} plans blocks but has no DCP settings (--block, --stages)",
-            config.strategy_name()
-        ))
-    })?;
-    Ok(PlanInput {
-        seq_lens: batch.sequences.iter().map(|&s| lengths[s]).collect(),
-        masks: batch
-            .sequences
-            .iter()
-            .map(|&s| sequences.mask(s).clone())
-            .collect(),
-        dims: {
-            // CP attention runs on the heads of one TP rank, and the GPT repeats each kv head for
-            // its query group before calling attention: the strategies move K/V with as many
-            // heads as Q, so that is what the plans are costed with.
-            let (heads, _) = config.rank_heads(model);
-            AttentionDims {
-                heads,
-                kv_heads: heads,
-                head_dim: model.head_dim(),
-                element_bytes: 4,
-            }
-        },
-        topology: config.group_topology()?,
-        block: dcp.block,
-        dcp: DcpConfig {
-            stages: dcp.stages,
-            seed: config.seed,
-            ..DcpConfig::default()
-        },
-        max_seq_len_per_rank: None,
-    })
-}
-
-/// Strategy dcp: plans `batch` with the DCP planner (one head unit: a token's heads stay
-/// together) for the group's topology; the plan's homes become the placement.
-fn plan_blocks(
-    batch: &mut PlannedBatch,
-    sequences: &StepSequences,
-    config: &TrainConfig,
-    model: &ModelShape,
-) -> Result<(), CpError> {
-    let input = plan_input(batch, sequences, config, model)?;
-    run_blocks(batch, &executable_dcp_plan(&input)?, &input.topology)
-}
-
-/// Makes `batch` run the DCP plan `routed`: its homes become the placement.
-fn run_blocks(
-    batch: &mut PlannedBatch,
-    routed: &RoutedPlan,
-    topology: &Topology,
-) -> Result<(), CpError> {
-    let schedule = BlockSchedule::new(&routed.plan, &routed.problem, topology)?;
-    batch.placement = Arc::new(schedule.placement().clone());
-    batch.blocks = Some(Arc::new(schedule));
-    batch.strategy = Strategy::Dcp;
-    Ok(())
-}
-
-/// Strategy auto: each micro-batch of the static split runs the candidate with the lowest
-/// estimated attention time; returns the planned batches and every micro-batch's choice.
-pub fn plan_auto(
-    sequences: &StepSequences,
-    config: &TrainConfig,
-    candidates: &[AutoCandidate],
-    model: &ModelShape,
-) -> Result<(Vec<PlannedBatch>, Vec<AutoRecord>), CpError> {
-    let lengths = sequences.lengths();
-    let mut planned = Vec::new();
-    let mut records = Vec::new();
-    let split = plan_static(
-        sequences,
-        config.cp,
-        config.dp,
-        Strategy::Ring,
-        Layout::Zigzag,
-    )?;
-    for (micro_batch, mut batch) in split.into_iter().enumerate() {
-        let input = plan_input(&batch, sequences, config, model)?;
-        let choice = choose_strategy(&input, candidates)?;
-        records.push(AutoRecord {
-            micro_batch,
-            strategy: choice.winner.name().into(),
-            seq_lens: input.seq_lens.clone(),
-            masks: input.masks.iter().map(|m| m.to_string()).collect(),
-            estimated_ms: choice
-                .estimates
-                .iter()
-                .filter_map(|e| e.estimated_ms.map(|ms| (e.strategy.to_string(), ms)))
-                .collect(),
-        });
-        let cp = config.cp;
-        match choice.winner {
-            AutoCandidate::RingZigzag | AutoCandidate::AllGather | AutoCandidate::Ulysses => {
-                batch.strategy = match choice.winner {
-                    AutoCandidate::RingZigzag => Strategy::Ring,
-                    AutoCandidate::AllGather => Strategy::AllGather,
-                    _ => Strategy::Ulysses,
-                };
-                planned.push(batch);
-            }
-            AutoCandidate::Usp => {
-                let degree = usp_ulysses_degree(&input)?;
-                batch.strategy = Strategy::Usp {
-                    ulysses_degree: degree,
-                    ring_degree: cp / degree,
-                };
-                planned.push(batch);
-            }
-            AutoCandidate::Dcp => {
-                run_blocks(&mut batch, &choice.plan, &input.topology)?;
-                planned.push(batch);
-            }
-            AutoCandidate::Dynamic => planned.extend(schedule_batches(
-                megatron_schedule(&input)?,
-                &lengths,
-                |s| batch.sequences[s],
-                batch.ranks.start,
-                Strategy::Ring,
-                Layout::Zigzag,
-            )?),
-        }
-    }
-    assign_sub_steps(&mut planned);
-    Ok((planned, records))
-}
-
 /// Numbers sub-steps so that batches of one sub-step run on disjoint ranks: each batch comes one
 /// after the latest earlier batch it shares a rank with (in plan order, which every rank follows).
-fn assign_sub_steps(batches: &mut [PlannedBatch]) {
+pub(crate) fn assign_sub_steps(batches: &mut [PlannedBatch]) {
     for i in 0..batches.len() {
         let after = batches[..i]
             .iter()

@@ -1,0 +1,155 @@
+//! The plans that need the planners' problem form: DCP's block plans of a step's micro-batches
+//! (`plan_blocks`) and `auto`'s choice per micro-batch ([`plan_auto`]).
+
+use std::sync::Arc;
+
+use crate::model::ModelShape;
+use burn_dcp::planner::auto::{choose_strategy, executable_dcp_plan, AutoCandidate};
+use burn_dcp::planner::cost::{AttentionDims, RoutedPlan};
+use burn_dcp::planner::dcp::DcpConfig;
+use burn_dcp::planner::strategies::{megatron_schedule, usp_ulysses_degree, PlanInput};
+use burn_dcp::planner::topology::Topology;
+use burn_dcp::strategy::block_plan::BlockSchedule;
+use burn_dcp::{CpError, Layout, Strategy};
+
+use super::plan::*;
+use super::TrainConfig;
+
+/// The planner's input for `batch`: its sequences and masks, the attention dimensions its CP
+/// calls see (one TP rank's query heads, K/V repeated to as many heads, f32 elements, as training
+/// runs), the group's topology, and DCP's block, stages and seed.
+pub fn plan_input(
+    batch: &PlannedBatch,
+    sequences: &StepSequences,
+    config: &TrainConfig,
+    model: &ModelShape,
+) -> Result<PlanInput, CpError> {
+    let lengths = sequences.lengths();
+    let dcp = config.dcp.as_ref().ok_or_else(|| {
+        CpError::Config(format!(
+            "strategy {} plans blocks but has no DCP settings (--block, --stages)",
+            config.strategy_name()
+        ))
+    })?;
+    Ok(PlanInput {
+        seq_lens: batch.sequences.iter().map(|&s| lengths[s]).collect(),
+        masks: batch
+            .sequences
+            .iter()
+            .map(|&s| sequences.mask(s).clone())
+            .collect(),
+        dims: {
+            // CP attention runs on the heads of one TP rank, and the GPT repeats each kv head for
+            // its query group before calling attention: the strategies move K/V with as many
+            // heads as Q, so that is what the plans are costed with.
+            let (heads, _) = config.rank_heads(model);
+            AttentionDims {
+                heads,
+                kv_heads: heads,
+                head_dim: model.head_dim(),
+                element_bytes: 4,
+            }
+        },
+        topology: config.group_topology()?,
+        block: dcp.block,
+        dcp: DcpConfig {
+            stages: dcp.stages,
+            seed: config.seed,
+            ..DcpConfig::default()
+        },
+        max_seq_len_per_rank: None,
+    })
+}
+
+/// Strategy dcp: plans `batch` with the DCP planner (one head unit: a token's heads stay
+/// together) for the group's topology; the plan's homes become the placement.
+pub(crate) fn plan_blocks(
+    batch: &mut PlannedBatch,
+    sequences: &StepSequences,
+    config: &TrainConfig,
+    model: &ModelShape,
+) -> Result<(), CpError> {
+    let input = plan_input(batch, sequences, config, model)?;
+    run_blocks(batch, &executable_dcp_plan(&input)?, &input.topology)
+}
+
+/// Makes `batch` run the DCP plan `routed`: its homes become the placement.
+pub(crate) fn run_blocks(
+    batch: &mut PlannedBatch,
+    routed: &RoutedPlan,
+    topology: &Topology,
+) -> Result<(), CpError> {
+    let schedule = BlockSchedule::new(&routed.plan, &routed.problem, topology)?;
+    batch.placement = Arc::new(schedule.placement().clone());
+    batch.blocks = Some(Arc::new(schedule));
+    batch.strategy = Strategy::Dcp;
+    Ok(())
+}
+
+/// Strategy auto: each micro-batch of the static split runs the candidate with the lowest
+/// estimated attention time; returns the planned batches and every micro-batch's choice.
+pub fn plan_auto(
+    sequences: &StepSequences,
+    config: &TrainConfig,
+    candidates: &[AutoCandidate],
+    model: &ModelShape,
+) -> Result<(Vec<PlannedBatch>, Vec<AutoRecord>), CpError> {
+    let lengths = sequences.lengths();
+    let mut planned = Vec::new();
+    let mut records = Vec::new();
+    let split = plan_static(
+        sequences,
+        config.cp,
+        config.dp,
+        Strategy::Ring,
+        Layout::Zigzag,
+    )?;
+    for (micro_batch, mut batch) in split.into_iter().enumerate() {
+        let input = plan_input(&batch, sequences, config, model)?;
+        let choice = choose_strategy(&input, candidates)?;
+        records.push(AutoRecord {
+            micro_batch,
+            strategy: choice.winner.name().into(),
+            seq_lens: input.seq_lens.clone(),
+            masks: input.masks.iter().map(|m| m.to_string()).collect(),
+            estimated_ms: choice
+                .estimates
+                .iter()
+                .filter_map(|e| e.estimated_ms.map(|ms| (e.strategy.to_string(), ms)))
+                .collect(),
+        });
+        let cp = config.cp;
+        match choice.winner {
+            AutoCandidate::RingZigzag | AutoCandidate::AllGather | AutoCandidate::Ulysses => {
+                batch.strategy = match choice.winner {
+                    AutoCandidate::RingZigzag => Strategy::Ring,
+                    AutoCandidate::AllGather => Strategy::AllGather,
+                    _ => Strategy::Ulysses,
+                };
+                planned.push(batch);
+            }
+            AutoCandidate::Usp => {
+                let degree = usp_ulysses_degree(&input)?;
+                batch.strategy = Strategy::Usp {
+                    ulysses_degree: degree,
+                    ring_degree: cp / degree,
+                };
+                planned.push(batch);
+            }
+            AutoCandidate::Dcp => {
+                run_blocks(&mut batch, &choice.plan, &input.topology)?;
+                planned.push(batch);
+            }
+            AutoCandidate::Dynamic => planned.extend(schedule_batches(
+                megatron_schedule(&input)?,
+                &lengths,
+                |s| batch.sequences[s],
+                batch.ranks.start,
+                Strategy::Ring,
+                Layout::Zigzag,
+            )?),
+        }
+    }
+    assign_sub_steps(&mut planned);
+    Ok((planned, records))
+}

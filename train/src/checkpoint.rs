@@ -1,0 +1,296 @@
+//! Checkpoints: sharded over TP and PP, written atomically by rank 0, resumed with checks.
+
+use std::path::{Path, PathBuf};
+
+use burn::module::AutodiffModule;
+use burn::optim::Optimizer;
+use burn::prelude::TensorData;
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, NamedMpkFileRecorder, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn_dcp::comm::panic_message;
+use serde::{Deserialize, Serialize};
+
+use crate::*;
+
+/// Where a run keeps its checkpoint.
+pub fn checkpoint_dir(out: &Path) -> PathBuf {
+    out.join("checkpoint")
+}
+
+/// Saved training state besides the weights: the last completed step, and what the checkpoint
+/// holds (absent in checkpoints written before these fields existed).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrainState {
+    pub step: usize,
+    #[serde(default)]
+    pub config: Option<TrainConfig>,
+    /// The model's configuration ([`TrainConfig::model_identity`]).
+    #[serde(default)]
+    pub model: Option<serde_json::Value>,
+}
+
+/// The checkpoint to load from the run directory `dir`: `checkpoint/`, or `checkpoint.old/` when
+/// a save was cut between its two renames (see `save_checkpoint`).
+pub fn saved_checkpoint(dir: &Path) -> Result<PathBuf, TrainError> {
+    let current = checkpoint_dir(dir);
+    if current.join("state.json").is_file() {
+        return Ok(current);
+    }
+    let previous = dir.join("checkpoint.old");
+    if previous.join("state.json").is_file() {
+        return Ok(previous);
+    }
+    Err(TrainError::Checkpoint(format!(
+        "{} holds no checkpoint (no {})",
+        dir.display(),
+        current.join("state.json").display()
+    )))
+}
+
+/// Checks that the run saved in `dir` can continue under `config` and returns its saved step: the
+/// checkpoint never moves backwards (`config.steps` ≥ the saved step), and the saved model has
+/// the shape `config` describes (config.json may have been edited).
+pub fn check_resume(dir: &Path, config: &TrainConfig) -> Result<usize, TrainError> {
+    let checkpoint = saved_checkpoint(dir)?;
+    let state: TrainState = read_json(&checkpoint.join("state.json"))?;
+    if config.steps < state.step {
+        return Err(TrainError::Config(format!(
+            "--steps {} is below the step {} of the checkpoint in {}: a checkpoint never moves backwards (use --steps {} or more, or --out to start a new run)",
+            config.steps,
+            state.step,
+            checkpoint.display(),
+            state.step
+        )));
+    }
+    if let Some(saved) = &state.model {
+        let wanted = config.model_identity()?;
+        let differences = model_differences(saved, &wanted);
+        if !differences.is_empty() {
+            return Err(TrainError::Checkpoint(format!(
+                "the checkpoint in {} holds a different model than the configuration asks for ({}): {}",
+                checkpoint.display(),
+                dir.join("config.json").display(),
+                differences.join(", ")
+            )));
+        }
+    }
+    Ok(state.step)
+}
+
+/// `field: checkpoint X, configuration Y` for every field where the two models differ (compared
+/// through their JSON form, so every field of the configuration counts).
+pub(crate) fn model_differences(
+    saved: &serde_json::Value,
+    wanted: &serde_json::Value,
+) -> Vec<String> {
+    let fields = |config: &serde_json::Value| match config {
+        serde_json::Value::Object(fields) => fields.clone(),
+        _ => serde_json::Map::new(),
+    };
+    let (saved, wanted) = (fields(saved), fields(wanted));
+    wanted
+        .iter()
+        .filter(|(name, value)| saved.get(*name) != Some(value))
+        .map(|(name, value)| {
+            let old = saved
+                .get(name)
+                .map_or("(missing)".into(), |v| v.to_string());
+            format!("{name}: checkpoint {old}, configuration {value}")
+        })
+        .collect()
+}
+
+pub(crate) type Recorder_ = NamedMpkFileRecorder<FullPrecisionSettings>;
+
+/// Records to bytes exactly what `Recorder_` writes to a file (named MessagePack).
+pub(crate) type BytesRecorder_ = NamedMpkBytesRecorder<FullPrecisionSettings>;
+
+/// `model` with the weights of `file` in the checkpoint directory `checkpoint`.
+pub(crate) fn load_model<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: M,
+    checkpoint: &Path,
+    file: &str,
+    device: &B::Device,
+) -> Result<M, TrainError> {
+    // burn's record loader panics on a record of another shape (a checkpoint older than the
+    // shape check of `check_resume`): turn that into an error.
+    let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        model.load_file(checkpoint.join(file), &Recorder_::new(), device)
+    }))
+    .map_err(|panic| {
+        TrainError::Checkpoint(format!(
+            "the model checkpoint in {} does not fit the configured model: {}",
+            checkpoint.display(),
+            panic_message(&*panic)
+        ))
+    })?;
+    loaded.map_err(|e| {
+        TrainError::Checkpoint(format!(
+            "cannot load the model checkpoint from {}: {e}",
+            checkpoint.display()
+        ))
+    })
+}
+
+/// The file names of one (TP rank, pipeline stage)'s shard in a checkpoint: `model` and
+/// `optimizer`, with `-tp{r}` when tp > 1 and `-pp{s}` when pp > 1 (`model-tp1-pp0`).
+pub(crate) struct CheckpointFiles {
+    pub(crate) model: String,
+    pub(crate) optimizer: String,
+}
+
+impl CheckpointFiles {
+    pub(crate) fn of(config: &TrainConfig, tp_rank: usize, pp_rank: usize) -> Self {
+        let mut suffix = String::new();
+        if config.tp > 1 {
+            suffix += &format!("-tp{tp_rank}");
+        }
+        if config.pp > 1 {
+            suffix += &format!("-pp{pp_rank}");
+        }
+        Self {
+            model: format!("model{suffix}"),
+            optimizer: format!("optimizer{suffix}"),
+        }
+    }
+}
+
+/// What a checkpoint holds from one rank.
+pub(crate) struct Checkpoint<'a, M, O> {
+    pub(crate) out: &'a Path,
+    pub(crate) model: &'a M,
+    pub(crate) optimizer: &'a O,
+    pub(crate) state: &'a TrainState,
+    pub(crate) files: &'a CheckpointFiles,
+}
+
+/// Saves the checkpoint atomically, sharded over TP and PP. The first rank of every (TP, PP)
+/// position's pool records its shard (model and optimizer) to bytes and sends them to world rank
+/// 0, which alone touches the file system (under MPI the ranks may be on other nodes): it writes
+/// every shard to `checkpoint.tmp/`, then `state.json`, renames the old `checkpoint/` to
+/// `checkpoint.old/`, `checkpoint.tmp/` to `checkpoint/`, and removes the old one. A run killed
+/// at any point leaves a complete checkpoint (the old or the new) behind.
+pub(crate) fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optimizer<M, B>>(
+    groups: &RankGroups,
+    saved: &Checkpoint<M, O>,
+) -> Result<(), TrainError> {
+    let world = &groups.mesh.world;
+    // The shard this rank owns, as (file name, bytes) pairs.
+    let owner = groups.world.rank() == 0;
+    let mut shard = Vec::new();
+    if owner {
+        let bytes = BytesRecorder_::default();
+        let model = Recorder::<B>::record(&bytes, saved.model.clone().into_record(), ())
+            .map_err(|e| TrainError::Model(format!("cannot record the model: {e}")))?;
+        let optimizer = Recorder::<B>::record(&bytes, saved.optimizer.to_record(), ())
+            .map_err(|e| TrainError::Model(format!("cannot record the optimizer: {e}")))?;
+        shard.push((format!("{}.mpk", saved.files.model), model));
+        shard.push((format!("{}.mpk", saved.files.optimizer), optimizer));
+    }
+    let owners = world.all_gather_control("checkpoint owners", vec![owner as u8])?;
+    let leader = world.rank() == 0;
+    // Owners send (name, bytes) pairs to rank 0: the name as one message, the bytes as another.
+    let mut sends = Vec::new();
+    if owner && !leader {
+        for (name, bytes) in shard.drain(..) {
+            let name = name.into_bytes();
+            let (name_len, len) = (name.len(), bytes.len());
+            sends.push(world.isend(0, TensorData::new(name, [name_len]).into())?);
+            sends.push(world.isend(0, TensorData::new(bytes, [len]).into())?);
+        }
+    }
+    if leader {
+        let mut receives = Vec::new();
+        for (rank, flag) in owners.iter().enumerate() {
+            if rank != 0 && flag.first() == Some(&1) {
+                for _ in 0..2 {
+                    receives.push((world.irecv(rank)?, world.irecv(rank)?));
+                }
+            }
+        }
+        for (name, bytes) in receives {
+            let name = name
+                .wait()?
+                .into_host()
+                .map_err(TrainError::Malformed)?
+                .into_vec::<u8>();
+            let bytes = bytes
+                .wait()?
+                .into_host()
+                .map_err(TrainError::Malformed)?
+                .into_vec::<u8>();
+            match (name.map(String::from_utf8), bytes) {
+                (Ok(Ok(name)), Ok(bytes)) => shard.push((name, bytes)),
+                _ => {
+                    return Err(TrainError::Malformed(
+                        "a malformed checkpoint shard message".into(),
+                    ))
+                }
+            }
+        }
+        write_checkpoint(saved.out, &shard, saved.state)?;
+    }
+    for send in sends {
+        send.wait()?;
+    }
+    Ok(world.barrier()?)
+}
+
+/// Rank 0's part of [`save_checkpoint`]: the files, then the atomic swap of directories.
+pub(crate) fn write_checkpoint(
+    out: &Path,
+    files: &[(String, Vec<u8>)],
+    state: &TrainState,
+) -> Result<(), TrainError> {
+    let (dir, tmp, old) = (
+        checkpoint_dir(out),
+        out.join("checkpoint.tmp"),
+        out.join("checkpoint.old"),
+    );
+    let io = |what: &'static str, path: &Path, e: std::io::Error| TrainError::io(what, path, e);
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io("remove", &tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| io("create", &tmp, e))?;
+    for (name, bytes) in files {
+        let path = tmp.join(name);
+        std::fs::write(&path, bytes).map_err(|e| io("write", &path, e))?;
+    }
+    write_json(&tmp.join("state.json"), state)?;
+    if dir.exists() {
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(|e| io("remove", &old, e))?;
+        }
+        std::fs::rename(&dir, &old).map_err(|e| io("move aside", &dir, e))?;
+    }
+    std::fs::rename(&tmp, &dir).map_err(|e| io("move into place", &tmp, e))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(|e| io("remove", &old, e))?;
+    }
+    Ok(())
+}
+
+pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, TrainError> {
+    let text = std::fs::read_to_string(path).map_err(|e| TrainError::io("read", path, e))?;
+    serde_json::from_str(&text)
+        .map_err(|e| TrainError::Malformed(format!("{} is not valid: {e}", path.display())))
+}
+
+/// Writes `value` as JSON atomically (a temporary file renamed over `path`).
+pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), TrainError> {
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| TrainError::Malformed(format!("{}: {e}", path.display())))?;
+    write_atomically(path, text.as_bytes())
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
+/// reader (or a run killed while writing) sees the old or the new content, never a mix.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    std::fs::write(&tmp, bytes).map_err(|e| TrainError::io("write", &tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| TrainError::io("write", path, e))
+}

@@ -1,0 +1,477 @@
+//! The run's configuration ([`TrainConfig`]: written to `config.json`), its defaults (one home:
+//! [`TrainConfig::default`]) and its rules ([`TrainConfig::validate`]).
+
+use burn_dcp::comm::{MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
+use burn_dcp::kernels::MaskSpec;
+use burn_dcp::mesh::MeshShape;
+use burn_dcp::planner::auto::AutoCandidate;
+use burn_dcp::{CpError, Layout, Strategy};
+use burn_dcp_datasets::{MaskPolicy, Tokenizer};
+use burn_dcp_models::GptConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::*;
+
+/// Everything that defines a run (written to `config.json`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    pub cp: usize,
+    pub dp: usize,
+    /// Tensor-parallel ranks (`--tp`; innermost axis of the mesh, see `burn_dcp::mesh`).
+    #[serde(default = "default_one")]
+    pub tp: usize,
+    /// Pipeline stages (`--pp`; outermost axis of the mesh).
+    #[serde(default = "default_one")]
+    pub pp: usize,
+    /// The pipeline's schedule (`--pp-schedule`).
+    #[serde(default)]
+    pub pp_schedule: PpSchedule,
+    pub strategy: Strategy,
+    pub layout: Layout,
+    /// Tokens per packed micro-batch (one DP replica's CP group processes one at a time).
+    pub seq_len: usize,
+    /// Micro-batches per optimizer step over all DP replicas (the global batch).
+    pub micro_batches: usize,
+    pub steps: usize,
+    pub model_size: String,
+    pub seed: u64,
+    pub learning_rate: f64,
+    /// Mask policy: `causal`, `lambda`, `blockwise`, `shared-question` (DCP defaults), `mixed`
+    /// (one of those per sequence), `full`, or a spec such as `lambda:64,4096`.
+    pub mask: String,
+    /// `default` (Vim help files, Debian vim-runtime), `builtin` (burn-dcp-train's README and sources), or a
+    /// directory of text files / a `.jsonl` file.
+    pub corpus: String,
+    /// `gpt2` (r50k BPE) or `bytes`.
+    pub tokenizer: String,
+    pub timeout_secs: u64,
+    /// `--strategy dynamic`: the `dp × cp` ranks form one pool and every sequence gets a CP group
+    /// per step (then `strategy` and `layout` are the strategy inside each group).
+    #[serde(default)]
+    pub dynamic: Option<DynamicSettings>,
+    /// Steps planned ahead on a background thread (`--plan-ahead`).
+    #[serde(default = "default_plan_ahead")]
+    pub plan_ahead: usize,
+    /// `--strategy dcp`: the block size and stages of each micro-batch's DCP plan.
+    #[serde(default)]
+    pub dcp: Option<DcpSettings>,
+    /// Topology preset the ranks model (`--topology`): DCP plans for it, and every strategy's
+    /// bytes are counted per link class.
+    #[serde(default = "default_topology")]
+    pub topology: String,
+    /// Virtual nodes the world's ranks are spread over (`--nodes`; consecutive ranks share one).
+    #[serde(default = "default_nodes")]
+    pub nodes: usize,
+    /// `--strategy auto`: every micro-batch runs the strategy with the lowest estimated attention
+    /// time on the topology (`burn_dcp::planner::auto`): ring-zigzag, ulysses, usp, all-gather,
+    /// dynamic (groups inside the replica) or dcp (planned with `dcp`'s settings). `strategy` and
+    /// `layout` then hold ring and zigzag, the static candidates' layout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto: Option<AutoSettings>,
+    /// The shape of a model other than the GPT of `model_size` (planning and checks read it);
+    /// `None`: the GPT's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_shape: Option<ModelShape>,
+}
+
+impl Default for TrainConfig {
+    /// The one home of the defaults (what `gpt_longctx` runs without flags): cp 4 ring-zigzag,
+    /// micro-batches of ≤ 4096 tokens of the default corpus in byte tokens, 2 per step, 30 steps
+    /// of AdamW at 3e-3, causal masks, the tiny GPT.
+    fn default() -> Self {
+        Self {
+            cp: 4,
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            pp_schedule: PpSchedule::default(),
+            strategy: Strategy::Ring,
+            layout: Layout::Zigzag,
+            seq_len: 4096,
+            micro_batches: 2,
+            steps: 30,
+            model_size: "tiny".into(),
+            seed: 0,
+            learning_rate: 3e-3,
+            mask: "causal".into(),
+            corpus: "default".into(),
+            tokenizer: "bytes".into(),
+            timeout_secs: 60,
+            dynamic: None,
+            plan_ahead: DEFAULT_PLAN_AHEAD,
+            dcp: None,
+            topology: default_topology(),
+            nodes: default_nodes(),
+            auto: None,
+            model_shape: None,
+        }
+    }
+}
+
+/// Settings of `--strategy auto`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AutoSettings {
+    /// The strategies it may choose (`--auto-candidates`; default all).
+    pub candidates: Vec<AutoCandidate>,
+}
+
+/// Settings of `--strategy dcp`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DcpSettings {
+    /// Tokens per block (`--block`).
+    pub block: usize,
+    /// Communication stages of each plan (`--stages`).
+    pub stages: usize,
+}
+
+pub(crate) fn default_topology() -> String {
+    "a100-p4d".into()
+}
+
+pub(crate) fn default_nodes() -> usize {
+    1
+}
+
+pub(crate) fn default_one() -> usize {
+    1
+}
+
+pub(crate) fn default_plan_ahead() -> usize {
+    DEFAULT_PLAN_AHEAD
+}
+
+/// Steps planned ahead by default.
+pub const DEFAULT_PLAN_AHEAD: usize = 2;
+
+/// The most steps that may be planned ahead.
+pub const MAX_PLAN_AHEAD: usize = 64;
+
+impl TrainConfig {
+    /// Checks the rules, naming the values. In order: the mesh, the schedule, the model and
+    /// the strategy on it, the limits, dynamic CP, the topology, DCP, the mask.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        self.mesh_shape()
+            .validate(MAX_IN_PROCESS_RANKS)
+            .map_err(|e| TrainError::Config(format!("{e} (in-process ranks are threads)")))?;
+        self.validate_schedule()?;
+        self.validate_parallelism()?;
+        self.validate_limits()?;
+        if let Some(settings) = &self.dynamic {
+            self.validate_dynamic(settings)?;
+        }
+        self.group_topology()?;
+        self.validate_dcp()?;
+        self.validate_mask()
+    }
+
+    /// Learning rate, timeout, steps, sequence length and the global batch.
+    fn validate_schedule(&self) -> Result<(), TrainError> {
+        if !self.learning_rate.is_finite() || self.learning_rate <= 0.0 || self.learning_rate > 1.0
+        {
+            return Err(TrainError::Config(format!(
+                "learning rate {} must be a finite number in (0, 1]",
+                self.learning_rate
+            )));
+        }
+        if self.timeout_secs == 0 || self.timeout_secs > MAX_TIMEOUT.as_secs() {
+            return Err(TrainError::Config(format!(
+                "timeout {} s must be between 1 and {} s (a week)",
+                self.timeout_secs,
+                MAX_TIMEOUT.as_secs()
+            )));
+        }
+        if self.steps == 0 || self.steps.checked_mul(self.micro_batches).is_none() {
+            return Err(TrainError::Config(format!(
+                "steps {} must be at least 1, and steps × micro-batches ({}) must not overflow",
+                self.steps, self.micro_batches
+            )));
+        }
+        if self.seq_len > MAX_SEQ_LEN {
+            return Err(TrainError::Config(format!(
+                "seq_len {} exceeds the limit of {MAX_SEQ_LEN} tokens per micro-batch (token positions are 32-bit)",
+                self.seq_len
+            )));
+        }
+        if self.micro_batches == 0 || !self.micro_batches.is_multiple_of(self.dp) {
+            return Err(TrainError::Config(format!(
+                "the global batch of {} micro-batches must be a positive multiple of dp {}",
+                self.micro_batches, self.dp
+            )));
+        }
+        if self.seq_len < 2 {
+            return Err(TrainError::Config(format!(
+                "seq_len {} must be at least 2 tokens",
+                self.seq_len
+            )));
+        }
+        Ok(())
+    }
+
+    /// The model's shape under TP and PP, then the strategy on the heads of one TP rank:
+    /// auto's candidates, or the static strategy on the CP group.
+    fn validate_parallelism(&self) -> Result<(), TrainError> {
+        let model = self.model_shape()?;
+        burn_dcp_models::tensor_parallel::validate_tp(&gpt_of_shape(&model), self.tp)
+            .map_err(TrainError::Config)?;
+        self.mesh_shape()
+            .validate_pipeline(model.n_layers, self.micro_batches)?;
+        let (heads, kv_heads) = self.rank_heads(&model);
+        if let Some(auto) = &self.auto {
+            self.validate_auto(auto, heads)?;
+        }
+        if self.dynamic.is_none() {
+            self.strategy.validate_mesh(self.cp)?;
+            self.strategy
+                .validate_heads(heads, kv_heads, self.cp)
+                .map_err(|e| {
+                    TrainError::Config(format!("{e} (the heads of one TP rank of {})", self.tp))
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Auto's candidates (with `heads` query heads per TP rank), and no other strategy setting.
+    fn validate_auto(&self, auto: &AutoSettings, heads: usize) -> Result<(), TrainError> {
+        if auto.candidates.is_empty() {
+            return Err(TrainError::Config(
+                "strategy auto needs at least one candidate (--auto-candidates)".into(),
+            ));
+        }
+        // Every candidate but Ulysses runs on any group; Ulysses needs the heads to split.
+        if auto.candidates.iter().all(|c| *c == AutoCandidate::Ulysses)
+            && !heads.is_multiple_of(self.cp)
+        {
+            return Err(TrainError::Config(format!(
+                "--auto-candidates ulysses alone cannot run on cp {}: Ulysses needs the query heads of a TP rank ({heads}) to be a multiple of the CP size",
+                self.cp
+            )));
+        }
+        if self.dynamic.is_some()
+            || self.strategy != Strategy::Ring
+            || self.layout != Layout::Zigzag
+        {
+            return Err(TrainError::Config(format!(
+                "strategy auto chooses per micro-batch among ring-zigzag, ulysses, usp, all-gather, dynamic and dcp: it cannot be combined with dynamic settings {:?}, strategy {} or layout {}",
+                self.dynamic, self.strategy, self.layout
+            )));
+        }
+        Ok(())
+    }
+
+    /// Plan-ahead depth and micro-batches per step.
+    fn validate_limits(&self) -> Result<(), TrainError> {
+        if self.plan_ahead == 0 || self.plan_ahead > MAX_PLAN_AHEAD {
+            return Err(TrainError::Config(format!(
+                "--plan-ahead {} must be between 1 and {MAX_PLAN_AHEAD} steps",
+                self.plan_ahead
+            )));
+        }
+        if self.micro_batches > MAX_MICRO_BATCHES {
+            return Err(TrainError::Config(format!(
+                "{} micro-batches per step exceed the limit of {MAX_MICRO_BATCHES}",
+                self.micro_batches
+            )));
+        }
+        Ok(())
+    }
+
+    /// DCP settings exactly with strategies dcp and auto; their block and stages.
+    fn validate_dcp(&self) -> Result<(), TrainError> {
+        if (self.strategy == Strategy::Dcp || self.auto.is_some()) != self.dcp.is_some() {
+            return Err(TrainError::Config(format!(
+                "strategy {} with DCP settings {:?}: strategies dcp and auto need them, the others none",
+                self.strategy_name(),
+                self.dcp
+            )));
+        }
+        if let Some(dcp) = &self.dcp {
+            if dcp.block == 0 || dcp.block > self.seq_len.max(1) {
+                return Err(TrainError::Config(format!(
+                    "--block {} must be between 1 and --seq-len {}",
+                    dcp.block, self.seq_len
+                )));
+            }
+            burn_dcp::planner::dcp::DcpConfig {
+                stages: dcp.stages,
+                ..Default::default()
+            }
+            .validate()
+            .map_err(|e| TrainError::Config(format!("--stages {}: {e}", dcp.stages)))?;
+        }
+        Ok(())
+    }
+
+    /// The mask must keep a token from seeing its own label.
+    fn validate_mask(&self) -> Result<(), TrainError> {
+        if let MaskPolicy::Same(MaskSpec::Full) = self.mask_policy()? {
+            return Err(TrainError::Config(
+                "mask full lets every token attend the tokens after it, including its own label: a GPT trained as a language model needs a causal-family mask (causal, sliding:W, lambda, blockwise, shared-question or mixed)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Dynamic CP: the settings, the inner strategy on every group size, and the longest packed
+    /// sequence (`seq_len` tokens) fitting the pool.
+    fn validate_dynamic(&self, settings: &DynamicSettings) -> Result<(), TrainError> {
+        let model = self.model_shape()?;
+        let pool = self.pool_size();
+        let (heads, kv_heads) = self.rank_heads(&model);
+        settings.validate(pool, self.strategy, heads, kv_heads)?;
+        burn_dcp::planner::dynamic::min_cp_size_for(
+            self.seq_len,
+            &settings.scheduler(pool),
+            self.layout,
+        )
+        .map(|_| ())
+        .map_err(|e| {
+            TrainError::Config(format!(
+                "--seq-len {} makes packed sequences of up to that length: {e}",
+                self.seq_len
+            ))
+        })
+    }
+
+    /// The strategy as `--strategy` names it: `auto`, `dynamic`, `ring-zigzag` (ring with its
+    /// layout), `ulysses`, `usp`, `all-gather` or `dcp`.
+    pub fn strategy_name(&self) -> String {
+        if self.auto.is_some() {
+            "auto".into()
+        } else if self.dynamic.is_some() {
+            "dynamic".into()
+        } else {
+            static_strategy_name(self.strategy, self.layout)
+        }
+    }
+
+    /// The GPT of `model_size` (with the tokenizer's vocabulary).
+    pub fn model_config(&self) -> Result<GptConfig, TrainError> {
+        GptConfig::sized(&self.model_size, self.tokenizer()?.vocab_size())
+            .map_err(TrainError::Config)
+    }
+
+    /// The shape of the model trained: `model_shape`, or the GPT's of `model_size`.
+    pub fn model_shape(&self) -> Result<ModelShape, TrainError> {
+        match &self.model_shape {
+            Some(shape) => {
+                shape.validate().map_err(TrainError::Config)?;
+                Ok(shape.clone())
+            }
+            None => Ok(ModelShape::from(&self.model_config()?)),
+        }
+    }
+
+    /// What a checkpoint records of the model (and a resume compares): the GPT's configuration,
+    /// or the custom model's shape, as JSON.
+    pub fn model_identity(&self) -> Result<serde_json::Value, TrainError> {
+        let value = match &self.model_shape {
+            Some(shape) => serde_json::to_value(shape),
+            None => serde_json::to_value(self.model_config()?),
+        };
+        value.map_err(|e| TrainError::Malformed(format!("the model's configuration: {e}")))
+    }
+
+    pub fn mask_policy(&self) -> Result<MaskPolicy, TrainError> {
+        MaskPolicy::parse(&self.mask).map_err(|e| TrainError::Config(e.to_string()))
+    }
+
+    pub fn tokenizer(&self) -> Result<Tokenizer, TrainError> {
+        Tokenizer::from_name(&self.tokenizer).map_err(|e| TrainError::Config(e.to_string()))
+    }
+
+    /// tp × cp × dp × pp ranks.
+    pub fn world_size(&self) -> usize {
+        self.tp * self.cp * self.dp * self.pp
+    }
+
+    /// The DP × CP ranks of one (TP, PP) position: the pool plans (and dynamic CP) schedule over.
+    pub fn pool_size(&self) -> usize {
+        self.cp * self.dp
+    }
+
+    /// The mesh of the world (`burn_dcp::mesh`).
+    pub fn mesh_shape(&self) -> MeshShape {
+        MeshShape {
+            tp: self.tp,
+            cp: self.cp,
+            dp: self.dp,
+            pp: self.pp,
+        }
+    }
+
+    /// The query and kv heads one TP rank holds (kv heads replicated when tp > kv heads): what
+    /// its CP attention runs on.
+    pub fn rank_heads(&self, model: &ModelShape) -> (usize, usize) {
+        self.mesh_shape()
+            .heads_per_tp_rank(model.n_heads, model.n_kv_heads)
+    }
+
+    /// World ranks per virtual node (`--nodes` must divide the world).
+    pub fn ranks_per_node(&self) -> Result<usize, CpError> {
+        let world = self.world_size();
+        if self.nodes == 0 || !world.is_multiple_of(self.nodes) {
+            return Err(CpError::Config(format!(
+                "--nodes {} must divide the {world} ranks (tp × cp × dp × pp)",
+                self.nodes
+            )));
+        }
+        Ok(world / self.nodes)
+    }
+
+    /// The topology of one static CP group (ranks `d·cp .. (d+1)·cp`) as its ranks sit on the
+    /// world's nodes: a group must fill whole nodes or sit inside one.
+    pub fn group_topology(&self) -> Result<burn_dcp::planner::topology::Topology, CpError> {
+        let world_per_node = self.ranks_per_node()?;
+        // TP is the innermost axis: a node holds whole TP groups, and world_per_node / tp ranks
+        // of each CP group.
+        if !world_per_node.is_multiple_of(self.tp) {
+            return Err(CpError::Config(format!(
+                "a node of {world_per_node} ranks (--nodes {}) must hold whole TP groups of {}",
+                self.nodes, self.tp
+            )));
+        }
+        let per_node = world_per_node / self.tp;
+        let nodes = if self.cp.is_multiple_of(per_node) {
+            self.cp / per_node
+        } else if per_node.is_multiple_of(self.cp) {
+            1
+        } else {
+            return Err(CpError::Config(format!(
+                "a CP group of {} ranks neither fills whole nodes of {per_node} ranks nor fits in one (--nodes {})",
+                self.cp, self.nodes
+            )));
+        };
+        burn_dcp::planner::topology::Topology::for_ranks(&self.topology, nodes, self.cp)
+            .map_err(|e| CpError::Config(format!("--topology {}: {e}", self.topology)))
+    }
+}
+
+/// The GPT of a shape (the TP rules of `burn_dcp_models` are stated on it).
+pub(crate) fn gpt_of_shape(shape: &ModelShape) -> GptConfig {
+    GptConfig::new(
+        shape.vocab_size,
+        shape.d_model,
+        shape.n_layers,
+        shape.n_heads,
+        shape.n_kv_heads,
+        shape.d_ff,
+    )
+    .with_tied_embeddings(shape.tied_embeddings)
+}
+
+/// A static strategy's name in `strategy_counts`: ring with its layout (`ring-zigzag`), the
+/// others by name (`usp` without its degrees).
+pub fn static_strategy_name(strategy: Strategy, layout: Layout) -> String {
+    match strategy {
+        Strategy::Ring => format!("ring-{layout}"),
+        Strategy::Usp { .. } => "usp".into(),
+        other => other.to_string(),
+    }
+}
+
+/// The most micro-batches one optimizer step may take.
+pub const MAX_MICRO_BATCHES: usize = 1 << 20;
+
+/// The most tokens a packed micro-batch may hold (positions are stored as `u32`).
+pub const MAX_SEQ_LEN: usize = u32::MAX as usize;

@@ -1,0 +1,90 @@
+//! The training data: the corpus tokenized and packed once; step `s` takes its micro-batches.
+
+use burn_dcp::kernels::MicroBatch;
+use burn_dcp_datasets::corpus::{open_documents, Document};
+use burn_dcp_datasets::tokenizer::{cache_dir, default_tokenized, files_identity, tokenize_cached};
+use burn_dcp_datasets::{pack_corpus, PackingConfig, TokenizedCorpus};
+
+use crate::*;
+
+/// The `builtin` corpus: this crate's own README and sources (small, always at hand; for tests and
+/// examples that must not depend on installed files).
+pub fn builtin_documents() -> Vec<Document> {
+    [
+        ("README.md", include_str!("../README.md")),
+        ("lib.rs", include_str!("lib.rs")),
+        ("plan.rs", include_str!("plan.rs")),
+        ("pipeline.rs", include_str!("pipeline.rs")),
+        ("groups.rs", include_str!("groups.rs")),
+        ("model.rs", include_str!("model.rs")),
+        ("launch.rs", include_str!("launch.rs")),
+    ]
+    .iter()
+    .map(|(name, text)| Document {
+        name: name.to_string(),
+        text: text.to_string(),
+    })
+    .collect()
+}
+
+/// The training data: the corpus tokenized and packed once into micro-batches of at most
+/// `seq_len` tokens (long documents split; see `burn_dcp_datasets::packing`). Step `s` uses
+/// micro-batches `(s−1)·n .. s·n` (cyclically), `n` = micro-batches per step, so any cp/dp split
+/// and a resumed run see the same data.
+pub struct TrainData {
+    batches: Vec<MicroBatch>,
+}
+
+impl TrainData {
+    pub fn load(config: &TrainConfig) -> Result<Self, TrainError> {
+        let tokenizer = config.tokenizer()?;
+        let corpus = match config.corpus.as_str() {
+            "builtin" => {
+                TokenizedCorpus::tokenize(builtin_documents().into_iter().map(Ok), tokenizer)
+            }
+            "default" => default_tokenized(tokenizer),
+            path => {
+                let identity = format!("{path}:{}", files_identity(&[path.into()]));
+                tokenize_cached(&identity, || open_documents(path), tokenizer, &cache_dir())
+            }
+        }
+        .map_err(|e| TrainError::Data(e.to_string()))?;
+        let packing = PackingConfig {
+            max_tokens_per_rank: config.seq_len,
+            ranks: 1,
+            max_seq_len: None,
+            seed: config.seed,
+        };
+        let packing = pack_corpus(&corpus, &packing, &config.mask_policy()?)
+            .map_err(|e| TrainError::Data(e.to_string()))?;
+        let batches = packing.micro_batches;
+        if batches.is_empty() {
+            return Err(TrainError::Data(format!(
+                "corpus '{}' holds no tokens",
+                config.corpus
+            )));
+        }
+        if batches.iter().all(|b| b.label_count() == 0) {
+            return Err(TrainError::Data(format!(
+                "corpus '{}' holds no token with a next token to predict (every document is a single token)",
+                config.corpus
+            )));
+        }
+        Ok(Self { batches })
+    }
+
+    /// The micro-batches of optimizer step `step` (1-based).
+    pub fn step_batches(&self, step: usize, count: usize) -> Vec<&MicroBatch> {
+        (0..count)
+            .map(|i| &self.batches[((step - 1) * count + i) % self.batches.len()])
+            .collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.batches.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.batches.is_empty()
+    }
+}

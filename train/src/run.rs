@@ -1,0 +1,280 @@
+//! A rank's training run: build the model, resume, plan ahead, train every step, save.
+
+use std::path::Path;
+use std::time::Instant;
+
+use burn::optim::{AdamWConfig, Optimizer};
+use burn::record::Recorder;
+use burn::tensor::backend::AutodiffBackend;
+use burn_dcp::comm::Comm;
+use burn_dcp::kernels::FlashOps;
+use burn_dcp::CpError;
+use burn_dcp_models::TpGpt;
+
+use crate::*;
+
+/// The result of one rank's training.
+pub struct RankOutcome {
+    pub metrics: Vec<StepMetrics>,
+}
+
+/// TP rank `tp_rank`'s shard of pipeline stage `pp_rank` of the model at initialisation: every
+/// rank cuts its shard from the same full initialisation (seed `config.seed`), so any mesh starts
+/// from tp 1, pp 1's weights.
+pub fn init_model<B: FlashOps>(
+    config: &TrainConfig,
+    tp_rank: usize,
+    pp_rank: usize,
+    device: &B::Device,
+) -> Result<TrainGpt<B>, TrainError> {
+    let model_config = config.model_config()?;
+    let full = model_config
+        .init::<CpTrain<B>>(config.seed, device)
+        .map_err(TrainError::Model)?;
+    TpGpt::stage(&full, &model_config, tp_rank, config.tp, pp_rank, config.pp)
+        .map_err(TrainError::Model)
+}
+
+/// What a rank's model is built from: the run's configuration, the rank's TP rank and pipeline
+/// stage, its device.
+pub struct ModelInit<'a, B: FlashOps> {
+    pub config: &'a TrainConfig,
+    pub tp_rank: usize,
+    pub pp_rank: usize,
+    pub device: &'a B::Device,
+}
+
+/// A training run as every rank sees it: the configuration, the data, where to resume from and
+/// save to, and rank 0's observer of the steps.
+pub struct Trainer<'a> {
+    pub config: &'a TrainConfig,
+    pub data: &'a TrainData,
+    /// A run directory to continue (its checkpoint).
+    pub resume: Option<&'a Path>,
+    /// Where the checkpoint is saved at the end (all ranks take part).
+    pub out: Option<&'a Path>,
+    pub observer: &'a dyn StepObserver,
+}
+
+impl Trainer<'_> {
+    /// Trains model `M` on this rank (`world`: the rank's communicator of the whole run) from
+    /// the first step not yet trained; `init` builds the rank's model (every rank of a TP
+    /// position must build the same weights: seed it, or load one record).
+    pub fn train_rank<B, M, F>(
+        &self,
+        world: Comm,
+        device: &B::Device,
+        init: F,
+    ) -> Result<RankOutcome, TrainError>
+    where
+        B: FlashOps,
+        M: TrainModel<CpTrain<B>>,
+        F: FnOnce(&ModelInit<B>) -> Result<M, TrainError>,
+    {
+        let config = self.config;
+        let groups = RankGroups::new(world, config)?;
+        let (tp_rank, pp_rank) = (groups.tp.comm.rank(), groups.mesh.pp.rank());
+        let mut model = init(&ModelInit {
+            config,
+            tp_rank,
+            pp_rank,
+            device,
+        })?;
+        check_model_support(&model, config)?;
+        let files = CheckpointFiles::of(config, tp_rank, pp_rank);
+        let mut optimizer = AdamWConfig::new().init::<CpTrain<B>, M>();
+        let mut first_step = 1;
+        if let Some(dir) = self.resume {
+            let checkpoint = saved_checkpoint(dir)?;
+            model = load_model(model, &checkpoint, &files.model, device)?;
+            let record = Recorder_::new()
+                .load(checkpoint.join(&files.optimizer), device)
+                .map_err(|e| {
+                    TrainError::Checkpoint(format!(
+                        "cannot load the optimizer checkpoint from {}: {e}",
+                        checkpoint.display()
+                    ))
+                })?;
+            optimizer = optimizer.load_record(record);
+            let state: TrainState = read_json(&checkpoint.join("state.json"))?;
+            first_step = state.step + 1;
+        }
+        let run = StepLoop {
+            groups: &groups,
+            config,
+            data: self.data,
+            observer: self.observer,
+            device,
+        };
+        let (model, metrics) = std::thread::scope(|scope| {
+            let plans = plan_ahead(scope, config, self.data, first_step);
+            run.steps(model, &mut optimizer, first_step, &plans)
+        })?;
+        if let Some(out) = self.out {
+            let state = TrainState {
+                step: config.steps,
+                config: Some(config.clone()),
+                model: Some(config.model_identity()?),
+            };
+            let saved = Checkpoint {
+                out,
+                model: &model,
+                optimizer: &optimizer,
+                state: &state,
+                files: &files,
+            };
+            save_checkpoint(&groups, &saved)
+                .inspect_err(|e| groups.mesh.world.abort(&e.to_string()))?;
+        }
+        Ok(RankOutcome { metrics })
+    }
+}
+
+/// The mesh asks only what the model supports: TP needs [`TrainModel::tensor_parallel`], PP
+/// [`TrainModel::stages`].
+pub(crate) fn check_model_support<B: AutodiffBackend, M: TrainModel<B>>(
+    model: &M,
+    config: &TrainConfig,
+) -> Result<(), TrainError> {
+    if config.tp > 1 && !model.tensor_parallel() {
+        return Err(TrainError::Config(format!(
+            "tp {} needs a model that shards itself over a TP group (TrainModel::tensor_parallel); this one does not",
+            config.tp
+        )));
+    }
+    if config.pp > 1 && model.stages().is_none() {
+        return Err(TrainError::Config(format!(
+            "pp {} needs a model split into pipeline stages (TrainModel::stages); this one is not",
+            config.pp
+        )));
+    }
+    if config.pp > 1 && M::INPUT_ROWS != InputRows::Packed {
+        return Err(TrainError::Config(format!(
+            "pp {} sends packed rows between stages: the model must take InputRows::Packed",
+            config.pp
+        )));
+    }
+    Ok(())
+}
+
+/// Trains the GPT of `config.model_size` on one rank ([`Trainer::train_rank`] with
+/// [`init_model`]).
+pub fn train_rank<B: FlashOps>(
+    world: Comm,
+    config: &TrainConfig,
+    data: &TrainData,
+    resume: Option<&Path>,
+    out: Option<&Path>,
+    observer: &dyn StepObserver,
+    device: &B::Device,
+) -> Result<RankOutcome, TrainError> {
+    let trainer = Trainer {
+        config,
+        data,
+        resume,
+        out,
+        observer,
+    };
+    trainer.train_rank::<B, TrainGpt<B>, _>(world, device, |rank| {
+        init_model::<B>(rank.config, rank.tp_rank, rank.pp_rank, rank.device)
+    })
+}
+
+/// A receiver of the plans of consecutive steps, computed ahead on a background thread.
+pub(crate) type PlanReceiver = std::sync::mpsc::Receiver<Result<StepPlan, CpError>>;
+
+/// Plans steps `first..=steps` on a thread of `scope`, at most `plan_ahead` steps ahead of the one
+/// training (a bounded channel). The thread stops when the receiver is dropped.
+pub(crate) fn plan_ahead<'scope, 'env>(
+    scope: &'scope std::thread::Scope<'scope, 'env>,
+    config: &'env TrainConfig,
+    data: &'env TrainData,
+    first: usize,
+) -> PlanReceiver {
+    let (sender, receiver) = std::sync::mpsc::sync_channel(config.plan_ahead);
+    scope.spawn(move || {
+        for step in first..=config.steps {
+            if sender.send(plan_step(config, data, step)).is_err() {
+                break;
+            }
+        }
+    });
+    receiver
+}
+
+/// What every step of a rank's training needs.
+pub(crate) struct StepLoop<'a, B: FlashOps> {
+    groups: &'a RankGroups,
+    config: &'a TrainConfig,
+    data: &'a TrainData,
+    observer: &'a dyn StepObserver,
+    device: &'a B::Device,
+}
+
+impl<B: FlashOps> StepLoop<'_, B> {
+    /// Trains steps `first..=steps` and returns the trained model; rank 0 also returns (and
+    /// reports) the steps' metrics.
+    fn steps<M: TrainModel<CpTrain<B>>, O: Optimizer<M, CpTrain<B>>>(
+        &self,
+        mut model: M,
+        optimizer: &mut O,
+        first: usize,
+        plans: &PlanReceiver,
+    ) -> Result<(M, Vec<StepMetrics>), TrainError> {
+        let world = &self.groups.mesh.world;
+        let mut metrics = Vec::new();
+        for step in first..=self.config.steps {
+            let started = Instant::now();
+            world.barrier()?;
+            let stats_before = world.stats();
+            let waited = Instant::now();
+            let plan = plans
+                .recv()
+                .map_err(|_| TrainError::PlannerStopped { step })??;
+            let plan_wait_ms = waited.elapsed().as_secs_f64() * 1e3;
+            let result = step_gradients_planned(
+                &model,
+                self.groups,
+                self.config,
+                self.data,
+                &plan,
+                self.device,
+            )?;
+            model = optimizer.step(self.config.learning_rate, model, result.grads);
+            let bytes = StepBytes::between(&stats_before, &world.stats()).summed(world)?;
+            if world.rank() == 0 {
+                let bytes_by_axis = AXES
+                    .iter()
+                    .map(|axis| {
+                        let sent = bytes.labels.get(*axis).copied().unwrap_or(0);
+                        (axis.to_string(), sent)
+                    })
+                    .collect();
+                let step_metrics = StepMetrics {
+                    step,
+                    loss: result.loss,
+                    tokens: result.tokens,
+                    bytes_communicated: bytes.total,
+                    bytes_by_link: bytes.links,
+                    step_ms: started.elapsed().as_secs_f64() * 1e3,
+                    cp_group_sizes: result
+                        .stats
+                        .cp_group_sizes
+                        .iter()
+                        .map(|(size, count)| (size.to_string(), *count))
+                        .collect(),
+                    rank_workload_imbalance: result.stats.rank_workload_imbalance,
+                    plan_ms: Some(plan.plan_ms),
+                    plan_wait_ms: Some(plan_wait_ms),
+                    bytes_by_axis,
+                    strategy_counts: result.stats.strategy_counts.clone(),
+                    auto_choices: plan.auto_choices.clone(),
+                };
+                self.observer.on_step(&step_metrics);
+                metrics.push(step_metrics);
+            }
+            world.barrier()?;
+        }
+        Ok((model, metrics))
+    }
+}

@@ -1,0 +1,191 @@
+//! One optimizer step on one rank: its planned batches through the pipeline schedule, then the
+//! gradient and loss all-reduces; the bytes it sent.
+
+use std::collections::BTreeMap;
+
+use burn::optim::GradientsParams;
+use burn::prelude::{Int, Tensor, TensorData};
+use burn_dcp::comm::{Comm, CommStats, LinkBytes};
+use burn_dcp::kernels::FlashOps;
+use burn_dcp::CpError;
+use serde::{Deserialize, Serialize};
+
+use crate::pipeline::{stage_passes, Pass, StageRun};
+use crate::*;
+
+pub(crate) fn int_tensor<B: burn::prelude::Backend>(
+    values: &[i64],
+    device: &B::Device,
+) -> Tensor<B, 1, Int> {
+    Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
+}
+
+/// Gradients of the global mean loss of step `step` (all-reduced over DP×CP), the loss and the
+/// step's token count. The step is planned here, synchronously; training plans ahead on a
+/// background thread and calls [`step_gradients_planned`].
+pub fn step_gradients<B: FlashOps, M: TrainModel<CpTrain<B>>>(
+    model: &M,
+    groups: &RankGroups,
+    config: &TrainConfig,
+    data: &TrainData,
+    step: usize,
+    device: &B::Device,
+) -> Result<(f64, GradientsParams, usize), CpError> {
+    let plan = plan_step(config, data, step)?;
+    let result = step_gradients_planned(model, groups, config, data, &plan, device)?;
+    Ok((result.loss, result.grads, result.tokens))
+}
+
+/// One rank's step: the mean loss, the all-reduced gradients, the tokens, and what ran where.
+pub struct StepResult {
+    pub loss: f64,
+    pub grads: GradientsParams,
+    pub tokens: usize,
+    pub stats: ScheduleStats,
+}
+
+/// Runs step `plan.step` by its plan: this rank's shard of every planned batch it is in, in the
+/// batch's group, through the pipeline's stages on the pipeline schedule ([`pipeline`]; at pp 1
+/// one forward and backward after the other); then the all-reduces of the gradients and the loss.
+pub fn step_gradients_planned<B: FlashOps, M: TrainModel<CpTrain<B>>>(
+    model: &M,
+    groups: &RankGroups,
+    config: &TrainConfig,
+    data: &TrainData,
+    plan: &StepPlan,
+    device: &B::Device,
+) -> Result<StepResult, CpError> {
+    let step = plan.step;
+    let batches = data.step_batches(step, config.micro_batches);
+    let global_labels: usize = batches.iter().map(|b| b.label_count()).sum();
+    if global_labels == 0 {
+        return Err(CpError::Input(format!(
+            "step {step}: its {} micro-batches hold no labelled token, so the mean loss is undefined; use more micro-batches per step or longer documents",
+            batches.len()
+        )));
+    }
+    let tokens = batches.iter().map(|b| b.tokens.len()).sum();
+    let sequences = StepSequences::new(batches);
+    groups.ensure(plan)?;
+    if config.pp > 1 {
+        check_stages_agree(&groups.mesh.pp, plan)?;
+    }
+    // The schedule's units are the plan's sub-steps: this rank's batch in each, if any.
+    let me = groups.world.rank();
+    let mut units: Vec<Option<&PlannedBatch>> = vec![None; plan.sub_step_ranges().len()];
+    for planned in plan.batches_of(me) {
+        units[planned.sub_step] = Some(planned);
+    }
+    let mut run = StageRun::new(model, groups, &sequences, global_labels, device);
+    let passes = stage_passes(
+        config.pp_schedule,
+        groups.mesh.pp.rank(),
+        config.pp,
+        units.len(),
+    );
+    for pass in passes {
+        match pass {
+            Pass::Forward(unit) => {
+                if let Some(planned) = units[unit] {
+                    run.forward(unit, planned)?;
+                }
+            }
+            Pass::Backward(unit) => {
+                if units[unit].is_some() {
+                    run.backward(unit)?;
+                }
+            }
+        }
+    }
+    let (accumulator, loss_sum) = run.finish()?;
+    let (loss, grads) = reduce_step(model, groups, step, accumulator, loss_sum, global_labels)?;
+    Ok(StepResult {
+        loss,
+        grads,
+        tokens,
+        stats: plan.stats(groups.world.size()),
+    })
+}
+
+/// Stops the step with an error, rather than a hang or a wrong gradient, when the pipeline's stages
+/// hold different plans for it (they compute them independently from the same configuration and
+/// data, so this means the ranks were started inconsistently): every stage of a micro-batch must
+/// run it on the same CP group, placement and strategy.
+pub(crate) fn check_stages_agree(pp: &Comm, plan: &StepPlan) -> Result<(), CpError> {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for batch in &plan.batches {
+        (batch.sub_step, &batch.ranks, &batch.sequences).hash(&mut hasher);
+        batch.strategy.hash(&mut hasher);
+        batch.placement.hash(&mut hasher);
+    }
+    let fingerprint = format!("{:016x}", hasher.finish());
+    let stages = pp.all_gather_control("pipeline plan check", fingerprint.clone().into_bytes())?;
+    if let Some((stage, other)) = stages
+        .iter()
+        .enumerate()
+        .find(|(_, f)| f.as_slice() != fingerprint.as_bytes())
+    {
+        return Err(CpError::Config(format!(
+            "step {}: pipeline stage {} planned the step differently from stage {stage} (plan fingerprints {fingerprint} and {}): every stage of a micro-batch must run it on the same CP group",
+            plan.step,
+            pp.rank(),
+            String::from_utf8_lossy(other)
+        )));
+    }
+    Ok(())
+}
+
+/// The bytes one rank sent during one step: every rank measures its own
+/// ([`Communicator::stats`](burn_dcp::comm::Communicator::stats)) and rank 0 sums them, so the
+/// totals are the same whether ranks are threads of one process or processes of an MPI job.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct StepBytes {
+    pub(crate) total: u64,
+    pub(crate) links: LinkBytes,
+    pub(crate) labels: BTreeMap<String, u64>,
+}
+
+impl StepBytes {
+    pub(crate) fn between(before: &CommStats, after: &CommStats) -> Self {
+        let labels = after
+            .bytes_by_label
+            .iter()
+            .map(|(label, bytes)| {
+                let earlier = before.bytes_by_label.get(label).copied().unwrap_or(0);
+                (label.clone(), bytes - earlier)
+            })
+            .collect();
+        StepBytes {
+            total: after.total_bytes() - before.total_bytes(),
+            links: LinkBytes {
+                intra_node: after.bytes_by_link.intra_node - before.bytes_by_link.intra_node,
+                inter_node: after.bytes_by_link.inter_node - before.bytes_by_link.inter_node,
+            },
+            labels,
+        }
+    }
+
+    /// Every rank's bytes of the step, summed (on every rank) through a control all-gather.
+    pub(crate) fn summed(self, world: &Comm) -> Result<StepBytes, TrainError> {
+        let payload = serde_json::to_vec(&self)
+            .map_err(|e| TrainError::Malformed(format!("a per-rank byte count: {e}")))?;
+        let all = world.all_gather_control("step bytes", payload)?;
+        let mut sum = StepBytes::default();
+        for bytes in all {
+            let rank: StepBytes = serde_json::from_slice(&bytes).map_err(|e| {
+                TrainError::Malformed(format!("a malformed per-rank byte count: {e}"))
+            })?;
+            sum.total += rank.total;
+            sum.links.intra_node += rank.links.intra_node;
+            sum.links.inter_node += rank.links.inter_node;
+            for (label, bytes) in rank.labels {
+                *sum.labels.entry(label).or_default() += bytes;
+            }
+        }
+        Ok(sum)
+    }
+}
+
+/// The mesh's axes, as `bytes_by_axis` names them.
+pub const AXES: [&str; 4] = ["tp", "cp", "dp", "pp"];
