@@ -31,6 +31,7 @@ mod config;
 mod data;
 pub mod dynamic;
 pub mod error;
+pub mod flags;
 mod gradients;
 pub mod groups;
 pub mod launch;
@@ -57,6 +58,7 @@ pub use config::{
 pub use data::{builtin_documents, TrainData};
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
 pub use error::TrainError;
+pub use flags::TrainFlags;
 pub use gradients::gradient_values;
 pub(crate) use gradients::reduce_step;
 pub use groups::RankGroups;

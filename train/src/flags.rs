@@ -1,0 +1,416 @@
+//! The examples' training flags ([`TrainFlags`]) and how they become a [`TrainConfig`]: for a new
+//! run ([`TrainFlags::config`]) or to continue a saved one ([`TrainFlags::resume`], where every
+//! given flag must agree with the saved configuration).
+
+use std::path::Path;
+
+use burn_dcp::{Layout, Strategy};
+
+use crate::{
+    read_json, AutoSettings, CpSizes, DcpSettings, DynamicSettings, PpSchedule, TrainConfig,
+    TrainError, MAX_SEQ_LEN,
+};
+
+/// The training flags of the examples (`gpt_longctx`'s command line), each optional: what is
+/// not given takes [`TrainConfig::default`]'s value (the one home of the defaults), or on resume
+/// the saved run's. With the feature `cli` it is a `clap::Args` to flatten into a parser.
+#[derive(Clone, Debug, Default)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
+pub struct TrainFlags {
+    /// Context-parallel ranks per replica [default: 4]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub cp: Option<usize>,
+    /// Data-parallel replicas [default: 1]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub dp: Option<usize>,
+    /// Tensor-parallel ranks (Megatron-style; innermost axis of the tp × cp × dp × pp mesh) [default: 1]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub tp: Option<usize>,
+    /// Pipeline stages (outermost axis of the mesh; must divide the layers) [default: 1]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub pp: Option<usize>,
+    /// Pipeline schedule over each step's micro-batches, 1f1b | gpipe [default: 1f1b]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub pp_schedule: Option<String>,
+    /// ulysses | ring | all-gather | usp | dcp, or ring-zigzag | ring-contiguous | ring-stripe, or dynamic (Megatron-style dynamic CP over the dp × cp pool), or auto (per micro-batch the strategy with the lowest estimated attention time) [default: ring]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub strategy: Option<String>,
+    /// Dynamic CP: the strategy inside each group, ring | ulysses | usp | all-gather [default: ring]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub inner_strategy: Option<String>,
+    /// Dynamic CP: smallest CP group [default: 1]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub min_cp_size: Option<usize>,
+    /// Dynamic CP: group sizes, pow2 (Megatron) | any [default: pow2]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub cp_sizes: Option<String>,
+    /// dcp and auto: tokens per block of each micro-batch's DCP plan [default: 128, or --seq-len if less]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub block: Option<usize>,
+    /// dcp and auto: communication stages of each DCP plan [default: 4]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub stages: Option<usize>,
+    /// auto: the strategies it may choose, comma-separated, of ring-zigzag, ulysses, usp, all-gather, dynamic, dcp [default: all]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub auto_candidates: Option<String>,
+    /// Topology preset the ranks model, a100-p4d | h100-dgx (dcp plans for it; bytes are counted
+    /// per link class) [default: a100-p4d]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub topology: Option<String>,
+    /// Virtual nodes the ranks are spread over (consecutive ranks share a node) [default: 1]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub nodes: Option<usize>,
+    /// Steps planned ahead on a background thread (any strategy) [default: 2]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub plan_ahead: Option<usize>,
+    /// contiguous | zigzag | stripe [default: zigzag]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub layout: Option<String>,
+    /// Ulysses degree of USP (ring degree = cp / ulysses degree)
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub ulysses_degree: Option<usize>,
+    /// Optimizer steps (the total, also when resuming) [default: 30]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub steps: Option<usize>,
+    /// Tokens per packed micro-batch (at most; documents are packed, longer ones split) [default: 4096]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub seq_len: Option<usize>,
+    /// Tokens each CP rank holds: static CP sets --seq-len to this × cp (give one of the two);
+    /// dynamic CP uses it as the scheduler's per-rank budget [default: ⌈seq-len / cp⌉]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub max_tokens_per_rank: Option<usize>,
+    /// Micro-batches per optimizer step over all replicas (the global batch; a multiple of dp) [default: 2]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub micro_batches: Option<usize>,
+    /// tiny | small | base [default: tiny]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub model_size: Option<String>,
+    /// Seed of the weights and the data [default: 0]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub seed: Option<u64>,
+    /// AdamW learning rate [default: 0.003]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub lr: Option<f64>,
+    /// Mask of every sequence: causal | lambda | blockwise | shared-question (DCP defaults) | mixed (one of those per sequence) | full | a spec such as lambda:64,4096 [default: causal]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub mask: Option<String>,
+    /// Training text: default (Vim help files, Debian vim-runtime) | builtin (burn-dcp-train's README and sources) | a directory of text files | a .jsonl file [default: default]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub corpus: Option<String>,
+    /// bytes | gpt2 (r50k BPE; its 50257-token LM head makes CPU steps ~8x slower) [default: bytes]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub tokenizer: Option<String>,
+    /// Timeout of every communication wait, seconds [default: 60]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub timeout_secs: Option<u64>,
+}
+
+impl TrainFlags {
+    /// The configuration of a new run.
+    pub fn config(&self) -> Result<TrainConfig, TrainError> {
+        config_from_args(self)
+    }
+
+    /// The configuration of the run saved in `dir` (its `config.json`), `--steps` the new total;
+    /// every other flag given must agree with it (an error names the flag and both values).
+    pub fn resume(&self, dir: &Path) -> Result<TrainConfig, TrainError> {
+        resumed_config(self, dir)
+    }
+}
+
+/// Strategy and layout from the flags (`ring-zigzag` is ring with the zigzag layout).
+fn strategy_and_layout(args: &TrainFlags, cp: usize) -> Result<(Strategy, Layout), TrainError> {
+    let name = args.strategy.as_deref().unwrap_or("ring");
+    if name == "auto" {
+        // Auto's static candidates run zigzag, the layout its cost model plans them with.
+        if let Some(layout) = args.layout.as_deref().filter(|l| *l != "zigzag") {
+            return Err(TrainError::Config(format!(
+                "--strategy auto places its static candidates zigzag (as its cost model plans them); --layout {layout} is not supported with it"
+            )));
+        }
+        if let Some(degree) = args.ulysses_degree {
+            return Err(TrainError::Config(format!(
+                "--ulysses-degree {degree} does not apply to --strategy auto: its usp candidate takes the largest degree that fits a node and the heads"
+            )));
+        }
+        return Ok((Strategy::Ring, Layout::Zigzag));
+    }
+    let (name, implied_layout) = match name.strip_prefix("ring-") {
+        Some(layout) => ("ring", Some(layout.parse::<Layout>()?)),
+        None => (name, None),
+    };
+    let layout = match (&args.layout, implied_layout) {
+        (Some(given), Some(implied)) if given.parse::<Layout>()? != implied => {
+            return Err(TrainError::Config(format!(
+                "--strategy {} implies the {implied} layout but --layout is {given}",
+                args.strategy.as_deref().unwrap_or_default()
+            )))
+        }
+        (Some(given), _) => given
+            .parse()
+            .map_err(|e: burn_dcp::CpError| TrainError::from(e))?,
+        (None, Some(implied)) => implied,
+        (None, None) => Layout::Zigzag,
+    };
+    let strategy = Strategy::parse(name, args.ulysses_degree, cp)?;
+    Ok((strategy, layout))
+}
+
+/// `--strategy dynamic`: the inner strategy and the scheduler settings; `None` for static CP (then
+/// the dynamic-only flags are an error).
+fn dynamic_settings(
+    args: &TrainFlags,
+    cp: usize,
+    seq_len: usize,
+) -> Result<Option<(Strategy, DynamicSettings)>, TrainError> {
+    if args.strategy.as_deref() != Some("dynamic") {
+        let given = [
+            ("--inner-strategy", args.inner_strategy.is_some()),
+            ("--min-cp-size", args.min_cp_size.is_some()),
+            ("--cp-sizes", args.cp_sizes.is_some()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
+            return Err(TrainError::Config(format!(
+                "{flag} only applies to --strategy dynamic"
+            )));
+        }
+        return Ok(None);
+    }
+    let name = args.inner_strategy.as_deref().unwrap_or("ring");
+    // USP keeps its Ulysses degree; the ring degree follows each group's size.
+    let degree_cp = args.ulysses_degree.unwrap_or(1);
+    let inner = Strategy::parse(name, args.ulysses_degree, degree_cp)?;
+    if inner == Strategy::Dcp {
+        return Err(TrainError::Config("--inner-strategy dcp is not supported yet: dynamic CP groups run ring, ulysses, usp or all-gather".into()));
+    }
+    let settings = DynamicSettings {
+        max_tokens_per_rank: args
+            .max_tokens_per_rank
+            .unwrap_or(seq_len.div_ceil(cp.max(1))),
+        min_cp_size: args.min_cp_size.unwrap_or(1),
+        cp_sizes: args
+            .cp_sizes
+            .as_deref()
+            .unwrap_or("pow2")
+            .parse::<CpSizes>()?,
+    };
+    Ok(Some((inner, settings)))
+}
+
+/// `--strategy dcp` and `auto`: the block plans' settings; `None` otherwise (then
+/// `--block`/`--stages` are an error).
+fn dcp_settings(args: &TrainFlags, strategy: Strategy) -> Result<Option<DcpSettings>, TrainError> {
+    let auto = args.strategy.as_deref() == Some("auto");
+    if strategy != Strategy::Dcp && !auto {
+        if let Some(flag) = [("--block", args.block), ("--stages", args.stages)]
+            .iter()
+            .find_map(|(flag, value)| value.map(|_| flag))
+        {
+            return Err(TrainError::Config(format!(
+                "{flag} only applies to --strategy dcp or auto"
+            )));
+        }
+        return Ok(None);
+    }
+    Ok(Some(DcpSettings {
+        // The default block never exceeds a micro-batch.
+        block: args
+            .block
+            .unwrap_or(128.min(args.seq_len.unwrap_or(128).max(1))),
+        stages: args.stages.unwrap_or(4),
+    }))
+}
+
+fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
+    let defaults = TrainConfig::default();
+    let cp = args.cp.unwrap_or(defaults.cp);
+    let dynamic = args.strategy.as_deref() == Some("dynamic");
+    if !dynamic && args.seq_len.is_some() && args.max_tokens_per_rank.is_some() {
+        return Err(TrainError::Config("give --seq-len or --max-tokens-per-rank (= seq-len / cp), not both (with --strategy dynamic, --max-tokens-per-rank is the scheduler's per-rank budget)".into()));
+    }
+    let (strategy, layout) = if dynamic {
+        (Strategy::Ring, layout_flag(args)?)
+    } else {
+        strategy_and_layout(args, cp)?
+    };
+    let seq_len = match (args.seq_len, args.max_tokens_per_rank) {
+        (Some(n), _) => n,
+        (None, _) if dynamic => defaults.seq_len,
+        (None, Some(per_rank)) => match per_rank.checked_mul(cp) {
+            Some(tokens) if tokens <= MAX_SEQ_LEN => tokens,
+            product => {
+                return Err(TrainError::Config(format!(
+                    "--max-tokens-per-rank {per_rank} × --cp {cp} {} the limit of {MAX_SEQ_LEN} tokens per micro-batch",
+                    if product.is_some() { "exceeds" } else { "overflows, far beyond" }
+                )))
+            }
+        },
+        (None, None) => defaults.seq_len,
+    };
+    Ok(TrainConfig {
+        cp,
+        dp: args.dp.unwrap_or(defaults.dp),
+        tp: args.tp.unwrap_or(defaults.tp),
+        pp: args.pp.unwrap_or(defaults.pp),
+        pp_schedule: args
+            .pp_schedule
+            .as_deref()
+            .map(PpSchedule::parse)
+            .transpose()?
+            .unwrap_or_default(),
+        strategy,
+        layout,
+        seq_len,
+        micro_batches: args.micro_batches.unwrap_or(defaults.micro_batches),
+        steps: args.steps.unwrap_or(defaults.steps),
+        model_size: args
+            .model_size
+            .clone()
+            .unwrap_or(defaults.model_size.clone()),
+        seed: args.seed.unwrap_or(defaults.seed),
+        learning_rate: args.lr.unwrap_or(defaults.learning_rate),
+        mask: args.mask.clone().unwrap_or(defaults.mask.clone()),
+        corpus: args.corpus.clone().unwrap_or(defaults.corpus.clone()),
+        tokenizer: args.tokenizer.clone().unwrap_or(defaults.tokenizer.clone()),
+        timeout_secs: args.timeout_secs.unwrap_or(defaults.timeout_secs),
+        dynamic: None,
+        plan_ahead: args.plan_ahead.unwrap_or(defaults.plan_ahead),
+        dcp: None,
+        topology: args.topology.clone().unwrap_or(defaults.topology.clone()),
+        nodes: args.nodes.unwrap_or(defaults.nodes),
+        auto: auto_settings(args)?,
+        model_shape: None,
+    })
+    .and_then(|mut config| {
+        config.dcp = dcp_settings(args, config.strategy)?;
+        if let Some((inner, settings)) = dynamic_settings(args, cp, config.seq_len)? {
+            config.strategy = inner;
+            config.dynamic = Some(settings);
+        }
+        Ok(config)
+    })
+}
+
+/// `--strategy auto`: the candidates; `None` otherwise (then `--auto-candidates` is an error).
+fn auto_settings(args: &TrainFlags) -> Result<Option<AutoSettings>, TrainError> {
+    if args.strategy.as_deref() != Some("auto") {
+        if args.auto_candidates.is_some() {
+            return Err(TrainError::Config(
+                "--auto-candidates only applies to --strategy auto".into(),
+            ));
+        }
+        return Ok(None);
+    }
+    let candidates = match &args.auto_candidates {
+        Some(text) => burn_dcp::planner::auto::parse_candidates(text)
+            .map_err(|e| TrainError::Config(format!("--auto-candidates {text}: {e}")))?,
+        None => burn_dcp::planner::auto::AutoCandidate::ALL.to_vec(),
+    };
+    Ok(Some(AutoSettings { candidates }))
+}
+
+/// `--layout` alone (dynamic CP: the layout inside each group) [default: zigzag].
+fn layout_flag(args: &TrainFlags) -> Result<Layout, TrainError> {
+    args.layout
+        .as_deref()
+        .unwrap_or("zigzag")
+        .parse()
+        .map_err(|e: burn_dcp::CpError| TrainError::from(e))
+}
+
+/// On resume: the saved config, with `--steps` as the new total; any other flag must agree.
+fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainError> {
+    let saved: TrainConfig = read_json(&dir.join("config.json"))?;
+    let mut config = saved.clone();
+    if let Some(steps) = args.steps {
+        config.steps = steps;
+    }
+    // Planning ahead changes when plans are made, not what they are; the pipeline schedule the
+    // order of the passes, not their results.
+    if let Some(plan_ahead) = args.plan_ahead {
+        config.plan_ahead = plan_ahead;
+    }
+    let given = config_from_args(args)?;
+    if args.pp_schedule.is_some() {
+        config.pp_schedule = given.pp_schedule;
+    }
+    let saved_in = format!("(saved in {})", dir.display());
+    let settings = |what: &str, given: String, saved: String| {
+        TrainError::Config(format!(
+            "the {what} settings {given} differ from the resumed run's {saved} {saved_in}"
+        ))
+    };
+    let dynamic_flags = args.inner_strategy.is_some()
+        || args.min_cp_size.is_some()
+        || args.cp_sizes.is_some()
+        || (args.max_tokens_per_rank.is_some() && saved.dynamic.is_some());
+    if (args.strategy.is_some() || dynamic_flags) && given.dynamic != saved.dynamic {
+        let show = |c: &TrainConfig| format!("{:?}", c.dynamic);
+        return Err(settings("dynamic CP", show(&given), show(&saved)));
+    }
+    if args.auto_candidates.is_some() && given.auto != saved.auto {
+        let show = |c: &TrainConfig| format!("{:?}", c.auto);
+        return Err(settings("auto", show(&given), show(&saved)));
+    }
+    if (args.block.is_some() || args.stages.is_some()) && given.dcp != saved.dcp {
+        let show = |c: &TrainConfig| format!("{:?}", c.dcp);
+        return Err(settings("DCP", show(&given), show(&saved)));
+    }
+    // The topology changes DCP's plans and the byte counts by link; given, it must agree.
+    if (args.topology.is_some() && given.topology != saved.topology)
+        || (args.nodes.is_some() && given.nodes != saved.nodes)
+    {
+        return Err(TrainError::Config(format!(
+            "--topology {} --nodes {} differ from the resumed run's {} × {} nodes {saved_in}",
+            given.topology, given.nodes, saved.topology, saved.nodes
+        )));
+    }
+    // Every other flag that was given: (flag, given?, the value compared and shown).
+    type Value = fn(&TrainConfig) -> String;
+    let seq_len_given =
+        args.seq_len.is_some() || (args.max_tokens_per_rank.is_some() && saved.dynamic.is_none());
+    let checks: [(&str, bool, Value); 13] = [
+        ("--corpus", args.corpus.is_some(), |c| c.corpus.clone()),
+        ("--tokenizer", args.tokenizer.is_some(), |c| {
+            c.tokenizer.clone()
+        }),
+        ("--cp", args.cp.is_some(), |c| c.cp.to_string()),
+        ("--dp", args.dp.is_some(), |c| c.dp.to_string()),
+        ("--tp", args.tp.is_some(), |c| c.tp.to_string()),
+        ("--pp", args.pp.is_some(), |c| c.pp.to_string()),
+        ("--strategy", args.strategy.is_some(), |c| c.strategy_name()),
+        ("--layout", args.layout.is_some(), |c| c.layout.to_string()),
+        ("--seq-len", seq_len_given, |c| c.seq_len.to_string()),
+        ("--micro-batches", args.micro_batches.is_some(), |c| {
+            c.micro_batches.to_string()
+        }),
+        ("--model-size", args.model_size.is_some(), |c| {
+            c.model_size.clone()
+        }),
+        ("--seed", args.seed.is_some(), |c| c.seed.to_string()),
+        ("--mask", args.mask.is_some(), |c| c.mask.clone()),
+    ];
+    // Strategies that print alike (USP of other degrees) still differ.
+    let strategy_differs =
+        given.strategy != saved.strategy || given.auto.is_some() != saved.auto.is_some();
+    for (flag, was_given, value) in checks {
+        let differs = match flag {
+            "--strategy" => strategy_differs,
+            _ => value(&given) != value(&saved),
+        };
+        if was_given && differs {
+            return Err(TrainError::Config(format!(
+                "{flag} {} differs from the resumed run's {} {saved_in}",
+                value(&given),
+                value(&saved)
+            )));
+        }
+    }
+    if args.lr.is_some_and(|lr| lr != saved.learning_rate) {
+        return Err(TrainError::Config(format!(
+            "--lr differs from the resumed run's {}",
+            saved.learning_rate
+        )));
+    }
+    Ok(config)
+}
