@@ -10,7 +10,9 @@ use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::comm::panic_message;
 use serde::{Deserialize, Serialize};
 
-use crate::*;
+use crate::config::TrainConfig;
+use crate::error::TrainError;
+use crate::groups::RankGroups;
 
 /// Where a run keeps its checkpoint.
 pub fn checkpoint_dir(out: &Path) -> PathBuf {

@@ -10,7 +10,10 @@ use burn_dcp_datasets::{MaskPolicy, Tokenizer};
 use burn_dcp_models::GptConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::*;
+use crate::dynamic::DynamicSettings;
+use crate::error::TrainError;
+use crate::model::ModelShape;
+pub use crate::settings::{AutoSettings, DcpSettings, PpSchedule};
 
 /// Everything that defines a run (written to `config.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -106,22 +109,6 @@ impl Default for TrainConfig {
             model_shape: None,
         }
     }
-}
-
-/// Settings of `--strategy auto`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct AutoSettings {
-    /// The strategies it may choose (`--auto-candidates`; default all).
-    pub candidates: Vec<AutoCandidate>,
-}
-
-/// Settings of `--strategy dcp`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct DcpSettings {
-    /// Tokens per block (`--block`).
-    pub block: usize,
-    /// Communication stages of each plan (`--stages`).
-    pub stages: usize,
 }
 
 pub(crate) fn default_topology() -> String {

@@ -5,7 +5,8 @@ use burn_dcp_datasets::corpus::{open_documents, Document};
 use burn_dcp_datasets::tokenizer::{cache_dir, default_tokenized, files_identity, tokenize_cached};
 use burn_dcp_datasets::{pack_corpus, PackingConfig, TokenizedCorpus};
 
-use crate::*;
+use crate::config::TrainConfig;
+use crate::error::TrainError;
 
 /// The `builtin` corpus: this crate's own README and sources (small, always at hand; for tests and
 /// examples that must not depend on installed files).

@@ -21,9 +21,10 @@ use burn_dcp::kernels::MaskSpec;
 use burn_dcp::planner::dynamic::DynamicCpConfig;
 use burn_dcp::{CpError, Strategy};
 
-use super::TrainError;
-use crate::model::ModelShape;
 use serde::{Deserialize, Serialize};
+
+use crate::error::TrainError;
+use crate::model::ModelShape;
 
 /// Group sizes the scheduler may use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

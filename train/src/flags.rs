@@ -6,10 +6,10 @@ use std::path::Path;
 
 use burn_dcp::{Layout, Strategy};
 
-use crate::{
-    read_json, AutoSettings, CpSizes, DcpSettings, DynamicSettings, PpSchedule, TrainConfig,
-    TrainError, MAX_SEQ_LEN,
-};
+use crate::checkpoint::read_json;
+use crate::config::{AutoSettings, DcpSettings, PpSchedule, TrainConfig, MAX_SEQ_LEN};
+use crate::dynamic::{CpSizes, DynamicSettings};
+use crate::error::TrainError;
 
 /// The training flags of the examples (`gpt_longctx`'s command line), each optional: what is
 /// not given takes [`TrainConfig::default`]'s value (the one home of the defaults), or on resume

@@ -9,7 +9,8 @@ use burn_dcp::comm::{Comm, CommError, Payload};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::CpError;
 
-use crate::*;
+use crate::groups::RankGroups;
+use crate::model::{CpTrain, TrainModel};
 
 /// Sums every parameter's gradient over the pool (zeros where a rank has none), in the model's
 /// parameter order, which is the same on every rank of the pool; some parameters are then also

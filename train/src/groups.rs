@@ -16,10 +16,10 @@ use burn_dcp::comm::Comm;
 use burn_dcp::mesh::{Axis, Coords, Mesh};
 use burn_dcp::{CpError, CpGroup, Strategy};
 
-use super::model::ModelShape;
-use super::plan::StepPlan;
-use super::tensor_parallel::TpGroup;
-use super::TrainConfig;
+use crate::config::TrainConfig;
+use crate::model::ModelShape;
+use crate::plan::StepPlan;
+use crate::tensor_parallel::TpGroup;
 
 /// The TP ranks that hold the same kv heads as `rank` (more than one only when tp > kv heads,
 /// which replicates them): their k/v gradients are summed over these ranks.

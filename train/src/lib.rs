@@ -25,7 +25,6 @@
 //! global label count, so gradients summed over all ranks (the all-reduce) are exactly the
 //! gradients of the global mean loss, whatever the plan.
 
-mod block_plans;
 mod checkpoint;
 mod config;
 mod data;
@@ -39,20 +38,18 @@ pub mod metrics;
 pub mod model;
 pub mod pipeline;
 pub mod plan;
+mod planning;
 mod run;
+mod settings;
 mod step;
 pub mod tensor_parallel;
-
-use burn_dcp::backend::ContextParallel;
-use burn_dcp_models::TpGpt;
 
 pub use checkpoint::{
     check_resume, checkpoint_dir, read_json, saved_checkpoint, write_atomically, write_json,
     TrainState,
 };
-pub(crate) use checkpoint::{load_model, save_checkpoint, Checkpoint, CheckpointFiles, Recorder_};
 pub use config::{
-    static_strategy_name, AutoSettings, DcpSettings, TrainConfig, DEFAULT_PLAN_AHEAD,
+    static_strategy_name, AutoSettings, DcpSettings, PpSchedule, TrainConfig, DEFAULT_PLAN_AHEAD,
     MAX_MICRO_BATCHES, MAX_PLAN_AHEAD, MAX_SEQ_LEN,
 };
 pub use data::{builtin_documents, TrainData};
@@ -60,25 +57,11 @@ pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
 pub use error::TrainError;
 pub use flags::TrainFlags;
 pub use gradients::gradient_values;
-pub(crate) use gradients::reduce_step;
 pub use groups::RankGroups;
 pub use metrics::{Progress, StepMetrics, StepObserver};
-pub use model::{InputRows, ModelShape, PipelineStage, ShardInput, TrainModel};
-pub use pipeline::PpSchedule;
-pub use plan::{
-    plan_step, AutoRecord, PlannedBatch, RankWork, ScheduleStats, StepPlan, StepSequences,
-};
-pub use run::{init_model, train_rank, ModelInit, RankOutcome, Trainer};
-pub(crate) use step::{int_tensor, StepBytes};
+pub use model::{CpTrain, InputRows, ModelShape, PipelineStage, ShardInput, TrainModel};
+pub use plan::{AutoRecord, PlannedBatch, RankWork, ScheduleStats, StepPlan, StepSequences};
+pub use planning::{plan_auto, plan_input, plan_step};
+pub use run::{init_model, train_rank, ModelInit, RankOutcome, TrainBackend, TrainGpt, Trainer};
 pub use step::{step_gradients, step_gradients_planned, StepResult, AXES};
 pub use tensor_parallel::TpGroup;
-
-/// The training backend over an inner backend `B` (burn Flex on the CPU, or a cubecl backend with
-/// the kernels): the decorator over autodiff over `B`.
-pub type CpTrain<B> = ContextParallel<burn::backend::Autodiff<B>>;
-
-/// The model one rank trains: its TP shard of the GPT (the whole GPT at tp 1).
-pub type TrainGpt<B> = TpGpt<CpTrain<B>>;
-
-/// The default training backend: [`CpTrain`] over burn Flex (CPU).
-pub type TrainBackend = CpTrain<burn::backend::Flex>;

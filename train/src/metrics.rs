@@ -11,8 +11,9 @@ use std::time::Instant;
 use burn_dcp::comm::LinkBytes;
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::write_atomically;
+use crate::error::TrainError;
 use crate::plan::AutoRecord;
-use crate::{write_atomically, TrainError};
 
 /// One optimizer step's measurements (a line of `metrics.jsonl`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

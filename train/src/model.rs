@@ -12,7 +12,10 @@ use burn_dcp_models::{GptConfig, TpGpt};
 use serde::{Deserialize, Serialize};
 
 use crate::tensor_parallel::TpGroup;
-use crate::CpTrain;
+
+/// The training backend over an inner backend `B` (burn Flex on the CPU, or a cubecl backend with
+/// the kernels): the decorator over autodiff over `B`.
+pub type CpTrain<B> = burn_dcp::ContextParallel<burn::backend::Autodiff<B>>;
 
 /// The sizes of a transformer that the planners' work and cost estimates, the head checks of the
 /// strategies and the TP rules read.

@@ -22,17 +22,18 @@
 use std::collections::HashMap;
 
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::prelude::{Tensor, TensorData, ToElement};
+use burn::prelude::{Int, Tensor, TensorData, ToElement};
 use burn_dcp::backend::{set_context, CpContext};
 use burn_dcp::comm::{Comm, Payload, PendingSend};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{CpBatch, CpError, CpGroup};
-use serde::{Deserialize, Serialize};
 
-use super::model::{PipelineStage, ShardInput, TrainModel};
-use super::plan::{PlannedBatch, RankWork, StepSequences};
-use super::{int_tensor, CpTrain, RankGroups, TrainError};
 use burn_dcp::shard::RankShard;
+
+use crate::config::PpSchedule;
+use crate::groups::RankGroups;
+use crate::model::{CpTrain, PipelineStage, ShardInput, TrainModel};
+use crate::plan::{PlannedBatch, RankWork, StepSequences};
 
 /// Hidden states between pipeline stages.
 type Hidden<B> = Tensor<CpTrain<B>, 3>;
@@ -40,45 +41,6 @@ type Hidden<B> = Tensor<CpTrain<B>, 3>;
 /// A model's forward failing, as the step's error.
 fn failed(error: String) -> CpError {
     CpError::RunFailed(format!("model forward: {error}"))
-}
-
-/// The order of a stage's forward and backward passes (`--pp-schedule`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub enum PpSchedule {
-    /// One forward, one backward (PipeDream-Flush, Megatron's default): stage `s` of `p` runs
-    /// `p − s − 1` warm-up forwards, then alternates, then drains; at most `p − s` micro-batches'
-    /// activations are alive at a time.
-    #[default]
-    #[serde(rename = "1f1b")]
-    OneFOneB,
-    /// GPipe: every forward, then every backward (all micro-batches' activations alive at once).
-    #[serde(rename = "gpipe")]
-    Gpipe,
-}
-
-impl PpSchedule {
-    pub fn parse(name: &str) -> Result<Self, TrainError> {
-        match name {
-            "1f1b" => Ok(Self::OneFOneB),
-            "gpipe" => Ok(Self::Gpipe),
-            other => Err(TrainError::Config(format!(
-                "unknown pipeline schedule '{other}': expected 1f1b or gpipe"
-            ))),
-        }
-    }
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::OneFOneB => "1f1b",
-            Self::Gpipe => "gpipe",
-        }
-    }
-}
-
-impl std::fmt::Display for PpSchedule {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
 }
 
 /// A forward or backward pass of one schedule unit (a sub-step of the plan).
@@ -331,9 +293,14 @@ impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
     }
 }
 
+fn int_tensor<B: burn::prelude::Backend>(values: &[i64], device: &B::Device) -> Tensor<B, 1, Int> {
+    Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::TrainError;
 
     #[test]
     fn one_f_one_b_warms_up_alternates_and_drains() {

@@ -21,9 +21,7 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
 
-use crate::model::ModelShape;
 use burn_dcp::kernels::{MaskSpec, MicroBatch};
 use burn_dcp::planner::dynamic::{rank_work, schedule_with, DynamicCpSchedule};
 use burn_dcp::shard::RankShard;
@@ -31,10 +29,8 @@ use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::{CpError, Layout, Placement, Strategy};
 use serde::{Deserialize, Serialize};
 
-use super::dynamic::{sequence_work, strategy_for, DynamicSettings};
-use super::{TrainConfig, TrainData};
-use crate::block_plans::plan_blocks;
-pub use crate::block_plans::{plan_auto, plan_input};
+use crate::dynamic::{sequence_work, strategy_for, DynamicSettings};
+use crate::model::ModelShape;
 
 /// The sequences of a step's global batch, micro-batch by micro-batch, numbered in that order.
 pub struct StepSequences<'a> {
@@ -44,6 +40,11 @@ pub struct StepSequences<'a> {
 }
 
 impl<'a> StepSequences<'a> {
+    /// The step's micro-batches.
+    pub fn micro_batches(&self) -> usize {
+        self.batches.len()
+    }
+
     pub fn new(batches: Vec<&'a MicroBatch>) -> Self {
         let sequences = batches
             .iter()
@@ -207,67 +208,6 @@ impl StepPlan {
             strategy_counts,
         }
     }
-}
-
-/// The plan of step `step` (1-based) under `config`: dynamic CP's schedule, auto's choices, or
-/// the static split (with DCP's block plans for strategy dcp).
-pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<StepPlan, CpError> {
-    let started = Instant::now();
-    let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
-    let model = config
-        .model_shape()
-        .map_err(|e| CpError::Config(e.to_string()))?;
-    let works = sequence_works(&sequences, &model);
-    let at_step = |e: CpError| match e {
-        CpError::Config(message) => CpError::Config(format!("step {step}: {message}")),
-        other => CpError::Config(format!("step {step}: {other}")),
-    };
-    let micro_batches = sequences.batches.len();
-    let mut auto_choices = Vec::new();
-    let batches = if let Some(settings) = &config.dynamic {
-        plan_dynamic(
-            &sequences,
-            &works,
-            settings,
-            config.pool_size(),
-            config.strategy,
-            config.layout,
-        )
-        .map_err(at_step)?
-    } else if let Some(auto) = &config.auto {
-        let (batches, choices) =
-            plan_auto(&sequences, config, &auto.candidates, &model).map_err(at_step)?;
-        auto_choices = choices;
-        batches
-    } else {
-        let mut batches = plan_static(
-            &sequences,
-            config.cp,
-            config.dp,
-            config.strategy,
-            config.layout,
-        )
-        .map_err(at_step)?;
-        if config.strategy == Strategy::Dcp {
-            for batch in &mut batches {
-                plan_blocks(batch, &sequences, config, &model).map_err(at_step)?;
-            }
-        }
-        batches
-    };
-    let strategies = if config.auto.is_some() {
-        auto_choices.iter().map(|c| c.strategy.clone()).collect()
-    } else {
-        vec![config.strategy_name(); micro_batches]
-    };
-    Ok(StepPlan {
-        step,
-        batches,
-        works,
-        plan_ms: started.elapsed().as_secs_f64() * 1e3,
-        strategies,
-        auto_choices,
-    })
 }
 
 /// Work estimate of every sequence of the step.

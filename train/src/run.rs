@@ -11,7 +11,25 @@ use burn_dcp::kernels::FlashOps;
 use burn_dcp::CpError;
 use burn_dcp_models::TpGpt;
 
-use crate::*;
+use crate::checkpoint::{
+    load_model, read_json, save_checkpoint, saved_checkpoint, Checkpoint, CheckpointFiles,
+    Recorder_, TrainState,
+};
+use crate::config::TrainConfig;
+use crate::data::TrainData;
+use crate::error::TrainError;
+use crate::groups::RankGroups;
+use crate::metrics::{StepMetrics, StepObserver};
+use crate::model::{CpTrain, InputRows, TrainModel};
+use crate::plan::StepPlan;
+use crate::planning::plan_step;
+use crate::step::{step_gradients_planned, StepBytes, AXES};
+
+/// The model one rank trains: its TP shard of the GPT (the whole GPT at tp 1).
+pub type TrainGpt<B> = TpGpt<CpTrain<B>>;
+
+/// The default training backend: [`CpTrain`] over burn Flex (CPU).
+pub type TrainBackend = CpTrain<burn::backend::Flex>;
 
 /// The result of one rank's training.
 pub struct RankOutcome {

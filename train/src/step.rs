@@ -4,21 +4,20 @@
 use std::collections::BTreeMap;
 
 use burn::optim::GradientsParams;
-use burn::prelude::{Int, Tensor, TensorData};
 use burn_dcp::comm::{Comm, CommStats, LinkBytes};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::CpError;
 use serde::{Deserialize, Serialize};
 
+use crate::config::TrainConfig;
+use crate::data::TrainData;
+use crate::error::TrainError;
+use crate::gradients::reduce_step;
+use crate::groups::RankGroups;
+use crate::model::{CpTrain, TrainModel};
 use crate::pipeline::{stage_passes, Pass, StageRun};
-use crate::*;
-
-pub(crate) fn int_tensor<B: burn::prelude::Backend>(
-    values: &[i64],
-    device: &B::Device,
-) -> Tensor<B, 1, Int> {
-    Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
-}
+use crate::plan::{PlannedBatch, ScheduleStats, StepPlan, StepSequences};
+use crate::planning::plan_step;
 
 /// Gradients of the global mean loss of step `step` (all-reduced over DP×CP), the loss and the
 /// step's token count. The step is planned here, synchronously; training plans ahead on a

@@ -1,9 +1,10 @@
-//! The plans that need the planners' problem form: DCP's block plans of a step's micro-batches
-//! (`plan_blocks`) and `auto`'s choice per micro-batch ([`plan_auto`]).
+//! Planning a step ([`plan_step`]): the static split and dynamic CP's groups (`plan.rs`), DCP's
+//! block plans of each micro-batch (`plan_blocks`) and `auto`'s choice per micro-batch
+//! ([`plan_auto`]), which need the planners' problem form.
 
 use std::sync::Arc;
+use std::time::Instant;
 
-use crate::model::ModelShape;
 use burn_dcp::planner::auto::{choose_strategy, executable_dcp_plan, AutoCandidate};
 use burn_dcp::planner::cost::{AttentionDims, RoutedPlan};
 use burn_dcp::planner::dcp::DcpConfig;
@@ -12,8 +13,13 @@ use burn_dcp::planner::topology::Topology;
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::{CpError, Layout, Strategy};
 
-use super::plan::*;
-use super::TrainConfig;
+use crate::config::TrainConfig;
+use crate::data::TrainData;
+use crate::model::ModelShape;
+use crate::plan::{
+    assign_sub_steps, plan_dynamic, plan_static, schedule_batches, sequence_works, AutoRecord,
+    PlannedBatch, StepPlan, StepSequences,
+};
 
 /// The planner's input for `batch`: its sequences and masks, the attention dimensions its CP
 /// calls see (one TP rank's query heads, K/V repeated to as many heads, f32 elements, as training
@@ -152,4 +158,65 @@ pub fn plan_auto(
     }
     assign_sub_steps(&mut planned);
     Ok((planned, records))
+}
+
+/// The plan of step `step` (1-based) under `config`: dynamic CP's schedule, auto's choices, or
+/// the static split (with DCP's block plans for strategy dcp).
+pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<StepPlan, CpError> {
+    let started = Instant::now();
+    let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
+    let model = config
+        .model_shape()
+        .map_err(|e| CpError::Config(e.to_string()))?;
+    let works = sequence_works(&sequences, &model);
+    let at_step = |e: CpError| match e {
+        CpError::Config(message) => CpError::Config(format!("step {step}: {message}")),
+        other => CpError::Config(format!("step {step}: {other}")),
+    };
+    let micro_batches = sequences.micro_batches();
+    let mut auto_choices = Vec::new();
+    let batches = if let Some(settings) = &config.dynamic {
+        plan_dynamic(
+            &sequences,
+            &works,
+            settings,
+            config.pool_size(),
+            config.strategy,
+            config.layout,
+        )
+        .map_err(at_step)?
+    } else if let Some(auto) = &config.auto {
+        let (batches, choices) =
+            plan_auto(&sequences, config, &auto.candidates, &model).map_err(at_step)?;
+        auto_choices = choices;
+        batches
+    } else {
+        let mut batches = plan_static(
+            &sequences,
+            config.cp,
+            config.dp,
+            config.strategy,
+            config.layout,
+        )
+        .map_err(at_step)?;
+        if config.strategy == Strategy::Dcp {
+            for batch in &mut batches {
+                plan_blocks(batch, &sequences, config, &model).map_err(at_step)?;
+            }
+        }
+        batches
+    };
+    let strategies = if config.auto.is_some() {
+        auto_choices.iter().map(|c| c.strategy.clone()).collect()
+    } else {
+        vec![config.strategy_name(); micro_batches]
+    };
+    Ok(StepPlan {
+        step,
+        batches,
+        works,
+        plan_ms: started.elapsed().as_secs_f64() * 1e3,
+        strategies,
+        auto_choices,
+    })
 }

@@ -1,0 +1,62 @@
+//! The settings of the strategies and schedules a [`TrainConfig`](crate::config::TrainConfig)
+//! names: `auto`'s candidates, DCP's blocks and stages, the pipeline schedule.
+
+use burn_dcp::planner::auto::AutoCandidate;
+use serde::{Deserialize, Serialize};
+
+use crate::error::TrainError;
+
+/// Settings of `--strategy auto`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AutoSettings {
+    /// The strategies it may choose (`--auto-candidates`; default all).
+    pub candidates: Vec<AutoCandidate>,
+}
+
+/// Settings of `--strategy dcp`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DcpSettings {
+    /// Tokens per block (`--block`).
+    pub block: usize,
+    /// Communication stages of each plan (`--stages`).
+    pub stages: usize,
+}
+
+/// The order of a stage's forward and backward passes (`--pp-schedule`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PpSchedule {
+    /// One forward, one backward (PipeDream-Flush, Megatron's default): stage `s` of `p` runs
+    /// `p − s − 1` warm-up forwards, then alternates, then drains; at most `p − s` micro-batches'
+    /// activations are alive at a time.
+    #[default]
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// GPipe: every forward, then every backward (all micro-batches' activations alive at once).
+    #[serde(rename = "gpipe")]
+    Gpipe,
+}
+
+impl PpSchedule {
+    pub fn parse(name: &str) -> Result<Self, TrainError> {
+        match name {
+            "1f1b" => Ok(Self::OneFOneB),
+            "gpipe" => Ok(Self::Gpipe),
+            other => Err(TrainError::Config(format!(
+                "unknown pipeline schedule '{other}': expected 1f1b or gpipe"
+            ))),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::OneFOneB => "1f1b",
+            Self::Gpipe => "gpipe",
+        }
+    }
+}
+
+impl std::fmt::Display for PpSchedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
