@@ -135,6 +135,7 @@ struct Args {
 }
 
 fn main() {
+    burn_dcp_suite::launch::init_logging();
     let args = Args::parse();
     if let Err(message) = run(&args) {
         // With several processes (MPI or TCP) every rank finds the same error: rank 0 alone prints it.

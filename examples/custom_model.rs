@@ -313,6 +313,7 @@ fn run(args: &Args) -> Result<(), TrainError> {
 }
 
 fn main() {
+    burn_dcp_suite::launch::init_logging();
     let args = Args::parse();
     if let Err(error) = run(&args) {
         eprintln!("custom_model: {error}");

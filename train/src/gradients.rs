@@ -1,6 +1,9 @@
 //! The gradients of a step: summed over the DP × CP pool (and replicated kv heads, tied
 //! embeddings), checked for non-finite values before they spread.
 
+use std::collections::HashMap;
+use std::time::Instant;
+
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::{Tensor, TensorData};
@@ -12,59 +15,149 @@ use burn_dcp::CpError;
 use crate::groups::RankGroups;
 use crate::model::{CpTrain, TrainModel};
 
-/// Sums every parameter's gradient over the pool (zeros where a rank has none), in the model's
-/// parameter order, which is the same on every rank of the pool; some parameters are then also
-/// summed over another group (`extra`).
-pub(crate) struct AllReduceGradients<'a, B: AutodiffBackend> {
-    grads: GradientsParams,
-    comm: &'a Comm,
-    /// Parameters whose gradient is also summed over a group: the replicated kv projections over
-    /// their TP replicas (tp > kv heads), the tied embedding over the first and last stage.
-    extra: Vec<(Vec<ParamId>, &'a Comm)>,
-    error: Option<CommError>,
-    /// Parameters (in visiting order) whose local gradient on this rank is not finite.
-    non_finite: Vec<usize>,
-    visited: usize,
-    phantom: std::marker::PhantomData<B>,
+/// The largest bucket of gradients summed by one all-reduce (PyTorch DDP's default bucket size).
+pub const GRADIENT_BUCKET_BYTES: usize = 25 << 20;
+
+/// One parameter's local gradient, flattened, in the model's parameter order.
+struct FlatGradient<B: AutodiffBackend> {
+    id: ParamId,
+    values: Tensor<B::InnerBackend, 1>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for AllReduceGradients<'_, B> {
+/// Takes every parameter's gradient out of `grads` (zeros where this rank has none), flattened.
+struct Flatten<B: AutodiffBackend> {
+    grads: GradientsParams,
+    flat: Vec<FlatGradient<B>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if self.error.is_some() {
-            return;
-        }
         let grad = self
             .grads
             .remove::<B::InnerBackend, D>(param.id)
             .unwrap_or_else(|| param.val().inner().zeros_like());
-        let device = grad.device();
-        // One flag read back; the gradient itself stays on its device.
-        if !all_finite(&grad) {
-            self.non_finite.push(self.visited);
-        }
-        self.visited += 1;
-        let summed = self.extra.iter().fold(
-            self.comm.all_reduce(Payload::device(grad)),
-            |summed, (ids, comm)| {
-                summed.and_then(|summed| match ids.contains(&param.id) {
-                    true => comm.all_reduce(summed),
-                    false => Ok(summed),
-                })
-            },
-        );
-        let summed = summed.and_then(|summed| {
-            summed
-                .into_tensor::<B::InnerBackend, D>(&device)
-                .map_err(|message| CommError::Invalid {
-                    group: self.comm.name().to_string(),
-                    message: format!("gradient all-reduce: {message}"),
-                })
+        let count = grad.shape().num_elements();
+        self.flat.push(FlatGradient {
+            id: param.id,
+            values: burn_dcp_models::gpt::reshape(grad, [count]),
         });
-        match summed {
-            Ok(summed) => self.grads.register(param.id, summed),
-            Err(error) => self.error = Some(error),
+    }
+}
+
+/// Puts the summed gradients back into `grads` in their parameters' shapes.
+struct Register<B: AutodiffBackend> {
+    grads: GradientsParams,
+    summed: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Register<B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(summed) = self.summed.remove(&param.id) {
+            let dims: [usize; D] = param.val().dims();
+            self.grads
+                .register(param.id, burn_dcp_models::gpt::reshape(summed, dims));
         }
     }
+}
+
+/// The gradients summed over the pool: buckets of at most [`GRADIENT_BUCKET_BYTES`] in the
+/// model's parameter order (the same on every rank), one all-reduce each; the parameters that
+/// are also summed over another group (`extra`: the replicated kv projections over their TP
+/// replicas when tp > kv heads, the tied embedding over the first and last stage) one by one.
+/// Summing a bucket adds every element in rank order, as one all-reduce per parameter did, so
+/// the result is bit for bit the same with fewer collectives.
+///
+/// Not overlapped with the backward pass: burn 0.21's gradient-sync hooks (`DistributedBackend`,
+/// feature `distributed`) are keyed by device and run burn's own collective server, which fits
+/// neither ranks that share a device (threads-as-ranks on one CPU) nor this pool's communicator
+/// (MPI, TCP, NCCL, with its byte accounting); so the buckets go after the step's last backward.
+fn all_reduce_gradients<B: AutodiffBackend>(
+    flat: Vec<FlatGradient<B>>,
+    pool: &Comm,
+    extra: &[(Vec<ParamId>, &Comm)],
+) -> Result<(HashMap<ParamId, Tensor<B::InnerBackend, 1>>, Vec<usize>), CommError> {
+    let invalid = |message: String| CommError::Invalid {
+        group: pool.name().to_string(),
+        message: format!("gradient all-reduce: {message}"),
+    };
+    let mut summed = HashMap::with_capacity(flat.len());
+    let mut non_finite = Vec::new();
+    let mut bucket: Vec<(usize, FlatGradient<B>)> = Vec::new();
+    let mut bucket_bytes = 0;
+    let flush = |bucket: &mut Vec<(usize, FlatGradient<B>)>,
+                 summed: &mut HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+                 non_finite: &mut Vec<usize>|
+     -> Result<(), CommError> {
+        if bucket.is_empty() {
+            return Ok(());
+        }
+        let parts: Vec<_> = bucket.drain(..).collect();
+        let values = Tensor::cat(parts.iter().map(|(_, g)| g.values.clone()).collect(), 0);
+        // One flag read back per bucket; per parameter only to name a non-finite one.
+        if !all_finite(&values) {
+            non_finite.extend(
+                parts
+                    .iter()
+                    .filter(|(_, g)| !all_finite(&g.values))
+                    .map(|(index, _)| *index),
+            );
+        }
+        let device = values.device();
+        let total = pool
+            .all_reduce(Payload::device(values))?
+            .into_tensor::<B::InnerBackend, 1>(&device)
+            .map_err(invalid)?;
+        let mut offset = 0;
+        for (_, gradient) in parts {
+            let count = gradient.values.dims()[0];
+            summed.insert(gradient.id, total.clone().narrow(0, offset, count));
+            offset += count;
+        }
+        Ok(())
+    };
+    for (index, gradient) in flat.into_iter().enumerate() {
+        let groups: Vec<&Comm> = extra
+            .iter()
+            .filter(|(ids, _)| ids.contains(&gradient.id))
+            .map(|(_, comm)| *comm)
+            .collect();
+        if !groups.is_empty() {
+            // Summed over the pool, then over each of its groups, on its own.
+            if !all_finite(&gradient.values) {
+                non_finite.push(index);
+            }
+            let device = gradient.values.device();
+            let mut total = pool.all_reduce(Payload::device(gradient.values))?;
+            for comm in groups {
+                total = comm.all_reduce(total)?;
+            }
+            let total = total
+                .into_tensor::<B::InnerBackend, 1>(&device)
+                .map_err(invalid)?;
+            summed.insert(gradient.id, total);
+            continue;
+        }
+        let bytes = gradient.values.dims()[0] * gradient.values.dtype().size();
+        if bucket_bytes + bytes > GRADIENT_BUCKET_BYTES {
+            flush(&mut bucket, &mut summed, &mut non_finite)?;
+            bucket_bytes = 0;
+        }
+        bucket_bytes += bytes;
+        bucket.push((index, gradient));
+    }
+    flush(&mut bucket, &mut summed, &mut non_finite)?;
+    non_finite.sort_unstable();
+    Ok((summed, non_finite))
+}
+
+/// A step's all-reduced results.
+pub(crate) struct ReducedStep {
+    /// The mean loss of the step.
+    pub loss: f64,
+    /// Every parameter's gradient summed over the pool.
+    pub grads: GradientsParams,
+    /// Time of the gradient all-reduces (none of it overlapped with the backward pass).
+    pub grad_sync_ms: f64,
 }
 
 /// All-reduces the accumulated gradients and the loss over the world; stops on non-finite values.
@@ -75,7 +168,7 @@ pub(crate) fn reduce_step<B: FlashOps, M: TrainModel<CpTrain<B>>>(
     mut accumulator: GradientsAccumulator<M>,
     loss_sum: f64,
     global_labels: usize,
-) -> Result<(f64, GradientsParams), CpError> {
+) -> Result<ReducedStep, CpError> {
     let mut extra = Vec::new();
     if let Some(kv) = &groups.kv_replicas {
         extra.push((model.kv_param_ids(), kv));
@@ -83,21 +176,21 @@ pub(crate) fn reduce_step<B: FlashOps, M: TrainModel<CpTrain<B>>>(
     if let (Some(id), Some(embedding)) = (model.tied_embedding_id(), &groups.embedding) {
         extra.push((vec![id], embedding));
     }
-    let mut reducer = AllReduceGradients {
+    let started = Instant::now();
+    let mut flatten = Flatten::<CpTrain<B>> {
         grads: accumulator.grads(),
-        comm: &groups.world,
-        extra,
-        error: None,
-        non_finite: Vec::new(),
-        visited: 0,
-        phantom: std::marker::PhantomData,
+        flat: Vec::new(),
     };
-    model.visit(&mut reducer);
-    if let Some(error) = reducer.error {
-        return Err(error.into());
-    }
+    model.visit(&mut flatten);
+    let (summed, non_finite) = all_reduce_gradients(flatten.flat, &groups.world, &extra)?;
+    let mut register = Register::<CpTrain<B>> {
+        grads: flatten.grads,
+        summed,
+    };
+    model.visit(&mut register);
+    let grad_sync_ms = started.elapsed().as_secs_f64() * 1e3;
     // Over the whole world: a non-finite gradient on one TP position stops every rank, named.
-    check_finite(&groups.mesh.world, step, loss_sum, &reducer.non_finite)?;
+    check_finite(&groups.mesh.world, step, loss_sum, &non_finite)?;
     let mut total = groups
         .world
         .all_reduce(TensorData::new(vec![loss_sum], [1]).into())?;
@@ -110,7 +203,11 @@ pub(crate) fn reduce_step<B: FlashOps, M: TrainModel<CpTrain<B>>>(
         .map_err(CpError::Input)?
         .to_vec::<f64>()
         .map_err(|e| CpError::Input(format!("{e:?}")))?[0];
-    Ok((total / global_labels as f64, reducer.grads))
+    Ok(ReducedStep {
+        loss: total / global_labels as f64,
+        grads: register.grads,
+        grad_sync_ms,
+    })
 }
 
 pub(crate) fn all_finite<B: burn::prelude::Backend, const D: usize>(tensor: &Tensor<B, D>) -> bool {

@@ -120,7 +120,7 @@ impl Ranks {
                     // the same on every rank).
                     let message = format!("rank {} of the TCP launch: {e}", rendezvous.rank);
                     if rendezvous.rank != 0 {
-                        eprintln!("error: {message}");
+                        log::error!("{message}");
                     }
                     message
                 });
@@ -228,4 +228,45 @@ fn unwound<T, E: std::fmt::Display>(
             burn_dcp::comm::panic_message(panic.as_ref())
         ))
     })
+}
+
+/// Messages of the libraries (`log` facade: a rank aborting a job, a launch failing) on stderr,
+/// as `burn-dcp: …`, for programs without a logger of their own (the examples call it first).
+/// `BURN_DCP_LOG` sets the level (`error`, `warn` (default), `info`, `debug`, `trace`, `off`). A
+/// program that installed another logger keeps it.
+pub fn init_logging() {
+    let level = match std::env::var("BURN_DCP_LOG").as_deref() {
+        Ok("off") => log::LevelFilter::Off,
+        Ok("error") => log::LevelFilter::Error,
+        Ok("info") => log::LevelFilter::Info,
+        Ok("debug") => log::LevelFilter::Debug,
+        Ok("trace") => log::LevelFilter::Trace,
+        _ => log::LevelFilter::Warn,
+    };
+    if log::set_logger(&STDERR_LOGGER).is_ok() {
+        log::set_max_level(level);
+    }
+}
+
+/// The logger of [`init_logging`].
+struct StderrLogger;
+
+static STDERR_LOGGER: StderrLogger = StderrLogger;
+
+impl log::Log for StderrLogger {
+    fn enabled(&self, metadata: &log::Metadata) -> bool {
+        metadata.level() <= log::max_level()
+    }
+
+    fn log(&self, record: &log::Record) {
+        if !self.enabled(record.metadata()) {
+            return;
+        }
+        match record.level() {
+            log::Level::Error => eprintln!("burn-dcp: {}", record.args()),
+            level => eprintln!("burn-dcp ({level}): {}", record.args()),
+        }
+    }
+
+    fn flush(&self) {}
 }

@@ -51,6 +51,12 @@ pub struct StepMetrics {
     /// strategy, `dynamic` for dynamic CP).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub strategy_counts: BTreeMap<String, usize>,
+    /// Time of the gradient all-reduces over the DP × CP pool (rank 0's), and the part of it
+    /// not overlapped with compute: all of it (see `GRADIENT_BUCKET_BYTES`' docs for why).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_sync_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_sync_exposed_ms: Option<f64>,
     /// `auto` only: every micro-batch's choice, its sequences and every candidate's estimate.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub auto_choices: Vec<AutoRecord>,

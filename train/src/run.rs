@@ -287,6 +287,8 @@ impl<B: FlashOps> StepLoop<'_, B> {
                     bytes_by_axis,
                     strategy_counts: result.stats.strategy_counts.clone(),
                     auto_choices: plan.auto_choices.clone(),
+                    grad_sync_ms: Some(result.grad_sync_ms),
+                    grad_sync_exposed_ms: Some(result.grad_sync_ms),
                 };
                 self.observer.on_step(&step_metrics);
                 metrics.push(step_metrics);

@@ -41,6 +41,9 @@ pub struct StepResult {
     pub grads: GradientsParams,
     pub tokens: usize,
     pub stats: ScheduleStats,
+    /// Time of the gradient all-reduces over the pool (after the backward passes: not
+    /// overlapped with them, see `gradients.rs`).
+    pub grad_sync_ms: f64,
 }
 
 /// Runs step `plan.step` by its plan: this rank's shard of every planned batch it is in, in the
@@ -97,12 +100,13 @@ pub fn step_gradients_planned<B: FlashOps, M: TrainModel<CpTrain<B>>>(
         }
     }
     let (accumulator, loss_sum) = run.finish()?;
-    let (loss, grads) = reduce_step(model, groups, step, accumulator, loss_sum, global_labels)?;
+    let reduced = reduce_step(model, groups, step, accumulator, loss_sum, global_labels)?;
     Ok(StepResult {
-        loss,
-        grads,
+        loss: reduced.loss,
+        grads: reduced.grads,
         tokens,
         stats: plan.stats(groups.world.size()),
+        grad_sync_ms: reduced.grad_sync_ms,
     })
 }
 

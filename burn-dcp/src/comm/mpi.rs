@@ -346,7 +346,7 @@ impl Drop for MpiWorld {
 
 /// Prints `message` for world rank `rank` and aborts the job; never returns.
 fn abort_job(rank: usize, message: &str) -> ! {
-    eprintln!("burn-dcp: rank {rank} aborts the MPI job: {message}");
+    log::error!("rank {rank} aborts the MPI job: {message}");
     if let Some(shared) = SHARED.get() {
         shared.closed.store(true, Ordering::SeqCst);
     }

@@ -509,10 +509,7 @@ impl TcpWorld {
     /// Prints `message` naming this rank, tells every peer (their operations fail naming the
     /// first failure this rank knows of) and exits the process with status 1.
     pub fn abort(&self, message: &str) -> ! {
-        eprintln!(
-            "burn-dcp: rank {} aborts the job: {message}",
-            self.shared.rank
-        );
+        log::error!("rank {} aborts the job: {message}", self.shared.rank);
         self.world.abort(message);
         // A moment for the abort message to be read before the sockets close.
         let linger = self.shared.config.timeout.min(Duration::from_secs(2));
