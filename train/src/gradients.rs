@@ -15,6 +15,9 @@ use burn_dcp::CpError;
 use crate::groups::RankGroups;
 use crate::model::{CpTrain, TrainModel};
 
+/// Summed gradients by parameter, flattened.
+type Summed<B> = HashMap<ParamId, Tensor<<B as AutodiffBackend>::InnerBackend, 1>>;
+
 /// The largest bucket of gradients summed by one all-reduce (PyTorch DDP's default bucket size).
 pub const GRADIENT_BUCKET_BYTES: usize = 25 << 20;
 
@@ -75,7 +78,7 @@ fn all_reduce_gradients<B: AutodiffBackend>(
     flat: Vec<FlatGradient<B>>,
     pool: &Comm,
     extra: &[(Vec<ParamId>, &Comm)],
-) -> Result<(HashMap<ParamId, Tensor<B::InnerBackend, 1>>, Vec<usize>), CommError> {
+) -> Result<(Summed<B>, Vec<usize>), CommError> {
     let invalid = |message: String| CommError::Invalid {
         group: pool.name().to_string(),
         message: format!("gradient all-reduce: {message}"),
@@ -85,13 +88,13 @@ fn all_reduce_gradients<B: AutodiffBackend>(
     let mut bucket: Vec<(usize, FlatGradient<B>)> = Vec::new();
     let mut bucket_bytes = 0;
     let flush = |bucket: &mut Vec<(usize, FlatGradient<B>)>,
-                 summed: &mut HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+                 summed: &mut Summed<B>,
                  non_finite: &mut Vec<usize>|
      -> Result<(), CommError> {
         if bucket.is_empty() {
             return Ok(());
         }
-        let parts: Vec<_> = bucket.drain(..).collect();
+        let parts = std::mem::take(bucket);
         let values = Tensor::cat(parts.iter().map(|(_, g)| g.values.clone()).collect(), 0);
         // One flag read back per bucket; per parameter only to name a non-finite one.
         if !all_finite(&values) {
@@ -148,6 +151,28 @@ fn all_reduce_gradients<B: AutodiffBackend>(
     flush(&mut bucket, &mut summed, &mut non_finite)?;
     non_finite.sort_unstable();
     Ok((summed, non_finite))
+}
+
+/// Sums any model's gradients over `pool` (every rank of it calls this with the same model):
+/// the bucketed all-reduce the engine runs after each step's backward passes, on the device,
+/// for training loops of one's own. A parameter without a gradient on this rank counts as zeros.
+pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: GradientsParams,
+    pool: &Comm,
+) -> Result<GradientsParams, CommError> {
+    let mut flatten = Flatten::<B> {
+        grads,
+        flat: Vec::new(),
+    };
+    model.visit(&mut flatten);
+    let (summed, _) = all_reduce_gradients(flatten.flat, pool, &[])?;
+    let mut register = Register::<B> {
+        grads: flatten.grads,
+        summed,
+    };
+    model.visit(&mut register);
+    Ok(register.grads)
 }
 
 /// A step's all-reduced results.

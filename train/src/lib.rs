@@ -56,7 +56,7 @@ pub use data::{builtin_documents, TrainData};
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
 pub use error::TrainError;
 pub use flags::TrainFlags;
-pub use gradients::{gradient_values, GRADIENT_BUCKET_BYTES};
+pub use gradients::{all_reduce_grads, gradient_values, GRADIENT_BUCKET_BYTES};
 pub use groups::RankGroups;
 pub use metrics::{Progress, StepMetrics, StepObserver};
 pub use model::{CpTrain, InputRows, ModelShape, PipelineStage, ShardInput, TrainModel};
