@@ -7,7 +7,7 @@
 //!   given, placed by the layout over the group;
 //! - **DCP** (static groups, `plan_blocks` in `block_plans.rs`): each micro-batch's DCP block plan for the group's
 //!   topology; its homes are the placement and it travels with the batch to the executor.
-//! - **auto** ([`plan_auto`]): static groups; each micro-batch runs the candidate with the lowest
+//! - **auto** ([`plan_auto`](crate::plan_auto)): static groups; each micro-batch runs the candidate with the lowest
 //!   estimated attention time (`burn_dcp::planner::auto`): a static strategy placed zigzag, the
 //!   megatron-dynamic schedule inside the replica (its groups run one after the other) or the DCP
 //!   plan. Each planned batch carries the strategy its group runs.

@@ -47,7 +47,7 @@ pub struct StepResult {
 }
 
 /// Runs step `plan.step` by its plan: this rank's shard of every planned batch it is in, in the
-/// batch's group, through the pipeline's stages on the pipeline schedule ([`pipeline`]; at pp 1
+/// batch's group, through the pipeline's stages on the pipeline schedule ([`pipeline`](crate::pipeline); at pp 1
 /// one forward and backward after the other); then the all-reduces of the gradients and the loss.
 pub fn step_gradients_planned<B: FlashOps, M: TrainModel<CpTrain<B>>>(
     model: &M,
