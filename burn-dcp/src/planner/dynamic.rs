@@ -20,12 +20,15 @@
 //!    work (ties: open, then the lower group index). A sequence that fits nowhere waits for the
 //!    next sub-step.
 //! 5. **No idle ranks** (`fill_idle_ranks`): while the groups use fewer than `P` ranks, widen
-//!    the most loaded group that can grow (to the next allowed size) without exceeding `P`. If
-//!    ranks stay idle, the sub-step becomes one whole-pool group of all its sequences when that
-//!    fits `B` (Megatron's `fill_with_full_dpxcp_group`); otherwise the last group extends to the
-//!    end of the pool. Hence every rank belongs to a group of every sub-step. (The whole pool is
-//!    not chosen merely because it balances work better: that would turn dynamic CP back into
-//!    static CP over the pool, with its communication.)
+//!    the most loaded group that can grow (to the smallest larger allowed size at which its ranks
+//!    stay within `B`) without exceeding `P`. If ranks stay idle, the sub-step becomes one
+//!    whole-pool group of all its sequences when that fits `B` (Megatron's
+//!    `fill_with_full_dpxcp_group`); otherwise the last group extends to the end of the pool when
+//!    that fits `B`. The budget wins over idle ranks: under the zigzag layout a rank's share is
+//!    not monotone in the group size, so rarely no group can take the remaining ranks (pool 10,
+//!    budget 1, one 6-token sequence: 6 and 9 ranks fit, 10 do not; 1 rank idles). (The whole
+//!    pool is not chosen merely because it balances work better: that would turn dynamic CP back
+//!    into static CP over the pool, with its communication.)
 //! 6. **Layout** (`lay_out`): groups get consecutive rank ranges, largest first, so a
 //!    power-of-two group starts at a multiple of its size.
 //!
@@ -235,18 +238,33 @@ fn resized(group: &DraftGroup, size: usize, batch: &Batch) -> DraftGroup {
     }
 }
 
-/// The next allowed size above `size`, if any.
-fn next_size(sizes: &[usize], size: usize) -> Option<usize> {
-    sizes.iter().copied().find(|&s| s > size)
+/// The smallest allowed size above `group`'s at which it fits `room` ranks and its ranks stay
+/// within the token budget, if any. Not simply the next size: under the zigzag layout a rank's
+/// share is not monotone in the group size (6 tokens: 1 per rank on 6 ranks, 2 on 7 and 8, 1 on
+/// 9, 2 on 10), so a larger group can overflow a rank where a smaller one did not.
+fn next_fitting_size(
+    group: &DraftGroup,
+    sizes: &[usize],
+    room: usize,
+    batch: &Batch,
+) -> Option<usize> {
+    sizes
+        .iter()
+        .copied()
+        .filter(|&size| size > group.size && size <= room)
+        .find(|&size| resized(group, size, batch).tokens <= batch.budget())
 }
 
-/// Widens the most loaded group that can grow within the pool; `false` when none can.
+/// Widens the most loaded group that can grow within the pool and the budget; `false` when none
+/// can.
 fn widen_once(groups: &mut [DraftGroup], sizes: &[usize], batch: &Batch) -> bool {
     let used: usize = groups.iter().map(|g| g.size).sum();
     let pool = batch.config.world;
     let candidate = (0..groups.len())
-        .filter_map(|g| next_size(sizes, groups[g].size).map(|size| (g, size)))
-        .filter(|&(g, size)| used - groups[g].size + size <= pool)
+        .filter_map(|g| {
+            let room = pool - used + groups[g].size;
+            next_fitting_size(&groups[g], sizes, room, batch).map(|size| (g, size))
+        })
         .max_by(|a, b| {
             let (load_a, load_b) = (groups[a.0].load(), groups[b.0].load());
             load_a.total_cmp(&load_b).then(b.0.cmp(&a.0))
@@ -274,7 +292,9 @@ fn whole_pool(groups: &[DraftGroup], batch: &Batch) -> Option<DraftGroup> {
     (merged.tokens <= batch.budget()).then_some(merged)
 }
 
-/// Rule 5: widen groups until every rank of the pool is in one.
+/// Rule 5: widen groups until every rank of the pool is in one — within the budget, which wins:
+/// where no group can take the remaining ranks without a rank over the budget (the zigzag
+/// layout's non-monotone shares), they stay idle for the sub-step.
 fn fill_idle_ranks(mut groups: Vec<DraftGroup>, batch: &Batch) -> Vec<DraftGroup> {
     let sizes = batch.config.sizes();
     while widen_once(&mut groups, &sizes, batch) {}
@@ -285,11 +305,16 @@ fn fill_idle_ranks(mut groups: Vec<DraftGroup>, batch: &Batch) -> Vec<DraftGroup
     if let Some(merged) = whole_pool(&groups, batch) {
         return vec![merged];
     }
-    {
-        // The last group in the layout (the smallest) takes the remaining ranks.
-        let last = smallest_last(&groups);
-        let size = groups[last].size + batch.config.world - used;
-        groups[last] = resized(&groups[last], size, batch);
+    // The last group in the layout (the smallest) takes the remaining ranks, if its ranks stay
+    // within the budget.
+    let last = smallest_last(&groups);
+    let stretched = resized(
+        &groups[last],
+        groups[last].size + batch.config.world - used,
+        batch,
+    );
+    if stretched.tokens <= batch.budget() {
+        groups[last] = stretched;
     }
     groups
 }
