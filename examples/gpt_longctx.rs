@@ -142,6 +142,19 @@ fn train(
     // With several processes only rank 0 prints and writes files (the checkpoint's shards reach
     // it as messages); every rank trains.
     let leader = ranks.is_leader();
+    if config.emulate_links.is_some() {
+        let Ranks::InProcess(world) = ranks else {
+            return Err(TrainError::Config(format!(
+                "--emulate-links delays the messages of ranks that are threads of one process; these ranks are {} (their links are real)",
+                ranks.describe()
+            )));
+        };
+        let scale = burn_dcp_suite::train::links::emulate_links(config, world)?;
+        eprintln!(
+            "links: emulated as {} × {} nodes, slowed {scale:.0}× to this CPU's compute",
+            config.topology, config.nodes
+        );
+    }
     let out = args.out.clone().or_else(|| args.resume.clone());
     if let (true, Some(out)) = (leader, &out) {
         refuse_overwrite(out, args.resume.as_deref())?;
@@ -354,6 +367,7 @@ fn summarize(
         "cp_group_sizes": totals(&[], metrics.iter().map(|m| &m.cp_group_sizes)),
         "strategy_counts": totals(&[], metrics.iter().map(|m| &m.strategy_counts)),
         "rank_workload_imbalance": mean(metrics.iter().map(|m| m.rank_workload_imbalance)),
+        "attention_ms": metrics.iter().filter_map(|m| m.attention_ms).sum::<f64>(),
         "plan_wait_ms": metrics.iter().filter_map(|m| m.plan_wait_ms).fold(0.0, |a, b| a + b),
         "wall_seconds": wall,
         "out": out.map(|p| p.display().to_string()),

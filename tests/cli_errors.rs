@@ -116,6 +116,18 @@ fn gpt_longctx_refuses_bad_flags_with_the_rule() {
     );
     refused_gpt(&["--block", "16"], "--block only applies to --strategy dcp");
     refused_gpt(
+        &["--lengths-from", "books"],
+        "--lengths-from: invalid setting: unknown length distribution 'books': expected longalign-like or ldc-like",
+    );
+    refused_gpt(
+        &["--link-scale", "10"],
+        "--link-scale 10 only applies with --emulate-links",
+    );
+    refused_gpt(
+        &["--emulate-links", "--link-scale", "0"],
+        "--link-scale 0 must be a positive number",
+    );
+    refused_gpt(
         &["--cp", "4", "--nodes", "3"],
         "--nodes 3 must divide the 4 ranks",
     );

@@ -385,3 +385,67 @@ fn device_payloads_stay_correct_across_wgpu_threads() {
         }
     }
 }
+
+#[test]
+fn emulated_links_delay_messages_by_latency_and_bandwidth_and_keep_the_bytes() {
+    use burn_dcp::comm::LinkEmulation;
+    // 4 ranks on 2 nodes: 100 kB/s between nodes (shared by a node's ranks), 10 MB/s inside.
+    let world = InProcessWorld::new(
+        4,
+        WorldConfig {
+            ranks_per_node: Some(2),
+            ..WorldConfig::default()
+        },
+    )
+    .unwrap();
+    let plain = InProcessWorld::new(4, WorldConfig::default()).unwrap();
+    world
+        .emulate_links(LinkEmulation {
+            intra_node_bandwidth: 1e7,
+            inter_node_bandwidth: 1e5,
+            intra_node_latency: Duration::from_millis(1),
+            inter_node_latency: Duration::from_millis(20),
+        })
+        .unwrap();
+    let exchange = |comm: burn_dcp::comm::Comm| -> Result<Duration, CommError> {
+        // Ranks 0 and 1 (node 0) each send 4 kB to ranks 2 and 3 (node 1): 8 kB through node
+        // 0's inter-node link, 80 ms, + 20 ms latency; the last arrives after ~100 ms.
+        let started = Instant::now();
+        let data = || Payload::from(TensorData::new(vec![0u8; 4000], [4000]));
+        match comm.rank() {
+            0 | 1 => {
+                comm.isend(comm.rank() + 2, data())?.wait()?;
+            }
+            _ => {
+                comm.irecv(comm.rank() - 2)?.wait()?;
+            }
+        }
+        Ok(started.elapsed())
+    };
+    let times: Vec<Duration> = world
+        .run(exchange)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    let slowest = times[2].max(times[3]);
+    assert!(
+        slowest >= Duration::from_millis(95),
+        "the second message shares node 0's link: {times:?}"
+    );
+    assert!(slowest < Duration::from_secs(5), "{times:?}");
+    plain.run(exchange).into_iter().for_each(|r| {
+        r.unwrap();
+    });
+    let bytes = |w: &InProcessWorld| w.stats().iter().map(|s| s.total_bytes()).sum::<u64>();
+    assert_eq!(bytes(&world), bytes(&plain), "emulation changes no byte");
+    let bad = LinkEmulation {
+        inter_node_bandwidth: 0.0,
+        ..LinkEmulation::of_topology(
+            &burn_dcp::planner::topology::Topology::preset("a100-p4d", 2).unwrap(),
+            1.0,
+        )
+        .unwrap()
+    };
+    let error = world.emulate_links(bad).unwrap_err().to_string();
+    assert!(error.contains("inter-node bandwidth"), "{error}");
+}

@@ -15,6 +15,14 @@
 //!
 //! Both take DCP's length scaling factor (`0.5, 1, 2, 4`: lengths multiplied before capping) and a
 //! cap on the length (`max_len`, default 131072 tokens).
+//!
+//! **Long-tailed training text** ([`LengthSampler::fitted`], [`recut`]): a corpus's tokens, in
+//! order, cut into documents whose lengths are drawn from a sampler scaled so that the
+//! dataset's own longest length ([`LengthMix::native_max`]: 64k for LongAlign, 128k for
+//! Long-Data-Collections) becomes the training sequence length. The shape of the distribution
+//! (the ratio of any two quantiles) is the dataset's; only the unit changes. At `--seq-len 8192`
+//! LongAlign-like documents are 1k–8k tokens (median ≈ 1.75k) and LDC-like ones mostly under 200
+//! tokens with a tail of 3k–8k-token books.
 
 use std::str::FromStr;
 
@@ -22,6 +30,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use crate::error::DataError;
+use crate::tokenizer::TokenizedCorpus;
 
 /// Which dataset the lengths imitate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,6 +49,25 @@ impl FromStr for LengthMix {
             other => Err(DataError::Invalid(format!(
                 "unknown length distribution '{other}': expected longalign-like or ldc-like"
             ))),
+        }
+    }
+}
+
+impl LengthMix {
+    /// The longest length of the dataset itself (LongAlign-10k: 64k tokens; the
+    /// Long-Data-Collections mix: the 128k cap of DCP's experiments).
+    pub fn native_max(self) -> usize {
+        match self {
+            Self::LongAlignLike => 65_536,
+            Self::LdcLike => 131_072,
+        }
+    }
+
+    /// The name `FromStr` parses.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::LongAlignLike => "longalign-like",
+            Self::LdcLike => "ldc-like",
         }
     }
 }
@@ -81,6 +109,20 @@ impl LengthSampler {
         Ok(Self {
             mix,
             scale,
+            max_len,
+        })
+    }
+
+    /// A sampler of `mix`'s distribution rescaled so that its longest length
+    /// ([`LengthMix::native_max`]) is `max_len`: scale `max_len / native_max`, cap `max_len`.
+    /// Any `max_len ≥ 1` (small ones give short documents: lengths are at least 1 token).
+    pub fn fitted(mix: LengthMix, max_len: usize) -> Result<Self, DataError> {
+        if max_len == 0 {
+            return Err(DataError::Invalid("max_len must be at least 1".into()));
+        }
+        Ok(Self {
+            mix,
+            scale: max_len as f64 / mix.native_max() as f64,
             max_len,
         })
     }
@@ -130,6 +172,26 @@ impl LengthSampler {
     }
 }
 
+/// `corpus`'s tokens, concatenated in document order, cut into consecutive documents of lengths
+/// drawn from `sampler` (seeded by `seed`); the last document takes what is left (at most one
+/// drawn length). Documents are named `{mix}#{index}`. A pure function of its inputs.
+pub fn recut(corpus: &TokenizedCorpus, sampler: &LengthSampler, seed: u64) -> TokenizedCorpus {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut tokens = corpus.documents.iter().flatten().copied();
+    let mut recut = TokenizedCorpus::default();
+    loop {
+        let length = sampler.sample(&mut rng);
+        let document: Vec<u32> = tokens.by_ref().take(length).collect();
+        if document.is_empty() {
+            return recut;
+        }
+        recut
+            .names
+            .push(format!("{}#{}", sampler.mix.name(), recut.documents.len()));
+        recut.documents.push(document);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,5 +236,31 @@ mod tests {
                 131_072
             );
         }
+    }
+
+    #[test]
+    fn recut_keeps_every_token_in_order_with_fitted_lengths() {
+        let corpus = TokenizedCorpus {
+            names: vec!["a".into(), "b".into()],
+            documents: vec![(0..30_000).collect(), (30_000..50_000).collect()],
+        };
+        for mix in [LengthMix::LongAlignLike, LengthMix::LdcLike] {
+            let sampler = LengthSampler::fitted(mix, 2048).unwrap();
+            let recut = recut(&corpus, &sampler, 3);
+            let tokens: Vec<u32> = recut.documents.iter().flatten().copied().collect();
+            assert_eq!(tokens, (0..50_000).collect::<Vec<u32>>());
+            assert!(recut
+                .documents
+                .iter()
+                .all(|d| (1..=2048).contains(&d.len())));
+            assert_eq!(recut.names[1], format!("{}#1", mix.name()));
+            assert_eq!(recut, super::recut(&corpus, &sampler, 3), "a pure function");
+        }
+        // LongAlign's range [8k, 64k] scaled by 2048 / 64k: [256, 2048] (the last one shorter).
+        let sampler = LengthSampler::fitted(LengthMix::LongAlignLike, 2048).unwrap();
+        let recut = recut(&corpus, &sampler, 3);
+        let lengths = recut.lengths();
+        assert!(lengths[..lengths.len() - 1].iter().all(|&l| l >= 256));
+        assert!(LengthSampler::fitted(LengthMix::LdcLike, 0).is_err());
     }
 }

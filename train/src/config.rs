@@ -6,12 +6,13 @@ use burn_dcp::kernels::MaskSpec;
 use burn_dcp::mesh::MeshShape;
 use burn_dcp::planner::auto::AutoCandidate;
 use burn_dcp::{CpError, Layout, Strategy};
-use burn_dcp_datasets::{MaskPolicy, Tokenizer};
+use burn_dcp_datasets::{DataError, LengthMix, LengthSampler, MaskPolicy, Tokenizer};
 use burn_dcp_models::GptConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::dynamic::DynamicSettings;
 use crate::error::TrainError;
+use crate::links::EmulatedLinks;
 use crate::model::ModelShape;
 pub use crate::settings::{AutoSettings, DcpSettings, PpSchedule};
 
@@ -47,6 +48,11 @@ pub struct TrainConfig {
     pub corpus: String,
     /// `gpt2` (r50k BPE) or `bytes`.
     pub tokenizer: String,
+    /// `--lengths-from longalign-like|ldc-like`: the corpus's tokens recut into documents of
+    /// lengths drawn from that dataset's sampler fitted to `seq_len`
+    /// (`burn_dcp_datasets::sampler::recut`); `None`: the corpus's own documents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lengths_from: Option<String>,
     pub timeout_secs: u64,
     /// `--strategy dynamic`: the `dp × cp` ranks form one pool and every sequence gets a CP group
     /// per step (then `strategy` and `layout` are the strategy inside each group).
@@ -65,6 +71,10 @@ pub struct TrainConfig {
     /// Virtual nodes the world's ranks are spread over (`--nodes`; consecutive ranks share one).
     #[serde(default = "default_nodes")]
     pub nodes: usize,
+    /// `--emulate-links`: the in-process world delays every message as over the topology's
+    /// links, slowed to this machine's compute (`crate::links`); `None`: messages arrive at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub emulate_links: Option<EmulatedLinks>,
     /// `--strategy auto`: every micro-batch runs the strategy with the lowest estimated attention
     /// time on the topology (`burn_dcp::planner::auto`): ring-zigzag, ulysses, usp, all-gather,
     /// dynamic (groups inside the replica) or dcp (planned with `dcp`'s settings). `strategy` and
@@ -99,12 +109,14 @@ impl Default for TrainConfig {
             mask: "causal".into(),
             corpus: "default".into(),
             tokenizer: "bytes".into(),
+            lengths_from: None,
             timeout_secs: 60,
             dynamic: None,
             plan_ahead: DEFAULT_PLAN_AHEAD,
             dcp: None,
             topology: default_topology(),
             nodes: default_nodes(),
+            emulate_links: None,
             auto: None,
             model_shape: None,
         }
@@ -259,6 +271,7 @@ impl TrainConfig {
                 self.micro_batches
             )));
         }
+        self.length_sampler()?;
         Ok(())
     }
 
@@ -361,6 +374,19 @@ impl TrainConfig {
 
     pub fn mask_policy(&self) -> Result<MaskPolicy, TrainError> {
         MaskPolicy::parse(&self.mask).map_err(|e| TrainError::Config(e.to_string()))
+    }
+
+    /// `--lengths-from`'s sampler, fitted to `seq_len` (`None` without the flag).
+    pub fn length_sampler(&self) -> Result<Option<LengthSampler>, TrainError> {
+        let Some(name) = &self.lengths_from else {
+            return Ok(None);
+        };
+        let mix: LengthMix = name
+            .parse()
+            .map_err(|e: DataError| TrainError::Config(format!("--lengths-from: {e}")))?;
+        LengthSampler::fitted(mix, self.seq_len)
+            .map(Some)
+            .map_err(|e| TrainError::Config(e.to_string()))
     }
 
     pub fn tokenizer(&self) -> Result<Tokenizer, TrainError> {

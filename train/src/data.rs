@@ -2,6 +2,7 @@
 
 use burn_dcp::kernels::MicroBatch;
 use burn_dcp_datasets::corpus::{open_documents, Document};
+use burn_dcp_datasets::sampler::recut;
 use burn_dcp_datasets::tokenizer::{cache_dir, default_tokenized, files_identity, tokenize_cached};
 use burn_dcp_datasets::{pack_corpus, PackingConfig, TokenizedCorpus};
 
@@ -28,8 +29,9 @@ pub fn builtin_documents() -> Vec<Document> {
     .collect()
 }
 
-/// The training data: the corpus tokenized and packed once into micro-batches of at most
-/// `seq_len` tokens (long documents split; see `burn_dcp_datasets::packing`). Step `s` uses
+/// The training data: the corpus tokenized (with `--lengths-from`, recut into documents of a
+/// long-tailed dataset's lengths, each at most `seq_len`) and packed once into micro-batches of
+/// at most `seq_len` tokens (long documents split; see `burn_dcp_datasets::packing`). Step `s` uses
 /// micro-batches `(s−1)·n .. s·n` (cyclically), `n` = micro-batches per step, so any cp/dp split
 /// and a resumed run see the same data.
 pub struct TrainData {
@@ -50,6 +52,10 @@ impl TrainData {
             }
         }
         .map_err(|e| TrainError::Data(e.to_string()))?;
+        let corpus = match config.length_sampler()? {
+            Some(sampler) => recut(&corpus, &sampler, config.seed),
+            None => corpus,
+        };
         let packing = PackingConfig {
             max_tokens_per_rank: config.seq_len,
             ranks: 1,

@@ -10,6 +10,7 @@ use crate::checkpoint::read_json;
 use crate::config::{AutoSettings, DcpSettings, PpSchedule, TrainConfig, MAX_SEQ_LEN};
 use crate::dynamic::{CpSizes, DynamicSettings};
 use crate::error::TrainError;
+use crate::links::EmulatedLinks;
 
 /// The training flags of the examples (`gpt_longctx`'s command line), each optional: what is
 /// not given takes [`TrainConfig::default`]'s value (the one home of the defaults), or on resume
@@ -60,6 +61,12 @@ pub struct TrainFlags {
     /// Virtual nodes the ranks are spread over (consecutive ranks share a node) [default: 1]
     #[cfg_attr(feature = "cli", arg(long))]
     pub nodes: Option<usize>,
+    /// Delay every message between ranks (threads) as over the --topology preset's links on --nodes nodes, slowed to this machine's compute (bytes unchanged; see docs/training.md)
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub emulate_links: bool,
+    /// --emulate-links: the links' time scale (bandwidth ÷ F, latency × F) [default: measured: the preset's device FLOP/s ÷ this CPU's attention FLOP/s per rank]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub link_scale: Option<f64>,
     /// Steps planned ahead on a background thread (any strategy) [default: 2]
     #[cfg_attr(feature = "cli", arg(long))]
     pub plan_ahead: Option<usize>,
@@ -97,6 +104,9 @@ pub struct TrainFlags {
     /// Training text: default (Vim help files, Debian vim-runtime) | builtin (burn-dcp-train's README and sources) | a directory of text files | a .jsonl file [default: default]
     #[cfg_attr(feature = "cli", arg(long))]
     pub corpus: Option<String>,
+    /// Recut the corpus into documents of a long-tailed dataset's lengths, longalign-like | ldc-like (the dataset's sampler scaled so its longest length is --seq-len; documents stay whole when packed) [default: the corpus's own documents]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub lengths_from: Option<String>,
     /// bytes | gpt2 (r50k BPE; its 50257-token LM head makes CPU steps ~8x slower) [default: bytes]
     #[cfg_attr(feature = "cli", arg(long))]
     pub tokenizer: Option<String>,
@@ -272,12 +282,14 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
         mask: args.mask.clone().unwrap_or(defaults.mask.clone()),
         corpus: args.corpus.clone().unwrap_or(defaults.corpus.clone()),
         tokenizer: args.tokenizer.clone().unwrap_or(defaults.tokenizer.clone()),
+        lengths_from: args.lengths_from.clone().or(defaults.lengths_from.clone()),
         timeout_secs: args.timeout_secs.unwrap_or(defaults.timeout_secs),
         dynamic: None,
         plan_ahead: args.plan_ahead.unwrap_or(defaults.plan_ahead),
         dcp: None,
         topology: args.topology.clone().unwrap_or(defaults.topology.clone()),
         nodes: args.nodes.unwrap_or(defaults.nodes),
+        emulate_links: emulated_links(args)?,
         auto: auto_settings(args)?,
         model_shape: None,
     })
@@ -289,6 +301,26 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
         }
         Ok(config)
     })
+}
+
+/// `--emulate-links` and `--link-scale`.
+fn emulated_links(args: &TrainFlags) -> Result<Option<EmulatedLinks>, TrainError> {
+    if !args.emulate_links {
+        return match args.link_scale {
+            Some(scale) => Err(TrainError::Config(format!(
+                "--link-scale {scale} only applies with --emulate-links"
+            ))),
+            None => Ok(None),
+        };
+    }
+    if let Some(scale) = args.link_scale.filter(|s| !(s.is_finite() && *s > 0.0)) {
+        return Err(TrainError::Config(format!(
+            "--link-scale {scale} must be a positive number (the links' time scale)"
+        )));
+    }
+    Ok(Some(EmulatedLinks {
+        scale: args.link_scale,
+    }))
 }
 
 /// `--strategy auto`: the candidates; `None` otherwise (then `--auto-candidates` is an error).
@@ -331,6 +363,8 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
         config.plan_ahead = plan_ahead;
     }
     let given = config_from_args(args)?;
+    // Emulated links change when messages arrive, not what they hold: this run's flags decide.
+    config.emulate_links = given.emulate_links;
     if args.pp_schedule.is_some() {
         config.pp_schedule = given.pp_schedule;
     }
@@ -369,8 +403,11 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
     type Value = fn(&TrainConfig) -> String;
     let seq_len_given =
         args.seq_len.is_some() || (args.max_tokens_per_rank.is_some() && saved.dynamic.is_none());
-    let checks: [(&str, bool, Value); 13] = [
+    let checks: [(&str, bool, Value); 14] = [
         ("--corpus", args.corpus.is_some(), |c| c.corpus.clone()),
+        ("--lengths-from", args.lengths_from.is_some(), |c| {
+            c.lengths_from.clone().unwrap_or("none".into())
+        }),
         ("--tokenizer", args.tokenizer.is_some(), |c| {
             c.tokenizer.clone()
         }),

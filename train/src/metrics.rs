@@ -57,6 +57,11 @@ pub struct StepMetrics {
     pub grad_sync_ms: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_sync_exposed_ms: Option<f64>,
+    /// Wall time in CP attention (forward and backward, kernels and communication waits) of the
+    /// slowest rank in the step (`burn_dcp::backend::attention_time`; with `--emulate-links`,
+    /// the waits include the emulated links).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_ms: Option<f64>,
     /// `auto` only: every micro-batch's choice, its sequences and every candidate's estimate.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub auto_choices: Vec<AutoRecord>,

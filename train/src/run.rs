@@ -6,6 +6,7 @@ use std::time::Instant;
 use burn::optim::{AdamWConfig, Optimizer};
 use burn::record::Recorder;
 use burn::tensor::backend::AutodiffBackend;
+use burn_dcp::backend::attention_time;
 use burn_dcp::comm::Comm;
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::CpError;
@@ -250,6 +251,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
                 .recv()
                 .map_err(|_| TrainError::PlannerStopped { step })??;
             let plan_wait_ms = waited.elapsed().as_secs_f64() * 1e3;
+            let attention_before = attention_time();
             let result = step_gradients_planned(
                 &model,
                 self.groups,
@@ -259,7 +261,9 @@ impl<B: FlashOps> StepLoop<'_, B> {
                 self.device,
             )?;
             model = optimizer.step(self.config.learning_rate, model, result.grads);
-            let bytes = StepBytes::between(&stats_before, &world.stats()).summed(world)?;
+            let mut bytes = StepBytes::between(&stats_before, &world.stats());
+            bytes.attention_ms = (attention_time() - attention_before).as_secs_f64() * 1e3;
+            let bytes = bytes.summed(world)?;
             if world.rank() == 0 {
                 let bytes_by_axis = AXES
                     .iter()
@@ -289,6 +293,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
                     auto_choices: plan.auto_choices.clone(),
                     grad_sync_ms: Some(result.grad_sync_ms),
                     grad_sync_exposed_ms: Some(result.grad_sync_ms),
+                    attention_ms: Some(bytes.attention_ms),
                 };
                 self.observer.on_step(&step_metrics);
                 metrics.push(step_metrics);

@@ -142,11 +142,14 @@ pub(crate) fn check_stages_agree(pp: &Comm, plan: &StepPlan) -> Result<(), CpErr
 /// The bytes one rank sent during one step: every rank measures its own
 /// ([`Communicator::stats`](burn_dcp::comm::Communicator::stats)) and rank 0 sums them, so the
 /// totals are the same whether ranks are threads of one process or processes of an MPI job.
+/// With them, the rank's time in CP attention, of which [`summed`](Self::summed) keeps the max.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub(crate) struct StepBytes {
     pub(crate) total: u64,
     pub(crate) links: LinkBytes,
     pub(crate) labels: BTreeMap<String, u64>,
+    #[serde(default)]
+    pub(crate) attention_ms: f64,
 }
 
 impl StepBytes {
@@ -166,10 +169,12 @@ impl StepBytes {
                 inter_node: after.bytes_by_link.inter_node - before.bytes_by_link.inter_node,
             },
             labels,
+            attention_ms: 0.0,
         }
     }
 
-    /// Every rank's bytes of the step, summed (on every rank) through a control all-gather.
+    /// Every rank's bytes of the step, summed (on every rank) through a control all-gather; the
+    /// attention time is the slowest rank's.
     pub(crate) fn summed(self, world: &Comm) -> Result<StepBytes, TrainError> {
         let payload = serde_json::to_vec(&self)
             .map_err(|e| TrainError::Malformed(format!("a per-rank byte count: {e}")))?;
@@ -180,6 +185,7 @@ impl StepBytes {
                 TrainError::Malformed(format!("a malformed per-rank byte count: {e}"))
             })?;
             sum.total += rank.total;
+            sum.attention_ms = sum.attention_ms.max(rank.attention_ms);
             sum.links.intra_node += rank.links.intra_node;
             sum.links.inter_node += rank.links.inter_node;
             for (label, bytes) in rank.labels {

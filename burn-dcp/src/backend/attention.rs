@@ -29,6 +29,7 @@ use burn_backend::{Backend, Shape, TensorMetadata};
 use burn_dcp_kernels::{FlashOps, MaskSpec};
 
 use crate::backend::context::{intercept, CpContext};
+use crate::backend::timing::timed;
 use crate::nn::exact_reshape;
 use crate::rows::LocalRows;
 use crate::strategy::{cp_attention_backward, cp_attention_forward, BackwardInputs};
@@ -87,7 +88,7 @@ pub fn cp_attention_forward_only<B: FlashOps>(
         to_tokens::<B>(key),
         to_tokens::<B>(value),
     );
-    match cp_attention_forward(&context.group, &context.batch, q, k, v) {
+    match timed(|| cp_attention_forward(&context.group, &context.batch, q, k, v)) {
         Ok(result) => to_heads(result.out),
         Err(error) => fail("forward", &context, &shape, error),
     }
@@ -175,7 +176,7 @@ impl<B: FlashOps> Backward<B, 3> for CpAttentionBackward {
             dout: to_tokens::<B>(grad_out),
         };
         let context = saved.context;
-        let grads_out = cp_attention_backward(&context.group, &context.batch, inputs)
+        let grads_out = timed(|| cp_attention_backward(&context.group, &context.batch, inputs))
             .unwrap_or_else(|error| fail("backward", &context, &shape, error));
         for (node, grad) in [
             (node_q, grads_out.dq),
@@ -202,13 +203,15 @@ impl<B: FlashOps, C: CheckpointStrategy> CpInner for Autodiff<B, C> {
             to_tokens::<B>(key.primitive),
             to_tokens::<B>(value.primitive),
         );
-        let result = cp_attention_forward(
-            &context.group,
-            &context.batch,
-            q.clone(),
-            k.clone(),
-            v.clone(),
-        )
+        let result = timed(|| {
+            cp_attention_forward(
+                &context.group,
+                &context.batch,
+                q.clone(),
+                k.clone(),
+                v.clone(),
+            )
+        })
         .unwrap_or_else(|error| fail("forward", &context, &shape, error));
         let out = to_heads(result.out.clone());
         let nodes = [query.node.clone(), key.node.clone(), value.node.clone()];

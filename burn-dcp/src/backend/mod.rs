@@ -23,6 +23,7 @@ pub mod context;
 pub mod convert;
 mod ops;
 pub mod tensor_parallel;
+pub mod timing;
 
 use std::marker::PhantomData;
 
@@ -34,6 +35,7 @@ use burn_backend::{
 pub use attention::CpInner;
 pub use context::{clear_context, current_context, set_context, CpContext, CpContextGuard};
 pub use tensor_parallel::{tp_copy, tp_reduce, TpInner};
+pub use timing::attention_time;
 
 /// Backend decorator: `B`'s ops, with context-parallel attention. Use it as
 /// `ContextParallel<Autodiff<B>>` for training (see the module docs for why the order matters).

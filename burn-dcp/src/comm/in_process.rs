@@ -30,6 +30,7 @@ use crate::comm::common::{
     all_reduce_by, check_nodes, check_parts, check_peer, check_timeout, split_membership,
     split_request, Accounting, SplitNames,
 };
+use crate::comm::links::{LinkClock, LinkEmulation};
 use crate::comm::payload::sum_payloads;
 use crate::comm::{
     control_payloads, panic_message, Comm, CommError, CommStats, Communicator, Fault, FaultKind,
@@ -84,6 +85,8 @@ struct Envelope {
     op: String,
     index: u64,
     data: Payload,
+    /// When it arrives over an emulated link (`None`: at once).
+    ready_at: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -120,6 +123,8 @@ struct WorldState {
     calls: Vec<u64>,
     /// A drop or duplicate waiting for the rank's next message to another rank.
     message_faults: HashMap<usize, FaultKind>,
+    /// Emulated links ([`InProcessWorld::emulate_links`]), if any.
+    clock: Option<LinkClock>,
 }
 
 impl WorldState {
@@ -272,6 +277,16 @@ impl InProcessWorld {
             world: Arc::new(world),
             size,
         })
+    }
+
+    /// Emulates links from now on (see [`super::links`]): every message between two ranks is
+    /// received no earlier than it would arrive over its link (intra-node or inter-node, by the
+    /// world's `ranks_per_node`). Bytes and results are unchanged.
+    pub fn emulate_links(&self, links: LinkEmulation) -> Result<(), CommError> {
+        links.validate()?;
+        let per_node = self.world.config.ranks_per_node.unwrap_or(self.size);
+        self.world.lock().clock = Some(LinkClock::new(links, self.size, per_node));
+        Ok(())
     }
 
     /// One communicator per rank over the whole world.
@@ -567,6 +582,10 @@ impl InProcessComm {
             } else {
                 None
             };
+            let ready_at = state
+                .clock
+                .as_mut()
+                .map(|clock| clock.arrival(me, to, bytes));
             let mailbox = state
                 .mailboxes
                 .entry((self.name.clone(), me, to, channel))
@@ -577,6 +596,7 @@ impl InProcessComm {
                 op: op.to_string(),
                 index,
                 data,
+                ready_at,
             };
             if fault == Some(FaultKind::DuplicateMessage) {
                 mailbox
@@ -679,8 +699,15 @@ impl Waiter {
                 .get_mut(&key)
                 .and_then(|m| m.messages.remove(&self.seq));
             if let Some(envelope) = arrived {
+                let ready_at = envelope.ready_at;
                 let data = self.open(envelope, &mut state)?;
                 drop(state);
+                // Over an emulated link: not before it would have arrived.
+                if let Some(wait) =
+                    ready_at.and_then(|at| at.checked_duration_since(Instant::now()))
+                {
+                    std::thread::sleep(wait);
+                }
                 if sender == me {
                     return Ok(data);
                 }

@@ -10,6 +10,7 @@
 
 mod common;
 pub mod in_process;
+pub mod links;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "cuda")]
@@ -25,6 +26,7 @@ use std::time::Duration;
 use burn::tensor::{DType, TensorData};
 
 pub use in_process::{InProcessWorld, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
+pub use links::LinkEmulation;
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiWorld};
 #[cfg(feature = "cuda")]
