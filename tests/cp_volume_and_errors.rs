@@ -407,10 +407,12 @@ fn emulated_links_delay_messages_by_latency_and_bandwidth_and_keep_the_bytes() {
             inter_node_latency: Duration::from_millis(20),
         })
         .unwrap();
+    // Measured from one instant before any rank starts, so that a late thread cannot hide the
+    // wait.
+    let started = Instant::now();
     let exchange = |comm: burn_dcp::comm::Comm| -> Result<Duration, CommError> {
         // Ranks 0 and 1 (node 0) each send 4 kB to ranks 2 and 3 (node 1): 8 kB through node
         // 0's inter-node link, 80 ms, + 20 ms latency; the last arrives after ~100 ms.
-        let started = Instant::now();
         let data = || Payload::from(TensorData::new(vec![0u8; 4000], [4000]));
         match comm.rank() {
             0 | 1 => {
