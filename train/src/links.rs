@@ -6,7 +6,7 @@
 //! attention FLOP/s divided among the process's ranks. Links slowed by
 //! `time_scale = device FLOP/s ÷ CPU FLOP/s per rank` (bandwidth ÷ scale, latency × scale) keep
 //! communication's share of the step's time. `--link-scale F` sets it; by default it is measured
-//! at start ([`measured_time_scale`]): the best of three runs of the portable flash-attention
+//! at start ([`time_scale`]): the best of three runs of the portable flash-attention
 //! forward (1024 tokens, causal, 8 heads of dim 128, every core), its FLOP/s divided by the
 //! ranks of the process (they share the cores when they compute at once). Both rates are
 //! sustained rates at a large head dim (the presets' 60 % of peak is one), so a small model
@@ -69,24 +69,27 @@ pub fn cpu_attention_flops_per_rank(ranks: usize) -> Result<f64, TrainError> {
     Ok(flops / best.max(1e-9) / ranks.max(1) as f64)
 }
 
-/// The time scale of `config`'s emulated links: `--link-scale`, or measured.
-pub fn measured_time_scale(config: &TrainConfig, ranks: usize) -> Result<f64, TrainError> {
-    let links = config
-        .emulate_links
-        .ok_or_else(|| TrainError::Config("the run does not emulate links".into()))?;
-    if let Some(scale) = links.scale {
-        return Ok(scale);
+/// The time scale of emulated `links` beside `topology`'s devices: `--link-scale`, or measured
+/// for `ranks` ranks of this process.
+pub fn time_scale(
+    links: EmulatedLinks,
+    topology: &Topology,
+    ranks: usize,
+) -> Result<f64, TrainError> {
+    match links.scale {
+        Some(scale) => Ok(scale),
+        None => Ok(topology.device_flops / cpu_attention_flops_per_rank(ranks)?),
     }
-    let topology = Topology::preset(&config.topology, config.nodes)?;
-    let per_rank = cpu_attention_flops_per_rank(ranks)?;
-    Ok(topology.device_flops / per_rank)
 }
 
 /// Sets `config`'s emulated links on `world` (ranks as threads); returns the time scale used.
 pub fn emulate_links(config: &TrainConfig, world: &InProcessWorld) -> Result<f64, TrainError> {
+    let links = config
+        .emulate_links
+        .ok_or_else(|| TrainError::Config("the run does not emulate links".into()))?;
     let ranks = config.world_size();
-    let scale = measured_time_scale(config, ranks)?;
     let topology = Topology::for_ranks(&config.topology, config.nodes, ranks)?;
+    let scale = time_scale(links, &topology, ranks)?;
     let links = LinkEmulation::of_topology(&topology, scale)
         .map_err(|e| TrainError::Config(format!("--link-scale {scale}: {e}")))?;
     world.emulate_links(links)?;
