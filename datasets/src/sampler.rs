@@ -43,17 +43,21 @@ impl FromStr for LengthMix {
     type Err = DataError;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        match text {
-            "longalign-like" => Ok(Self::LongAlignLike),
-            "ldc-like" => Ok(Self::LdcLike),
-            other => Err(DataError::Invalid(format!(
-                "unknown length distribution '{other}': expected longalign-like or ldc-like"
-            ))),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|mix| mix.name() == text)
+            .ok_or_else(|| {
+                DataError::Invalid(format!(
+                    "unknown length distribution '{text}': expected longalign-like or ldc-like"
+                ))
+            })
     }
 }
 
 impl LengthMix {
+    /// Every distribution, in the order the messages list them.
+    pub const ALL: [Self; 2] = [Self::LongAlignLike, Self::LdcLike];
+
     /// The longest length of the dataset itself (LongAlign-10k: 64k tokens; the
     /// Long-Data-Collections mix: the 128k cap of DCP's experiments).
     pub fn native_max(self) -> usize {
