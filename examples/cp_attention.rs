@@ -16,6 +16,13 @@
 //! `--topology` over `--nodes`) and executes the plan; `--explain` prints every rank's
 //! instruction list. `--json` reports `"bytes_by_link"` (every strategy) and, for dcp,
 //! `"predicted_bytes_by_link"` from the plan (`{"intra_node": [per rank], "inter_node": [...]}`).
+//!
+//! `--emulate-links` delays every message as over the `--topology` preset's links across
+//! `--nodes`, slowed to this machine's compute (`--link-scale`, or measured: docs/training.md),
+//! and reports `"measured_attention_ms"` (forward + backward, the slowest rank's) next to
+//! `"predicted_attention_ms"`: the cost model's time of the same plan on the emulated machine
+//! (the preset's links slowed alike, this machine's measured kernels, the ranks sharing its
+//! cores). Ring with a contiguous or stripe layout has no plan in the cost model: `null`.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -24,22 +31,25 @@ use std::time::{Duration, Instant};
 
 use burn::backend::Flex;
 use burn::tensor::{DType, TensorData};
+use burn_dcp::comm::LinkEmulation;
 use burn_dcp::comm::{LinkBytes, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
 use burn_dcp::harness::{
-    max_rel_err, run_context_parallel, run_context_parallel_on, run_single_device, PackedInputs,
-    PackedOutputs, RunReport, RunSpec,
+    max_rel_err, run_context_parallel_on, run_context_parallel_with_links, run_single_device,
+    PackedInputs, PackedOutputs, RunReport, RunSpec,
 };
 use burn_dcp::kernels::{validate_cu_seqlens, validate_scale, MaskSpec};
-use burn_dcp::planner::cost::{AttentionDims, Pass};
+use burn_dcp::planner::cost::{evaluate_with, AttentionDims, Pass, RoutedPlan};
 use burn_dcp::planner::dcp::{dcp_plan, DcpConfig};
 use burn_dcp::planner::plan::{tile_grids, BlockProblem};
-use burn_dcp::planner::topology::Topology;
+use burn_dcp::planner::strategies::{plan_strategy, plan_usp, PlanInput, PlanStrategy};
+use burn_dcp::planner::topology::{LinkClass, Topology};
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::volume::{analytic_volume, VolumeShape};
 use burn_dcp::{CpError, Layout, Placement, Strategy};
 #[cfg(feature = "wgpu")]
 use burn_dcp_suite::kernels::backends::{WgpuFusion, WgpuPlain};
 use burn_dcp_suite::launch::Ranks;
+use burn_dcp_train::links::{cpu_compute, emulated_topology, time_scale, EmulatedLinks};
 use clap::Parser;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -129,9 +139,27 @@ struct Args {
     /// Mode 2: write out, lse, dq, dk, dv to this safetensors file.
     #[arg(long, requires = "inputs")]
     output: Option<PathBuf>,
+    /// Delay every message as over the --topology preset's links across --nodes, slowed to this
+    /// machine's compute; report the measured attention time next to the cost model's prediction
+    #[arg(long)]
+    emulate_links: bool,
+    /// The emulated links' time scale (bandwidth ÷ F, latency × F) [default: measured]
+    #[arg(long, requires = "emulate_links")]
+    link_scale: Option<f64>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+}
+
+/// What `--emulate-links` gives the report: the links' scale and the cost model's prediction.
+struct Emulation {
+    scale: f64,
+    links: LinkEmulation,
+    /// Predicted (forward, backward) ms of the run's plan on the emulated machine; `None` for a
+    /// strategy the cost model has no plan of.
+    predicted: Option<(f64, f64)>,
+    /// The plan's (intra-node, inter-node) bytes, forward + backward.
+    predicted_link_bytes: Option<(f64, f64)>,
 }
 
 fn main() {
@@ -190,8 +218,15 @@ fn run(args: &Args) -> Result<(), String> {
     };
     let topology = Topology::for_ranks(&args.topology, args.nodes, args.cp)
         .map_err(|e| format!("--topology {} --nodes {}: {e}", args.topology, args.nodes))?;
+    let mut dcp_routed = None;
     let blocks = match strategy {
-        Strategy::Dcp => Some(Arc::new(block_schedule(args, &inputs, &mask, &topology)?)),
+        Strategy::Dcp => {
+            let routed = dcp_routed_plan(args, &inputs, &mask, &topology)?;
+            let schedule = BlockSchedule::new(&routed.plan, &routed.problem, &topology)
+                .map_err(|e| format!("--strategy dcp: {e}"))?;
+            dcp_routed = Some(routed);
+            Some(Arc::new(schedule))
+        }
         _ => {
             if let Some(flag) = [
                 ("--block", args.block.is_some()),
@@ -213,6 +248,24 @@ fn run(args: &Args) -> Result<(), String> {
             ranks_per_node: Some(args.cp / args.nodes.max(1)),
         },
     )?;
+    let emulation = match args.emulate_links {
+        false => None,
+        true if ranks.is_distributed() => {
+            return Err(
+                "--emulate-links delays the messages of ranks that are threads of this process; these ranks are processes (MPI or TCP), whose links are real"
+                    .into(),
+            )
+        }
+        true => Some(emulation(
+            args,
+            &inputs,
+            &mask,
+            &topology,
+            strategy,
+            layout,
+            dcp_routed,
+        )?),
+    };
     let leader = ranks.is_leader();
     if let (true, true, Some(schedule)) = (leader, args.explain, &blocks) {
         let text = explain(schedule);
@@ -256,23 +309,116 @@ fn run(args: &Args) -> Result<(), String> {
             .map_err(|e| e.to_string())
         })?;
         return match report.flatten() {
-            Some(report) => report_run(args, &inputs, &spec, &report),
+            Some(report) => report_run(args, &inputs, &spec, &report, None),
             None => Ok(()),
         };
     }
+    let links = emulation.as_ref().map(|e| e.links);
     let report = match args.backend.as_str() {
         #[cfg(feature = "wgpu")]
         "wgpu" if args.no_fusion => {
-            run_context_parallel::<WgpuPlain>(&Default::default(), &inputs, &spec)
+            run_context_parallel_with_links::<WgpuPlain>(&Default::default(), &inputs, &spec, links)
         }
         #[cfg(feature = "wgpu")]
-        "wgpu" => run_context_parallel::<WgpuFusion>(&Default::default(), &inputs, &spec),
+        "wgpu" => run_context_parallel_with_links::<WgpuFusion>(
+            &Default::default(),
+            &inputs,
+            &spec,
+            links,
+        ),
         #[cfg(feature = "cuda")]
-        "cuda" => run_context_parallel::<burn::backend::Cuda>(&Default::default(), &inputs, &spec),
-        _ => run_context_parallel::<Flex>(&device, &inputs, &spec),
+        "cuda" => run_context_parallel_with_links::<burn::backend::Cuda>(
+            &Default::default(),
+            &inputs,
+            &spec,
+            links,
+        ),
+        _ => run_context_parallel_with_links::<Flex>(&device, &inputs, &spec, links),
     }
     .map_err(|e| e.to_string())?;
-    report_run(args, &inputs, &spec, &report)
+    report_run(args, &inputs, &spec, &report, emulation.as_ref())
+}
+
+/// `--emulate-links`: the links' scale (given or measured), the delays, and the cost model's
+/// prediction of the run's plan on the emulated machine (this machine's kernels, measured for
+/// the inputs' heads and head dim, the ranks sharing its cores).
+fn emulation(
+    args: &Args,
+    inputs: &PackedInputs,
+    mask: &MaskSpec,
+    topology: &Topology,
+    strategy: Strategy,
+    layout: Layout,
+    dcp_routed: Option<RoutedPlan>,
+) -> Result<Emulation, String> {
+    if let Some(scale) = args.link_scale {
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(format!("--link-scale {scale} must be a positive number"));
+        }
+    }
+    let scale = time_scale(
+        EmulatedLinks {
+            scale: args.link_scale,
+        },
+        topology,
+        args.cp,
+    )
+    .map_err(|e| e.to_string())?;
+    let links = LinkEmulation::of_topology(topology, scale)
+        .map_err(|e| format!("--link-scale {scale}: {e}"))?;
+    let input = PlanInput {
+        seq_lens: inputs.seq_lens.clone(),
+        masks: vec![mask.clone()],
+        dims: AttentionDims {
+            heads: inputs.heads,
+            kv_heads: inputs.kv_heads,
+            head_dim: inputs.head_dim,
+            element_bytes: 4,
+        },
+        topology: topology.clone(),
+        block: 64,
+        dcp: DcpConfig::default(),
+        max_seq_len_per_rank: None,
+    };
+    let routed = match (strategy, layout) {
+        (Strategy::Dcp, _) => dcp_routed.map(Ok),
+        (Strategy::Ring, Layout::Zigzag) => Some(plan_strategy(PlanStrategy::RingZigzag, &input)),
+        (Strategy::AllGather, Layout::Zigzag) => {
+            Some(plan_strategy(PlanStrategy::AllGather, &input))
+        }
+        (Strategy::Ulysses, _) => Some(plan_strategy(PlanStrategy::Ulysses, &input)),
+        (Strategy::Usp { ulysses_degree, .. }, _) => Some(plan_usp(&input, ulysses_degree)),
+        _ => None,
+    }
+    .transpose()
+    .map_err(|e| format!("the cost model's plan of {}: {e}", args.strategy))?;
+    let predicted_link_bytes = routed.as_ref().map(|routed| {
+        let (mut intra, mut inter) = (0.0, 0.0);
+        for t in &routed.transfers {
+            match topology.link(t.from, t.to) {
+                LinkClass::IntraNode => intra += t.bytes,
+                LinkClass::InterNode => inter += t.bytes,
+                LinkClass::Local => {}
+            }
+        }
+        (intra, inter)
+    });
+    let predicted = match routed {
+        Some(routed) => {
+            let cpu = cpu_compute(inputs.heads, inputs.kv_heads, inputs.head_dim, args.cp)
+                .map_err(|e| e.to_string())?;
+            let machine = emulated_topology(topology, scale, cpu.flops_per_rank);
+            let report = evaluate_with(&routed, &machine, &cpu.model).map_err(|e| e.to_string())?;
+            Some((report.attention_fwd_ms, report.attention_bwd_ms))
+        }
+        None => None,
+    };
+    Ok(Emulation {
+        scale,
+        links,
+        predicted,
+        predicted_link_bytes,
+    })
 }
 
 /// Compares the run with the single-device reference and prints the summary (rank 0).
@@ -281,6 +427,7 @@ fn report_run(
     inputs: &PackedInputs,
     spec: &RunSpec,
     report: &RunReport,
+    emulation: Option<&Emulation>,
 ) -> Result<(), String> {
     let started = Instant::now();
     let reference = run_single_device::<Flex>(&Default::default(), inputs, &spec.masks, spec.scale)
@@ -289,7 +436,15 @@ fn report_run(
     if let Some(path) = &args.output {
         write_outputs(path, inputs, &report.outputs)?;
     }
-    let summary = summarize(args, inputs, spec, report, &reference, reference_ms)?;
+    let summary = summarize(
+        args,
+        inputs,
+        spec,
+        report,
+        &reference,
+        reference_ms,
+        emulation,
+    )?;
     if summary["non_finite_inputs"] == true {
         eprintln!(
             "cp_attention: the inputs hold NaN or infinite values; they propagate into the outputs, so the errors against the reference are not finite"
@@ -306,14 +461,14 @@ fn report_run(
     Ok(())
 }
 
-/// The DCP plan of the inputs on `topology`, made executable (one head unit: a token's heads stay
+/// The DCP plan of the inputs on `topology`, for execution (one head unit: a token's heads stay
 /// together).
-fn block_schedule(
+fn dcp_routed_plan(
     args: &Args,
     inputs: &PackedInputs,
     mask: &MaskSpec,
     topology: &Topology,
-) -> Result<BlockSchedule, String> {
+) -> Result<RoutedPlan, String> {
     let problem = BlockProblem {
         seq_lens: inputs.seq_lens.clone(),
         masks: vec![mask.clone()],
@@ -330,10 +485,9 @@ fn block_schedule(
         stages: args.stages.unwrap_or(DcpConfig::default().stages),
         ..DcpConfig::default()
     };
-    let plan = |problem: &BlockProblem| -> Result<BlockSchedule, CpError> {
+    let plan = |problem: &BlockProblem| -> Result<RoutedPlan, CpError> {
         problem.validate()?;
-        let routed = dcp_plan(problem, tile_grids(problem), &dims, topology, &config)?;
-        BlockSchedule::new(&routed.plan, problem, topology)
+        dcp_plan(problem, tile_grids(problem), &dims, topology, &config)
     };
     plan(&problem).map_err(|e| format!("--strategy dcp: {e}"))
 }
@@ -453,6 +607,7 @@ fn summarize(
     report: &RunReport,
     reference: &PackedOutputs,
     reference_ms: f64,
+    emulation: Option<&Emulation>,
 ) -> Result<serde_json::Value, String> {
     let got = &report.outputs;
     let placement =
@@ -539,6 +694,15 @@ fn summarize(
             "cp_backward": report.backward_ms,
             "reference_forward_backward": reference_ms,
         },
+        "emulate_links": emulation.is_some(),
+        "link_scale": emulation.map(|e| e.scale),
+        "measured_attention_ms": report.attention_ms,
+        "predicted_attention_ms": emulation.and_then(|e| e.predicted).map(|(f, b)| f + b),
+        "predicted_forward_ms": emulation.and_then(|e| e.predicted).map(|(f, _)| f),
+        "predicted_backward_ms": emulation.and_then(|e| e.predicted).map(|(_, b)| b),
+        "predicted_link_bytes": emulation.and_then(|e| e.predicted_link_bytes).map(|(intra, inter)| {
+            json!({"intra_node": intra, "inter_node": inter})
+        }),
     }))
 }
 
@@ -578,6 +742,16 @@ fn print_text(summary: &serde_json::Value) {
         t["cp_backward"].as_f64().unwrap_or(0.0),
         t["reference_forward_backward"].as_f64().unwrap_or(0.0)
     );
+    if let Some(scale) = summary["link_scale"].as_f64() {
+        println!(
+            "emulated links (scale {scale:.0}): attention measured {:.1} ms, predicted {}",
+            summary["measured_attention_ms"].as_f64().unwrap_or(0.0),
+            match summary["predicted_attention_ms"].as_f64() {
+                Some(ms) => format!("{ms:.1} ms"),
+                None => "(no plan of this strategy in the cost model)".into(),
+            }
+        );
+    }
 }
 
 /// Reads a float tensor as f32 values with its shape.

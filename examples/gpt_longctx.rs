@@ -368,6 +368,12 @@ fn summarize(
         "strategy_counts": totals(&[], metrics.iter().map(|m| &m.strategy_counts)),
         "rank_workload_imbalance": mean(metrics.iter().map(|m| m.rank_workload_imbalance)),
         "attention_ms": metrics.iter().filter_map(|m| m.attention_ms).sum::<f64>(),
+        // The cost model's time of the same steps on the emulated machine (--emulate-links;
+        // null without it, or where a step's strategy has no plan in the cost model).
+        "predicted_attention_ms": metrics
+            .iter()
+            .map(|m| m.predicted_attention_ms)
+            .sum::<Option<f64>>(),
         "plan_wait_ms": metrics.iter().filter_map(|m| m.plan_wait_ms).fold(0.0, |a, b| a + b),
         "wall_seconds": wall,
         "out": out.map(|p| p.display().to_string()),

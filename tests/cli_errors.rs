@@ -691,10 +691,11 @@ fn gpt_longctx_auto_choices_match_plan_sim() {
                 &lengths,
                 "--masks",
                 &masks,
+                // The default GPT: 4 query heads of dim 16, 2 kv heads (moved unrepeated).
                 "--heads",
                 "4",
                 "--kv-heads",
-                "4",
+                "2",
                 "--head-dim",
                 "16",
                 "--element-bytes",

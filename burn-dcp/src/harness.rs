@@ -8,7 +8,7 @@ use burn::prelude::Tensor;
 use burn::tensor::TensorData;
 use burn_dcp_kernels::{FlashOps, MaskSpec, VarlenAttention};
 
-use crate::comm::{Comm, CommStats, InProcessWorld, WorldConfig};
+use crate::comm::{Comm, CommStats, InProcessWorld, LinkEmulation, WorldConfig};
 use crate::error::CpError;
 use crate::layout::Layout;
 use crate::placement::Placement;
@@ -68,6 +68,10 @@ pub struct RunReport {
     pub stats: Vec<CommStats>,
     pub forward_ms: f64,
     pub backward_ms: f64,
+    /// Forward + backward of the slowest rank, its clock started with every rank's: the
+    /// attention's wall time (`forward_ms + backward_ms` would count twice the wait of a rank
+    /// that finished its forward early, at the backward's agreement).
+    pub attention_ms: f64,
 }
 
 impl PackedInputs {
@@ -162,6 +166,17 @@ pub fn run_context_parallel<B: FlashOps>(
     inputs: &PackedInputs,
     spec: &RunSpec,
 ) -> Result<RunReport, CpError> {
+    run_context_parallel_with_links::<B>(device, inputs, spec, None)
+}
+
+/// [`run_context_parallel`] with every message delayed as over `links` (`None`: as fast as
+/// memory copies), the ranks' nodes `spec.nodes` consecutive groups.
+pub fn run_context_parallel_with_links<B: FlashOps>(
+    device: &B::Device,
+    inputs: &PackedInputs,
+    spec: &RunSpec,
+    links: Option<LinkEmulation>,
+) -> Result<RunReport, CpError> {
     let batch = prepare(inputs, spec)?;
     let world = InProcessWorld::new(
         spec.cp,
@@ -170,6 +185,9 @@ pub fn run_context_parallel<B: FlashOps>(
             ranks_per_node: Some(spec.cp / spec.nodes.max(1)),
         },
     )?;
+    if let Some(links) = links {
+        world.emulate_links(links)?;
+    }
     let results = world.run(|comm| run_rank::<B>(device, inputs, &batch, comm, spec.strategy));
     if let Some(summary) = world.failure_summary(&results) {
         return Err(CpError::RunFailed(summary));
@@ -320,6 +338,8 @@ fn run_rank<B: FlashOps>(
     );
     let dout = local(&x.dout, x.heads, x.value_dim);
     let group = CpGroup::new(comm.clone(), strategy)?;
+    // Every rank starts its clock together (a thread that started late cannot hide its wait).
+    comm.barrier()?;
     let start_bytes = comm.stats().total_bytes();
     let started = Instant::now();
     let fwd = cp_attention_forward(&group, batch, q.clone(), k.clone(), v.clone())?;
@@ -377,6 +397,10 @@ fn assemble(x: &PackedInputs, ranks: Vec<RankResult>, stats: Vec<CommStats>) -> 
         stats,
         forward_ms: ranks.iter().map(|r| r.times.0).fold(0.0, f64::max),
         backward_ms: ranks.iter().map(|r| r.times.1).fold(0.0, f64::max),
+        attention_ms: ranks
+            .iter()
+            .map(|r| r.times.0 + r.times.1)
+            .fold(0.0, f64::max),
     }
 }
 

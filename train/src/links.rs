@@ -13,6 +13,7 @@
 //! (the tiny GPT's head dim 16) is as inefficient here as it would be on the GPUs, and a small
 //! model is as communication-bound here as it would be there.
 
+use std::sync::Mutex;
 use std::time::Instant;
 
 use burn::backend::flex::FlexDevice;
@@ -20,6 +21,7 @@ use burn::backend::Flex;
 use burn::tensor::{Distribution, Tensor};
 use burn_dcp::comm::{InProcessWorld, LinkEmulation};
 use burn_dcp::kernels::{FlashOps, MaskSpec, VarlenAttention};
+use burn_dcp::planner::cost::ComputeModel;
 use burn_dcp::planner::topology::Topology;
 use serde::{Deserialize, Serialize};
 
@@ -69,17 +71,126 @@ pub fn cpu_attention_flops_per_rank(ranks: usize) -> Result<f64, TrainError> {
     Ok(flops / best.max(1e-9) / ranks.max(1) as f64)
 }
 
+/// How the ranks of this process compute attention of one shape, measured: what the cost model
+/// needs to predict an emulated run's attention time ([`emulated_topology`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CpuCompute {
+    /// Forward FLOP/s of one rank while every rank computes (the machine's ÷ the ranks).
+    pub flops_per_rank: f64,
+    pub model: ComputeModel,
+}
+
+/// Share of a partially masked block's masked pairs the portable kernels compute anyway: they
+/// skip empty key tiles and compute partial ones whole, with tiles of 64 keys × 16–64 queries,
+/// so about half of a plan block's masked pairs on a causal diagonal or a window's edge.
+pub const CPU_MASKED_PAIR_COST: f64 = 0.5;
+
+/// Measures the portable kernels on this machine for `heads` query heads, `kv_heads` kv heads of
+/// dim `head_dim`, `ranks` ranks computing at once: the forward's FLOP/s on 1024 causal tokens,
+/// the backward's time per forward time, and a call's fixed cost (forward and backward of 16
+/// tokens, halved); best of three each.
+pub fn cpu_compute(
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    ranks: usize,
+) -> Result<CpuCompute, TrainError> {
+    if heads == 0 || kv_heads == 0 || head_dim == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(TrainError::Config(format!(
+            "the compute calibration needs heads ({heads}) a positive multiple of kv heads ({kv_heads}) and a head dim ({head_dim}) ≥ 1"
+        )));
+    }
+    let device = FlexDevice;
+    let best_of_three = |n: usize| -> Result<(f64, f64), TrainError> {
+        let tensor = |h: usize| {
+            Tensor::<Flex, 3>::random([n, h, head_dim], Distribution::Normal(0.0, 1.0), &device)
+        };
+        let (q, k, v, dout) = (
+            tensor(heads),
+            tensor(kv_heads),
+            tensor(kv_heads),
+            tensor(heads),
+        );
+        let problem = VarlenAttention::packed(vec![n], vec![MaskSpec::Causal]);
+        let failed = |e: burn_dcp::kernels::KernelError| {
+            TrainError::Config(format!("the compute calibration's attention: {e}"))
+        };
+        let (mut forward, mut backward) = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..3 {
+            let started = Instant::now();
+            let out =
+                Flex::flash_forward(q.clone(), k.clone(), v.clone(), &problem).map_err(failed)?;
+            let _ = out.out.clone().into_data();
+            forward = forward.min(started.elapsed().as_secs_f64());
+            let started = Instant::now();
+            let grads = Flex::flash_backward(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                out.out,
+                out.lse,
+                dout.clone(),
+                &problem,
+            )
+            .map_err(failed)?;
+            let _ = grads.dq.into_data();
+            backward = backward.min(started.elapsed().as_secs_f64());
+        }
+        Ok((forward.max(1e-9), backward.max(1e-9)))
+    };
+    let n = CALIBRATION_TOKENS;
+    let (forward, backward) = best_of_three(n)?;
+    let (small_forward, small_backward) = best_of_three(16)?;
+    let pairs = (n * (n + 1) / 2) as f64;
+    let flops = 4.0 * pairs * (heads * head_dim) as f64;
+    let ranks = ranks.max(1);
+    Ok(CpuCompute {
+        flops_per_rank: flops / forward / ranks as f64,
+        model: ComputeModel {
+            backward_factor: backward / forward,
+            call_overhead: (small_forward + small_backward) / 2.0,
+            masked_pair_cost: CPU_MASKED_PAIR_COST,
+            shared_processor: ranks > 1,
+        },
+    })
+}
+
+/// The machine an emulated run is: `topology`'s nodes, its links slowed by `time_scale`
+/// (bandwidth ÷ scale, latency × scale, as [`LinkEmulation::of_topology`] delays messages), and
+/// devices computing `flops_per_rank`.
+pub fn emulated_topology(topology: &Topology, time_scale: f64, flops_per_rank: f64) -> Topology {
+    Topology {
+        intra_node_bandwidth: topology.intra_node_bandwidth / time_scale,
+        inter_node_bandwidth: topology.inter_node_bandwidth / time_scale,
+        intra_node_latency: topology.intra_node_latency * time_scale,
+        inter_node_latency: topology.inter_node_latency * time_scale,
+        device_flops: flops_per_rank,
+        ..topology.clone()
+    }
+}
+
 /// The time scale of emulated `links` beside `topology`'s devices: `--link-scale`, or measured
-/// for `ranks` ranks of this process.
+/// for `ranks` ranks of this process, once per process (the links and the prediction of one run
+/// use the same value).
 pub fn time_scale(
     links: EmulatedLinks,
     topology: &Topology,
     ranks: usize,
 ) -> Result<f64, TrainError> {
-    match links.scale {
-        Some(scale) => Ok(scale),
-        None => Ok(topology.device_flops / cpu_attention_flops_per_rank(ranks)?),
+    static MEASURED: Mutex<Vec<(usize, f64)>> = Mutex::new(Vec::new());
+    if let Some(scale) = links.scale {
+        return Ok(scale);
     }
+    let mut measured = MEASURED.lock().unwrap_or_else(|e| e.into_inner());
+    let flops = match measured.iter().find(|(r, _)| *r == ranks) {
+        Some(&(_, flops)) => flops,
+        None => {
+            let flops = cpu_attention_flops_per_rank(ranks)?;
+            measured.push((ranks, flops));
+            flops
+        }
+    };
+    Ok(topology.device_flops / flops)
 }
 
 /// Sets `config`'s emulated links on `world` (ranks as threads); returns the time scale used.

@@ -62,6 +62,10 @@ pub struct StepMetrics {
     /// the waits include the emulated links).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_ms: Option<f64>,
+    /// With `--emulate-links`: the cost model's attention time of the step's plan on the
+    /// emulated machine (`burn_dcp_train::predict`), the slowest rank's; `None` otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_attention_ms: Option<f64>,
     /// `auto` only: every micro-batch's choice, its sequences and every candidate's estimate.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub auto_choices: Vec<AutoRecord>,

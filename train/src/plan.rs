@@ -137,6 +137,9 @@ pub struct StepPlan {
     pub strategies: Vec<String>,
     /// `auto`: every micro-batch's choice.
     pub auto_choices: Vec<AutoRecord>,
+    /// With `--emulate-links`: the cost model's attention time of the step on the emulated
+    /// machine (`crate::predict`); `None` otherwise, or where a strategy has no plan there.
+    pub predicted_attention_ms: Option<f64>,
 }
 
 /// `--strategy auto`'s choice for one micro-batch (in `metrics.jsonl`'s `auto_choices`): what

@@ -20,6 +20,7 @@ use crate::plan::{
     assign_sub_steps, plan_dynamic, plan_static, schedule_batches, sequence_works, AutoRecord,
     PlannedBatch, StepPlan, StepSequences,
 };
+use crate::predict::Predictor;
 
 /// The planner's input for `batch`: its sequences and masks, the attention dimensions its CP
 /// calls see (one TP rank's query heads, K/V repeated to as many heads, f32 elements, as training
@@ -45,13 +46,12 @@ pub fn plan_input(
             .map(|&s| sequences.mask(s).clone())
             .collect(),
         dims: {
-            // CP attention runs on the heads of one TP rank, and the GPT repeats each kv head for
-            // its query group before calling attention: the strategies move K/V with as many
-            // heads as Q, so that is what the plans are costed with.
-            let (heads, _) = config.rank_heads(model);
+            // CP attention runs on the heads of one TP rank, and the strategies move K/V with
+            // its real kv heads (the models hand GQA's K/V to the op unrepeated).
+            let (heads, kv_heads) = config.rank_heads(model);
             AttentionDims {
                 heads,
-                kv_heads: heads,
+                kv_heads,
                 head_dim: model.head_dim(),
                 element_bytes: 4,
             }
@@ -160,6 +160,26 @@ pub fn plan_auto(
     Ok((planned, records))
 }
 
+/// [`plan_step`] with the step's predicted attention time from `predictor`.
+pub fn plan_step_predicted(
+    config: &TrainConfig,
+    data: &TrainData,
+    step: usize,
+    predictor: Option<&Predictor>,
+) -> Result<StepPlan, CpError> {
+    let mut plan = plan_step(config, data, step)?;
+    if let Some(predictor) = predictor {
+        let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
+        let model = config
+            .model_shape()
+            .map_err(|e| CpError::Config(e.to_string()))?;
+        plan.predicted_attention_ms = predictor
+            .step_ms(&plan, &sequences, config, &model)
+            .map_err(|e| CpError::Config(format!("step {step}: predicting its attention: {e}")))?;
+    }
+    Ok(plan)
+}
+
 /// The plan of step `step` (1-based) under `config`: dynamic CP's schedule, auto's choices, or
 /// the static split (with DCP's block plans for strategy dcp).
 pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<StepPlan, CpError> {
@@ -218,5 +238,6 @@ pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<
         plan_ms: started.elapsed().as_secs_f64() * 1e3,
         strategies,
         auto_choices,
+        predicted_attention_ms: None,
     })
 }

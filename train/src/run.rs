@@ -23,7 +23,8 @@ use crate::groups::RankGroups;
 use crate::metrics::{StepMetrics, StepObserver};
 use crate::model::{CpTrain, InputRows, TrainModel};
 use crate::plan::StepPlan;
-use crate::planning::plan_step;
+use crate::planning::plan_step_predicted;
+use crate::predict::Predictor;
 use crate::step::{step_gradients_planned, StepBytes, AXES};
 
 /// The model one rank trains: its TP shard of the GPT (the whole GPT at tp 1).
@@ -125,8 +126,16 @@ impl Trainer<'_> {
             observer: self.observer,
             device,
         };
+        // Rank 0 reports the steps: it predicts their attention time on an emulated machine
+        // (measured here, before any rank computes).
+        let predictor = match groups.mesh.world.rank() {
+            0 => Predictor::of_run(config)
+                .inspect_err(|e| groups.mesh.world.abort(&e.to_string()))?,
+            _ => None,
+        };
+        groups.mesh.world.barrier()?;
         let (model, metrics) = std::thread::scope(|scope| {
-            let plans = plan_ahead(scope, config, self.data, first_step);
+            let plans = plan_ahead(scope, config, self.data, first_step, predictor);
             run.steps(model, &mut optimizer, first_step, &plans)
         })?;
         if let Some(out) = self.out {
@@ -209,11 +218,13 @@ pub(crate) fn plan_ahead<'scope, 'env>(
     config: &'env TrainConfig,
     data: &'env TrainData,
     first: usize,
+    predictor: Option<Predictor>,
 ) -> PlanReceiver {
     let (sender, receiver) = std::sync::mpsc::sync_channel(config.plan_ahead);
     scope.spawn(move || {
         for step in first..=config.steps {
-            if sender.send(plan_step(config, data, step)).is_err() {
+            let plan = plan_step_predicted(config, data, step, predictor.as_ref());
+            if sender.send(plan).is_err() {
                 break;
             }
         }
@@ -294,6 +305,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
                     grad_sync_ms: Some(result.grad_sync_ms),
                     grad_sync_exposed_ms: Some(result.grad_sync_ms),
                     attention_ms: Some(bytes.attention_ms),
+                    predicted_attention_ms: plan.predicted_attention_ms,
                 };
                 self.observer.on_step(&step_metrics);
                 metrics.push(step_metrics);

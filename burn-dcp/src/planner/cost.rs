@@ -9,18 +9,32 @@
 //! `q` = query heads × D × element bytes, `kv` = 2 × kv heads × D × element bytes, `o` = q + 4
 //! bytes of LSE per query head, `dout` = q).
 //!
-//! **Time model.** Ranks do not wait for each other between stages: each runs a stage as soon as
-//! its inputs are in. Per rank and pass over `S` stages: `comm(0) + Σ_t max(compute(t),
-//! comm(t+1)) + comm(post)`, where `compute(t)` is the rank's unmasked FLOPs of stage `t` over
-//! the device FLOP/s and `comm(t)` the time of the transfers stage `t` needs: the rank's own
-//! NVLink bytes (in or out, the larger) over the intra-node bandwidth, plus, if it sends or
-//! receives across nodes, its whole node's inter-node bytes of that stage over the node's NIC
-//! bandwidth (the NICs are shared), plus one latency per link class used. Communication for
-//! stage `t+1` overlaps compute of stage `t`; `comm(0)` (before any compute) and `comm(post)`
-//! (results back home) do not overlap. The pass takes as long as its slowest rank. First-order
-//! only: no congestion inside the fabric, no kernel launch overheads.
+//! **Time model**, event by event. Ranks do not wait for each other between stages: rank `r`
+//! starts stage `t` once it has finished stage `t − 1` and the transfers stage `t` needs have
+//! arrived. A transfer for stage `t` leaves its sender when the sender starts stage `t − 1` (a
+//! ring forwards the block it received as it starts computing with it; stage 0's leave at once,
+//! so they are not overlapped), or, as its [`Ready`] says, once the sender has computed it (a
+//! ring's dK/dV accumulators) or received what it forwards (a DCP relay); it waits until its links are free (an intra-node transfer: its
+//! sender's NVLink out and its receiver's in; an inter-node one: its nodes' NICs, shared by their
+//! ranks; each link carries one transfer at a time, in the order they leave), holds them for its
+//! bytes over their bandwidth, and arrives a latency later. Results go home (`POST`) after their
+//! sender's last stage. `compute(t)` is the rank's
+//! FLOPs of stage `t` over the device FLOP/s. A pass starts with the ranks' agreement on the call
+//! (a small all-gather: one latency of the slowest link). The pass takes as long as its slowest
+//! rank. So
+//! latencies pipeline along a ring and a rank waits only for what it receives. First-order
+//! only: no congestion inside the fabric.
+//!
+//! **How a device computes** is a [`ComputeModel`]: [`evaluate`] uses the GPU presets' (every
+//! rank its own device, backward 2.5× the forward's FLOPs at the same efficiency, no per-call
+//! overhead, exact masked pairs); [`evaluate_with`] takes another, e.g. the one `--emulate-links`
+//! measures for ranks that are threads sharing this machine's cores (`burn-dcp-train`'s
+//! `links::cpu_compute_model`): a kernel call's fixed overhead, the backward's measured cost per
+//! forward FLOP, the masked pairs a partially masked block still computes, and the ranks sharing
+//! one processor (a stage's compute is processor-shared among the ranks computing at once: rank
+//! `r`'s work `w_r` ends after `Σ_j min(w_j, w_r)` of the machine's FLOPs).
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::bytes::TokenBytes;
 pub use crate::bytes::{Pass, Side};
@@ -136,6 +150,62 @@ impl UnitSizes {
     }
 }
 
+/// How a device runs the attention kernels, beyond its FLOP/s (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ComputeModel {
+    /// Backward seconds per forward second of the same pairs ([`BACKWARD_FLOPS_FACTOR`] when the
+    /// backward runs at the forward's efficiency).
+    pub backward_factor: f64,
+    /// Seconds of fixed cost per kernel call: once per (rank, stage) that computes, each pass.
+    pub call_overhead: f64,
+    /// Share of a partially masked block's masked pairs the kernel computes anyway (0: exactly
+    /// the allowed pairs; 1: the whole block).
+    pub masked_pair_cost: f64,
+    /// The ranks share one processor (threads of one process), instead of a device each.
+    pub shared_processor: bool,
+}
+
+impl Default for ComputeModel {
+    /// The GPU presets: a device per rank, the backward at the forward's efficiency, no overheads.
+    fn default() -> Self {
+        Self {
+            backward_factor: BACKWARD_FLOPS_FACTOR,
+            call_overhead: 0.0,
+            masked_pair_cost: 0.0,
+            shared_processor: false,
+        }
+    }
+}
+
+impl ComputeModel {
+    pub fn validate(&self) -> Result<(), CpError> {
+        let values = [
+            ("backward factor", self.backward_factor, true),
+            ("call overhead", self.call_overhead, false),
+            ("masked pair cost", self.masked_pair_cost, false),
+        ];
+        for (name, value, positive) in values {
+            if !value.is_finite() || value < 0.0 || (positive && value == 0.0) {
+                return Err(CpError::Config(format!(
+                    "the compute model's {name} must be a finite {}, got {value}",
+                    if positive {
+                        "positive number"
+                    } else {
+                        "number ≥ 0"
+                    }
+                )));
+            }
+        }
+        if self.masked_pair_cost > 1.0 {
+            return Err(CpError::Config(format!(
+                "the compute model's masked pair cost is a share of the masked pairs (0 to 1), got {}",
+                self.masked_pair_cost
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Stage tag of transfers that bring results home after the last compute stage.
 pub const POST: usize = usize::MAX;
 
@@ -148,6 +218,21 @@ pub struct Transfer {
     pub from: usize,
     pub to: usize,
     pub bytes: f64,
+    /// When its sender has it to send.
+    pub ready: Ready,
+}
+
+/// When a transfer for stage `t` (or [`POST`]) can leave its sender.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Ready {
+    /// The sender holds it when it starts stage `t − 1` (stage 0 and `POST`: at the pass's start
+    /// and after the sender's last stage).
+    Held,
+    /// It is a result of the sender's stage `t − 1` (a ring's dK/dV accumulators): after it.
+    Computed,
+    /// The sender forwards it: it leaves once the sender has finished stage `t − 1` and received
+    /// the stage's transfers that are not forwarded (a DCP relay, forward copies and results).
+    Relayed,
 }
 
 /// A plan, the problem it covers, and its communication.
@@ -194,52 +279,66 @@ fn block_tokens(problem: &BlockProblem, seq: usize, block: usize) -> f64 {
     problem.block_tokens(seq, block).len() as f64
 }
 
-/// Seconds each rank waits for the transfers of one stage: its own NVLink traffic (in or out,
-/// whichever is larger) over the intra-node bandwidth, plus, if it sends or receives across
-/// nodes, its node's inter-node traffic of the stage (the NICs are shared) over the inter-node
-/// bandwidth; one latency per link class it uses.
-fn stage_comm_seconds(transfers: &[&Transfer], topology: &Topology) -> Vec<f64> {
-    let ranks = topology.ranks();
-    let mut intra_in = vec![0.0; ranks];
-    let mut intra_out = vec![0.0; ranks];
-    let mut uses_inter = vec![false; ranks];
-    let mut inter_in = vec![0.0; topology.nodes];
-    let mut inter_out = vec![0.0; topology.nodes];
-    for t in transfers {
-        match topology.link(t.from, t.to) {
-            LinkClass::Local => {}
-            LinkClass::IntraNode => {
-                intra_in[t.to] += t.bytes;
-                intra_out[t.from] += t.bytes;
-            }
-            LinkClass::InterNode => {
-                uses_inter[t.from] = true;
-                uses_inter[t.to] = true;
-                inter_in[topology.node_of(t.to)] += t.bytes;
-                inter_out[topology.node_of(t.from)] += t.bytes;
-            }
-        }
-    }
-    (0..ranks)
-        .map(|r| {
-            let intra = intra_in[r].max(intra_out[r]);
-            let mut seconds = 0.0;
-            if intra > 0.0 {
-                seconds += topology.transfer_seconds(LinkClass::IntraNode, intra);
-            }
-            if uses_inter[r] {
-                let node = topology.node_of(r);
-                let inter = inter_in[node].max(inter_out[node]);
-                seconds += topology.transfer_seconds(LinkClass::InterNode, inter);
-            }
-            seconds
-        })
-        .collect()
+/// The links of a topology, each busy until some time: every rank's NVLink out and in, every
+/// node's NIC out and in (its ranks share it).
+struct Links<'a> {
+    topology: &'a Topology,
+    /// `[rank out, rank in]` per rank, then `[node out, node in]` per node.
+    free: Vec<[f64; 2]>,
 }
 
-/// Measures a routed plan on a topology (see the module docs). `planning_ms` is filled by the
-/// caller, who timed the planning.
+impl<'a> Links<'a> {
+    fn new(topology: &'a Topology) -> Self {
+        Self {
+            topology,
+            free: vec![[0.0; 2]; topology.ranks() + topology.nodes],
+        }
+    }
+
+    /// When `transfer`, leaving at `leaves`, arrives: it starts once its sender's and receiver's
+    /// links are free, holds both for its bytes over their bandwidth, then takes the latency.
+    fn send(&mut self, transfer: &Transfer, leaves: f64) -> f64 {
+        let topology = self.topology;
+        let (from, to) = (transfer.from, transfer.to);
+        let (out, into, bandwidth, latency) = match topology.link(from, to) {
+            LinkClass::Local => return leaves,
+            LinkClass::IntraNode => (
+                from,
+                to,
+                topology.intra_node_bandwidth,
+                topology.intra_node_latency,
+            ),
+            LinkClass::InterNode => {
+                let ranks = topology.ranks();
+                (
+                    ranks + topology.node_of(from),
+                    ranks + topology.node_of(to),
+                    topology.inter_node_bandwidth,
+                    topology.inter_node_latency,
+                )
+            }
+        };
+        let start = leaves.max(self.free[out][0]).max(self.free[into][1]);
+        let sent = start + transfer.bytes / bandwidth;
+        self.free[out][0] = sent;
+        self.free[into][1] = sent;
+        sent + latency
+    }
+}
+
+/// Measures a routed plan on a topology of GPUs (see the module docs). `planning_ms` is filled by
+/// the caller, who timed the planning.
 pub fn evaluate(routed: &RoutedPlan, topology: &Topology) -> Result<StrategyReport, CpError> {
+    evaluate_with(routed, topology, &ComputeModel::default())
+}
+
+/// [`evaluate`] for devices that compute as `model` says.
+pub fn evaluate_with(
+    routed: &RoutedPlan,
+    topology: &Topology,
+    model: &ComputeModel,
+) -> Result<StrategyReport, CpError> {
+    model.validate()?;
     let plan = &routed.plan;
     let ranks = topology.ranks();
     if plan.ranks != ranks {
@@ -248,9 +347,10 @@ pub fn evaluate(routed: &RoutedPlan, topology: &Topology) -> Result<StrategyRepo
             plan.ranks
         )));
     }
-    let loads = RankLoads::of(routed, ranks);
+    let loads = RankLoads::of(routed, ranks, model.masked_pair_cost);
     let (inter, intra) = link_bytes(&routed.transfers, topology);
-    let pass_ms = |pass, factor| 1e3 * pass_seconds(routed, &loads.flops, topology, pass, factor);
+    let pass_ms =
+        |pass, factor| 1e3 * pass_seconds(routed, &loads.flops, topology, model, pass, factor);
     Ok(StrategyReport {
         name: routed.name.clone(),
         inter_node_bytes: inter,
@@ -258,7 +358,7 @@ pub fn evaluate(routed: &RoutedPlan, topology: &Topology) -> Result<StrategyRepo
         compute_imbalance: max_over_mean(&loads.rank_flops),
         memory_imbalance: max_over_mean(&loads.memory),
         attention_fwd_ms: pass_ms(Pass::Forward, 1.0),
-        attention_bwd_ms: pass_ms(Pass::Backward, BACKWARD_FLOPS_FACTOR),
+        attention_bwd_ms: pass_ms(Pass::Backward, model.backward_factor),
         planning_ms: 0.0,
         stages: loads.flops.len(),
         compute_blocks: plan.blocks.len(),
@@ -267,17 +367,18 @@ pub fn evaluate(routed: &RoutedPlan, topology: &Topology) -> Result<StrategyRepo
 
 /// What each rank computes and holds under a routed plan.
 struct RankLoads {
-    /// Forward FLOPs per stage and rank (`flops[stage][rank]`); one row per stage of the plan's
-    /// compute blocks or transfers, whichever has more.
+    /// Forward FLOPs per stage and rank (`flops[stage][rank]`), masked pairs of partial blocks
+    /// counted at the model's cost; one row per stage of the plan's compute blocks or transfers,
+    /// whichever has more.
     flops: Vec<Vec<f64>>,
-    /// Forward FLOPs per rank, all stages.
+    /// Forward FLOPs of the allowed pairs per rank, all stages.
     rank_flops: Vec<f64>,
     /// Resident bytes of the data blocks homed on each rank.
     memory: Vec<f64>,
 }
 
 impl RankLoads {
-    fn of(routed: &RoutedPlan, ranks: usize) -> Self {
+    fn of(routed: &RoutedPlan, ranks: usize, masked_pair_cost: f64) -> Self {
         let plan = &routed.plan;
         let last_compute = plan.blocks.iter().map(|b| b.stage + 1).max();
         let last_transfer = (routed.transfers.iter())
@@ -290,7 +391,14 @@ impl RankLoads {
         for b in &plan.blocks {
             let pairs = routed.grids[b.seq].pairs(b.q_block, b.kv_block) as f64;
             let f = pairs * routed.sizes.forward_flops_per_pair;
-            flops[b.stage][b.rank] += f;
+            let masked = if masked_pair_cost > 0.0 {
+                let area = block_tokens(&routed.problem, b.seq, b.q_block)
+                    * block_tokens(&routed.problem, b.seq, b.kv_block);
+                masked_pair_cost * (area - pairs).max(0.0) * routed.sizes.forward_flops_per_pair
+            } else {
+                0.0
+            };
+            flops[b.stage][b.rank] += f + masked;
             rank_flops[b.rank] += f;
         }
         let mut memory = vec![0.0f64; ranks];
@@ -323,34 +431,102 @@ fn link_bytes(transfers: &[Transfer], topology: &Topology) -> (f64, f64) {
     (inter, intra)
 }
 
-/// Seconds of one pass (compute FLOPs × `factor`): each rank runs its stages as soon as their
-/// inputs are in, `comm(0) + Σ_t max(compute(t), comm(t+1)) + comm(post)`; the pass takes the
-/// slowest rank's time.
+/// Seconds each rank computes in one stage whose forward FLOPs per rank are `flops`, the pass
+/// costing `factor` times them: its own device's time, or, on a shared processor, the
+/// processor-shared time (`Σ_j min(w_j, w_r)` over the machine's FLOP/s, every rank's share
+/// `device_flops`); plus the call overhead where it computes.
+fn stage_compute_seconds(
+    flops: &[f64],
+    topology: &Topology,
+    model: &ComputeModel,
+    factor: f64,
+) -> Vec<f64> {
+    let overhead = |w: f64| if w > 0.0 { model.call_overhead } else { 0.0 };
+    if !model.shared_processor {
+        return flops
+            .iter()
+            .map(|&w| topology.compute_seconds(factor * w) + overhead(w))
+            .collect();
+    }
+    let machine = topology.device_flops * flops.len() as f64;
+    flops
+        .iter()
+        .map(|&w| {
+            let shared: f64 = flops.iter().map(|&other| other.min(w)).sum();
+            factor * shared / machine + overhead(w)
+        })
+        .collect()
+}
+
+/// Seconds of one pass (compute FLOPs × `factor`), event by event (see the module docs): rank
+/// `r` starts stage `t` when it has finished stage `t − 1` and every transfer stage `t` needs has
+/// arrived; a transfer leaves as its [`Ready`] says and waits for its links ([`Links`]). The
+/// pass takes as long as its slowest rank.
 fn pass_seconds(
     routed: &RoutedPlan,
     flops: &[Vec<f64>],
     topology: &Topology,
+    model: &ComputeModel,
     pass: Pass,
     factor: f64,
 ) -> f64 {
+    let ranks = topology.ranks();
     let mut by_stage: FastMap<usize, Vec<&Transfer>> = FastMap::default();
     for t in routed.transfers.iter().filter(|t| t.pass == pass) {
         by_stage.entry(t.stage).or_default().push(t);
     }
-    let comm: FastMap<usize, Vec<f64>> = by_stage
-        .iter()
-        .map(|(&stage, ts)| (stage, stage_comm_seconds(ts, topology)))
-        .collect();
-    let comm_of = |stage: usize, rank: usize| comm.get(&stage).map_or(0.0, |c| c[rank]);
-    (0..topology.ranks())
-        .map(|r| {
-            let mut seconds = comm_of(0, r) + comm_of(POST, r);
-            for (t, stage_flops) in flops.iter().enumerate() {
-                let compute = topology.compute_seconds(factor * stage_flops[r]);
-                seconds += compute.max(comm_of(t + 1, r));
+    let mut links = Links::new(topology);
+    // Every CP call starts with the ranks agreeing on it (one small all-gather): a latency of
+    // the slowest link between them.
+    let agreement = match (topology.nodes, topology.devices_per_node) {
+        (1, 1) => 0.0,
+        (1, _) => topology.intra_node_latency,
+        _ => topology.inter_node_latency,
+    };
+    // `started`/`finished`: each rank's start and finish of the stage before.
+    let mut started = vec![agreement; ranks];
+    let mut finished = vec![agreement; ranks];
+    let mut arrivals_of = |stage: usize, started: &[f64], finished: &[f64]| {
+        let empty = Vec::new();
+        let transfers = by_stage.get(&stage).unwrap_or(&empty);
+        let mut arrivals = vec![f64::NEG_INFINITY; ranks];
+        // First what the senders hold or computed, then what relays forward once it is in.
+        for relayed in [false, true] {
+            let before = arrivals.clone();
+            let leaves = |t: &Transfer| match (t.ready, stage) {
+                (Ready::Held, POST) | (Ready::Computed, _) => finished[t.from],
+                (Ready::Held, _) => started[t.from],
+                (Ready::Relayed, _) => finished[t.from].max(before[t.from]),
+            };
+            let mut sends: Vec<(f64, &Transfer)> = transfers
+                .iter()
+                .filter(|t| (t.ready == Ready::Relayed) == relayed)
+                .map(|t| (leaves(t), *t))
+                .collect();
+            // Each link sends in the order transfers leave (ties: sender, receiver).
+            sends.sort_by(|(a, x), (b, y)| {
+                (a.total_cmp(b))
+                    .then(x.from.cmp(&y.from))
+                    .then(x.to.cmp(&y.to))
+            });
+            for (leaves, transfer) in sends {
+                let arrives = links.send(transfer, leaves);
+                arrivals[transfer.to] = arrivals[transfer.to].max(arrives);
             }
-            seconds
-        })
+        }
+        arrivals
+    };
+    for (t, stage_flops) in flops.iter().enumerate() {
+        let arrivals = arrivals_of(t, &started, &finished);
+        let compute = stage_compute_seconds(stage_flops, topology, model, factor);
+        for r in 0..ranks {
+            started[r] = finished[r].max(arrivals[r]);
+            finished[r] = started[r] + compute[r];
+        }
+    }
+    let arrivals = arrivals_of(POST, &started, &finished);
+    (0..ranks)
+        .map(|r| finished[r].max(arrivals[r]))
         .fold(0.0, f64::max)
 }
 
@@ -513,20 +689,28 @@ pub fn route_transfers(
         for hop in &route.hops {
             for pass in [Pass::Forward, Pass::Backward] {
                 let (to_bytes, back_bytes) = hop_bytes(sizes, route.side, pass);
+                let relayed = |rank: usize| match rank == route.home {
+                    true => Ready::Held,
+                    false => Ready::Relayed,
+                };
                 transfers.push(Transfer {
                     pass,
                     stage: hop.stage,
                     from: hop.from,
                     to: hop.to,
                     bytes: to_bytes * tokens,
+                    ready: relayed(hop.from),
                 });
                 if back_bytes > 0.0 {
+                    // A relay sends its result home once its own leaves' results are in.
+                    let relay = route.hops.iter().any(|h| h.from == hop.to);
                     transfers.push(Transfer {
                         pass,
                         stage: POST,
                         from: hop.to,
                         to: hop.from,
                         bytes: back_bytes * tokens,
+                        ready: if relay { Ready::Relayed } else { Ready::Held },
                     });
                 }
             }

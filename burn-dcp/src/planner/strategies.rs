@@ -27,7 +27,7 @@ use burn_dcp_kernels::{mask_of, MaskSpec};
 
 use crate::error::CpError;
 use crate::layout::Layout;
-use crate::planner::cost::{AttentionDims, Pass, RoutedPlan, Transfer, UnitSizes, POST};
+use crate::planner::cost::{AttentionDims, Pass, Ready, RoutedPlan, Transfer, UnitSizes, POST};
 use crate::planner::dcp::{dcp_plan, DcpConfig};
 use crate::planner::dynamic::{schedule_with, DynamicCpConfig, DynamicCpSchedule};
 use crate::planner::plan::{
@@ -178,6 +178,19 @@ pub fn plan_strategy(strategy: PlanStrategy, input: &PlanInput) -> Result<Routed
     }
 }
 
+/// USP with a given Ulysses degree (Ulysses inside groups of `ulysses_degree` consecutive ranks,
+/// a ring of `ranks / ulysses_degree` across them), as `--strategy usp --ulysses-degree` runs it.
+pub fn plan_usp(input: &PlanInput, ulysses_degree: usize) -> Result<RoutedPlan, CpError> {
+    input.validate()?;
+    if ulysses_degree == 0 || !input.dims.heads.is_multiple_of(ulysses_degree) {
+        return Err(CpError::Config(format!(
+            "usp: Ulysses degree {ulysses_degree} must divide the {} query heads",
+            input.dims.heads
+        )));
+    }
+    usp(input, ulysses_degree, PlanStrategy::Usp)
+}
+
 /// USP's Ulysses degree: the largest divisor of the devices per node that also divides the query
 /// heads and is compatible with the kv heads (one divides the other).
 pub fn usp_ulysses_degree(input: &PlanInput) -> Result<usize, CpError> {
@@ -216,13 +229,20 @@ fn ring_hops(ring: &[usize], kv_bytes_at: &[f64], offset: usize, transfers: &mut
                 continue;
             }
             let (from, to) = (ring[(p + g - 1) % g], ring[p]);
-            for (pass, factor) in [(Pass::Forward, 1.0), (Pass::Backward, 2.0)] {
+            // KV leaves as the step before starts; backward, the dK/dV accumulators follow it
+            // once that step has computed them.
+            for (pass, ready) in [
+                (Pass::Forward, Ready::Held),
+                (Pass::Backward, Ready::Held),
+                (Pass::Backward, Ready::Computed),
+            ] {
                 transfers.push(Transfer {
                     pass,
                     stage: offset + step,
                     from,
                     to,
-                    bytes: factor * bytes,
+                    bytes,
+                    ready,
                 });
             }
         }
@@ -237,6 +257,7 @@ fn ring_hops(ring: &[usize], kv_bytes_at: &[f64], offset: usize, transfers: &mut
                     from: ring[p],
                     to: ring[(p + 1) % g],
                     bytes,
+                    ready: Ready::Computed,
                 });
             }
         }
@@ -519,6 +540,7 @@ fn gather_transfers(kv_bytes_at: &[f64]) -> Vec<Transfer> {
                     from,
                     to,
                     bytes,
+                    ready: Ready::Held,
                 });
             }
         }
@@ -588,6 +610,7 @@ fn all_to_all(home: usize, rank: usize, tokens: f64, sizes: &UnitSizes, out: &mu
             from: home,
             to: rank,
             bytes: to * tokens,
+            ready: Ready::Held,
         });
         out.push(Transfer {
             pass,
@@ -595,6 +618,7 @@ fn all_to_all(home: usize, rank: usize, tokens: f64, sizes: &UnitSizes, out: &mu
             from: rank,
             to: home,
             bytes: back * tokens,
+            ready: Ready::Held,
         });
     }
 }

@@ -1,0 +1,122 @@
+//! `predicted_attention_ms`: the cost model's attention time of a step's plan on the machine a
+//! run with `--emulate-links` is (`burn_dcp::planner::cost`), next to the measured
+//! `attention_ms`.
+//!
+//! Every planned batch of the step is planned again as the cost model's strategy of what it runs
+//! (ring with the zigzag layout: ring-zigzag; all-gather; Ulysses; USP of its degree; dcp: the
+//! same executable plan, planned again from the same input and seed) on its CP group's nodes, and
+//! evaluated on the emulated machine ([`crate::links::emulated_topology`]: the preset's links
+//! slowed by the run's time scale, this machine's kernels as [`crate::links::cpu_compute`]
+//! measured them, the ranks sharing its cores). A rank's step time is its batches' times, each
+//! once per attention layer of its pipeline stage; the step's prediction is the slowest rank's,
+//! as `attention_ms` is. A ring with the contiguous or stripe layout has no plan in the cost
+//! model: the step's prediction is then `None`.
+
+use burn_dcp::planner::auto::executable_dcp_plan;
+use burn_dcp::planner::cost::{evaluate_with, RoutedPlan};
+use burn_dcp::planner::strategies::{plan_strategy, plan_usp, PlanStrategy};
+use burn_dcp::planner::topology::Topology;
+use burn_dcp::{CpError, Layout, Strategy};
+
+use crate::config::TrainConfig;
+use crate::links::{cpu_compute, emulated_topology, time_scale, CpuCompute};
+use crate::model::ModelShape;
+use crate::plan::{PlannedBatch, StepPlan, StepSequences};
+use crate::planning::plan_input;
+use crate::TrainError;
+
+/// What predicting a step needs: the links' time scale and this machine's measured kernels.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Predictor {
+    pub time_scale: f64,
+    pub cpu: CpuCompute,
+}
+
+impl Predictor {
+    /// The predictor of `config`'s emulated run (`None` without `--emulate-links`): its time
+    /// scale (as the links use it: the value measured once per process, or `--link-scale`) and
+    /// the kernels measured for one TP rank's heads.
+    pub fn of_run(config: &TrainConfig) -> Result<Option<Self>, TrainError> {
+        let Some(links) = config.emulate_links else {
+            return Ok(None);
+        };
+        let model = config.model_shape()?;
+        let topology = Topology::for_ranks(&config.topology, config.nodes, config.world_size())?;
+        let time_scale = time_scale(links, &topology, config.world_size())?;
+        let (heads, kv_heads) = config.rank_heads(&model);
+        let cpu = cpu_compute(heads, kv_heads, model.head_dim(), config.world_size())?;
+        Ok(Some(Self { time_scale, cpu }))
+    }
+
+    /// The predicted attention time (ms) of `plan`'s slowest rank; `None` when a batch runs a
+    /// strategy the cost model has no plan of.
+    pub fn step_ms(
+        &self,
+        plan: &StepPlan,
+        sequences: &StepSequences,
+        config: &TrainConfig,
+        model: &ModelShape,
+    ) -> Result<Option<f64>, CpError> {
+        let layers = (model.n_layers / config.pp.max(1)).max(1) as f64;
+        let mut per_rank = vec![0.0f64; config.pool_size()];
+        for batch in &plan.batches {
+            let Some(ms) = self.batch_ms(batch, sequences, config, model)? else {
+                return Ok(None);
+            };
+            for rank in batch.ranks.clone() {
+                if let Some(total) = per_rank.get_mut(rank) {
+                    *total += layers * ms;
+                }
+            }
+        }
+        Ok(Some(per_rank.into_iter().fold(0.0, f64::max)))
+    }
+
+    /// One attention call's forward + backward (ms) of `batch` on the emulated machine.
+    fn batch_ms(
+        &self,
+        batch: &PlannedBatch,
+        sequences: &StepSequences,
+        config: &TrainConfig,
+        model: &ModelShape,
+    ) -> Result<Option<f64>, CpError> {
+        let mut input = plan_input(batch, sequences, config, model)?;
+        let routed: RoutedPlan = match (batch.strategy, config.layout) {
+            // The executable plan was made on the static group's topology: planned again alike.
+            (Strategy::Dcp, _) => executable_dcp_plan(&input)?,
+            (strategy, layout) => {
+                input.topology = group_topology(config, batch)?;
+                match (strategy, layout) {
+                    (Strategy::Ring, Layout::Zigzag) => {
+                        plan_strategy(PlanStrategy::RingZigzag, &input)?
+                    }
+                    (Strategy::AllGather, _) => plan_strategy(PlanStrategy::AllGather, &input)?,
+                    (Strategy::Ulysses, _) => plan_strategy(PlanStrategy::Ulysses, &input)?,
+                    (Strategy::Usp { ulysses_degree, .. }, _) => plan_usp(&input, ulysses_degree)?,
+                    _ => return Ok(None),
+                }
+            }
+        };
+        let machine = emulated_topology(&input.topology, self.time_scale, self.cpu.flops_per_rank);
+        let report = evaluate_with(&routed, &machine, &self.cpu.model)?;
+        Ok(Some(report.attention_fwd_ms + report.attention_bwd_ms))
+    }
+}
+
+/// The topology of `batch`'s CP group (its DP × CP pool ranks) as they sit on the run's nodes: the
+/// nodes it touches, holding equal shares of it.
+fn group_topology(config: &TrainConfig, batch: &PlannedBatch) -> Result<Topology, CpError> {
+    let per_node = (config.ranks_per_node()? / config.tp.max(1)).max(1);
+    let size = batch.ranks.len();
+    let first = batch.ranks.start / per_node;
+    let last = batch.ranks.end.saturating_sub(1) / per_node;
+    let nodes = last - first + 1;
+    if !size.is_multiple_of(nodes) {
+        return Err(CpError::Config(format!(
+            "a CP group of {size} ranks ({:?}) spreads unevenly over {nodes} nodes of {per_node}",
+            batch.ranks
+        )));
+    }
+    Topology::for_ranks(&config.topology, nodes, size)
+        .map_err(|e| CpError::Config(format!("--topology {}: {e}", config.topology)))
+}
