@@ -17,7 +17,8 @@ use std::time::Instant;
 use burn_dcp::planner::auto::{choose_strategy, parse_candidates, AutoCandidate};
 use burn_dcp::planner::cost::evaluate;
 use burn_dcp::planner::{
-    plan_strategy, validate_plan, AttentionDims, DcpConfig, PlanInput, PlanStrategy, Topology,
+    plan_strategy, plan_usp, validate_plan, AttentionDims, DcpConfig, PlanInput, PlanStrategy,
+    Topology,
 };
 use burn_dcp_datasets::{LengthMix, LengthSampler};
 use burn_dcp_kernels::MaskSpec;
@@ -98,6 +99,10 @@ struct Args {
     /// Plan each strategy this many times and report the median planning time.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
+    /// usp: this Ulysses degree (groups of consecutive ranks; default: the largest that fits a
+    /// node and the heads), e.g. 2 for TransformerEngine's a2a+p2p baseline of the DCP paper
+    #[arg(long)]
+    ulysses_degree: Option<usize>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -213,7 +218,10 @@ fn run(args: &Args) -> Result<(), String> {
         let mut planned = None;
         for _ in 0..args.repeat.max(1) {
             let start = Instant::now();
-            let result = plan_strategy(strategy, &input);
+            let result = match (strategy, args.ulysses_degree) {
+                (PlanStrategy::Usp, Some(degree)) => plan_usp(&input, degree),
+                _ => plan_strategy(strategy, &input),
+            };
             times.push(start.elapsed().as_secs_f64() * 1e3);
             planned = Some(result);
         }

@@ -23,6 +23,7 @@ use crate::links::{cpu_compute, emulated_topology, time_scale, CpuCompute};
 use crate::model::ModelShape;
 use crate::plan::{PlannedBatch, StepPlan, StepSequences};
 use crate::planning::plan_input;
+use crate::settings::DcpSettings;
 use crate::TrainError;
 
 /// What predicting a step needs: the links' time scale and this machine's measured kernels.
@@ -57,6 +58,22 @@ impl Predictor {
         config: &TrainConfig,
         model: &ModelShape,
     ) -> Result<Option<f64>, CpError> {
+        // The static strategies' plans start from a block of 128 tokens (halved as their layout
+        // needs, `PlanInput::static_problem`); dcp plans with its own settings.
+        let with_blocks;
+        let config = match config.dcp {
+            Some(_) => config,
+            None => {
+                with_blocks = TrainConfig {
+                    dcp: Some(DcpSettings {
+                        block: 128,
+                        stages: 4,
+                    }),
+                    ..config.clone()
+                };
+                &with_blocks
+            }
+        };
         let layers = (model.n_layers / config.pp.max(1)).max(1) as f64;
         let mut per_rank = vec![0.0f64; config.pool_size()];
         for batch in &plan.batches {

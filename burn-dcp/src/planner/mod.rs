@@ -31,5 +31,5 @@ pub use auto::{choose_strategy, parse_candidates, AutoCandidate, AutoChoice, Aut
 pub use cost::{evaluate, AttentionDims, RoutedPlan, StrategyReport};
 pub use dcp::{dcp_plan, DcpConfig};
 pub use plan::{validate_plan, BlockProblem, Plan, MAX_PLAN_TILES};
-pub use strategies::{plan_strategy, PlanInput, PlanStrategy};
+pub use strategies::{plan_strategy, plan_usp, PlanInput, PlanStrategy};
 pub use topology::{attention_flops, LinkClass, Topology, MAX_PLAN_RANKS};
