@@ -144,7 +144,7 @@ struct Args {
     #[arg(long)]
     emulate_links: bool,
     /// The emulated links' time scale (bandwidth ÷ F, latency × F) [default: measured]
-    #[arg(long, requires = "emulate_links")]
+    #[arg(long)]
     link_scale: Option<f64>,
     /// Print one JSON object instead of text.
     #[arg(long)]
@@ -248,6 +248,11 @@ fn run(args: &Args) -> Result<(), String> {
             ranks_per_node: Some(args.cp / args.nodes.max(1)),
         },
     )?;
+    if let (Some(scale), false) = (args.link_scale, args.emulate_links) {
+        return Err(format!(
+            "--link-scale {scale} only applies with --emulate-links"
+        ));
+    }
     let emulation = match args.emulate_links {
         false => None,
         true if ranks.is_distributed() => {

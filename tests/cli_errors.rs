@@ -1020,3 +1020,109 @@ fn cp_attention_kernel_choice_is_checked_and_tiles_run() {
         assert!(error.as_f64().unwrap() <= 1e-5, "{name}: {error}");
     }
 }
+
+/// `cp_attention --emulate-links` reports the measured attention time next to the cost model's
+/// prediction of the same plan; without it, or for a layout the cost model has no plan of, the
+/// prediction is null; a bad scale is refused.
+#[test]
+fn cp_attention_emulated_links_report_measured_and_predicted_time() {
+    let base = [
+        "--cp",
+        "4",
+        "--nodes",
+        "2",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--seqlens",
+        "300,100",
+        "--json",
+    ];
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        serde_json::from_str(&succeeded("cp_attention", &args)).unwrap()
+    };
+    for strategy in [
+        &["--strategy", "ring"][..],
+        &["--strategy", "usp", "--ulysses-degree", "2"],
+        &["--strategy", "dcp", "--block", "64"],
+    ] {
+        let extra: Vec<&str> = strategy
+            .iter()
+            .chain(&["--emulate-links", "--link-scale", "2000"])
+            .copied()
+            .collect();
+        let report = run(&extra);
+        assert_eq!(report["emulate_links"], true, "{report}");
+        assert_eq!(report["link_scale"], 2000.0, "{report}");
+        let measured = report["measured_attention_ms"].as_f64().unwrap();
+        let predicted = report["predicted_attention_ms"].as_f64().unwrap();
+        assert!(measured > 0.0 && predicted > 0.0, "{report}");
+        let parts = report["predicted_forward_ms"].as_f64().unwrap()
+            + report["predicted_backward_ms"].as_f64().unwrap();
+        assert!((parts - predicted).abs() <= 1e-9 * predicted, "{report}");
+        assert!(
+            report["max_rel_err"]["dk"].as_f64().unwrap() < 1e-4,
+            "{report}"
+        );
+    }
+    let plain = run(&["--strategy", "ring"]);
+    assert_eq!(plain["emulate_links"], false);
+    assert!(plain["predicted_attention_ms"].is_null(), "{plain}");
+    assert!(plain["measured_attention_ms"].as_f64().unwrap() > 0.0);
+    let contiguous = run(&[
+        "--strategy",
+        "ring",
+        "--layout",
+        "contiguous",
+        "--emulate-links",
+        "--link-scale",
+        "10",
+    ]);
+    assert!(
+        contiguous["predicted_attention_ms"].is_null(),
+        "{contiguous}"
+    );
+    let mut args = base.to_vec();
+    args.extend(["--emulate-links", "--link-scale", "0"]);
+    refused(
+        "cp_attention",
+        &args,
+        "--link-scale 0 must be a positive number",
+    );
+    let mut args = base.to_vec();
+    args.extend(["--link-scale", "10"]);
+    refused(
+        "cp_attention",
+        &args,
+        "--link-scale 10 only applies with --emulate-links",
+    );
+}
+
+/// `gpt_longctx --emulate-links` reports the cost model's attention time of its steps next to
+/// the measured one; without emulated links the prediction is null.
+#[test]
+fn gpt_longctx_predicts_its_attention_time_on_emulated_links() {
+    for strategy in [&["--strategy", "ring"][..], &["--strategy", "dcp"]] {
+        let args = gpt(&[
+            &["--steps", "2", "--cp", "4", "--nodes", "2", "--json"][..],
+            strategy,
+            &["--emulate-links", "--link-scale", "1000"],
+        ]
+        .concat());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let summary: serde_json::Value =
+            serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap();
+        let measured = summary["attention_ms"].as_f64().unwrap();
+        let predicted = summary["predicted_attention_ms"].as_f64().unwrap();
+        assert!(measured > 0.0 && predicted > 0.0, "{summary}");
+    }
+    let args = gpt(&["--steps", "1", "--cp", "2", "--json"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let summary: serde_json::Value =
+        serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap();
+    assert!(summary["predicted_attention_ms"].is_null(), "{summary}");
+}

@@ -19,7 +19,7 @@
 //! The choice is pure: the same [`PlanInput`] gives the same choice on every rank, in training
 //! and in `plan_sim --strategies auto`. It compares attention only (the token-linear layers cost
 //! the same under every placement up to DCP's memory imbalance), with the cost model's limits
-//! (`planner/cost.rs`: no congestion, no per-block overheads).
+//! (`planner/cost.rs`: no congestion; on GPUs, no kernel overheads).
 
 use std::fmt;
 use std::str::FromStr;

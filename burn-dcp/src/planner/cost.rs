@@ -718,3 +718,105 @@ pub fn route_transfers(
     }
     transfers
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::dcp::DcpConfig;
+    use crate::planner::strategies::{plan_strategy, PlanInput, PlanStrategy};
+    use burn_dcp_kernels::MaskSpec;
+
+    /// Links of (almost) unlimited bandwidth, 0.1 s inside a node and 1 s between nodes, and
+    /// (almost) instant devices: only latencies count.
+    fn latency_only(nodes: usize, devices_per_node: usize) -> Topology {
+        Topology {
+            nodes,
+            devices_per_node,
+            intra_node_bandwidth: 1e30,
+            inter_node_bandwidth: 1e30,
+            intra_node_latency: 0.1,
+            inter_node_latency: 1.0,
+            device_flops: 1e30,
+            device_memory: 1e12,
+        }
+    }
+
+    #[test]
+    fn ring_latencies_pipeline_along_the_ring_after_the_agreement() {
+        let input = PlanInput {
+            seq_lens: vec![4096],
+            masks: vec![MaskSpec::Causal],
+            dims: AttentionDims {
+                heads: 8,
+                kv_heads: 2,
+                head_dim: 64,
+                element_bytes: 2,
+            },
+            topology: latency_only(2, 4),
+            block: 64,
+            dcp: DcpConfig::default(),
+            max_seq_len_per_rank: None,
+        };
+        let routed = plan_strategy(PlanStrategy::RingZigzag, &input).unwrap();
+        let report = evaluate(&routed, &input.topology).unwrap();
+        // Forward: the agreement (1 s), then the block a rank computes last has come 7 hops,
+        // 2 of them between the nodes (1 s each) and 5 inside one (0.1 s each), each hop leaving
+        // as the block arrived: 1 + 2.5 s, not 7 × the slowest hop.
+        assert!(
+            (report.attention_fwd_ms - 3500.0).abs() < 1e-6,
+            "{}",
+            report.attention_fwd_ms
+        );
+        // Backward: the dK/dV accumulators take an eighth hop home (a full circle: 2 + 0.6 s).
+        assert!(
+            (report.attention_bwd_ms - 3600.0).abs() < 1e-6,
+            "{}",
+            report.attention_bwd_ms
+        );
+    }
+
+    #[test]
+    fn ranks_sharing_a_processor_finish_as_processor_sharing_says() {
+        let mut topology = latency_only(1, 2);
+        topology.device_flops = 1e12;
+        let shared = ComputeModel {
+            shared_processor: true,
+            ..ComputeModel::default()
+        };
+        let flops = [1e12, 3e12];
+        // Each rank alone would take 1 s and 3 s; sharing 2e12 FLOP/s, the light rank ends at
+        // (1 + 1) / 2 = 1 s and the heavy one at (1 + 3) / 2 = 2 s.
+        assert_eq!(
+            stage_compute_seconds(&flops, &topology, &ComputeModel::default(), 1.0),
+            [1.0, 3.0]
+        );
+        assert_eq!(
+            stage_compute_seconds(&flops, &topology, &shared, 1.0),
+            [1.0, 2.0]
+        );
+        let overhead = ComputeModel {
+            call_overhead: 0.5,
+            ..shared
+        };
+        assert_eq!(
+            stage_compute_seconds(&[0.0, 3e12], &topology, &overhead, 1.0),
+            [0.0, 2.0]
+        );
+        for bad in [f64::NAN, -1.0] {
+            let model = ComputeModel {
+                call_overhead: bad,
+                ..ComputeModel::default()
+            };
+            assert!(model
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("call overhead"));
+        }
+        let model = ComputeModel {
+            masked_pair_cost: 1.5,
+            ..ComputeModel::default()
+        };
+        assert!(model.validate().is_err());
+    }
+}
