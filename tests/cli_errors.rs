@@ -154,9 +154,49 @@ fn gpt_longctx_refuses_bad_flags_with_the_rule() {
     refused_gpt(&["--strategy", "dcp", "--stages", "0"], "--stages 0");
     refused_gpt(&["--topology", "tpu-pod"], "unknown topology 'tpu-pod'");
     refused_gpt(
-        &["--strategy", "dynamic", "--inner-strategy", "dcp"],
-        "--inner-strategy dcp is not supported yet",
+        &["--strategy", "dynamic", "--block", "32"],
+        "--block only applies to --strategy dcp or auto",
     );
+}
+
+/// DCP inside dynamic CP's groups (`--inner-strategy dcp`): each group's sequences run a DCP
+/// block plan on the group's ranks, and the losses are cp 1's.
+#[test]
+fn dynamic_cp_groups_run_dcp_plans_exactly() {
+    let losses = |extra: &[&str]| -> Vec<f64> {
+        let args = gpt(&[&["--steps", "2", "--json"][..], extra].concat());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let summary: serde_json::Value =
+            serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap();
+        summary["losses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l.as_f64().unwrap())
+            .collect()
+    };
+    let reference = losses(&["--cp", "1"]);
+    let dynamic = losses(&[
+        "--cp",
+        "4",
+        "--nodes",
+        "2",
+        "--strategy",
+        "dynamic",
+        "--inner-strategy",
+        "dcp",
+        "--block",
+        "16",
+        "--max-tokens-per-rank",
+        "32",
+    ]);
+    assert_eq!(dynamic.len(), reference.len());
+    for (got, want) in dynamic.iter().zip(&reference) {
+        assert!(
+            (got - want).abs() <= 1e-5 * want.abs(),
+            "{dynamic:?} vs {reference:?}"
+        );
+    }
 }
 
 #[test]

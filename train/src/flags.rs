@@ -190,9 +190,6 @@ fn dynamic_settings(
     // USP keeps its Ulysses degree; the ring degree follows each group's size.
     let degree_cp = args.ulysses_degree.unwrap_or(1);
     let inner = Strategy::parse(name, args.ulysses_degree, degree_cp)?;
-    if inner == Strategy::Dcp {
-        return Err(TrainError::Config("--inner-strategy dcp is not supported yet: dynamic CP groups run ring, ulysses, usp or all-gather".into()));
-    }
     let settings = DynamicSettings {
         max_tokens_per_rank: args
             .max_tokens_per_rank
@@ -294,11 +291,12 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
         model_shape: None,
     })
     .and_then(|mut config| {
-        config.dcp = dcp_settings(args, config.strategy)?;
         if let Some((inner, settings)) = dynamic_settings(args, cp, config.seq_len)? {
             config.strategy = inner;
             config.dynamic = Some(settings);
         }
+        // dcp, also inside dynamic CP's groups (`--inner-strategy dcp`): the block plans' settings.
+        config.dcp = dcp_settings(args, config.strategy)?;
         Ok(config)
     })
 }

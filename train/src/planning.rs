@@ -180,6 +180,27 @@ pub fn plan_step_predicted(
     Ok(plan)
 }
 
+/// The topology of `batch`'s CP group (its DP × CP pool ranks) as they sit on the run's nodes:
+/// the nodes it touches, holding equal shares of it.
+pub(crate) fn group_topology(
+    config: &TrainConfig,
+    batch: &PlannedBatch,
+) -> Result<Topology, CpError> {
+    let per_node = (config.ranks_per_node()? / config.tp.max(1)).max(1);
+    let size = batch.ranks.len();
+    let first = batch.ranks.start / per_node;
+    let last = batch.ranks.end.saturating_sub(1) / per_node;
+    let nodes = last - first + 1;
+    if !size.is_multiple_of(nodes) {
+        return Err(CpError::Config(format!(
+            "a CP group of {size} ranks ({:?}) spreads unevenly over {nodes} nodes of {per_node}",
+            batch.ranks
+        )));
+    }
+    Topology::for_ranks(&config.topology, nodes, size)
+        .map_err(|e| CpError::Config(format!("--topology {}: {e}", config.topology)))
+}
+
 /// The plan of step `step` (1-based) under `config`: dynamic CP's schedule, auto's choices, or
 /// the static split (with DCP's block plans for strategy dcp).
 pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<StepPlan, CpError> {
@@ -196,7 +217,7 @@ pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<
     let micro_batches = sequences.micro_batches();
     let mut auto_choices = Vec::new();
     let batches = if let Some(settings) = &config.dynamic {
-        plan_dynamic(
+        let mut batches = plan_dynamic(
             &sequences,
             &works,
             settings,
@@ -204,7 +225,17 @@ pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<
             config.strategy,
             config.layout,
         )
-        .map_err(at_step)?
+        .map_err(at_step)?;
+        // `--inner-strategy dcp`: each group's sequences get a DCP block plan on its own ranks.
+        if config.strategy == Strategy::Dcp {
+            for batch in &mut batches {
+                let mut input = plan_input(batch, &sequences, config, &model).map_err(at_step)?;
+                input.topology = group_topology(config, batch).map_err(at_step)?;
+                let routed = executable_dcp_plan(&input).map_err(at_step)?;
+                run_blocks(batch, &routed, &input.topology).map_err(at_step)?;
+            }
+        }
+        batches
     } else if let Some(auto) = &config.auto {
         let (batches, choices) =
             plan_auto(&sequences, config, &auto.candidates, &model).map_err(at_step)?;

@@ -22,7 +22,7 @@ use crate::config::TrainConfig;
 use crate::links::{cpu_compute, emulated_topology, time_scale, CpuCompute};
 use crate::model::ModelShape;
 use crate::plan::{PlannedBatch, StepPlan, StepSequences};
-use crate::planning::plan_input;
+use crate::planning::{group_topology, plan_input};
 use crate::settings::DcpSettings;
 use crate::TrainError;
 
@@ -99,8 +99,14 @@ impl Predictor {
     ) -> Result<Option<f64>, CpError> {
         let mut input = plan_input(batch, sequences, config, model)?;
         let routed: RoutedPlan = match (batch.strategy, config.layout) {
-            // The executable plan was made on the static group's topology: planned again alike.
-            (Strategy::Dcp, _) => executable_dcp_plan(&input)?,
+            // The executed plan, planned again alike: on the static group's topology, or on its
+            // dynamic CP group's.
+            (Strategy::Dcp, _) => {
+                if config.dynamic.is_some() {
+                    input.topology = group_topology(config, batch)?;
+                }
+                executable_dcp_plan(&input)?
+            }
             (strategy, layout) => {
                 input.topology = group_topology(config, batch)?;
                 match (strategy, layout) {
@@ -118,22 +124,4 @@ impl Predictor {
         let report = evaluate_with(&routed, &machine, &self.cpu.model)?;
         Ok(Some(report.attention_fwd_ms + report.attention_bwd_ms))
     }
-}
-
-/// The topology of `batch`'s CP group (its DP × CP pool ranks) as they sit on the run's nodes: the
-/// nodes it touches, holding equal shares of it.
-fn group_topology(config: &TrainConfig, batch: &PlannedBatch) -> Result<Topology, CpError> {
-    let per_node = (config.ranks_per_node()? / config.tp.max(1)).max(1);
-    let size = batch.ranks.len();
-    let first = batch.ranks.start / per_node;
-    let last = batch.ranks.end.saturating_sub(1) / per_node;
-    let nodes = last - first + 1;
-    if !size.is_multiple_of(nodes) {
-        return Err(CpError::Config(format!(
-            "a CP group of {size} ranks ({:?}) spreads unevenly over {nodes} nodes of {per_node}",
-            batch.ranks
-        )));
-    }
-    Topology::for_ranks(&config.topology, nodes, size)
-        .map_err(|e| CpError::Config(format!("--topology {}: {e}", config.topology)))
 }
