@@ -41,8 +41,8 @@ use burn_dcp::kernels::{validate_cu_seqlens, validate_scale, MaskSpec};
 use burn_dcp::planner::cost::{evaluate_with, AttentionDims, Pass, RoutedPlan};
 use burn_dcp::planner::dcp::{dcp_plan, DcpConfig};
 use burn_dcp::planner::plan::{tile_grids, BlockProblem};
-use burn_dcp::planner::strategies::{plan_strategy, plan_usp, PlanInput, PlanStrategy};
-use burn_dcp::planner::topology::{LinkClass, Topology};
+use burn_dcp::planner::strategies::{executed_plan, PlanInput};
+use burn_dcp::planner::topology::Topology;
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::volume::{analytic_volume, VolumeShape};
 use burn_dcp::{CpError, Layout, Placement, Strategy};
@@ -385,44 +385,29 @@ fn emulation(
         dcp: DcpConfig::default(),
         max_seq_len_per_rank: None,
     };
-    let routed = match (strategy, layout) {
-        (Strategy::Dcp, _) => dcp_routed.map(Ok),
-        (Strategy::Ring, Layout::Zigzag) => Some(plan_strategy(PlanStrategy::RingZigzag, &input)),
-        (Strategy::AllGather, Layout::Zigzag) => {
-            Some(plan_strategy(PlanStrategy::AllGather, &input))
-        }
-        (Strategy::Ulysses, _) => Some(plan_strategy(PlanStrategy::Ulysses, &input)),
-        (Strategy::Usp { ulysses_degree, .. }, _) => Some(plan_usp(&input, ulysses_degree)),
-        _ => None,
-    }
-    .transpose()
-    .map_err(|e| format!("the cost model's plan of {}: {e}", args.strategy))?;
-    let predicted_link_bytes = routed.as_ref().map(|routed| {
-        let (mut intra, mut inter) = (0.0, 0.0);
-        for t in &routed.transfers {
-            match topology.link(t.from, t.to) {
-                LinkClass::IntraNode => intra += t.bytes,
-                LinkClass::InterNode => inter += t.bytes,
-                LinkClass::Local => {}
-            }
-        }
-        (intra, inter)
-    });
-    let predicted = match routed {
+    let routed = match strategy {
+        Strategy::Dcp => dcp_routed,
+        _ => executed_plan(strategy, layout, &input)
+            .map_err(|e| format!("the cost model's plan of {}: {e}", args.strategy))?,
+    };
+    let report = match routed {
         Some(routed) => {
             let cpu = cpu_compute(inputs.heads, inputs.kv_heads, inputs.head_dim, args.cp)
                 .map_err(|e| e.to_string())?;
             let machine = emulated_topology(topology, scale, cpu.flops_per_rank);
-            let report = evaluate_with(&routed, &machine, &cpu.model).map_err(|e| e.to_string())?;
-            Some((report.attention_fwd_ms, report.attention_bwd_ms))
+            Some(evaluate_with(&routed, &machine, &cpu.model).map_err(|e| e.to_string())?)
         }
         None => None,
     };
     Ok(Emulation {
         scale,
         links,
-        predicted,
-        predicted_link_bytes,
+        predicted: report
+            .as_ref()
+            .map(|r| (r.attention_fwd_ms, r.attention_bwd_ms)),
+        predicted_link_bytes: report
+            .as_ref()
+            .map(|r| (r.intra_node_bytes, r.inter_node_bytes)),
     })
 }
 

@@ -46,29 +46,65 @@ const CALIBRATION_HEAD_DIM: usize = 128;
 /// at once (see the module docs).
 pub fn cpu_attention_flops_per_rank(ranks: usize) -> Result<f64, TrainError> {
     let (heads, head_dim) = (CALIBRATION_HEADS, CALIBRATION_HEAD_DIM);
-    let device = FlexDevice;
     let n = CALIBRATION_TOKENS;
-    let tensor = || {
-        Tensor::<Flex, 3>::random(
-            [n, heads, head_dim],
-            Distribution::Normal(0.0, 1.0),
-            &device,
-        )
+    let (forward, _) = best_causal_times(heads, heads, head_dim, n, false)?;
+    Ok(causal_forward_flops(n, heads, head_dim) / forward / ranks.max(1) as f64)
+}
+
+/// Forward FLOPs of causal attention over `n` tokens: 2 matmuls of 2·D FLOPs per allowed
+/// (query, key) pair and query head.
+fn causal_forward_flops(n: usize, heads: usize, head_dim: usize) -> f64 {
+    let pairs = (n * (n + 1) / 2) as f64;
+    4.0 * pairs * (heads * head_dim) as f64
+}
+
+/// The best of three seconds of the portable flash-attention forward (and, with `backward`, of
+/// its backward; otherwise 0) over `n` causal tokens of random inputs.
+fn best_causal_times(
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    n: usize,
+    backward: bool,
+) -> Result<(f64, f64), TrainError> {
+    let device = FlexDevice;
+    let tensor = |h: usize| {
+        Tensor::<Flex, 3>::random([n, h, head_dim], Distribution::Normal(0.0, 1.0), &device)
     };
-    let (q, k, v) = (tensor(), tensor(), tensor());
+    let (q, k, v) = (tensor(heads), tensor(kv_heads), tensor(kv_heads));
     let problem = VarlenAttention::packed(vec![n], vec![MaskSpec::Causal]);
-    let mut best = f64::INFINITY;
+    let failed = |e: burn_dcp::kernels::KernelError| {
+        TrainError::Config(format!("the compute calibration's attention: {e}"))
+    };
+    let (mut best_forward, mut best_backward) = (f64::INFINITY, f64::INFINITY);
     for _ in 0..3 {
         let started = Instant::now();
-        let out = Flex::flash_forward(q.clone(), k.clone(), v.clone(), &problem)
-            .map_err(|e| TrainError::Config(format!("the link calibration's attention: {e}")))?;
-        let _ = out.out.into_data();
-        best = best.min(started.elapsed().as_secs_f64());
+        let out = Flex::flash_forward(q.clone(), k.clone(), v.clone(), &problem).map_err(failed)?;
+        let _ = out.out.clone().into_data();
+        best_forward = best_forward.min(started.elapsed().as_secs_f64());
+        if backward {
+            let dout = tensor(heads);
+            let started = Instant::now();
+            let grads = Flex::flash_backward(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                out.out,
+                out.lse,
+                dout,
+                &problem,
+            )
+            .map_err(failed)?;
+            let _ = grads.dq.into_data();
+            best_backward = best_backward.min(started.elapsed().as_secs_f64());
+        }
     }
-    // Forward FLOPs of causal attention: 2 matmuls of 2·D FLOPs per allowed (query, key) pair.
-    let pairs = (n * (n + 1) / 2) as f64;
-    let flops = 4.0 * pairs * (heads * head_dim) as f64;
-    Ok(flops / best.max(1e-9) / ranks.max(1) as f64)
+    let backward = if backward {
+        best_backward.max(1e-9)
+    } else {
+        0.0
+    };
+    Ok((best_forward.max(1e-9), backward))
 }
 
 /// How the ranks of this process compute attention of one shape, measured: what the cost model
@@ -100,49 +136,10 @@ pub fn cpu_compute(
             "the compute calibration needs heads ({heads}) a positive multiple of kv heads ({kv_heads}) and a head dim ({head_dim}) ≥ 1"
         )));
     }
-    let device = FlexDevice;
-    let best_of_three = |n: usize| -> Result<(f64, f64), TrainError> {
-        let tensor = |h: usize| {
-            Tensor::<Flex, 3>::random([n, h, head_dim], Distribution::Normal(0.0, 1.0), &device)
-        };
-        let (q, k, v, dout) = (
-            tensor(heads),
-            tensor(kv_heads),
-            tensor(kv_heads),
-            tensor(heads),
-        );
-        let problem = VarlenAttention::packed(vec![n], vec![MaskSpec::Causal]);
-        let failed = |e: burn_dcp::kernels::KernelError| {
-            TrainError::Config(format!("the compute calibration's attention: {e}"))
-        };
-        let (mut forward, mut backward) = (f64::INFINITY, f64::INFINITY);
-        for _ in 0..3 {
-            let started = Instant::now();
-            let out =
-                Flex::flash_forward(q.clone(), k.clone(), v.clone(), &problem).map_err(failed)?;
-            let _ = out.out.clone().into_data();
-            forward = forward.min(started.elapsed().as_secs_f64());
-            let started = Instant::now();
-            let grads = Flex::flash_backward(
-                q.clone(),
-                k.clone(),
-                v.clone(),
-                out.out,
-                out.lse,
-                dout.clone(),
-                &problem,
-            )
-            .map_err(failed)?;
-            let _ = grads.dq.into_data();
-            backward = backward.min(started.elapsed().as_secs_f64());
-        }
-        Ok((forward.max(1e-9), backward.max(1e-9)))
-    };
     let n = CALIBRATION_TOKENS;
-    let (forward, backward) = best_of_three(n)?;
-    let (small_forward, small_backward) = best_of_three(16)?;
-    let pairs = (n * (n + 1) / 2) as f64;
-    let flops = 4.0 * pairs * (heads * head_dim) as f64;
+    let (forward, backward) = best_causal_times(heads, kv_heads, head_dim, n, true)?;
+    let (small_forward, small_backward) = best_causal_times(heads, kv_heads, head_dim, 16, true)?;
+    let flops = causal_forward_flops(n, heads, head_dim);
     let ranks = ranks.max(1);
     Ok(CpuCompute {
         flops_per_rank: flops / forward / ranks as f64,
@@ -156,16 +153,12 @@ pub fn cpu_compute(
 }
 
 /// The machine an emulated run is: `topology`'s nodes, its links slowed by `time_scale`
-/// (bandwidth ÷ scale, latency × scale, as [`LinkEmulation::of_topology`] delays messages), and
-/// devices computing `flops_per_rank`.
+/// ([`Topology::slowed`], as [`LinkEmulation::of_topology`] delays messages), and devices
+/// computing `flops_per_rank`.
 pub fn emulated_topology(topology: &Topology, time_scale: f64, flops_per_rank: f64) -> Topology {
     Topology {
-        intra_node_bandwidth: topology.intra_node_bandwidth / time_scale,
-        inter_node_bandwidth: topology.inter_node_bandwidth / time_scale,
-        intra_node_latency: topology.intra_node_latency * time_scale,
-        inter_node_latency: topology.inter_node_latency * time_scale,
         device_flops: flops_per_rank,
-        ..topology.clone()
+        ..topology.slowed(time_scale)
     }
 }
 

@@ -3,20 +3,20 @@
 //! `attention_ms`.
 //!
 //! Every planned batch of the step is planned again as the cost model's strategy of what it runs
-//! (ring with the zigzag layout: ring-zigzag; all-gather; Ulysses; USP of its degree; dcp: the
-//! same executable plan, planned again from the same input and seed) on its CP group's nodes, and
+//! (`planner::strategies::executed_plan`: ring and all-gather with the zigzag layout, Ulysses,
+//! USP of its degree; dcp: the same executable plan, planned again from the same input and seed) on its CP group's nodes, and
 //! evaluated on the emulated machine ([`crate::links::emulated_topology`]: the preset's links
 //! slowed by the run's time scale, this machine's kernels as [`crate::links::cpu_compute`]
 //! measured them, the ranks sharing its cores). A rank's step time is its batches' times, each
 //! once per attention layer of its pipeline stage; the step's prediction is the slowest rank's,
-//! as `attention_ms` is. A ring with the contiguous or stripe layout has no plan in the cost
-//! model: the step's prediction is then `None`.
+//! as `attention_ms` is. Ring or all-gather with the contiguous or stripe layout has no plan in
+//! the cost model: the step's prediction is then `None`.
 
 use burn_dcp::planner::auto::executable_dcp_plan;
 use burn_dcp::planner::cost::{evaluate_with, RoutedPlan};
-use burn_dcp::planner::strategies::{plan_strategy, plan_usp, PlanStrategy};
+use burn_dcp::planner::strategies::executed_plan;
 use burn_dcp::planner::topology::Topology;
-use burn_dcp::{CpError, Layout, Strategy};
+use burn_dcp::{CpError, Strategy};
 
 use crate::config::TrainConfig;
 use crate::links::{cpu_compute, emulated_topology, time_scale, CpuCompute};
@@ -109,14 +109,9 @@ impl Predictor {
             }
             (strategy, layout) => {
                 input.topology = group_topology(config, batch)?;
-                match (strategy, layout) {
-                    (Strategy::Ring, Layout::Zigzag) => {
-                        plan_strategy(PlanStrategy::RingZigzag, &input)?
-                    }
-                    (Strategy::AllGather, _) => plan_strategy(PlanStrategy::AllGather, &input)?,
-                    (Strategy::Ulysses, _) => plan_strategy(PlanStrategy::Ulysses, &input)?,
-                    (Strategy::Usp { ulysses_degree, .. }, _) => plan_usp(&input, ulysses_degree)?,
-                    _ => return Ok(None),
+                match executed_plan(strategy, layout, &input)? {
+                    Some(plan) => plan,
+                    None => return Ok(None),
                 }
             }
         };

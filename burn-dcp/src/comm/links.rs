@@ -49,13 +49,13 @@ impl LinkEmulation {
                 "the link time scale must be a positive number, got {time_scale}"
             )));
         }
-        let latency = |seconds: f64| Duration::try_from_secs_f64(seconds * time_scale);
+        let slowed = topology.slowed(time_scale);
         let links = Self {
-            intra_node_bandwidth: topology.intra_node_bandwidth / time_scale,
-            inter_node_bandwidth: topology.inter_node_bandwidth / time_scale,
-            intra_node_latency: latency(topology.intra_node_latency)
+            intra_node_bandwidth: slowed.intra_node_bandwidth,
+            inter_node_bandwidth: slowed.inter_node_bandwidth,
+            intra_node_latency: Duration::try_from_secs_f64(slowed.intra_node_latency)
                 .map_err(|e| invalid(format!("intra-node latency × {time_scale}: {e}")))?,
-            inter_node_latency: latency(topology.inter_node_latency)
+            inter_node_latency: Duration::try_from_secs_f64(slowed.inter_node_latency)
                 .map_err(|e| invalid(format!("inter-node latency × {time_scale}: {e}")))?,
         };
         links.validate()?;

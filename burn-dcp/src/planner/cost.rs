@@ -14,22 +14,21 @@
 //! arrived. A transfer for stage `t` leaves its sender when the sender starts stage `t − 1` (a
 //! ring forwards the block it received as it starts computing with it; stage 0's leave at once,
 //! so they are not overlapped), or, as its [`Ready`] says, once the sender has computed it (a
-//! ring's dK/dV accumulators) or received what it forwards (a DCP relay); it waits until its links are free (an intra-node transfer: its
-//! sender's NVLink out and its receiver's in; an inter-node one: its nodes' NICs, shared by their
-//! ranks; each link carries one transfer at a time, in the order they leave), holds them for its
-//! bytes over their bandwidth, and arrives a latency later. Results go home (`POST`) after their
-//! sender's last stage. `compute(t)` is the rank's
-//! FLOPs of stage `t` over the device FLOP/s. A pass starts with the ranks' agreement on the call
-//! (a small all-gather: one latency of the slowest link). The pass takes as long as its slowest
-//! rank. So
-//! latencies pipeline along a ring and a rank waits only for what it receives. First-order
-//! only: no congestion inside the fabric.
+//! ring's dK/dV accumulators) or received what it forwards (a DCP relay). It waits until its
+//! links are free (an intra-node transfer: its sender's NVLink out and its receiver's in; an
+//! inter-node one: its nodes' NICs, shared by their ranks; each link carries one transfer at a
+//! time, in the order they leave), holds them for its bytes over their bandwidth, and arrives a
+//! latency later. Results go home (`POST`) after their sender's last stage. `compute(t)` is the
+//! rank's FLOPs of stage `t` over the device FLOP/s. A pass starts with the ranks' agreement on
+//! the call (a small all-gather: one latency of the slowest link) and takes as long as its
+//! slowest rank. So latencies pipeline along a ring and a rank waits only for what it receives.
+//! First-order only: no congestion inside the fabric.
 //!
 //! **How a device computes** is a [`ComputeModel`]: [`evaluate`] uses the GPU presets' (every
 //! rank its own device, backward 2.5× the forward's FLOPs at the same efficiency, no per-call
 //! overhead, exact masked pairs); [`evaluate_with`] takes another, e.g. the one `--emulate-links`
 //! measures for ranks that are threads sharing this machine's cores (`burn-dcp-train`'s
-//! `links::cpu_compute_model`): a kernel call's fixed overhead, the backward's measured cost per
+//! `links::cpu_compute`): a kernel call's fixed overhead, the backward's measured cost per
 //! forward FLOP, the masked pairs a partially masked block still computes, and the ranks sharing
 //! one processor (a stage's compute is processor-shared among the ranks computing at once: rank
 //! `r`'s work `w_r` ends after `Σ_j min(w_j, w_r)` of the machine's FLOPs).

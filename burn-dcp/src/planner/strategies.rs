@@ -34,6 +34,7 @@ use crate::planner::plan::{
     tile_grids, BlockProblem, ComputeBlock, MeshStats, Plan, PlanStats, TileGrid,
 };
 use crate::planner::topology::Topology;
+use crate::strategy::Strategy;
 
 /// Most (q, kv) block pairs (full-mask count) a static strategy's plan may have.
 pub const STATIC_TILE_BUDGET: usize = 1 << 21;
@@ -176,6 +177,24 @@ pub fn plan_strategy(strategy: PlanStrategy, input: &PlanInput) -> Result<Routed
             dcp_plan(&problem, grids, &input.dims, &input.topology, &input.dcp)
         }
     }
+}
+
+/// The cost model's plan of a static strategy as the executor runs it: ring and all-gather with
+/// the zigzag layout, Ulysses, USP of its Ulysses degree. `None` for what it has no plan of: ring
+/// or all-gather with another layout, and dcp (whose executed plan is its own).
+pub fn executed_plan(
+    strategy: Strategy,
+    layout: Layout,
+    input: &PlanInput,
+) -> Result<Option<RoutedPlan>, CpError> {
+    let plan = match (strategy, layout) {
+        (Strategy::Ring, Layout::Zigzag) => plan_strategy(PlanStrategy::RingZigzag, input)?,
+        (Strategy::AllGather, Layout::Zigzag) => plan_strategy(PlanStrategy::AllGather, input)?,
+        (Strategy::Ulysses, _) => plan_strategy(PlanStrategy::Ulysses, input)?,
+        (Strategy::Usp { ulysses_degree, .. }, _) => plan_usp(input, ulysses_degree)?,
+        _ => return Ok(None),
+    };
+    Ok(Some(plan))
 }
 
 /// USP with a given Ulysses degree (Ulysses inside groups of `ulysses_degree` consecutive ranks,

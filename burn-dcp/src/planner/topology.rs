@@ -165,6 +165,20 @@ impl Topology {
     pub fn compute_seconds(&self, flops: f64) -> f64 {
         flops / self.device_flops
     }
+
+    /// This topology with every time `time_scale` times longer: bandwidths and device FLOP/s ÷
+    /// `time_scale`, latencies × `time_scale` (what `--emulate-links` runs: the same machine,
+    /// slowed to a CPU's speed).
+    pub fn slowed(&self, time_scale: f64) -> Self {
+        Self {
+            intra_node_bandwidth: self.intra_node_bandwidth / time_scale,
+            inter_node_bandwidth: self.inter_node_bandwidth / time_scale,
+            intra_node_latency: self.intra_node_latency * time_scale,
+            inter_node_latency: self.inter_node_latency * time_scale,
+            device_flops: self.device_flops / time_scale,
+            ..self.clone()
+        }
+    }
 }
 
 /// Backward FLOPs are this many times the forward's (flash-attention's recompute of Q·Kᵀ plus
