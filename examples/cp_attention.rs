@@ -39,7 +39,7 @@ use burn_dcp::harness::{
 };
 use burn_dcp::kernels::{validate_cu_seqlens, validate_scale, MaskSpec};
 use burn_dcp::planner::cost::{evaluate_with, AttentionDims, Pass, RoutedPlan};
-use burn_dcp::planner::dcp::{dcp_plan, DcpConfig};
+use burn_dcp::planner::dcp::{dcp_execution_plan, DcpConfig};
 use burn_dcp::planner::plan::{tile_grids, BlockProblem};
 use burn_dcp::planner::strategies::{executed_plan, PlanInput};
 use burn_dcp::planner::topology::Topology;
@@ -84,6 +84,12 @@ struct Args {
     /// dcp: communication stages of the plan [default: 4]
     #[arg(long)]
     stages: Option<usize>,
+    /// dcp: head units the plan places separately (each an equal share of the query heads and
+    /// the kv heads they read; divides the query heads, divides or is a multiple of the kv
+    /// heads). Each token stays on its token home; units homed elsewhere move there and back
+    /// [default: 1]
+    #[arg(long)]
+    head_units: Option<usize>,
     /// dcp: print every rank's instruction list (forward and backward) before running
     #[arg(long)]
     explain: bool,
@@ -231,6 +237,7 @@ fn run(args: &Args) -> Result<(), String> {
             if let Some(flag) = [
                 ("--block", args.block.is_some()),
                 ("--stages", args.stages.is_some()),
+                ("--head-units", args.head_units.is_some()),
                 ("--explain", args.explain),
             ]
             .iter()
@@ -451,8 +458,8 @@ fn report_run(
     Ok(())
 }
 
-/// The DCP plan of the inputs on `topology`, for execution (one head unit: a token's heads stay
-/// together).
+/// The DCP plan of the inputs on `topology`, for execution with `--head-units` (default 1: a
+/// token's heads stay together).
 fn dcp_routed_plan(
     args: &Args,
     inputs: &PackedInputs,
@@ -462,7 +469,7 @@ fn dcp_routed_plan(
     let problem = BlockProblem {
         seq_lens: inputs.seq_lens.clone(),
         masks: vec![mask.clone()],
-        head_groups: 1,
+        head_groups: args.head_units.unwrap_or(1),
         block: args.block.unwrap_or(64),
     };
     let dims = AttentionDims {
@@ -477,7 +484,7 @@ fn dcp_routed_plan(
     };
     let plan = |problem: &BlockProblem| -> Result<RoutedPlan, CpError> {
         problem.validate()?;
-        dcp_plan(problem, tile_grids(problem), &dims, topology, &config)
+        dcp_execution_plan(problem, tile_grids(problem), &dims, topology, &config)
     };
     plan(&problem).map_err(|e| format!("--strategy dcp: {e}"))
 }
@@ -652,6 +659,7 @@ fn summarize(
         "strategy": args.strategy,
         "layout": if spec.blocks.is_some() { "dcp plan".to_string() } else { spec.layout.to_string() },
         "cp": spec.cp,
+        "head_units": spec.blocks.as_ref().map_or(1, |schedule| schedule.units),
         "ulysses_degree": ulysses_degree,
         "ring_degree": ring_degree,
         "heads": inputs.heads,

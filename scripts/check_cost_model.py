@@ -6,7 +6,7 @@ item 4): cp_attention --cp 8 --nodes 2 --emulate-links --heads 8 --kv-heads 2
 ms) and their ratio per run; with --check asserts predicted/measured within 0.75-1.25 for each.
 
 Usage: python3 scripts/check_cost_model.py [BIN] [--link-scale F] [--masks causal,lambda:64,512]
-       [--strategies ring,all-gather,usp,dcp] [--seqlens 4096,1024,512,300] [--head-dim D]
+       [--strategies ring,all-gather,usp,dcp,dcp-units2] [--seqlens 4096,1024,512,300] [--head-dim D]
        [--check]
 """
 import json
@@ -35,6 +35,8 @@ flags = {
     "ulysses": ["--strategy", "ulysses"],
     "usp": ["--strategy", "usp", "--ulysses-degree", "2"],
     "dcp": ["--strategy", "dcp", "--block", "128"],
+    # DCP placing 2 head units (one kv head each) apart; tokens stay on their token homes
+    "dcp-units2": ["--strategy", "dcp", "--block", "128", "--head-units", "2"],
 }
 
 failures = []

@@ -375,6 +375,53 @@ fn cp_attention_checks_the_dcp_and_topology_flags() {
         report["max_rel_err"]["out"].as_f64().unwrap() <= 1e-5,
         "{report}"
     );
+    // Head units placed apart by the plan: exact, bytes as predicted; units that do not fit
+    // the heads are refused with the rule.
+    refused(
+        "cp_attention",
+        &["--head-units", "2"],
+        "--head-units only applies to --strategy dcp",
+    );
+    refused(
+        "cp_attention",
+        &["--strategy", "dcp", "--heads", "4", "--head-units", "3"],
+        "3 head units do not divide 4 query heads",
+    );
+    let flags = [
+        "--strategy",
+        "dcp",
+        "--cp",
+        "4",
+        "--nodes",
+        "2",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--seqlens",
+        "90,33",
+        "--block",
+        "16",
+        "--head-units",
+        "4",
+        "--json",
+    ];
+    let report: serde_json::Value =
+        serde_json::from_str(&succeeded("cp_attention", &flags)).unwrap();
+    assert_eq!(report["head_units"], 4, "{report}");
+    assert_eq!(
+        report["bytes_by_link"], report["predicted_bytes_by_link"],
+        "{report}"
+    );
+    assert_eq!(
+        report["bytes_sent_per_rank"], report["analytic_bytes_per_rank"],
+        "{report}"
+    );
+    for (name, error) in report["max_rel_err"].as_object().unwrap() {
+        assert!(error.as_f64().unwrap() <= 1e-5, "{name}: {report}");
+    }
 }
 
 fn f32_bytes(values: &[f32]) -> Vec<u8> {

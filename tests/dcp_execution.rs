@@ -9,8 +9,8 @@ use std::sync::Arc;
 use burn_dcp::harness::{run_context_parallel, run_single_device};
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::planner::cost::{AttentionDims, Pass};
-use burn_dcp::planner::dcp::{dcp_plan, DcpConfig};
-use burn_dcp::planner::plan::{tile_grids, BlockProblem};
+use burn_dcp::planner::dcp::{dcp_execution_plan, dcp_plan, DcpConfig};
+use burn_dcp::planner::plan::{tile_grids, BlockProblem, ComputeBlock, Plan, PlanStats};
 use burn_dcp::planner::topology::Topology;
 use burn_dcp::strategy::block_plan::{BlockSchedule, Instruction};
 use burn_dcp::{CpBatch, Layout, Strategy};
@@ -51,15 +51,31 @@ fn schedule(
 }
 
 fn check(seq_lens: &[usize], mask: &MaskSpec, cp: usize, nodes: usize, block: usize, seed: u64) {
-    let (heads, kv_heads, dim) = (4, 2, 8);
+    let plan = schedule(seq_lens, mask, (4, 2, 8), cp, nodes, block, 3);
+    check_schedule(plan, seq_lens, mask, (4, 2, 8), nodes, seed);
+}
+
+/// Runs `plan` forward and backward on `heads` (query heads, kv heads, head dim): equal to the
+/// single-device reference, and every rank sends the bytes the plan predicts (in all and by
+/// link class).
+fn check_schedule(
+    plan: BlockSchedule,
+    seq_lens: &[usize],
+    mask: &MaskSpec,
+    (heads, kv_heads, dim): (usize, usize, usize),
+    nodes: usize,
+    seed: u64,
+) {
+    let (cp, block, units) = (plan.ranks, plan.block, plan.units);
     let inputs = random_inputs(seq_lens, heads, kv_heads, dim, seed);
-    let plan = schedule(seq_lens, mask, (heads, kv_heads, dim), cp, nodes, block, 3);
     let predicted = plan.predicted_volume(heads, kv_heads, dim).unwrap();
     let predicted_links = plan.predicted_links(heads, kv_heads, dim).unwrap();
     let mut run = spec(cp, Strategy::Dcp, Layout::Contiguous, mask);
     run.blocks = Some(Arc::new(plan));
     run.nodes = nodes;
-    let what = format!("dcp cp {cp} nodes {nodes} block {block} {mask} {seq_lens:?}");
+    let what = format!(
+        "dcp cp {cp} nodes {nodes} block {block} {mask} {seq_lens:?} heads {heads}/{kv_heads} units {units}"
+    );
     let report = run_context_parallel::<B>(&Default::default(), &inputs, &run)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     let reference = run_single_device::<B>(&Default::default(), &inputs, &run.masks, None).unwrap();
@@ -199,4 +215,156 @@ fn forward_on_4_ranks(
         let group = CpGroup::new(comm, Strategy::Dcp)?;
         cp_attention_forward(&group, &batch, q, k, v).map(|_| ())
     })
+}
+
+/// The executable DCP plan with `units` head units (the planner weighing unit moves).
+fn unit_schedule(
+    seq_lens: &[usize],
+    mask: &MaskSpec,
+    heads: (usize, usize, usize),
+    (cp, nodes): (usize, usize),
+    block: usize,
+    units: usize,
+) -> BlockSchedule {
+    let problem = BlockProblem {
+        seq_lens: seq_lens.to_vec(),
+        masks: vec![mask.clone()],
+        head_groups: units,
+        block,
+    };
+    let dims = AttentionDims {
+        heads: heads.0,
+        kv_heads: heads.1,
+        head_dim: heads.2,
+        element_bytes: 4,
+    };
+    let topology = Topology {
+        devices_per_node: cp / nodes,
+        ..Topology::a100_p4d(nodes)
+    };
+    let config = DcpConfig {
+        stages: 3,
+        ..DcpConfig::default()
+    };
+    let routed =
+        dcp_execution_plan(&problem, tile_grids(&problem), &dims, &topology, &config).unwrap();
+    BlockSchedule::new(&routed.plan, &problem, &topology).unwrap()
+}
+
+/// A valid plan placed at random: every head unit's data block on a random home, every tile on
+/// a random rank and stage (so units of one token block live and compute apart).
+fn random_plan(problem: &BlockProblem, ranks: usize, seed: u64) -> Plan {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut below = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    let mut plan = Plan::new(
+        ranks,
+        PlanStats::Other(serde_json::json!({"strategy": "random"})),
+    );
+    for seq in 0..problem.seq_lens.len() {
+        for head in 0..problem.head_groups {
+            for block in 0..problem.blocks_of(seq) {
+                plan.home_token_block(seq, head, block, below(ranks));
+            }
+            for (q_block, row) in problem.nonempty_tiles(seq).iter().enumerate() {
+                for &kv_block in row {
+                    plan.blocks.push(ComputeBlock {
+                        seq,
+                        head,
+                        q_block,
+                        kv_block,
+                        rank: below(ranks),
+                        stage: below(3),
+                    });
+                }
+            }
+        }
+    }
+    plan
+}
+
+/// Instructions of `kind` over every rank's forward program.
+fn count(plan: &BlockSchedule, kind: fn(&Instruction) -> bool) -> usize {
+    (0..plan.ranks)
+        .map(|rank| {
+            plan.program(rank, Pass::Forward)
+                .iter()
+                .filter(|i| kind(i))
+                .count()
+        })
+        .sum()
+}
+
+/// Head units placed by the plan: units of one token block homed and computed on different
+/// ranks, moved from and back to the token's home; exact, and the bytes are the plan's.
+#[test]
+fn head_unit_plans_are_exact_and_send_what_they_predict() {
+    // Units = kv heads, more units than kv heads (units share a kv head), fewer.
+    type Case = (
+        &'static [usize],
+        &'static str,
+        (usize, usize, usize),
+        usize,
+        (usize, usize),
+    );
+    let cases: [Case; 3] = [
+        (&[61, 20, 5], "causal", (4, 2, 8), 2, (4, 1)),
+        (&[70, 33], "lambda:4,16", (8, 2, 4), 4, (4, 2)),
+        (&[50, 9, 30], "shared-question:0.2,4", (4, 4, 8), 2, (8, 2)),
+    ];
+    for (i, (lens, mask, heads, units, (cp, nodes))) in cases.into_iter().enumerate() {
+        let mask: MaskSpec = mask.parse().unwrap();
+        let problem = BlockProblem {
+            seq_lens: lens.to_vec(),
+            masks: vec![mask.clone()],
+            head_groups: units,
+            block: 8,
+        };
+        let topology = Topology {
+            devices_per_node: cp / nodes,
+            ..Topology::a100_p4d(nodes)
+        };
+        let random = random_plan(&problem, cp, i as u64 + 1);
+        let plan = BlockSchedule::new(&random, &problem, &topology).unwrap();
+        assert_eq!(plan.units, units);
+        let moves = count(&plan, |i| matches!(i, Instruction::SendUnit { .. }));
+        let unit_attends = count(
+            &plan,
+            |i| matches!(i, Instruction::Attend { unit, .. } if *unit > 0),
+        );
+        assert!(
+            moves > 0 && unit_attends > 0,
+            "case {i}: {moves} moves, {unit_attends} attends"
+        );
+        check_schedule(plan, lens, &mask, heads, nodes, 10 + i as u64);
+        let planned = unit_schedule(lens, &mask, heads, (cp, nodes), 8, units);
+        check_schedule(planned, lens, &mask, heads, nodes, 20 + i as u64);
+    }
+    // Every mask with two head units, DCP-planned.
+    for (i, mask) in masks().iter().enumerate() {
+        let plan = unit_schedule(&[37, 5, 64, 2], mask, (4, 2, 8), (4, 1), 8, 2);
+        check_schedule(plan, &[37, 5, 64, 2], mask, (4, 2, 8), 1, i as u64);
+    }
+}
+
+/// A plan's head units must fit the heads it runs on: named, not a panic.
+#[test]
+fn head_units_that_do_not_fit_the_heads_are_refused() {
+    let lens = [40, 24];
+    let plan = unit_schedule(&lens, &MaskSpec::Causal, (4, 2, 8), (4, 1), 8, 4);
+    let inputs = random_inputs(&lens, 6, 2, 8, 3);
+    let mut run = spec(4, Strategy::Dcp, Layout::Contiguous, &MaskSpec::Causal);
+    run.blocks = Some(Arc::new(plan));
+    let error = match run_context_parallel::<B>(&Default::default(), &inputs, &run) {
+        Ok(_) => panic!("4 head units over 6 query heads ran"),
+        Err(error) => error.to_string(),
+    };
+    assert!(
+        error.contains("4 head units") && error.contains("6 query heads"),
+        "{error}"
+    );
 }

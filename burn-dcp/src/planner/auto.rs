@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::CpError;
 use crate::planner::cost::{evaluate, RoutedPlan, StrategyReport};
-use crate::planner::dcp::dcp_plan;
+use crate::planner::dcp::dcp_execution_plan;
 use crate::planner::plan::{tile_grids, validate_plan};
 use crate::planner::strategies::{plan_strategy, PlanInput, PlanStrategy};
 
@@ -104,10 +104,23 @@ impl FromStr for AutoCandidate {
 /// The DCP plan the executor runs: one head unit (every head of a token block together), planned
 /// for `input`'s topology, block and DCP settings.
 pub fn executable_dcp_plan(input: &PlanInput) -> Result<RoutedPlan, CpError> {
+    executable_dcp_plan_with_head_units(input, 1)
+}
+
+/// The DCP plan of `input` as the executor runs it with `units` head units (each unit: an equal
+/// share of the query heads and the kv heads they read; `units` divides the query heads and
+/// divides or is a multiple of the kv heads): units of one token block may compute and live on
+/// different ranks; each token block stays on its token home for the model's other layers
+/// ([`crate::planner::plan::token_homes`]) and the moves of its units are in the plan's
+/// transfers. See [`crate::planner::dcp::dcp_execution_plan`].
+pub fn executable_dcp_plan_with_head_units(
+    input: &PlanInput,
+    units: usize,
+) -> Result<RoutedPlan, CpError> {
     input.validate()?;
-    let problem = input.problem(1);
+    let problem = input.problem(units);
     let grids = tile_grids(&problem);
-    dcp_plan(&problem, grids, &input.dims, &input.topology, &input.dcp)
+    dcp_execution_plan(&problem, grids, &input.dims, &input.topology, &input.dcp)
 }
 
 /// One candidate's estimate, or why it cannot run this batch.

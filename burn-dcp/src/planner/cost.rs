@@ -674,6 +674,64 @@ pub fn direct_transfers(
     })
 }
 
+/// The moves of head units between their token block's token home
+/// ([`crate::planner::plan::token_homes`]) and the unit's home, for a plan executed with several
+/// head units (see [`unit_moves`]). None with one unit.
+pub fn unit_move_transfers(
+    plan: &Plan,
+    problem: &BlockProblem,
+    sizes: &UnitSizes,
+) -> Vec<Transfer> {
+    let unit_homes = crate::planner::plan::unit_homes(plan, problem);
+    let token_homes = crate::planner::plan::token_homes(plan, problem);
+    unit_moves(&unit_homes, &token_homes, sizes, |seq, block| {
+        block_tokens(problem, seq, block)
+    })
+}
+
+/// The moves of head units homed away from their token block, `unit_homes[seq][block][unit]`
+/// and `token_homes[seq][block]`, for blocks of `tokens(seq, block)` tokens: before each pass
+/// (stage 0) the token home sends the unit's query and key sides (the bytes of a Q and a KV
+/// copy); after it the unit's home sends the unit's results back (those of a Q and a KV result;
+/// it holds them once its own copies' results are in).
+pub fn unit_moves(
+    unit_homes: &[Vec<Vec<usize>>],
+    token_homes: &[Vec<usize>],
+    sizes: &UnitSizes,
+    tokens: impl Fn(usize, usize) -> f64,
+) -> Vec<Transfer> {
+    let mut transfers = Vec::new();
+    for (seq, blocks) in unit_homes.iter().enumerate() {
+        for (block, units) in blocks.iter().enumerate() {
+            let token_home = token_homes[seq][block];
+            let tokens = tokens(seq, block);
+            for &home in units.iter().filter(|&&home| home != token_home) {
+                for pass in [Pass::Forward, Pass::Backward] {
+                    let (q_to, q_back) = hop_bytes(sizes, Side::QueryOutput, pass);
+                    let (kv_to, kv_back) = hop_bytes(sizes, Side::KeyValue, pass);
+                    transfers.push(Transfer {
+                        pass,
+                        stage: 0,
+                        from: token_home,
+                        to: home,
+                        bytes: (q_to + kv_to) * tokens,
+                        ready: Ready::Held,
+                    });
+                    transfers.push(Transfer {
+                        pass,
+                        stage: POST,
+                        from: home,
+                        to: token_home,
+                        bytes: (q_back + kv_back) * tokens,
+                        ready: Ready::Relayed,
+                    });
+                }
+            }
+        }
+    }
+    transfers
+}
+
 /// Every transfer of `routes` under the byte model ([`hop_bytes`]), for blocks of
 /// `tokens(seq, block)` tokens: per hop and pass, the copy out (tagged with the hop's stage) and,
 /// where the pass brings results back, the result home (tagged [`POST`]).

@@ -338,6 +338,42 @@ pub fn tile_grids(problem: &BlockProblem) -> Vec<TileGrid> {
         .collect()
 }
 
+/// The home rank of every head unit's Q block, `unit_homes[seq][block][unit]`, of a plan valid
+/// for `problem` (see [`validate_plan`]).
+pub fn unit_homes(plan: &Plan, problem: &BlockProblem) -> Vec<Vec<Vec<usize>>> {
+    let mut homes: Vec<Vec<Vec<usize>>> = (0..problem.seq_lens.len())
+        .map(|seq| vec![vec![0; problem.head_groups]; problem.blocks_of(seq)])
+        .collect();
+    for d in plan.data.iter().filter(|d| d.kind == DataKind::Q) {
+        homes[d.seq][d.block][d.head] = d.home_rank;
+    }
+    homes
+}
+
+/// Where the model keeps each token block of an executed plan, `token_homes[seq][block]`: the
+/// rank homing the block's Q for the most head units (ties: the one of the lowest unit). The
+/// model's token-local layers need every head of a token on one rank, so a head unit homed
+/// elsewhere moves there before the pass and its results come back after it
+/// ([`crate::planner::cost::unit_move_transfers`]). With one head unit: that unit's home.
+pub fn token_homes(plan: &Plan, problem: &BlockProblem) -> Vec<Vec<usize>> {
+    unit_homes(plan, problem)
+        .into_iter()
+        .map(|blocks| blocks.iter().map(|units| majority(units)).collect())
+        .collect()
+}
+
+/// The most frequent rank of `units` (ties: the first to appear).
+fn majority(units: &[usize]) -> usize {
+    let count = |rank: usize| units.iter().filter(|&&r| r == rank).count();
+    let mut best = units[0];
+    for &rank in units {
+        if count(rank) > count(best) {
+            best = rank;
+        }
+    }
+    best
+}
+
 /// Checks a plan against its problem: every non-empty tile of every head group computed exactly
 /// once, nothing else computed, every q/kv/o block exactly one home, every rank in range.
 pub fn validate_plan(plan: &Plan, problem: &BlockProblem) -> Result<(), CpError> {
@@ -620,5 +656,28 @@ mod tests {
             odd,
             PlanStats::Other(serde_json::json!({"strategy": "dcp", "block": "x"}))
         );
+    }
+
+    /// The token home of a block is the rank homing most of its head units; ties go to the
+    /// lowest unit's.
+    #[test]
+    fn token_homes_follow_the_most_units() {
+        let problem = BlockProblem {
+            seq_lens: vec![3],
+            masks: vec![MaskSpec::Causal],
+            head_groups: 4,
+            block: 1,
+        };
+        let mut plan = Plan::new(4, PlanStats::RingZigzag { block: 1 });
+        for (block, homes) in [[2, 1, 1, 3], [0, 1, 2, 3], [3, 0, 3, 0]]
+            .iter()
+            .enumerate()
+        {
+            for (unit, &home) in homes.iter().enumerate() {
+                plan.home_token_block(0, unit, block, home);
+            }
+        }
+        assert_eq!(unit_homes(&plan, &problem)[0][1], vec![0, 1, 2, 3]);
+        assert_eq!(token_homes(&plan, &problem), vec![vec![1, 0, 3]]);
     }
 }

@@ -3,16 +3,20 @@
 //! ([`super::dcp`]) runs.
 //!
 //! **Placement.** Every token block (`block` tokens of one sequence; the last may be shorter)
-//! has one home rank holding its Q, K/V and O (executed plans keep all heads of a token together:
-//! the model's token-local layers need every head of their tokens, so plans are made with one
-//! head unit). A rank holds its home blocks in (sequence, block) order — non-contiguous token sets,
-//! pieces of many sequences, or nothing.
+//! has one *token home*: the rank where the model keeps it (its token-local layers need every
+//! head of a token). A rank holds its token blocks in (sequence, block) order — non-contiguous
+//! token sets, pieces of many sequences, or nothing. A plan may split the heads into *head
+//! units* (each an equal share of the query heads and the kv heads they read); each unit of a
+//! token block has its own home holding its Q, K/V and O during attention, and the token home is
+//! the rank homing the most of them ([`token_homes`]). With one head unit they coincide.
 //!
 //! **Program of a rank** (the same shape for the forward and the backward pass), for the plan's
 //! compute stages `0..=S` (stage 0: tiles whose inputs are all local; stage `t`: tiles whose last
 //! remote input arrives in chunk `t`):
 //!
 //! ```text
+//! units: send my token blocks' units homed elsewhere to their homes; receive the units homed
+//!        here from their token homes (none with one head unit)
 //! copies for stage 0 (normally none)
 //! for t in 1..=S:  send the copies of my home blocks needed at stage t   (they move while…)
 //!                  attend the tiles of stage t−1                        (…this computes)
@@ -21,9 +25,11 @@
 //! attend the tiles of stage S
 //! results: send mine where no one relays through me; as a relay, merge my node's results with
 //! mine and send them home; as a home, merge every result into my blocks
+//! units: send the results of units homed here back to their token homes; receive my token
+//!        blocks' units' results
 //! ```
 //!
-//! Copies follow [`routes`]: one per (block, destination) per pass, from the home, or through
+//! Copies follow [`routes`]: one per (block, head unit, destination) per pass, from the home, or through
 //! the first rank of a remote node that needs the block (then over that node's links). Results go
 //! back the same way reversed. Every rank derives every other rank's program from the same plan,
 //! and sends and receives on each pair of ranks come in the same order on both sides, so nothing
@@ -38,10 +44,11 @@ use crate::bytes::RankVolume;
 use crate::comm::LinkBytes;
 use crate::error::CpError;
 use crate::placement::Placement;
+use crate::planner::cost::unit_moves;
 use crate::planner::cost::{
     route_transfers, routes, AttentionDims, Hop, Pass, Route, Side, Transfer,
 };
-use crate::planner::plan::{BlockProblem, DataKind, Plan};
+use crate::planner::plan::{token_homes, BlockProblem, Plan};
 use crate::planner::topology::Topology;
 
 /// A token block: block `block` of sequence `seq`.
@@ -51,36 +58,87 @@ pub struct BlockId {
     pub block: usize,
 }
 
-/// One instruction of a rank's program.
+/// One instruction of a rank's program. `unit` is the head unit it concerns (always 0 in a plan
+/// of one head unit).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Instruction {
     /// Send a copy of `side` of `block` (held here: home or relayed) to `to`.
     Send {
         side: Side,
         block: BlockId,
+        unit: usize,
         to: usize,
     },
     /// Wait for a copy of `side` of `block` from `from`.
     Receive {
         side: Side,
         block: BlockId,
+        unit: usize,
         from: usize,
     },
     /// Attention of query block `q` against key blocks `kv` (all held here), accumulated into
     /// this rank's partial results of those blocks.
-    Attend { q: BlockId, kv: Vec<usize> },
+    Attend {
+        q: BlockId,
+        unit: usize,
+        kv: Vec<usize>,
+    },
     /// Send this rank's (merged) result of `side` of `block` to `to`.
     SendResult {
         side: Side,
         block: BlockId,
+        unit: usize,
         to: usize,
     },
     /// Wait for a result of `side` of `block` from `from` and merge it into this rank's.
     ReceiveResult {
         side: Side,
         block: BlockId,
+        unit: usize,
         from: usize,
     },
+    /// At the token home of `block`, before the pass: send head unit `unit` of it (both sides)
+    /// to the unit's home `to`.
+    SendUnit {
+        block: BlockId,
+        unit: usize,
+        to: usize,
+    },
+    /// At the home of head unit `unit` of `block`, before the pass: receive it from its token
+    /// home `from`.
+    ReceiveUnit {
+        block: BlockId,
+        unit: usize,
+        from: usize,
+    },
+    /// At the home of head unit `unit` of `block`, after the pass: send its final results to the
+    /// token home `to`.
+    SendUnitResult {
+        block: BlockId,
+        unit: usize,
+        to: usize,
+    },
+    /// At the token home of `block`, after the pass: receive head unit `unit`'s final results
+    /// from its home `from`.
+    ReceiveUnitResult {
+        block: BlockId,
+        unit: usize,
+        from: usize,
+    },
+}
+
+/// `s{seq}b{block}`, and `h{unit}` for head units after the first.
+struct Name(BlockId, usize);
+
+impl fmt::Display for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Name(block, unit) = self;
+        write!(f, "s{}b{}", block.seq, block.block)?;
+        match unit {
+            0 => Ok(()),
+            unit => write!(f, "h{unit}"),
+        }
+    }
 }
 
 impl fmt::Display for Instruction {
@@ -90,41 +148,54 @@ impl fmt::Display for Instruction {
             Side::KeyValue => "kv",
         };
         match self {
-            Instruction::Send { side: s, block, to } => {
-                write!(f, "send {} s{}b{} → {to}", side(s), block.seq, block.block)
-            }
+            Instruction::Send {
+                side: s,
+                block,
+                unit,
+                to,
+            } => write!(f, "send {} {} → {to}", side(s), Name(*block, *unit)),
             Instruction::Receive {
                 side: s,
                 block,
+                unit,
                 from,
-            } => write!(
-                f,
-                "recv {} s{}b{} ← {from}",
-                side(s),
-                block.seq,
-                block.block
-            ),
-            Instruction::Attend { q, kv } => {
-                write!(f, "attend s{}: q b{} × kv b{kv:?}", q.seq, q.block)
+            } => write!(f, "recv {} {} ← {from}", side(s), Name(*block, *unit)),
+            Instruction::Attend { q, unit, kv } => {
+                let unit = match unit {
+                    0 => String::new(),
+                    unit => format!(" h{unit}"),
+                };
+                write!(f, "attend s{}{unit}: q b{} × kv b{kv:?}", q.seq, q.block)
             }
-            Instruction::SendResult { side: s, block, to } => write!(
-                f,
-                "send result {} s{}b{} → {to}",
-                side(s),
-                block.seq,
-                block.block
-            ),
+            Instruction::SendResult {
+                side: s,
+                block,
+                unit,
+                to,
+            } => write!(f, "send result {} {} → {to}", side(s), Name(*block, *unit)),
             Instruction::ReceiveResult {
                 side: s,
                 block,
+                unit,
                 from,
             } => write!(
                 f,
-                "recv result {} s{}b{} ← {from}, merge",
+                "recv result {} {} ← {from}, merge",
                 side(s),
-                block.seq,
-                block.block
+                Name(*block, *unit)
             ),
+            Instruction::SendUnit { block, unit, to } => {
+                write!(f, "send unit {} → {to}", Name(*block, *unit))
+            }
+            Instruction::ReceiveUnit { block, unit, from } => {
+                write!(f, "recv unit {} ← {from}", Name(*block, *unit))
+            }
+            Instruction::SendUnitResult { block, unit, to } => {
+                write!(f, "send unit result {} → {to}", Name(*block, *unit))
+            }
+            Instruction::ReceiveUnitResult { block, unit, from } => {
+                write!(f, "recv unit result {} ← {from}", Name(*block, *unit))
+            }
         }
     }
 }
@@ -133,6 +204,7 @@ impl fmt::Display for Instruction {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct Tile {
     stage: usize,
+    unit: usize,
     q: BlockId,
     kv_block: usize,
 }
@@ -143,10 +215,14 @@ pub struct BlockSchedule {
     pub ranks: usize,
     pub block: usize,
     pub seq_lens: Vec<usize>,
+    /// Head units (1: every head of a token block together).
+    pub units: usize,
     /// The last compute stage.
     pub last_stage: usize,
-    /// Home rank of every token block, `homes[seq][block]`.
+    /// Token home of every token block, `homes[seq][block]` (see the module docs).
     pub homes: Vec<Vec<usize>>,
+    /// Home rank of every head unit of every token block, `unit_homes[seq][block][unit]`.
+    pub unit_homes: Vec<Vec<Vec<usize>>>,
     /// The plan's copies and where results go back.
     pub routes: Vec<Route>,
     /// Ranks per node of the topology the routes were made for.
@@ -157,19 +233,13 @@ pub struct BlockSchedule {
     programs: Vec<Programs>,
 }
 
-/// A valid plan of one head unit for as many ranks as `topology` has.
+/// A valid plan for as many ranks as `topology` has.
 fn check_executable(
     plan: &Plan,
     problem: &BlockProblem,
     topology: &Topology,
 ) -> Result<(), CpError> {
     crate::planner::plan::validate_plan(plan, problem)?;
-    if problem.head_groups != 1 {
-        return Err(CpError::Config(format!(
-            "an executed plan keeps every head of a token together: plan with 1 head unit, not {}",
-            problem.head_groups
-        )));
-    }
     if topology.ranks() != plan.ranks {
         return Err(CpError::Config(format!(
             "the plan is for {} ranks but the topology has {}",
@@ -180,28 +250,20 @@ fn check_executable(
     Ok(())
 }
 
-/// The home rank of every token block (`homes[seq][block]`), checking that its Q, KV and O
-/// share it.
-fn shared_homes(plan: &Plan, problem: &BlockProblem) -> Result<Vec<Vec<usize>>, CpError> {
-    let mut homes: Vec<Vec<Option<usize>>> = (0..problem.seq_lens.len())
-        .map(|seq| vec![None; problem.blocks_of(seq)])
-        .collect();
-    for data in plan.data.iter().filter(|data| data.kind == DataKind::Q) {
-        homes[data.seq][data.block].get_or_insert(data.home_rank);
-    }
+/// The home rank of every head unit of every token block (`homes[seq][block][unit]`), checking
+/// that its Q, KV and O share it.
+fn shared_homes(plan: &Plan, problem: &BlockProblem) -> Result<Vec<Vec<Vec<usize>>>, CpError> {
+    let homes = crate::planner::plan::unit_homes(plan, problem);
     for data in &plan.data {
-        if homes[data.seq][data.block] != Some(data.home_rank) {
+        let home = homes[data.seq][data.block][data.head];
+        if home != data.home_rank {
             return Err(CpError::Config(format!(
-                "block {} of sequence {}: its {:?} lives on rank {} but its Q on rank {:?}; an executed plan keeps a token block's Q, KV and O on one home",
-                data.block, data.seq, data.kind, data.home_rank, homes[data.seq][data.block]
+                "block {} of sequence {}, head unit {}: its {:?} lives on rank {} but its Q on rank {home}; an executed plan keeps a block's Q, KV and O of one head unit on one home",
+                data.block, data.seq, data.head, data.kind, data.home_rank
             )));
         }
     }
-    // validate_plan gave every block exactly one Q home
-    Ok(homes
-        .into_iter()
-        .map(|blocks| blocks.into_iter().map(|h| h.unwrap_or(0)).collect())
-        .collect())
+    Ok(homes)
 }
 
 /// Each rank's tiles, sorted by (stage, q block, kv block).
@@ -210,6 +272,7 @@ fn rank_tiles(plan: &Plan) -> Vec<Vec<Tile>> {
     for b in &plan.blocks {
         tiles[b.rank].push(Tile {
             stage: b.stage,
+            unit: b.head,
             q: BlockId {
                 seq: b.seq,
                 block: b.q_block,
@@ -231,11 +294,12 @@ struct Programs {
 }
 
 impl BlockSchedule {
-    /// Checks that `plan` is executable for `problem` (one head unit; Q, KV and O of a block on one
+    /// Checks that `plan` is executable for `problem` (Q, KV and O of a block's head unit on one
     /// home) and builds its routes on `topology`.
     pub fn new(plan: &Plan, problem: &BlockProblem, topology: &Topology) -> Result<Self, CpError> {
         check_executable(plan, problem, topology)?;
-        let homes = shared_homes(plan, problem)?;
+        let unit_homes = shared_homes(plan, problem)?;
+        let homes = token_homes(plan, problem);
         let tiles = rank_tiles(plan);
         let routes = routes(plan, topology);
         let last_stage = plan.blocks.iter().map(|b| b.stage).max().unwrap_or(0);
@@ -243,6 +307,8 @@ impl BlockSchedule {
             routes: &routes,
             tiles: &tiles,
             last_stage,
+            homes: &homes,
+            unit_homes: &unit_homes,
         };
         let programs = (0..plan.ranks)
             .map(|rank| Programs {
@@ -255,8 +321,10 @@ impl BlockSchedule {
             ranks: plan.ranks,
             block: problem.block,
             seq_lens: problem.seq_lens.clone(),
+            units: problem.head_groups,
             last_stage,
             homes,
+            unit_homes,
             routes,
             ranks_per_node: topology.devices_per_node,
             placement,
@@ -283,8 +351,8 @@ impl BlockSchedule {
     }
 
     /// Every message of the plan under the cost model's byte model
-    /// ([`route_transfers`]) for `heads` query heads, `kv_heads` kv heads, `head_dim` and 4-byte
-    /// elements.
+    /// ([`route_transfers`], [`unit_moves`]) for `heads` query heads, `kv_heads` kv heads,
+    /// `head_dim` and 4-byte elements.
     fn transfers(
         &self,
         heads: usize,
@@ -297,10 +365,11 @@ impl BlockSchedule {
             head_dim,
             element_bytes: 4,
         };
-        let sizes = dims.unit_sizes(1)?;
-        Ok(route_transfers(&self.routes, &sizes, |seq, block| {
-            self.block_tokens(BlockId { seq, block }).len() as f64
-        }))
+        let sizes = dims.unit_sizes(self.units)?;
+        let tokens = |seq, block| self.block_tokens(BlockId { seq, block }).len() as f64;
+        let mut transfers = route_transfers(&self.routes, &sizes, tokens);
+        transfers.extend(unit_moves(&self.unit_homes, &self.homes, &sizes, tokens));
+        Ok(transfers)
     }
 
     /// Bytes each rank sends, forward and backward, as the plan predicts them.
@@ -341,7 +410,12 @@ impl BlockSchedule {
         start..(start + self.block).min(self.seq_lens[block.seq])
     }
 
-    /// The home blocks of `rank`, in its local order.
+    /// The home of head unit `unit` of `block`.
+    pub fn unit_home(&self, block: BlockId, unit: usize) -> usize {
+        self.unit_homes[block.seq][block.block][unit]
+    }
+
+    /// The token blocks of `rank` (it is their token home), in its local order.
     pub fn home_blocks(&self, rank: usize) -> Vec<BlockId> {
         let mut blocks = Vec::new();
         for (seq, homes) in self.homes.iter().enumerate() {
@@ -365,6 +439,10 @@ struct ProgramBuilder<'a> {
     routes: &'a [Route],
     tiles: &'a [Vec<Tile>],
     last_stage: usize,
+    /// Token homes, `homes[seq][block]`.
+    homes: &'a [Vec<usize>],
+    /// Head units' homes, `unit_homes[seq][block][unit]`.
+    unit_homes: &'a [Vec<Vec<usize>>],
 }
 
 impl ProgramBuilder<'_> {
@@ -372,6 +450,7 @@ impl ProgramBuilder<'_> {
     /// forward pass returns only query-side results, the backward pass both).
     fn program(&self, rank: usize, results: &[Side]) -> Vec<Instruction> {
         let mut program = Vec::new();
+        self.unit_moves(rank, false, &mut program);
         self.copies(rank, 0, &mut program);
         for stage in 1..=self.last_stage {
             self.sends(rank, stage, true, &mut program);
@@ -382,7 +461,61 @@ impl ProgramBuilder<'_> {
         }
         self.attend(rank, self.last_stage, &mut program);
         self.results(rank, results, &mut program);
+        self.unit_moves(rank, true, &mut program);
         program
+    }
+
+    /// Every head unit homed away from its token home, in (sequence, block, unit) order: `(block,
+    /// unit, token home, unit home)`.
+    fn moved_units(&self) -> impl Iterator<Item = (BlockId, usize, usize, usize)> + '_ {
+        self.unit_homes
+            .iter()
+            .enumerate()
+            .flat_map(move |(seq, blocks)| {
+                blocks.iter().enumerate().flat_map(move |(block, units)| {
+                    let token_home = self.homes[seq][block];
+                    units
+                        .iter()
+                        .enumerate()
+                        .filter(move |(_, &home)| home != token_home)
+                        .map(move |(unit, &home)| (BlockId { seq, block }, unit, token_home, home))
+                })
+            })
+    }
+
+    /// The moves of head units homed away from their token homes: to their homes before the
+    /// pass, or (`results`) their results back after it; sends first, then receives.
+    fn unit_moves(&self, rank: usize, results: bool, program: &mut Vec<Instruction>) {
+        for (block, unit, token_home, home) in self.moved_units() {
+            match results {
+                false if token_home == rank => program.push(Instruction::SendUnit {
+                    block,
+                    unit,
+                    to: home,
+                }),
+                true if home == rank => program.push(Instruction::SendUnitResult {
+                    block,
+                    unit,
+                    to: token_home,
+                }),
+                _ => {}
+            }
+        }
+        for (block, unit, token_home, home) in self.moved_units() {
+            match results {
+                false if home == rank => program.push(Instruction::ReceiveUnit {
+                    block,
+                    unit,
+                    from: token_home,
+                }),
+                true if token_home == rank => program.push(Instruction::ReceiveUnitResult {
+                    block,
+                    unit,
+                    from: home,
+                }),
+                _ => {}
+            }
+        }
     }
 
     fn copies(&self, rank: usize, stage: usize, program: &mut Vec<Instruction>) {
@@ -408,6 +541,7 @@ impl ProgramBuilder<'_> {
             program.push(Instruction::Send {
                 side: route.side,
                 block: id(route),
+                unit: route.head,
                 to: hop.to,
             });
         }
@@ -418,19 +552,23 @@ impl ProgramBuilder<'_> {
             program.push(Instruction::Receive {
                 side: route.side,
                 block: id(route),
+                unit: route.head,
                 from: hop.from,
             });
         }
     }
 
-    /// One attention per query block of the rank's tiles of `stage`.
+    /// One attention per query block and head unit of the rank's tiles of `stage`.
     fn attend(&self, rank: usize, stage: usize, program: &mut Vec<Instruction>) {
-        let mut by_query: BTreeMap<BlockId, Vec<usize>> = BTreeMap::new();
+        let mut by_query: BTreeMap<(BlockId, usize), Vec<usize>> = BTreeMap::new();
         for tile in self.tiles[rank].iter().filter(|t| t.stage == stage) {
-            by_query.entry(tile.q).or_default().push(tile.kv_block);
+            by_query
+                .entry((tile.q, tile.unit))
+                .or_default()
+                .push(tile.kv_block);
         }
-        for (q, kv) in by_query {
-            program.push(Instruction::Attend { q, kv });
+        for ((q, unit), kv) in by_query {
+            program.push(Instruction::Attend { q, unit, kv });
         }
     }
 
@@ -452,6 +590,7 @@ impl ProgramBuilder<'_> {
                         program.push(Instruction::SendResult {
                             side: route.side,
                             block: id(route),
+                            unit: route.head,
                             to: from,
                         });
                     }
@@ -463,12 +602,14 @@ impl ProgramBuilder<'_> {
                 program.push(Instruction::ReceiveResult {
                     side: route.side,
                     block: id(route),
+                    unit: route.head,
                     from: hop.to,
                 });
             }
             program.push(Instruction::SendResult {
                 side: route.side,
                 block: id(route),
+                unit: route.head,
                 to: route.home,
             });
         }
@@ -479,6 +620,7 @@ impl ProgramBuilder<'_> {
                         program.push(Instruction::ReceiveResult {
                             side: route.side,
                             block: id(route),
+                            unit: route.head,
                             from: hop.to,
                         });
                     }

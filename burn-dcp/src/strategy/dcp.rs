@@ -10,6 +10,13 @@
 //!   block's and of `dk`/`dv` to each key block's. Results carry `dq` or `dk`, `dv` home (summed
 //!   at relays).
 //!
+//! - **Head units.** Blocks are held per head unit (its share of the query heads and the kv heads
+//!   they read). A token home starts with every unit of its blocks, sends those homed elsewhere
+//!   (`SendUnit`: a query-side and a key-side copy at once) and at the end receives their final
+//!   results (`ReceiveUnitResult`: replacing whatever partial it had sent away); its outputs and
+//!   gradients are the units' concatenated along the heads (kv gradients of units that share a kv
+//!   head summed).
+//!
 //! Bytes per token of a copy and a result are those of the planner's cost model
 //! (`planner::cost::hop_bytes`) with 4-byte elements, so measured bytes equal the plan's.
 
@@ -26,22 +33,74 @@ use crate::strategy::block_plan::{BlockId, BlockSchedule, Instruction};
 use crate::strategy::exchange::{cat_tokens, narrow, split_sizes};
 use crate::strategy::{BackwardInputs, CpBatch};
 
-/// Dims of a pass's tensors: query heads, kv heads, head dim.
+/// Dims of a pass's tensors: query heads, kv heads, head dim, and the head units they are cut
+/// into.
 #[derive(Clone, Copy, Debug)]
 struct Heads {
     heads: usize,
     kv_heads: usize,
     dim: usize,
+    units: usize,
 }
 
-/// What a rank holds during a pass: copies of blocks (its own and received) and its results.
+impl Heads {
+    /// `units` head units of `heads` query and `kv_heads` kv heads: `units` divides the query
+    /// heads and divides or is a multiple of the kv heads (the plan's rule,
+    /// [`crate::planner::cost::AttentionDims::unit_sizes`]).
+    fn new(heads: usize, kv_heads: usize, dim: usize, units: usize) -> Result<Self, CpError> {
+        let fits = units > 0
+            && heads.is_multiple_of(units)
+            && kv_heads > 0
+            && (kv_heads.is_multiple_of(units) || units.is_multiple_of(kv_heads));
+        if !fits {
+            return Err(CpError::Config(format!(
+                "DCP: the plan has {units} head units, which must divide the {heads} query heads and divide or be a multiple of the {kv_heads} kv heads"
+            )));
+        }
+        Ok(Self {
+            heads,
+            kv_heads,
+            dim,
+            units,
+        })
+    }
+
+    /// Query heads of one unit.
+    fn unit_heads(&self) -> usize {
+        self.heads / self.units
+    }
+
+    /// Kv heads of one unit (units sharing a kv head each hold it).
+    fn unit_kv_heads(&self) -> usize {
+        (self.kv_heads / self.units).max(1)
+    }
+
+    /// First query head of `unit`.
+    fn first_head(&self, unit: usize) -> usize {
+        unit * self.unit_heads()
+    }
+
+    /// First kv head of `unit`.
+    fn first_kv_head(&self, unit: usize) -> usize {
+        match self.units <= self.kv_heads {
+            true => unit * self.unit_kv_heads(),
+            false => unit / (self.units / self.kv_heads),
+        }
+    }
+}
+
+/// A head unit of a token block: the key of everything a rank holds.
+type Key = (BlockId, usize);
+
+/// What a rank holds during a pass: copies of blocks (its own and received) and its results,
+/// per head unit.
 struct Blocks<B: FlashOps> {
     /// Query side: `[q]` forward, `[q, out, lse, dout]` backward (lse as `[H, T]`).
-    queries: HashMap<BlockId, QuerySide<B>>,
-    keys: HashMap<BlockId, (Tensor<B, 3>, Tensor<B, 3>)>,
-    outputs: HashMap<BlockId, FlashOutput<B>>,
-    dq: HashMap<BlockId, Tensor<B, 3>>,
-    dkv: HashMap<BlockId, (Tensor<B, 3>, Tensor<B, 3>)>,
+    queries: HashMap<Key, QuerySide<B>>,
+    keys: HashMap<Key, (Tensor<B, 3>, Tensor<B, 3>)>,
+    outputs: HashMap<Key, FlashOutput<B>>,
+    dq: HashMap<Key, Tensor<B, 3>>,
+    dkv: HashMap<Key, (Tensor<B, 3>, Tensor<B, 3>)>,
 }
 
 #[derive(Clone)]
@@ -72,13 +131,15 @@ pub fn forward<B: FlashOps>(
     k: Tensor<B, 3>,
     v: Tensor<B, 3>,
 ) -> Result<FlashOutput<B>, CpError> {
-    let mut run = Run::<B>::new(comm, batch, schedule, &q, &k);
+    let mut run = Run::<B>::new(comm, batch, schedule, &q, &k)?;
     for (block, range) in run.home_ranges() {
-        let q = narrow(q.clone(), 0, range.start, range.len());
-        run.blocks
-            .queries
-            .insert(block, QuerySide { q, grads: None });
-        run.insert_keys(block, &k, &v, range);
+        for unit in 0..run.heads.units {
+            let q = run.query_heads(narrow(q.clone(), 0, range.start, range.len()), unit);
+            run.blocks
+                .queries
+                .insert((block, unit), QuerySide { q, grads: None });
+            run.insert_keys((block, unit), &k, &v, range.clone());
+        }
     }
     run.execute(schedule.program(comm.rank(), Pass::Forward), false)?;
     Ok(run.home_outputs())
@@ -99,20 +160,25 @@ pub fn backward<B: FlashOps>(
         lse,
         dout,
     } = inputs;
-    let mut run = Run::<B>::new(comm, batch, schedule, &q, &k);
+    let mut run = Run::<B>::new(comm, batch, schedule, &q, &k)?;
     for (block, range) in run.home_ranges() {
-        let rows = |t: &Tensor<B, 3>| narrow(t.clone(), 0, range.start, range.len());
-        let grads = (
-            rows(&out),
-            narrow(lse.clone(), 1, range.start, range.len()),
-            rows(&dout),
-        );
-        let side = QuerySide {
-            q: rows(&q),
-            grads: Some(grads),
-        };
-        run.blocks.queries.insert(block, side);
-        run.insert_keys(block, &k, &v, range);
+        for unit in 0..run.heads.units {
+            let rows = |t: &Tensor<B, 3>| {
+                run.query_heads(narrow(t.clone(), 0, range.start, range.len()), unit)
+            };
+            let lse = narrow(lse.clone(), 1, range.start, range.len());
+            let grads = (
+                rows(&out),
+                narrow(lse, 0, run.heads.first_head(unit), run.heads.unit_heads()),
+                rows(&dout),
+            );
+            let side = QuerySide {
+                q: rows(&q),
+                grads: Some(grads),
+            };
+            run.blocks.queries.insert((block, unit), side);
+            run.insert_keys((block, unit), &k, &v, range.clone());
+        }
     }
     run.execute(schedule.program(comm.rank(), Pass::Backward), true)?;
     Ok(run.home_gradients())
@@ -125,17 +191,13 @@ impl<'a, B: FlashOps> Run<'a, B> {
         schedule: &'a BlockSchedule,
         q: &Tensor<B, 3>,
         k: &Tensor<B, 3>,
-    ) -> Self {
+    ) -> Result<Self, CpError> {
         let [_, heads, dim] = q.dims();
-        Self {
+        Ok(Self {
             comm,
             batch,
             schedule,
-            heads: Heads {
-                heads,
-                kv_heads: k.dims()[1],
-                dim,
-            },
+            heads: Heads::new(heads, k.dims()[1], dim, schedule.units)?,
             dtype: q.dtype(),
             device: q.device(),
             blocks: Blocks {
@@ -145,7 +207,22 @@ impl<'a, B: FlashOps> Run<'a, B> {
                 dq: HashMap::new(),
                 dkv: HashMap::new(),
             },
-        }
+        })
+    }
+
+    /// The query heads of `unit` of `t [T, H, D]`.
+    fn query_heads(&self, t: Tensor<B, 3>, unit: usize) -> Tensor<B, 3> {
+        narrow(t, 1, self.heads.first_head(unit), self.heads.unit_heads())
+    }
+
+    /// The kv heads of `unit` of `t [T, K, D]`.
+    fn kv_heads(&self, t: Tensor<B, 3>, unit: usize) -> Tensor<B, 3> {
+        narrow(
+            t,
+            1,
+            self.heads.first_kv_head(unit),
+            self.heads.unit_kv_heads(),
+        )
     }
 
     /// This rank's home blocks and their local token ranges.
@@ -164,40 +241,92 @@ impl<'a, B: FlashOps> Run<'a, B> {
 
     fn insert_keys(
         &mut self,
-        block: BlockId,
+        key: Key,
         k: &Tensor<B, 3>,
         v: &Tensor<B, 3>,
         range: std::ops::Range<usize>,
     ) {
-        let rows = |t: &Tensor<B, 3>| narrow(t.clone(), 0, range.start, range.len());
-        self.blocks.keys.insert(block, (rows(k), rows(v)));
+        let rows =
+            |t: &Tensor<B, 3>| self.kv_heads(narrow(t.clone(), 0, range.start, range.len()), key.1);
+        let pair = (rows(k), rows(v));
+        self.blocks.keys.insert(key, pair);
     }
 
     fn execute(&mut self, program: &[Instruction], backward: bool) -> Result<(), CpError> {
         let mut sends = Vec::new();
         for instruction in program {
-            match instruction {
-                Instruction::Send { side, block, to } => {
-                    let parts = self.copy_of(*side, *block, backward)?;
-                    self.send(*to, parts, &mut sends)?;
+            match *instruction {
+                Instruction::Send {
+                    side,
+                    block,
+                    unit,
+                    to,
+                } => {
+                    let parts = self.copy_of(side, (block, unit), backward)?;
+                    self.send(to, parts, &mut sends)?;
                 }
-                Instruction::Receive { side, block, from } => {
-                    let shapes = self.copy_shapes(*side, *block, backward);
-                    let parts = self.receive(*from, &shapes, "a block copy")?;
-                    self.store_copy(*side, *block, parts)?;
+                Instruction::Receive {
+                    side,
+                    block,
+                    unit,
+                    from,
+                } => {
+                    let shapes = self.copy_shapes(side, block, backward);
+                    let parts = self.receive(from, &shapes, "a block copy")?;
+                    self.store_copy(side, (block, unit), parts)?;
                 }
-                Instruction::Attend { q, kv } => match backward {
-                    false => self.attend_forward(*q, kv)?,
-                    true => self.attend_backward(*q, kv)?,
+                Instruction::Attend { q, unit, ref kv } => match backward {
+                    false => self.attend_forward((q, unit), kv)?,
+                    true => self.attend_backward((q, unit), kv)?,
                 },
-                Instruction::SendResult { side, block, to } => {
-                    let parts = self.result_of(*side, *block, backward)?;
-                    self.send(*to, parts, &mut sends)?;
+                Instruction::SendResult {
+                    side,
+                    block,
+                    unit,
+                    to,
+                } => {
+                    let parts = self.result_of(side, (block, unit), backward)?;
+                    self.send(to, parts, &mut sends)?;
                 }
-                Instruction::ReceiveResult { side, block, from } => {
-                    let shapes = self.result_shapes(*side, *block, backward);
-                    let parts = self.receive(*from, &shapes, "a block result")?;
-                    self.merge_result(*side, *block, parts, backward)?;
+                Instruction::ReceiveResult {
+                    side,
+                    block,
+                    unit,
+                    from,
+                } => {
+                    let shapes = self.result_shapes(side, block, backward);
+                    let parts = self.receive(from, &shapes, "a block result")?;
+                    self.merge_result(side, (block, unit), parts, backward)?;
+                }
+                Instruction::SendUnit { block, unit, to } => {
+                    let key = (block, unit);
+                    let mut parts = self.copy_of(Side::QueryOutput, key, backward)?;
+                    parts.extend(self.copy_of(Side::KeyValue, key, backward)?);
+                    // It is the unit's home's now; a copy comes back if this rank computes with it.
+                    self.blocks.queries.remove(&key);
+                    self.blocks.keys.remove(&key);
+                    self.send(to, parts, &mut sends)?;
+                }
+                Instruction::ReceiveUnit { block, unit, from } => {
+                    let mut shapes = self.copy_shapes(Side::QueryOutput, block, backward);
+                    let queries = shapes.len();
+                    shapes.extend(self.copy_shapes(Side::KeyValue, block, backward));
+                    let mut parts = self.receive(from, &shapes, "a head unit")?;
+                    let keys = parts.split_off(queries);
+                    self.store_copy(Side::QueryOutput, (block, unit), parts)?;
+                    self.store_copy(Side::KeyValue, (block, unit), keys)?;
+                }
+                Instruction::SendUnitResult { block, unit, to } => {
+                    let parts = self.unit_result((block, unit), backward);
+                    self.send(to, parts, &mut sends)?;
+                }
+                Instruction::ReceiveUnitResult { block, unit, from } => {
+                    let mut shapes = self.result_shapes(Side::QueryOutput, block, backward);
+                    if backward {
+                        shapes.extend(self.result_shapes(Side::KeyValue, block, backward));
+                    }
+                    let parts = self.receive(from, &shapes, "a head unit's results")?;
+                    self.replace_results((block, unit), parts, backward)?;
                 }
             }
         }
@@ -258,51 +387,58 @@ impl<'a, B: FlashOps> Run<'a, B> {
     }
 
     fn copy_shapes(&self, side: Side, block: BlockId, backward: bool) -> Vec<Vec<usize>> {
-        let (t, h) = (self.tokens(block), self.heads);
+        let t = self.tokens(block);
+        let (h, kv, d) = (
+            self.heads.unit_heads(),
+            self.heads.unit_kv_heads(),
+            self.heads.dim,
+        );
         match (side, backward) {
-            (Side::QueryOutput, false) => vec![vec![t, h.heads, h.dim]],
-            (Side::QueryOutput, true) => vec![
-                vec![t, h.heads, h.dim],
-                vec![t, h.heads, h.dim],
-                vec![h.heads, t],
-                vec![t, h.heads, h.dim],
-            ],
-            (Side::KeyValue, _) => vec![vec![t, h.kv_heads, h.dim]; 2],
+            (Side::QueryOutput, false) => vec![vec![t, h, d]],
+            (Side::QueryOutput, true) => {
+                vec![vec![t, h, d], vec![t, h, d], vec![h, t], vec![t, h, d]]
+            }
+            (Side::KeyValue, _) => vec![vec![t, kv, d]; 2],
         }
     }
 
     fn result_shapes(&self, side: Side, block: BlockId, backward: bool) -> Vec<Vec<usize>> {
-        let (t, h) = (self.tokens(block), self.heads);
+        let t = self.tokens(block);
+        let (h, kv, d) = (
+            self.heads.unit_heads(),
+            self.heads.unit_kv_heads(),
+            self.heads.dim,
+        );
         match (side, backward) {
-            (Side::QueryOutput, false) => vec![vec![t, h.heads, h.dim], vec![h.heads, t]],
-            (Side::QueryOutput, true) => vec![vec![t, h.heads, h.dim]],
-            (Side::KeyValue, _) => vec![vec![t, h.kv_heads, h.dim]; 2],
+            (Side::QueryOutput, false) => vec![vec![t, h, d], vec![h, t]],
+            (Side::QueryOutput, true) => vec![vec![t, h, d]],
+            (Side::KeyValue, _) => vec![vec![t, kv, d]; 2],
         }
     }
 
-    fn missing(&self, what: &str, block: BlockId) -> CpError {
+    fn missing(&self, what: &str, (block, unit): Key) -> CpError {
         CpError::Config(format!(
-            "DCP rank {}: the program uses {what} of block {} of sequence {}, which it does not hold (an inconsistent plan)",
+            "DCP rank {}: the program uses {what} of block {} of sequence {} (head unit {unit}), which it does not hold (an inconsistent plan)",
             self.comm.rank(),
             block.block,
             block.seq
         ))
     }
 
-    fn copy_of(&self, side: Side, block: BlockId, backward: bool) -> Result<Vec<Payload>, CpError> {
+    fn copy_of(&self, side: Side, key: Key, backward: bool) -> Result<Vec<Payload>, CpError> {
         match side {
             Side::QueryOutput => {
                 let query = self
                     .blocks
                     .queries
-                    .get(&block)
-                    .ok_or_else(|| self.missing("the queries", block))?;
+                    .get(&key)
+                    .ok_or_else(|| self.missing("the queries", key))?;
                 let mut parts = vec![Payload::device(query.q.clone())];
                 if backward {
                     let (out, lse, dout) = query
                         .grads
                         .clone()
-                        .ok_or_else(|| self.missing("the output", block))?;
+                        .ok_or_else(|| self.missing("the output", key))?;
                     parts.extend([
                         Payload::device(out),
                         Payload::device(lse),
@@ -315,20 +451,15 @@ impl<'a, B: FlashOps> Run<'a, B> {
                 let (k, v) = self
                     .blocks
                     .keys
-                    .get(&block)
+                    .get(&key)
                     .cloned()
-                    .ok_or_else(|| self.missing("the keys", block))?;
+                    .ok_or_else(|| self.missing("the keys", key))?;
                 Ok(vec![Payload::device(k), Payload::device(v)])
             }
         }
     }
 
-    fn store_copy(
-        &mut self,
-        side: Side,
-        block: BlockId,
-        parts: Vec<Payload>,
-    ) -> Result<(), CpError> {
+    fn store_copy(&mut self, side: Side, key: Key, parts: Vec<Payload>) -> Result<(), CpError> {
         let mut parts = parts.into_iter();
         match side {
             Side::QueryOutput => {
@@ -341,12 +472,12 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     )),
                     false => None,
                 };
-                self.blocks.queries.insert(block, QuerySide { q, grads });
+                self.blocks.queries.insert(key, QuerySide { q, grads });
             }
             Side::KeyValue => {
                 let k = self.take::<3>(&mut parts)?;
                 let v = self.take::<3>(&mut parts)?;
-                self.blocks.keys.insert(block, (k, v));
+                self.blocks.keys.insert(key, (k, v));
             }
         }
         Ok(())
@@ -388,57 +519,64 @@ impl<'a, B: FlashOps> Run<'a, B> {
         }
     }
 
-    /// The concatenated keys and values of blocks `kv` of sequence `seq`.
-    fn keys_of(&self, seq: usize, kv: &[usize]) -> Result<(Tensor<B, 3>, Tensor<B, 3>), CpError> {
+    /// The concatenated keys and values of blocks `kv` of sequence `seq`, head unit `unit`.
+    fn keys_of(
+        &self,
+        seq: usize,
+        unit: usize,
+        kv: &[usize],
+    ) -> Result<(Tensor<B, 3>, Tensor<B, 3>), CpError> {
         let mut ks = Vec::with_capacity(kv.len());
         let mut vs = Vec::with_capacity(kv.len());
         for &block in kv {
-            let id = BlockId { seq, block };
+            let key = (BlockId { seq, block }, unit);
             let (k, v) = self
                 .blocks
                 .keys
-                .get(&id)
+                .get(&key)
                 .cloned()
-                .ok_or_else(|| self.missing("the keys", id))?;
+                .ok_or_else(|| self.missing("the keys", key))?;
             ks.push(k);
             vs.push(v);
         }
         Ok((cat_tokens(ks, 0), cat_tokens(vs, 0)))
     }
 
-    fn attend_forward(&mut self, q: BlockId, kv: &[usize]) -> Result<(), CpError> {
+    fn attend_forward(&mut self, key: Key, kv: &[usize]) -> Result<(), CpError> {
+        let (q, unit) = key;
         let query = self
             .blocks
             .queries
-            .get(&q)
-            .ok_or_else(|| self.missing("the queries", q))?
+            .get(&key)
+            .ok_or_else(|| self.missing("the queries", key))?
             .q
             .clone();
-        let (k, v) = self.keys_of(q.seq, kv)?;
+        let (k, v) = self.keys_of(q.seq, unit, kv)?;
         let partial = B::flash_forward(query, k, v, &self.problem(q, kv))?;
-        self.merge_output(q, partial)
+        self.merge_output(key, partial)
     }
 
-    fn merge_output(&mut self, q: BlockId, partial: FlashOutput<B>) -> Result<(), CpError> {
-        let merged = match self.blocks.outputs.remove(&q) {
+    fn merge_output(&mut self, key: Key, partial: FlashOutput<B>) -> Result<(), CpError> {
+        let merged = match self.blocks.outputs.remove(&key) {
             Some(previous) => B::flash_merge(previous, partial)?,
             None => partial,
         };
-        self.blocks.outputs.insert(q, merged);
+        self.blocks.outputs.insert(key, merged);
         Ok(())
     }
 
-    fn attend_backward(&mut self, q: BlockId, kv: &[usize]) -> Result<(), CpError> {
+    fn attend_backward(&mut self, key: Key, kv: &[usize]) -> Result<(), CpError> {
+        let (q, unit) = key;
         let query = self
             .blocks
             .queries
-            .get(&q)
+            .get(&key)
             .cloned()
-            .ok_or_else(|| self.missing("the queries", q))?;
-        let (out, lse, dout) = query.grads.ok_or_else(|| self.missing("the output", q))?;
-        let (k, v) = self.keys_of(q.seq, kv)?;
+            .ok_or_else(|| self.missing("the queries", key))?;
+        let (out, lse, dout) = query.grads.ok_or_else(|| self.missing("the output", key))?;
+        let (k, v) = self.keys_of(q.seq, unit, kv)?;
         let grads = B::flash_backward(query.q, k, v, out, lse, dout, &self.problem(q, kv))?;
-        add_into(&mut self.blocks.dq, q, grads.dq);
+        add_into(&mut self.blocks.dq, key, grads.dq);
         let sizes: Vec<usize> = kv
             .iter()
             .map(|&block| self.tokens(BlockId { seq: q.seq, block }))
@@ -446,24 +584,20 @@ impl<'a, B: FlashOps> Run<'a, B> {
         let dks = split_sizes(grads.dk, 0, &sizes);
         let dvs = split_sizes(grads.dv, 0, &sizes);
         for ((&block, dk), dv) in kv.iter().zip(dks).zip(dvs) {
-            add_pair_into(&mut self.blocks.dkv, BlockId { seq: q.seq, block }, dk, dv);
+            let key = (BlockId { seq: q.seq, block }, unit);
+            add_pair_into(&mut self.blocks.dkv, key, dk, dv);
         }
         Ok(())
     }
 
-    fn result_of(
-        &self,
-        side: Side,
-        block: BlockId,
-        backward: bool,
-    ) -> Result<Vec<Payload>, CpError> {
+    fn result_of(&self, side: Side, key: Key, backward: bool) -> Result<Vec<Payload>, CpError> {
         match (side, backward) {
             (Side::QueryOutput, false) => {
                 let output = self
                     .blocks
                     .outputs
-                    .get(&block)
-                    .ok_or_else(|| self.missing("the partial output", block))?;
+                    .get(&key)
+                    .ok_or_else(|| self.missing("the partial output", key))?;
                 Ok(vec![
                     Payload::device(output.out.clone()),
                     Payload::device(output.lse.clone()),
@@ -473,17 +607,17 @@ impl<'a, B: FlashOps> Run<'a, B> {
                 let dq = self
                     .blocks
                     .dq
-                    .get(&block)
-                    .ok_or_else(|| self.missing("the dq", block))?;
+                    .get(&key)
+                    .ok_or_else(|| self.missing("the dq", key))?;
                 Ok(vec![Payload::device(dq.clone())])
             }
             (Side::KeyValue, _) => {
                 let (dk, dv) = self
                     .blocks
                     .dkv
-                    .get(&block)
+                    .get(&key)
                     .cloned()
-                    .ok_or_else(|| self.missing("the dk/dv", block))?;
+                    .ok_or_else(|| self.missing("the dk/dv", key))?;
                 Ok(vec![Payload::device(dk), Payload::device(dv)])
             }
         }
@@ -492,7 +626,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
     fn merge_result(
         &mut self,
         side: Side,
-        block: BlockId,
+        key: Key,
         parts: Vec<Payload>,
         backward: bool,
     ) -> Result<(), CpError> {
@@ -501,16 +635,73 @@ impl<'a, B: FlashOps> Run<'a, B> {
             (Side::QueryOutput, false) => {
                 let out = self.take::<3>(&mut parts)?;
                 let lse = self.take::<2>(&mut parts)?;
-                self.merge_output(block, FlashOutput { out, lse })?;
+                self.merge_output(key, FlashOutput { out, lse })?;
             }
             (Side::QueryOutput, true) => {
                 let dq = self.take::<3>(&mut parts)?;
-                add_into(&mut self.blocks.dq, block, dq)
+                add_into(&mut self.blocks.dq, key, dq)
             }
             (Side::KeyValue, _) => {
                 let dk = self.take::<3>(&mut parts)?;
                 let dv = self.take::<3>(&mut parts)?;
-                add_pair_into(&mut self.blocks.dkv, block, dk, dv);
+                add_pair_into(&mut self.blocks.dkv, key, dk, dv);
+            }
+        }
+        Ok(())
+    }
+
+    /// The final results of a head unit homed here, for its token home: `[out, lse]` forward,
+    /// `[dq, dk, dv]` backward (a block no tile read: `out` 0, `lse` −∞, gradients 0).
+    fn unit_result(&mut self, key: Key, backward: bool) -> Vec<Payload> {
+        let t = self.tokens(key.0);
+        match backward {
+            false => {
+                let output = self
+                    .blocks
+                    .outputs
+                    .remove(&key)
+                    .unwrap_or_else(|| self.empty_output(t));
+                vec![Payload::device(output.out), Payload::device(output.lse)]
+            }
+            true => {
+                let dq = self.blocks.dq.remove(&key);
+                let dq =
+                    dq.unwrap_or_else(|| self.zeros([t, self.heads.unit_heads(), self.heads.dim]));
+                let (dk, dv) = self
+                    .blocks
+                    .dkv
+                    .remove(&key)
+                    .unwrap_or_else(|| self.zero_kv(t));
+                vec![
+                    Payload::device(dq),
+                    Payload::device(dk),
+                    Payload::device(dv),
+                ]
+            }
+        }
+    }
+
+    /// Stores a head unit's final results received from its home, replacing this rank's
+    /// partial of them (which it sent there).
+    fn replace_results(
+        &mut self,
+        key: Key,
+        parts: Vec<Payload>,
+        backward: bool,
+    ) -> Result<(), CpError> {
+        let mut parts = parts.into_iter();
+        match backward {
+            false => {
+                let out = self.take::<3>(&mut parts)?;
+                let lse = self.take::<2>(&mut parts)?;
+                self.blocks.outputs.insert(key, FlashOutput { out, lse });
+            }
+            true => {
+                let dq = self.take::<3>(&mut parts)?;
+                let dk = self.take::<3>(&mut parts)?;
+                let dv = self.take::<3>(&mut parts)?;
+                self.blocks.dq.insert(key, dq);
+                self.blocks.dkv.insert(key, (dk, dv));
             }
         }
         Ok(())
@@ -521,21 +712,35 @@ impl<'a, B: FlashOps> Run<'a, B> {
         Tensor::zeros(dims, options)
     }
 
-    /// The merged output of every home block (a block no tile reads: `out` 0, `lse` −∞).
+    /// A unit's output of `t` tokens no tile read: `out` 0, `lse` −∞.
+    fn empty_output(&self, t: usize) -> FlashOutput<B> {
+        let h = self.heads.unit_heads();
+        let out = self.zeros([t, h, self.heads.dim]);
+        let options = TensorCreationOptions::new(self.device.clone()).with_dtype(DType::F32);
+        let lse = Tensor::full([h, t], f32::NEG_INFINITY, options);
+        FlashOutput { out, lse }
+    }
+
+    /// A unit's zero `dk`, `dv` of `t` tokens.
+    fn zero_kv(&self, t: usize) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let dims = [t, self.heads.unit_kv_heads(), self.heads.dim];
+        (self.zeros(dims), self.zeros(dims))
+    }
+
+    /// The merged output of every token block of this rank, its units' along the heads.
     fn home_outputs(mut self) -> FlashOutput<B> {
         let mut outs = Vec::new();
         let mut lses = Vec::new();
         for (block, range) in self.home_ranges() {
-            let t = range.len();
-            let output = self.blocks.outputs.remove(&block).unwrap_or_else(|| {
-                let out = self.zeros([t, self.heads.heads, self.heads.dim]);
-                let options =
-                    TensorCreationOptions::new(self.device.clone()).with_dtype(DType::F32);
-                let lse = Tensor::full([self.heads.heads, t], f32::NEG_INFINITY, options);
-                FlashOutput { out, lse }
-            });
-            outs.push(output.out);
-            lses.push(output.lse);
+            let (mut unit_outs, mut unit_lses) = (Vec::new(), Vec::new());
+            for unit in 0..self.heads.units {
+                let output = self.blocks.outputs.remove(&(block, unit));
+                let output = output.unwrap_or_else(|| self.empty_output(range.len()));
+                unit_outs.push(output.out);
+                unit_lses.push(output.lse);
+            }
+            outs.push(Tensor::cat(unit_outs, 1));
+            lses.push(Tensor::cat(unit_lses, 0));
         }
         let h = self.heads;
         outs.push(self.zeros([0, h.heads, h.dim]));
@@ -547,22 +752,39 @@ impl<'a, B: FlashOps> Run<'a, B> {
         }
     }
 
+    /// The gradients of every token block of this rank: its units' along the heads, the kv
+    /// gradients of units sharing a kv head summed.
     fn home_gradients(mut self) -> FlashGradients<B> {
         let h = self.heads;
         let (mut dqs, mut dks, mut dvs) = (Vec::new(), Vec::new(), Vec::new());
         for (block, range) in self.home_ranges() {
             let t = range.len();
-            let dq = self.blocks.dq.remove(&block);
-            dqs.push(dq.unwrap_or_else(|| self.zeros([t, h.heads, h.dim])));
-            let (dk, dv) = match self.blocks.dkv.remove(&block) {
-                Some(pair) => pair,
-                None => (
-                    self.zeros([t, h.kv_heads, h.dim]),
-                    self.zeros([t, h.kv_heads, h.dim]),
-                ),
-            };
-            dks.push(dk);
-            dvs.push(dv);
+            let mut unit_dq = Vec::new();
+            let mut unit_dk: Vec<Tensor<B, 3>> = Vec::new();
+            let mut unit_dv: Vec<Tensor<B, 3>> = Vec::new();
+            for unit in 0..h.units {
+                let dq = self.blocks.dq.remove(&(block, unit));
+                unit_dq.push(dq.unwrap_or_else(|| self.zeros([t, h.unit_heads(), h.dim])));
+                let (dk, dv) = match self.blocks.dkv.remove(&(block, unit)) {
+                    Some(pair) => pair,
+                    None => self.zero_kv(t),
+                };
+                // Units sharing a kv head (more units than kv heads) add into it.
+                match h.first_kv_head(unit) < unit_dk.len() {
+                    true => {
+                        let last = unit_dk.len() - 1;
+                        unit_dk[last] = unit_dk[last].clone() + dk;
+                        unit_dv[last] = unit_dv[last].clone() + dv;
+                    }
+                    false => {
+                        unit_dk.push(dk);
+                        unit_dv.push(dv);
+                    }
+                }
+            }
+            dqs.push(Tensor::cat(unit_dq, 1));
+            dks.push(Tensor::cat(unit_dk, 1));
+            dvs.push(Tensor::cat(unit_dv, 1));
         }
         dqs.push(self.zeros([0, h.heads, h.dim]));
         dks.push(self.zeros([0, h.kv_heads, h.dim]));
@@ -575,27 +797,23 @@ impl<'a, B: FlashOps> Run<'a, B> {
     }
 }
 
-fn add_into<B: FlashOps>(
-    map: &mut HashMap<BlockId, Tensor<B, 3>>,
-    block: BlockId,
-    value: Tensor<B, 3>,
-) {
-    let sum = match map.remove(&block) {
+fn add_into<B: FlashOps>(map: &mut HashMap<Key, Tensor<B, 3>>, key: Key, value: Tensor<B, 3>) {
+    let sum = match map.remove(&key) {
         Some(previous) => previous + value,
         None => value,
     };
-    map.insert(block, sum);
+    map.insert(key, sum);
 }
 
 fn add_pair_into<B: FlashOps>(
-    map: &mut HashMap<BlockId, (Tensor<B, 3>, Tensor<B, 3>)>,
-    block: BlockId,
+    map: &mut HashMap<Key, (Tensor<B, 3>, Tensor<B, 3>)>,
+    key: Key,
     dk: Tensor<B, 3>,
     dv: Tensor<B, 3>,
 ) {
-    let sum = match map.remove(&block) {
+    let sum = match map.remove(&key) {
         Some((k, v)) => (k + dk, v + dv),
         None => (dk, dv),
     };
-    map.insert(block, sum);
+    map.insert(key, sum);
 }

@@ -39,11 +39,17 @@ pub(super) fn tile_group(tiles: usize, ranks: usize) -> usize {
     group
 }
 
+/// The hypergraph of `problem`. With `token_edges`, the data vertices of one token block's head
+/// units are also joined by a hyperedge weighing a unit's move between ranks (its q/o and kv
+/// bytes, forward + backward): an executed plan keeps a token's heads on one rank for the
+/// model's other layers and moves the units homed elsewhere
+/// ([`crate::planner::cost::unit_move_transfers`]), so splitting a token's units costs that.
 pub(super) fn build_graph(
     problem: &BlockProblem,
     grids: &[TileGrid],
     dims: &AttentionDims,
     group: usize,
+    token_edges: bool,
 ) -> Result<DcpGraph, CpError> {
     let sizes = dims.unit_sizes(problem.head_groups)?;
     let mut builder = GraphBuilder {
@@ -57,9 +63,17 @@ pub(super) fn build_graph(
     };
     let mut data_base = Vec::with_capacity(problem.seq_lens.len());
     for (seq, grid) in grids.iter().enumerate() {
-        let bases = (0..problem.head_groups)
+        let bases: Vec<u32> = (0..problem.head_groups)
             .map(|head| builder.add_head(problem, grid, seq, head))
             .collect();
+        if token_edges && problem.head_groups > 1 {
+            let unit_bytes = builder.sizes.qo_traffic() + builder.sizes.kv_traffic();
+            for block in 0..problem.blocks_of(seq) {
+                let tokens = problem.block_tokens(seq, block).len() as f64;
+                let pins = bases.iter().map(|&base| base + block as u32).collect();
+                builder.edges.push((unit_bytes * tokens, pins));
+            }
+        }
         data_base.push(bases);
     }
     Ok(DcpGraph {

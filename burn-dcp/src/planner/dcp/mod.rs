@@ -27,7 +27,7 @@ mod place;
 mod stages;
 
 use crate::error::CpError;
-use crate::planner::cost::{direct_transfers, AttentionDims, RoutedPlan};
+use crate::planner::cost::{direct_transfers, unit_move_transfers, AttentionDims, RoutedPlan};
 use crate::planner::plan::{BlockProblem, ComputeBlock, DcpStats, Plan, PlanStats, TileGrid};
 use crate::planner::topology::Topology;
 pub use graph::MIN_COMPUTE_VERTICES_PER_RANK;
@@ -83,7 +83,8 @@ impl DcpConfig {
     }
 }
 
-/// Plans DCP for `problem` (head units = kv heads) on `topology`.
+/// Plans DCP for `problem` (head units = kv heads) on `topology`: every head unit's data and
+/// tiles placed freely (the paper's model; no cost for a token whose units land on several ranks).
 pub fn dcp_plan(
     problem: &BlockProblem,
     grids: Vec<TileGrid>,
@@ -91,13 +92,41 @@ pub fn dcp_plan(
     topology: &Topology,
     config: &DcpConfig,
 ) -> Result<RoutedPlan, CpError> {
+    plan_dcp(problem, grids, dims, topology, config, false)
+}
+
+/// Plans DCP for execution with `problem.head_groups` head units: as [`dcp_plan`], but the
+/// planner also weighs the moves of units homed away from their token's home (each token block's
+/// units joined by a hyperedge of one unit's move bytes), and the plan's transfers include those
+/// moves ([`unit_move_transfers`]). With one head unit, the same plan as [`dcp_plan`].
+pub fn dcp_execution_plan(
+    problem: &BlockProblem,
+    grids: Vec<TileGrid>,
+    dims: &AttentionDims,
+    topology: &Topology,
+    config: &DcpConfig,
+) -> Result<RoutedPlan, CpError> {
+    let mut routed = plan_dcp(problem, grids, dims, topology, config, true)?;
+    let moves = unit_move_transfers(&routed.plan, &routed.problem, &routed.sizes);
+    routed.transfers.extend(moves);
+    Ok(routed)
+}
+
+fn plan_dcp(
+    problem: &BlockProblem,
+    grids: Vec<TileGrid>,
+    dims: &AttentionDims,
+    topology: &Topology,
+    config: &DcpConfig,
+    token_edges: bool,
+) -> Result<RoutedPlan, CpError> {
     problem.validate()?;
     topology.validate()?;
     config.validate()?;
     let sizes = dims.unit_sizes(problem.head_groups)?;
     let tile_count: usize = grids.iter().map(TileGrid::tiles).sum::<usize>() * problem.head_groups;
     let group = tile_group(tile_count, topology.ranks());
-    let built = build_graph(problem, &grids, dims, group)?;
+    let built = build_graph(problem, &grids, dims, group, token_edges)?;
     let rank = place(&built.graph, topology, config);
     let schedule = StageSchedule::build(problem, &built, &rank, &sizes, topology.ranks(), config);
     let stats = DcpStats {
