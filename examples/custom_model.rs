@@ -93,6 +93,12 @@ const VOCAB: usize = 256; // byte tokens
 
 type B = CpTrain<Flex>;
 
+/// Memory per rank where ranks are threads (`peak_memory_mb` in metrics.jsonl): every allocation
+/// charged to the rank that makes it.
+#[global_allocator]
+static ALLOCATOR: burn_dcp::kernels::memory::TrackingAllocator =
+    burn_dcp::kernels::memory::TrackingAllocator;
+
 /// The user's model: embedding → drop-in encoder (causal, RoPE, GQA) → norm → LM head.
 #[derive(Module, Debug)]
 struct CausalLm<B: Backend> {

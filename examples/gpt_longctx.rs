@@ -46,6 +46,12 @@ struct Args {
     json: bool,
 }
 
+/// Memory per rank where ranks are threads (`peak_memory_mb` in metrics.jsonl): every allocation
+/// charged to the rank that makes it.
+#[global_allocator]
+static ALLOCATOR: burn_dcp::kernels::memory::TrackingAllocator =
+    burn_dcp::kernels::memory::TrackingAllocator;
+
 fn main() {
     burn_dcp_suite::launch::init_logging();
     let args = Args::parse();
@@ -368,6 +374,13 @@ fn summarize(
         "strategy_counts": totals(&[], metrics.iter().map(|m| &m.strategy_counts)),
         "rank_workload_imbalance": mean(metrics.iter().map(|m| m.rank_workload_imbalance)),
         "attention_ms": metrics.iter().filter_map(|m| m.attention_ms).sum::<f64>(),
+        // The largest of every rank's peak (MiB), or null when the ranks cannot tell.
+        "peak_memory_mb": metrics
+            .iter()
+            .filter_map(|m| m.peak_memory_mb.as_ref())
+            .flatten()
+            .copied()
+            .reduce(f64::max),
         // The cost model's time of the same steps on the emulated machine (--emulate-links;
         // null without it, or where a step's strategy has no plan in the cost model).
         "predicted_attention_ms": metrics

@@ -451,3 +451,15 @@ fn emulated_links_delay_messages_by_latency_and_bandwidth_and_keep_the_bytes() {
     let error = world.emulate_links(bad).unwrap_err().to_string();
     assert!(error.contains("inter-node bandwidth"), "{error}");
 }
+
+/// While a world's ranks run as threads, the portable kernels count them, so their default
+/// threads per call share the process's cores (other tests' worlds may run beside this one).
+#[test]
+fn running_ranks_share_the_cores() {
+    use burn_dcp::kernels::portable::RankThreads;
+    let world = InProcessWorld::new(3, WorldConfig::default()).unwrap();
+    let seen = world.run(|_| Ok::<_, CpError>(RankThreads::current()));
+    for count in seen {
+        assert!(count.unwrap() >= 3);
+    }
+}

@@ -118,6 +118,13 @@ fn long_segments_match_the_naive_reference() {
         let want = reference::forward(&q, &k, &v, &problem, s).unwrap();
         assert!(rel_err(&got.out, &want.out) <= 1e-5, "out {what}");
         assert!(rel_err(&got.lse, &want.lse) <= 1e-5, "lse {what}");
+        // The tiled backward: dense and partial tiles, several parts per kv head.
+        let dout = random(&mut rng, s.q_tokens * s.heads * s.value_dim);
+        let grads = portable::backward(&q, &k, &v, &got.out, &got.lse, &dout, s, &problem).unwrap();
+        let want = reference::backward(&q, &k, &v, &dout, &problem, s).unwrap();
+        assert!(rel_err(&grads.dq, &want.dq) <= 1e-5, "dq {what}");
+        assert!(rel_err(&grads.dk, &want.dk) <= 1e-5, "dk {what}");
+        assert!(rel_err(&grads.dv, &want.dv) <= 1e-5, "dv {what}");
     }
 }
 
@@ -152,6 +159,17 @@ fn a_nan_key_or_value_reaches_only_the_queries_that_attend_it() {
                 assert!(lse[t].is_finite() && lse[tokens + t].is_finite());
             } else {
                 assert!(row.iter().any(|x| x.is_nan()), "{poisoned}: query {t}");
+            }
+        }
+        // The backward's diagonal tile holds the NaN key and queries that do not attend it:
+        // their dq stays finite, the others' is NaN.
+        let dout = random(&mut rng, tokens * heads * dim);
+        let grads = portable::backward(&q, &k, &v, &out, &lse, &dout, &shape, &problem).unwrap();
+        for t in 0..tokens {
+            let row = &grads.dq[t * heads * dim..(t + 1) * heads * dim];
+            match t < bad {
+                true => assert!(row.iter().all(|x| x.is_finite()), "{poisoned}: dq {t}"),
+                false => assert!(row.iter().any(|x| x.is_nan()), "{poisoned}: dq {t}"),
             }
         }
     }
@@ -356,4 +374,126 @@ fn shapes_and_scales_are_validated_first() {
         assert!(err.to_string().contains("softmax scale"), "{err}");
     }
     burn_dcp_kernels::validate_scale(0.125).unwrap();
+}
+
+/// Tiny pieces of sequences, as ring steps see them: one or two tokens of queries against keys
+/// elsewhere in the sequence (offsets, strides), every mask; the tiled backward equals the
+/// reference.
+#[test]
+fn tiny_offset_pieces_match_the_naive_reference() {
+    use burn_dcp_kernels::Segment;
+    let mut rng = SmallRng::seed_from_u64(21);
+    for mask in masks() {
+        for (len, q, kv) in [
+            (2, (1, 1, 1), (0, 1, 1)),
+            (2, (0, 1, 1), (0, 2, 1)),
+            (3, (2, 1, 1), (0, 2, 1)),
+            (5, (1, 2, 3), (0, 2, 2)),
+            (8, (7, 1, 1), (0, 8, 1)),
+        ] {
+            let seg = |(start, len, stride): (usize, usize, usize)| Segment {
+                seq: 0,
+                start,
+                len,
+                stride,
+            };
+            let problem = VarlenAttention {
+                seq_lens: vec![len],
+                masks: vec![mask.clone()],
+                q_segments: vec![seg(q)],
+                kv_segments: vec![seg(kv)],
+                scale: None,
+            };
+            for (heads, kv_heads) in [(4, 2), (2, 2), (4, 1)] {
+                let s = AttentionShape {
+                    q_tokens: q.1,
+                    kv_tokens: kv.1,
+                    heads,
+                    kv_heads,
+                    head_dim: 8,
+                    value_dim: 8,
+                };
+                let q = random(&mut rng, s.q_tokens * heads * 8);
+                let k = random(&mut rng, s.kv_tokens * kv_heads * 8);
+                let v = random(&mut rng, s.kv_tokens * kv_heads * 8);
+                let dout = random(&mut rng, s.q_tokens * heads * 8);
+                let got = portable::forward(&q, &k, &v, &s, &problem).unwrap();
+                let grads = portable::backward(&q, &k, &v, &got.out, &got.lse, &dout, &s, &problem)
+                    .unwrap();
+                let want = reference::backward(&q, &k, &v, &dout, &problem, &s).unwrap();
+                let what = format!("{mask} len {len} H{heads}/{kv_heads}");
+                assert!(rel_err(&grads.dq, &want.dq) <= 1e-5, "dq {what}");
+                assert!(rel_err(&grads.dk, &want.dk) <= 1e-5, "dk {what}");
+                assert!(rel_err(&grads.dv, &want.dv) <= 1e-5, "dv {what}");
+            }
+        }
+    }
+}
+
+/// Ring steps: the backward over each key piece from the *final* out and LSE sums to the
+/// gradients over all keys (pieces of one or a few tokens, two sequences, every mask).
+#[test]
+fn backward_over_key_pieces_sums_to_the_whole() {
+    use burn_dcp_kernels::Segment;
+    let mut rng = SmallRng::seed_from_u64(23);
+    for mask in masks() {
+        for lens in [vec![2usize], vec![1, 1], vec![3, 2], vec![70, 9]] {
+            let (heads, kv_heads, d) = (4, 2, 8);
+            let whole = VarlenAttention::packed(lens.clone(), vec![mask.clone()]);
+            let t: usize = lens.iter().sum();
+            let s = AttentionShape {
+                q_tokens: t,
+                kv_tokens: t,
+                heads,
+                kv_heads,
+                head_dim: d,
+                value_dim: d,
+            };
+            let q = random(&mut rng, t * heads * d);
+            let k = random(&mut rng, t * kv_heads * d);
+            let v = random(&mut rng, t * kv_heads * d);
+            let dout = random(&mut rng, t * heads * d);
+            let full = portable::forward(&q, &k, &v, &s, &whole).unwrap();
+            let want = reference::backward(&q, &k, &v, &dout, &whole, &s).unwrap();
+            let mut dq = vec![0.0f32; t * heads * d];
+            let mut dk = vec![0.0f32; t * kv_heads * d];
+            let mut dv = vec![0.0f32; t * kv_heads * d];
+            // Key pieces of 1 token (and of 8 for the long case).
+            let piece = if t > 20 { 8 } else { 1 };
+            let mut first = 0;
+            let mut at = 0;
+            for (seq, &len) in lens.iter().enumerate() {
+                let mut start = 0;
+                while start < len {
+                    let n = piece.min(len - start);
+                    let problem = VarlenAttention {
+                        kv_segments: vec![Segment::contiguous(seq, start, n)],
+                        ..whole.clone()
+                    };
+                    let ks = AttentionShape { kv_tokens: n, ..s };
+                    let k_part = &k[at * kv_heads * d..(at + n) * kv_heads * d];
+                    let v_part = &v[at * kv_heads * d..(at + n) * kv_heads * d];
+                    let g = portable::backward(
+                        &q, k_part, v_part, &full.out, &full.lse, &dout, &ks, &problem,
+                    )
+                    .unwrap();
+                    dq.iter_mut().zip(&g.dq).for_each(|(a, b)| *a += b);
+                    let range = at * kv_heads * d..(at + n) * kv_heads * d;
+                    dk[range.clone()]
+                        .iter_mut()
+                        .zip(&g.dk)
+                        .for_each(|(a, b)| *a += b);
+                    dv[range].iter_mut().zip(&g.dv).for_each(|(a, b)| *a += b);
+                    start += n;
+                    at += n;
+                }
+                first += len;
+            }
+            let _ = first;
+            let what = format!("{mask} {lens:?}");
+            assert!(rel_err(&dq, &want.dq) <= 1e-5, "dq {what}");
+            assert!(rel_err(&dk, &want.dk) <= 1e-5, "dk {what}");
+            assert!(rel_err(&dv, &want.dv) <= 1e-5, "dv {what}");
+        }
+    }
 }

@@ -22,6 +22,7 @@ fn the_thread_count_is_honoured_and_a_bad_one_is_an_error() {
     };
     let (q, k, v) = (values(3200, 1), values(1600, 2), values(1600, 3));
     let mut results = Vec::new();
+    let mut gradients = Vec::new();
     for threads in ["1", "3", " 2 "] {
         std::env::set_var(THREADS_VAR, threads);
         assert_eq!(
@@ -29,9 +30,14 @@ fn the_thread_count_is_honoured_and_a_bad_one_is_an_error() {
             threads.trim().parse::<usize>().unwrap()
         );
         results.push(portable::forward(&q, &k, &v, &shape, &problem).unwrap());
+        let out = &results.last().unwrap();
+        let grads = portable::backward(&q, &k, &v, &out.out, &out.lse, &q, &shape, &problem);
+        gradients.push(grads.unwrap());
     }
-    // Work items never share an output row, so the thread count cannot change a bit.
+    // Work items never share an output row, and the backward's key gradients are summed over a
+    // fixed number of parts in order, so the thread count cannot change a bit.
     assert!(results.windows(2).all(|w| w[0] == w[1]));
+    assert!(gradients.windows(2).all(|w| w[0] == w[1]));
     for bad in ["0", "-1", "two", ""] {
         std::env::set_var(THREADS_VAR, bad);
         let err = portable::forward(&q, &k, &v, &shape, &problem)
@@ -49,5 +55,24 @@ fn the_thread_count_is_honoured_and_a_bad_one_is_an_error() {
         assert!(err.contains("positive integer"), "{err}");
     }
     std::env::remove_var(THREADS_VAR);
-    assert!(portable::threads().unwrap() >= 1);
+    // By default the ranks running as threads share the cores.
+    let cores = portable::cores();
+    assert_eq!(portable::RankThreads::current(), 0);
+    assert_eq!(portable::threads().unwrap(), cores);
+    {
+        let _ranks = portable::RankThreads::enter(2);
+        assert_eq!(portable::threads().unwrap(), (cores / 2).max(1));
+        let _more = portable::RankThreads::enter(4 * cores);
+        assert_eq!(portable::RankThreads::current(), 2 + 4 * cores);
+        assert_eq!(portable::threads().unwrap(), 1);
+        std::env::set_var(THREADS_VAR, "3");
+        assert_eq!(
+            portable::threads().unwrap(),
+            3,
+            "the variable overrides the share"
+        );
+        std::env::remove_var(THREADS_VAR);
+    }
+    assert_eq!(portable::RankThreads::current(), 0);
+    assert_eq!(portable::threads().unwrap(), cores);
 }

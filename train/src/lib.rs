@@ -67,5 +67,5 @@ pub use plan::{AutoRecord, PlannedBatch, RankWork, ScheduleStats, StepPlan, Step
 pub use planning::{plan_auto, plan_input, plan_step, plan_step_predicted};
 pub use predict::Predictor;
 pub use run::{init_model, train_rank, ModelInit, RankOutcome, TrainBackend, TrainGpt, Trainer};
-pub use step::{step_gradients, step_gradients_planned, StepResult, AXES};
+pub use step::{rank_peak_memory_mb, step_gradients, step_gradients_planned, StepResult, AXES};
 pub use tensor_parallel::TpGroup;

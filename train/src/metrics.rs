@@ -66,6 +66,13 @@ pub struct StepMetrics {
     /// emulated machine (`burn_dcp_train::predict`), the slowest rank's; `None` otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub predicted_attention_ms: Option<f64>,
+    /// Every rank's peak memory so far, in MiB (2²⁰ bytes), in world rank order: its process's
+    /// peak resident memory where ranks are processes (MPI, TCP), the allocation accounting of
+    /// `burn_dcp::kernels::memory` where ranks are threads (when the binary installs its
+    /// `TrackingAllocator`, as the examples do); `None` when a rank cannot tell
+    /// ([`crate::rank_peak_memory_mb`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_memory_mb: Option<Vec<f64>>,
     /// `auto` only: every micro-batch's choice, its sequences and every candidate's estimate.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub auto_choices: Vec<AutoRecord>,

@@ -25,7 +25,7 @@ use crate::model::{CpTrain, InputRows, TrainModel};
 use crate::plan::StepPlan;
 use crate::planning::plan_step_predicted;
 use crate::predict::Predictor;
-use crate::step::{step_gradients_planned, StepBytes, AXES};
+use crate::step::{rank_peak_memory_mb, step_gradients_planned, StepBytes, AXES};
 
 /// The model one rank trains: its TP shard of the GPT (the whole GPT at tp 1).
 pub type TrainGpt<B> = TpGpt<CpTrain<B>>;
@@ -274,6 +274,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
             model = optimizer.step(self.config.learning_rate, model, result.grads);
             let mut bytes = StepBytes::between(&stats_before, &world.stats());
             bytes.attention_ms = (attention_time() - attention_before).as_secs_f64() * 1e3;
+            bytes.peak_memory_mb = rank_peak_memory_mb(world.rank());
             let bytes = bytes.summed(world)?;
             if world.rank() == 0 {
                 let bytes_by_axis = AXES
@@ -306,6 +307,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
                     grad_sync_exposed_ms: Some(result.grad_sync_ms),
                     attention_ms: Some(bytes.attention_ms),
                     predicted_attention_ms: plan.predicted_attention_ms,
+                    peak_memory_mb: bytes.peak_memory_per_rank.iter().copied().collect(),
                 };
                 self.observer.on_step(&step_metrics);
                 metrics.push(step_metrics);

@@ -150,6 +150,29 @@ pub(crate) struct StepBytes {
     pub(crate) labels: BTreeMap<String, u64>,
     #[serde(default)]
     pub(crate) attention_ms: f64,
+    /// This rank's peak memory so far ([`rank_peak_memory_mb`]).
+    #[serde(default)]
+    pub(crate) peak_memory_mb: Option<f64>,
+    /// After [`summed`](Self::summed): every rank's, in world order.
+    #[serde(default)]
+    pub(crate) peak_memory_per_rank: Vec<Option<f64>>,
+}
+
+/// This rank's peak memory so far, in MiB (2²⁰ bytes). Ranks that are processes (MPI, TCP):
+/// the process's peak resident memory. Ranks that are threads of an in-process world: the
+/// allocation accounting of [`burn_dcp::kernels::memory`] for the rank (the bytes it allocated
+/// and has not freed, at their most) when the binary installs its `TrackingAllocator` — so cp 1
+/// and cp 8 on threads are measured alike; without it, the process's peak for a world of one
+/// rank and `None` for more.
+pub fn rank_peak_memory_mb(rank: usize) -> Option<f64> {
+    use burn_dcp::kernels::{memory, portable::RankThreads};
+    let bytes = match (RankThreads::current(), memory::peak_bytes(rank)) {
+        (0, _) => memory::process_peak_bytes()?,
+        (_, Some(bytes)) => bytes,
+        (1, None) => memory::process_peak_bytes()?,
+        _ => return None,
+    };
+    Some(bytes as f64 / (1u64 << 20) as f64)
 }
 
 impl StepBytes {
@@ -170,6 +193,8 @@ impl StepBytes {
             },
             labels,
             attention_ms: 0.0,
+            peak_memory_mb: None,
+            peak_memory_per_rank: Vec::new(),
         }
     }
 
@@ -186,6 +211,7 @@ impl StepBytes {
             })?;
             sum.total += rank.total;
             sum.attention_ms = sum.attention_ms.max(rank.attention_ms);
+            sum.peak_memory_per_rank.push(rank.peak_memory_mb);
             sum.links.intra_node += rank.links.intra_node;
             sum.links.inter_node += rank.links.inter_node;
             for (label, bytes) in rank.labels {

@@ -24,7 +24,7 @@ use crate::definition::{AttentionShape, VarlenAttention};
 use crate::spans::QuerySpans;
 
 /// Packed key tokens per tile.
-const KEY_TILE: usize = 64;
+pub(super) const KEY_TILE: usize = 64;
 
 /// Everything the forward reads: token-major `q [q_tokens, heads, head_dim]`,
 /// `k [kv_tokens, kv_heads, head_dim]`, `v [kv_tokens, kv_heads, value_dim]`.
@@ -42,14 +42,14 @@ pub(super) struct Inputs<'a> {
 
 /// Query tokens per block for `group` query heads per key/value head: a block stacks
 /// `tokens × group` rows, 64 to 128 of them where the sequence is long enough.
-fn block_tokens(group: usize) -> usize {
+pub(super) fn block_tokens(group: usize) -> usize {
     (128 / group.max(1)).clamp(16, 64)
 }
 
 /// Packed query token blocks of at most `size` tokens. A new block starts at a query segment's
 /// first token when the open block already holds half a block, so long segments get blocks of
 /// their own (their tiles line up with causal diagonals) and short ones share.
-fn query_blocks(problem: &VarlenAttention, size: usize) -> Vec<Range<usize>> {
+pub(super) fn query_blocks(problem: &VarlenAttention, size: usize) -> Vec<Range<usize>> {
     let (mut blocks, mut start, mut at) = (Vec::new(), 0, 0);
     for segment in &problem.q_segments {
         if at - start >= size / 2 {
@@ -116,7 +116,7 @@ fn nonfinite_value_prefix(x: &Inputs) -> Vec<Vec<u32>> {
 
 /// How a key tile meets a query block.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum TileKind {
+pub(super) enum TileKind {
     Empty,
     Dense,
     Partial,
@@ -124,7 +124,11 @@ enum TileKind {
 
 /// Classifies the tile `keys` for the block's key spans (one slice per query token) and, for a
 /// partial tile, fills `allowed [tokens, keys.len()]`.
-fn classify(spans: &[&[Range<usize>]], keys: &Range<usize>, allowed: &mut [bool]) -> TileKind {
+pub(super) fn classify(
+    spans: &[&[Range<usize>]],
+    keys: &Range<usize>,
+    allowed: &mut [bool],
+) -> TileKind {
     let width = keys.len();
     let overlap = |span: &Range<usize>| {
         span.end
@@ -368,7 +372,7 @@ fn row_max(x: &[f32]) -> f32 {
 
 /// `x ← exp(x − shift)` in place (−∞ ↦ exactly 0, NaN stays NaN); returns the sum.
 #[inline(always)]
-fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
+pub(super) fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
     let mut sums = [0.0f32; 8];
     let mut chunks = x.chunks_exact_mut(8);
     for chunk in &mut chunks {
@@ -427,17 +431,17 @@ fn exp(y: f32) -> f32 {
 
 /// A read-only strided matrix: element `(i, j)` at `data[i · row_stride + j · col_stride]`.
 #[derive(Clone, Copy)]
-struct Strided<'a> {
-    data: &'a [f32],
-    rows: usize,
-    cols: usize,
-    row_stride: usize,
-    col_stride: usize,
+pub(super) struct Strided<'a> {
+    pub(super) data: &'a [f32],
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    pub(super) row_stride: usize,
+    pub(super) col_stride: usize,
 }
 
 impl<'a> Strided<'a> {
     /// Rows of `cols` contiguous values, `row_stride` apart.
-    fn rows(data: &'a [f32], rows: usize, cols: usize, row_stride: usize) -> Self {
+    pub(super) fn rows(data: &'a [f32], rows: usize, cols: usize, row_stride: usize) -> Self {
         Self {
             data,
             rows,
@@ -458,7 +462,7 @@ impl<'a> Strided<'a> {
 
 /// `dst [m, n]` (row-major, contiguous) `← (dst if accumulate) + alpha · lhs [m, k] · rhs [k, n]`,
 /// single-threaded (the callers already run one task per core).
-fn matmul(dst: &mut [f32], lhs: Strided, rhs: Strided, alpha: f32, accumulate: bool) {
+pub(super) fn matmul(dst: &mut [f32], lhs: Strided, rhs: Strided, alpha: f32, accumulate: bool) {
     let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
     assert!(
         rhs.rows == k && dst.len() >= m * n && lhs.in_bounds() && rhs.in_bounds(),

@@ -4,9 +4,11 @@
 //! most two key ranges of [`MaskSpec::key_ranges`](crate::MaskSpec::key_ranges)) contribute, and
 //! work on masked keys is skipped, not computed and discarded: the forward (`forward`)
 //! is tiled like flash-attention, skipping key tiles no query of a block may attend and running
-//! the others as `gemm` matrix products; the backward visits each query's allowed keys. Work runs
-//! in parallel on scoped threads (one task per key/value head and query block, or per key/value
-//! head in the backward).
+//! the others as `gemm` matrix products; the backward is tiled the same way (flash-attention 2's
+//! five products per tile). Work runs on a persistent pool, as many workers per call as the
+//! thread budget gives ([`threads`]: the process's cores shared among its ranks, or
+//! `BURN_DCP_CPU_THREADS`): one task per key/value head and query block in the forward, per
+//! key/value head and part of the query blocks in the backward.
 //!
 //! Numerics (f32 throughout, as flash-attention accumulates):
 //! - forward: `lse_i = m_i + ln Σ_j exp(s_ij − m_i)` with `s_ij = scale·q_i·k_j`, `m_i = max_j s_ij`;
@@ -19,12 +21,15 @@
 //!   (both parts are softmax-normalised over disjoint key sets, so re-weighting by their share of
 //!   the total mass gives the softmax over the union).
 
-use std::ops::Range;
-
 use crate::definition::{AttentionShape, KernelError, VarlenAttention};
 use crate::spans::QuerySpans;
 
+mod backward;
 mod forward;
+mod pool;
+
+use pool::parallel_map;
+pub use pool::{cores, threads, RankThreads, THREADS_VAR};
 
 /// Output of the forward pass: `out [q_tokens, heads, value_dim]`, `lse [heads, q_tokens]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -40,33 +45,6 @@ pub struct HostGradients {
     pub dq: Vec<f32>,
     pub dk: Vec<f32>,
     pub dv: Vec<f32>,
-}
-
-/// `[tokens, heads, dim]` → `[heads][tokens, dim]` (head-major, so inner loops are contiguous).
-fn to_head_major(data: &[f32], tokens: usize, heads: usize, dim: usize) -> Vec<Vec<f32>> {
-    (0..heads)
-        .map(|h| {
-            let mut out = Vec::with_capacity(tokens * dim);
-            for t in 0..tokens {
-                let at = (t * heads + h) * dim;
-                out.extend_from_slice(&data[at..at + dim]);
-            }
-            out
-        })
-        .collect()
-}
-
-/// `[heads][tokens, dim]` → `[tokens, heads, dim]`.
-fn to_token_major(per_head: &[Vec<f32>], tokens: usize, dim: usize) -> Vec<f32> {
-    let heads = per_head.len();
-    let mut out = vec![0.0; tokens * heads * dim];
-    for (h, data) in per_head.iter().enumerate() {
-        for t in 0..tokens {
-            let at = (t * heads + h) * dim;
-            out[at..at + dim].copy_from_slice(&data[t * dim..(t + 1) * dim]);
-        }
-    }
-    out
 }
 
 #[inline(always)]
@@ -92,51 +70,6 @@ fn axpy(alpha: f32, x: &[f32], out: &mut [f32]) {
     for (o, x) in out.iter_mut().zip(x) {
         *o += alpha * x;
     }
-}
-
-/// The environment variable that caps the portable kernels' threads (default: every core).
-pub const THREADS_VAR: &str = "BURN_DCP_CPU_THREADS";
-
-/// Threads the portable kernels use: `BURN_DCP_CPU_THREADS` when set (a positive integer, else
-/// an error naming the value), else every core (`available_parallelism`).
-pub fn threads() -> Result<usize, KernelError> {
-    match std::env::var(THREADS_VAR) {
-        Ok(value) => match value.trim().parse::<usize>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => Err(KernelError::InvalidValue(format!(
-                "{THREADS_VAR}={value:?}: the portable kernels' thread count must be a positive \
-                 integer"
-            ))),
-        },
-        Err(_) => Ok(std::thread::available_parallelism().map_or(1, |n| n.get())),
-    }
-}
-
-/// Runs `task(i)` for `i in 0..count` on up to `threads` scoped threads, in order.
-fn parallel_map<T: Send>(threads: usize, count: usize, task: impl Fn(usize) -> T + Sync) -> Vec<T> {
-    let workers = threads.min(count).max(1);
-    if workers == 1 {
-        return (0..count).map(task).collect();
-    }
-    let task = &task;
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..workers)
-            .map(|w| {
-                scope.spawn(move || {
-                    (w..count)
-                        .step_by(workers)
-                        .map(|i| (i, task(i)))
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        let mut results: Vec<(usize, T)> = handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("attention worker thread panicked"))
-            .collect();
-        results.sort_by_key(|(i, _)| *i);
-        results.into_iter().map(|(_, r)| r).collect()
-    })
 }
 
 fn check_len(name: &str, data: &[f32], expected: usize) -> Result<(), KernelError> {
@@ -199,86 +132,20 @@ pub fn backward(
     check_len("lse", lse, s.heads * s.q_tokens)?;
     let spans = QuerySpans::build(problem);
     let scale = problem.softmax_scale(s.head_dim) as f32;
-    let qh = to_head_major(q, s.q_tokens, s.heads, s.head_dim);
-    let kh = to_head_major(k, s.kv_tokens, s.kv_heads, s.head_dim);
-    let vh = to_head_major(v, s.kv_tokens, s.kv_heads, s.value_dim);
-    let outh = to_head_major(out, s.q_tokens, s.heads, s.value_dim);
-    let douth = to_head_major(dout, s.q_tokens, s.heads, s.value_dim);
-    let per_kv_head = parallel_map(threads()?, s.kv_heads, |kv| {
-        let inputs = HeadInputs {
-            k: &kh[kv],
-            v: &vh[kv],
-            spans: &spans,
-            shape: s,
-            scale,
-        };
-        let heads = kv * s.group_size()..(kv + 1) * s.group_size();
-        backward_kv_head(&inputs, heads, &qh, &outh, &douth, lse)
+    let (dq, dk, dv) = backward::tiled(backward::Inputs {
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        spans: &spans,
+        problem,
+        shape: s,
+        scale,
+        threads: threads()?,
     });
-    let mut dq_heads = Vec::with_capacity(s.heads);
-    let (mut dk_heads, mut dv_heads) = (Vec::new(), Vec::new());
-    for (dq, dk, dv) in per_kv_head {
-        dq_heads.extend(dq);
-        dk_heads.push(dk);
-        dv_heads.push(dv);
-    }
-    Ok(HostGradients {
-        dq: to_token_major(&dq_heads, s.q_tokens, s.head_dim),
-        dk: to_token_major(&dk_heads, s.kv_tokens, s.head_dim),
-        dv: to_token_major(&dv_heads, s.kv_tokens, s.value_dim),
-    })
-}
-
-/// The key/value side of one backward task.
-struct HeadInputs<'a> {
-    k: &'a [f32],
-    v: &'a [f32],
-    spans: &'a QuerySpans,
-    shape: &'a AttentionShape,
-    scale: f32,
-}
-
-/// Gradients of one key/value head and the query heads that read it:
-/// `(dq per query head, dk [kv_tokens, head_dim], dv [kv_tokens, value_dim])`.
-fn backward_kv_head(
-    inputs: &HeadInputs,
-    heads: Range<usize>,
-    q: &[Vec<f32>],
-    out: &[Vec<f32>],
-    dout: &[Vec<f32>],
-    lse: &[f32],
-) -> (Vec<Vec<f32>>, Vec<f32>, Vec<f32>) {
-    let s = inputs.shape;
-    let (d, dv_dim) = (s.head_dim, s.value_dim);
-    let mut dk = vec![0.0f32; s.kv_tokens * d];
-    let mut dv = vec![0.0f32; s.kv_tokens * dv_dim];
-    let mut dqs = Vec::with_capacity(heads.len());
-    for h in heads {
-        let mut dq = vec![0.0f32; s.q_tokens * d];
-        for t in 0..s.q_tokens {
-            // Only a query without any allowed key has no gradient (its LSE is −∞). A NaN or
-            // infinite LSE with keys comes from non-finite inputs and must reach the gradients.
-            if inputs.spans.of(t).iter().all(|span| span.is_empty()) {
-                continue;
-            }
-            let row_lse = lse[h * s.q_tokens + t];
-            let q_row = &q[h][t * d..(t + 1) * d];
-            let dout_row = &dout[h][t * dv_dim..(t + 1) * dv_dim];
-            let delta = dot(dout_row, &out[h][t * dv_dim..(t + 1) * dv_dim]);
-            let dq_row = &mut dq[t * d..(t + 1) * d];
-            for j in inputs.spans.of(t).iter().flat_map(|span| span.clone()) {
-                let k_row = &inputs.k[j * d..(j + 1) * d];
-                let p = (inputs.scale * dot(q_row, k_row) - row_lse).exp();
-                let dp = dot(dout_row, &inputs.v[j * dv_dim..(j + 1) * dv_dim]);
-                let ds = inputs.scale * p * (dp - delta);
-                axpy(ds, k_row, dq_row);
-                axpy(ds, q_row, &mut dk[j * d..(j + 1) * d]);
-                axpy(p, dout_row, &mut dv[j * dv_dim..(j + 1) * dv_dim]);
-            }
-        }
-        dqs.push(dq);
-    }
-    (dqs, dk, dv)
+    Ok(HostGradients { dq, dk, dv })
 }
 
 /// Merges partial results over disjoint key sets: `(out_b, lse_b)` into `(out_a, lse_a)`.

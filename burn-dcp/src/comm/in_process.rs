@@ -306,6 +306,8 @@ impl InProcessWorld {
     }
 
     /// Runs `task(comm)` on one thread per rank and returns each rank's result, in rank order.
+    /// While they run, the portable kernels' default threads per call are this process's cores
+    /// shared among its ranks ([`burn_dcp_kernels::portable::RankThreads`]).
     /// A rank that errors or panics is marked failed, so its peers error out instead of hanging;
     /// a rank that returns is marked finished, so peers waiting on it fail at once.
     pub fn run<T, E, F>(&self, task: F) -> Vec<Result<T, String>>
@@ -316,6 +318,8 @@ impl InProcessWorld {
     {
         self.world.lock().finished.clear();
         let task = &task;
+        // The portable kernels share this process's cores among the ranks while they run.
+        let _cores = burn_dcp_kernels::portable::RankThreads::enter(self.size);
         std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .communicators()
@@ -325,7 +329,11 @@ impl InProcessWorld {
                     let world = self.world.clone();
                     std::thread::Builder::new()
                         .name(format!("rank-{rank}"))
-                        .spawn_scoped(scope, move || run_rank(&world, rank, comm, task))
+                        .spawn_scoped(scope, move || {
+                            // What the rank allocates is its own (`burn_dcp_kernels::memory`).
+                            let _tag = burn_dcp_kernels::memory::TagGuard::set(Some(rank));
+                            run_rank(&world, rank, comm, task)
+                        })
                         .map_err(|error| {
                             let reason = format!("rank {rank} could not be started: {error}");
                             self.world.mark_failed(rank, reason.clone());
