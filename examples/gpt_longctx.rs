@@ -38,6 +38,11 @@ struct Args {
     /// Write config.json, metrics.jsonl and a checkpoint here
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Write a Chrome trace of every step here (JSON trace events; opens in Perfetto and
+    /// chrome://tracing): one track per rank. Ranks that are processes (MPI, TCP) each write
+    /// FILE with `.rank<r>` before its extension; `scripts/merge_traces.py FILE` merges them
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// Continue the run saved in this directory (its config.json; --steps is the new total)
     #[arg(long)]
     resume: Option<PathBuf>,
@@ -223,17 +228,25 @@ fn train(
         );
     }
     let resume = args.resume.as_deref();
+    let tracing = args.trace.clone().map(Tracing::new);
     let results = match args.backend.as_str() {
         #[cfg(feature = "wgpu")]
         "wgpu" if args.no_fusion => {
-            train_world::<WgpuPlain>(ranks, config, &data, resume, &out, &reporter)
+            train_world::<WgpuPlain>(ranks, config, &data, resume, &out, &reporter, &tracing)
         }
         #[cfg(feature = "wgpu")]
-        "wgpu" => train_world::<WgpuFusion>(ranks, config, &data, resume, &out, &reporter),
+        "wgpu" => {
+            train_world::<WgpuFusion>(ranks, config, &data, resume, &out, &reporter, &tracing)
+        }
         #[cfg(feature = "cuda")]
-        "cuda" => train_world_cuda(ranks, config, &data, resume, &out, &reporter),
-        _ => train_world::<burn::backend::Flex>(ranks, config, &data, resume, &out, &reporter),
+        "cuda" => train_world_cuda(ranks, config, &data, resume, &out, &reporter, &tracing),
+        _ => train_world::<burn::backend::Flex>(
+            ranks, config, &data, resume, &out, &reporter, &tracing,
+        ),
     };
+    if let Some(tracing) = &tracing {
+        tracing.write_threads(ranks)?;
+    }
     if leader {
         reporter.finish()?;
     }
@@ -252,6 +265,57 @@ fn train(
     )
 }
 
+/// `--trace FILE`: the run's tracer and where it goes.
+struct Tracing {
+    path: PathBuf,
+    tracer: std::sync::Arc<burn_dcp::trace::Tracer>,
+}
+
+impl Tracing {
+    fn new(path: PathBuf) -> Self {
+        Self {
+            path,
+            tracer: burn_dcp::trace::Tracer::new(),
+        }
+    }
+
+    /// Records the calling rank thread's steps on the track of `rank`.
+    fn enter(&self, rank: usize) -> burn_dcp::trace::RankTrace {
+        burn_dcp::trace::RankTrace::enter(&self.tracer, rank)
+    }
+
+    /// The file of `rank` when ranks are processes: FILE with `.rank<r>` before its extension.
+    fn rank_path(&self, rank: usize) -> PathBuf {
+        let stem = self.path.file_stem().unwrap_or_default().to_string_lossy();
+        let name = match self.path.extension() {
+            Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+            None => format!("{stem}.rank{rank}"),
+        };
+        self.path.with_file_name(name)
+    }
+
+    /// Ranks that are processes write their own file when they finish.
+    fn write_rank(&self, ranks_are_processes: bool, rank: usize) -> Result<(), TrainError> {
+        if !ranks_are_processes {
+            return Ok(());
+        }
+        let path = self.rank_path(rank);
+        self.tracer
+            .write(&path)
+            .map_err(|e| TrainError::Config(format!("--trace {}: {e}", path.display())))
+    }
+
+    /// Ranks that are threads share one file, written once they all finished.
+    fn write_threads(&self, ranks: &Ranks) -> Result<(), TrainError> {
+        if ranks.is_distributed() {
+            return Ok(());
+        }
+        self.tracer
+            .write(&self.path)
+            .map_err(|e| TrainError::Config(format!("--trace {}: {e}", self.path.display())))
+    }
+}
+
 /// Runs every rank's training on `ContextParallel<Autodiff<B>>` (`B`'s default device).
 fn train_world<B: FlashOps>(
     ranks: &Ranks,
@@ -260,10 +324,14 @@ fn train_world<B: FlashOps>(
     resume: Option<&Path>,
     out: &Option<PathBuf>,
     reporter: &Progress,
+    tracing: &Option<Tracing>,
 ) -> Result<Option<RankOutcome>, String> {
     let device = B::Device::default();
+    let processes = ranks.is_distributed();
     ranks.run(|comm| {
-        train_rank::<B>(
+        let rank = comm.rank();
+        let _trace = tracing.as_ref().map(|t| t.enter(rank));
+        let outcome = train_rank::<B>(
             comm,
             config,
             data,
@@ -271,7 +339,11 @@ fn train_world<B: FlashOps>(
             out.as_deref(),
             reporter,
             &device,
-        )
+        )?;
+        if let Some(tracing) = tracing {
+            tracing.write_rank(processes, rank)?;
+        }
+        Ok::<_, TrainError>(outcome)
     })
 }
 
@@ -286,18 +358,21 @@ fn train_world_cuda(
     resume: Option<&Path>,
     out: &Option<PathBuf>,
     reporter: &Progress,
+    tracing: &Option<Tracing>,
 ) -> Result<Option<RankOutcome>, String> {
     type Cuda = burn::backend::Cuda;
     let Some(local_rank) = ranks.local_rank() else {
-        return train_world::<Cuda>(ranks, config, data, resume, out, reporter);
+        return train_world::<Cuda>(ranks, config, data, resume, out, reporter, tracing);
     };
     let device = burn::backend::cuda::CudaDevice::new(local_rank);
     let world_config = world_config(config)?;
     ranks.run(|control| {
+        let rank = control.rank();
+        let _trace = tracing.as_ref().map(|t| t.enter(rank));
         let comm =
             burn_dcp::comm::NcclWorld::init::<Cuda>(control, device.clone(), world_config.clone())
                 .map_err(|e| TrainError::Launch(format!("NCCL on GPU {local_rank}: {e}")))?;
-        train_rank::<Cuda>(
+        let outcome = train_rank::<Cuda>(
             comm,
             config,
             data,
@@ -305,7 +380,11 @@ fn train_world_cuda(
             out.as_deref(),
             reporter,
             &device,
-        )
+        )?;
+        if let Some(tracing) = tracing {
+            tracing.write_rank(true, rank)?;
+        }
+        Ok::<_, TrainError>(outcome)
     })
 }
 
@@ -374,6 +453,8 @@ fn summarize(
         "strategy_counts": totals(&[], metrics.iter().map(|m| &m.strategy_counts)),
         "rank_workload_imbalance": mean(metrics.iter().map(|m| m.rank_workload_imbalance)),
         "attention_ms": metrics.iter().filter_map(|m| m.attention_ms).sum::<f64>(),
+        "comm_wait_ms": metrics.iter().filter_map(|m| m.comm_wait_ms).sum::<f64>(),
+        "optimizer_ms": metrics.iter().filter_map(|m| m.optimizer_ms).sum::<f64>(),
         // The largest of every rank's peak (MiB), or null when the ranks cannot tell.
         "peak_memory_mb": metrics
             .iter()

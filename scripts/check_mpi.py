@@ -16,8 +16,10 @@ Usage: python3 scripts/check_mpi.py [BIN_DIR] [--quick] [--steps N] [--launcher 
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 args = sys.argv[1:]
 bin_dir = args[0] if args and not args[0].startswith("--") else "target/release/examples"
@@ -101,4 +103,24 @@ for processes, flags in [(2, ["--cp", "2", "--strategy", "ring"]), (4, ["--cp", 
     for key in keys:
         if mpi.get(key) != threads[key]:
             sys.exit(f"cp_attention -n {processes}: {key} {mpi.get(key)} differs from in-process {threads[key]}")
+
+# --trace with one process per rank: each rank writes FILE.rank<r>.json; merged, one track per
+# rank whose communication spans hold every byte of the summary; peak memory is each process's.
+trace_dir = tempfile.mkdtemp(prefix="bdcp-trace-")
+trace = os.path.join(trace_dir, "trace.json")
+traced = run([*launch(4), train, "--cp", "4", *common, "--trace", trace])
+merge = os.path.join(os.path.dirname(os.path.abspath(__file__)), "merge_traces.py")
+done = subprocess.run([sys.executable, merge, trace], capture_output=True, text=True)
+if done.returncode != 0:
+    sys.exit(f"merge_traces.py failed: {done.stderr}")
+with open(trace) as f:
+    events = json.load(f)["traceEvents"]
+tracks = sorted({e["tid"] for e in events})
+comm = sum(e.get("args", {}).get("bytes", 0) for e in events if e["ph"] == "E" and e.get("cat") == "comm")
+print(f"trace -n 4 ({launcher}): tracks {tracks}, communication spans {comm} bytes, summary "
+      f"{traced['bytes_communicated']}, peak memory {traced['peak_memory_mb']:.1f} MiB")
+if tracks != [0, 1, 2, 3] or comm != traced["bytes_communicated"]:
+    sys.exit(f"trace -n 4 ({launcher}): tracks {tracks}, bytes {comm} vs {traced['bytes_communicated']}")
+shutil.rmtree(trace_dir)
+
 print(f"{launcher} loss parity: {len(runs)} configurations, worst relative difference {worst:.2e}")

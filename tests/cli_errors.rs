@@ -1213,3 +1213,64 @@ fn gpt_longctx_predicts_its_attention_time_on_emulated_links() {
         serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap();
     assert!(summary["predicted_attention_ms"].is_null(), "{summary}");
 }
+
+/// `gpt_longctx --trace FILE` on threads: one file, one track per rank, every span closed on its
+/// own track, attention spans named so, and the communication spans' bytes summing exactly to
+/// the summary's `bytes_communicated`; `metrics.jsonl` has the step's `comm_wait_ms`,
+/// `optimizer_ms` and every rank's `peak_memory_mb`.
+#[test]
+fn gpt_longctx_trace_has_a_track_per_rank_and_every_byte() {
+    let dir = temp_dir("trace");
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.json");
+    let out = dir.join("run");
+    let mut args = gpt(&["--steps", "2", "--cp", "4", "--json"]);
+    args.extend(["--trace".into(), trace.display().to_string()]);
+    args.extend(["--out".into(), out.display().to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let summary: serde_json::Value =
+        serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap();
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let mut open: HashMap<u64, Vec<String>> = HashMap::new();
+    let (mut tracks, mut named) = (std::collections::BTreeSet::new(), 0);
+    let (mut comm_bytes, mut attention) = (0u64, 0);
+    for event in events {
+        let tid = event["tid"].as_u64().unwrap();
+        match event["ph"].as_str().unwrap() {
+            "B" => {
+                tracks.insert(tid);
+                let name = event["name"].as_str().unwrap().to_string();
+                attention += usize::from(name.starts_with("attention "));
+                open.entry(tid).or_default().push(name);
+            }
+            "E" => {
+                let closed = open.get_mut(&tid).and_then(Vec::pop);
+                assert!(closed.is_some(), "an end without a begin on track {tid}");
+                if event["cat"] == "comm" {
+                    comm_bytes += event["args"]["bytes"].as_u64().unwrap();
+                }
+            }
+            "M" => named += 1,
+            other => panic!("unexpected phase {other}"),
+        }
+    }
+    assert!(open.values().all(Vec::is_empty), "unclosed spans: {open:?}");
+    assert_eq!(tracks, (0..4).collect(), "one track per rank");
+    assert_eq!(named, 4, "each track named");
+    // 2 steps × 4 ranks × micro-batches × layers × (forward, backward).
+    assert!(attention >= 2 * 4 * 2, "{attention} attention spans");
+    assert_eq!(comm_bytes, summary["bytes_communicated"].as_u64().unwrap());
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    for line in metrics.lines() {
+        let step: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert!(step["comm_wait_ms"].as_f64().unwrap() > 0.0, "{step}");
+        assert!(step["optimizer_ms"].as_f64().unwrap() > 0.0, "{step}");
+        let peaks = step["peak_memory_mb"].as_array().unwrap();
+        assert_eq!(peaks.len(), 4, "{step}");
+        assert!(peaks.iter().all(|p| p.as_f64().unwrap() > 0.0), "{step}");
+    }
+    assert!(summary["peak_memory_mb"].as_f64().unwrap() > 0.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

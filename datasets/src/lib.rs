@@ -24,6 +24,8 @@ pub mod tokenizer;
 pub use burn_dcp_kernels::MaskSpec;
 pub use error::DataError;
 pub use masks::MaskPolicy;
-pub use packing::{pack_corpus, MicroBatch, Packing, PackingConfig};
+pub use packing::{
+    micro_batch, pack_corpus, pack_corpus_pieces, MicroBatch, Packing, PackingConfig,
+};
 pub use sampler::{LengthMix, LengthSampler};
 pub use tokenizer::{TokenizedCorpus, Tokenizer};

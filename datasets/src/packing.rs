@@ -106,8 +106,9 @@ pub fn pack_pieces(mut pieces: Vec<Piece>, budget: usize, seed: u64) -> Vec<Vec<
     bins
 }
 
-/// The micro-batch of `pieces`, in that order, each piece one sequence with its policy's mask.
-fn micro_batch(
+/// The micro-batch of `pieces`, in that order, each piece one sequence with its policy's mask
+/// (how [`pack_corpus`] builds each micro-batch of [`pack_corpus_pieces`]).
+pub fn micro_batch(
     corpus: &TokenizedCorpus,
     pieces: Vec<Piece>,
     masks: &MaskPolicy,
@@ -153,9 +154,7 @@ pub fn pack_corpus(
     config: &PackingConfig,
     masks: &MaskPolicy,
 ) -> Result<Packing, DataError> {
-    config.validate()?;
-    let pieces = split_documents(&corpus.lengths(), config.max_seq_len());
-    let micro_batches = pack_pieces(pieces, config.budget(), config.seed)
+    let micro_batches = pack_corpus_pieces(corpus, config)?
         .into_iter()
         .map(|pieces| micro_batch(corpus, pieces, masks, config.seed))
         .collect();
@@ -163,6 +162,18 @@ pub fn pack_corpus(
         micro_batches,
         budget: config.budget(),
     })
+}
+
+/// The pieces of every micro-batch [`pack_corpus`] packs, without building the micro-batches
+/// (their tokens, labels and positions take ~20 bytes per token; build the ones a run uses with
+/// [`micro_batch`]).
+pub fn pack_corpus_pieces(
+    corpus: &TokenizedCorpus,
+    config: &PackingConfig,
+) -> Result<Vec<Vec<Piece>>, DataError> {
+    config.validate()?;
+    let pieces = split_documents(&corpus.lengths(), config.max_seq_len());
+    Ok(pack_pieces(pieces, config.budget(), config.seed))
 }
 
 /// Packing efficiency of documents of the given lengths (no tokens needed).

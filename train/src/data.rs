@@ -1,10 +1,15 @@
-//! The training data: the corpus tokenized and packed once; step `s` takes its micro-batches.
+//! The training data: the corpus tokenized and packed once; step `s` takes its micro-batches,
+//! built the first time a step asks for them.
 
-use burn_dcp::kernels::MicroBatch;
+use std::sync::OnceLock;
+
+use burn_dcp::kernels::{MicroBatch, Piece};
 use burn_dcp_datasets::corpus::{open_documents, Document};
 use burn_dcp_datasets::sampler::recut;
 use burn_dcp_datasets::tokenizer::{cache_dir, default_tokenized, files_identity, tokenize_cached};
-use burn_dcp_datasets::{pack_corpus, PackingConfig, TokenizedCorpus};
+use burn_dcp_datasets::{
+    micro_batch, pack_corpus_pieces, MaskPolicy, PackingConfig, TokenizedCorpus,
+};
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
@@ -35,7 +40,14 @@ pub fn builtin_documents() -> Vec<Document> {
 /// micro-batches `(s−1)·n .. s·n` (cyclically), `n` = micro-batches per step, so any cp/dp split
 /// and a resumed run see the same data.
 pub struct TrainData {
-    batches: Vec<MicroBatch>,
+    corpus: TokenizedCorpus,
+    /// The pieces of every micro-batch (cheap); a micro-batch is built from its pieces when a
+    /// step first uses it, so a run holds only its steps' micro-batches (the packed corpus would
+    /// take ~20 bytes per token in every process).
+    pieces: Vec<Vec<Piece>>,
+    built: Vec<OnceLock<MicroBatch>>,
+    masks: MaskPolicy,
+    seed: u64,
 }
 
 impl TrainData {
@@ -62,36 +74,51 @@ impl TrainData {
             max_seq_len: None,
             seed: config.seed,
         };
-        let packing = pack_corpus(&corpus, &packing, &config.mask_policy()?)
-            .map_err(|e| TrainError::Data(e.to_string()))?;
-        let batches = packing.micro_batches;
-        if batches.is_empty() {
+        let pieces =
+            pack_corpus_pieces(&corpus, &packing).map_err(|e| TrainError::Data(e.to_string()))?;
+        if pieces.is_empty() {
             return Err(TrainError::Data(format!(
                 "corpus '{}' holds no tokens",
                 config.corpus
             )));
         }
-        if batches.iter().all(|b| b.label_count() == 0) {
+        // A label is a next token in the same sequence (piece).
+        if pieces.iter().flatten().all(|piece| piece.len < 2) {
             return Err(TrainError::Data(format!(
                 "corpus '{}' holds no token with a next token to predict (every document is a single token)",
                 config.corpus
             )));
         }
-        Ok(Self { batches })
+        Ok(Self {
+            corpus,
+            built: (0..pieces.len()).map(|_| OnceLock::new()).collect(),
+            pieces,
+            masks: config.mask_policy()?,
+            seed: config.seed,
+        })
     }
 
     /// The micro-batches of optimizer step `step` (1-based).
     pub fn step_batches(&self, step: usize, count: usize) -> Vec<&MicroBatch> {
         (0..count)
-            .map(|i| &self.batches[((step - 1) * count + i) % self.batches.len()])
+            .map(|i| self.batch((step - 1) * count + i))
             .collect()
     }
 
+    /// Micro-batch `index` (cyclically), built on first use.
+    fn batch(&self, index: usize) -> &MicroBatch {
+        let index = index % self.pieces.len();
+        self.built[index].get_or_init(|| {
+            let pieces = self.pieces[index].clone();
+            micro_batch(&self.corpus, pieces, &self.masks, self.seed)
+        })
+    }
+
     pub fn len(&self) -> usize {
-        self.batches.len()
+        self.pieces.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.batches.is_empty()
+        self.pieces.is_empty()
     }
 }

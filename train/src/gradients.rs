@@ -202,6 +202,7 @@ pub(crate) fn reduce_step<B: FlashOps, M: TrainModel<CpTrain<B>>>(
         extra.push((vec![id], embedding));
     }
     let started = Instant::now();
+    let span = burn_dcp::trace::span("gradient all-reduce", "sync", serde_json::Value::Null);
     let mut flatten = Flatten::<CpTrain<B>> {
         grads: accumulator.grads(),
         flat: Vec::new(),
@@ -213,6 +214,7 @@ pub(crate) fn reduce_step<B: FlashOps, M: TrainModel<CpTrain<B>>>(
         summed,
     };
     model.visit(&mut register);
+    drop(span);
     let grad_sync_ms = started.elapsed().as_secs_f64() * 1e3;
     // Over the whole world: a non-finite gradient on one TP position stops every rank, named.
     check_finite(&groups.mesh.world, step, loss_sum, &non_finite)?;

@@ -73,6 +73,14 @@ pub struct StepMetrics {
     /// ([`crate::rank_peak_memory_mb`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_memory_mb: Option<Vec<f64>>,
+    /// The slowest rank's wall time in communication calls and waits during the step (sends,
+    /// receives, collectives — in attention, the gradient all-reduce and the engine's own
+    /// agreements; overlaps `attention_ms`), `burn_dcp::trace::comm_wait_time`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_wait_ms: Option<f64>,
+    /// The slowest rank's optimizer update of the step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_ms: Option<f64>,
     /// `auto` only: every micro-batch's choice, its sequences and every candidate's estimate.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub auto_choices: Vec<AutoRecord>,

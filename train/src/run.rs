@@ -9,6 +9,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::attention_time;
 use burn_dcp::comm::Comm;
 use burn_dcp::kernels::FlashOps;
+use burn_dcp::trace::comm_wait_time;
 use burn_dcp::CpError;
 use burn_dcp_models::TpGpt;
 
@@ -92,6 +93,8 @@ impl Trainer<'_> {
         F: FnOnce(&ModelInit<B>) -> Result<M, TrainError>,
     {
         let config = self.config;
+        // Every call times its waits (`comm_wait_ms`) and, in a trace, is a span.
+        let world = burn_dcp::trace::TracedComm::wrap(world);
         let groups = RankGroups::new(world, config)?;
         let (tp_rank, pp_rank) = (groups.tp.comm.rank(), groups.mesh.pp.rank());
         let mut model = init(&ModelInit {
@@ -254,6 +257,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
         let world = &self.groups.mesh.world;
         let mut metrics = Vec::new();
         for step in first..=self.config.steps {
+            let step_trace = burn_dcp::trace::StepTrace::open(step);
             let started = Instant::now();
             world.barrier()?;
             let stats_before = world.stats();
@@ -263,6 +267,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
                 .map_err(|_| TrainError::PlannerStopped { step })??;
             let plan_wait_ms = waited.elapsed().as_secs_f64() * 1e3;
             let attention_before = attention_time();
+            let wait_before = comm_wait_time();
             let result = step_gradients_planned(
                 &model,
                 self.groups,
@@ -271,9 +276,15 @@ impl<B: FlashOps> StepLoop<'_, B> {
                 &plan,
                 self.device,
             )?;
+            let optimizer_started = Instant::now();
+            let span = burn_dcp::trace::span("optimizer", "optimizer", serde_json::Value::Null);
             model = optimizer.step(self.config.learning_rate, model, result.grads);
+            drop(span);
+            let optimizer_ms = optimizer_started.elapsed().as_secs_f64() * 1e3;
             let mut bytes = StepBytes::between(&stats_before, &world.stats());
             bytes.attention_ms = (attention_time() - attention_before).as_secs_f64() * 1e3;
+            bytes.comm_wait_ms = (comm_wait_time() - wait_before).as_secs_f64() * 1e3;
+            bytes.optimizer_ms = optimizer_ms;
             bytes.peak_memory_mb = rank_peak_memory_mb(world.rank());
             let bytes = bytes.summed(world)?;
             if world.rank() == 0 {
@@ -308,11 +319,14 @@ impl<B: FlashOps> StepLoop<'_, B> {
                     attention_ms: Some(bytes.attention_ms),
                     predicted_attention_ms: plan.predicted_attention_ms,
                     peak_memory_mb: bytes.peak_memory_per_rank.iter().copied().collect(),
+                    comm_wait_ms: Some(bytes.comm_wait_ms),
+                    optimizer_ms: Some(bytes.optimizer_ms),
                 };
                 self.observer.on_step(&step_metrics);
                 metrics.push(step_metrics);
             }
             world.barrier()?;
+            drop(step_trace);
         }
         Ok((model, metrics))
     }

@@ -89,11 +89,13 @@ pub fn step_gradients_planned<B: FlashOps, M: TrainModel<CpTrain<B>>>(
         match pass {
             Pass::Forward(unit) => {
                 if let Some(planned) = units[unit] {
+                    let _span = micro_batch_span(unit, "forward", planned);
                     run.forward(unit, planned)?;
                 }
             }
             Pass::Backward(unit) => {
-                if units[unit].is_some() {
+                if let Some(planned) = units[unit] {
+                    let _span = micro_batch_span(unit, "backward", planned);
                     run.backward(unit)?;
                 }
             }
@@ -139,6 +141,15 @@ pub(crate) fn check_stages_agree(pp: &Comm, plan: &StepPlan) -> Result<(), CpErr
     Ok(())
 }
 
+/// The trace span of this rank's `pass` of its micro-batch in sub-step `unit`.
+fn micro_batch_span(unit: usize, pass: &str, planned: &PlannedBatch) -> burn_dcp::trace::Span {
+    burn_dcp::trace::span(
+        format_args!("micro-batch {unit} {pass}"),
+        "compute",
+        serde_json::json!({"strategy": planned.strategy.to_string(), "ranks": [planned.ranks.start, planned.ranks.end]}),
+    )
+}
+
 /// The bytes one rank sent during one step: every rank measures its own
 /// ([`Communicator::stats`](burn_dcp::comm::Communicator::stats)) and rank 0 sums them, so the
 /// totals are the same whether ranks are threads of one process or processes of an MPI job.
@@ -156,6 +167,13 @@ pub(crate) struct StepBytes {
     /// After [`summed`](Self::summed): every rank's, in world order.
     #[serde(default)]
     pub(crate) peak_memory_per_rank: Vec<Option<f64>>,
+    /// The rank's time in communication calls and waits ([`burn_dcp::trace::comm_wait_time`]);
+    /// [`summed`](Self::summed) keeps the max.
+    #[serde(default)]
+    pub(crate) comm_wait_ms: f64,
+    /// The rank's optimizer update; [`summed`](Self::summed) keeps the max.
+    #[serde(default)]
+    pub(crate) optimizer_ms: f64,
 }
 
 /// This rank's peak memory so far, in MiB (2²⁰ bytes). Ranks that are processes (MPI, TCP):
@@ -195,6 +213,8 @@ impl StepBytes {
             attention_ms: 0.0,
             peak_memory_mb: None,
             peak_memory_per_rank: Vec::new(),
+            comm_wait_ms: 0.0,
+            optimizer_ms: 0.0,
         }
     }
 
@@ -212,6 +232,8 @@ impl StepBytes {
             sum.total += rank.total;
             sum.attention_ms = sum.attention_ms.max(rank.attention_ms);
             sum.peak_memory_per_rank.push(rank.peak_memory_mb);
+            sum.comm_wait_ms = sum.comm_wait_ms.max(rank.comm_wait_ms);
+            sum.optimizer_ms = sum.optimizer_ms.max(rank.optimizer_ms);
             sum.links.intra_node += rank.links.intra_node;
             sum.links.inter_node += rank.links.inter_node;
             for (label, bytes) in rank.labels {

@@ -88,7 +88,9 @@ pub fn cp_attention_forward_only<B: FlashOps>(
         to_tokens::<B>(key),
         to_tokens::<B>(value),
     );
-    match timed(|| cp_attention_forward(&context.group, &context.batch, q, k, v)) {
+    match timed("forward", &context.group.strategy, || {
+        cp_attention_forward(&context.group, &context.batch, q, k, v)
+    }) {
         Ok(result) => to_heads(result.out),
         Err(error) => fail("forward", &context, &shape, error),
     }
@@ -176,8 +178,10 @@ impl<B: FlashOps> Backward<B, 3> for CpAttentionBackward {
             dout: to_tokens::<B>(grad_out),
         };
         let context = saved.context;
-        let grads_out = timed(|| cp_attention_backward(&context.group, &context.batch, inputs))
-            .unwrap_or_else(|error| fail("backward", &context, &shape, error));
+        let grads_out = timed("backward", &context.group.strategy, || {
+            cp_attention_backward(&context.group, &context.batch, inputs)
+        })
+        .unwrap_or_else(|error| fail("backward", &context, &shape, error));
         for (node, grad) in [
             (node_q, grads_out.dq),
             (node_k, grads_out.dk),
@@ -203,7 +207,7 @@ impl<B: FlashOps, C: CheckpointStrategy> CpInner for Autodiff<B, C> {
             to_tokens::<B>(key.primitive),
             to_tokens::<B>(value.primitive),
         );
-        let result = timed(|| {
+        let result = timed("forward", &context.group.strategy, || {
             cp_attention_forward(
                 &context.group,
                 &context.batch,

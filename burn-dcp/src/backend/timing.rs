@@ -21,8 +21,18 @@ pub fn attention_time() -> Duration {
     ATTENTION_TIME.with(Cell::get)
 }
 
-/// Runs `work`, adding its wall time to this thread's attention time.
-pub(crate) fn timed<T>(work: impl FnOnce() -> T) -> T {
+/// Runs `work` (the `pass` of a CP attention call of `strategy`), adding its wall time to this
+/// thread's attention time, as a span `attention <pass>` of the trace ([`crate::trace`]).
+pub(crate) fn timed<T>(
+    pass: &str,
+    strategy: &impl std::fmt::Display,
+    work: impl FnOnce() -> T,
+) -> T {
+    let _span = crate::trace::span(
+        format_args!("attention {pass}"),
+        "attention",
+        serde_json::json!({"strategy": strategy.to_string()}),
+    );
     let started = Instant::now();
     let result = work();
     let elapsed = started.elapsed();
