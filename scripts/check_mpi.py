@@ -116,7 +116,7 @@ if done.returncode != 0:
 with open(trace) as f:
     events = json.load(f)["traceEvents"]
 tracks = sorted({e["tid"] for e in events})
-comm = sum(e.get("args", {}).get("bytes", 0) for e in events if e["ph"] == "E" and e.get("cat") == "comm")
+comm = sum(e.get("args", {}).get("bytes", 0) for e in events if e.get("cat") == "comm")
 print(f"trace -n 4 ({launcher}): tracks {tracks}, communication spans {comm} bytes, summary "
       f"{traced['bytes_communicated']}, peak memory {traced['peak_memory_mb']:.1f} MiB")
 if tracks != [0, 1, 2, 3] or comm != traced["bytes_communicated"]:

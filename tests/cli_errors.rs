@@ -1243,14 +1243,22 @@ fn gpt_longctx_trace_has_a_track_per_rank_and_every_byte() {
                 tracks.insert(tid);
                 let name = event["name"].as_str().unwrap().to_string();
                 attention += usize::from(name.starts_with("attention "));
+                if event["cat"] == "comm" {
+                    comm_bytes += event["args"]["bytes"].as_u64().unwrap();
+                }
                 open.entry(tid).or_default().push(name);
             }
             "E" => {
                 let closed = open.get_mut(&tid).and_then(Vec::pop);
-                assert!(closed.is_some(), "an end without a begin on track {tid}");
-                if event["cat"] == "comm" {
-                    comm_bytes += event["args"]["bytes"].as_u64().unwrap();
-                }
+                assert_eq!(
+                    closed.as_deref(),
+                    event["name"].as_str(),
+                    "an end that closes no begin of its name on track {tid}"
+                );
+                assert!(
+                    event["args"]["bytes"].is_null(),
+                    "bytes counted once: {event}"
+                );
             }
             "M" => named += 1,
             other => panic!("unexpected phase {other}"),

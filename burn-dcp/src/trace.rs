@@ -9,9 +9,10 @@
 //! is recorded, a span costs two thread-local reads.
 //!
 //! [`TracedComm`] wraps a communicator: every call (sends, receives and the waits on them,
-//! collectives) becomes a span of category `"comm"` whose end event has `args.bytes` — the data
-//! bytes this rank sent in it, by the communicator's own count ([`Communicator::stats`]; 0 for
-//! waits) — and `args.peer` (world rank) or `args.group`; its wall time adds to the thread's [`comm_wait_time`] whether or not a
+//! collectives) becomes a span of category `"comm"` whose begin event has `args.bytes` — the
+//! data bytes this rank sent in it, by the communicator's own count ([`Communicator::stats`]; 0
+//! for waits) — and `args.peer` (world rank) or `args.group` (the span's two events are
+//! recorded when the call returns, the begin at the call's start time); its wall time adds to the thread's [`comm_wait_time`] whether or not a
 //! trace is recorded. Groups split from a traced communicator are traced.
 
 use std::cell::{Cell, RefCell};
@@ -140,7 +141,7 @@ impl Drop for RankTrace {
 /// An open span; dropping it closes it.
 #[must_use = "a span ends when its guard is dropped"]
 pub struct Span {
-    open: Option<(Arc<Tracer>, usize, &'static str)>,
+    open: Option<(Arc<Tracer>, usize, &'static str, String)>,
 }
 
 impl Span {
@@ -150,9 +151,11 @@ impl Span {
     }
 
     fn close(&mut self, args: Value) {
-        if let Some((tracer, rank, category)) = self.open.take() {
-            let mut event =
-                json!({"ph": "E", "cat": category, "pid": 0, "tid": rank, "ts": tracer.now_us()});
+        if let Some((tracer, rank, category, name)) = self.open.take() {
+            let mut event = json!({
+                "ph": "E", "name": name, "cat": category, "pid": 0, "tid": rank,
+                "ts": tracer.now_us(),
+            });
             if !args.is_null() {
                 event["args"] = args;
             }
@@ -174,17 +177,43 @@ pub fn span(name: impl fmt::Display, category: &'static str, args: Value) -> Spa
         return Span { open: None };
     }
     let open = RANK.with(|r| r.borrow().clone()).map(|(tracer, rank)| {
+        let name = name.to_string();
         let mut event = json!({
-            "ph": "B", "name": name.to_string(), "cat": category, "pid": 0, "tid": rank,
+            "ph": "B", "name": name, "cat": category, "pid": 0, "tid": rank,
             "ts": tracer.now_us(),
         });
         if !args.is_null() {
             event["args"] = args;
         }
         tracer.push(event);
-        (tracer, rank, category)
+        (tracer, rank, category, name)
     });
     Span { open }
+}
+
+/// A communication span already over: its begin (at `started`, with `args`) and its end (now),
+/// recorded together so the begin carries what the call learned (its bytes).
+fn comm_span(name: &str, started_us: Option<f64>, args: Value) {
+    let Some(started_us) = started_us else {
+        return;
+    };
+    if let Some((tracer, rank)) = RANK.with(|r| r.borrow().clone()) {
+        tracer.push(json!({
+            "ph": "B", "name": name, "cat": "comm", "pid": 0, "tid": rank, "ts": started_us,
+            "args": args,
+        }));
+        tracer.push(json!({
+            "ph": "E", "name": name, "cat": "comm", "pid": 0, "tid": rank, "ts": tracer.now_us(),
+        }));
+    }
+}
+
+/// Now on this thread's trace clock, if it records.
+fn trace_now() -> Option<f64> {
+    if !recording() {
+        return None;
+    }
+    RANK.with(|r| r.borrow().as_ref().map(|(tracer, _)| tracer.now_us()))
 }
 
 /// Whether this thread records a trace now.
@@ -215,16 +244,15 @@ impl TracedComm {
         Arc::new(Self { inner: comm })
     }
 
-    /// Runs `op`, timed, as a span named `name` whose end carries the bytes this rank sent in it.
+    /// Runs `op`, timed, as a span named `name` carrying the bytes this rank sent in it.
     fn call<T>(
         &self,
         name: &'static str,
         target: Value,
         op: impl FnOnce() -> Result<T, CommError>,
     ) -> Result<T, CommError> {
-        let recording = recording();
-        let before = recording.then(|| self.inner.stats().total_bytes());
-        let span = span(name, "comm", Value::Null);
+        let started_us = trace_now();
+        let before = started_us.map(|_| self.inner.stats().total_bytes());
         let started = Instant::now();
         let result = op();
         add_wait(started.elapsed());
@@ -234,7 +262,7 @@ impl TracedComm {
             if let (Value::Object(args), Value::Object(target)) = (&mut args, target) {
                 args.extend(target);
             }
-            span.end_with(args);
+            comm_span(name, started_us, args);
         }
         result
     }
@@ -261,11 +289,15 @@ impl Communicator for TracedComm {
         let target = json!({"peer": self.inner.global_rank(peer)});
         let pending = self.call("send", target.clone(), || self.inner.isend(peer, data))?;
         Ok(PendingSend::new(move || {
-            let span = span("wait send", "comm", Value::Null);
+            let started_us = trace_now();
             let started = Instant::now();
             let result = pending.wait();
             add_wait(started.elapsed());
-            span.end_with(json!({"bytes": 0, "peer": target["peer"]}));
+            comm_span(
+                "wait send",
+                started_us,
+                json!({"bytes": 0, "peer": target["peer"]}),
+            );
             result
         }))
     }
@@ -274,11 +306,15 @@ impl Communicator for TracedComm {
         let target = json!({"peer": self.inner.global_rank(peer)});
         let pending = self.call("post recv", target.clone(), || self.inner.irecv(peer))?;
         Ok(PendingRecv::new(move || {
-            let span = span("wait recv", "comm", Value::Null);
+            let started_us = trace_now();
             let started = Instant::now();
             let result = pending.wait();
             add_wait(started.elapsed());
-            span.end_with(json!({"bytes": 0, "peer": target["peer"]}));
+            comm_span(
+                "wait recv",
+                started_us,
+                json!({"bytes": 0, "peer": target["peer"]}),
+            );
             result
         }))
     }
