@@ -8,13 +8,83 @@ use std::sync::Arc;
 
 use burn_dcp::harness::{run_context_parallel, run_single_device};
 use burn_dcp::kernels::MaskSpec;
-use burn_dcp::planner::cost::{AttentionDims, Pass};
+use burn_dcp::planner::cost::{AttentionDims, Pass, RoutedPlan};
 use burn_dcp::planner::dcp::{dcp_execution_plan, dcp_plan, DcpConfig};
-use burn_dcp::planner::plan::{tile_grids, BlockProblem, ComputeBlock, Plan, PlanStats};
+use burn_dcp::planner::plan::{tile_grids, BlockProblem, ComputeBlock, Plan, PlanStats, TileGrid};
 use burn_dcp::planner::topology::Topology;
 use burn_dcp::strategy::block_plan::{BlockSchedule, Instruction};
-use burn_dcp::{CpBatch, Layout, Strategy};
+use burn_dcp::{CpBatch, CpError, Layout, Strategy};
 use common::{assert_close, masks, random_inputs, spec, B};
+
+/// What a DCP plan of `seq_lens` under `mask` with `units` head units is made from: the problem
+/// (blocks of `block` tokens), the attention dims `heads` (query heads, kv heads, head dim), the
+/// topology of `cp` ranks over `nodes` nodes and the planner's settings (`stages`).
+struct Setup {
+    problem: BlockProblem,
+    dims: AttentionDims,
+    topology: Topology,
+    config: DcpConfig,
+}
+
+impl Setup {
+    fn new(
+        seq_lens: &[usize],
+        mask: &MaskSpec,
+        heads: (usize, usize, usize),
+        (cp, nodes): (usize, usize),
+        (block, stages, units): (usize, usize, usize),
+    ) -> Self {
+        Self {
+            problem: BlockProblem {
+                seq_lens: seq_lens.to_vec(),
+                masks: vec![mask.clone()],
+                head_groups: units,
+                block,
+            },
+            dims: AttentionDims {
+                heads: heads.0,
+                kv_heads: heads.1,
+                head_dim: heads.2,
+                element_bytes: 4,
+            },
+            topology: topology(cp, nodes),
+            config: DcpConfig {
+                stages,
+                ..DcpConfig::default()
+            },
+        }
+    }
+
+    /// The plan made by `planner`, executable.
+    fn schedule(&self, planner: Planner) -> BlockSchedule {
+        let grids = tile_grids(&self.problem);
+        let routed = planner(
+            &self.problem,
+            grids,
+            &self.dims,
+            &self.topology,
+            &self.config,
+        );
+        BlockSchedule::new(&routed.unwrap().plan, &self.problem, &self.topology).unwrap()
+    }
+}
+
+/// A DCP planner's signature (`dcp_plan`, `dcp_execution_plan`).
+type Planner = fn(
+    &BlockProblem,
+    Vec<TileGrid>,
+    &AttentionDims,
+    &Topology,
+    &DcpConfig,
+) -> Result<RoutedPlan, CpError>;
+
+/// `cp` ranks over `nodes` nodes of the a100-p4d preset.
+fn topology(cp: usize, nodes: usize) -> Topology {
+    Topology {
+        devices_per_node: cp / nodes,
+        ..Topology::a100_p4d(nodes)
+    }
+}
 
 /// The executable DCP schedule of `seq_lens` under `mask` on `cp` ranks over `nodes` nodes.
 fn schedule(
@@ -26,28 +96,7 @@ fn schedule(
     block: usize,
     stages: usize,
 ) -> BlockSchedule {
-    let problem = BlockProblem {
-        seq_lens: seq_lens.to_vec(),
-        masks: vec![mask.clone()],
-        head_groups: 1,
-        block,
-    };
-    let dims = AttentionDims {
-        heads: heads.0,
-        kv_heads: heads.1,
-        head_dim: heads.2,
-        element_bytes: 4,
-    };
-    let topology = Topology {
-        devices_per_node: cp / nodes,
-        ..Topology::a100_p4d(nodes)
-    };
-    let config = DcpConfig {
-        stages,
-        ..DcpConfig::default()
-    };
-    let routed = dcp_plan(&problem, tile_grids(&problem), &dims, &topology, &config).unwrap();
-    BlockSchedule::new(&routed.plan, &problem, &topology).unwrap()
+    Setup::new(seq_lens, mask, heads, (cp, nodes), (block, stages, 1)).schedule(dcp_plan)
 }
 
 fn check(seq_lens: &[usize], mask: &MaskSpec, cp: usize, nodes: usize, block: usize, seed: u64) {
@@ -226,29 +275,7 @@ fn unit_schedule(
     block: usize,
     units: usize,
 ) -> BlockSchedule {
-    let problem = BlockProblem {
-        seq_lens: seq_lens.to_vec(),
-        masks: vec![mask.clone()],
-        head_groups: units,
-        block,
-    };
-    let dims = AttentionDims {
-        heads: heads.0,
-        kv_heads: heads.1,
-        head_dim: heads.2,
-        element_bytes: 4,
-    };
-    let topology = Topology {
-        devices_per_node: cp / nodes,
-        ..Topology::a100_p4d(nodes)
-    };
-    let config = DcpConfig {
-        stages: 3,
-        ..DcpConfig::default()
-    };
-    let routed =
-        dcp_execution_plan(&problem, tile_grids(&problem), &dims, &topology, &config).unwrap();
-    BlockSchedule::new(&routed.plan, &problem, &topology).unwrap()
+    Setup::new(seq_lens, mask, heads, (cp, nodes), (block, 3, units)).schedule(dcp_execution_plan)
 }
 
 /// A valid plan placed at random: every head unit's data block on a random home, every tile on
@@ -324,10 +351,7 @@ fn head_unit_plans_are_exact_and_send_what_they_predict() {
             head_groups: units,
             block: 8,
         };
-        let topology = Topology {
-            devices_per_node: cp / nodes,
-            ..Topology::a100_p4d(nodes)
-        };
+        let topology = topology(cp, nodes);
         let random = random_plan(&problem, cp, i as u64 + 1);
         let plan = BlockSchedule::new(&random, &problem, &topology).unwrap();
         assert_eq!(plan.units, units);

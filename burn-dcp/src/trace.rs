@@ -144,29 +144,14 @@ pub struct Span {
     open: Option<(Arc<Tracer>, usize, &'static str, String)>,
 }
 
-impl Span {
-    /// Adds `args` to the span's end event (e.g. what the span learned on the way).
-    pub fn end_with(mut self, args: Value) {
-        self.close(args);
-    }
-
-    fn close(&mut self, args: Value) {
-        if let Some((tracer, rank, category, name)) = self.open.take() {
-            let mut event = json!({
-                "ph": "E", "name": name, "cat": category, "pid": 0, "tid": rank,
-                "ts": tracer.now_us(),
-            });
-            if !args.is_null() {
-                event["args"] = args;
-            }
-            tracer.push(event);
-        }
-    }
-}
-
 impl Drop for Span {
     fn drop(&mut self) {
-        self.close(Value::Null);
+        if let Some((tracer, rank, category, name)) = self.open.take() {
+            tracer.push(json!({
+                "ph": "E", "name": name, "cat": category, "pid": 0, "tid": rank,
+                "ts": tracer.now_us(),
+            }));
+        }
     }
 }
 
@@ -268,6 +253,21 @@ impl TracedComm {
     }
 }
 
+/// Runs `wait` (the wait on a pending send or receive with world rank `peer`), timed, as a span
+/// `name` that sent nothing.
+fn waited<T>(
+    name: &str,
+    peer: usize,
+    wait: impl FnOnce() -> Result<T, CommError>,
+) -> Result<T, CommError> {
+    let started_us = trace_now();
+    let started = Instant::now();
+    let result = wait();
+    add_wait(started.elapsed());
+    comm_span(name, started_us, json!({"bytes": 0, "peer": peer}));
+    result
+}
+
 impl Communicator for TracedComm {
     fn rank(&self) -> usize {
         self.inner.rank()
@@ -286,36 +286,20 @@ impl Communicator for TracedComm {
     }
 
     fn isend(&self, peer: usize, data: Payload) -> Result<PendingSend, CommError> {
-        let target = json!({"peer": self.inner.global_rank(peer)});
-        let pending = self.call("send", target.clone(), || self.inner.isend(peer, data))?;
+        let peer_global = self.inner.global_rank(peer);
+        let target = json!({"peer": peer_global});
+        let pending = self.call("send", target, || self.inner.isend(peer, data))?;
         Ok(PendingSend::new(move || {
-            let started_us = trace_now();
-            let started = Instant::now();
-            let result = pending.wait();
-            add_wait(started.elapsed());
-            comm_span(
-                "wait send",
-                started_us,
-                json!({"bytes": 0, "peer": target["peer"]}),
-            );
-            result
+            waited("wait send", peer_global, || pending.wait())
         }))
     }
 
     fn irecv(&self, peer: usize) -> Result<PendingRecv, CommError> {
-        let target = json!({"peer": self.inner.global_rank(peer)});
-        let pending = self.call("post recv", target.clone(), || self.inner.irecv(peer))?;
+        let peer_global = self.inner.global_rank(peer);
+        let target = json!({"peer": peer_global});
+        let pending = self.call("post recv", target, || self.inner.irecv(peer))?;
         Ok(PendingRecv::new(move || {
-            let started_us = trace_now();
-            let started = Instant::now();
-            let result = pending.wait();
-            add_wait(started.elapsed());
-            comm_span(
-                "wait recv",
-                started_us,
-                json!({"bytes": 0, "peer": target["peer"]}),
-            );
-            result
+            waited("wait recv", peer_global, || pending.wait())
         }))
     }
 

@@ -27,7 +27,8 @@
 use std::ops::Range;
 
 use super::forward::{
-    block_tokens, classify, exp_shifted, matmul, query_blocks, Strided, TileKind, KEY_TILE,
+    block_tokens, classify, exp_shifted, group_rows, key_extent, matmul, nonfinite_prefix,
+    query_blocks, Strided, TileKind, KEY_TILE,
 };
 use super::{axpy, dot, parallel_map};
 use crate::definition::{AttentionShape, VarlenAttention};
@@ -61,10 +62,10 @@ pub(super) fn tiled(x: Inputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let group = s.group_size();
     let blocks = query_blocks(x.problem, block_tokens(group));
     let parts = parts(&blocks, x.spans);
-    let nonfinite_kv = nonfinite_key_prefix(&x);
+    let nonfinite = NonFinite::of(&x);
     let items = parallel_map(x.threads, s.kv_heads * parts.len(), |item| {
         let (kv, part) = (item % s.kv_heads, &parts[item / s.kv_heads]);
-        part_backward(&x, &nonfinite_kv[kv], kv, &blocks[part.clone()])
+        part_backward(&x, &nonfinite, kv, &blocks[part.clone()])
     });
     let (d, dvd) = (s.head_dim, s.value_dim);
     let mut dq = vec![0.0f32; s.q_tokens * s.heads * d];
@@ -123,26 +124,26 @@ fn parts(blocks: &[Range<usize>], spans: &QuerySpans) -> Vec<Range<usize>> {
     parts
 }
 
-/// Per key/value head, how many of the key tokens `0..j` hold a non-finite entry in `k` or `v`
-/// (index `j`).
-fn nonfinite_key_prefix(x: &Inputs) -> Vec<Vec<u32>> {
-    let s = x.shape;
-    (0..s.kv_heads)
-        .map(|kv| {
-            let mut prefix = Vec::with_capacity(s.kv_tokens + 1);
-            let mut count = 0u32;
-            prefix.push(count);
-            for j in 0..s.kv_tokens {
-                let k_at = (j * s.kv_heads + kv) * s.head_dim;
-                let v_at = (j * s.kv_heads + kv) * s.value_dim;
-                let finite = x.k[k_at..k_at + s.head_dim].iter().all(|e| e.is_finite())
-                    && x.v[v_at..v_at + s.value_dim].iter().all(|e| e.is_finite());
-                count += u32::from(!finite);
-                prefix.push(count);
-            }
-            prefix
-        })
-        .collect()
+/// Per key/value head, where `k` and `v` hold non-finite rows ([`nonfinite_prefix`]).
+struct NonFinite {
+    k: Vec<Vec<u32>>,
+    v: Vec<Vec<u32>>,
+}
+
+impl NonFinite {
+    fn of(x: &Inputs) -> Self {
+        let s = x.shape;
+        Self {
+            k: nonfinite_prefix(x.k, s.kv_tokens, s.kv_heads, s.head_dim),
+            v: nonfinite_prefix(x.v, s.kv_tokens, s.kv_heads, s.value_dim),
+        }
+    }
+
+    /// Whether every key and value row of `keys` of key/value head `kv` is finite.
+    fn finite(&self, kv: usize, keys: &Range<usize>) -> bool {
+        let clean = |prefix: &[u32]| prefix[keys.end] == prefix[keys.start];
+        clean(&self.k[kv]) && clean(&self.v[kv])
+    }
 }
 
 /// What one item computes: its blocks' `dq` rows (as stacked), and its `dk`, `dv` over `keys`.
@@ -155,16 +156,16 @@ struct PartGradients {
 
 fn part_backward(
     x: &Inputs,
-    nonfinite_kv: &[u32],
+    nonfinite: &NonFinite,
     kv: usize,
     blocks: &[Range<usize>],
 ) -> PartGradients {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (checked just above).
-        return unsafe { part_backward_avx2(x, nonfinite_kv, kv, blocks) };
+        return unsafe { part_backward_avx2(x, nonfinite, kv, blocks) };
     }
-    part_backward_any(x, nonfinite_kv, kv, blocks)
+    part_backward_any(x, nonfinite, kv, blocks)
 }
 
 /// [`part_backward_any`] compiled with AVX2 (the elementwise loops eight lanes wide).
@@ -172,34 +173,23 @@ fn part_backward(
 #[target_feature(enable = "avx2")]
 unsafe fn part_backward_avx2(
     x: &Inputs,
-    nonfinite_kv: &[u32],
+    nonfinite: &NonFinite,
     kv: usize,
     blocks: &[Range<usize>],
 ) -> PartGradients {
-    part_backward_any(x, nonfinite_kv, kv, blocks)
+    part_backward_any(x, nonfinite, kv, blocks)
 }
 
 #[inline(always)]
 fn part_backward_any(
     x: &Inputs,
-    nonfinite_kv: &[u32],
+    nonfinite: &NonFinite,
     kv: usize,
     blocks: &[Range<usize>],
 ) -> PartGradients {
     let s = x.shape;
-    let extent = |block: &Range<usize>| {
-        let ranges = block.clone().flat_map(|t| x.spans.of(t).iter());
-        ranges
-            .filter(|r| !r.is_empty())
-            .fold((usize::MAX, 0), |(lo, hi), r| {
-                (lo.min(r.start), hi.max(r.end))
-            })
-    };
-    let (lo, hi) = blocks
-        .iter()
-        .map(extent)
-        .fold((usize::MAX, 0), |a, b| (a.0.min(b.0), a.1.max(b.1)));
-    let keys = if lo < hi { lo..hi } else { 0..0 };
+    let tokens = blocks.iter().flat_map(|block| block.clone());
+    let keys = key_extent(tokens.flat_map(|t| x.spans.of(t).iter()));
     let mut part = PartGradients {
         dq: Vec::with_capacity(blocks.len()),
         dk: vec![0.0; keys.len() * s.head_dim],
@@ -208,7 +198,7 @@ fn part_backward_any(
     };
     let mut scratch = Scratch::default();
     for block in blocks {
-        let dq = block_backward(x, nonfinite_kv, kv, block.clone(), &mut part, &mut scratch);
+        let dq = block_backward(x, nonfinite, kv, block.clone(), &mut part, &mut scratch);
         part.dq.push(dq);
     }
     part
@@ -237,16 +227,13 @@ fn block_rows(x: &Inputs, kv: usize, block: &Range<usize>, spans: &[&[Range<usiz
     let s = x.shape;
     let (group, d, dv) = (s.group_size(), s.head_dim, s.value_dim);
     let rows = block.len() * group;
-    let mut q = Vec::with_capacity(rows * d);
-    let mut dout = Vec::with_capacity(rows * dv);
+    let q = group_rows(x.q, block, s.heads, kv, group, d);
+    let dout = group_rows(x.dout, block, s.heads, kv, group, dv);
     let mut delta = Vec::with_capacity(rows);
     let mut lse = Vec::with_capacity(rows);
     let mut finite = true;
     for (r, t) in block.clone().enumerate() {
-        let q_at = (t * s.heads + kv * group) * d;
-        q.extend_from_slice(&x.q[q_at..q_at + group * d]);
         let o_at = (t * s.heads + kv * group) * dv;
-        dout.extend_from_slice(&x.dout[o_at..o_at + group * dv]);
         let has_keys = spans[r].iter().any(|span| !span.is_empty());
         for g in 0..group {
             let row = o_at + g * dv..o_at + (g + 1) * dv;
@@ -280,7 +267,7 @@ fn block_rows(x: &Inputs, kv: usize, block: &Range<usize>, spans: &[&[Range<usiz
 /// into the part's.
 fn block_backward(
     x: &Inputs,
-    nonfinite_kv: &[u32],
+    nonfinite: &NonFinite,
     kv: usize,
     block: Range<usize>,
     part: &mut PartGradients,
@@ -291,25 +278,19 @@ fn block_backward(
     let rows = block.len() * group;
     let mut dq = vec![0.0f32; rows * d];
     let spans: Vec<&[Range<usize>]> = block.clone().map(|t| x.spans.of(t)).collect();
-    let extent = spans
-        .iter()
-        .flat_map(|own| own.iter())
-        .filter(|r| !r.is_empty());
-    let (lo, hi) = extent.fold((usize::MAX, 0), |(lo, hi), r| {
-        (lo.min(r.start), hi.max(r.end))
-    });
-    if lo >= hi {
+    let extent = key_extent(spans.iter().flat_map(|own| own.iter()));
+    if extent.is_empty() {
         return dq;
     }
     let side = block_rows(x, kv, &block, &spans);
     scratch.p.resize(rows * KEY_TILE, 0.0);
     scratch.ds.resize(rows * KEY_TILE, 0.0);
     scratch.allowed.resize(block.len() * KEY_TILE, false);
-    for first in (lo..hi).step_by(KEY_TILE) {
-        let keys = first..(first + KEY_TILE).min(hi);
+    for first in extent.clone().step_by(KEY_TILE) {
+        let keys = first..(first + KEY_TILE).min(extent.end);
         let width = keys.len();
         let kind = classify(&spans, &keys, &mut scratch.allowed);
-        let tile_finite = nonfinite_kv[keys.end] == nonfinite_kv[keys.start];
+        let tile_finite = nonfinite.finite(kv, &keys);
         match kind {
             TileKind::Empty => continue,
             TileKind::Partial if !(side.finite && tile_finite) => {
@@ -325,15 +306,8 @@ fn block_backward(
         // S = scale · Q Kᵀ, then P = exp(S − lse), 0 where masked.
         let k_at = (keys.start * s.kv_heads + kv) * d;
         let k_rows = Strided::rows(&x.k[k_at..], width, d, s.kv_heads * d);
-        let k_columns = Strided {
-            data: &x.k[k_at..],
-            rows: d,
-            cols: width,
-            row_stride: 1,
-            col_stride: s.kv_heads * d,
-        };
         let q_rows = Strided::rows(&side.q, rows, d, d);
-        matmul(p, q_rows, k_columns, x.scale, false);
+        matmul(p, q_rows, k_rows.t(), x.scale, false);
         for (row, weights) in p.chunks_exact_mut(width).enumerate() {
             exp_shifted(weights, side.lse[row]);
             if let Some(mask) = mask {
@@ -345,31 +319,19 @@ fn block_backward(
         }
         // dV += Pᵀ dO
         let key_offset = keys.start - part.keys.start;
-        let p_columns = Strided {
-            data: p,
-            rows: width,
-            cols: rows,
-            row_stride: 1,
-            col_stride: width,
-        };
+        let p_rows = Strided::rows(p, rows, width, width);
         let dout_rows = Strided::rows(&side.dout, rows, dvd, dvd);
         matmul(
             &mut part.dv[key_offset * dvd..],
-            p_columns,
+            p_rows.t(),
             dout_rows,
             1.0,
             true,
         );
         // dP = dO Vᵀ, then dS = scale · P ⊙ (dP − Δ)
         let v_at = (keys.start * s.kv_heads + kv) * dvd;
-        let v_columns = Strided {
-            data: &x.v[v_at..],
-            rows: dvd,
-            cols: width,
-            row_stride: 1,
-            col_stride: s.kv_heads * dvd,
-        };
-        matmul(ds, dout_rows, v_columns, 1.0, false);
+        let v_rows = Strided::rows(&x.v[v_at..], width, dvd, s.kv_heads * dvd);
+        matmul(ds, dout_rows, v_rows.t(), 1.0, false);
         for ((ds_row, p_row), &delta) in ds
             .chunks_exact_mut(width)
             .zip(p.chunks_exact(width))
@@ -380,23 +342,11 @@ fn block_backward(
             }
         }
         // dQ += dS K, dK += dSᵀ Q
-        matmul(
-            &mut dq,
-            Strided::rows(ds, rows, width, width),
-            k_rows,
-            1.0,
-            true,
-        );
-        let ds_columns = Strided {
-            data: ds,
-            rows: width,
-            cols: rows,
-            row_stride: 1,
-            col_stride: width,
-        };
+        let ds_rows = Strided::rows(ds, rows, width, width);
+        matmul(&mut dq, ds_rows, k_rows, 1.0, true);
         matmul(
             &mut part.dk[key_offset * d..],
-            ds_columns,
+            ds_rows.t(),
             q_rows,
             1.0,
             true,

@@ -75,7 +75,7 @@ pub(super) fn tiled(x: Inputs) -> (Vec<f32>, Vec<f32>) {
     let s = x.shape;
     let group = s.group_size();
     let blocks = query_blocks(x.problem, block_tokens(group));
-    let nonfinite_v = nonfinite_value_prefix(&x);
+    let nonfinite_v = nonfinite_prefix(x.v, s.kv_tokens, s.kv_heads, s.value_dim);
     let items = parallel_map(x.threads, s.kv_heads * blocks.len(), |item| {
         let (kv, block) = (item % s.kv_heads, &blocks[item / s.kv_heads]);
         block_forward(&x, &nonfinite_v[kv], kv, block.clone())
@@ -96,22 +96,61 @@ pub(super) fn tiled(x: Inputs) -> (Vec<f32>, Vec<f32>) {
     (out, lse)
 }
 
-/// Per key/value head, how many of the value rows `0..j` hold a non-finite entry (index `j`).
-fn nonfinite_value_prefix(x: &Inputs) -> Vec<Vec<u32>> {
-    let s = x.shape;
-    (0..s.kv_heads)
+/// Per key/value head, how many of the rows `0..j` of token-major `data [tokens, kv_heads,
+/// width]` hold a non-finite entry (index `j`): a range of rows is finite when its two ends agree.
+pub(super) fn nonfinite_prefix(
+    data: &[f32],
+    tokens: usize,
+    kv_heads: usize,
+    width: usize,
+) -> Vec<Vec<u32>> {
+    (0..kv_heads)
         .map(|kv| {
-            let mut prefix = Vec::with_capacity(s.kv_tokens + 1);
+            let mut prefix = Vec::with_capacity(tokens + 1);
             let mut count = 0u32;
             prefix.push(count);
-            for j in 0..s.kv_tokens {
-                let at = (j * s.kv_heads + kv) * s.value_dim;
-                count += u32::from(!x.v[at..at + s.value_dim].iter().all(|e| e.is_finite()));
+            for j in 0..tokens {
+                let at = (j * kv_heads + kv) * width;
+                count += u32::from(!data[at..at + width].iter().all(|e| e.is_finite()));
                 prefix.push(count);
             }
             prefix
         })
         .collect()
+}
+
+/// The extent of the allowed keys of `spans` (key ranges of some queries): from the first allowed
+/// key to past the last; empty when none is allowed.
+pub(super) fn key_extent<'a>(spans: impl IntoIterator<Item = &'a Range<usize>>) -> Range<usize> {
+    let (lo, hi) = spans
+        .into_iter()
+        .filter(|r| !r.is_empty())
+        .fold((usize::MAX, 0), |(lo, hi), r| {
+            (lo.min(r.start), hi.max(r.end))
+        });
+    if lo < hi {
+        lo..hi
+    } else {
+        0..0
+    }
+}
+
+/// The rows of `block` in token-major `data [tokens, heads, width]` that key/value head `kv`'s
+/// `group` query heads own, stacked (token, head of the group): per token they are adjacent.
+pub(super) fn group_rows(
+    data: &[f32],
+    block: &Range<usize>,
+    heads: usize,
+    kv: usize,
+    group: usize,
+    width: usize,
+) -> Vec<f32> {
+    let mut rows = Vec::with_capacity(block.len() * group * width);
+    for t in block.clone() {
+        let at = (t * heads + kv * group) * width;
+        rows.extend_from_slice(&data[at..at + group * width]);
+    }
+    rows
 }
 
 /// How a key tile meets a query block.
@@ -203,28 +242,17 @@ fn block_forward_any(
     let spans: Vec<&[Range<usize>]> = block.clone().map(|t| x.spans.of(t)).collect();
     let mut out = vec![0.0f32; rows * dv];
     let mut lse = vec![f32::NEG_INFINITY; rows];
-    let extent = spans
-        .iter()
-        .flat_map(|own| own.iter())
-        .filter(|r| !r.is_empty());
-    let (lo, hi) = extent.fold((usize::MAX, 0), |(lo, hi), r| {
-        (lo.min(r.start), hi.max(r.end))
-    });
-    if lo >= hi {
+    let extent = key_extent(spans.iter().flat_map(|own| own.iter()));
+    if extent.is_empty() {
         return (out, lse);
     }
-    // The group's query rows: per token, its `group` heads are adjacent in `q`.
-    let mut q = Vec::with_capacity(rows * d);
-    for t in block.clone() {
-        let at = (t * s.heads + kv * group) * d;
-        q.extend_from_slice(&x.q[at..at + group * d]);
-    }
+    let q = group_rows(x.q, &block, s.heads, kv, group, d);
     let q = Strided::rows(&q, rows, d, d);
     let mut state = Softmax::new(rows);
     let mut scores = vec![0.0f32; rows * KEY_TILE];
     let mut allowed = vec![false; block.len() * KEY_TILE];
-    for first in (lo..hi).step_by(KEY_TILE) {
-        let keys = first..(first + KEY_TILE).min(hi);
+    for first in extent.clone().step_by(KEY_TILE) {
+        let keys = first..(first + KEY_TILE).min(extent.end);
         let width = keys.len();
         let kind = classify(&spans, &keys, &mut allowed);
         if kind == TileKind::Empty {
@@ -233,13 +261,7 @@ fn block_forward_any(
         let scores = &mut scores[..rows * width];
         // Kᵀ of the tile: element (dim c, key j) at k[((first + j) · kv_heads + kv) · d + c].
         let k_at = (keys.start * s.kv_heads + kv) * d;
-        let k_tile = Strided {
-            data: &x.k[k_at..],
-            rows: d,
-            cols: width,
-            row_stride: 1,
-            col_stride: s.kv_heads * d,
-        };
+        let k_tile = Strided::rows(&x.k[k_at..], width, d, s.kv_heads * d).t();
         matmul(scores, q, k_tile, x.scale, false);
         let mask = (kind == TileKind::Partial).then(|| &allowed[..block.len() * width]);
         state.absorb(scores, width, group, mask, &mut out, dv);
@@ -448,6 +470,17 @@ impl<'a> Strided<'a> {
             cols,
             row_stride,
             col_stride: 1,
+        }
+    }
+
+    /// The transpose: the same elements, rows and columns swapped.
+    pub(super) fn t(self) -> Self {
+        Self {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
         }
     }
 

@@ -683,7 +683,7 @@ pub fn unit_move_transfers(
     sizes: &UnitSizes,
 ) -> Vec<Transfer> {
     let unit_homes = crate::planner::plan::unit_homes(plan, problem);
-    let token_homes = crate::planner::plan::token_homes(plan, problem);
+    let token_homes = crate::planner::plan::token_homes(&unit_homes);
     unit_moves(&unit_homes, &token_homes, sizes, |seq, block| {
         block_tokens(problem, seq, block)
     })

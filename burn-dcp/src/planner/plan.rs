@@ -350,14 +350,14 @@ pub fn unit_homes(plan: &Plan, problem: &BlockProblem) -> Vec<Vec<Vec<usize>>> {
     homes
 }
 
-/// Where the model keeps each token block of an executed plan, `token_homes[seq][block]`: the
-/// rank homing the block's Q for the most head units (ties: the one of the lowest unit). The
-/// model's token-local layers need every head of a token on one rank, so a head unit homed
-/// elsewhere moves there before the pass and its results come back after it
-/// ([`crate::planner::cost::unit_move_transfers`]). With one head unit: that unit's home.
-pub fn token_homes(plan: &Plan, problem: &BlockProblem) -> Vec<Vec<usize>> {
-    unit_homes(plan, problem)
-        .into_iter()
+/// Where the model keeps each token block of an executed plan, `token_homes[seq][block]`, from its
+/// units' homes ([`unit_homes`]): the rank homing the block's Q for the most head units (ties:
+/// the one of the lowest unit). The model's token-local layers need every head of a token on one
+/// rank, so a head unit homed elsewhere moves there before the pass and its results come back
+/// after it ([`crate::planner::cost::unit_move_transfers`]). With one head unit: that unit's home.
+pub fn token_homes(unit_homes: &[Vec<Vec<usize>>]) -> Vec<Vec<usize>> {
+    unit_homes
+        .iter()
         .map(|blocks| blocks.iter().map(|units| majority(units)).collect())
         .collect()
 }
@@ -678,6 +678,9 @@ mod tests {
             }
         }
         assert_eq!(unit_homes(&plan, &problem)[0][1], vec![0, 1, 2, 3]);
-        assert_eq!(token_homes(&plan, &problem), vec![vec![1, 0, 3]]);
+        assert_eq!(
+            token_homes(&unit_homes(&plan, &problem)),
+            vec![vec![1, 0, 3]]
+        );
     }
 }

@@ -299,7 +299,7 @@ impl BlockSchedule {
     pub fn new(plan: &Plan, problem: &BlockProblem, topology: &Topology) -> Result<Self, CpError> {
         check_executable(plan, problem, topology)?;
         let unit_homes = shared_homes(plan, problem)?;
-        let homes = token_homes(plan, problem);
+        let homes = token_homes(&unit_homes);
         let tiles = rank_tiles(plan);
         let routes = routes(plan, topology);
         let last_stage = plan.blocks.iter().map(|b| b.stage).max().unwrap_or(0);

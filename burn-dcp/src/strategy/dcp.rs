@@ -75,6 +75,11 @@ impl Heads {
         (self.kv_heads / self.units).max(1)
     }
 
+    /// A unit's query heads, kv heads and head dim.
+    fn unit_dims(&self) -> (usize, usize, usize) {
+        (self.unit_heads(), self.unit_kv_heads(), self.dim)
+    }
+
     /// First query head of `unit`.
     fn first_head(&self, unit: usize) -> usize {
         unit * self.unit_heads()
@@ -388,11 +393,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
 
     fn copy_shapes(&self, side: Side, block: BlockId, backward: bool) -> Vec<Vec<usize>> {
         let t = self.tokens(block);
-        let (h, kv, d) = (
-            self.heads.unit_heads(),
-            self.heads.unit_kv_heads(),
-            self.heads.dim,
-        );
+        let (h, kv, d) = self.heads.unit_dims();
         match (side, backward) {
             (Side::QueryOutput, false) => vec![vec![t, h, d]],
             (Side::QueryOutput, true) => {
@@ -404,11 +405,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
 
     fn result_shapes(&self, side: Side, block: BlockId, backward: bool) -> Vec<Vec<usize>> {
         let t = self.tokens(block);
-        let (h, kv, d) = (
-            self.heads.unit_heads(),
-            self.heads.unit_kv_heads(),
-            self.heads.dim,
-        );
+        let (h, kv, d) = self.heads.unit_dims();
         match (side, backward) {
             (Side::QueryOutput, false) => vec![vec![t, h, d], vec![h, t]],
             (Side::QueryOutput, true) => vec![vec![t, h, d]],
