@@ -17,8 +17,8 @@ use burn_dcp::kernels::FlashOps;
 use burn_dcp_suite::launch::Ranks;
 use burn_dcp_suite::train::metrics::truncate_metrics;
 use burn_dcp_suite::train::{
-    check_resume, train_rank, write_json, Progress, RankOutcome, StepMetrics, TrainConfig,
-    TrainData, TrainError, TrainFlags,
+    check_resume, train_rank, write_json, Progress, RankOutcome, Recompute, StepMetrics,
+    TrainConfig, TrainData, TrainError, TrainFlags,
 };
 use clap::Parser;
 use serde_json::json;
@@ -210,6 +210,10 @@ fn train(
     let strategy = match config.pp {
         1 => strategy,
         _ => format!("{strategy}, {} pipeline schedule", config.pp_schedule),
+    };
+    let strategy = match config.recompute {
+        Recompute::None => strategy,
+        recompute => format!("{strategy}, recompute {recompute}"),
     };
     if leader {
         eprintln!(

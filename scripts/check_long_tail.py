@@ -9,7 +9,8 @@ dynamic and dcp move fewer inter-node bytes and spend less attention_ms than rin
 auto's attention_ms is within 5 % of the best of ring, dynamic and dcp.
 
 Usage: python3 scripts/check_long_tail.py [BIN] [--lengths-from longalign-like|ldc-like]
-       [--link-scale F] [--strategies ring,dynamic,dcp,auto] [--check]
+       [--link-scale F] [--strategies ring,dynamic,dcp,auto] [--model-size tiny|small|base]
+       [--steps N] [--check]
 """
 import json
 import subprocess
@@ -25,8 +26,9 @@ def option(name, default):
 
 lengths = option("--lengths-from", "longalign-like")
 strategies = option("--strategies", "ring,dynamic,dcp,auto").split(",")
-common = ["--lengths-from", lengths, "--seq-len", "8192", "--micro-batches", "4", "--steps", "2",
-          "--seed", "3", "--json"]
+common = ["--lengths-from", lengths, "--seq-len", "8192", "--micro-batches", "4",
+          "--steps", option("--steps", "2"), "--seed", "3",
+          "--model-size", option("--model-size", "tiny"), "--json"]
 links = ["--nodes", "2", "--emulate-links"]
 if "--link-scale" in args:
     links += ["--link-scale", option("--link-scale", "")]

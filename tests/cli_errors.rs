@@ -1282,3 +1282,39 @@ fn gpt_longctx_trace_has_a_track_per_rank_and_every_byte() {
     assert!(summary["peak_memory_mb"].as_f64().unwrap() > 0.0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--recompute none|attention|block`: an unknown mode is refused naming the modes; each mode
+/// trains the same losses, reports itself in the summary's config, and recomputes one forward of
+/// attention communication per backward (the same extra CP bytes for attention and block).
+#[test]
+fn gpt_longctx_recompute_modes_train_the_same_losses() {
+    refused_gpt(
+        &["--recompute", "everything"],
+        "unknown recompute mode 'everything': expected none, attention or block",
+    );
+    let run = |mode: &str| -> serde_json::Value {
+        let args = gpt(&["--steps", "2", "--json", "--recompute", mode]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap()
+    };
+    let none = run("none");
+    let cp_bytes = |report: &serde_json::Value| report["bytes_by_axis"]["cp"].as_u64().unwrap();
+    let mut extra = Vec::new();
+    for mode in ["attention", "block"] {
+        let report = run(mode);
+        assert_eq!(report["config"]["recompute"], mode, "{report}");
+        let losses = report["losses"].as_array().unwrap();
+        let reference = none["losses"].as_array().unwrap();
+        assert_eq!(losses.len(), reference.len());
+        for (loss, reference) in losses.iter().zip(reference) {
+            let (loss, reference) = (loss.as_f64().unwrap(), reference.as_f64().unwrap());
+            assert!(
+                (loss - reference).abs() <= 1e-6 * reference.abs(),
+                "recompute {mode}: loss {loss} vs {reference} without recompute"
+            );
+        }
+        extra.push(cp_bytes(&report) - cp_bytes(&none));
+    }
+    assert!(extra[0] > 0, "no recompute communication: {extra:?}");
+    assert_eq!(extra[0], extra[1], "attention vs block recompute bytes");
+}

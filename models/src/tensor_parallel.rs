@@ -341,6 +341,29 @@ impl<B: Backend> TpGpt<B> {
         Ok(x)
     }
 
+    /// The blocks of this stage.
+    pub fn block_count(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Block `index` of this stage alone (what [`Self::blocks_forward`] runs as its `index`-th).
+    pub fn block_forward<T: TensorParallel<B>>(
+        &self,
+        index: usize,
+        x: Tensor<B, 3>,
+        positions: Tensor<B, 1, Int>,
+        tp: &T,
+    ) -> Result<Tensor<B, 3>, String> {
+        let Some(block) = self.blocks.get(index) else {
+            return Err(format!(
+                "block {index} of a stage of {} blocks",
+                self.blocks.len()
+            ));
+        };
+        let rope = Rope::new(&positions, self.head_dim, self.rope_theta);
+        block.forward(x, &rope, self.heads, self.kv_heads, self.head_dim, tp)
+    }
+
     /// The vocabulary-parallel logits `[T, V / tp]` of the last stage's output `x [1, T, d]`.
     pub fn logits<T: TensorParallel<B>>(
         &self,

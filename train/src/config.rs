@@ -14,7 +14,7 @@ use crate::dynamic::DynamicSettings;
 use crate::error::TrainError;
 use crate::links::EmulatedLinks;
 use crate::model::ModelShape;
-pub use crate::settings::{AutoSettings, DcpSettings, PpSchedule};
+pub use crate::settings::{AutoSettings, DcpSettings, PpSchedule, Recompute};
 
 /// Everything that defines a run (written to `config.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -85,6 +85,9 @@ pub struct TrainConfig {
     /// `None`: the GPT's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_shape: Option<ModelShape>,
+    /// What the backward recomputes (`--recompute`): memory for compute, same results.
+    #[serde(default)]
+    pub recompute: Recompute,
 }
 
 impl Default for TrainConfig {
@@ -119,6 +122,7 @@ impl Default for TrainConfig {
             emulate_links: None,
             auto: None,
             model_shape: None,
+            recompute: Recompute::None,
         }
     }
 }

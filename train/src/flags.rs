@@ -7,7 +7,7 @@ use std::path::Path;
 use burn_dcp::{Layout, Strategy};
 
 use crate::checkpoint::read_json;
-use crate::config::{AutoSettings, DcpSettings, PpSchedule, TrainConfig, MAX_SEQ_LEN};
+use crate::config::{AutoSettings, DcpSettings, PpSchedule, Recompute, TrainConfig, MAX_SEQ_LEN};
 use crate::dynamic::{CpSizes, DynamicSettings};
 use crate::error::TrainError;
 use crate::links::EmulatedLinks;
@@ -110,6 +110,9 @@ pub struct TrainFlags {
     /// bytes | gpt2 (r50k BPE; its 50257-token LM head makes CPU steps ~8x slower) [default: bytes]
     #[cfg_attr(feature = "cli", arg(long))]
     pub tokenizer: Option<String>,
+    /// What the backward recomputes instead of keeping it: none | attention (burn's BalancedCheckpointing: memory-bound activations and the CP attention's output, which communicates once more) | block (every transformer block from its input) [default: none]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub recompute: Option<String>,
     /// Timeout of every communication wait, seconds [default: 60]
     #[cfg_attr(feature = "cli", arg(long))]
     pub timeout_secs: Option<u64>,
@@ -289,6 +292,12 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
         emulate_links: emulated_links(args)?,
         auto: auto_settings(args)?,
         model_shape: None,
+        recompute: args
+            .recompute
+            .as_deref()
+            .map(Recompute::parse)
+            .transpose()?
+            .unwrap_or_default(),
     })
     .and_then(|mut config| {
         if let Some((inner, settings)) = dynamic_settings(args, cp, config.seq_len)? {
@@ -365,6 +374,10 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
     config.emulate_links = given.emulate_links;
     if args.pp_schedule.is_some() {
         config.pp_schedule = given.pp_schedule;
+    }
+    // What the backward recomputes changes memory and time, not results: this run's flag decides.
+    if args.recompute.is_some() {
+        config.recompute = given.recompute;
     }
     let saved_in = format!("(saved in {})", dir.display());
     let settings = |what: &str, given: String, saved: String| {

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::{Tensor, TensorData};
@@ -186,7 +187,7 @@ pub(crate) struct ReducedStep {
 }
 
 /// All-reduces the accumulated gradients and the loss over the world; stops on non-finite values.
-pub(crate) fn reduce_step<B: FlashOps, M: TrainModel<CpTrain<B>>>(
+pub(crate) fn reduce_step<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
     model: &M,
     groups: &RankGroups,
     step: usize,
@@ -203,13 +204,13 @@ pub(crate) fn reduce_step<B: FlashOps, M: TrainModel<CpTrain<B>>>(
     }
     let started = Instant::now();
     let span = burn_dcp::trace::span("gradient all-reduce", "sync", serde_json::Value::Null);
-    let mut flatten = Flatten::<CpTrain<B>> {
+    let mut flatten = Flatten::<CpTrain<B, C>> {
         grads: accumulator.grads(),
         flat: Vec::new(),
     };
     model.visit(&mut flatten);
     let (summed, non_finite) = all_reduce_gradients(flatten.flat, &groups.world, &extra)?;
-    let mut register = Register::<CpTrain<B>> {
+    let mut register = Register::<CpTrain<B, C>> {
         grads: flatten.grads,
         summed,
     };

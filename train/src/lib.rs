@@ -51,8 +51,8 @@ pub use checkpoint::{
     TrainState,
 };
 pub use config::{
-    static_strategy_name, AutoSettings, DcpSettings, PpSchedule, TrainConfig, DEFAULT_PLAN_AHEAD,
-    MAX_MICRO_BATCHES, MAX_PLAN_AHEAD, MAX_SEQ_LEN,
+    static_strategy_name, AutoSettings, DcpSettings, PpSchedule, Recompute, TrainConfig,
+    DEFAULT_PLAN_AHEAD, MAX_MICRO_BATCHES, MAX_PLAN_AHEAD, MAX_SEQ_LEN,
 };
 pub use data::{builtin_documents, TrainData};
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};

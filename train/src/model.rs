@@ -2,6 +2,7 @@
 //! tensor- and pipeline-parallel hooks) and [`ModelShape`] (the sizes the planners and the cost
 //! model use). The GPT of `burn-dcp-models` implements both; any burn model can.
 
+use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
 use burn::module::{AutodiffModule, ParamId};
 use burn::prelude::{Backend, Bool, Int, Tensor, TensorData};
 use burn::tensor::backend::AutodiffBackend;
@@ -14,8 +15,10 @@ use serde::{Deserialize, Serialize};
 use crate::tensor_parallel::TpGroup;
 
 /// The training backend over an inner backend `B` (burn Flex on the CPU, or a cubecl backend with
-/// the kernels): the decorator over autodiff over `B`.
-pub type CpTrain<B> = burn_dcp::ContextParallel<burn::backend::Autodiff<B>>;
+/// the kernels): the decorator over autodiff over `B`, with burn's autodiff checkpoint strategy
+/// `C` (`NoCheckpointing`: keep every activation; `BalancedCheckpointing`: recompute the
+/// memory-bound ones and CP attention's output in the backward, see [`Recompute`](crate::Recompute)).
+pub type CpTrain<B, C = NoCheckpointing> = burn_dcp::ContextParallel<burn::backend::Autodiff<B, C>>;
 
 /// The sizes of a transformer that the planners' work and cost estimates, the head checks of the
 /// strategies and the TP rules read.
@@ -190,6 +193,29 @@ pub trait PipelineStage<B: Backend> {
         positions: Tensor<B, 1, Int>,
         tp: &TpGroup,
     ) -> Result<Tensor<B, 3>, String>;
+    /// The layers [`Self::forward_hidden`] runs one after the other, each of which
+    /// [`Recompute::Block`](crate::Recompute::Block) recomputes on its own (default 1: the
+    /// whole stage is one block).
+    fn layers(&self) -> usize {
+        1
+    }
+    /// Layer `layer` (of [`Self::layers`]) on the hidden states `x`; chained over every layer it
+    /// must compute what [`Self::forward_hidden`] does. Default: the whole stage.
+    fn forward_layer(
+        &self,
+        layer: usize,
+        x: Tensor<B, 3>,
+        positions: Tensor<B, 1, Int>,
+        tp: &TpGroup,
+    ) -> Result<Tensor<B, 3>, String> {
+        match layer {
+            0 => self.forward_hidden(x, positions, tp),
+            _ => Err(format!(
+                "layer {layer} of a stage of {} layers",
+                self.layers()
+            )),
+        }
+    }
     /// Last stage: the loss sum of the labels `≥ 0`.
     fn loss_from_hidden(
         &self,
@@ -206,12 +232,12 @@ fn packed<B: Backend, K: burn::tensor::BasicOps<B>>(t: Tensor<B, 2, K>) -> Tenso
 }
 
 /// The GPT (a TP shard of a pipeline stage, `TpGpt::stage`): every hook.
-impl<B: FlashOps> TrainModel<CpTrain<B>> for TpGpt<CpTrain<B>> {
+impl<B: FlashOps, C: CheckpointStrategy> TrainModel<CpTrain<B, C>> for TpGpt<CpTrain<B, C>> {
     fn loss_sum(
         &self,
-        input: ShardInput<CpTrain<B>>,
+        input: ShardInput<CpTrain<B, C>>,
         tp: &TpGroup,
-    ) -> Result<Tensor<CpTrain<B>, 1>, String> {
+    ) -> Result<Tensor<CpTrain<B, C>, 1>, String> {
         if input.tokens.dims()[0] != 1 {
             return Err(format!(
                 "the GPT takes one packed row of tokens, got {} rows",
@@ -231,7 +257,7 @@ impl<B: FlashOps> TrainModel<CpTrain<B>> for TpGpt<CpTrain<B>> {
         true
     }
 
-    fn stages(&self) -> Option<&dyn PipelineStage<CpTrain<B>>> {
+    fn stages(&self) -> Option<&dyn PipelineStage<CpTrain<B, C>>> {
         Some(self)
     }
 
@@ -244,7 +270,7 @@ impl<B: FlashOps> TrainModel<CpTrain<B>> for TpGpt<CpTrain<B>> {
     }
 }
 
-impl<B: FlashOps> PipelineStage<CpTrain<B>> for TpGpt<CpTrain<B>> {
+impl<B: FlashOps, C: CheckpointStrategy> PipelineStage<CpTrain<B, C>> for TpGpt<CpTrain<B, C>> {
     fn is_first_stage(&self) -> bool {
         TpGpt::is_first_stage(self)
     }
@@ -259,27 +285,41 @@ impl<B: FlashOps> PipelineStage<CpTrain<B>> for TpGpt<CpTrain<B>> {
 
     fn embed(
         &self,
-        tokens: Tensor<CpTrain<B>, 1, Int>,
+        tokens: Tensor<CpTrain<B, C>, 1, Int>,
         tp: &TpGroup,
-    ) -> Result<Tensor<CpTrain<B>, 3>, String> {
+    ) -> Result<Tensor<CpTrain<B, C>, 3>, String> {
         TpGpt::embed(self, tokens, tp)
     }
 
     fn forward_hidden(
         &self,
-        x: Tensor<CpTrain<B>, 3>,
-        positions: Tensor<CpTrain<B>, 1, Int>,
+        x: Tensor<CpTrain<B, C>, 3>,
+        positions: Tensor<CpTrain<B, C>, 1, Int>,
         tp: &TpGroup,
-    ) -> Result<Tensor<CpTrain<B>, 3>, String> {
+    ) -> Result<Tensor<CpTrain<B, C>, 3>, String> {
         self.blocks_forward(x, positions, tp)
+    }
+
+    fn layers(&self) -> usize {
+        self.block_count()
+    }
+
+    fn forward_layer(
+        &self,
+        layer: usize,
+        x: Tensor<CpTrain<B, C>, 3>,
+        positions: Tensor<CpTrain<B, C>, 1, Int>,
+        tp: &TpGroup,
+    ) -> Result<Tensor<CpTrain<B, C>, 3>, String> {
+        self.block_forward(layer, x, positions, tp)
     }
 
     fn loss_from_hidden(
         &self,
-        x: Tensor<CpTrain<B>, 3>,
-        labels: Tensor<CpTrain<B>, 1, Int>,
+        x: Tensor<CpTrain<B, C>, 3>,
+        labels: Tensor<CpTrain<B, C>, 1, Int>,
         tp: &TpGroup,
-    ) -> Result<Tensor<CpTrain<B>, 1>, String> {
+    ) -> Result<Tensor<CpTrain<B, C>, 1>, String> {
         TpGpt::loss_from_hidden(self, x, labels, tp)
     }
 }

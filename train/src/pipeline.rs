@@ -21,8 +21,10 @@
 
 use std::collections::HashMap;
 
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::{Int, Tensor, TensorData, ToElement};
+use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::{set_context, CpContext};
 use burn_dcp::comm::{Comm, Payload, PendingSend};
 use burn_dcp::kernels::FlashOps;
@@ -30,13 +32,13 @@ use burn_dcp::{CpBatch, CpError, CpGroup};
 
 use burn_dcp::shard::RankShard;
 
-use crate::config::PpSchedule;
+use crate::config::{PpSchedule, Recompute};
 use crate::groups::RankGroups;
 use crate::model::{CpTrain, PipelineStage, ShardInput, TrainModel};
 use crate::plan::{PlannedBatch, RankWork, StepSequences};
 
-/// Hidden states between pipeline stages.
-type Hidden<B> = Tensor<CpTrain<B>, 3>;
+/// Hidden states between pipeline stages (and, under `Recompute::Block`, between layers).
+type Hidden<B, C> = Tensor<CpTrain<B, C>, 3>;
 
 /// A model's forward failing, as the step's error.
 fn failed(error: String) -> CpError {
@@ -68,24 +70,46 @@ pub fn stage_passes(schedule: PpSchedule, stage: usize, stages: usize, units: us
 }
 
 /// What a forward pass leaves for its backward pass.
-struct InFlight<B: FlashOps> {
-    output: Output<B>,
+struct InFlight<B: FlashOps, C: CheckpointStrategy> {
+    output: Output<B, C>,
     /// The input received from the previous stage (none on the first stage).
-    input: Option<Tensor<CpTrain<B>, 3>>,
+    input: Option<Hidden<B, C>>,
     /// The CP group the unit ran on.
     group: CpGroup,
+    /// Under `Recompute::Block`: what the backward recomputes the layers from.
+    layers: Option<KeptLayers<B, C>>,
 }
 
 /// The end of a stage's forward pass.
-enum Output<B: FlashOps> {
+enum Output<B: FlashOps, C: CheckpointStrategy> {
     /// Last stage: the loss sum (its backward is that of `loss / global_labels`).
-    Loss(Tensor<CpTrain<B>, 1>),
+    Loss(Tensor<CpTrain<B, C>, 1>),
     /// Other stages: the hidden states sent to the next stage.
-    Hidden(Tensor<CpTrain<B>, 3>),
+    Hidden(Hidden<B, C>),
+}
+
+/// A stage's forward: the input received (kept for its gradient) and the output.
+type StageForward<B, C> = (Option<Hidden<B, C>>, Output<B, C>);
+
+/// A stage's forward under [`Recompute::Block`]: the output and what it kept.
+type KeptForward<B, C> = (Output<B, C>, KeptLayers<B, C>);
+
+/// What a stage's forward keeps under [`Recompute::Block`]: each layer's input, computed without
+/// an autodiff graph, and the ends around the layers that keep theirs (the embedding, the loss).
+struct KeptLayers<B: FlashOps, C: CheckpointStrategy> {
+    /// The input of every layer, in order (no graph).
+    inputs: Vec<Hidden<B, C>>,
+    /// First stage: the embedding's output, with its graph (its backward takes `∂L/∂x₀`).
+    embedded: Option<Hidden<B, C>>,
+    /// Last stage: the last layer's output as the leaf the loss was computed from.
+    last: Option<Hidden<B, C>>,
+    positions: Tensor<CpTrain<B, C>, 1, Int>,
+    /// The micro-batch's CP batch, set again as the context of each layer's recompute.
+    batch: CpBatch,
 }
 
 /// One rank's passes over a step: its stage of the model, and what is in flight.
-pub(super) struct StageRun<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> {
+pub(super) struct StageRun<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> {
     model: &'a M,
     groups: &'a RankGroups,
     sequences: &'a StepSequences<'a>,
@@ -94,7 +118,8 @@ pub(super) struct StageRun<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> {
     accumulator: GradientsAccumulator<M>,
     /// Sum of the last stage's unscaled losses (0 on the other stages).
     loss_sum: f64,
-    in_flight: HashMap<usize, InFlight<B>>,
+    in_flight: HashMap<usize, InFlight<B, C>>,
+    recompute: Recompute,
     /// Sends not yet known to be complete: waited for at the end of the step ([`Self::finish`]),
     /// not right after posting, so that a stage never waits for its send while its peer waits
     /// for it (under a rendezvous transport such as MPI or NCCL, 1F1B's warm-up forward sends
@@ -102,13 +127,14 @@ pub(super) struct StageRun<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> {
     sends: Vec<PendingSend>,
 }
 
-impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
+impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> StageRun<'a, B, C, M> {
     pub fn new(
         model: &'a M,
         groups: &'a RankGroups,
         sequences: &'a StepSequences<'a>,
         global_labels: usize,
         device: &'a B::Device,
+        recompute: Recompute,
     ) -> Self {
         Self {
             model,
@@ -119,6 +145,7 @@ impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
             accumulator: GradientsAccumulator::new(),
             loss_sum: 0.0,
             in_flight: HashMap::new(),
+            recompute,
             sends: Vec::new(),
         }
     }
@@ -143,7 +170,7 @@ impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
         unit: usize,
         tokens: usize,
         what: &str,
-    ) -> Result<Tensor<CpTrain<B>, 3>, CpError> {
+    ) -> Result<Hidden<B, C>, CpError> {
         let data = self.pp().irecv(peer)?.wait()?;
         let d_model = self.model.stages().map_or(0, |stage| stage.hidden_size());
         if data.shape() != [1, tokens, d_model] {
@@ -163,9 +190,11 @@ impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
     /// is still busy elsewhere (waiting for its gradient from the next stage, or cleaning up after
     /// its previous backward) could wait for that peer while the peer, or the rank the peer waits
     /// for, waits for its lock: a deadlock. Without a pipeline every backward follows its forward,
-    /// whose collectives already line the ranks up.
+    /// whose collectives already line the ranks up — except under `Recompute::Block`, where a
+    /// rank's layer backward may follow a recompute that did not meet every peer (a DCP plan
+    /// need not connect every pair), so every layer's backward is entered together.
     fn enter_backward(&self, group: &CpGroup) -> Result<(), CpError> {
-        if self.pp().size() > 1 {
+        if self.pp().size() > 1 || self.recompute == Recompute::Block {
             group.comm.barrier()?;
             self.groups.tp.comm.barrier()?;
         }
@@ -184,7 +213,12 @@ impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
             rows: None,
         })?;
         let group = self.groups.group(&planned.ranks, planned.strategy)?;
-        let stage = self.model.stages().filter(|_| self.pp().size() > 1);
+        let blocks = self.recompute == Recompute::Block;
+        let stage = self
+            .model
+            .stages()
+            .filter(|_| self.pp().size() > 1 || blocks);
+        let kept_batch = blocks.then(|| batch.clone());
         let input = match stage {
             None => Some(ShardInput::new(
                 &shard,
@@ -198,17 +232,26 @@ impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
             group: group.clone(),
             batch,
         });
-        let (input, output) = match (stage, input) {
-            (Some(stage), _) => self.stage_forward(stage, unit, &shard)?,
-            (None, Some(input)) => {
+        let (input, output, layers) = match (stage, input, kept_batch) {
+            (Some(stage), _, Some(batch)) => {
+                let (output, layers) = self.stage_forward_kept(stage, unit, &shard, batch)?;
+                (None, output, Some(layers))
+            }
+            (Some(stage), _, None) => {
+                let (input, output) = self.stage_forward(stage, unit, &shard)?;
+                (input, output, None)
+            }
+            (None, Some(input), _) => {
                 let loss = self
                     .model
                     .loss_sum(input, &self.groups.tp)
                     .map_err(failed)?;
                 self.loss_sum += loss.clone().into_scalar().to_f64();
-                (None, Output::Loss(loss))
+                (None, Output::Loss(loss), None)
             }
-            (None, None) => unreachable!("the input of a single-stage forward is built above"),
+            (None, None, _) => {
+                unreachable!("the input of a single-stage forward is built above")
+            }
         };
         // Never silent: a model whose attention bypassed the op fails at its first micro-batch.
         context.finish()?;
@@ -216,6 +259,7 @@ impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
             output,
             input,
             group,
+            layers,
         };
         self.in_flight.insert(unit, in_flight);
         Ok(())
@@ -225,10 +269,10 @@ impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
     /// stage's activations, this stage's layers, then the loss (last stage) or a send onwards.
     fn stage_forward(
         &mut self,
-        model: &dyn PipelineStage<CpTrain<B>>,
+        model: &dyn PipelineStage<CpTrain<B, C>>,
         unit: usize,
         shard: &RankShard,
-    ) -> Result<(Option<Hidden<B>>, Output<B>), CpError> {
+    ) -> Result<StageForward<B, C>, CpError> {
         let tp = &self.groups.tp;
         let stage = self.pp().rank();
         let (input, x) = if model.is_first_stage() {
@@ -262,11 +306,15 @@ impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
             output,
             input,
             group,
+            layers,
         } = self.in_flight.remove(&unit).ok_or_else(|| {
             CpError::Config(format!(
                 "pipeline stage {stage}: backward of sub-step {unit} before its forward"
             ))
         })?;
+        if let Some(layers) = layers {
+            return self.backward_kept(unit, output, layers, group);
+        }
         let grads = match output {
             Output::Loss(loss) => {
                 self.enter_backward(&group)?;
@@ -287,9 +335,142 @@ impl<'a, B: FlashOps, M: TrainModel<CpTrain<B>>> StageRun<'a, B, M> {
             };
             self.sends.push(self.pp().isend(stage - 1, grad)?);
         }
+        self.accumulate(grads);
+        Ok(())
+    }
+
+    fn accumulate(&mut self, grads: <CpTrain<B, C> as AutodiffBackend>::Gradients) {
         let grads = GradientsParams::from_grads(grads, self.model);
         self.accumulator.accumulate(self.model, grads);
+    }
+
+    /// A stage's forward under [`Recompute::Block`]: the embedding (first stage) or the previous
+    /// stage's activations, then every layer without an autodiff graph (a copy of the model that
+    /// requires no gradient), keeping each layer's input; then the loss (last stage, from the
+    /// last layer's output as a leaf) or a send onwards.
+    fn stage_forward_kept(
+        &mut self,
+        model: &dyn PipelineStage<CpTrain<B, C>>,
+        unit: usize,
+        shard: &RankShard,
+        batch: CpBatch,
+    ) -> Result<KeptForward<B, C>, CpError> {
+        let tp = &self.groups.tp;
+        let stage = self.pp().rank();
+        let (embedded, mut x) = if model.is_first_stage() {
+            let tokens = int_tensor(&shard.tokens, self.device);
+            let embedded = model.embed(tokens, tp).map_err(failed)?;
+            (Some(embedded.clone()), embedded.detach())
+        } else {
+            let x = self.receive(stage - 1, unit, shard.tokens.len(), "activations")?;
+            (None, x)
+        };
+        let positions = int_tensor(&shard.positions, self.device);
+        let frozen = self.model.clone().no_grad();
+        let frozen = frozen
+            .stages()
+            .ok_or_else(|| failed("the model has no stages to recompute".into()))?;
+        let mut inputs = Vec::with_capacity(frozen.layers());
+        for layer in 0..frozen.layers() {
+            inputs.push(x.clone());
+            x = frozen
+                .forward_layer(layer, x, positions.clone(), tp)
+                .map_err(failed)?;
+        }
+        let (output, last) = if model.is_last_stage() {
+            let last = x.require_grad();
+            let labels = int_tensor(&shard.labels, self.device);
+            let loss = model
+                .loss_from_hidden(last.clone(), labels, tp)
+                .map_err(failed)?;
+            self.loss_sum += loss.clone().into_scalar().to_f64();
+            (Output::Loss(loss), Some(last))
+        } else {
+            self.sends
+                .push(self.pp().isend(stage + 1, Payload::device(x.clone()))?);
+            (Output::Hidden(x), None)
+        };
+        let layers = KeptLayers {
+            inputs,
+            embedded,
+            last,
+            positions,
+            batch,
+        };
+        Ok((output, layers))
+    }
+
+    /// The backward of a unit under [`Recompute::Block`]: `∂L/∂x` of the last layer's output
+    /// (from the loss, or received from the next stage), then layer by layer from the last: its
+    /// forward again from its kept input with autodiff (under the micro-batch's CP context: its
+    /// attention communicates once more), the backward of `Σ y ⊙ ∂L/∂y`, which gives the
+    /// layer's parameter gradients and `∂L/∂x` of its input; last the embedding's backward
+    /// (first stage) or a send of `∂L/∂x₀` to the previous stage.
+    fn backward_kept(
+        &mut self,
+        unit: usize,
+        output: Output<B, C>,
+        kept: KeptLayers<B, C>,
+        group: CpGroup,
+    ) -> Result<(), CpError> {
+        let stage = self.pp().rank();
+        let tp = &self.groups.tp;
+        let model = self
+            .model
+            .stages()
+            .ok_or_else(|| failed("the model has no stages to recompute".into()))?;
+        let mut grad = match output {
+            Output::Loss(loss) => {
+                self.enter_backward(&group)?;
+                let grads = (loss / self.global_labels as f64).backward();
+                let last = kept.last.as_ref().expect("the last stage keeps its leaf");
+                let grad = gradient_of(last, &grads);
+                self.accumulate(grads);
+                grad
+            }
+            Output::Hidden(output) => {
+                self.receive(stage + 1, unit, output.dims()[1], "gradients")?
+            }
+        };
+        for (layer, x) in kept.inputs.into_iter().enumerate().rev() {
+            let x = x.require_grad();
+            let context = set_context(CpContext {
+                group: group.clone(),
+                batch: kept.batch.clone(),
+            });
+            let y = model
+                .forward_layer(layer, x.clone(), kept.positions.clone(), tp)
+                .map_err(failed)?;
+            drop(context);
+            self.enter_backward(&group)?;
+            let grads = (y * grad).sum().backward();
+            grad = gradient_of(&x, &grads);
+            self.accumulate(grads);
+        }
+        match kept.embedded {
+            Some(embedded) => {
+                self.enter_backward(&group)?;
+                let grads = (embedded * grad).sum().backward();
+                self.accumulate(grads);
+            }
+            None => {
+                self.sends
+                    .push(self.pp().isend(stage - 1, Payload::device(grad))?);
+            }
+        }
         Ok(())
+    }
+}
+
+/// `∂L/∂x` of a leaf `x` from the gradients of a backward (zeros of its shape for an input no
+/// output depends on: no tokens).
+fn gradient_of<B: FlashOps, C: CheckpointStrategy>(
+    x: &Hidden<B, C>,
+    grads: &<CpTrain<B, C> as AutodiffBackend>::Gradients,
+) -> Hidden<B, C> {
+    match x.grad(grads) {
+        Some(grad) => Tensor::from_inner(grad),
+        None => x.zeros_like().detach(),
     }
 }
 

@@ -3,6 +3,9 @@
 use std::path::Path;
 use std::time::Instant;
 
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
 use burn::optim::{AdamWConfig, Optimizer};
 use burn::record::Recorder;
 use burn::tensor::backend::AutodiffBackend;
@@ -17,7 +20,7 @@ use crate::checkpoint::{
     load_model, read_json, save_checkpoint, saved_checkpoint, Checkpoint, CheckpointFiles,
     Recorder_, TrainState,
 };
-use crate::config::TrainConfig;
+use crate::config::{Recompute, TrainConfig};
 use crate::data::TrainData;
 use crate::error::TrainError;
 use crate::groups::RankGroups;
@@ -28,8 +31,9 @@ use crate::planning::plan_step_predicted;
 use crate::predict::Predictor;
 use crate::step::{rank_peak_memory_mb, step_gradients_planned, StepBytes, AXES};
 
-/// The model one rank trains: its TP shard of the GPT (the whole GPT at tp 1).
-pub type TrainGpt<B> = TpGpt<CpTrain<B>>;
+/// The model one rank trains: its TP shard of the GPT (the whole GPT at tp 1), on [`CpTrain`]
+/// with checkpoint strategy `C`.
+pub type TrainGpt<B, C = NoCheckpointing> = TpGpt<CpTrain<B, C>>;
 
 /// The default training backend: [`CpTrain`] over burn Flex (CPU).
 pub type TrainBackend = CpTrain<burn::backend::Flex>;
@@ -48,9 +52,19 @@ pub fn init_model<B: FlashOps>(
     pp_rank: usize,
     device: &B::Device,
 ) -> Result<TrainGpt<B>, TrainError> {
+    init_gpt::<B, NoCheckpointing>(config, tp_rank, pp_rank, device)
+}
+
+/// [`init_model`] on [`CpTrain`] with checkpoint strategy `C`.
+fn init_gpt<B: FlashOps, C: CheckpointStrategy>(
+    config: &TrainConfig,
+    tp_rank: usize,
+    pp_rank: usize,
+    device: &B::Device,
+) -> Result<TrainGpt<B, C>, TrainError> {
     let model_config = config.model_config()?;
     let full = model_config
-        .init::<CpTrain<B>>(config.seed, device)
+        .init::<CpTrain<B, C>>(config.seed, device)
         .map_err(TrainError::Model)?;
     TpGpt::stage(&full, &model_config, tp_rank, config.tp, pp_rank, config.pp)
         .map_err(TrainError::Model)
@@ -80,7 +94,9 @@ pub struct Trainer<'a> {
 impl Trainer<'_> {
     /// Trains model `M` on this rank (`world`: the rank's communicator of the whole run) from
     /// the first step not yet trained; `init` builds the rank's model (every rank of a TP
-    /// position must build the same weights: seed it, or load one record).
+    /// position must build the same weights: seed it, or load one record). The model is on
+    /// [`CpTrain<B>`](CpTrain) (burn's `NoCheckpointing`); `config.recompute` may be `None` or
+    /// `Block`. For `Recompute::Attention` use [`Self::train_rank_checkpointed`].
     pub fn train_rank<B, M, F>(
         &self,
         world: Comm,
@@ -92,7 +108,28 @@ impl Trainer<'_> {
         M: TrainModel<CpTrain<B>>,
         F: FnOnce(&ModelInit<B>) -> Result<M, TrainError>,
     {
+        self.train_rank_checkpointed::<B, NoCheckpointing, M, F>(world, device, init)
+    }
+
+    /// [`Self::train_rank`] on [`CpTrain<B, C>`](CpTrain), the autodiff checkpoint strategy
+    /// `C` of burn: `BalancedCheckpointing` for `Recompute::Attention` (then the memory-bound
+    /// activations and the CP attention's output are recomputed in the backward),
+    /// `NoCheckpointing` otherwise. A strategy that does not match `config.recompute` is an
+    /// error.
+    pub fn train_rank_checkpointed<B, C, M, F>(
+        &self,
+        world: Comm,
+        device: &B::Device,
+        init: F,
+    ) -> Result<RankOutcome, TrainError>
+    where
+        B: FlashOps,
+        C: CheckpointStrategy,
+        M: TrainModel<CpTrain<B, C>>,
+        F: FnOnce(&ModelInit<B>) -> Result<M, TrainError>,
+    {
         let config = self.config;
+        check_checkpoint_strategy::<C>(config.recompute)?;
         // Every call times its waits (`comm_wait_ms`) and, in a trace, is a span.
         let world = burn_dcp::trace::TracedComm::wrap(world);
         let groups = RankGroups::new(world, config)?;
@@ -105,7 +142,7 @@ impl Trainer<'_> {
         })?;
         check_model_support(&model, config)?;
         let files = CheckpointFiles::of(config, tp_rank, pp_rank);
-        let mut optimizer = AdamWConfig::new().init::<CpTrain<B>, M>();
+        let mut optimizer = AdamWConfig::new().init::<CpTrain<B, C>, M>();
         let mut first_step = 1;
         if let Some(dir) = self.resume {
             let checkpoint = saved_checkpoint(dir)?;
@@ -128,6 +165,7 @@ impl Trainer<'_> {
             data: self.data,
             observer: self.observer,
             device,
+            strategy: std::marker::PhantomData,
         };
         // Rank 0 reports the steps: it predicts their attention time on an emulated machine
         // (measured here, before any rank computes).
@@ -161,6 +199,30 @@ impl Trainer<'_> {
     }
 }
 
+/// `recompute` runs on the checkpoint strategy `C` it names: burn's `BalancedCheckpointing` (any
+/// strategy that recomputes) for `Attention`, `NoCheckpointing` for `None` and `Block` (blocks
+/// recomputed whole need nothing recomputed inside them).
+fn check_checkpoint_strategy<C: CheckpointStrategy>(
+    recompute: Recompute,
+) -> Result<(), TrainError> {
+    let recomputes = burn_dcp::backend::recomputes::<C>();
+    if recomputes != (recompute == Recompute::Attention) {
+        return Err(TrainError::Config(format!(
+            "recompute {recompute} runs on {}, but the model is on Autodiff<_, {}>: {}",
+            match recompute {
+                Recompute::Attention => "a checkpoint strategy that recomputes (Autodiff<B, BalancedCheckpointing>)",
+                _ => "Autodiff<B, NoCheckpointing>",
+            },
+            std::any::type_name::<C>().rsplit("::").next().unwrap_or_default(),
+            match recompute {
+                Recompute::Attention => "train it with Trainer::train_rank_checkpointed::<B, BalancedCheckpointing, _, _>",
+                _ => "train it with Trainer::train_rank",
+            }
+        )));
+    }
+    Ok(())
+}
+
 /// The mesh asks only what the model supports: TP needs [`TrainModel::tensor_parallel`], PP
 /// [`TrainModel::stages`].
 pub(crate) fn check_model_support<B: AutodiffBackend, M: TrainModel<B>>(
@@ -178,6 +240,16 @@ pub(crate) fn check_model_support<B: AutodiffBackend, M: TrainModel<B>>(
             "pp {} needs a model split into pipeline stages (TrainModel::stages); this one is not",
             config.pp
         )));
+    }
+    if config.recompute == Recompute::Block && model.stages().is_none() {
+        return Err(TrainError::Config(
+            "recompute block recomputes the model's layers one by one: the model must expose them (TrainModel::stages, PipelineStage::layers); this one does not".into(),
+        ));
+    }
+    if config.recompute == Recompute::Block && M::INPUT_ROWS != InputRows::Packed {
+        return Err(TrainError::Config(
+            "recompute block runs the model's layers on packed rows: the model must take InputRows::Packed".into(),
+        ));
     }
     if config.pp > 1 && M::INPUT_ROWS != InputRows::Packed {
         return Err(TrainError::Config(format!(
@@ -206,9 +278,19 @@ pub fn train_rank<B: FlashOps>(
         out,
         observer,
     };
-    trainer.train_rank::<B, TrainGpt<B>, _>(world, device, |rank| {
-        init_model::<B>(rank.config, rank.tp_rank, rank.pp_rank, rank.device)
-    })
+    match config.recompute {
+        Recompute::Attention => trainer
+            .train_rank_checkpointed::<B, BalancedCheckpointing, TrainGpt<B, BalancedCheckpointing>, _>(
+                world,
+                device,
+                |rank| init_gpt(rank.config, rank.tp_rank, rank.pp_rank, rank.device),
+            ),
+        Recompute::None | Recompute::Block => {
+            trainer.train_rank::<B, TrainGpt<B>, _>(world, device, |rank| {
+                init_model::<B>(rank.config, rank.tp_rank, rank.pp_rank, rank.device)
+            })
+        }
+    }
 }
 
 /// A receiver of the plans of consecutive steps, computed ahead on a background thread.
@@ -236,18 +318,19 @@ pub(crate) fn plan_ahead<'scope, 'env>(
 }
 
 /// What every step of a rank's training needs.
-pub(crate) struct StepLoop<'a, B: FlashOps> {
+pub(crate) struct StepLoop<'a, B: FlashOps, C: CheckpointStrategy> {
     groups: &'a RankGroups,
     config: &'a TrainConfig,
     data: &'a TrainData,
     observer: &'a dyn StepObserver,
     device: &'a B::Device,
+    strategy: std::marker::PhantomData<C>,
 }
 
-impl<B: FlashOps> StepLoop<'_, B> {
+impl<B: FlashOps, C: CheckpointStrategy> StepLoop<'_, B, C> {
     /// Trains steps `first..=steps` and returns the trained model; rank 0 also returns (and
     /// reports) the steps' metrics.
-    fn steps<M: TrainModel<CpTrain<B>>, O: Optimizer<M, CpTrain<B>>>(
+    fn steps<M: TrainModel<CpTrain<B, C>>, O: Optimizer<M, CpTrain<B, C>>>(
         &self,
         mut model: M,
         optimizer: &mut O,
@@ -268,7 +351,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
             let plan_wait_ms = waited.elapsed().as_secs_f64() * 1e3;
             let attention_before = attention_time();
             let wait_before = comm_wait_time();
-            let result = step_gradients_planned(
+            let result = step_gradients_planned::<B, C, M>(
                 &model,
                 self.groups,
                 self.config,

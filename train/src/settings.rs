@@ -60,3 +60,52 @@ impl std::fmt::Display for PpSchedule {
         f.write_str(self.name())
     }
 }
+
+/// What the backward recomputes instead of keeping it from the forward (`--recompute`): less
+/// memory per rank for more compute. Every mode computes the same values: losses and gradients
+/// equal `None`'s.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every activation the backward needs (burn's `NoCheckpointing`).
+    #[default]
+    None,
+    /// burn's `Autodiff<B, BalancedCheckpointing>`: memory-bound activations (norms, RoPE,
+    /// activation functions, residual sums) are recomputed in the backward from the kept outputs
+    /// of compute-bound ops (matmuls), and the CP attention node keeps only its inputs: its
+    /// backward reruns its forward (`out`, LSE) once, communicating once more per backward.
+    Attention,
+    /// Every layer (transformer block) recomputed whole: the forward keeps only each block's
+    /// input; the backward reruns the block's forward with autodiff (CP attention communicating
+    /// once more) and backpropagates through it, one block at a time.
+    Block,
+}
+
+impl Recompute {
+    pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Attention, Recompute::Block];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Attention => "attention",
+            Self::Block => "block",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Self, TrainError> {
+        Self::ALL
+            .into_iter()
+            .find(|mode| mode.name() == name)
+            .ok_or_else(|| {
+                TrainError::Config(format!(
+                    "unknown recompute mode '{name}': expected none, attention or block"
+                ))
+            })
+    }
+}
+
+impl std::fmt::Display for Recompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
 use burn::optim::GradientsParams;
 use burn_dcp::comm::{Comm, CommStats, LinkBytes};
 use burn_dcp::kernels::FlashOps;
@@ -31,7 +32,9 @@ pub fn step_gradients<B: FlashOps, M: TrainModel<CpTrain<B>>>(
     device: &B::Device,
 ) -> Result<(f64, GradientsParams, usize), CpError> {
     let plan = plan_step(config, data, step)?;
-    let result = step_gradients_planned(model, groups, config, data, &plan, device)?;
+    let result = step_gradients_planned::<B, NoCheckpointing, M>(
+        model, groups, config, data, &plan, device,
+    )?;
     Ok((result.loss, result.grads, result.tokens))
 }
 
@@ -49,7 +52,7 @@ pub struct StepResult {
 /// Runs step `plan.step` by its plan: this rank's shard of every planned batch it is in, in the
 /// batch's group, through the pipeline's stages on the pipeline schedule ([`pipeline`](crate::pipeline); at pp 1
 /// one forward and backward after the other); then the all-reduces of the gradients and the loss.
-pub fn step_gradients_planned<B: FlashOps, M: TrainModel<CpTrain<B>>>(
+pub fn step_gradients_planned<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
     model: &M,
     groups: &RankGroups,
     config: &TrainConfig,
@@ -78,7 +81,14 @@ pub fn step_gradients_planned<B: FlashOps, M: TrainModel<CpTrain<B>>>(
     for planned in plan.batches_of(me) {
         units[planned.sub_step] = Some(planned);
     }
-    let mut run = StageRun::new(model, groups, &sequences, global_labels, device);
+    let mut run = StageRun::<B, C, M>::new(
+        model,
+        groups,
+        &sequences,
+        global_labels,
+        device,
+        config.recompute,
+    );
     let passes = stage_passes(
         config.pp_schedule,
         groups.mesh.pp.rank(),
@@ -102,7 +112,8 @@ pub fn step_gradients_planned<B: FlashOps, M: TrainModel<CpTrain<B>>>(
         }
     }
     let (accumulator, loss_sum) = run.finish()?;
-    let reduced = reduce_step(model, groups, step, accumulator, loss_sum, global_labels)?;
+    let reduced =
+        reduce_step::<B, C, M>(model, groups, step, accumulator, loss_sum, global_labels)?;
     Ok(StepResult {
         loss: reduced.loss,
         grads: reduced.grads,

@@ -19,10 +19,11 @@ use std::sync::Arc;
 
 use burn::prelude::{Int, Tensor, TensorData};
 use burn::tensor::{IndexingUpdateOp, TensorPrimitive};
-use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn_autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
+use burn_autodiff::NodeId;
 use burn_backend::ops::AttentionModuleOptions;
 use burn_backend::tensor::{BoolTensor, FloatTensor};
 use burn_backend::{Backend, Shape, TensorMetadata};
@@ -140,16 +141,25 @@ impl<B: burn_fusion::FusionBackend + FlashOps> CpInner for burn_fusion::Fusion<B
     }
 }
 
-/// What the backward of one CP attention call needs: the forward's inputs and outputs in token
-/// layout, and the context it ran with.
+/// What the backward of one CP attention call needs: its inputs (through burn's checkpointer, so
+/// the checkpoint strategy decides whether they are kept or recomputed), the forward's output and
+/// LSE when they are kept, and the context it ran with.
 #[derive(Clone, Debug)]
 struct SavedAttention<B: Backend> {
-    q: FloatTensor<B>,
-    k: FloatTensor<B>,
-    v: FloatTensor<B>,
-    out: FloatTensor<B>,
-    lse: FloatTensor<B>,
+    q: NodeId,
+    k: NodeId,
+    v: NodeId,
+    /// The forward's `out` and `lse` in token layout; `None` under a checkpoint strategy that
+    /// recomputes ([`recomputes`]): the backward reruns the forward once, communicating again.
+    kept: Option<(FloatTensor<B>, FloatTensor<B>)>,
     context: Arc<CpContext>,
+}
+
+/// Whether the autodiff checkpoint strategy `C` recomputes what it can (every strategy but burn's
+/// `NoCheckpointing`, e.g. `BalancedCheckpointing`): then the CP attention node keeps only its
+/// inputs and its backward starts by rerunning the forward (`out`, LSE), once.
+pub fn recomputes<C: CheckpointStrategy>() -> bool {
+    std::any::TypeId::of::<C>() != std::any::TypeId::of::<NoCheckpointing>()
 }
 
 #[derive(Debug)]
@@ -162,22 +172,42 @@ impl<B: FlashOps> Backward<B, 3> for CpAttentionBackward {
         self,
         ops: Ops<Self::State, 3>,
         grads: &mut Gradients,
-        _checkpointer: &mut burn_autodiff::checkpoint::base::Checkpointer,
+        checkpointer: &mut burn_autodiff::checkpoint::base::Checkpointer,
     ) {
         let [node_q, node_k, node_v] = ops.parents;
         let grad_out = grads.consume::<B>(&ops.node);
         let saved = ops.state;
-        let tensor = |t: FloatTensor<B>| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(t));
-        let shape = saved.q.shape().to_vec();
+        let mut input = |id| to_tokens::<B>(checkpointer.retrieve_node_output(id));
+        let (q, k, v) = (input(saved.q), input(saved.k), input(saved.v));
+        let shape = q.dims().to_vec();
+        let context = saved.context;
+        let (out, lse) = match saved.kept {
+            Some((out, lse)) => (
+                Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out)),
+                Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse)),
+            ),
+            None => {
+                let result = timed("recompute", &context.group.strategy, || {
+                    cp_attention_forward(
+                        &context.group,
+                        &context.batch,
+                        q.clone(),
+                        k.clone(),
+                        v.clone(),
+                    )
+                })
+                .unwrap_or_else(|error| fail("recompute", &context, &shape, error));
+                (result.out, result.lse)
+            }
+        };
         let inputs = BackwardInputs {
-            q: tensor(saved.q),
-            k: tensor(saved.k),
-            v: tensor(saved.v),
-            out: tensor(saved.out),
-            lse: Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(saved.lse)),
+            q,
+            k,
+            v,
+            out,
+            lse,
             dout: to_tokens::<B>(grad_out),
         };
-        let context = saved.context;
         let grads_out = timed("backward", &context.group.strategy, || {
             cp_attention_backward(&context.group, &context.batch, inputs)
         })
@@ -203,18 +233,12 @@ impl<B: FlashOps, C: CheckpointStrategy> CpInner for Autodiff<B, C> {
     ) -> FloatTensor<Self> {
         let shape = query.primitive.shape().to_vec();
         let (q, k, v) = (
-            to_tokens::<B>(query.primitive),
-            to_tokens::<B>(key.primitive),
-            to_tokens::<B>(value.primitive),
+            to_tokens::<B>(query.primitive.clone()),
+            to_tokens::<B>(key.primitive.clone()),
+            to_tokens::<B>(value.primitive.clone()),
         );
         let result = timed("forward", &context.group.strategy, || {
-            cp_attention_forward(
-                &context.group,
-                &context.batch,
-                q.clone(),
-                k.clone(),
-                v.clone(),
-            )
+            cp_attention_forward(&context.group, &context.batch, q, k, v)
         })
         .unwrap_or_else(|error| fail("forward", &context, &shape, error));
         let out = to_heads(result.out.clone());
@@ -224,13 +248,17 @@ impl<B: FlashOps, C: CheckpointStrategy> CpInner for Autodiff<B, C> {
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => {
+            OpsKind::Tracked(mut prep) => {
                 let saved = SavedAttention {
-                    q: q.into_primitive().tensor(),
-                    k: k.into_primitive().tensor(),
-                    v: v.into_primitive().tensor(),
-                    out: result.out.into_primitive().tensor(),
-                    lse: result.lse.into_primitive().tensor(),
+                    q: prep.checkpoint(&query),
+                    k: prep.checkpoint(&key),
+                    v: prep.checkpoint(&value),
+                    kept: (!recomputes::<C>()).then(|| {
+                        (
+                            result.out.into_primitive().tensor(),
+                            result.lse.into_primitive().tensor(),
+                        )
+                    }),
                     context,
                 };
                 prep.finish(saved, out)

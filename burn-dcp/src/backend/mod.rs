@@ -32,7 +32,7 @@ use burn_backend::{
     AutodiffBackend, Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError, TensorData,
 };
 
-pub use attention::CpInner;
+pub use attention::{recomputes, CpInner};
 pub use context::{clear_context, current_context, set_context, CpContext, CpContextGuard};
 pub use tensor_parallel::{tp_copy, tp_reduce, TpInner};
 pub use timing::attention_time;
