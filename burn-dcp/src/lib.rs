@@ -75,6 +75,7 @@ pub mod planner;
 pub mod rows;
 pub mod shard;
 pub mod strategy;
+pub mod tensor_parallel;
 pub mod trace;
 #[cfg(feature = "harness")]
 pub mod volume;

@@ -17,7 +17,7 @@ use std::hash::{Hash, Hasher};
 use burn_dcp_kernels::MaskSpec;
 
 use crate::error::DataError;
-use crate::packing::Piece;
+use burn_dcp_kernels::Piece;
 
 /// Which mask each packed sequence gets.
 #[derive(Clone, Debug, PartialEq)]

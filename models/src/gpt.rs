@@ -10,6 +10,7 @@
 //! (each token's position within its own sequence, which is what makes RoPE correct when a shard
 //! holds non-contiguous tokens), `labels [T]` with `-1` where there is no next token.
 
+use crate::error::ModelError;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
 use burn::prelude::{Backend, Config, Int, Shape, Tensor, TensorData};
@@ -39,15 +40,15 @@ pub struct GptConfig {
 
 impl GptConfig {
     /// Named sizes: `tiny`, `small`, `base`.
-    pub fn sized(name: &str, vocab_size: usize) -> Result<Self, String> {
+    pub fn sized(name: &str, vocab_size: usize) -> Result<Self, ModelError> {
         let (d_model, n_layers, n_heads, n_kv_heads) = match name {
             "tiny" => (64, 2, 4, 2),
             "small" => (128, 4, 8, 4),
             "base" => (256, 6, 8, 4),
             other => {
-                return Err(format!(
+                return Err(ModelError::Config(format!(
                     "unknown model size '{other}': expected tiny, small or base"
-                ))
+                )))
             }
         };
         Ok(Self::new(
@@ -61,24 +62,24 @@ impl GptConfig {
     }
 
     /// Checks the shape rules, naming the values.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ModelError> {
         if self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) {
-            return Err(format!(
+            return Err(ModelError::Config(format!(
                 "d_model {} must be a multiple of n_heads {}",
                 self.d_model, self.n_heads
-            ));
+            )));
         }
         if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return Err(format!(
+            return Err(ModelError::Config(format!(
                 "n_kv_heads {} must divide n_heads {}",
                 self.n_kv_heads, self.n_heads
-            ));
+            )));
         }
         if !(self.d_model / self.n_heads).is_multiple_of(2) {
-            return Err(format!(
+            return Err(ModelError::Config(format!(
                 "the head dim {} must be even for RoPE",
                 self.d_model / self.n_heads
-            ));
+            )));
         }
         Ok(())
     }
@@ -89,7 +90,7 @@ impl GptConfig {
 
     /// Builds the model with weights drawn from a generator seeded with `seed` (not from the
     /// backend's global RNG), so every rank thread builds identical weights independently.
-    pub fn init<B: Backend>(&self, seed: u64, device: &B::Device) -> Result<Gpt<B>, String> {
+    pub fn init<B: Backend>(&self, seed: u64, device: &B::Device) -> Result<Gpt<B>, ModelError> {
         self.validate()?;
         let mut init = Init {
             rng: SmallRng::seed_from_u64(seed),

@@ -1,8 +1,10 @@
 //! Models for burn-dcp: ordinary burn models with no context-parallel code in them. CP comes only
 //! from the backend type (`ContextParallel<Autodiff<B>>`) and the per-rank CP context.
 
+pub mod error;
 pub mod gpt;
 
+pub use error::ModelError;
 pub use gpt::{Gpt, GptConfig};
 pub mod tensor_parallel;
 

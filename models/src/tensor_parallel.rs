@@ -24,6 +24,7 @@ use burn::prelude::{Backend, Bool, Int, Tensor};
 use burn::tensor::activation::gelu;
 use burn::tensor::module::embedding;
 
+use crate::error::ModelError;
 use crate::gpt::{reshape, self_attention, Gpt, GptConfig, Rope};
 
 /// The TP group's communication, as the model needs it. Every TP rank calls the same ops in the
@@ -34,11 +35,11 @@ pub trait TensorParallel<B: Backend> {
     /// The TP group's size.
     fn size(&self) -> usize;
     /// `f`: identity forward, all-reduce of the gradient backward.
-    fn copy<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, String>;
+    fn copy<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, ModelError>;
     /// `g`: all-reduce forward, identity backward.
-    fn reduce<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, String>;
+    fn reduce<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, ModelError>;
     /// Element-wise maximum over the group, without gradient.
-    fn max<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, String>;
+    fn max<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, ModelError>;
 }
 
 /// The vocabulary rows TP rank `rank` of `tp` owns (an uneven split when `tp` does not divide).
@@ -63,42 +64,42 @@ fn local_rows<B: Backend>(
 }
 
 /// Checks the config for `tp` ranks, naming the rule.
-pub fn validate_tp(config: &GptConfig, tp: usize) -> Result<(), String> {
+pub fn validate_tp(config: &GptConfig, tp: usize) -> Result<(), ModelError> {
     config.validate()?;
     if tp == 0 || !config.n_heads.is_multiple_of(tp) {
-        return Err(format!(
+        return Err(ModelError::Config(format!(
             "--tp {tp} must divide the {} query heads (a TP rank owns whole heads)",
             config.n_heads
-        ));
+        )));
     }
     if !config.n_kv_heads.is_multiple_of(tp) && !tp.is_multiple_of(config.n_kv_heads) {
-        return Err(format!(
+        return Err(ModelError::Config(format!(
             "--tp {tp} and the {} kv heads: one must divide the other (kv heads are split, or replicated when tp > kv heads)",
             config.n_kv_heads
-        ));
+        )));
     }
     if !config.d_ff.is_multiple_of(tp) {
-        return Err(format!(
+        return Err(ModelError::Config(format!(
             "--tp {tp} must divide the MLP width {} (column-parallel up projection)",
             config.d_ff
-        ));
+        )));
     }
     if config.vocab_size < tp {
-        return Err(format!(
+        return Err(ModelError::Config(format!(
             "--tp {tp} exceeds the {} vocabulary rows (vocab-parallel embedding)",
             config.vocab_size
-        ));
+        )));
     }
     Ok(())
 }
 
 /// Checks that `stages` pipeline stages can split the config's layers evenly.
-pub fn validate_stages(config: &GptConfig, stages: usize) -> Result<(), String> {
+pub fn validate_stages(config: &GptConfig, stages: usize) -> Result<(), ModelError> {
     if stages == 0 || !config.n_layers.is_multiple_of(stages) {
-        return Err(format!(
+        return Err(ModelError::Config(format!(
             "--pp {stages} must divide the {} layers (every pipeline stage holds as many)",
             config.n_layers
-        ));
+        )));
     }
     Ok(())
 }
@@ -180,7 +181,7 @@ impl<B: Backend> TpGpt<B> {
         config: &GptConfig,
         rank: usize,
         tp: usize,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, ModelError> {
         Self::stage(full, config, rank, tp, 0, 1)
     }
 
@@ -193,16 +194,18 @@ impl<B: Backend> TpGpt<B> {
         tp: usize,
         stage: usize,
         stages: usize,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, ModelError> {
         validate_tp(config, tp)?;
         if rank >= tp {
-            return Err(format!("TP rank {rank} is outside a TP group of {tp}"));
+            return Err(ModelError::Config(format!(
+                "TP rank {rank} is outside a TP group of {tp}"
+            )));
         }
         validate_stages(config, stages)?;
         if stage >= stages {
-            return Err(format!(
+            return Err(ModelError::Config(format!(
                 "pipeline stage {stage} is outside a pipeline of {stages} stages"
-            ));
+            )));
         }
         let head_dim = config.head_dim();
         let heads = config.n_heads / tp;
@@ -313,10 +316,14 @@ impl<B: Backend> TpGpt<B> {
         &self,
         tokens: Tensor<B, 1, Int>,
         tp: &T,
-    ) -> Result<Tensor<B, 3>, String> {
+    ) -> Result<Tensor<B, 3>, ModelError> {
         let table = match (&self.embedding, self.first_stage) {
             (Some(table), true) => table.weight.val(),
-            _ => return Err("only the first pipeline stage embeds tokens".into()),
+            _ => {
+                return Err(ModelError::Stage(
+                    "only the first pipeline stage embeds tokens".into(),
+                ))
+            }
         };
         let count = tokens.dims()[0];
         let local_vocab = table.dims()[0];
@@ -333,7 +340,7 @@ impl<B: Backend> TpGpt<B> {
         mut x: Tensor<B, 3>,
         positions: Tensor<B, 1, Int>,
         tp: &T,
-    ) -> Result<Tensor<B, 3>, String> {
+    ) -> Result<Tensor<B, 3>, ModelError> {
         let rope = Rope::new(&positions, self.head_dim, self.rope_theta);
         for block in &self.blocks {
             x = block.forward(x, &rope, self.heads, self.kv_heads, self.head_dim, tp)?;
@@ -353,12 +360,12 @@ impl<B: Backend> TpGpt<B> {
         x: Tensor<B, 3>,
         positions: Tensor<B, 1, Int>,
         tp: &T,
-    ) -> Result<Tensor<B, 3>, String> {
+    ) -> Result<Tensor<B, 3>, ModelError> {
         let Some(block) = self.blocks.get(index) else {
-            return Err(format!(
+            return Err(ModelError::Config(format!(
                 "block {index} of a stage of {} blocks",
                 self.blocks.len()
-            ));
+            )));
         };
         let rope = Rope::new(&positions, self.head_dim, self.rope_theta);
         block.forward(x, &rope, self.heads, self.kv_heads, self.head_dim, tp)
@@ -369,16 +376,18 @@ impl<B: Backend> TpGpt<B> {
         &self,
         x: Tensor<B, 3>,
         tp: &T,
-    ) -> Result<Tensor<B, 2>, String> {
+    ) -> Result<Tensor<B, 2>, ModelError> {
         let Some(norm) = self.norm.as_ref().filter(|_| self.last_stage) else {
-            return Err("only the last pipeline stage computes logits".into());
+            return Err(ModelError::Stage(
+                "only the last pipeline stage computes logits".into(),
+            ));
         };
         let [_, count, d_model] = x.dims();
         let x = tp.copy(reshape(norm.forward(x), [count, d_model]))?;
         match (&self.head, &self.embedding) {
             (Some(head), _) => Ok(head.forward(x)),
             (None, Some(embedding)) => Ok(x.matmul(embedding.weight.val().transpose())),
-            (None, None) => Err("the last stage holds no LM head".into()),
+            (None, None) => Err(ModelError::Stage("the last stage holds no LM head".into())),
         }
     }
 
@@ -390,7 +399,7 @@ impl<B: Backend> TpGpt<B> {
         x: Tensor<B, 3>,
         labels: Tensor<B, 1, Int>,
         tp: &T,
-    ) -> Result<Tensor<B, 1>, String> {
+    ) -> Result<Tensor<B, 1>, ModelError> {
         let count = x.dims()[1];
         let logits = self.logits(x, tp)?;
         let local_vocab = logits.dims()[1];
@@ -414,7 +423,7 @@ impl<B: Backend> TpGpt<B> {
         positions: Tensor<B, 1, Int>,
         labels: Tensor<B, 1, Int>,
         tp: &T,
-    ) -> Result<Tensor<B, 1>, String> {
+    ) -> Result<Tensor<B, 1>, ModelError> {
         let x = self.embed(tokens, tp)?;
         let x = self.blocks_forward(x, positions, tp)?;
         self.loss_from_hidden(x, labels, tp)
@@ -430,7 +439,7 @@ impl<B: Backend> TpBlock<B> {
         kv_heads: usize,
         head_dim: usize,
         tp: &T,
-    ) -> Result<Tensor<B, 3>, String> {
+    ) -> Result<Tensor<B, 3>, ModelError> {
         let h = tp.copy(self.attn_norm.forward(x.clone()))?;
         let merged = self_attention(
             [&self.q, &self.k, &self.v],
@@ -455,12 +464,14 @@ mod tests {
         let config = GptConfig::new(61, 32, 4, 8, 2, 64);
         assert!(validate_tp(&config, 4).is_ok());
         let tp3 = validate_tp(&config, 3).unwrap_err();
+        assert!(matches!(tp3, ModelError::Config(_)), "{tp3:?}");
+        let tp3 = tp3.to_string();
         assert!(
             tp3.contains("--tp 3 must divide the 8 query heads"),
             "{tp3}"
         );
         let kv = GptConfig::new(61, 24, 4, 12, 3, 64);
-        let error = validate_tp(&kv, 4).unwrap_err();
+        let error = validate_tp(&kv, 4).unwrap_err().to_string();
         assert!(
             error.contains("the 3 kv heads: one must divide the other"),
             "{error}"

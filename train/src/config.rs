@@ -215,7 +215,7 @@ impl TrainConfig {
     fn validate_parallelism(&self) -> Result<(), TrainError> {
         let model = self.model_shape()?;
         burn_dcp_models::tensor_parallel::validate_tp(&gpt_of_shape(&model), self.tp)
-            .map_err(TrainError::Config)?;
+            .map_err(|e| TrainError::Config(e.to_string()))?;
         self.mesh_shape()
             .validate_pipeline(model.n_layers, self.micro_batches)?;
         let (heads, kv_heads) = self.rank_heads(&model);
@@ -352,7 +352,7 @@ impl TrainConfig {
     /// The GPT of `model_size` (with the tokenizer's vocabulary).
     pub fn model_config(&self) -> Result<GptConfig, TrainError> {
         GptConfig::sized(&self.model_size, self.tokenizer()?.vocab_size())
-            .map_err(TrainError::Config)
+            .map_err(|e| TrainError::Config(e.to_string()))
     }
 
     /// The shape of the model trained: `model_shape`, or the GPT's of `model_size`.

@@ -65,6 +65,13 @@ impl TrainError {
     }
 }
 
+/// A model's error (its rule or its failed collective) as the run's: its message.
+impl From<burn_dcp_models::ModelError> for TrainError {
+    fn from(error: burn_dcp_models::ModelError) -> Self {
+        TrainError::Model(error.to_string())
+    }
+}
+
 /// The message, for callers that report errors as text (the launcher, the examples).
 impl From<TrainError> for String {
     fn from(error: TrainError) -> Self {

@@ -244,13 +244,13 @@ impl<B: FlashOps, C: CheckpointStrategy> TrainModel<CpTrain<B, C>> for TpGpt<CpT
                 input.tokens.dims()[0]
             ));
         }
-        TpGpt::loss_sum(
+        Ok(TpGpt::loss_sum(
             self,
             packed(input.tokens),
             packed(input.positions),
             packed(input.labels),
             tp,
-        )
+        )?)
     }
 
     fn tensor_parallel(&self) -> bool {
@@ -288,7 +288,7 @@ impl<B: FlashOps, C: CheckpointStrategy> PipelineStage<CpTrain<B, C>> for TpGpt<
         tokens: Tensor<CpTrain<B, C>, 1, Int>,
         tp: &TpGroup,
     ) -> Result<Tensor<CpTrain<B, C>, 3>, String> {
-        TpGpt::embed(self, tokens, tp)
+        Ok(TpGpt::embed(self, tokens, tp)?)
     }
 
     fn forward_hidden(
@@ -297,7 +297,7 @@ impl<B: FlashOps, C: CheckpointStrategy> PipelineStage<CpTrain<B, C>> for TpGpt<
         positions: Tensor<CpTrain<B, C>, 1, Int>,
         tp: &TpGroup,
     ) -> Result<Tensor<CpTrain<B, C>, 3>, String> {
-        self.blocks_forward(x, positions, tp)
+        Ok(self.blocks_forward(x, positions, tp)?)
     }
 
     fn layers(&self) -> usize {
@@ -311,7 +311,7 @@ impl<B: FlashOps, C: CheckpointStrategy> PipelineStage<CpTrain<B, C>> for TpGpt<
         positions: Tensor<CpTrain<B, C>, 1, Int>,
         tp: &TpGroup,
     ) -> Result<Tensor<CpTrain<B, C>, 3>, String> {
-        self.block_forward(layer, x, positions, tp)
+        Ok(self.block_forward(layer, x, positions, tp)?)
     }
 
     fn loss_from_hidden(
@@ -320,6 +320,6 @@ impl<B: FlashOps, C: CheckpointStrategy> PipelineStage<CpTrain<B, C>> for TpGpt<
         labels: Tensor<CpTrain<B, C>, 1, Int>,
         tp: &TpGroup,
     ) -> Result<Tensor<CpTrain<B, C>, 1>, String> {
-        TpGpt::loss_from_hidden(self, x, labels, tp)
+        Ok(TpGpt::loss_from_hidden(self, x, labels, tp)?)
     }
 }

@@ -65,9 +65,9 @@ fn init_gpt<B: FlashOps, C: CheckpointStrategy>(
     let model_config = config.model_config()?;
     let full = model_config
         .init::<CpTrain<B, C>>(config.seed, device)
-        .map_err(TrainError::Model)?;
+        .map_err(TrainError::from)?;
     TpGpt::stage(&full, &model_config, tp_rank, config.tp, pp_rank, config.pp)
-        .map_err(TrainError::Model)
+        .map_err(TrainError::from)
 }
 
 /// What a rank's model is built from: the run's configuration, the rank's TP rank and pipeline

@@ -5,7 +5,7 @@
 use burn::prelude::{Tensor, TensorData};
 use burn_dcp::backend::{tp_copy, tp_reduce, ContextParallel, TpInner};
 use burn_dcp::comm::Comm;
-use burn_dcp_models::TensorParallel;
+use burn_dcp_models::{ModelError, TensorParallel};
 
 /// A TP group: the communicator of this rank's TP ranks.
 #[derive(Clone)]
@@ -25,21 +25,21 @@ impl<B: TpInner> TensorParallel<ContextParallel<B>> for TpGroup {
     fn copy<const D: usize>(
         &self,
         x: Tensor<ContextParallel<B>, D>,
-    ) -> Result<Tensor<ContextParallel<B>, D>, String> {
-        tp_copy(x, &self.comm).map_err(|e| e.to_string())
+    ) -> Result<Tensor<ContextParallel<B>, D>, ModelError> {
+        tp_copy(x, &self.comm).map_err(|e| ModelError::Collective(e.to_string()))
     }
 
     fn reduce<const D: usize>(
         &self,
         x: Tensor<ContextParallel<B>, D>,
-    ) -> Result<Tensor<ContextParallel<B>, D>, String> {
-        tp_reduce(x, &self.comm).map_err(|e| e.to_string())
+    ) -> Result<Tensor<ContextParallel<B>, D>, ModelError> {
+        tp_reduce(x, &self.comm).map_err(|e| ModelError::Collective(e.to_string()))
     }
 
     fn max<const D: usize>(
         &self,
         x: Tensor<ContextParallel<B>, D>,
-    ) -> Result<Tensor<ContextParallel<B>, D>, String> {
+    ) -> Result<Tensor<ContextParallel<B>, D>, ModelError> {
         if self.comm.size() == 1 {
             return Ok(x.detach());
         }
@@ -48,13 +48,14 @@ impl<B: TpInner> TensorParallel<ContextParallel<B>> for TpGroup {
         let gathered = self
             .comm
             .all_gather(x.detach().into_data().convert::<f32>().into())
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ModelError::Collective(e.to_string()))?;
         let mut max: Vec<f32> = vec![f32::NEG_INFINITY; shape.num_elements()];
         for part in gathered {
             let values = part
-                .into_host()?
+                .into_host()
+                .map_err(ModelError::Collective)?
                 .to_vec::<f32>()
-                .map_err(|e| format!("TP max: {e:?}"))?;
+                .map_err(|e| ModelError::Collective(format!("TP max: {e:?}")))?;
             for (m, v) in max.iter_mut().zip(values) {
                 // NaN wins, so a NaN logit stays visible.
                 if v.is_nan() || v > *m {

@@ -1,7 +1,8 @@
 //! The stage schedule: each rank's remote inputs cut into communication chunks, each tile in
 //! the compute stage after its last remote input arrives.
 
-use super::{DcpConfig, DcpGraph};
+use super::graph::DcpGraph;
+use super::DcpConfig;
 use crate::planner::cost::UnitSizes;
 use crate::planner::hypergraph::FastMap;
 use crate::planner::plan::BlockProblem;
