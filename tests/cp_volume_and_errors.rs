@@ -76,6 +76,32 @@ fn bytes_sent_match_the_analytic_volume() {
     }
 }
 
+/// Ulysses exchanges q, k and v in one all-to-all (one message per peer, one latency), the output
+/// and the LSE in one each, and in the backward q, k, v, out and dout in one, the LSE in one and
+/// dq, dk, dv in one: 6 all-to-alls, 6 · (P − 1) messages per rank over a forward and backward
+/// (bytes as the analytic volume, tested above).
+#[test]
+fn ulysses_sends_one_message_per_peer_per_exchange() {
+    let device = Default::default();
+    for (heads, kv_heads) in [(8, 8), (8, 2), (4, 1)] {
+        let inputs = random_inputs(&[37, 5, 22], heads, kv_heads, 8, 11);
+        let cp = 4;
+        let report = run_context_parallel::<B>(
+            &device,
+            &inputs,
+            &spec(cp, Strategy::Ulysses, Layout::Zigzag, &MaskSpec::Causal),
+        )
+        .unwrap();
+        for (rank, stats) in report.stats.iter().enumerate() {
+            assert_eq!(
+                stats.messages,
+                6 * (cp as u64 - 1),
+                "H{heads} K{kv_heads} rank {rank}: {stats:?}"
+            );
+        }
+    }
+}
+
 fn config_error(result: Result<impl std::fmt::Debug, CpError>) -> String {
     match result {
         Err(error) => error.to_string(),

@@ -102,6 +102,69 @@ impl UlyssesStage<'_> {
         Ok(cat_tokens(pieces, 0))
     }
 
+    /// [`Self::to_heads`] of several tensors of this rank's tokens in **one** all-to-all (one
+    /// message per peer, one latency): the pieces for a peer are concatenated on the head dim
+    /// and split again on arrival. `xs[i]` has head sets `heads[i][p]`; tensors whose last dim
+    /// differs from the first's (a value dim other than the head dim) go in their own.
+    fn many_to_heads<B: Backend>(
+        &self,
+        xs: Vec<(Tensor<B, 3>, Vec<Vec<usize>>)>,
+    ) -> Result<Vec<Tensor<B, 3>>, CpError> {
+        let dim = xs[0].0.dims()[2];
+        if xs.len() == 1 || xs.iter().any(|(x, _)| x.dims()[2] != dim) {
+            return xs
+                .into_iter()
+                .map(|(x, heads)| self.to_heads(x, |p| heads[p].clone()))
+                .collect();
+        }
+        let device = xs[0].0.device();
+        let tokens = xs[0].0.dims()[0];
+        let parts = (0..self.comm.size())
+            .map(|p| {
+                let total = xs.iter().map(|(_, heads)| heads[p].len()).sum();
+                if tokens == 0 {
+                    let options = burn::tensor::TensorCreationOptions::new(device.clone())
+                        .with_dtype(xs[0].0.dtype());
+                    return Tensor::empty([0, total, dim], options);
+                }
+                let selected = xs
+                    .iter()
+                    .map(|(x, heads)| select_heads(x.clone(), &heads[p]))
+                    .collect();
+                Tensor::cat(selected, 1)
+            })
+            .collect();
+        let mine: Vec<usize> = xs.iter().map(|(_, heads)| heads[self.me()].len()).collect();
+        let total = mine.iter().sum();
+        let expected = |p: usize| [self.member_tokens[p], total, dim];
+        let pieces = all_to_all(self.comm, parts, &device, expected, "ulysses to heads")?;
+        let mut per_input: Vec<Vec<Tensor<B, 3>>> = vec![Vec::new(); xs.len()];
+        for piece in pieces {
+            let mut start = 0;
+            for (i, &count) in mine.iter().enumerate() {
+                per_input[i].push(narrow(piece.clone(), 1, start, count));
+                start += count;
+            }
+        }
+        Ok(per_input
+            .into_iter()
+            .map(|pieces| cat_tokens(pieces, 0))
+            .collect())
+    }
+
+    /// Every peer's query head set (and kv head set) as lists.
+    fn q_head_sets(&self) -> Vec<Vec<usize>> {
+        (0..self.comm.size())
+            .map(|p| self.split.q_heads(p).collect())
+            .collect()
+    }
+
+    fn kv_head_sets(&self) -> Vec<Vec<usize>> {
+        (0..self.comm.size())
+            .map(|p| self.split.kv_heads(p))
+            .collect()
+    }
+
     /// Queries (or out/dout): `[T_me, H, D]` → `[ΣT_p, H/P, D]`.
     pub fn q_to_heads<B: Backend>(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, CpError> {
         self.to_heads(x, |p| self.split.q_heads(p).collect())
@@ -174,6 +237,56 @@ impl UlyssesStage<'_> {
         Ok(Tensor::cat(self.to_sequence(lse, [1, 0], heads_of)?, 0))
     }
 
+    /// [`Self::to_sequence`] of several `[ΣT_p, *, D]` tensors (token dim 0, head dim 1) in
+    /// **one** all-to-all: per input, the pieces `[T_me, counts[i][p], D]` every rank `p` sent
+    /// here (`counts[i][p]`: the heads of input `i` on rank `p`). Inputs of another last dim than
+    /// the first's go in their own.
+    fn many_to_sequence<B: Backend>(
+        &self,
+        xs: Vec<(Tensor<B, 3>, Vec<usize>)>,
+    ) -> Result<Vec<Vec<Tensor<B, 3>>>, CpError> {
+        let dim = xs[0].0.dims()[2];
+        if xs.len() == 1 || xs.iter().any(|(x, _)| x.dims()[2] != dim) {
+            return xs
+                .into_iter()
+                .map(|(x, counts)| self.to_sequence(x, [0, 1], |p| counts[p]))
+                .collect();
+        }
+        let device = xs[0].0.device();
+        let dtype = xs[0].0.dtype();
+        let me = self.me();
+        let splits: Vec<Vec<Tensor<B, 3>>> = xs
+            .iter()
+            .map(|(x, _)| split_sizes(x.clone(), 0, &self.member_tokens))
+            .collect();
+        let mine: usize = xs.iter().map(|(_, counts)| counts[me]).sum();
+        let parts = (0..self.comm.size())
+            .map(|p| match self.member_tokens[p] {
+                0 => {
+                    let options =
+                        burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype);
+                    Tensor::empty([0, mine, dim], options)
+                }
+                _ => Tensor::cat(splits.iter().map(|split| split[p].clone()).collect(), 1),
+            })
+            .collect();
+        let tokens = self.member_tokens[me];
+        let expected = |p: usize| {
+            let heads = xs.iter().map(|(_, counts)| counts[p]).sum();
+            [tokens, heads, dim]
+        };
+        let pieces = all_to_all(self.comm, parts, &device, expected, "ulysses to sequence")?;
+        let mut per_input: Vec<Vec<Tensor<B, 3>>> = vec![Vec::new(); xs.len()];
+        for (p, piece) in pieces.into_iter().enumerate() {
+            let mut start = 0;
+            for (i, (_, counts)) in xs.iter().enumerate() {
+                per_input[i].push(narrow(piece.clone(), 1, start, counts[p]));
+                start += counts[p];
+            }
+        }
+        Ok(per_input)
+    }
+
     /// Key/value gradients: `[ΣT_p, K_me, D]` → `[T_me, K, D]`, summing replicated heads.
     pub fn kv_grad_to_sequence<B: Backend>(
         &self,
@@ -181,6 +294,12 @@ impl UlyssesStage<'_> {
     ) -> Result<Tensor<B, 3>, CpError> {
         let dim = x.dims()[2];
         let pieces = self.to_sequence(x, [0, 1], |p| self.split.kv_heads(p).len())?;
+        Ok(self.sum_kv_pieces(pieces, dim))
+    }
+
+    /// The key/value gradient pieces every rank sent here (`[T_me, |kv_heads(p)|, D]`), summed
+    /// onto this rank's tokens of every kv head (replicated heads added up).
+    fn sum_kv_pieces<B: Backend>(&self, pieces: Vec<Tensor<B, 3>>, dim: usize) -> Tensor<B, 3> {
         let tokens = self.member_tokens[self.me()];
         let device = pieces[0].device();
         let mut grad = Tensor::<B, 3>::zeros(
@@ -188,7 +307,7 @@ impl UlyssesStage<'_> {
             (&device, pieces[0].dtype()),
         );
         if tokens == 0 {
-            return Ok(grad);
+            return grad;
         }
         for (p, piece) in pieces.into_iter().enumerate() {
             let heads = self.split.kv_heads(p);
@@ -198,7 +317,7 @@ impl UlyssesStage<'_> {
             // that implements select_assign's Add, which burn's backends do sequentially.
             grad = grad.select_assign(1, indices, piece, IndexingUpdateOp::Add);
         }
-        Ok(grad)
+        grad
     }
 
     /// Forward inputs to heads: `q [T_me, H, D]`, `k`/`v [T_me, K, D]` → the group's tokens on
@@ -209,11 +328,12 @@ impl UlyssesStage<'_> {
         k: Tensor<B, 3>,
         v: Tensor<B, 3>,
     ) -> Result<Qkv<B>, CpError> {
-        Ok((
-            self.q_to_heads(q)?,
-            self.kv_to_heads(k)?,
-            self.kv_to_heads(v)?,
-        ))
+        let (q_sets, kv_sets) = (self.q_head_sets(), self.kv_head_sets());
+        let mut heads = self
+            .many_to_heads(vec![(q, q_sets), (k, kv_sets.clone()), (v, kv_sets)])?
+            .into_iter();
+        let mut next = || heads.next().expect("one tensor per input");
+        Ok((next(), next(), next()))
     }
 
     /// Forward result back to this rank's tokens on all heads.
@@ -232,13 +352,24 @@ impl UlyssesStage<'_> {
         &self,
         x: BackwardInputs<B>,
     ) -> Result<BackwardInputs<B>, CpError> {
+        let (q_sets, kv_sets) = (self.q_head_sets(), self.kv_head_sets());
+        let inputs = vec![
+            (x.q, q_sets.clone()),
+            (x.k, kv_sets.clone()),
+            (x.v, kv_sets),
+            (x.out, q_sets.clone()),
+            (x.dout, q_sets),
+        ];
+        let mut heads = self.many_to_heads(inputs)?.into_iter();
+        let mut next = || heads.next().expect("one tensor per input");
+        let (q, k, v, out, dout) = (next(), next(), next(), next(), next());
         Ok(BackwardInputs {
-            q: self.q_to_heads(x.q)?,
-            k: self.kv_to_heads(x.k)?,
-            v: self.kv_to_heads(x.v)?,
-            out: self.q_to_heads(x.out)?,
+            q,
+            k,
+            v,
+            out,
             lse: self.lse_to_heads(x.lse)?,
-            dout: self.q_to_heads(x.dout)?,
+            dout,
         })
     }
 
@@ -247,11 +378,22 @@ impl UlyssesStage<'_> {
         &self,
         grads: FlashGradients<B>,
     ) -> Result<FlashGradients<B>, CpError> {
-        Ok(FlashGradients {
-            dq: self.q_to_sequence(grads.dq)?,
-            dk: self.kv_grad_to_sequence(grads.dk)?,
-            dv: self.kv_grad_to_sequence(grads.dv)?,
-        })
+        let size = self.comm.size();
+        let q_counts: Vec<usize> = (0..size).map(|p| self.split.q_heads(p).len()).collect();
+        let kv_counts: Vec<usize> = (0..size).map(|p| self.split.kv_heads(p).len()).collect();
+        let (dk_dim, dv_dim) = (grads.dk.dims()[2], grads.dv.dims()[2]);
+        let inputs = vec![
+            (grads.dq, q_counts),
+            (grads.dk, kv_counts.clone()),
+            (grads.dv, kv_counts),
+        ];
+        let mut pieces = self.many_to_sequence(inputs)?.into_iter();
+        let mut next = || pieces.next().expect("pieces per input");
+        // Piece p holds query heads q_heads(p): concatenating by rank restores head order.
+        let dq = Tensor::cat(next(), 1);
+        let dk = self.sum_kv_pieces(next(), dk_dim);
+        let dv = self.sum_kv_pieces(next(), dv_dim);
+        Ok(FlashGradients { dq, dk, dv })
     }
 }
 
