@@ -295,12 +295,7 @@ pub fn run_context_parallel_on<B: FlashOps>(
 fn prepare(inputs: &PackedInputs, spec: &RunSpec) -> Result<CpBatch, CpError> {
     inputs.validate()?;
     spec.strategy.validate_mesh(spec.cp)?;
-    if spec.nodes == 0 || !spec.cp.is_multiple_of(spec.nodes) {
-        return Err(CpError::Config(format!(
-            "{} nodes must divide the {} ranks",
-            spec.nodes, spec.cp
-        )));
-    }
+    crate::nodes::NodeMap::new(spec.cp, spec.nodes)?;
     spec.strategy
         .validate_heads(inputs.heads, inputs.kv_heads, spec.cp)?;
     let mut batch = match &spec.blocks {

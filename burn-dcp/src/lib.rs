@@ -70,6 +70,7 @@ pub mod harness;
 pub mod layout;
 pub mod mesh;
 pub mod nn;
+pub mod nodes;
 pub mod placement;
 pub mod planner;
 pub mod rows;

@@ -427,13 +427,14 @@ impl TrainConfig {
     /// World ranks per virtual node (`--nodes` must divide the world).
     pub fn ranks_per_node(&self) -> Result<usize, CpError> {
         let world = self.world_size();
-        if self.nodes == 0 || !world.is_multiple_of(self.nodes) {
-            return Err(CpError::Config(format!(
+        match burn_dcp::nodes::NodeMap::new(world, self.nodes) {
+            Ok(map) => Ok(map.ranks_per_node()),
+            // The rule is NodeMap's; the message names the flag and what the world is.
+            Err(_) => Err(CpError::Config(format!(
                 "--nodes {} must divide the {world} ranks (tp × cp × dp × pp)",
                 self.nodes
-            )));
+            ))),
         }
-        Ok(world / self.nodes)
     }
 
     /// The topology of one static CP group (ranks `d·cp .. (d+1)·cp`) as its ranks sit on the

@@ -118,13 +118,10 @@ pub(crate) fn check_timeout(group: &str, timeout: Duration) -> Result<(), CommEr
 /// `config`'s virtual nodes must divide a world of `size` ranks.
 pub(crate) fn check_nodes(size: usize, config: &WorldConfig) -> Result<(), CommError> {
     match config.ranks_per_node {
-        Some(per_node) if per_node == 0 || !size.is_multiple_of(per_node) => Err(invalid(
-            "world",
-            format!(
-                "{size} ranks cannot form nodes of {per_node} ranks each (it must divide the world size)"
-            ),
-        )),
-        _ => Ok(()),
+        Some(per_node) => crate::nodes::NodeMap::with_ranks_per_node(size, per_node)
+            .map(|_| ())
+            .map_err(|e| invalid("world", e.to_string())),
+        None => Ok(()),
     }
 }
 

@@ -284,8 +284,15 @@ impl InProcessWorld {
     /// world's `ranks_per_node`). Bytes and results are unchanged.
     pub fn emulate_links(&self, links: LinkEmulation) -> Result<(), CommError> {
         links.validate()?;
-        let per_node = self.world.config.ranks_per_node.unwrap_or(self.size);
-        self.world.lock().clock = Some(LinkClock::new(links, self.size, per_node));
+        let nodes = match self.world.config.ranks_per_node {
+            Some(per_node) => crate::nodes::NodeMap::with_ranks_per_node(self.size, per_node)
+                .map_err(|e| CommError::Invalid {
+                    group: "world".into(),
+                    message: e.to_string(),
+                })?,
+            None => crate::nodes::NodeMap::single(self.size),
+        };
+        self.world.lock().clock = Some(LinkClock::new(links, nodes));
         Ok(())
     }
 

@@ -27,6 +27,7 @@
 use std::time::{Duration, Instant};
 
 use super::CommError;
+use crate::nodes::NodeMap;
 use crate::planner::topology::Topology;
 
 /// Link speeds of an emulated cluster (already scaled to the compute they sit beside).
@@ -89,7 +90,7 @@ fn invalid(message: String) -> CommError {
 #[derive(Debug)]
 pub(crate) struct LinkClock {
     links: LinkEmulation,
-    ranks_per_node: usize,
+    nodes: NodeMap,
     /// Per rank: its intra-node link.
     rank_free: Vec<Instant>,
     /// Per node: its inter-node link.
@@ -97,13 +98,13 @@ pub(crate) struct LinkClock {
 }
 
 impl LinkClock {
-    pub(crate) fn new(links: LinkEmulation, ranks: usize, ranks_per_node: usize) -> Self {
+    pub(crate) fn new(links: LinkEmulation, nodes: NodeMap) -> Self {
         let now = Instant::now();
         Self {
             links,
-            ranks_per_node,
-            rank_free: vec![now; ranks],
-            node_free: vec![now; ranks.div_ceil(ranks_per_node)],
+            rank_free: vec![now; nodes.ranks()],
+            node_free: vec![now; nodes.nodes()],
+            nodes,
         }
     }
 
@@ -114,8 +115,8 @@ impl LinkClock {
         if from == to {
             return now;
         }
-        let node = from / self.ranks_per_node;
-        let (free, bandwidth, latency) = if node == to / self.ranks_per_node {
+        let node = self.nodes.node_of(from);
+        let (free, bandwidth, latency) = if self.nodes.same_node(from, to) {
             (
                 &mut self.rank_free[from],
                 self.links.intra_node_bandwidth,
@@ -150,7 +151,7 @@ mod tests {
 
     #[test]
     fn a_link_sends_one_message_after_the_other() {
-        let mut clock = LinkClock::new(links(), 4, 2);
+        let mut clock = LinkClock::new(links(), NodeMap::with_ranks_per_node(4, 2).unwrap());
         let posted = Instant::now();
         // 1000 bytes at 1 MB/s: 1 ms on the wire, +1 ms latency; the second queues behind it.
         let first = clock.arrival(0, 1, 1000);

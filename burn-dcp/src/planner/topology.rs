@@ -90,11 +90,7 @@ impl Topology {
     /// A preset's links and devices with `ranks` ranks spread evenly over `nodes` nodes
     /// (`nodes` must divide `ranks`), as the in-process world maps ranks to virtual nodes.
     pub fn for_ranks(name: &str, nodes: usize, ranks: usize) -> Result<Self, CpError> {
-        if nodes == 0 || !ranks.is_multiple_of(nodes) {
-            return Err(CpError::Config(format!(
-                "{nodes} nodes must divide the {ranks} ranks (every node holds as many ranks)"
-            )));
-        }
+        crate::nodes::NodeMap::new(ranks, nodes)?;
         let topology = Self {
             devices_per_node: ranks / nodes,
             ..Self::preset(name, nodes)?
