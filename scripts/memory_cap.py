@@ -10,6 +10,7 @@ largest process RSS).
 
 Usage: python3 scripts/memory_cap.py [BIN_DIR] [--cap-mib M] [--cps 1,2,4,8] [--mask MASK]
        [--model-size S] [--granularity N] [--launcher tcp|mpi] [--max-len N] [--corpus PATH]
+       [--recompute none|attention|block]
 
 Give --corpus one long document (e.g. the Vim help files concatenated into one file): the
 packing splits it into micro-batches of exactly --seq-len tokens, so the step trains that many
@@ -43,6 +44,7 @@ granularity = int(option("--granularity", "1024"))
 launcher = option("--launcher", "tcp")
 max_len = int(option("--max-len", str(1 << 20)))
 corpus = ["--corpus", option("--corpus", "")] if "--corpus" in args else []
+recompute = ["--recompute", option("--recompute", "")] if "--recompute" in args else []
 train = os.path.join(bin_dir, "gpt_longctx")
 here = os.path.dirname(os.path.abspath(__file__))
 env = dict(os.environ, MALLOC_ARENA_MAX="2", OMPI_ALLOW_RUN_AS_ROOT="1",
@@ -60,7 +62,7 @@ def trial(cp, length):
     """The run's summary when it trains under the cap, else None."""
     command = [*launch(cp), train, "--cp", str(cp), "--seq-len", str(length),
                "--micro-batches", "1", "--steps", "1", "--mask", mask,
-               "--model-size", model_size, *corpus, "--json"]
+               "--model-size", model_size, *corpus, *recompute, "--json"]
     shell = f"ulimit -v {cap_mib * 1024}; exec {shlex.join(command)}"
     started = time.time()
     done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=env)

@@ -290,18 +290,28 @@ fn train(
     resume: Option<&std::path::Path>,
     out: Option<&std::path::Path>,
 ) -> Vec<f64> {
-    let world = InProcessWorld::new(config.world_size(), WorldConfig::default()).unwrap();
     let observer = Quiet(Default::default());
+    train_observed(config, resume, out, &observer);
+    observer.0.into_inner().unwrap()
+}
+
+/// Trains `config` on threads (Flex), rank 0 reporting to `observer`.
+fn train_observed(
+    config: &TrainConfig,
+    resume: Option<&std::path::Path>,
+    out: Option<&std::path::Path>,
+    observer: &dyn burn_dcp_suite::train::StepObserver,
+) {
+    let world = InProcessWorld::new(config.world_size(), WorldConfig::default()).unwrap();
     let device = burn::backend::flex::FlexDevice;
     let data = TrainData::load(config).unwrap();
     for result in world.run(|comm| {
         burn_dcp_suite::train::train_rank::<burn::backend::Flex>(
-            comm, config, &data, resume, out, &observer, &device,
+            comm, config, &data, resume, out, observer, &device,
         )
     }) {
         result.unwrap();
     }
-    observer.0.into_inner().unwrap()
 }
 
 #[test]
@@ -1004,17 +1014,8 @@ impl burn_dcp_suite::train::StepObserver for LossAndCpBytes {
 }
 
 fn train_recording(config: &TrainConfig) -> Vec<(f64, u64)> {
-    let world = InProcessWorld::new(config.world_size(), WorldConfig::default()).unwrap();
     let observer = LossAndCpBytes(Default::default());
-    let device = burn::backend::flex::FlexDevice;
-    let data = TrainData::load(config).unwrap();
-    for result in world.run(|comm| {
-        burn_dcp_suite::train::train_rank::<burn::backend::Flex>(
-            comm, config, &data, None, None, &observer, &device,
-        )
-    }) {
-        result.unwrap();
-    }
+    train_observed(config, None, None, &observer);
     observer.0.into_inner().unwrap()
 }
 
