@@ -273,30 +273,61 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         unit: usize,
         shard: &RankShard,
     ) -> Result<StageForward<B, C>, CpError> {
-        let tp = &self.groups.tp;
-        let stage = self.pp().rank();
-        let (input, x) = if model.is_first_stage() {
-            let tokens = int_tensor(&shard.tokens, self.device);
-            (None, model.embed(tokens, tp).map_err(failed)?)
-        } else {
-            let x = self
-                .receive(stage - 1, unit, shard.tokens.len(), "activations")?
-                .require_grad();
-            (Some(x.clone()), x)
+        let x = self.stage_input(model, unit, shard)?;
+        let (input, x) = match model.is_first_stage() {
+            true => (None, x),
+            false => {
+                let x = x.require_grad();
+                (Some(x.clone()), x)
+            }
         };
         let positions = int_tensor(&shard.positions, self.device);
-        let output = model.forward_hidden(x, positions, tp).map_err(failed)?;
-        let output = if model.is_last_stage() {
+        let output = model
+            .forward_hidden(x, positions, &self.groups.tp)
+            .map_err(failed)?;
+        Ok((input, self.stage_output(model, shard, output)?))
+    }
+
+    /// What a stage's layers start from: the embedding of the shard's tokens (first stage) or
+    /// the activations received from the previous stage.
+    fn stage_input(
+        &self,
+        model: &dyn PipelineStage<CpTrain<B, C>>,
+        unit: usize,
+        shard: &RankShard,
+    ) -> Result<Hidden<B, C>, CpError> {
+        match model.is_first_stage() {
+            true => {
+                let tokens = int_tensor(&shard.tokens, self.device);
+                model.embed(tokens, &self.groups.tp).map_err(failed)
+            }
+            false => {
+                let previous = self.pp().rank() - 1;
+                self.receive(previous, unit, shard.tokens.len(), "activations")
+            }
+        }
+    }
+
+    /// The end of a stage's forward from its layers' output `x`: the loss (last stage) or a send
+    /// of `x` to the next stage.
+    fn stage_output(
+        &mut self,
+        model: &dyn PipelineStage<CpTrain<B, C>>,
+        shard: &RankShard,
+        x: Hidden<B, C>,
+    ) -> Result<Output<B, C>, CpError> {
+        if model.is_last_stage() {
             let labels = int_tensor(&shard.labels, self.device);
-            let loss = model.loss_from_hidden(output, labels, tp).map_err(failed)?;
+            let loss = model
+                .loss_from_hidden(x, labels, &self.groups.tp)
+                .map_err(failed)?;
             self.loss_sum += loss.clone().into_scalar().to_f64();
-            Output::Loss(loss)
-        } else {
-            let sent = Payload::device(output.clone().detach());
-            self.sends.push(self.pp().isend(stage + 1, sent)?);
-            Output::Hidden(output)
-        };
-        Ok((input, output))
+            return Ok(Output::Loss(loss));
+        }
+        let next = self.pp().rank() + 1;
+        let sent = Payload::device(x.clone().detach());
+        self.sends.push(self.pp().isend(next, sent)?);
+        Ok(Output::Hidden(x))
     }
 
     /// The backward pass of schedule unit `unit` (whose forward this rank ran).
@@ -355,16 +386,9 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         shard: &RankShard,
         batch: CpBatch,
     ) -> Result<KeptForward<B, C>, CpError> {
-        let tp = &self.groups.tp;
-        let stage = self.pp().rank();
-        let (embedded, mut x) = if model.is_first_stage() {
-            let tokens = int_tensor(&shard.tokens, self.device);
-            let embedded = model.embed(tokens, tp).map_err(failed)?;
-            (Some(embedded.clone()), embedded.detach())
-        } else {
-            let x = self.receive(stage - 1, unit, shard.tokens.len(), "activations")?;
-            (None, x)
-        };
+        let x = self.stage_input(model, unit, shard)?;
+        let embedded = model.is_first_stage().then(|| x.clone());
+        let mut x = x.detach();
         let positions = int_tensor(&shard.positions, self.device);
         let frozen = self.model.clone().no_grad();
         let frozen = frozen
@@ -374,22 +398,13 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         for layer in 0..frozen.layers() {
             inputs.push(x.clone());
             x = frozen
-                .forward_layer(layer, x, positions.clone(), tp)
+                .forward_layer(layer, x, positions.clone(), &self.groups.tp)
                 .map_err(failed)?;
         }
-        let (output, last) = if model.is_last_stage() {
-            let last = x.require_grad();
-            let labels = int_tensor(&shard.labels, self.device);
-            let loss = model
-                .loss_from_hidden(last.clone(), labels, tp)
-                .map_err(failed)?;
-            self.loss_sum += loss.clone().into_scalar().to_f64();
-            (Output::Loss(loss), Some(last))
-        } else {
-            self.sends
-                .push(self.pp().isend(stage + 1, Payload::device(x.clone()))?);
-            (Output::Hidden(x), None)
-        };
+        // The loss is computed from the last layer's output as a leaf, whose gradient the
+        // backward takes into the layers.
+        let last = model.is_last_stage().then(|| x.clone().require_grad());
+        let output = self.stage_output(model, shard, last.clone().unwrap_or(x))?;
         let layers = KeptLayers {
             inputs,
             embedded,

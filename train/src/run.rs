@@ -165,7 +165,6 @@ impl Trainer<'_> {
             data: self.data,
             observer: self.observer,
             device,
-            strategy: std::marker::PhantomData,
         };
         // Rank 0 reports the steps: it predicts their attention time on an emulated machine
         // (measured here, before any rank computes).
@@ -246,16 +245,21 @@ pub(crate) fn check_model_support<B: AutodiffBackend, M: TrainModel<B>>(
             "recompute block recomputes the model's layers one by one: the model must expose them (TrainModel::stages, PipelineStage::layers); this one does not".into(),
         ));
     }
-    if config.recompute == Recompute::Block && M::INPUT_ROWS != InputRows::Packed {
-        return Err(TrainError::Config(
-            "recompute block runs the model's layers on packed rows: the model must take InputRows::Packed".into(),
-        ));
-    }
-    if config.pp > 1 && M::INPUT_ROWS != InputRows::Packed {
-        return Err(TrainError::Config(format!(
-            "pp {} sends packed rows between stages: the model must take InputRows::Packed",
-            config.pp
-        )));
+    // Stages take packed rows: the pipeline sends them between stages, and block recompute
+    // runs the layers on them.
+    if M::INPUT_ROWS != InputRows::Packed {
+        let why = match (config.pp, config.recompute) {
+            (pp, _) if pp > 1 => Some(format!("pp {pp} sends packed rows between stages")),
+            (_, Recompute::Block) => {
+                Some("recompute block runs the model's layers on packed rows".to_string())
+            }
+            _ => None,
+        };
+        if let Some(why) = why {
+            return Err(TrainError::Config(format!(
+                "{why}: the model must take InputRows::Packed"
+            )));
+        }
     }
     Ok(())
 }
@@ -318,25 +322,29 @@ pub(crate) fn plan_ahead<'scope, 'env>(
 }
 
 /// What every step of a rank's training needs.
-pub(crate) struct StepLoop<'a, B: FlashOps, C: CheckpointStrategy> {
+pub(crate) struct StepLoop<'a, B: FlashOps> {
     groups: &'a RankGroups,
     config: &'a TrainConfig,
     data: &'a TrainData,
     observer: &'a dyn StepObserver,
     device: &'a B::Device,
-    strategy: std::marker::PhantomData<C>,
 }
 
-impl<B: FlashOps, C: CheckpointStrategy> StepLoop<'_, B, C> {
+impl<B: FlashOps> StepLoop<'_, B> {
     /// Trains steps `first..=steps` and returns the trained model; rank 0 also returns (and
     /// reports) the steps' metrics.
-    fn steps<M: TrainModel<CpTrain<B, C>>, O: Optimizer<M, CpTrain<B, C>>>(
+    fn steps<C, M, O>(
         &self,
         mut model: M,
         optimizer: &mut O,
         first: usize,
         plans: &PlanReceiver,
-    ) -> Result<(M, Vec<StepMetrics>), TrainError> {
+    ) -> Result<(M, Vec<StepMetrics>), TrainError>
+    where
+        C: CheckpointStrategy,
+        M: TrainModel<CpTrain<B, C>>,
+        O: Optimizer<M, CpTrain<B, C>>,
+    {
         let world = &self.groups.mesh.world;
         let mut metrics = Vec::new();
         for step in first..=self.config.steps {

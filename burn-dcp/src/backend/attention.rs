@@ -27,7 +27,7 @@ use burn_autodiff::NodeId;
 use burn_backend::ops::AttentionModuleOptions;
 use burn_backend::tensor::{BoolTensor, FloatTensor};
 use burn_backend::{Backend, Shape, TensorMetadata};
-use burn_dcp_kernels::{FlashOps, MaskSpec};
+use burn_dcp_kernels::{FlashOps, FlashOutput, MaskSpec};
 
 use crate::backend::context::{intercept, CpContext};
 use crate::backend::timing::timed;
@@ -89,12 +89,23 @@ pub fn cp_attention_forward_only<B: FlashOps>(
         to_tokens::<B>(key),
         to_tokens::<B>(value),
     );
-    match timed("forward", &context.group.strategy, || {
+    to_heads(strategy_forward("forward", &context, &shape, q, k, v).out)
+}
+
+/// The strategy's forward on `q`/`k`/`v` in token layout (`pass`: `forward`, or `recompute` in a
+/// backward), timed as attention; a failure panics naming the pass, the rank and the shape.
+fn strategy_forward<B: FlashOps>(
+    pass: &str,
+    context: &CpContext,
+    shape: &[usize],
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+) -> FlashOutput<B> {
+    timed(pass, &context.group.strategy, || {
         cp_attention_forward(&context.group, &context.batch, q, k, v)
-    }) {
-        Ok(result) => to_heads(result.out),
-        Err(error) => fail("forward", &context, &shape, error),
-    }
+    })
+    .unwrap_or_else(|error| fail(pass, context, shape, error))
 }
 
 impl CpInner for burn::backend::Flex {
@@ -187,16 +198,14 @@ impl<B: FlashOps> Backward<B, 3> for CpAttentionBackward {
                 Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse)),
             ),
             None => {
-                let result = timed("recompute", &context.group.strategy, || {
-                    cp_attention_forward(
-                        &context.group,
-                        &context.batch,
-                        q.clone(),
-                        k.clone(),
-                        v.clone(),
-                    )
-                })
-                .unwrap_or_else(|error| fail("recompute", &context, &shape, error));
+                let result = strategy_forward(
+                    "recompute",
+                    &context,
+                    &shape,
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                );
                 (result.out, result.lse)
             }
         };
@@ -237,10 +246,7 @@ impl<B: FlashOps, C: CheckpointStrategy> CpInner for Autodiff<B, C> {
             to_tokens::<B>(key.primitive.clone()),
             to_tokens::<B>(value.primitive.clone()),
         );
-        let result = timed("forward", &context.group.strategy, || {
-            cp_attention_forward(&context.group, &context.batch, q, k, v)
-        })
-        .unwrap_or_else(|error| fail("forward", &context, &shape, error));
+        let result = strategy_forward("forward", &context, &shape, q, k, v);
         let out = to_heads(result.out.clone());
         let nodes = [query.node.clone(), key.node.clone(), value.node.clone()];
         match CpAttentionBackward

@@ -84,37 +84,20 @@ impl UlyssesStage<'_> {
         self.comm.rank()
     }
 
-    /// Sequence → heads with explicit per-rank head sets: `[T_me, *, D]` → `[ΣT_p, |heads(me)|, D]`.
-    fn to_heads<B: Backend>(
-        &self,
-        x: Tensor<B, 3>,
-        heads_of: impl Fn(usize) -> Vec<usize>,
-    ) -> Result<Tensor<B, 3>, CpError> {
-        let device = x.device();
-        let dim = x.dims()[2];
-        let parts = (0..self.comm.size())
-            .map(|p| select_heads(x.clone(), &heads_of(p)))
-            .collect();
-        // Received piece p: [T_p, |heads(me)|, D]; tokens in member order.
-        let mine = heads_of(self.me()).len();
-        let expected = |p: usize| [self.member_tokens[p], mine, dim];
-        let pieces = all_to_all(self.comm, parts, &device, expected, "ulysses to heads")?;
-        Ok(cat_tokens(pieces, 0))
-    }
-
-    /// [`Self::to_heads`] of several tensors of this rank's tokens in **one** all-to-all (one
-    /// message per peer, one latency): the pieces for a peer are concatenated on the head dim
-    /// and split again on arrival. `xs[i]` has head sets `heads[i][p]`; tensors whose last dim
-    /// differs from the first's (a value dim other than the head dim) go in their own.
+    /// Sequence → heads of several tensors of this rank's tokens in **one** all-to-all (one
+    /// message per peer, one latency): `xs[i] [T_me, *, D]` with head sets `heads[i][p]` →
+    /// `[ΣT_p, |heads[i][me]|, D]`. The pieces for a peer are concatenated on the head dim and
+    /// split again on arrival; tensors whose last dim differs from the first's (a value dim other
+    /// than the head dim) go in their own.
     fn many_to_heads<B: Backend>(
         &self,
         xs: Vec<(Tensor<B, 3>, Vec<Vec<usize>>)>,
     ) -> Result<Vec<Tensor<B, 3>>, CpError> {
         let dim = xs[0].0.dims()[2];
-        if xs.len() == 1 || xs.iter().any(|(x, _)| x.dims()[2] != dim) {
+        if xs.iter().any(|(x, _)| x.dims()[2] != dim) {
             return xs
                 .into_iter()
-                .map(|(x, heads)| self.to_heads(x, |p| heads[p].clone()))
+                .map(|(x, heads)| self.one_to_heads(x, heads))
                 .collect();
         }
         let device = xs[0].0.device();
@@ -152,6 +135,16 @@ impl UlyssesStage<'_> {
             .collect())
     }
 
+    /// [`Self::many_to_heads`] of one tensor.
+    fn one_to_heads<B: Backend>(
+        &self,
+        x: Tensor<B, 3>,
+        heads: Vec<Vec<usize>>,
+    ) -> Result<Tensor<B, 3>, CpError> {
+        let mut received = self.many_to_heads(vec![(x, heads)])?;
+        Ok(received.pop().expect("one tensor per input"))
+    }
+
     /// Every peer's query head set (and kv head set) as lists.
     fn q_head_sets(&self) -> Vec<Vec<usize>> {
         (0..self.comm.size())
@@ -167,12 +160,12 @@ impl UlyssesStage<'_> {
 
     /// Queries (or out/dout): `[T_me, H, D]` → `[ΣT_p, H/P, D]`.
     pub fn q_to_heads<B: Backend>(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, CpError> {
-        self.to_heads(x, |p| self.split.q_heads(p).collect())
+        self.one_to_heads(x, self.q_head_sets())
     }
 
     /// Keys/values: `[T_me, K, D]` → `[ΣT_p, K_me, D]` (see [`HeadSplit::kv_heads`]).
     pub fn kv_to_heads<B: Backend>(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, CpError> {
-        self.to_heads(x, |p| self.split.kv_heads(p))
+        self.one_to_heads(x, self.kv_head_sets())
     }
 
     /// LSE: `[H, T_me]` → `[H/P, ΣT_p]`.
