@@ -55,18 +55,6 @@ impl Accounting {
     }
 }
 
-/// Names a communicator's sub-groups `parent/split<n>:<color>`, `n` counting its splits from 1.
-#[derive(Default)]
-pub(crate) struct SplitNames(Mutex<u64>);
-
-impl SplitNames {
-    pub(crate) fn next(&self, parent: &str, color: usize) -> String {
-        let mut splits = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        *splits += 1;
-        format!("{parent}/split{}:{color}", *splits)
-    }
-}
-
 /// A message of its serialised header then its body: `[u32 header length][JSON header][body]`.
 pub(crate) fn frame<H: serde::Serialize>(header: &H, body: &[u8]) -> Result<Vec<u8>, String> {
     let json = serde_json::to_vec(header).map_err(|e| e.to_string())?;

@@ -11,7 +11,7 @@
 //!
 //! Failure (fail-fast, like an aborted NCCL or MPI job): the world records failures in the order
 //! they happen. A rank fails when it returns an error or panics inside [`InProcessWorld::run`],
-//! calls [`Communicator::abort`], drops a handle while panicking, times out, or receives an
+//! calls [`Communicator::abort`](crate::comm::Communicator::abort), drops a handle while panicking, times out, or receives an
 //! unexpected message. From then on every operation of every rank fails with
 //! [`CommError::PeerFailed`] naming the rank that failed **first** and its reason (for a panic,
 //! the panic message). A rank that leaves (its task returns, or its last handle on a group is
@@ -24,17 +24,12 @@ use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::time::{Duration, Instant};
 
-use burn::tensor::TensorData;
-
-use crate::comm::common::{
-    all_reduce_by, check_nodes, check_parts, check_peer, check_timeout, split_membership,
-    split_request, Accounting, SplitNames,
-};
+use crate::comm::collectives::agree_split;
+use crate::comm::common::{check_nodes, check_timeout, Accounting};
 use crate::comm::links::{LinkClock, LinkEmulation};
-use crate::comm::payload::sum_payloads;
+use crate::comm::transport::{check_envelope, Channel, Group, Transport};
 use crate::comm::{
-    control_payloads, panic_message, Comm, CommError, CommStats, Communicator, Fault, FaultKind,
-    OpKind, Payload, PendingRecv, PendingSend,
+    panic_message, Comm, CommError, CommStats, Fault, FaultKind, Payload, PendingSend,
 };
 
 /// The most ranks an in-process world may have (one thread each).
@@ -68,13 +63,6 @@ impl WorldConfig {
     pub fn node_of(&self, rank: usize) -> usize {
         self.ranks_per_node.map_or(0, |n| rank / n)
     }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Channel {
-    PointToPoint,
-    Collective,
-    Control,
 }
 
 /// (group name, sender global rank, receiver global rank, channel).
@@ -301,13 +289,8 @@ impl InProcessWorld {
         let members: Arc<[usize]> = (0..self.size).collect();
         (0..self.size)
             .map(|rank| {
-                InProcessComm::open(
-                    &self.world,
-                    "world".into(),
-                    Arc::from(""),
-                    members.clone(),
-                    rank,
-                )
+                let group = Group::new("world".into(), Arc::from(""), members.clone(), rank);
+                InProcessComm::open(&self.world, group)
             })
             .collect()
     }
@@ -449,13 +432,7 @@ fn run_rank<T, E: fmt::Display>(
 /// One rank's handle on one group of an [`InProcessWorld`].
 pub struct InProcessComm {
     world: Arc<World>,
-    name: String,
-    /// The label its bytes count under ([`CommStats::bytes_by_label`]).
-    label: Arc<str>,
-    /// World ranks of the group members, in group-rank order.
-    members: Arc<[usize]>,
-    rank: usize,
-    splits: SplitNames,
+    group: Group,
 }
 
 impl fmt::Debug for InProcessComm {
@@ -463,16 +440,16 @@ impl fmt::Debug for InProcessComm {
         write!(
             f,
             "InProcessComm(group '{}', rank {}/{})",
-            self.name,
-            self.rank,
-            self.members.len()
+            self.group.name,
+            self.group.rank,
+            self.group.size()
         )
     }
 }
 
 impl Drop for InProcessComm {
     fn drop(&mut self) {
-        let me = self.me();
+        let me = self.group.me();
         let mut state = self.world.lock();
         if std::thread::panicking() && !EXITING.with(Cell::get) {
             let message = LAST_PANIC
@@ -483,7 +460,7 @@ impl Drop for InProcessComm {
             let message = message.unwrap_or_else(|| "no panic message captured".into());
             state.record_failure(me, format!("rank {me} panicked: {message}"), provisional);
         }
-        if let Some(count) = state.handles.get_mut(&(self.name.clone(), me)) {
+        if let Some(count) = state.handles.get_mut(&(self.group.name.clone(), me)) {
             *count = count.saturating_sub(1);
         }
         drop(state);
@@ -492,46 +469,33 @@ impl Drop for InProcessComm {
 }
 
 impl InProcessComm {
-    fn open(
-        world: &Arc<World>,
-        name: String,
-        label: Arc<str>,
-        members: Arc<[usize]>,
-        rank: usize,
-    ) -> Comm {
+    fn open(world: &Arc<World>, group: Group) -> Comm {
         *world
             .lock()
             .handles
-            .entry((name.clone(), members[rank]))
+            .entry((group.name.clone(), group.me()))
             .or_default() += 1;
         Arc::new(InProcessComm {
             world: world.clone(),
-            name,
-            label,
-            members,
-            rank,
-            splits: SplitNames::default(),
+            group,
         })
     }
+}
 
-    fn me(&self) -> usize {
-        self.members[self.rank]
+impl Transport for InProcessComm {
+    type Recv = Waiter;
+    const HOST_BYTES: bool = false;
+
+    fn group(&self) -> &Group {
+        &self.group
     }
 
-    fn invalid(&self, message: String) -> CommError {
-        CommError::Invalid {
-            group: self.name.clone(),
-            message,
-        }
-    }
-
-    /// The start of every operation: fails fast if any rank has failed, counts the call and
-    /// injects a fault planned for it.
-    fn begin_call(&self, op: &str) -> Result<(), CommError> {
-        let me = self.me();
+    /// Fails fast if any rank has failed, counts the call and injects a fault planned for it.
+    fn begin(&self, op: &str) -> Result<(), CommError> {
+        let me = self.group.me();
         let (fault, call) = {
             let mut state = self.world.lock();
-            if let Some(error) = state.peer_failed(&self.name, self.rank, op) {
+            if let Some(error) = state.peer_failed(&self.group.name, self.group.rank, op) {
                 return Err(error);
             }
             let call = state.calls[me];
@@ -556,7 +520,7 @@ impl InProcessComm {
             }
             Some(FaultKind::Error) => {
                 let error = CommError::Injected {
-                    group: self.name.clone(),
+                    group: self.group.name.clone(),
                     global_rank: me,
                     call,
                     op: op.to_string(),
@@ -576,20 +540,21 @@ impl InProcessComm {
         }
     }
 
-    /// Puts one message for `peer` in its mailbox (sends are eager).
-    fn post(
+    /// Puts the message in `peer`'s mailbox: sends are eager, done when this returns.
+    fn post_send(
         &self,
         peer: usize,
         channel: Channel,
         data: Payload,
         op: &str,
         accounting: Accounting,
-    ) -> Result<(), CommError> {
-        let (me, to) = (self.me(), self.members[peer]);
+    ) -> Result<PendingSend, CommError> {
+        let group = &self.group;
+        let (me, to) = (group.me(), group.members[peer]);
         let bytes = data.num_bytes();
         {
             let mut state = self.world.lock();
-            if let Some(error) = state.peer_failed(&self.name, self.rank, op) {
+            if let Some(error) = state.peer_failed(&group.name, group.rank, op) {
                 return Err(error);
             }
             let fault = if me != to {
@@ -603,7 +568,7 @@ impl InProcessComm {
                 .map(|clock| clock.arrival(me, to, bytes));
             let mailbox = state
                 .mailboxes
-                .entry((self.name.clone(), me, to, channel))
+                .entry((group.name.clone(), me, to, channel))
                 .or_default();
             let index = mailbox.stamped;
             mailbox.stamped += 1;
@@ -625,73 +590,56 @@ impl InProcessComm {
             }
         }
         self.world.wake[to].notify_all();
-        accounting.count_link(
-            &self.world.stats[me],
-            &self.world.config,
-            &self.label,
-            (me, to),
-            bytes,
-        );
-        Ok(())
+        let world = &self.world;
+        group.count(&world.stats[me], &world.config, accounting, peer, bytes);
+        Ok(PendingSend::new(|| Ok(())))
     }
 
-    /// Reserves the next message from `peer` on `channel`; returns its sequence number.
-    fn reserve(&self, peer: usize, channel: Channel) -> u64 {
-        let key = (self.name.clone(), self.members[peer], self.me(), channel);
-        let mut state = self.world.lock();
-        let mailbox = state.mailboxes.entry(key).or_default();
-        mailbox.posted += 1;
-        mailbox.posted - 1
-    }
-
-    fn waiter(&self, peer: usize, channel: Channel, seq: u64, op: &str) -> Waiter {
-        Waiter {
+    /// Reserves the next message from `peer` on `channel`.
+    fn post_recv(&self, peer: usize, channel: Channel, op: &str) -> Result<Waiter, CommError> {
+        let group = &self.group;
+        let key = (group.name.clone(), group.members[peer], group.me(), channel);
+        let seq = {
+            let mut state = self.world.lock();
+            let mailbox = state.mailboxes.entry(key).or_default();
+            mailbox.posted += 1;
+            mailbox.posted - 1
+        };
+        Ok(Waiter {
             world: self.world.clone(),
-            group: self.name.clone(),
-            members: self.members.clone(),
-            rank: self.rank,
+            group: group.name.clone(),
+            members: group.members.clone(),
+            rank: group.rank,
             peer,
             channel,
             seq,
             op: op.to_string(),
-        }
+        })
     }
 
-    fn recv_now(&self, peer: usize, channel: Channel, op: &str) -> Result<Payload, CommError> {
-        let seq = self.reserve(peer, channel);
-        self.waiter(peer, channel, seq, op).wait()
+    fn wait(receives: Vec<Waiter>) -> Result<Vec<Payload>, CommError> {
+        receives.into_iter().map(Waiter::wait).collect()
     }
 
-    /// Sends `parts[p]` to every `p` and receives one message from every rank (itself included).
-    fn exchange(
-        &self,
-        parts: Vec<Payload>,
-        channel: Channel,
-        op: &str,
-        accounting: Accounting,
-    ) -> Result<Vec<Payload>, CommError> {
-        for (peer, part) in parts.into_iter().enumerate() {
-            self.post(peer, channel, part, op, accounting)?;
-        }
-        (0..self.members.len())
-            .map(|peer| self.recv_now(peer, channel, op))
-            .collect()
+    fn split_group(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
+        let group = agree_split(self, color, key, label)?;
+        Ok(InProcessComm::open(&self.world, group))
     }
 
-    /// A collective of `kind` on the collective channel.
-    fn collective(&self, parts: Vec<Payload>, kind: OpKind) -> Result<Vec<Payload>, CommError> {
-        self.exchange(
-            parts,
-            Channel::Collective,
-            &kind.to_string(),
-            Accounting::Data(kind),
-        )
+    fn counters(&self) -> &Mutex<CommStats> {
+        &self.world.stats[self.group.me()]
+    }
+
+    fn fail(&self, reason: &str) {
+        let me = self.group.me();
+        self.world
+            .mark_failed(me, format!("rank {me} aborted: {reason}"));
     }
 }
 
 /// One posted receive: blocks until its message arrives, any rank fails, the sender leaves, or
 /// the timeout passes.
-struct Waiter {
+pub(crate) struct Waiter {
     world: Arc<World>,
     group: String,
     members: Arc<[usize]>,
@@ -771,143 +719,19 @@ impl Waiter {
 
     /// Checks the envelope of the message that arrived.
     fn open(&self, envelope: Envelope, state: &mut WorldState) -> Result<Payload, CommError> {
-        if envelope.op == self.op && envelope.index == self.seq {
+        let Err(message) = check_envelope((&self.op, self.seq), (&envelope.op, envelope.index))
+        else {
             return Ok(envelope.data);
-        }
-        let cause = if envelope.op == self.op {
-            "a message on this link was lost or duplicated"
-        } else {
-            "the ranks called different operations (mismatched configuration or strategy)"
         };
         let me = self.members[self.rank];
         let error = CommError::Protocol {
             group: self.group.clone(),
             rank: self.rank,
             peer_global: self.members[self.peer],
-            message: format!(
-                "expected {} message #{}, got {} message #{}: {cause}",
-                self.op, self.seq, envelope.op, envelope.index
-            ),
+            message,
         };
         state.record_failure(me, format!("rank {me}: {error}"), false);
         self.world.wake_all();
         Err(error)
-    }
-}
-
-impl Communicator for InProcessComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.members.len()
-    }
-
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn global_rank(&self, rank: usize) -> usize {
-        self.members[rank]
-    }
-
-    fn isend(&self, peer: usize, data: Payload) -> Result<PendingSend, CommError> {
-        check_peer(&self.name, self.members.len(), peer, "isend")?;
-        self.begin_call("send")?;
-        // Eager: the message is in the peer's mailbox when this returns.
-        let op = "send/recv";
-        self.post(
-            peer,
-            Channel::PointToPoint,
-            data,
-            op,
-            Accounting::Data(OpKind::SendRecv),
-        )?;
-        Ok(PendingSend::new(|| Ok(())))
-    }
-
-    fn irecv(&self, peer: usize) -> Result<PendingRecv, CommError> {
-        check_peer(&self.name, self.members.len(), peer, "irecv")?;
-        self.begin_call("recv")?;
-        let seq = self.reserve(peer, Channel::PointToPoint);
-        let waiter = self.waiter(peer, Channel::PointToPoint, seq, "send/recv");
-        Ok(PendingRecv::new(move || waiter.wait()))
-    }
-
-    fn all_to_all(&self, parts: Vec<Payload>) -> Result<Vec<Payload>, CommError> {
-        check_parts(&self.name, self.members.len(), &parts, "all-to-all")?;
-        self.begin_call("all-to-all")?;
-        self.collective(parts, OpKind::AllToAll)
-    }
-
-    fn all_gather(&self, data: Payload) -> Result<Vec<Payload>, CommError> {
-        self.begin_call("all-gather")?;
-        let parts = vec![data; self.members.len()];
-        self.collective(parts, OpKind::AllGather)
-    }
-
-    fn reduce_scatter(&self, parts: Vec<Payload>) -> Result<Payload, CommError> {
-        check_parts(&self.name, self.members.len(), &parts, "reduce-scatter")?;
-        self.begin_call("reduce-scatter")?;
-        let received = self.collective(parts, OpKind::ReduceScatter)?;
-        sum_payloads(received).map_err(|message| self.invalid(format!("reduce-scatter: {message}")))
-    }
-
-    /// Reduce-scatter of flat chunks then all-gather (the ring all-reduce's traffic,
-    /// `2·(P−1)/P` of the tensor per rank); the sum is taken in rank order on the chunk's owner.
-    fn all_reduce(&self, data: Payload) -> Result<Payload, CommError> {
-        self.begin_call("all-reduce")?;
-        all_reduce_by(&self.name, self.members.len(), data, |parts| {
-            self.collective(parts, OpKind::AllReduce)
-        })
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        self.begin_call("barrier")?;
-        let parts = vec![TensorData::new(Vec::<i64>::new(), [0]).into(); self.members.len()];
-        self.exchange(parts, Channel::Control, "barrier", Accounting::Uncounted)?;
-        Ok(())
-    }
-
-    fn all_gather_control(&self, what: &str, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError> {
-        self.begin_call(what)?;
-        let count = payload.len();
-        let data: Payload = TensorData::new(payload, [count]).into();
-        let parts = vec![data; self.members.len()];
-        let received = self.exchange(parts, Channel::Control, what, Accounting::Control)?;
-        control_payloads(&self.name, what, received)
-    }
-
-    fn split(&self, color: usize, key: usize) -> Result<Comm, CommError> {
-        self.split_labeled(color, key, &self.label.clone())
-    }
-
-    fn split_labeled(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
-        self.begin_call("split")?;
-        let parts = split_request(color, key, self.members.len());
-        let received = self.exchange(parts, Channel::Control, "split", Accounting::Uncounted)?;
-        let (members, rank) =
-            split_membership(&self.name, &self.members, self.rank, color, received)?;
-        let name = self.splits.next(&self.name, color);
-        Ok(InProcessComm::open(
-            &self.world,
-            name,
-            Arc::from(label),
-            members,
-            rank,
-        ))
-    }
-
-    fn stats(&self) -> CommStats {
-        self.world.stats[self.me()]
-            .lock()
-            .map(|s| s.clone())
-            .unwrap_or_default()
-    }
-
-    fn abort(&self, reason: &str) {
-        self.world
-            .mark_failed(self.me(), format!("rank {} aborted: {reason}", self.me()));
     }
 }

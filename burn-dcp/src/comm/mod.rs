@@ -8,6 +8,7 @@
 //! envelope (operation, index), so a receiver notices a lost, duplicated or mismatched message
 //! ([`CommError::Protocol`]) instead of computing with the wrong data.
 
+mod collectives;
 mod common;
 mod communicator;
 mod error;
@@ -23,6 +24,7 @@ pub mod payload;
 mod pending;
 mod stats;
 pub mod tcp;
+mod transport;
 
 pub(crate) use communicator::control_payloads;
 pub use communicator::{Comm, Communicator};

@@ -41,15 +41,10 @@ use std::time::{Duration, Instant};
 use burn::tensor::{DType, TensorData};
 use mpi::ffi;
 
-use crate::comm::common::{
-    all_reduce_by, check_nodes, check_parts, check_peer, check_timeout, frame, split_membership,
-    split_request, unframe, Accounting, SplitNames,
-};
-use crate::comm::payload::sum_payloads;
-use crate::comm::{
-    control_payloads, Comm, CommError, CommStats, Communicator, OpKind, Payload, PendingRecv,
-    PendingSend, WorldConfig,
-};
+use crate::comm::collectives::agree_split;
+use crate::comm::common::{check_nodes, check_timeout, frame, unframe, Accounting};
+use crate::comm::transport::{check_envelope, Channel, Group, Transport};
+use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend, WorldConfig};
 
 /// Environment variables set by MPI launchers for each rank they start: OpenMPI's `mpirun`,
 /// PMIx (`srun --mpi=pmix`, OpenMPI 5), PMI-1/2 (MPICH's hydra, `srun --mpi=pmi2`), MVAPICH.
@@ -60,12 +55,6 @@ pub const LAUNCHER_VARIABLES: [&str; 5] = [
     "PMI_RANK",
     "MV2_COMM_WORLD_SIZE",
 ];
-
-/// Channels of a link; each has its own sequence numbers (and tags).
-const CHANNELS: usize = 3;
-const POINT_TO_POINT: usize = 0;
-const COLLECTIVE: usize = 1;
-const CONTROL: usize = 2;
 
 /// Every MPI call of the process is made under this lock (see the module docs).
 static MPI_LOCK: Mutex<()> = Mutex::new(());
@@ -92,7 +81,7 @@ struct Shared {
     stats: Mutex<CommStats>,
     /// Receives posted and not yet matched, matched by [`Shared::progress`].
     posted: Mutex<Vec<Arc<Posted>>>,
-    /// Sequence numbers wrap at this bound (tags are `seq % bound * CHANNELS + channel`).
+    /// Sequence numbers wrap at this bound (tags are `seq % bound * Channel::COUNT + channel`).
     seq_bound: u64,
     /// Set once the job is being aborted or MPI finalised: no further MPI calls.
     closed: AtomicBool,
@@ -280,7 +269,7 @@ impl MpiWorld {
             (
                 rank as usize,
                 size as usize,
-                (tag_ub as u64 + 1) / CHANNELS as u64,
+                (tag_ub as u64 + 1) / Channel::COUNT as u64,
             )
         };
         if let Err(error) = check_nodes(size, &config) {
@@ -298,14 +287,12 @@ impl MpiWorld {
             closed: AtomicBool::new(false),
         });
         let _ = SHARED.set(shared.clone());
+        let group = Group::new("world".into(), Arc::from(""), (0..size).collect(), rank);
         let world = MpiComm::create(
             &shared,
             RawComm(unsafe { ffi::RSMPI_COMM_WORLD }),
             false,
-            "world".into(),
-            Arc::from(""),
-            (0..size).collect(),
-            rank,
+            group,
         );
         Ok(MpiWorld { shared, world })
     }
@@ -364,24 +351,15 @@ pub struct MpiComm {
     comm: RawComm,
     /// Whether this handle owns `comm` (split groups are freed on drop; the world is not).
     owned: bool,
-    name: String,
-    label: Arc<str>,
-    /// World rank of each group rank.
-    members: Arc<[usize]>,
-    rank: usize,
+    group: Group,
     /// Per peer and channel: messages sent, receives posted.
-    sent: Mutex<Vec<[u64; CHANNELS]>>,
-    received: Mutex<Vec<[u64; CHANNELS]>>,
-    splits: SplitNames,
+    sent: Mutex<Vec<[u64; Channel::COUNT]>>,
+    received: Mutex<Vec<[u64; Channel::COUNT]>>,
 }
 
 impl fmt::Debug for MpiComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MpiComm")
-            .field("name", &self.name)
-            .field("rank", &self.rank)
-            .field("members", &self.members)
-            .finish()
+        f.debug_tuple("MpiComm").field(&self.group).finish()
     }
 }
 
@@ -433,7 +411,7 @@ fn decode(message: Vec<u8>) -> Result<(Header, TensorData), String> {
 }
 
 /// A send in flight: the request, and the buffer MPI reads until it completes.
-struct SendHandle {
+pub(crate) struct SendHandle {
     shared: Arc<Shared>,
     request: ffi::MPI_Request,
     buffer: Option<Vec<u8>>,
@@ -511,7 +489,7 @@ impl Drop for SendHandle {
 }
 
 /// A posted receive.
-struct RecvHandle {
+pub(crate) struct RecvHandle {
     shared: Arc<Shared>,
     posted: Arc<Posted>,
     group: String,
@@ -565,18 +543,9 @@ impl RecvHandle {
         let (header, data) = message
             .and_then(decode)
             .map_err(|e| self.protocol(format!("{} message #{}: {e}", self.op, self.index)))?;
-        if header.op == self.op && header.index == self.index {
-            return Ok(Payload::Host(data));
-        }
-        let cause = if header.op == self.op {
-            "a message on this link was lost or duplicated"
-        } else {
-            "the ranks called different operations (mismatched configuration or strategy)"
-        };
-        Err(self.protocol(format!(
-            "expected {} message #{}, got {} message #{}: {cause}",
-            self.op, self.index, header.op, header.index
-        )))
+        check_envelope((&self.op, self.index), (&header.op, header.index))
+            .map_err(|message| self.protocol(message))?;
+        Ok(Payload::Host(data))
     }
 }
 
@@ -587,71 +556,64 @@ impl Drop for RecvHandle {
 }
 
 impl MpiComm {
-    fn create(
-        shared: &Arc<Shared>,
-        comm: RawComm,
-        owned: bool,
-        name: String,
-        label: Arc<str>,
-        members: Arc<[usize]>,
-        rank: usize,
-    ) -> Comm {
-        let size = members.len();
+    fn create(shared: &Arc<Shared>, comm: RawComm, owned: bool, group: Group) -> Comm {
+        let size = group.size();
         Arc::new(MpiComm {
             shared: shared.clone(),
             comm,
             owned,
-            name,
-            label,
-            members,
-            rank,
-            sent: Mutex::new(vec![[0; CHANNELS]; size]),
-            received: Mutex::new(vec![[0; CHANNELS]; size]),
-            splits: SplitNames::default(),
+            group,
+            sent: Mutex::new(vec![[0; Channel::COUNT]; size]),
+            received: Mutex::new(vec![[0; Channel::COUNT]; size]),
         })
     }
 
-    fn invalid(&self, message: String) -> CommError {
-        CommError::Invalid {
-            group: self.name.clone(),
-            message,
-        }
+    fn tag(&self, seq: u64, channel: Channel) -> c_int {
+        ((seq % self.shared.seq_bound) * Channel::COUNT as u64 + channel.index() as u64) as c_int
     }
 
-    fn check_open(&self, op: &str) -> Result<(), CommError> {
+    fn next(counters: &Mutex<Vec<[u64; Channel::COUNT]>>, peer: usize, channel: Channel) -> u64 {
+        let mut counters = counters.lock().unwrap_or_else(|p| p.into_inner());
+        counters[peer][channel.index()] += 1;
+        counters[peer][channel.index()] - 1
+    }
+}
+
+impl Transport for MpiComm {
+    type Recv = RecvHandle;
+    const HOST_BYTES: bool = true;
+
+    fn group(&self) -> &Group {
+        &self.group
+    }
+
+    fn begin(&self, op: &str) -> Result<(), CommError> {
         match self.shared.closed.load(Ordering::SeqCst) {
-            true => Err(self.invalid(format!("{op}: the MPI job is shutting down"))),
+            true => Err(self
+                .group
+                .invalid(format!("{op}: the MPI job is shutting down"))),
             false => Ok(()),
         }
-    }
-
-    fn tag(&self, seq: u64, channel: usize) -> c_int {
-        ((seq % self.shared.seq_bound) * CHANNELS as u64 + channel as u64) as c_int
-    }
-
-    fn next(counters: &Mutex<Vec<[u64; CHANNELS]>>, peer: usize, channel: usize) -> u64 {
-        let mut counters = counters.lock().unwrap_or_else(|p| p.into_inner());
-        counters[peer][channel] += 1;
-        counters[peer][channel] - 1
     }
 
     fn post_send(
         &self,
         peer: usize,
-        channel: usize,
+        channel: Channel,
         data: Payload,
         op: &str,
         accounting: Accounting,
-    ) -> Result<SendHandle, CommError> {
-        self.check_open(op)?;
+    ) -> Result<PendingSend, CommError> {
+        self.begin(op)?;
+        let group = &self.group;
         // MPI moves host bytes: a device tensor is read back once, here.
         let data = data
             .into_host()
-            .map_err(|e| self.invalid(format!("{op}: {e}")))?;
+            .map_err(|e| group.invalid(format!("{op}: {e}")))?;
         let index = Self::next(&self.sent, peer, channel);
-        let buffer = encode(op, index, &data).map_err(|e| self.invalid(format!("{op}: {e}")))?;
+        let buffer = encode(op, index, &data).map_err(|e| group.invalid(format!("{op}: {e}")))?;
         let count = c_int::try_from(buffer.len()).map_err(|_| {
-            self.invalid(format!(
+            group.invalid(format!(
                 "{op}: a message of {} bytes exceeds MPI's limit of {} bytes per message",
                 buffer.len(),
                 c_int::MAX
@@ -674,25 +636,33 @@ impl MpiComm {
             }
         };
         if code != 0 {
-            return Err(self.invalid(format!(
+            return Err(group.invalid(format!(
                 "{op}: MPI_Isend to rank {peer} failed with error code {code}"
             )));
         }
-        self.count(peer, data.as_bytes().len() as u64, accounting);
-        Ok(SendHandle {
+        let bytes = data.as_bytes().len() as u64;
+        group.count(
+            &self.shared.stats,
+            &self.shared.config,
+            accounting,
+            peer,
+            bytes,
+        );
+        let send = SendHandle {
             shared: self.shared.clone(),
             request,
             buffer: Some(buffer),
-            group: self.name.clone(),
-            rank: self.rank,
+            group: group.name.clone(),
+            rank: group.rank,
             peer,
-            peer_global: self.members[peer],
+            peer_global: group.members[peer],
             op: op.to_string(),
-        })
+        };
+        Ok(PendingSend::new(move || send.wait()))
     }
 
-    fn post_recv(&self, peer: usize, channel: usize, op: &str) -> Result<RecvHandle, CommError> {
-        self.check_open(op)?;
+    fn post_recv(&self, peer: usize, channel: Channel, op: &str) -> Result<RecvHandle, CommError> {
+        self.begin(op)?;
         let index = Self::next(&self.received, peer, channel);
         let posted = Arc::new(Posted {
             comm: self.comm,
@@ -708,149 +678,32 @@ impl MpiComm {
         Ok(RecvHandle {
             shared: self.shared.clone(),
             posted,
-            group: self.name.clone(),
-            rank: self.rank,
+            group: self.group.name.clone(),
+            rank: self.group.rank,
             peer,
-            peer_global: self.members[peer],
+            peer_global: self.group.members[peer],
             op: op.to_string(),
             index,
         })
     }
 
-    fn count(&self, peer: usize, bytes: u64, accounting: Accounting) {
-        let link = (self.members[self.rank], self.members[peer]);
-        let shared = &self.shared;
-        accounting.count_link(&shared.stats, &shared.config, &self.label, link, bytes);
+    fn wait(receives: Vec<RecvHandle>) -> Result<Vec<Payload>, CommError> {
+        receives.into_iter().map(RecvHandle::wait).collect()
     }
 
-    /// Sends `parts[p]` to every `p` and receives one message from every rank (itself
-    /// included): receives are posted first, then sends; then everything is waited for.
-    fn exchange(
-        &self,
-        parts: Vec<Payload>,
-        channel: usize,
-        op: &str,
-        accounting: Accounting,
-    ) -> Result<Vec<Payload>, CommError> {
-        let receives = (0..self.members.len())
-            .map(|peer| self.post_recv(peer, channel, op))
-            .collect::<Result<Vec<_>, _>>()?;
-        let sends = parts
-            .into_iter()
-            .enumerate()
-            .map(|(peer, part)| self.post_send(peer, channel, part, op, accounting))
-            .collect::<Result<Vec<_>, _>>()?;
-        let received = receives
-            .into_iter()
-            .map(RecvHandle::wait)
-            .collect::<Result<Vec<_>, _>>()?;
-        for send in sends {
-            send.wait()?;
-        }
-        Ok(received)
-    }
-
-    fn collective(&self, parts: Vec<Payload>, kind: OpKind) -> Result<Vec<Payload>, CommError> {
-        self.exchange(parts, COLLECTIVE, &kind.to_string(), Accounting::Data(kind))
-    }
-}
-
-impl Communicator for MpiComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.members.len()
-    }
-
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn global_rank(&self, rank: usize) -> usize {
-        self.members[rank]
-    }
-
-    fn isend(&self, peer: usize, data: Payload) -> Result<PendingSend, CommError> {
-        check_peer(&self.name, self.members.len(), peer, "isend")?;
-        let send = self.post_send(
-            peer,
-            POINT_TO_POINT,
-            data,
-            "send/recv",
-            Accounting::Data(OpKind::SendRecv),
-        )?;
-        Ok(PendingSend::new(move || send.wait()))
-    }
-
-    fn irecv(&self, peer: usize) -> Result<PendingRecv, CommError> {
-        check_peer(&self.name, self.members.len(), peer, "irecv")?;
-        let recv = self.post_recv(peer, POINT_TO_POINT, "send/recv")?;
-        Ok(PendingRecv::new(move || recv.wait()))
-    }
-
-    fn all_to_all(&self, parts: Vec<Payload>) -> Result<Vec<Payload>, CommError> {
-        check_parts(&self.name, self.members.len(), &parts, "all-to-all")?;
-        self.collective(parts, OpKind::AllToAll)
-    }
-
-    fn all_gather(&self, data: Payload) -> Result<Vec<Payload>, CommError> {
-        // Read a device tensor back once, not once per peer.
-        let data = data
-            .into_host()
-            .map_err(|e| self.invalid(format!("all-gather: {e}")))?;
-        let parts = vec![Payload::Host(data); self.members.len()];
-        self.collective(parts, OpKind::AllGather)
-    }
-
-    fn reduce_scatter(&self, parts: Vec<Payload>) -> Result<Payload, CommError> {
-        check_parts(&self.name, self.members.len(), &parts, "reduce-scatter")?;
-        let received = self.collective(parts, OpKind::ReduceScatter)?;
-        sum_payloads(received).map_err(|message| self.invalid(format!("reduce-scatter: {message}")))
-    }
-
-    /// The in-process world's algorithm (reduce-scatter of flat chunks, sum in rank order,
-    /// all-gather), so both worlds compute identical sums.
-    fn all_reduce(&self, data: Payload) -> Result<Payload, CommError> {
-        all_reduce_by(&self.name, self.members.len(), data, |parts| {
-            self.collective(parts, OpKind::AllReduce)
-        })
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        let parts = vec![TensorData::new(Vec::<i64>::new(), [0]).into(); self.members.len()];
-        self.exchange(parts, CONTROL, "barrier", Accounting::Uncounted)?;
-        Ok(())
-    }
-
-    fn all_gather_control(&self, what: &str, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError> {
-        let count = payload.len();
-        let parts = vec![TensorData::new(payload, [count]).into(); self.members.len()];
-        let received = self.exchange(parts, CONTROL, what, Accounting::Control)?;
-        control_payloads(&self.name, what, received)
-    }
-
-    fn split(&self, color: usize, key: usize) -> Result<Comm, CommError> {
-        self.split_labeled(color, key, &self.label.clone())
-    }
-
-    fn split_labeled(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
+    fn split_group(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
         let (Ok(mpi_color), Ok(mpi_key)) = (c_int::try_from(color), c_int::try_from(key)) else {
-            return Err(self.invalid(format!(
+            return Err(self.group.invalid(format!(
                 "split: color {color} and key {key} must fit MPI's non-negative int"
             )));
         };
         // Everyone arrives (with a deadline) before the blocking MPI_Comm_split.
-        let parts = split_request(color, key, self.members.len());
-        let received = self.exchange(parts, CONTROL, "split", Accounting::Uncounted)?;
-        let (members, rank) =
-            split_membership(&self.name, &self.members, self.rank, color, received)?;
-        self.check_open("split")?;
+        let group = agree_split(self, color, key, label)?;
+        self.begin("split")?;
         let mut comm: ffi::MPI_Comm = unsafe { ffi::RSMPI_COMM_NULL };
         let code = {
             let _mpi = mpi_lock();
-            // SAFETY: a collective every member has entered (the exchange above).
+            // SAFETY: a collective every member has entered (the agreement above).
             unsafe {
                 let code = ffi::MPI_Comm_split(self.comm.0, mpi_color, mpi_key, &mut comm);
                 if code == 0 {
@@ -860,32 +713,19 @@ impl Communicator for MpiComm {
             }
         };
         if code != 0 {
-            return Err(self.invalid(format!(
+            return Err(self.group.invalid(format!(
                 "split: MPI_Comm_split failed with error code {code}"
             )));
         }
-        let name = self.splits.next(&self.name, color);
-        Ok(MpiComm::create(
-            &self.shared,
-            RawComm(comm),
-            true,
-            name,
-            Arc::from(label),
-            members,
-            rank,
-        ))
+        Ok(MpiComm::create(&self.shared, RawComm(comm), true, group))
     }
 
-    fn stats(&self) -> CommStats {
-        self.shared
-            .stats
-            .lock()
-            .map(|s| s.clone())
-            .unwrap_or_default()
+    fn counters(&self) -> &Mutex<CommStats> {
+        &self.shared.stats
     }
 
     /// Aborts the whole job (`MPI_Abort`) after printing the reason: every rank stops.
-    fn abort(&self, reason: &str) {
+    fn fail(&self, reason: &str) {
         abort_job(self.shared.rank, reason)
     }
 }

@@ -43,14 +43,9 @@ use cubecl::Runtime;
 use cudarc::driver::{sys as cuda_sys, CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
-use crate::comm::common::{
-    all_reduce_by, check_parts, check_peer, check_timeout, frame, unframe, Accounting, SplitNames,
-};
-use crate::comm::payload::sum_payloads;
-use crate::comm::{
-    Comm, CommError, CommStats, Communicator, OpKind, Payload, PendingRecv, PendingSend,
-    WorldConfig,
-};
+use crate::comm::common::{check_timeout, frame, unframe, Accounting};
+use crate::comm::transport::{Channel, Group, Transport};
+use crate::comm::{Comm, CommError, CommStats, Payload, PendingRecv, PendingSend, WorldConfig};
 
 /// A burn-cuda float tensor.
 pub type CudaTensor = CubeTensor<CudaRuntime>;
@@ -241,20 +236,16 @@ pub struct NcclComm {
     control: Comm,
     raw: RawNccl,
     stream: Arc<CudaStream>,
-    name: String,
-    label: Arc<str>,
+    group: Group,
     queues: Mutex<Queues>,
     /// Held while NCCL calls are launched and waited for.
     launch: Mutex<()>,
-    splits: SplitNames,
 }
 
 impl fmt::Debug for NcclComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NcclComm")
-            .field("name", &self.name)
-            .field("rank", &self.control.rank())
-            .field("size", &self.control.size())
+            .field("group", &self.group)
             .field("device", &self.shared.device.index)
             .finish()
     }
@@ -282,11 +273,13 @@ impl NcclComm {
         label: Arc<str>,
     ) -> Result<Comm, CommError> {
         let size = control.size();
+        let members = (0..size).map(|rank| control.global_rank(rank)).collect();
+        let group = Group::new(name, label, members, control.rank());
         let stream = shared
             .context
             .new_stream()
             .map_err(|e| CommError::Invalid {
-                group: name.clone(),
+                group: group.name.clone(),
                 message: format!("creating the NCCL stream: {e:?}"),
             })?;
         Ok(Arc::new_cyclic(|me| NcclComm {
@@ -295,8 +288,7 @@ impl NcclComm {
             control,
             raw,
             stream,
-            name,
-            label,
+            group,
             queues: Mutex::new(Queues {
                 sends: Vec::new(),
                 receives: vec![VecDeque::new(); size],
@@ -304,15 +296,11 @@ impl NcclComm {
                 posted: vec![0; size],
             }),
             launch: Mutex::new(()),
-            splits: SplitNames::default(),
         }))
     }
 
     fn invalid(&self, message: String) -> CommError {
-        CommError::Invalid {
-            group: self.name.clone(),
-            message,
-        }
+        self.group.invalid(message)
     }
 
     fn queues(&self) -> std::sync::MutexGuard<'_, Queues> {
@@ -328,7 +316,7 @@ impl NcclComm {
 
     /// Posts a message to `peer`: its header (and host bytes) over the control communicator,
     /// its device data queued for the next launch.
-    fn post_send(
+    fn queue_send(
         &self,
         peer: usize,
         data: Payload,
@@ -360,7 +348,8 @@ impl NcclComm {
         };
         let message = encode(&header, &host).map_err(|e| self.invalid(format!("{op}: {e}")))?;
         let control = self.control.isend(peer, message.into())?;
-        self.count(peer, bytes, accounting);
+        let shared = &self.shared;
+        (self.group).count(&shared.stats, &shared.config, accounting, peer, bytes);
         let done = Arc::new(Mutex::new(None));
         match tensor {
             Some(tensor) => self.queues().sends.push(Outgoing {
@@ -388,15 +377,6 @@ impl NcclComm {
             };
             result?;
             control.wait()
-        }))
-    }
-
-    /// Posts a receive from `peer`; its header is taken in when it is waited for.
-    fn post_recv(&self, peer: usize, op: &str) -> Result<PendingRecv, CommError> {
-        let incoming = self.post_incoming(peer, op)?;
-        let comm = self.handle();
-        Ok(PendingRecv::new(move || {
-            comm.receive(&[(peer, incoming)]).map(|mut r| r.remove(0))
         }))
     }
 
@@ -454,12 +434,6 @@ impl NcclComm {
     /// This communicator, kept alive by the pending operations that need it.
     fn handle(&self) -> Arc<NcclComm> {
         self.me.upgrade().expect("a communicator in use is alive")
-    }
-
-    fn count(&self, peer: usize, bytes: u64, accounting: Accounting) {
-        let link = (self.global_rank(self.rank()), self.global_rank(peer));
-        let shared = &self.shared;
-        accounting.count_link(&shared.stats, &shared.config, &self.label, link, bytes);
     }
 
     /// Launches every queued send, and the receives from `peer` up to and including `until`
@@ -551,9 +525,9 @@ impl NcclComm {
 
     fn protocol(&self, peer: usize, incoming: &Incoming, message: String) -> CommError {
         CommError::Protocol {
-            group: self.name.clone(),
-            rank: self.control.rank(),
-            peer_global: self.control.global_rank(peer),
+            group: self.group.name.clone(),
+            rank: self.group.rank,
+            peer_global: self.group.members[peer],
             message: format!("{} message #{}: {message}", incoming.op, incoming.index),
         }
     }
@@ -675,8 +649,8 @@ impl NcclComm {
                 let peer = peers.first().copied().unwrap_or(self.control.rank());
                 self.abort_nccl(String::new());
                 return Err(CommError::Timeout {
-                    group: self.name.clone(),
-                    rank: self.control.rank(),
+                    group: self.group.name.clone(),
+                    rank: self.group.rank,
                     peer,
                     peer_global: self.control.global_rank(peer),
                     op: format!("NCCL send/recv with ranks {peers:?}"),
@@ -693,120 +667,76 @@ impl NcclComm {
         self.shared.aborted.store(true, Ordering::SeqCst);
         self.invalid(message)
     }
-
-    /// Sends `parts[p]` to every other `p` and receives one message from each; this rank's own
-    /// part is kept as it is.
-    fn exchange(
-        &self,
-        mut parts: Vec<Payload>,
-        op: &str,
-        accounting: Accounting,
-    ) -> Result<Vec<Payload>, CommError> {
-        let me = self.control.rank();
-        let size = self.control.size();
-        let receives = (0..size)
-            .filter(|&peer| peer != me)
-            .map(|peer| {
-                self.post_incoming(peer, op)
-                    .map(|incoming| (peer, incoming))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let own = std::mem::replace(
-            &mut parts[me],
-            TensorData::new(Vec::<u8>::new(), [0]).into(),
-        );
-        let sends = parts
-            .into_iter()
-            .enumerate()
-            .filter(|&(peer, _)| peer != me)
-            .map(|(peer, part)| self.post_send(peer, part, op, accounting))
-            .collect::<Result<Vec<_>, _>>()?;
-        // Every receive of the exchange in one group with the sends: waiting peer by peer
-        // would chain groups into a cycle (rank 1's group waits for rank 2's second group, which
-        // waits for rank 2's first, which waits for rank 1's second).
-        let mut received = self
-            .receive(&receives)?
-            .into_iter()
-            .collect::<VecDeque<_>>();
-        let mut own = Some(own);
-        let received: Vec<Payload> = (0..size)
-            .map(|peer| match peer == me {
-                true => own.take().expect("one own part"),
-                false => received.pop_front().expect("one message per peer"),
-            })
-            .collect();
-        for send in sends {
-            send.wait()?;
-        }
-        Ok(received)
-    }
-
-    fn collective(&self, parts: Vec<Payload>, kind: OpKind) -> Result<Vec<Payload>, CommError> {
-        self.exchange(parts, &kind.to_string(), Accounting::Data(kind))
-    }
 }
 
-impl Communicator for NcclComm {
-    fn rank(&self) -> usize {
-        self.control.rank()
+/// A posted receive, with the communicator that launches it.
+pub(crate) struct NcclRecv {
+    comm: Arc<NcclComm>,
+    peer: usize,
+    incoming: Arc<Incoming>,
+}
+
+impl Transport for NcclComm {
+    type Recv = NcclRecv;
+    const HOST_BYTES: bool = false;
+
+    fn group(&self) -> &Group {
+        &self.group
     }
 
-    fn size(&self) -> usize {
-        self.control.size()
+    /// Failures surface from the control communicator and the launch.
+    fn begin(&self, _op: &str) -> Result<(), CommError> {
+        Ok(())
     }
 
-    fn name(&self) -> &str {
-        &self.name
+    fn post_send(
+        &self,
+        peer: usize,
+        _channel: Channel,
+        data: Payload,
+        op: &str,
+        accounting: Accounting,
+    ) -> Result<PendingSend, CommError> {
+        self.queue_send(peer, data, op, accounting)
     }
 
-    fn global_rank(&self, rank: usize) -> usize {
-        self.control.global_rank(rank)
-    }
-
-    fn isend(&self, peer: usize, data: Payload) -> Result<PendingSend, CommError> {
-        check_peer(&self.name, self.size(), peer, "isend")?;
-        self.post_send(peer, data, "send/recv", Accounting::Data(OpKind::SendRecv))
-    }
-
-    fn irecv(&self, peer: usize) -> Result<PendingRecv, CommError> {
-        check_peer(&self.name, self.size(), peer, "irecv")?;
-        self.post_recv(peer, "send/recv")
-    }
-
-    fn all_to_all(&self, parts: Vec<Payload>) -> Result<Vec<Payload>, CommError> {
-        check_parts(&self.name, self.size(), &parts, "all-to-all")?;
-        self.collective(parts, OpKind::AllToAll)
-    }
-
-    fn all_gather(&self, data: Payload) -> Result<Vec<Payload>, CommError> {
-        self.collective(vec![data; self.size()], OpKind::AllGather)
-    }
-
-    fn reduce_scatter(&self, parts: Vec<Payload>) -> Result<Payload, CommError> {
-        check_parts(&self.name, self.size(), &parts, "reduce-scatter")?;
-        let received = self.collective(parts, OpKind::ReduceScatter)?;
-        sum_payloads(received).map_err(|message| self.invalid(format!("reduce-scatter: {message}")))
-    }
-
-    fn all_reduce(&self, data: Payload) -> Result<Payload, CommError> {
-        all_reduce_by(&self.name, self.size(), data, |parts| {
-            self.collective(parts, OpKind::AllReduce)
+    /// Registers the receive; its header is taken in when it is waited for.
+    fn post_recv(&self, peer: usize, _channel: Channel, op: &str) -> Result<NcclRecv, CommError> {
+        let incoming = self.post_incoming(peer, op)?;
+        Ok(NcclRecv {
+            comm: self.handle(),
+            peer,
+            incoming,
         })
     }
 
-    fn barrier(&self) -> Result<(), CommError> {
-        self.control.barrier()
+    /// Every receive of one communicator in one group launch with its queued sends: waiting
+    /// peer by peer would chain groups into a cycle (rank 1's group waits for rank 2's second
+    /// group, which waits for rank 2's first, which waits for rank 1's second).
+    fn wait(receives: Vec<NcclRecv>) -> Result<Vec<Payload>, CommError> {
+        let Some(comm) = receives.first().map(|r| r.comm.clone()) else {
+            return Ok(Vec::new());
+        };
+        if receives.iter().all(|r| Arc::ptr_eq(&r.comm, &comm)) {
+            let targets: Vec<_> = receives.into_iter().map(|r| (r.peer, r.incoming)).collect();
+            return comm.receive(&targets);
+        }
+        receives
+            .into_iter()
+            .map(|r| {
+                r.comm
+                    .receive(&[(r.peer, r.incoming)])
+                    .map(|mut d| d.remove(0))
+            })
+            .collect()
     }
 
-    fn all_gather_control(&self, what: &str, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError> {
-        self.control.all_gather_control(what, payload)
+    /// Barriers and agreements travel on the control communicator.
+    fn control(&self) -> Option<&Comm> {
+        Some(&self.control)
     }
 
-    fn split(&self, color: usize, key: usize) -> Result<Comm, CommError> {
-        self.split_labeled(color, key, &self.label.clone())
-    }
-
-    fn split_labeled(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
+    fn split_group(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
         let (Ok(nccl_color), Ok(nccl_key)) = (c_int::try_from(color), c_int::try_from(key)) else {
             return Err(self.invalid(format!(
                 "split: color {color} and key {key} must fit NCCL's non-negative int"
@@ -849,7 +779,7 @@ impl Communicator for NcclComm {
                 control.rank()
             )));
         }
-        let name = self.splits.next(&self.name, color);
+        let name = self.group.split_name(color);
         NcclComm::create(
             self.shared.clone(),
             control,
@@ -859,15 +789,11 @@ impl Communicator for NcclComm {
         )
     }
 
-    fn stats(&self) -> CommStats {
-        self.shared
-            .stats
-            .lock()
-            .map(|s| s.clone())
-            .unwrap_or_default()
+    fn counters(&self) -> &Mutex<CommStats> {
+        &self.shared.stats
     }
 
-    fn abort(&self, reason: &str) {
+    fn fail(&self, reason: &str) {
         self.shared.aborted.store(true, Ordering::SeqCst);
         self.control.abort(reason)
     }

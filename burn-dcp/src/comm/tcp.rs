@@ -3,7 +3,7 @@
 //! MPI launcher (Kubernetes, a hand-made launch on a few hosts, `scripts/launch_tcp.py` on one
 //! machine). It is the NCCL world's bootstrap and control channel when no MPI world exists (the
 //! NCCL unique id and message headers travel here; tensor data goes over NCCL), and a complete
-//! [`Communicator`] of host payloads on its own.
+//! [`Communicator`](crate::comm::Communicator) of host payloads on its own.
 //!
 //! **Rendezvous.** Rank 0 listens at `MASTER_ADDR:MASTER_PORT`; every other rank connects to it
 //! (retrying until the timeout: processes start in any order), says who it is (rank, world size,
@@ -36,15 +36,10 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, TensorData};
 
-use crate::comm::common::{
-    all_reduce_by, check_nodes, check_parts, check_peer, check_timeout, frame, split_membership,
-    split_request, unframe, Accounting, SplitNames,
-};
-use crate::comm::payload::sum_payloads;
-use crate::comm::{
-    control_payloads, Comm, CommError, CommStats, Communicator, OpKind, Payload, PendingRecv,
-    PendingSend, WorldConfig,
-};
+use crate::comm::collectives::agree_split;
+use crate::comm::common::{check_nodes, check_timeout, frame, unframe, Accounting};
+use crate::comm::transport::{check_envelope, Channel, Group, Transport};
+use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend, WorldConfig};
 
 /// The environment variables of a TCP launch (torchrun's names).
 pub const ENV_VARIABLES: [&str; 5] = [
@@ -60,12 +55,6 @@ const MAGIC: &str = "burn-dcp-tcp";
 const VERSION: u32 = 1;
 /// No frame is larger than this (a corrupt length must not allocate the machine's memory).
 const MAX_FRAME: u64 = 1 << 40;
-
-/// Channels of a link; each has its own sequence numbers.
-const POINT_TO_POINT: u8 = 0;
-const COLLECTIVE: u8 = 1;
-const CONTROL: u8 = 2;
-const CHANNELS: usize = 3;
 
 /// Frame kinds on the wire: `[u64 length][u8 kind][body]`, the length counting kind and body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -472,13 +461,8 @@ impl TcpWorld {
                 .spawn(move || shared.read_link(peer, reader))
                 .map_err(|e| invalid(format!("starting the reader of rank {peer}: {e}")))?;
         }
-        let world = TcpComm::create(
-            &shared,
-            "world".into(),
-            Arc::from(""),
-            (0..size).collect(),
-            rank,
-        );
+        let group = Group::new("world".into(), Arc::from(""), (0..size).collect(), rank);
+        let world = TcpComm::create(&shared, group);
         Ok(TcpWorld {
             shared,
             local_rank: rendezvous.local_rank,
@@ -786,32 +770,23 @@ fn worker_links(
 /// A group of TCP ranks as seen by one of them.
 pub struct TcpComm {
     shared: Arc<Shared>,
-    name: String,
-    label: Arc<str>,
-    /// World rank of each group rank.
-    members: Arc<[usize]>,
-    rank: usize,
+    group: Group,
     /// Per peer and channel: messages sent, receives posted.
-    sent: Mutex<Vec<[u64; CHANNELS]>>,
-    posted: Mutex<Vec<[u64; CHANNELS]>>,
+    sent: Mutex<Vec<[u64; Channel::COUNT]>>,
+    posted: Mutex<Vec<[u64; Channel::COUNT]>>,
     /// Held from a message's numbering to its write, so that messages of one link leave in
     /// the order of their numbers even when several threads send.
     sending: Mutex<()>,
-    splits: SplitNames,
 }
 
 impl fmt::Debug for TcpComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TcpComm")
-            .field("name", &self.name)
-            .field("rank", &self.rank)
-            .field("members", &self.members)
-            .finish()
+        f.debug_tuple("TcpComm").field(&self.group).finish()
     }
 }
 
 /// A posted receive: the arrival it waits for on its (group, channel, sender).
-struct RecvHandle {
+pub(crate) struct RecvHandle {
     shared: Arc<Shared>,
     key: (String, u8, usize),
     arrival: u64,
@@ -877,17 +852,7 @@ impl RecvHandle {
             peer_global: self.key.2,
             message,
         };
-        if header.op != self.op || header.index != self.arrival {
-            let cause = if header.op == self.op {
-                "a message on this link was lost or duplicated"
-            } else {
-                "the ranks called different operations (mismatched configuration or strategy)"
-            };
-            return Err(protocol(format!(
-                "expected {} message #{}, got {} message #{}: {cause}",
-                self.op, self.arrival, header.op, header.index
-            )));
-        }
+        check_envelope((&self.op, self.arrival), (&header.op, header.index)).map_err(protocol)?;
         let expected = header.shape.iter().product::<usize>() * header.dtype.size();
         if body.len() != expected {
             return Err(protocol(format!(
@@ -905,235 +870,125 @@ impl RecvHandle {
 }
 
 impl TcpComm {
-    fn create(
-        shared: &Arc<Shared>,
-        name: String,
-        label: Arc<str>,
-        members: Arc<[usize]>,
-        rank: usize,
-    ) -> Comm {
-        let size = members.len();
+    fn create(shared: &Arc<Shared>, group: Group) -> Comm {
+        let size = group.size();
         Arc::new(TcpComm {
             shared: shared.clone(),
-            name,
-            label,
-            members,
-            rank,
-            sent: Mutex::new(vec![[0; CHANNELS]; size]),
-            posted: Mutex::new(vec![[0; CHANNELS]; size]),
+            group,
+            sent: Mutex::new(vec![[0; Channel::COUNT]; size]),
+            posted: Mutex::new(vec![[0; Channel::COUNT]; size]),
             sending: Mutex::new(()),
-            splits: SplitNames::default(),
         })
     }
 
-    fn invalid(&self, message: String) -> CommError {
-        CommError::Invalid {
-            group: self.name.clone(),
-            message,
-        }
+    fn next(counters: &Mutex<Vec<[u64; Channel::COUNT]>>, peer: usize, channel: Channel) -> u64 {
+        let mut counters = counters.lock().unwrap_or_else(|p| p.into_inner());
+        counters[peer][channel.index()] += 1;
+        counters[peer][channel.index()] - 1
     }
 
-    fn next(counters: &Mutex<Vec<[u64; CHANNELS]>>, peer: usize, channel: u8) -> u64 {
-        let mut counters = counters.lock().unwrap_or_else(|p| p.into_inner());
-        counters[peer][channel as usize] += 1;
-        counters[peer][channel as usize] - 1
+    fn peer_failed(&self, failure: Failure, op: &str) -> CommError {
+        CommError::PeerFailed {
+            group: self.group.name.clone(),
+            rank: self.group.rank,
+            failed_global: failure.rank,
+            reason: failure.reason,
+            op: op.to_string(),
+        }
+    }
+}
+
+impl Transport for TcpComm {
+    type Recv = RecvHandle;
+    const HOST_BYTES: bool = true;
+
+    fn group(&self) -> &Group {
+        &self.group
     }
 
     /// The first failure known, as this group's error for `op`.
-    fn check_failure(&self, op: &str) -> Result<(), CommError> {
+    fn begin(&self, op: &str) -> Result<(), CommError> {
         match &self.shared.state().failure {
             Some(failure) => Err(self.peer_failed(failure.clone(), op)),
             None => Ok(()),
         }
     }
 
-    fn peer_failed(&self, failure: Failure, op: &str) -> CommError {
-        CommError::PeerFailed {
-            group: self.name.clone(),
-            rank: self.rank,
-            failed_global: failure.rank,
-            reason: failure.reason,
-            op: op.to_string(),
-        }
-    }
-
     /// Sends `data` to `peer` now (the peer's reader takes it in whatever it is doing).
-    fn send(
+    fn post_send(
         &self,
         peer: usize,
-        channel: u8,
+        channel: Channel,
         data: Payload,
         op: &str,
         accounting: Accounting,
-    ) -> Result<(), CommError> {
-        self.check_failure(op)?;
+    ) -> Result<PendingSend, CommError> {
+        self.begin(op)?;
+        let group = &self.group;
         // TCP moves host bytes: a device tensor is read back once, here.
         let data = data
             .into_host()
-            .map_err(|e| self.invalid(format!("{op}: {e}")))?;
+            .map_err(|e| group.invalid(format!("{op}: {e}")))?;
         let _sending = self.sending.lock().unwrap_or_else(|p| p.into_inner());
         let index = Self::next(&self.sent, peer, channel);
         let header = WireHeader {
-            group: self.name.clone(),
-            channel,
+            group: group.name.clone(),
+            channel: channel.index() as u8,
             op: op.to_string(),
             index,
             dtype: data.dtype,
             shape: data.shape.as_slice().to_vec(),
         };
         let bytes = data.as_bytes().len() as u64;
-        let (me, to) = (self.members[self.rank], self.members[peer]);
+        let (me, to) = (group.me(), group.members[peer]);
         if me == to {
             self.shared.deliver(me, header, data.into_bytes().to_vec());
         } else {
             let message =
-                frame(&header, data.as_bytes()).map_err(|e| self.invalid(format!("{op}: {e}")))?;
+                frame(&header, data.as_bytes()).map_err(|e| group.invalid(format!("{op}: {e}")))?;
             if let Err(failure) = self.shared.send_frame(to, Kind::Message, &message) {
                 self.shared.fail(failure.clone());
                 return Err(self.peer_failed(failure, op));
             }
         }
         let shared = &self.shared;
-        accounting.count_link(&shared.stats, &shared.config, &self.label, (me, to), bytes);
-        Ok(())
+        group.count(&shared.stats, &shared.config, accounting, peer, bytes);
+        Ok(PendingSend::new(|| Ok(())))
     }
 
-    fn post_recv(&self, peer: usize, channel: u8, op: &str) -> Result<RecvHandle, CommError> {
-        self.check_failure(op)?;
+    fn post_recv(&self, peer: usize, channel: Channel, op: &str) -> Result<RecvHandle, CommError> {
+        self.begin(op)?;
         Ok(RecvHandle {
             shared: self.shared.clone(),
-            key: (self.name.clone(), channel, self.members[peer]),
+            key: (
+                self.group.name.clone(),
+                channel.index() as u8,
+                self.group.members[peer],
+            ),
             arrival: Self::next(&self.posted, peer, channel),
-            rank: self.rank,
+            rank: self.group.rank,
             peer,
             op: op.to_string(),
         })
     }
 
-    /// Sends `parts[p]` to every `p` and receives one message from every rank (itself
-    /// included).
-    fn exchange(
-        &self,
-        parts: Vec<Payload>,
-        channel: u8,
-        op: &str,
-        accounting: Accounting,
-    ) -> Result<Vec<Payload>, CommError> {
-        let receives = (0..self.members.len())
-            .map(|peer| self.post_recv(peer, channel, op))
-            .collect::<Result<Vec<_>, _>>()?;
-        for (peer, part) in parts.into_iter().enumerate() {
-            self.send(peer, channel, part, op, accounting)?;
-        }
+    fn wait(receives: Vec<RecvHandle>) -> Result<Vec<Payload>, CommError> {
         receives.into_iter().map(RecvHandle::wait).collect()
     }
 
-    fn collective(&self, parts: Vec<Payload>, kind: OpKind) -> Result<Vec<Payload>, CommError> {
-        self.exchange(parts, COLLECTIVE, &kind.to_string(), Accounting::Data(kind))
-    }
-}
-
-impl Communicator for TcpComm {
-    fn rank(&self) -> usize {
-        self.rank
+    fn split_group(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
+        let group = agree_split(self, color, key, label)?;
+        Ok(TcpComm::create(&self.shared, group))
     }
 
-    fn size(&self) -> usize {
-        self.members.len()
-    }
-
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn global_rank(&self, rank: usize) -> usize {
-        self.members[rank]
-    }
-
-    fn isend(&self, peer: usize, data: Payload) -> Result<PendingSend, CommError> {
-        check_peer(&self.name, self.members.len(), peer, "isend")?;
-        let accounting = Accounting::Data(OpKind::SendRecv);
-        self.send(peer, POINT_TO_POINT, data, "send/recv", accounting)?;
-        Ok(PendingSend::new(|| Ok(())))
-    }
-
-    fn irecv(&self, peer: usize) -> Result<PendingRecv, CommError> {
-        check_peer(&self.name, self.members.len(), peer, "irecv")?;
-        let recv = self.post_recv(peer, POINT_TO_POINT, "send/recv")?;
-        Ok(PendingRecv::new(move || recv.wait()))
-    }
-
-    fn all_to_all(&self, parts: Vec<Payload>) -> Result<Vec<Payload>, CommError> {
-        check_parts(&self.name, self.members.len(), &parts, "all-to-all")?;
-        self.collective(parts, OpKind::AllToAll)
-    }
-
-    fn all_gather(&self, data: Payload) -> Result<Vec<Payload>, CommError> {
-        // Read a device tensor back once, not once per peer.
-        let data = data
-            .into_host()
-            .map_err(|e| self.invalid(format!("all-gather: {e}")))?;
-        let parts = vec![Payload::Host(data); self.members.len()];
-        self.collective(parts, OpKind::AllGather)
-    }
-
-    fn reduce_scatter(&self, parts: Vec<Payload>) -> Result<Payload, CommError> {
-        check_parts(&self.name, self.members.len(), &parts, "reduce-scatter")?;
-        let received = self.collective(parts, OpKind::ReduceScatter)?;
-        sum_payloads(received).map_err(|message| self.invalid(format!("reduce-scatter: {message}")))
-    }
-
-    /// The in-process world's algorithm, so every world computes identical sums.
-    fn all_reduce(&self, data: Payload) -> Result<Payload, CommError> {
-        all_reduce_by(&self.name, self.members.len(), data, |parts| {
-            self.collective(parts, OpKind::AllReduce)
-        })
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        let parts = vec![TensorData::new(Vec::<i64>::new(), [0]).into(); self.members.len()];
-        self.exchange(parts, CONTROL, "barrier", Accounting::Uncounted)?;
-        Ok(())
-    }
-
-    fn all_gather_control(&self, what: &str, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError> {
-        let count = payload.len();
-        let parts = vec![TensorData::new(payload, [count]).into(); self.members.len()];
-        let received = self.exchange(parts, CONTROL, what, Accounting::Control)?;
-        control_payloads(&self.name, what, received)
-    }
-
-    fn split(&self, color: usize, key: usize) -> Result<Comm, CommError> {
-        self.split_labeled(color, key, &self.label.clone())
-    }
-
-    fn split_labeled(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
-        let parts = split_request(color, key, self.members.len());
-        let received = self.exchange(parts, CONTROL, "split", Accounting::Uncounted)?;
-        let (members, rank) =
-            split_membership(&self.name, &self.members, self.rank, color, received)?;
-        let name = self.splits.next(&self.name, color);
-        Ok(TcpComm::create(
-            &self.shared,
-            name,
-            Arc::from(label),
-            members,
-            rank,
-        ))
-    }
-
-    fn stats(&self) -> CommStats {
-        self.shared
-            .stats
-            .lock()
-            .map(|s| s.clone())
-            .unwrap_or_default()
+    fn counters(&self) -> &Mutex<CommStats> {
+        &self.shared.stats
     }
 
     /// Tells every peer that this rank failed (naming the first failure it knows of, the root
     /// cause); their pending and future operations fail. The process goes on (see
     /// [`TcpWorld::abort`] to end it).
-    fn abort(&self, reason: &str) {
+    fn fail(&self, reason: &str) {
         let shared = &self.shared;
         let failure = {
             let mut state = shared.state();

@@ -1,0 +1,181 @@
+//! What a world provides: one rank's sends and receives within a group ([`Transport`]). The
+//! collectives are written once over it (`collectives.rs`), so every world sends the same
+//! messages in the same order and counts the same bytes.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use crate::comm::common::Accounting;
+use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};
+
+/// The ordered stream between two ranks of a group that a message travels on: point-to-point,
+/// collective and control traffic never mix, so a collective cannot take a message a ring step
+/// sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum Channel {
+    PointToPoint = 0,
+    Collective = 1,
+    Control = 2,
+}
+
+impl Channel {
+    /// How many channels there are.
+    pub(crate) const COUNT: usize = 3;
+
+    /// The channel's number (`0..COUNT`), as it travels in headers and tags.
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// A group as one of its members sees it: its name (for errors), its label (for
+/// [`CommStats::bytes_by_label`]), the world rank of each member and this member's place.
+pub(crate) struct Group {
+    pub(crate) name: String,
+    pub(crate) label: Arc<str>,
+    /// World rank of each group rank.
+    pub(crate) members: Arc<[usize]>,
+    pub(crate) rank: usize,
+    /// Splits made so far (names the sub-groups `name/split<n>:<color>`).
+    splits: Mutex<u64>,
+}
+
+impl fmt::Debug for Group {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Group")
+            .field("name", &self.name)
+            .field("rank", &self.rank)
+            .field("members", &self.members)
+            .finish()
+    }
+}
+
+impl Group {
+    pub(crate) fn new(name: String, label: Arc<str>, members: Arc<[usize]>, rank: usize) -> Self {
+        Self {
+            name,
+            label,
+            members,
+            rank,
+            splits: Mutex::new(0),
+        }
+    }
+
+    /// Number of ranks of the group.
+    pub(crate) fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    /// This member's world rank.
+    pub(crate) fn me(&self) -> usize {
+        self.members[self.rank]
+    }
+
+    /// An error of this group: a bad argument or a failed local call.
+    pub(crate) fn invalid(&self, message: String) -> CommError {
+        CommError::Invalid {
+            group: self.name.clone(),
+            message,
+        }
+    }
+
+    /// The name of this group's next sub-group of `color`: `name/split<n>:<color>`, `n`
+    /// counting its splits from 1.
+    pub(crate) fn split_name(&self, color: usize) -> String {
+        let mut splits = self.splits.lock().unwrap_or_else(|p| p.into_inner());
+        *splits += 1;
+        format!("{}/split{}:{color}", self.name, *splits)
+    }
+
+    /// Counts `bytes` this member sends to group rank `peer` in `stats` (nothing when it is
+    /// this member); the link class comes from `config`'s nodes.
+    pub(crate) fn count(
+        &self,
+        stats: &Mutex<CommStats>,
+        config: &crate::comm::WorldConfig,
+        accounting: Accounting,
+        peer: usize,
+        bytes: u64,
+    ) {
+        let link = (self.me(), self.members[peer]);
+        accounting.count_link(stats, config, &self.label, link, bytes);
+    }
+}
+
+/// One rank's sends and receives within a group: what each world implements (threads'
+/// mailboxes, TCP links, MPI, NCCL). Every type that implements it is a
+/// [`Communicator`](crate::comm::Communicator), its collectives written once over these
+/// calls (`collectives.rs`).
+///
+/// Messages from one rank to another on one [`Channel`] arrive in send order, and the n-th
+/// receive posted takes the n-th message, whatever order receives are waited in.
+pub(crate) trait Transport: Send + Sync + fmt::Debug + 'static {
+    /// A posted receive, waited for with [`Transport::wait`].
+    type Recv: Send + 'static;
+
+    /// Whether messages leave as host bytes: an all-gather then reads a device tensor back once
+    /// rather than once per peer.
+    const HOST_BYTES: bool;
+
+    /// The group this transport serves.
+    fn group(&self) -> &Group;
+
+    /// The start of every operation of the communicator, named `op`: fails at once when a
+    /// failure is already known (the in-process world also counts calls and injects faults
+    /// here).
+    fn begin(&self, op: &str) -> Result<(), CommError>;
+
+    /// Starts sending `data` to group rank `peer` (never this rank) on `channel`; counts its
+    /// bytes by `accounting`.
+    fn post_send(
+        &self,
+        peer: usize,
+        channel: Channel,
+        data: Payload,
+        op: &str,
+        accounting: Accounting,
+    ) -> Result<PendingSend, CommError>;
+
+    /// Posts a receive of the next message from group rank `peer` on `channel`.
+    fn post_recv(&self, peer: usize, channel: Channel, op: &str) -> Result<Self::Recv, CommError>;
+
+    /// Waits for posted receives (of one group), returning their data in their order. NCCL
+    /// launches them in one group call; the others wait for each in turn.
+    fn wait(receives: Vec<Self::Recv>) -> Result<Vec<Payload>, CommError>;
+
+    /// Another communicator that carries this one's control traffic (barriers, agreements),
+    /// when it has one (NCCL's bootstrap world).
+    fn control(&self) -> Option<&Comm> {
+        None
+    }
+
+    /// The sub-group of the members that chose `color`, ordered by `(key, rank)`, labelled
+    /// `label` (most worlds: [`agree_split`](crate::comm::collectives::agree_split), then their
+    /// own split call).
+    fn split_group(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError>;
+
+    /// The bytes this rank has sent (all its groups).
+    fn counters(&self) -> &Mutex<CommStats>;
+
+    /// Marks this rank as failed: its peers' pending and future operations fail naming it.
+    fn fail(&self, reason: &str);
+}
+
+/// Checks that a message that arrived is the one a receive expects: the operation and the
+/// sender's index of the message on the link. The error says which cause it is.
+pub(crate) fn check_envelope(
+    (expected_op, expected_index): (&str, u64),
+    (op, index): (&str, u64),
+) -> Result<(), String> {
+    if op == expected_op && index == expected_index {
+        return Ok(());
+    }
+    let cause = if op == expected_op {
+        "a message on this link was lost or duplicated"
+    } else {
+        "the ranks called different operations (mismatched configuration or strategy)"
+    };
+    Err(format!(
+        "expected {expected_op} message #{expected_index}, got {op} message #{index}: {cause}"
+    ))
+}
