@@ -1,0 +1,194 @@
+//! MPI messages: the header every message carries, and the handles of posted sends and
+//! receives (waited for without blocking in MPI).
+
+use std::ffi::c_int;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::tensor::{DType, TensorData};
+use mpi::ffi;
+
+use super::world::{mpi_lock, Backoff, Posted, Shared};
+use crate::comm::common::{frame, unframe};
+use crate::comm::transport::check_envelope;
+use crate::comm::{CommError, Payload};
+
+/// The serialised message header: what the receiver checks, and how to rebuild the tensor.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub(super) struct Header {
+    op: String,
+    index: u64,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+pub(super) fn encode(op: &str, index: u64, data: &TensorData) -> Result<Vec<u8>, String> {
+    let header = Header {
+        op: op.to_string(),
+        index,
+        dtype: data.dtype,
+        shape: data.shape.as_slice().to_vec(),
+    };
+    frame(&header, data.as_bytes())
+}
+
+pub(super) fn decode(message: Vec<u8>) -> Result<(Header, TensorData), String> {
+    let (header, payload): (Header, _) = unframe(message)?;
+    let expected = header.shape.iter().product::<usize>() * header.dtype.size();
+    if payload.len() != expected {
+        return Err(format!(
+            "a {:?} {:?} message with {} bytes instead of {expected}",
+            header.shape,
+            header.dtype,
+            payload.len()
+        ));
+    }
+    let data = TensorData::from_bytes_vec(payload, header.shape.clone(), header.dtype);
+    Ok((header, data))
+}
+
+/// A send in flight: the request, and the buffer MPI reads until it completes.
+pub(crate) struct SendHandle {
+    pub(super) shared: Arc<Shared>,
+    pub(super) request: ffi::MPI_Request,
+    pub(super) buffer: Option<Vec<u8>>,
+    pub(super) group: String,
+    pub(super) rank: usize,
+    pub(super) peer: usize,
+    pub(super) peer_global: usize,
+    pub(super) op: String,
+}
+
+// SAFETY: the request is only tested under MPI_LOCK; the buffer is owned.
+unsafe impl Send for SendHandle {}
+
+impl SendHandle {
+    pub(super) fn wait(mut self) -> Result<(), CommError> {
+        let started = Instant::now();
+        let mut backoff = Backoff(0);
+        loop {
+            if self.shared.closed.load(Ordering::SeqCst) {
+                return Err(self.closed());
+            }
+            let (code, done) = {
+                let _mpi = mpi_lock();
+                let mut flag: c_int = 0;
+                // SAFETY: a live request of this handle, under MPI_LOCK.
+                let code = unsafe {
+                    ffi::MPI_Test(&mut self.request, &mut flag, ffi::RSMPI_STATUS_IGNORE)
+                };
+                (code, flag != 0)
+            };
+            if code != 0 {
+                return Err(self.failed(format!("MPI_Test failed with error code {code}")));
+            }
+            if done {
+                self.buffer = None;
+                return Ok(());
+            }
+            self.shared.progress();
+            if started.elapsed() >= self.shared.config.timeout {
+                return Err(CommError::Timeout {
+                    group: self.group.clone(),
+                    rank: self.rank,
+                    peer: self.peer,
+                    peer_global: self.peer_global,
+                    op: format!("{} (its receive of our send)", self.op),
+                    waited: self.shared.config.timeout,
+                });
+            }
+            backoff.pause();
+        }
+    }
+
+    fn failed(&self, message: String) -> CommError {
+        CommError::Invalid {
+            group: self.group.clone(),
+            message: format!(
+                "rank {} sending {} to rank {}: {message}",
+                self.rank, self.op, self.peer
+            ),
+        }
+    }
+
+    fn closed(&self) -> CommError {
+        self.failed("the MPI job is shutting down".into())
+    }
+}
+
+impl Drop for SendHandle {
+    fn drop(&mut self) {
+        // A send dropped before it completed: MPI may still read the buffer, so leak it.
+        if let Some(buffer) = self.buffer.take() {
+            std::mem::forget(buffer);
+        }
+    }
+}
+
+/// A posted receive.
+pub(crate) struct RecvHandle {
+    pub(super) shared: Arc<Shared>,
+    pub(super) posted: Arc<Posted>,
+    pub(super) group: String,
+    pub(super) rank: usize,
+    pub(super) peer: usize,
+    pub(super) peer_global: usize,
+    pub(super) op: String,
+    pub(super) index: u64,
+}
+
+impl RecvHandle {
+    pub(super) fn wait(self) -> Result<Payload, CommError> {
+        let started = Instant::now();
+        let mut backoff = Backoff(0);
+        loop {
+            if let Some(message) = self.posted.take() {
+                return self.open(message);
+            }
+            if self.shared.closed.load(Ordering::SeqCst) {
+                return Err(self.protocol("the MPI job is shutting down".into()));
+            }
+            self.shared.progress();
+            if let Some(message) = self.posted.take() {
+                return self.open(message);
+            }
+            if started.elapsed() >= self.shared.config.timeout {
+                self.shared.unpost(&self.posted);
+                return Err(CommError::Timeout {
+                    group: self.group.clone(),
+                    rank: self.rank,
+                    peer: self.peer,
+                    peer_global: self.peer_global,
+                    op: self.op.clone(),
+                    waited: self.shared.config.timeout,
+                });
+            }
+            backoff.pause();
+        }
+    }
+
+    fn protocol(&self, message: String) -> CommError {
+        CommError::Protocol {
+            group: self.group.clone(),
+            rank: self.rank,
+            peer_global: self.peer_global,
+            message,
+        }
+    }
+
+    fn open(&self, message: Result<Vec<u8>, String>) -> Result<Payload, CommError> {
+        let (header, data) = message
+            .and_then(decode)
+            .map_err(|e| self.protocol(format!("{} message #{}: {e}", self.op, self.index)))?;
+        check_envelope((&self.op, self.index), (&header.op, header.index))
+            .map_err(|message| self.protocol(message))?;
+        Ok(Payload::Host(data))
+    }
+}
+
+impl Drop for RecvHandle {
+    fn drop(&mut self) {
+        self.shared.unpost(&self.posted);
+    }
+}

@@ -1,0 +1,254 @@
+//! A group of TCP ranks: the [`Transport`] of the TCP world.
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use burn::tensor::TensorData;
+
+use super::wire::{Failure, Kind, Shared, WireHeader};
+use crate::comm::collectives::agree_split;
+use crate::comm::common::{frame, Accounting};
+use crate::comm::transport::{check_envelope, Channel, Group, Transport};
+use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};
+
+/// A group of TCP ranks as seen by one of them.
+pub struct TcpComm {
+    shared: Arc<Shared>,
+    group: Group,
+    /// Per peer and channel: messages sent, receives posted.
+    sent: Mutex<Vec<[u64; Channel::COUNT]>>,
+    posted: Mutex<Vec<[u64; Channel::COUNT]>>,
+    /// Held from a message's numbering to its write, so that messages of one link leave in
+    /// the order of their numbers even when several threads send.
+    sending: Mutex<()>,
+}
+
+impl fmt::Debug for TcpComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("TcpComm").field(&self.group).finish()
+    }
+}
+
+/// A posted receive: the arrival it waits for on its (group, channel, sender).
+pub(crate) struct RecvHandle {
+    shared: Arc<Shared>,
+    key: (String, u8, usize),
+    arrival: u64,
+    rank: usize,
+    peer: usize,
+    op: String,
+}
+
+impl RecvHandle {
+    fn wait(self) -> Result<Payload, CommError> {
+        let shared = &self.shared;
+        let started = Instant::now();
+        let peer_global = self.key.2;
+        let mut state = shared.state();
+        loop {
+            let inbox = state.inboxes.get_mut(&self.key);
+            if let Some(message) = inbox.and_then(|inbox| inbox.messages.remove(&self.arrival)) {
+                return self.open(message);
+            }
+            if let Some(failure) = &state.failure {
+                return Err(self.peer_failed(failure.clone()));
+            }
+            if state.left[peer_global] {
+                return Err(self.peer_failed(Failure {
+                    rank: peer_global,
+                    reason: "it finished and left the job before sending this message".into(),
+                }));
+            }
+            let waited = started.elapsed();
+            if waited >= shared.config.timeout {
+                return Err(CommError::Timeout {
+                    group: self.key.0.clone(),
+                    rank: self.rank,
+                    peer: self.peer,
+                    peer_global,
+                    op: self.op.clone(),
+                    waited: shared.config.timeout,
+                });
+            }
+            let remaining = shared.config.timeout - waited;
+            state = shared
+                .arrived
+                .wait_timeout(state, remaining)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    fn peer_failed(&self, failure: Failure) -> CommError {
+        CommError::PeerFailed {
+            group: self.key.0.clone(),
+            rank: self.rank,
+            failed_global: failure.rank,
+            reason: failure.reason,
+            op: self.op.clone(),
+        }
+    }
+
+    fn open(&self, (header, body): (WireHeader, Vec<u8>)) -> Result<Payload, CommError> {
+        let protocol = |message: String| CommError::Protocol {
+            group: self.key.0.clone(),
+            rank: self.rank,
+            peer_global: self.key.2,
+            message,
+        };
+        check_envelope((&self.op, self.arrival), (&header.op, header.index)).map_err(protocol)?;
+        let expected = header.shape.iter().product::<usize>() * header.dtype.size();
+        if body.len() != expected {
+            return Err(protocol(format!(
+                "{} message #{}: a {:?} {:?} message with {} bytes instead of {expected}",
+                self.op,
+                self.arrival,
+                header.shape,
+                header.dtype,
+                body.len()
+            )));
+        }
+        let data = TensorData::from_bytes_vec(body, header.shape, header.dtype);
+        Ok(Payload::Host(data))
+    }
+}
+
+impl TcpComm {
+    pub(super) fn create(shared: &Arc<Shared>, group: Group) -> Comm {
+        let size = group.size();
+        Arc::new(TcpComm {
+            shared: shared.clone(),
+            group,
+            sent: Mutex::new(vec![[0; Channel::COUNT]; size]),
+            posted: Mutex::new(vec![[0; Channel::COUNT]; size]),
+            sending: Mutex::new(()),
+        })
+    }
+
+    fn next(counters: &Mutex<Vec<[u64; Channel::COUNT]>>, peer: usize, channel: Channel) -> u64 {
+        let mut counters = counters.lock().unwrap_or_else(|p| p.into_inner());
+        counters[peer][channel.index()] += 1;
+        counters[peer][channel.index()] - 1
+    }
+
+    fn peer_failed(&self, failure: Failure, op: &str) -> CommError {
+        CommError::PeerFailed {
+            group: self.group.name.clone(),
+            rank: self.group.rank,
+            failed_global: failure.rank,
+            reason: failure.reason,
+            op: op.to_string(),
+        }
+    }
+}
+
+impl Transport for TcpComm {
+    type Recv = RecvHandle;
+    const HOST_BYTES: bool = true;
+
+    fn group(&self) -> &Group {
+        &self.group
+    }
+
+    /// The first failure known, as this group's error for `op`.
+    fn begin(&self, op: &str) -> Result<(), CommError> {
+        match &self.shared.state().failure {
+            Some(failure) => Err(self.peer_failed(failure.clone(), op)),
+            None => Ok(()),
+        }
+    }
+
+    /// Sends `data` to `peer` now (the peer's reader takes it in whatever it is doing).
+    fn post_send(
+        &self,
+        peer: usize,
+        channel: Channel,
+        data: Payload,
+        op: &str,
+        accounting: Accounting,
+    ) -> Result<PendingSend, CommError> {
+        self.begin(op)?;
+        let group = &self.group;
+        // TCP moves host bytes: a device tensor is read back once, here.
+        let data = data
+            .into_host()
+            .map_err(|e| group.invalid(format!("{op}: {e}")))?;
+        let _sending = self.sending.lock().unwrap_or_else(|p| p.into_inner());
+        let index = Self::next(&self.sent, peer, channel);
+        let header = WireHeader {
+            group: group.name.clone(),
+            channel: channel.index() as u8,
+            op: op.to_string(),
+            index,
+            dtype: data.dtype,
+            shape: data.shape.as_slice().to_vec(),
+        };
+        let bytes = data.as_bytes().len() as u64;
+        let (me, to) = (group.me(), group.members[peer]);
+        if me == to {
+            self.shared.deliver(me, header, data.into_bytes().to_vec());
+        } else {
+            let message =
+                frame(&header, data.as_bytes()).map_err(|e| group.invalid(format!("{op}: {e}")))?;
+            if let Err(failure) = self.shared.send_frame(to, Kind::Message, &message) {
+                self.shared.fail(failure.clone());
+                return Err(self.peer_failed(failure, op));
+            }
+        }
+        let shared = &self.shared;
+        group.count(&shared.stats, &shared.config, accounting, peer, bytes);
+        Ok(PendingSend::new(|| Ok(())))
+    }
+
+    fn post_recv(&self, peer: usize, channel: Channel, op: &str) -> Result<RecvHandle, CommError> {
+        self.begin(op)?;
+        Ok(RecvHandle {
+            shared: self.shared.clone(),
+            key: (
+                self.group.name.clone(),
+                channel.index() as u8,
+                self.group.members[peer],
+            ),
+            arrival: Self::next(&self.posted, peer, channel),
+            rank: self.group.rank,
+            peer,
+            op: op.to_string(),
+        })
+    }
+
+    fn wait(receives: Vec<RecvHandle>) -> Result<Vec<Payload>, CommError> {
+        receives.into_iter().map(RecvHandle::wait).collect()
+    }
+
+    fn split_group(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
+        let group = agree_split(self, color, key, label)?;
+        Ok(TcpComm::create(&self.shared, group))
+    }
+
+    fn counters(&self) -> &Mutex<CommStats> {
+        &self.shared.stats
+    }
+
+    /// Tells every peer that this rank failed (naming the first failure it knows of, the root
+    /// cause); their pending and future operations fail. The process goes on (see
+    /// [`TcpWorld::abort`] to end it).
+    fn fail(&self, reason: &str) {
+        let shared = &self.shared;
+        let failure = {
+            let mut state = shared.state();
+            state
+                .failure
+                .get_or_insert_with(|| Failure {
+                    rank: shared.rank,
+                    reason: reason.to_string(),
+                })
+                .clone()
+        };
+        shared.arrived.notify_all();
+        shared.closing.store(true, Ordering::SeqCst);
+        let body = serde_json::to_vec(&failure).unwrap_or_default();
+        shared.tell_all(Kind::Abort, &body);
+    }
+}
