@@ -319,7 +319,8 @@ fn environment_is_read_with_torchrun_names() {
             local_rank: 1,
         }))
     );
-    let error = |pairs: &[(&str, &str)]| Rendezvous::from_vars(vars(pairs)).unwrap_err();
+    let error =
+        |pairs: &[(&str, &str)]| Rendezvous::from_vars(vars(pairs)).unwrap_err().to_string();
     assert!(error(&full[1..]).contains("MASTER_ADDR is not set"));
     let mut bad = full;
     bad[2] = ("RANK", "8");

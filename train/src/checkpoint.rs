@@ -214,12 +214,12 @@ pub(crate) fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optim
             let name = name
                 .wait()?
                 .into_host()
-                .map_err(TrainError::Malformed)?
+                .map_err(|e| TrainError::Malformed(e.to_string()))?
                 .into_vec::<u8>();
             let bytes = bytes
                 .wait()?
                 .into_host()
-                .map_err(TrainError::Malformed)?
+                .map_err(|e| TrainError::Malformed(e.to_string()))?
                 .into_vec::<u8>();
             match (name.map(String::from_utf8), bytes) {
                 (Ok(Ok(name)), Ok(bytes)) => shard.push((name, bytes)),

@@ -110,7 +110,7 @@ fn all_reduce_gradients<B: AutodiffBackend>(
         let total = pool
             .all_reduce(Payload::device(values))?
             .into_tensor::<B::InnerBackend, 1>(&device)
-            .map_err(invalid)?;
+            .map_err(|e| invalid(e.to_string()))?;
         let mut offset = 0;
         for (_, gradient) in parts {
             let count = gradient.values.dims()[0];
@@ -137,7 +137,7 @@ fn all_reduce_gradients<B: AutodiffBackend>(
             }
             let total = total
                 .into_tensor::<B::InnerBackend, 1>(&device)
-                .map_err(invalid)?;
+                .map_err(|e| invalid(e.to_string()))?;
             summed.insert(gradient.id, total);
             continue;
         }
@@ -228,7 +228,7 @@ pub(crate) fn reduce_step<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTr
     }
     let total: f64 = total
         .into_host()
-        .map_err(CpError::Input)?
+        .map_err(|e| CpError::Input(e.to_string()))?
         .to_vec::<f64>()
         .map_err(|e| CpError::Input(format!("{e:?}")))?[0];
     Ok(ReducedStep {

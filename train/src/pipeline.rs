@@ -180,7 +180,8 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
                 data.shape(),
             )));
         }
-        data.into_tensor(self.device).map_err(CpError::Input)
+        data.into_tensor(self.device)
+            .map_err(|e| CpError::Input(e.to_string()))
     }
 
     /// Waits until the ranks that communicate in a backward pass (the unit's CP group, each with

@@ -53,7 +53,7 @@ impl<B: TpInner> TensorParallel<ContextParallel<B>> for TpGroup {
         for part in gathered {
             let values = part
                 .into_host()
-                .map_err(ModelError::Collective)?
+                .map_err(|e| ModelError::Collective(e.to_string()))?
                 .to_vec::<f32>()
                 .map_err(|e| ModelError::Collective(format!("TP max: {e:?}")))?;
             for (m, v) in max.iter_mut().zip(values) {

@@ -31,6 +31,7 @@ use burn_dcp_kernels::{FlashOps, FlashOutput, MaskSpec};
 
 use crate::backend::context::{intercept, CpContext};
 use crate::backend::timing::timed;
+use crate::error::CpError;
 use crate::nn::exact_reshape;
 use crate::rows::LocalRows;
 use crate::strategy::{cp_attention_backward, cp_attention_forward, BackwardInputs};
@@ -404,35 +405,35 @@ fn check_call(
     has_mask: bool,
     has_bias: bool,
     options: &AttentionModuleOptions,
-) -> Result<LocalRows, String> {
+) -> Result<LocalRows, CpError> {
     if has_mask || has_bias {
-        return Err(format!(
+        return Err(CpError::Input(format!(
             "an explicit dense {} tensor cannot be sharded across CP ranks; describe the mask per sequence in the CP context (MaskSpec) instead",
             if has_mask { "mask" } else { "attn_bias" }
-        ));
+        )));
     }
     if let Some(softcap) = options.softcap {
-        return Err(format!(
+        return Err(CpError::Input(format!(
             "softcap {softcap} is not supported by context-parallel attention yet"
-        ));
+        )));
     }
     if k.len() != 4 || v.len() != 4 || k[0] != q[0] || v[0] != q[0] || k[2] != q[2] || v[2] != q[2]
     {
-        return Err(format!(
+        return Err(CpError::Input(format!(
             "CP attention is self-attention over this rank's tokens: q {q:?}, k {k:?} and v {v:?} must share batch and sequence dims"
-        ));
+        )));
     }
     if k[1] != v[1] || k[1] == 0 || !q[1].is_multiple_of(k[1]) {
-        return Err(format!(
+        return Err(CpError::Input(format!(
             "k and v need the same number of heads, dividing q's {} (grouped-query attention); got k {} and v {}",
             q[1], k[1], v[1]
-        ));
+        )));
     }
     let rank = context.group.comm.rank();
-    let rows = context.batch.local_rows(rank).map_err(|e| e.to_string())?;
+    let rows = context.batch.local_rows(rank)?;
     let (batch, width) = (q[0], q[2]);
     if batch != rows.rows() {
-        return Err(match &context.batch.rows {
+        return Err(CpError::Input(match &context.batch.rows {
             None => format!(
                 "a batch of {batch} rows needs the CP context to say which sequences each row holds (CpBatch::with_rows(BatchRows::one_per_row({batch})) or BatchRows::packed); without it the context is one packed row ([1, heads, tokens, dim])"
             ),
@@ -440,24 +441,24 @@ fn check_call(
                 "the batch has {batch} rows but the CP context's BatchRows describe {}",
                 rows.rows()
             ),
-        });
+        }));
     }
     if width < rows.width() {
-        return Err(format!(
+        return Err(CpError::Input(format!(
             "rows of {width} tokens cannot hold this rank's share: under the {} rank {rank} holds up to {} tokens of a row",
             context.batch.placement.kind,
             rows.width()
-        ));
+        )));
     }
     let seq_lens = &context.batch.placement.seq_lens;
     for (seq, &len) in seq_lens.iter().enumerate() {
         let mask = context.batch.mask(seq);
         let causal = is_causal_mask(mask, len);
         if options.is_causal && !causal {
-            return Err(format!("attention was called with is_causal = true but the CP context's mask of sequence {seq} is {mask}, which lets queries attend later keys"));
+            return Err(CpError::Input(format!("attention was called with is_causal = true but the CP context's mask of sequence {seq} is {mask}, which lets queries attend later keys")));
         }
         if !options.is_causal && causal && *mask != MaskSpec::Full {
-            return Err(format!("attention was called with is_causal = false but the CP context's mask of sequence {seq} is the causal-family mask {mask}"));
+            return Err(CpError::Input(format!("attention was called with is_causal = false but the CP context's mask of sequence {seq} is the causal-family mask {mask}")));
         }
     }
     Ok(rows)

@@ -7,7 +7,7 @@ use std::time::Duration;
 use burn::tensor::TensorData;
 
 use crate::comm::payload::{concat_flat, flatten, split_flat, sum_payloads};
-use crate::comm::{CommError, CommStats, OpKind, Payload, WorldConfig};
+use crate::comm::{CommError, CommStats, OpKind, Payload, PayloadError, WorldConfig};
 
 /// How a message's bytes are counted in [`CommStats`].
 #[derive(Clone, Copy, Debug)]
@@ -55,9 +55,94 @@ impl Accounting {
     }
 }
 
+/// Why a message on the wire is not one the receiver can take (or could not be written).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub(crate) enum WireError {
+    /// The header could not be serialised (serde's error, rendered).
+    #[error("{0}")]
+    Encode(String),
+    #[error("a message shorter than its header length")]
+    ShortLength,
+    #[error("a message shorter than its header")]
+    ShortHeader,
+    #[error("a malformed message header")]
+    MalformedHeader,
+    /// A body of another size than its header's shape and dtype need.
+    #[error("a {shape:?} {dtype:?} message with {bytes} bytes instead of {expected}")]
+    Body {
+        shape: Vec<usize>,
+        dtype: burn::tensor::DType,
+        bytes: usize,
+        expected: usize,
+    },
+    /// NCCL's control message: host bytes of another size than its header says.
+    #[error("a {shape:?} {dtype:?} message carries {bytes} host bytes instead of {expected}")]
+    HostBytes {
+        shape: Vec<usize>,
+        dtype: burn::tensor::DType,
+        bytes: usize,
+        expected: usize,
+    },
+    /// Another message than the receive expects (see [`check_envelope`]).
+    #[error(
+        "expected {expected_op} message #{expected_index}, got {op} message #{index}: {cause}"
+    )]
+    Envelope {
+        expected_op: String,
+        expected_index: u64,
+        op: String,
+        index: u64,
+        cause: &'static str,
+    },
+    /// The transport's receive failed (MPI's error code, rendered).
+    #[error("{0}")]
+    Receive(String),
+}
+
+/// Checks that a message that arrived is the one a receive expects: the operation and the
+/// sender's index of the message on the link. The error says which cause it is.
+pub(crate) fn check_envelope(
+    (expected_op, expected_index): (&str, u64),
+    (op, index): (&str, u64),
+) -> Result<(), WireError> {
+    if op == expected_op && index == expected_index {
+        return Ok(());
+    }
+    let cause = if op == expected_op {
+        "a message on this link was lost or duplicated"
+    } else {
+        "the ranks called different operations (mismatched configuration or strategy)"
+    };
+    Err(WireError::Envelope {
+        expected_op: expected_op.to_string(),
+        expected_index,
+        op: op.to_string(),
+        index,
+        cause,
+    })
+}
+
+/// The tensor a message's body holds, when its size is what the header's shape and dtype need.
+pub(crate) fn host_data(
+    shape: Vec<usize>,
+    dtype: burn::tensor::DType,
+    body: Vec<u8>,
+) -> Result<TensorData, WireError> {
+    let expected = shape.iter().product::<usize>() * dtype.size();
+    if body.len() != expected {
+        return Err(WireError::Body {
+            shape,
+            dtype,
+            bytes: body.len(),
+            expected,
+        });
+    }
+    Ok(TensorData::from_bytes_vec(body, shape, dtype))
+}
+
 /// A message of its serialised header then its body: `[u32 header length][JSON header][body]`.
-pub(crate) fn frame<H: serde::Serialize>(header: &H, body: &[u8]) -> Result<Vec<u8>, String> {
-    let json = serde_json::to_vec(header).map_err(|e| e.to_string())?;
+pub(crate) fn frame<H: serde::Serialize>(header: &H, body: &[u8]) -> Result<Vec<u8>, WireError> {
+    let json = serde_json::to_vec(header).map_err(|e| WireError::Encode(e.to_string()))?;
     let mut message = Vec::with_capacity(4 + json.len() + body.len());
     message.extend_from_slice(&(json.len() as u32).to_le_bytes());
     message.extend_from_slice(&json);
@@ -68,15 +153,15 @@ pub(crate) fn frame<H: serde::Serialize>(header: &H, body: &[u8]) -> Result<Vec<
 /// The header and body of a [`frame`]d message.
 pub(crate) fn unframe<H: serde::de::DeserializeOwned>(
     mut message: Vec<u8>,
-) -> Result<(H, Vec<u8>), String> {
+) -> Result<(H, Vec<u8>), WireError> {
     let len = message
         .get(..4)
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-        .ok_or("a message shorter than its header length")?;
+        .ok_or(WireError::ShortLength)?;
     let header: H = message
         .get(4..4 + len)
-        .ok_or("a message shorter than its header")
-        .and_then(|h| serde_json::from_slice(h).map_err(|_| "a malformed message header"))?;
+        .ok_or(WireError::ShortHeader)
+        .and_then(|h| serde_json::from_slice(h).map_err(|_| WireError::MalformedHeader))?;
     let body = message.split_off(4 + len);
     Ok((header, body))
 }
@@ -184,7 +269,7 @@ pub(crate) fn all_reduce_by(
     data: Payload,
     mut collective: impl FnMut(Vec<Payload>) -> Result<Vec<Payload>, CommError>,
 ) -> Result<Payload, CommError> {
-    let invalid = |message: String| invalid(group, format!("all-reduce: {message}"));
+    let invalid = |error: PayloadError| invalid(group, format!("all-reduce: {error}"));
     let (shape, dtype) = (data.shape(), data.dtype());
     let flat = flatten(data);
     let chunks = split_flat(&flat, size);

@@ -79,7 +79,7 @@ pub(crate) fn control_payloads(
                 message: format!("{what}: malformed control message {message}"),
             };
             data.into_host()
-                .map_err(invalid)?
+                .map_err(|e| invalid(e.to_string()))?
                 .into_vec::<u8>()
                 .map_err(|e| invalid(format!("{e:?}")))
         })

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use burn::tensor::DType;
+
 /// Errors of communication. Each names the group, the ranks involved and the rule or event.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CommError {
@@ -47,5 +49,54 @@ impl CommError {
     /// Whether this error only reports another rank's failure (the root cause is elsewhere).
     pub fn is_peer_failure(&self) -> bool {
         matches!(self, CommError::PeerFailed { .. })
+    }
+}
+
+/// Why a payload could not be read, converted or combined.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PayloadError {
+    /// The platform has no synchronous read of device memory (the browser's wgpu).
+    #[error("this platform cannot read a device tensor synchronously")]
+    NoSyncRead,
+    /// The backend failed to read a device tensor back (its error, rendered).
+    #[error("reading a device tensor back failed: {0}")]
+    ReadBack(String),
+    /// The backend failed to finish the copy of a received tensor (its error, rendered).
+    #[error("waiting for a received tensor's copy failed: {0}")]
+    Copy(String),
+    /// Host bytes that are not of the dtype asked for (burn's error, rendered).
+    #[error("{0}")]
+    Data(String),
+    /// A payload of another number of dimensions than the tensor asked for.
+    #[error("a {dims:?} payload is not a tensor of {expected} dimensions")]
+    Dims { dims: Vec<usize>, expected: usize },
+    /// A sum of no parts.
+    #[error("nothing to sum")]
+    NothingToSum,
+    /// Parts of a sum with different shapes or dtypes.
+    #[error("cannot sum a {shape:?} {dtype:?} tensor with a {expected_shape:?} {expected_dtype:?} tensor")]
+    Mismatch {
+        shape: Vec<usize>,
+        dtype: DType,
+        expected_shape: Vec<usize>,
+        expected_dtype: DType,
+    },
+    /// All-reduce chunks of another dtype than the tensor.
+    #[error("chunk dtype {dtype:?} differs from {expected:?}")]
+    ChunkDtype { dtype: DType, expected: DType },
+    /// All-reduce chunks that do not add up to the tensor.
+    #[error("the gathered chunks hold {bytes} bytes but a {shape:?} {dtype:?} tensor needs {expected}: the ranks passed tensors of different sizes")]
+    ChunkSizes {
+        bytes: usize,
+        shape: Vec<usize>,
+        dtype: DType,
+        expected: usize,
+    },
+}
+
+impl From<PayloadError> for String {
+    /// The message, for code whose errors are text (`?` in a closure returning `String`).
+    fn from(error: PayloadError) -> String {
+        error.to_string()
     }
 }

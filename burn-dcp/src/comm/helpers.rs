@@ -2,6 +2,8 @@
 
 use burn::tensor::{DType, TensorData};
 
+use super::PayloadError;
+
 /// The message of a panic payload (`&str` or `String`).
 pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
@@ -14,15 +16,15 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Elementwise sum of tensors of one shape and dtype, in the given order (deterministic).
-pub fn sum_tensor_data(parts: Vec<TensorData>) -> Result<TensorData, String> {
+pub fn sum_tensor_data(parts: Vec<TensorData>) -> Result<TensorData, PayloadError> {
     let mut iter = parts.into_iter();
-    let first = iter.next().ok_or("nothing to sum")?;
+    let first = iter.next().ok_or(PayloadError::NothingToSum)?;
     let (shape, dtype) = (first.shape.clone(), first.dtype);
     if dtype == DType::F64 {
-        let mut acc = first.into_vec::<f64>().map_err(|e| format!("{e:?}"))?;
+        let mut acc = first.into_vec::<f64>().map_err(data_error)?;
         for part in iter {
             check_same(&shape, dtype, &part)?;
-            let values = part.into_vec::<f64>().map_err(|e| format!("{e:?}"))?;
+            let values = part.into_vec::<f64>().map_err(data_error)?;
             acc.iter_mut().zip(values).for_each(|(a, b)| *a += b);
         }
         return Ok(TensorData::new(acc, shape));
@@ -30,27 +32,34 @@ pub fn sum_tensor_data(parts: Vec<TensorData>) -> Result<TensorData, String> {
     let mut acc = first
         .convert::<f32>()
         .into_vec::<f32>()
-        .map_err(|e| format!("{e:?}"))?;
+        .map_err(data_error)?;
     for part in iter {
         check_same(&shape, dtype, &part)?;
         let values = part
             .convert::<f32>()
             .into_vec::<f32>()
-            .map_err(|e| format!("{e:?}"))?;
+            .map_err(data_error)?;
         acc.iter_mut().zip(values).for_each(|(a, b)| *a += b);
     }
     Ok(TensorData::new(acc, shape).convert_dtype(dtype))
 }
 
-fn check_same(shape: &burn::tensor::Shape, dtype: DType, part: &TensorData) -> Result<(), String> {
+fn check_same(
+    shape: &burn::tensor::Shape,
+    dtype: DType,
+    part: &TensorData,
+) -> Result<(), PayloadError> {
     if &part.shape != shape || part.dtype != dtype {
-        return Err(format!(
-            "cannot sum a {:?} {:?} tensor with a {:?} {:?} tensor",
-            part.shape.as_slice(),
-            part.dtype,
-            shape.as_slice(),
-            dtype
-        ));
+        return Err(PayloadError::Mismatch {
+            shape: part.shape.as_slice().to_vec(),
+            dtype: part.dtype,
+            expected_shape: shape.as_slice().to_vec(),
+            expected_dtype: dtype,
+        });
     }
     Ok(())
+}
+
+fn data_error(error: burn::tensor::DataError) -> PayloadError {
+    PayloadError::Data(format!("{error:?}"))
 }

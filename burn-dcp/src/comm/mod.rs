@@ -28,7 +28,7 @@ mod transport;
 
 pub(crate) use communicator::control_payloads;
 pub use communicator::{Comm, Communicator};
-pub use error::CommError;
+pub use error::{CommError, PayloadError};
 pub use faults::{Fault, FaultKind};
 pub use helpers::{panic_message, sum_tensor_data};
 pub use in_process::{InProcessWorld, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
@@ -40,4 +40,4 @@ pub use nccl::{NcclComm, NcclWorld};
 pub use payload::{DeviceTensor, Payload};
 pub use pending::{PendingRecv, PendingSend};
 pub use stats::{CommStats, LinkBytes, OpKind};
-pub use tcp::{Rendezvous, TcpComm, TcpWorld};
+pub use tcp::{Rendezvous, RendezvousError, TcpComm, TcpWorld};

@@ -19,6 +19,8 @@ use burn::tensor::{
 };
 use burn_backend::{Scalar, TensorMetadata};
 
+use crate::comm::PayloadError;
+
 /// A message body.
 #[derive(Clone, Debug)]
 pub enum Payload {
@@ -87,7 +89,7 @@ impl Payload {
     }
 
     /// The payload's bytes on the host (reads a device tensor back).
-    pub fn into_host(self) -> Result<TensorData, String> {
+    pub fn into_host(self) -> Result<TensorData, PayloadError> {
         match self {
             Payload::Host(data) => Ok(data),
             Payload::Device(tensor) => tensor.0.into_host(),
@@ -103,7 +105,7 @@ impl Payload {
     /// drops its handle; the sender's pool then hands the buffer out again, and the sender's next
     /// write can reach the device first (seen on wgpu as wrong gradients on some ranks). Reading
     /// the buffer once, into our own memory, and waiting for that read closes the window.
-    pub(crate) fn adopt(self) -> Result<Payload, String> {
+    pub(crate) fn adopt(self) -> Result<Payload, PayloadError> {
         match self {
             Payload::Host(data) => Ok(Payload::Host(data)),
             Payload::Device(tensor) => tensor.0.adopt().map(Payload::Device),
@@ -115,7 +117,7 @@ impl Payload {
     pub fn into_float<B: Backend>(
         self,
         device: &B::Device,
-    ) -> Result<B::FloatTensorPrimitive, String> {
+    ) -> Result<B::FloatTensorPrimitive, PayloadError> {
         let data = match self {
             Payload::Device(tensor) if tensor.0.as_any().is::<B::FloatTensorPrimitive>() => {
                 let tensor = *tensor
@@ -146,12 +148,10 @@ impl Payload {
     pub fn into_tensor<B: Backend, const D: usize>(
         self,
         device: &B::Device,
-    ) -> Result<Tensor<B, D>, String> {
+    ) -> Result<Tensor<B, D>, PayloadError> {
         let dims = self.shape();
         if dims.len() != D {
-            return Err(format!(
-                "a {dims:?} payload is not a tensor of {D} dimensions"
-            ));
+            return Err(PayloadError::Dims { dims, expected: D });
         }
         Ok(Tensor::from_primitive(TensorPrimitive::Float(
             self.into_float::<B>(device)?,
@@ -189,9 +189,9 @@ trait DeviceOps: Send + Sync {
     fn clone_box(&self) -> Box<dyn DeviceOps>;
     fn as_any(&self) -> &dyn Any;
     fn into_any(self: Box<Self>) -> Box<dyn Any>;
-    fn into_host(self: Box<Self>) -> Result<TensorData, String>;
+    fn into_host(self: Box<Self>) -> Result<TensorData, PayloadError>;
     /// A copy in the calling thread's memory, its queue drained (see [`Payload::adopt`]).
-    fn adopt(&self) -> Result<DeviceTensor, String>;
+    fn adopt(&self) -> Result<DeviceTensor, PayloadError>;
     /// The elementwise sum of `self` and `others`, in that order, with the host's arithmetic;
     /// `None` when some part is not a tensor of the same backend.
     fn sum(&self, others: &[&DeviceTensor]) -> Option<DeviceTensor>;
@@ -246,19 +246,18 @@ impl<B: Backend> DeviceOps for Float<B> {
         Box::new(self.0)
     }
 
-    fn into_host(self: Box<Self>) -> Result<TensorData, String> {
+    fn into_host(self: Box<Self>) -> Result<TensorData, PayloadError> {
         try_read_sync(B::float_into_data(self.0))
-            .ok_or_else(|| "this platform cannot read a device tensor synchronously".to_string())?
-            .map_err(|e| format!("reading a device tensor back failed: {e:?}"))
+            .ok_or(PayloadError::NoSyncRead)?
+            .map_err(|e| PayloadError::ReadBack(format!("{e:?}")))
     }
 
-    fn adopt(&self) -> Result<DeviceTensor, String> {
+    fn adopt(&self) -> Result<DeviceTensor, PayloadError> {
         // `self` keeps its handle alive during the multiply, so the backend cannot reuse the
         // sender's buffer in place: the result is a new buffer of this thread. Multiplying by
         // one is exact for every value (±0, ±∞ and subnormals included).
         let copy = B::float_mul_scalar(self.0.clone(), Scalar::Float(1.0));
-        B::sync(&B::float_device(&copy))
-            .map_err(|e| format!("waiting for a received tensor's copy failed: {e:?}"))?;
+        B::sync(&B::float_device(&copy)).map_err(|e| PayloadError::Copy(format!("{e:?}")))?;
         Ok(Self::wrap(copy))
     }
 
@@ -320,16 +319,17 @@ impl<B: Backend> DeviceOps for Float<B> {
 /// The elementwise sum of payloads of one shape and dtype, in the given order (deterministic):
 /// on the device when every part is a device tensor of one backend, else on the host. Both give
 /// the same bits.
-pub(crate) fn sum_payloads(parts: Vec<Payload>) -> Result<Payload, String> {
-    let first = parts.first().ok_or("nothing to sum")?;
+pub(crate) fn sum_payloads(parts: Vec<Payload>) -> Result<Payload, PayloadError> {
+    let first = parts.first().ok_or(PayloadError::NothingToSum)?;
     let (shape, dtype) = (first.shape(), first.dtype());
     for part in &parts[1..] {
         if part.shape() != shape || part.dtype() != dtype {
-            return Err(format!(
-                "cannot sum a {:?} {:?} tensor with a {shape:?} {dtype:?} tensor",
-                part.shape(),
-                part.dtype()
-            ));
+            return Err(PayloadError::Mismatch {
+                shape: part.shape(),
+                dtype: part.dtype(),
+                expected_shape: shape,
+                expected_dtype: dtype,
+            });
         }
     }
     if let Some((first, rest)) = device_parts(&parts) {
@@ -395,21 +395,22 @@ pub(crate) fn concat_flat(
     chunks: Vec<Payload>,
     shape: &[usize],
     dtype: DType,
-) -> Result<Payload, String> {
+) -> Result<Payload, PayloadError> {
     if let Some(chunk) = chunks.iter().find(|chunk| chunk.dtype() != dtype) {
-        return Err(format!(
-            "chunk dtype {:?} differs from {dtype:?}",
-            chunk.dtype()
-        ));
+        return Err(PayloadError::ChunkDtype {
+            dtype: chunk.dtype(),
+            expected: dtype,
+        });
     }
     let count: usize = chunks.iter().map(Payload::num_elements).sum();
     let expected: usize = shape.iter().product();
     if count != expected {
-        return Err(format!(
-            "the gathered chunks hold {} bytes but a {shape:?} {dtype:?} tensor needs {}: the ranks passed tensors of different sizes",
-            count * dtype.size(),
-            expected * dtype.size()
-        ));
+        return Err(PayloadError::ChunkSizes {
+            bytes: count * dtype.size(),
+            shape: shape.to_vec(),
+            dtype,
+            expected: expected * dtype.size(),
+        });
     }
     if let Some((first, rest)) = device_parts(&chunks) {
         if let Some(joined) = first.0.concat_flat(&rest) {

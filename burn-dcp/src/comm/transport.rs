@@ -160,22 +160,3 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug + 'static {
     /// Marks this rank as failed: its peers' pending and future operations fail naming it.
     fn fail(&self, reason: &str);
 }
-
-/// Checks that a message that arrived is the one a receive expects: the operation and the
-/// sender's index of the message on the link. The error says which cause it is.
-pub(crate) fn check_envelope(
-    (expected_op, expected_index): (&str, u64),
-    (op, index): (&str, u64),
-) -> Result<(), String> {
-    if op == expected_op && index == expected_index {
-        return Ok(());
-    }
-    let cause = if op == expected_op {
-        "a message on this link was lost or duplicated"
-    } else {
-        "the ranks called different operations (mismatched configuration or strategy)"
-    };
-    Err(format!(
-        "expected {expected_op} message #{expected_index}, got {op} message #{index}: {cause}"
-    ))
-}

@@ -4,6 +4,7 @@ use burn::prelude::{Backend, Bool, Tensor};
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 
+use super::HeadError;
 use crate::backend::is_context_parallel;
 
 /// burn's [`attention`] op with `key`/`value` of fewer heads than `query` (`[B, K, S, D]`,
@@ -36,12 +37,14 @@ pub fn repeat_kv_heads<B: Backend>(
     key: Tensor<B, 4>,
     value: Tensor<B, 4>,
     heads: usize,
-) -> Result<(Tensor<B, 4>, Tensor<B, 4>), String> {
+) -> Result<(Tensor<B, 4>, Tensor<B, 4>), HeadError> {
     let (kv_heads, value_heads) = (key.dims()[1], value.dims()[1]);
     if kv_heads != value_heads || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-        return Err(format!(
-            "grouped-query attention needs key and value with the same number of heads, dividing the {heads} query heads; got key {kv_heads} and value {value_heads}"
-        ));
+        return Err(HeadError::KeyValue {
+            heads,
+            key: kv_heads,
+            value: value_heads,
+        });
     }
     let group = heads / kv_heads;
     Ok((repeat(key, group), repeat(value, group)))

@@ -8,7 +8,7 @@ use burn::tensor::activation::{quiet_softmax, softmax};
 use burn::tensor::ops::AttentionModuleOptions;
 
 use super::attention::{grouped_attention, repeat_kv_heads};
-use super::{bool_values, exact_reshape};
+use super::{bool_values, exact_reshape, HeadError};
 use crate::backend::{current_context, is_context_parallel, CpContext};
 
 /// Configuration of a [`MultiHeadAttention`]: burn-nn 0.21's `MultiHeadAttentionConfig` (same
@@ -109,19 +109,19 @@ impl MultiHeadAttentionConfig {
         }
     }
 
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), HeadError> {
         if self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) {
-            return Err(format!(
-                "MultiHeadAttentionConfig: d_model {} must be a multiple of n_heads {}",
-                self.d_model, self.n_heads
-            ));
+            return Err(HeadError::Width {
+                d_model: self.d_model,
+                heads: self.n_heads,
+            });
         }
         if let Some(kv) = self.n_kv_heads {
             if kv == 0 || !self.n_heads.is_multiple_of(kv) {
-                return Err(format!(
-                    "MultiHeadAttentionConfig: n_kv_heads {kv} must divide n_heads {}",
-                    self.n_heads
-                ));
+                return Err(HeadError::KvHeads {
+                    kv_heads: kv,
+                    heads: self.n_heads,
+                });
             }
         }
         Ok(())

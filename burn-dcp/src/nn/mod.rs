@@ -22,6 +22,7 @@
 
 mod attention;
 mod encoder;
+mod heads;
 mod mha;
 mod pos_encoding;
 mod positions;
@@ -32,6 +33,7 @@ pub use attention::{grouped_attention, repeat_kv_heads};
 pub use encoder::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput, TransformerEncoderLayer,
 };
+pub use heads::HeadError;
 pub use mha::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
 pub use pos_encoding::{PositionalEncoding, PositionalEncodingConfig};
 pub(crate) use positions::context_positions;

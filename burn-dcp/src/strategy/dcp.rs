@@ -494,7 +494,8 @@ impl<'a, B: FlashOps> Run<'a, B> {
         let part = parts
             .next()
             .ok_or_else(|| invalid("has too few parts".into()))?;
-        part.into_tensor(&self.device).map_err(invalid)
+        part.into_tensor(&self.device)
+            .map_err(|e| invalid(e.to_string()))
     }
 
     /// The kernel problem of query block `q` against key blocks `kv` of its sequence.

@@ -32,7 +32,8 @@ pub fn checked_tensor<B: Backend, const D: usize>(
             data.dtype()
         )));
     }
-    data.into_tensor(device).map_err(protocol)
+    data.into_tensor(device)
+        .map_err(|e| protocol(e.to_string()))
 }
 
 /// All-to-all of tensors: `parts[p]` goes to rank `p`; returns what each rank sent here, each

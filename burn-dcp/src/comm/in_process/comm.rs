@@ -7,8 +7,9 @@ use std::time::Instant;
 
 use super::state::{Envelope, InjectedExit, World, WorldState, EXITING, LAST_PANIC};
 use crate::comm::collectives::agree_split;
+use crate::comm::common::check_envelope;
 use crate::comm::common::Accounting;
-use crate::comm::transport::{check_envelope, Channel, Group, Transport};
+use crate::comm::transport::{Channel, Group, Transport};
 use crate::comm::{Comm, CommError, CommStats, FaultKind, Payload, PendingSend};
 
 /// One rank's handle on one group of an [`InProcessWorld`].
@@ -301,7 +302,7 @@ impl Waiter {
 
     /// Checks the envelope of the message that arrived.
     fn open(&self, envelope: Envelope, state: &mut WorldState) -> Result<Payload, CommError> {
-        let Err(message) = check_envelope((&self.op, self.seq), (&envelope.op, envelope.index))
+        let Err(mismatch) = check_envelope((&self.op, self.seq), (&envelope.op, envelope.index))
         else {
             return Ok(envelope.data);
         };
@@ -310,7 +311,7 @@ impl Waiter {
             group: self.group.clone(),
             rank: self.rank,
             peer_global: self.members[self.peer],
-            message,
+            message: mismatch.to_string(),
         };
         state.record_failure(me, format!("rank {me}: {error}"), false);
         self.world.wake_all();

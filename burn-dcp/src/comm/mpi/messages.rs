@@ -10,8 +10,7 @@ use burn::tensor::{DType, TensorData};
 use mpi::ffi;
 
 use super::world::{mpi_lock, Backoff, Posted, Shared};
-use crate::comm::common::{frame, unframe};
-use crate::comm::transport::check_envelope;
+use crate::comm::common::{check_envelope, frame, host_data, unframe, WireError};
 use crate::comm::{CommError, Payload};
 
 /// The serialised message header: what the receiver checks, and how to rebuild the tensor.
@@ -23,7 +22,7 @@ pub(super) struct Header {
     shape: Vec<usize>,
 }
 
-pub(super) fn encode(op: &str, index: u64, data: &TensorData) -> Result<Vec<u8>, String> {
+pub(super) fn encode(op: &str, index: u64, data: &TensorData) -> Result<Vec<u8>, WireError> {
     let header = Header {
         op: op.to_string(),
         index,
@@ -33,18 +32,9 @@ pub(super) fn encode(op: &str, index: u64, data: &TensorData) -> Result<Vec<u8>,
     frame(&header, data.as_bytes())
 }
 
-pub(super) fn decode(message: Vec<u8>) -> Result<(Header, TensorData), String> {
+pub(super) fn decode(message: Vec<u8>) -> Result<(Header, TensorData), WireError> {
     let (header, payload): (Header, _) = unframe(message)?;
-    let expected = header.shape.iter().product::<usize>() * header.dtype.size();
-    if payload.len() != expected {
-        return Err(format!(
-            "a {:?} {:?} message with {} bytes instead of {expected}",
-            header.shape,
-            header.dtype,
-            payload.len()
-        ));
-    }
-    let data = TensorData::from_bytes_vec(payload, header.shape.clone(), header.dtype);
+    let data = host_data(header.shape.clone(), header.dtype, payload)?;
     Ok((header, data))
 }
 
@@ -177,12 +167,12 @@ impl RecvHandle {
         }
     }
 
-    fn open(&self, message: Result<Vec<u8>, String>) -> Result<Payload, CommError> {
+    fn open(&self, message: Result<Vec<u8>, WireError>) -> Result<Payload, CommError> {
         let (header, data) = message
             .and_then(decode)
             .map_err(|e| self.protocol(format!("{} message #{}: {e}", self.op, self.index)))?;
         check_envelope((&self.op, self.index), (&header.op, header.index))
-            .map_err(|message| self.protocol(message))?;
+            .map_err(|mismatch| self.protocol(mismatch.to_string()))?;
         Ok(Payload::Host(data))
     }
 }

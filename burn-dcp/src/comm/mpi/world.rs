@@ -10,7 +10,7 @@ use std::time::Duration;
 use mpi::ffi;
 
 use super::comm::MpiComm;
-use crate::comm::common::{check_nodes, check_timeout};
+use crate::comm::common::{check_nodes, check_timeout, WireError};
 use crate::comm::transport::{Channel, Group};
 use crate::comm::{Comm, CommError, CommStats, WorldConfig};
 
@@ -77,7 +77,7 @@ pub(super) struct Posted {
     pub(super) comm: RawComm,
     pub(super) source: c_int,
     pub(super) tag: c_int,
-    pub(super) slot: Mutex<Option<Result<Vec<u8>, String>>>,
+    pub(super) slot: Mutex<Option<Result<Vec<u8>, WireError>>>,
 }
 
 impl Posted {
@@ -98,7 +98,9 @@ impl Posted {
                 &mut status,
             );
             let result = if code != 0 {
-                Some(Err(format!("MPI_Improbe failed with error code {code}")))
+                Some(Err(WireError::Receive(format!(
+                    "MPI_Improbe failed with error code {code}"
+                ))))
             } else if flag == 0 {
                 None
             } else {
@@ -114,7 +116,9 @@ impl Posted {
                 );
                 Some(match code {
                     0 => Ok(buffer),
-                    _ => Err(format!("MPI_Mrecv failed with error code {code}")),
+                    _ => Err(WireError::Receive(format!(
+                        "MPI_Mrecv failed with error code {code}"
+                    ))),
                 })
             };
             match result {
@@ -127,7 +131,7 @@ impl Posted {
         }
     }
 
-    pub(super) fn take(&self) -> Option<Result<Vec<u8>, String>> {
+    pub(super) fn take(&self) -> Option<Result<Vec<u8>, WireError>> {
         self.slot.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 }

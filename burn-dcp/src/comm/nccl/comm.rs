@@ -328,10 +328,11 @@ impl NcclComm {
         let message = header
             .wait()?
             .into_host()
-            .map_err(|e| self.invalid(e))?
+            .map_err(|e| self.invalid(e.to_string()))?
             .into_vec::<u8>()
             .map_err(|e| self.invalid(format!("{e:?}")))?;
-        let (header, host) = decode(message).map_err(|e| self.protocol(peer, incoming, e))?;
+        let (header, host) =
+            decode(message).map_err(|e| self.protocol(peer, incoming, e.to_string()))?;
         if header.op != incoming.op || header.index != incoming.index {
             let message = format!(
                 "expected {} message #{}, got {} message #{}",

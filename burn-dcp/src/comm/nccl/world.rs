@@ -13,7 +13,7 @@ use cudarc::driver::CudaContext;
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use super::comm::NcclComm;
-use crate::comm::common::{check_timeout, frame, unframe};
+use crate::comm::common::{check_timeout, frame, unframe, WireError};
 use crate::comm::{Comm, CommError, CommStats, Payload, WorldConfig};
 
 /// A burn-cuda float tensor.
@@ -47,22 +47,22 @@ impl Header {
 }
 
 /// One control message: the header, then the host bytes (none for data that follows over NCCL).
-pub(super) fn encode(header: &Header, host: &[u8]) -> Result<TensorData, String> {
+pub(super) fn encode(header: &Header, host: &[u8]) -> Result<TensorData, WireError> {
     let message = frame(header, host)?;
     let len = message.len();
     Ok(TensorData::new(message, [len]))
 }
 
-pub(super) fn decode(message: Vec<u8>) -> Result<(Header, Vec<u8>), String> {
+pub(super) fn decode(message: Vec<u8>) -> Result<(Header, Vec<u8>), WireError> {
     let (header, host): (Header, _) = unframe(message)?;
     let expected = if header.on_device { 0 } else { header.bytes() };
     if host.len() != expected {
-        return Err(format!(
-            "a {:?} {:?} message carries {} host bytes instead of {expected}",
-            header.shape,
-            header.dtype,
-            host.len()
-        ));
+        return Err(WireError::HostBytes {
+            shape: header.shape.clone(),
+            dtype: header.dtype,
+            bytes: host.len(),
+            expected,
+        });
     }
     Ok((header, host))
 }
@@ -73,12 +73,16 @@ pub(super) fn nccl_error(what: &str, error: nccl::NcclError) -> String {
 
 /// Runs `f`, which loads a CUDA library on first use: cudarc panics when the library is
 /// missing, which becomes an error naming it.
-pub(super) fn loading<T>(library: &str, f: impl FnOnce() -> T) -> Result<T, String> {
+pub(super) fn loading<T>(
+    invalid: &dyn Fn(String) -> CommError,
+    library: &str,
+    f: impl FnOnce() -> T,
+) -> Result<T, CommError> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|panic| {
-        format!(
+        invalid(format!(
             "{library} could not be loaded (NCCL needs an NVIDIA GPU with its driver and NCCL installed): {}",
             crate::comm::panic_message(panic.as_ref())
-        )
+        ))
     })
 }
 
@@ -114,14 +118,12 @@ impl NcclWorld {
             message: format!("NCCL initialisation: {message}"),
         };
         check_timeout(control.name(), config.timeout)?;
-        let context = loading("the CUDA driver (libcuda)", || {
+        let context = loading(&invalid, "the CUDA driver (libcuda)", || {
             CudaContext::new(device.index)
-        })
-        .map_err(&invalid)?
+        })?
         .map_err(|e| invalid(format!("CUDA device {}: {e:?}", device.index)))?;
         let id = match control.rank() {
-            0 => loading("NCCL (libnccl)", nccl::get_uniqueid)
-                .map_err(&invalid)?
+            0 => loading(&invalid, "NCCL (libnccl)", nccl::get_uniqueid)?
                 .map_err(|e| invalid(nccl_error("ncclGetUniqueId", e)))?
                 .internal
                 .iter()
@@ -190,6 +192,7 @@ mod tests {
         assert_eq!(bytes, host);
         let short = message[..message.len() - 1].to_vec();
         let error = decode(short).unwrap_err();
+        let error = error.to_string();
         assert!(error.contains("23 host bytes instead of 24"), "{error}");
         let device = Header {
             on_device: true,

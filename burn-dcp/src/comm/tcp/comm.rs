@@ -5,12 +5,11 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use burn::tensor::TensorData;
-
 use super::wire::{Failure, Kind, Shared, WireHeader};
 use crate::comm::collectives::agree_split;
+use crate::comm::common::{check_envelope, host_data};
 use crate::comm::common::{frame, Accounting};
-use crate::comm::transport::{check_envelope, Channel, Group, Transport};
+use crate::comm::transport::{Channel, Group, Transport};
 use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};
 
 /// A group of TCP ranks as seen by one of them.
@@ -98,19 +97,10 @@ impl RecvHandle {
             peer_global: self.key.2,
             message,
         };
-        check_envelope((&self.op, self.arrival), (&header.op, header.index)).map_err(protocol)?;
-        let expected = header.shape.iter().product::<usize>() * header.dtype.size();
-        if body.len() != expected {
-            return Err(protocol(format!(
-                "{} message #{}: a {:?} {:?} message with {} bytes instead of {expected}",
-                self.op,
-                self.arrival,
-                header.shape,
-                header.dtype,
-                body.len()
-            )));
-        }
-        let data = TensorData::from_bytes_vec(body, header.shape, header.dtype);
+        check_envelope((&self.op, self.arrival), (&header.op, header.index))
+            .map_err(|e| protocol(e.to_string()))?;
+        let data = host_data(header.shape, header.dtype, body)
+            .map_err(|e| protocol(format!("{} message #{}: {e}", self.op, self.arrival)))?;
         Ok(Payload::Host(data))
     }
 }

@@ -32,5 +32,5 @@ mod wire;
 mod world;
 
 pub use comm::TcpComm;
-pub use rendezvous::{Rendezvous, ENV_VARIABLES};
+pub use rendezvous::{Rendezvous, RendezvousError, ENV_VARIABLES};
 pub use world::TcpWorld;

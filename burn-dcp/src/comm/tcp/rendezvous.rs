@@ -1,6 +1,7 @@
 //! The rendezvous of a TCP launch: torchrun's variables, the hello every rank says, and the
 //! links every pair of ranks opens.
 
+use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
@@ -31,36 +32,111 @@ pub struct Rendezvous {
     pub local_rank: usize,
 }
 
+/// Why a TCP launch could not start: a variable breaking its rule, a process breaking the
+/// launch's rules, or a network step that failed (each names the variable, rank or address).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RendezvousError {
+    #[error("{name} is not set: a TCP launch needs MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE (and LOCAL_RANK)")]
+    Unset { name: String },
+    #[error("{name}={value:?} is not a non-negative integer")]
+    NotANumber { name: String, value: String },
+    #[error("MASTER_PORT={value:?} is not a port number (1 to 65535)")]
+    NotAPort { value: String },
+    #[error("WORLD_SIZE=0: a world has at least one rank")]
+    EmptyWorld,
+    #[error("RANK={rank} is not a rank of a world of WORLD_SIZE={world_size} (ranks are 0..{world_size})")]
+    RankOutOfRange { rank: usize, world_size: usize },
+    #[error("MASTER_ADDR is empty: it names rank 0's host")]
+    EmptyMaster,
+    #[error("MASTER_PORT=0: rank 0 listens on a fixed port the others know")]
+    ZeroPort,
+    /// A process that breaks the launch's rules (rank 0 tells it, and the ranks already
+    /// connected, why).
+    #[error("{reason}")]
+    Refused { reason: String },
+    /// Rank 0 stopped the rendezvous (its reason, as it sent it).
+    #[error("rank 0 stopped the rendezvous: {reason}")]
+    Stopped { reason: String },
+    #[error("could not connect to {address} before the timeout ({last})")]
+    Unreachable { address: String, last: String },
+    #[error("ranks {absent:?} had not connected when the timeout passed")]
+    Absent { absent: Vec<usize> },
+    #[error("expected a {expected} frame, got {got}")]
+    UnexpectedFrame { expected: String, got: String },
+    #[error("rank 0 sent a table of {got} ranks, expected {expected}")]
+    TableSize { got: usize, expected: usize },
+    /// A system call or encoding step that failed: the step, and the OS's or serde's error.
+    #[error("{step}: {reason}")]
+    Io { step: String, reason: String },
+    /// An inner step's error, with what this rank was doing.
+    #[error("{context}: {source}")]
+    During {
+        context: String,
+        source: Box<RendezvousError>,
+    },
+}
+
+impl RendezvousError {
+    fn io(step: impl Into<String>, error: impl fmt::Display) -> Self {
+        RendezvousError::Io {
+            step: step.into(),
+            reason: error.to_string(),
+        }
+    }
+
+    fn during(context: impl Into<String>) -> impl FnOnce(RendezvousError) -> RendezvousError {
+        let context = context.into();
+        move |source| RendezvousError::During {
+            context,
+            source: Box::new(source),
+        }
+    }
+}
+
+impl From<RendezvousError> for String {
+    /// The message, for code whose errors are text (`?` in a function returning `String`).
+    fn from(error: RendezvousError) -> String {
+        error.to_string()
+    }
+}
+
 impl Rendezvous {
     /// The rendezvous the environment describes: `None` when neither `RANK` nor `WORLD_SIZE`
     /// is set (not a TCP launch); an error naming the variable when one is missing or malformed.
     /// `LOCAL_RANK` defaults to 0 (one process per node).
-    pub fn from_env() -> Result<Option<Rendezvous>, String> {
+    pub fn from_env() -> Result<Option<Rendezvous>, RendezvousError> {
         Self::from_vars(|name| std::env::var(name).ok())
     }
 
     /// [`Rendezvous::from_env`] over any source of variables.
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<Rendezvous>, String> {
+    pub fn from_vars(
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<Rendezvous>, RendezvousError> {
         if var("RANK").is_none() && var("WORLD_SIZE").is_none() {
             return Ok(None);
         }
         let required = |name: &str| {
-            var(name).ok_or_else(|| {
-                format!("{name} is not set: a TCP launch needs MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE (and LOCAL_RANK)")
+            var(name).ok_or_else(|| RendezvousError::Unset {
+                name: name.to_string(),
             })
         };
         let number = |name: &str, value: String| {
             value
                 .trim()
                 .parse::<usize>()
-                .map_err(|_| format!("{name}={value:?} is not a non-negative integer"))
+                .map_err(|_| RendezvousError::NotANumber {
+                    name: name.to_string(),
+                    value: value.clone(),
+                })
         };
         let master_addr = required("MASTER_ADDR")?;
         let port = required("MASTER_PORT")?;
         let master_port = port
             .trim()
             .parse::<u16>()
-            .map_err(|_| format!("MASTER_PORT={port:?} is not a port number (1 to 65535)"))?;
+            .map_err(|_| RendezvousError::NotAPort {
+                value: port.clone(),
+            })?;
         let rendezvous = Rendezvous {
             master_addr,
             master_port,
@@ -77,21 +153,21 @@ impl Rendezvous {
 
     /// The rules: a world of at least one rank, `RANK < WORLD_SIZE`, a master host and a
     /// non-zero port.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), RendezvousError> {
         if self.world_size == 0 {
-            return Err("WORLD_SIZE=0: a world has at least one rank".into());
+            return Err(RendezvousError::EmptyWorld);
         }
         if self.rank >= self.world_size {
-            return Err(format!(
-                "RANK={} is not a rank of a world of WORLD_SIZE={} (ranks are 0..{})",
-                self.rank, self.world_size, self.world_size
-            ));
+            return Err(RendezvousError::RankOutOfRange {
+                rank: self.rank,
+                world_size: self.world_size,
+            });
         }
         if self.master_addr.trim().is_empty() {
-            return Err("MASTER_ADDR is empty: it names rank 0's host".into());
+            return Err(RendezvousError::EmptyMaster);
         }
         if self.master_port == 0 {
-            return Err("MASTER_PORT=0: rank 0 listens on a fixed port the others know".into());
+            return Err(RendezvousError::ZeroPort);
         }
         Ok(())
     }
@@ -116,12 +192,15 @@ pub(super) struct Hello {
 }
 
 /// Waits until `deadline` for `connect` to succeed (the peer may not listen yet).
-pub(super) fn connect_until(address: &str, deadline: Instant) -> Result<TcpStream, String> {
+pub(super) fn connect_until(
+    address: &str,
+    deadline: Instant,
+) -> Result<TcpStream, RendezvousError> {
     let mut last = String::from("no address");
     loop {
         let addresses: Vec<SocketAddr> = address
             .to_socket_addrs()
-            .map_err(|e| format!("cannot resolve {address}: {e}"))?
+            .map_err(|e| RendezvousError::io(format!("cannot resolve {address}"), e))?
             .collect();
         for socket in &addresses {
             let remaining = deadline.saturating_duration_since(Instant::now());
@@ -134,9 +213,10 @@ pub(super) fn connect_until(address: &str, deadline: Instant) -> Result<TcpStrea
             }
         }
         if Instant::now() >= deadline {
-            return Err(format!(
-                "could not connect to {address} before the timeout ({last})"
-            ));
+            return Err(RendezvousError::Unreachable {
+                address: address.to_string(),
+                last,
+            });
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -147,19 +227,24 @@ pub(super) fn read_expected(
     stream: &mut TcpStream,
     expected: Kind,
     deadline: Instant,
-) -> Result<Vec<u8>, String> {
+) -> Result<Vec<u8>, RendezvousError> {
     let remaining = deadline.saturating_duration_since(Instant::now());
     stream
         .set_read_timeout(Some(remaining.max(Duration::from_millis(1))))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| RendezvousError::io("setting the read timeout", e))?;
     match read_frame(stream) {
         Ok((kind, body)) if kind == expected => Ok(body),
-        Ok((Kind::Refuse, body)) => Err(format!(
-            "rank 0 stopped the rendezvous: {}",
-            String::from_utf8_lossy(&body)
+        Ok((Kind::Refuse, body)) => Err(RendezvousError::Stopped {
+            reason: String::from_utf8_lossy(&body).into_owned(),
+        }),
+        Ok((kind, _)) => Err(RendezvousError::UnexpectedFrame {
+            expected: format!("{expected:?}"),
+            got: format!("{kind:?}"),
+        }),
+        Err(e) => Err(RendezvousError::io(
+            format!("reading the {expected:?} frame"),
+            e,
         )),
-        Ok((kind, _)) => Err(format!("expected a {expected:?} frame, got {kind:?}")),
-        Err(e) => Err(format!("reading the {expected:?} frame: {e}")),
     }
 }
 
@@ -167,7 +252,7 @@ pub(super) fn send_hello(
     stream: &mut TcpStream,
     rendezvous: &Rendezvous,
     port: u16,
-) -> Result<(), String> {
+) -> Result<(), RendezvousError> {
     let hello = Hello {
         magic: MAGIC.into(),
         version: VERSION,
@@ -175,8 +260,9 @@ pub(super) fn send_hello(
         world_size: rendezvous.world_size,
         port,
     };
-    let body = serde_json::to_vec(&hello).map_err(|e| e.to_string())?;
-    write_frame(stream, Kind::Hello, &body).map_err(|e| format!("sending the hello: {e}"))
+    let body =
+        serde_json::to_vec(&hello).map_err(|e| RendezvousError::io("encoding the hello", e))?;
+    write_frame(stream, Kind::Hello, &body).map_err(|e| RendezvousError::io("sending the hello", e))
 }
 
 /// Reads a connecting process's hello and checks it joins this world as one of `expected`
@@ -187,7 +273,7 @@ pub(super) fn accept_hello(
     expected: std::ops::Range<usize>,
     taken: &[bool],
     deadline: Instant,
-) -> Result<Option<Hello>, String> {
+) -> Result<Option<Hello>, RendezvousError> {
     // A stranger (a port scanner, another program) is dropped; only a rank that says it is
     // one, and breaks the rules, fails the rendezvous.
     // A rank sends its hello as soon as it is connected.
@@ -203,7 +289,7 @@ pub(super) fn accept_hello(
     }
     let refuse = |stream: &mut TcpStream, reason: String| {
         let _ = write_frame(stream, Kind::Refuse, reason.as_bytes());
-        Err(reason)
+        Err(RendezvousError::Refused { reason })
     };
     if hello.version != VERSION {
         let reason = format!(
@@ -242,14 +328,18 @@ pub(super) fn accept_ranks(
     links: &mut [Option<TcpStream>],
     ports: &mut [u16],
     deadline: Instant,
-) -> Result<(), String> {
-    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+) -> Result<(), RendezvousError> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| RendezvousError::io("listening without blocking", e))?;
     let mut taken = vec![false; world_size];
     let mut missing = expected.len();
     while missing > 0 {
         match listener.accept() {
             Ok((mut stream, _)) => {
-                stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+                stream
+                    .set_nonblocking(false)
+                    .map_err(|e| RendezvousError::io("setting a link to blocking", e))?;
                 let hello =
                     accept_hello(&mut stream, world_size, expected.clone(), &taken, deadline)?;
                 if let Some(hello) = hello {
@@ -262,13 +352,11 @@ pub(super) fn accept_ranks(
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
                     let absent: Vec<usize> = expected.clone().filter(|&r| !taken[r]).collect();
-                    return Err(format!(
-                        "ranks {absent:?} had not connected when the timeout passed"
-                    ));
+                    return Err(RendezvousError::Absent { absent });
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }
-            Err(e) => return Err(format!("accepting connections: {e}")),
+            Err(e) => return Err(RendezvousError::io("accepting connections", e)),
         }
     }
     Ok(())
@@ -286,7 +374,7 @@ pub(super) fn any_address(like: Option<IpAddr>) -> IpAddr {
 pub(super) fn master_links(
     rendezvous: &Rendezvous,
     deadline: Instant,
-) -> Result<Vec<Option<TcpStream>>, String> {
+) -> Result<Vec<Option<TcpStream>>, RendezvousError> {
     let size = rendezvous.world_size;
     let mut links: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
     if size == 1 {
@@ -295,30 +383,36 @@ pub(super) fn master_links(
     let family = rendezvous.master_addr.parse::<IpAddr>().ok();
     let bind = SocketAddr::new(any_address(family), rendezvous.master_port);
     let listener = TcpListener::bind(bind).map_err(|e| {
-        format!(
-            "rank 0 cannot listen on port {}: {e} (is another job using MASTER_PORT?)",
-            rendezvous.master_port
+        RendezvousError::io(
+            format!("rank 0 cannot listen on port {}", rendezvous.master_port),
+            format!("{e} (is another job using MASTER_PORT?)"),
         )
     })?;
     let mut ports = vec![0u16; size];
-    if let Err(reason) = accept_ranks(&listener, size, 1..size, &mut links, &mut ports, deadline) {
+    if let Err(error) = accept_ranks(&listener, size, 1..size, &mut links, &mut ports, deadline) {
         // The ranks already connected learn why the job cannot start.
+        let reason = error.to_string();
         for stream in links.iter_mut().flatten() {
             let _ = write_frame(stream, Kind::Refuse, reason.as_bytes());
         }
-        return Err(reason);
+        return Err(error);
     }
     let mut table = vec![String::new(); size];
     for rank in 1..size {
         let stream = links[rank].as_ref().expect("every rank connected");
-        let ip = stream.peer_addr().map_err(|e| e.to_string())?.ip();
+        let ip = stream
+            .peer_addr()
+            .map_err(|e| RendezvousError::io(format!("the address of rank {rank}"), e))?
+            .ip();
         table[rank] = SocketAddr::new(ip, ports[rank]).to_string();
     }
-    let body = serde_json::to_vec(&table).map_err(|e| e.to_string())?;
+    let body = serde_json::to_vec(&table)
+        .map_err(|e| RendezvousError::io("encoding the address table", e))?;
     for (rank, link) in links.iter_mut().enumerate().skip(1) {
         let stream = link.as_mut().expect("every rank connected");
-        write_frame(stream, Kind::Table, &body)
-            .map_err(|e| format!("sending the address table to rank {rank}: {e}"))?;
+        write_frame(stream, Kind::Table, &body).map_err(|e| {
+            RendezvousError::io(format!("sending the address table to rank {rank}"), e)
+        })?;
     }
     Ok(links)
 }
@@ -329,34 +423,39 @@ pub(super) fn worker_links(
     rendezvous: &Rendezvous,
     deadline: Instant,
     timeout: Duration,
-) -> Result<Vec<Option<TcpStream>>, String> {
+) -> Result<Vec<Option<TcpStream>>, RendezvousError> {
     let (rank, size) = (rendezvous.rank, rendezvous.world_size);
     let mut links: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
     let master = rendezvous.master();
-    let mut to_master =
-        connect_until(&master, deadline).map_err(|e| format!("rank {rank}: {e}"))?;
+    let mut to_master = connect_until(&master, deadline)
+        .map_err(RendezvousError::during(format!("rank {rank}")))?;
     let family = to_master.local_addr().ok().map(|a| a.ip());
     let listener = TcpListener::bind(SocketAddr::new(any_address(family), 0))
-        .map_err(|e| format!("rank {rank} cannot listen for its peers: {e}"))?;
-    let port = listener.local_addr().map_err(|e| e.to_string())?.port();
+        .map_err(|e| RendezvousError::io(format!("rank {rank} cannot listen for its peers"), e))?;
+    let port = listener
+        .local_addr()
+        .map_err(|e| RendezvousError::io(format!("rank {rank}'s listener"), e))?
+        .port();
     send_hello(&mut to_master, rendezvous, port)?;
     // Rank 0 answers by its own deadline (the table, or why the start failed), which may lie
     // a little after this rank's: wait for that answer a timeout longer.
     let answer_by = deadline + timeout;
-    let table = read_expected(&mut to_master, Kind::Table, answer_by)
-        .map_err(|e| format!("rank {rank} waiting for rank 0's address table: {e}"))?;
+    let table = read_expected(&mut to_master, Kind::Table, answer_by).map_err(
+        RendezvousError::during(format!("rank {rank} waiting for rank 0's address table")),
+    )?;
     let table: Vec<String> = serde_json::from_slice(&table)
-        .map_err(|e| format!("rank {rank}: a malformed address table: {e}"))?;
+        .map_err(|e| RendezvousError::io(format!("rank {rank}: a malformed address table"), e))?;
     if table.len() != size {
-        return Err(format!(
-            "rank 0 sent a table of {} ranks, expected {size}",
-            table.len()
-        ));
+        return Err(RendezvousError::TableSize {
+            got: table.len(),
+            expected: size,
+        });
     }
     links[0] = Some(to_master);
     for (peer, address) in table.iter().enumerate().take(rank).skip(1) {
-        let mut stream = connect_until(address, deadline)
-            .map_err(|e| format!("rank {rank} connecting to rank {peer}: {e}"))?;
+        let mut stream = connect_until(address, deadline).map_err(RendezvousError::during(
+            format!("rank {rank} connecting to rank {peer}"),
+        ))?;
         send_hello(&mut stream, rendezvous, port)?;
         links[peer] = Some(stream);
     }
@@ -369,6 +468,8 @@ pub(super) fn worker_links(
         &mut ports,
         deadline,
     )
-    .map_err(|e| format!("rank {rank} waiting for its peers: {e}"))?;
+    .map_err(RendezvousError::during(format!(
+        "rank {rank} waiting for its peers"
+    )))?;
     Ok(links)
 }

@@ -44,7 +44,7 @@ impl TcpWorld {
             group: "world".into(),
             message: format!("TCP rendezvous at {}: {message}", rendezvous.master()),
         };
-        rendezvous.validate().map_err(&invalid)?;
+        rendezvous.validate().map_err(|e| invalid(e.to_string()))?;
         check_timeout("world", config.timeout)?;
         check_nodes(rendezvous.world_size, &config)?;
         let deadline = Instant::now() + config.timeout;
@@ -52,7 +52,7 @@ impl TcpWorld {
             0 => master_links(rendezvous, deadline),
             _ => worker_links(rendezvous, deadline, config.timeout),
         }
-        .map_err(&invalid)?;
+        .map_err(|e| invalid(e.to_string()))?;
         let (rank, size) = (rendezvous.rank, rendezvous.world_size);
         let mut writers = Vec::with_capacity(size);
         let mut readers = Vec::new();
