@@ -37,6 +37,14 @@ impl NodeMap {
         Ok(Self { ranks, per_node })
     }
 
+    /// `nodes` nodes of `per_node` ranks each (a topology's shape: always consistent).
+    pub fn uniform(nodes: usize, per_node: usize) -> Self {
+        Self {
+            ranks: nodes * per_node,
+            per_node: per_node.max(1),
+        }
+    }
+
     /// Every rank on one node.
     pub fn single(ranks: usize) -> Self {
         Self {

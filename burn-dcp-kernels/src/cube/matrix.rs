@@ -38,10 +38,30 @@
 //! propagates to its query's `out` and `lse`.
 //!
 //! On lavapipe the staging, zeroing and write-back loops are rolled, and rolled iterations
-//! count against gallivm's per-invocation loop cap of 65 535 (see [`super`]): about 70 to 80
+//! count against gallivm's per-invocation loop cap of 65 535 (see [`super::kernels`]): about 70 to 80
 //! per 16-row tile at head dim 64, so there a query may attend about 14 000 keys and a key be
 //! attended by about 13 000 queries of its GQA group (the vector kernels: about 60 000). GPUs
 //! have no such cap; on lavapipe these kernels are a test vehicle, never the default.
+//!
+//! **Matrix tiles and tensor cores** (these kernels, [`super::AttentionKernel`]): the same three kernels
+//! (forward with LSE, dq, dk/dv) on 16 × 16 tiles, one plane (32 units) per 16 rows: per tile
+//! pair each plane computes `S = Q·Kᵀ` (and `dP = dO·Vᵀ`) as 16 × 16 × 16 products with f32
+//! accumulators, runs the softmax (or `dS`) with one unit per row, stores `P` (`dS`) in the
+//! input dtype and accumulates `O += P·V` (`dQ += dS·K`, `dV += Pᵀ·dO`, `dK += dSᵀ·Q`) in f32
+//! in shared memory. The products are `cmma` (tensor cores: `wmma` on CUDA) or, with
+//! `tensor_cores: false`, the same products on ordinary units; everything else is shared.
+//! [`super::KERNEL_ENV`] (`BURN_DCP_ATTENTION_KERNEL`) picks the kernels of every `FlashOps` call:
+//! `vector` (the default), `auto` (tensor cores where the device has them for the dtype and
+//! the tiles fit its shared memory, else vector), `tiles`, `tensor-cores`.
+//!
+//! **Not run on a GPU:** no GPU was available to this project's sessions. The matrix-tile
+//! kernels are checked on lavapipe with their products on ordinary units (f32 ≤ 1e-5 vs the
+//! oracle for every mask, ragged GQA, padded dims, several tiles; f16 within the rounding
+//! bounds), and their `cmma` branches are compiled to CUDA C++ by cubecl-cuda's compiler in CI
+//! (`burn-dcp/tests/cuda_codegen.rs`: `wmma` loads, products and stores on 32-byte-aligned shared
+//! memory); `tests/cube_cuda.rs` (`#[ignore]`d) and the bench group `cuda` run them on a GPU.
+//! Until those have passed, the default stays `vector`. The vector kernels themselves have
+//! not run on CUDA either (they build for it).
 
 use cubecl::prelude::*;
 

@@ -146,10 +146,7 @@ impl<T: Transport> Communicator for T {
         self.begin("all-gather")?;
         let data = match T::HOST_BYTES {
             // Read a device tensor back once, not once per peer.
-            true => data
-                .into_host()
-                .map(Payload::Host)
-                .map_err(|e| self.group().invalid(format!("all-gather: {e}")))?,
+            true => Payload::Host(self.group().host(data, "all-gather")?),
             false => data,
         };
         collective(self, vec![data; self.group().size()], OpKind::AllGather)

@@ -7,7 +7,8 @@ use std::time::Duration;
 use burn::tensor::TensorData;
 
 use crate::comm::payload::{concat_flat, flatten, split_flat, sum_payloads};
-use crate::comm::{CommError, CommStats, OpKind, Payload, PayloadError, WorldConfig};
+use crate::comm::{CommError, CommStats, OpKind, Payload, PayloadError};
+use crate::nodes::NodeMap;
 
 /// How a message's bytes are counted in [`CommStats`].
 #[derive(Clone, Copy, Debug)]
@@ -37,11 +38,11 @@ impl Accounting {
     }
 
     /// Counts `bytes` that global rank `me` sends to global rank `to` in `stats` (nothing when
-    /// they are the same rank); the link class comes from `config`'s nodes.
+    /// they are the same rank); the link class comes from `nodes`.
     pub(crate) fn count_link(
         self,
         stats: &Mutex<CommStats>,
-        config: &WorldConfig,
+        nodes: &NodeMap,
         label: &str,
         (me, to): (usize, usize),
         bytes: u64,
@@ -50,7 +51,7 @@ impl Accounting {
             return;
         }
         let mut stats = stats.lock().unwrap_or_else(|p| p.into_inner());
-        let same_node = config.node_of(me) == config.node_of(to);
+        let same_node = nodes.same_node(me, to);
         self.count(&mut stats, label, bytes, same_node);
     }
 }
@@ -186,16 +187,6 @@ pub(crate) fn check_timeout(group: &str, timeout: Duration) -> Result<(), CommEr
         ));
     }
     Ok(())
-}
-
-/// `config`'s virtual nodes must divide a world of `size` ranks.
-pub(crate) fn check_nodes(size: usize, config: &WorldConfig) -> Result<(), CommError> {
-    match config.ranks_per_node {
-        Some(per_node) => crate::nodes::NodeMap::with_ranks_per_node(size, per_node)
-            .map(|_| ())
-            .map_err(|e| invalid("world", e.to_string())),
-        None => Ok(()),
-    }
 }
 
 /// `peer` must be a rank of a group of `size`.

@@ -5,8 +5,11 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
+use burn::tensor::TensorData;
+
 use crate::comm::common::Accounting;
 use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};
+use crate::nodes::NodeMap;
 
 /// The ordered stream between two ranks of a group that a message travels on: point-to-point,
 /// collective and control traffic never mix, so a collective cannot take a message a ring step
@@ -26,6 +29,31 @@ impl Channel {
     pub(crate) fn index(self) -> usize {
         self as usize
     }
+}
+
+/// Per peer and channel, how many messages so far: a message's index on its link (sends), or
+/// the arrival a receive waits for (receives).
+pub(crate) struct LinkCounters(Mutex<Vec<[u64; Channel::COUNT]>>);
+
+impl LinkCounters {
+    /// Counters for a group of `size` ranks, all at zero.
+    pub(crate) fn new(size: usize) -> Self {
+        Self(Mutex::new(vec![[0; Channel::COUNT]; size]))
+    }
+
+    /// The next number on the link to (or from) `peer` on `channel`.
+    pub(crate) fn next(&self, peer: usize, channel: Channel) -> u64 {
+        let mut counters = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        counters[peer][channel.index()] += 1;
+        counters[peer][channel.index()] - 1
+    }
+}
+
+/// A posted receive that waits on its own (every world's but NCCL's, whose receives of one
+/// exchange are launched together).
+pub(crate) trait Received: Send + 'static {
+    /// Blocks (up to the world's timeout) for the message.
+    fn wait(self) -> Result<Payload, CommError>;
 }
 
 /// A group as one of its members sees it: its name (for errors), its label (for
@@ -79,6 +107,12 @@ impl Group {
         }
     }
 
+    /// The payload's host bytes (a device tensor read back) for operation `op`.
+    pub(crate) fn host(&self, data: Payload, op: &str) -> Result<TensorData, CommError> {
+        data.into_host()
+            .map_err(|e| self.invalid(format!("{op}: {e}")))
+    }
+
     /// The name of this group's next sub-group of `color`: `name/split<n>:<color>`, `n`
     /// counting its splits from 1.
     pub(crate) fn split_name(&self, color: usize) -> String {
@@ -88,17 +122,17 @@ impl Group {
     }
 
     /// Counts `bytes` this member sends to group rank `peer` in `stats` (nothing when it is
-    /// this member); the link class comes from `config`'s nodes.
+    /// this member); the link class comes from the world's `nodes`.
     pub(crate) fn count(
         &self,
         stats: &Mutex<CommStats>,
-        config: &crate::comm::WorldConfig,
+        nodes: &NodeMap,
         accounting: Accounting,
         peer: usize,
         bytes: u64,
     ) {
         let link = (self.me(), self.members[peer]);
-        accounting.count_link(stats, config, &self.label, link, bytes);
+        accounting.count_link(stats, nodes, &self.label, link, bytes);
     }
 }
 
@@ -140,7 +174,8 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug + 'static {
     fn post_recv(&self, peer: usize, channel: Channel, op: &str) -> Result<Self::Recv, CommError>;
 
     /// Waits for posted receives (of one group), returning their data in their order. NCCL
-    /// launches them in one group call; the others wait for each in turn.
+    /// launches them in one group call; the others wait for each in turn
+    /// ([`wait_in_turn`]).
     fn wait(receives: Vec<Self::Recv>) -> Result<Vec<Payload>, CommError>;
 
     /// Another communicator that carries this one's control traffic (barriers, agreements),
@@ -159,4 +194,9 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug + 'static {
 
     /// Marks this rank as failed: its peers' pending and future operations fail naming it.
     fn fail(&self, reason: &str);
+}
+
+/// [`Transport::wait`] of receives that wait on their own: each in turn, in posting order.
+pub(crate) fn wait_in_turn<R: Received>(receives: Vec<R>) -> Result<Vec<Payload>, CommError> {
+    receives.into_iter().map(Received::wait).collect()
 }

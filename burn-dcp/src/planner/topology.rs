@@ -133,8 +133,13 @@ impl Topology {
         self.nodes * self.devices_per_node
     }
 
+    /// Its ranks as nodes of consecutive ranks.
+    pub fn node_map(&self) -> crate::nodes::NodeMap {
+        crate::nodes::NodeMap::uniform(self.nodes, self.devices_per_node)
+    }
+
     pub fn node_of(&self, rank: usize) -> usize {
-        rank / self.devices_per_node
+        self.node_map().node_of(rank)
     }
 
     /// The link between two ranks.

@@ -43,6 +43,7 @@ use burn_dcp_kernels::Segment;
 use crate::bytes::RankVolume;
 use crate::comm::LinkBytes;
 use crate::error::CpError;
+use crate::nodes::NodeMap;
 use crate::placement::Placement;
 use crate::planner::cost::unit_moves;
 use crate::planner::cost::{
@@ -394,9 +395,11 @@ impl BlockSchedule {
         head_dim: usize,
     ) -> Result<Vec<LinkBytes>, CpError> {
         let mut links = vec![LinkBytes::default(); self.ranks];
-        let node = |rank: usize| rank / self.ranks_per_node;
+        // The topology may hold more ranks than the plan's group: nodes of `ranks_per_node`.
+        let per_node = self.ranks_per_node.max(1);
+        let nodes = NodeMap::uniform(self.ranks.div_ceil(per_node), per_node);
         for t in self.transfers(heads, kv_heads, head_dim)? {
-            match node(t.from) == node(t.to) {
+            match nodes.same_node(t.from, t.to) {
                 true => links[t.from].intra_node += t.bytes as u64,
                 false => links[t.from].inter_node += t.bytes as u64,
             }

@@ -9,7 +9,7 @@ use super::state::{Envelope, InjectedExit, World, WorldState, EXITING, LAST_PANI
 use crate::comm::collectives::agree_split;
 use crate::comm::common::check_envelope;
 use crate::comm::common::Accounting;
-use crate::comm::transport::{Channel, Group, Transport};
+use crate::comm::transport::{wait_in_turn, Channel, Group, Received, Transport};
 use crate::comm::{Comm, CommError, CommStats, FaultKind, Payload, PendingSend};
 
 /// One rank's handle on one group of an [`InProcessWorld`].
@@ -174,7 +174,7 @@ impl Transport for InProcessComm {
         }
         self.world.wake[to].notify_all();
         let world = &self.world;
-        group.count(&world.stats[me], &world.config, accounting, peer, bytes);
+        group.count(&world.stats[me], &world.nodes, accounting, peer, bytes);
         Ok(PendingSend::new(|| Ok(())))
     }
 
@@ -201,7 +201,7 @@ impl Transport for InProcessComm {
     }
 
     fn wait(receives: Vec<Waiter>) -> Result<Vec<Payload>, CommError> {
-        receives.into_iter().map(Waiter::wait).collect()
+        wait_in_turn(receives)
     }
 
     fn split_group(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
@@ -233,8 +233,14 @@ pub(crate) struct Waiter {
     op: String,
 }
 
-impl Waiter {
+impl Received for Waiter {
     fn wait(self) -> Result<Payload, CommError> {
+        self.receive()
+    }
+}
+
+impl Waiter {
+    fn receive(self) -> Result<Payload, CommError> {
         let (me, sender) = (self.members[self.rank], self.members[self.peer]);
         let key = (self.group.clone(), sender, me, self.channel);
         let started = Instant::now();

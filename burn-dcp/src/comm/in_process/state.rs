@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use crate::comm::links::LinkClock;
 use crate::comm::transport::Channel;
 use crate::comm::{panic_message, CommError, CommStats, Fault, FaultKind, Payload};
+use crate::nodes::NodeMap;
 
 /// The most ranks an in-process world may have (one thread each).
 pub const MAX_IN_PROCESS_RANKS: usize = 1024;
@@ -37,9 +38,25 @@ impl Default for WorldConfig {
 }
 
 impl WorldConfig {
-    /// The node of world rank `rank`.
+    /// The nodes of a world of `size` ranks ([`NodeMap`]: `ranks_per_node` must divide `size`;
+    /// `None`: one node). Every world builds its map here once and classifies bytes by it.
+    pub fn nodes(&self, size: usize) -> Result<NodeMap, CommError> {
+        match self.ranks_per_node {
+            Some(per_node) => {
+                NodeMap::with_ranks_per_node(size, per_node).map_err(|e| CommError::Invalid {
+                    group: "world".into(),
+                    message: e.to_string(),
+                })
+            }
+            None => Ok(NodeMap::single(size)),
+        }
+    }
+
+    /// The node of world rank `rank` (as [`NodeMap::node_of`] of [`WorldConfig::nodes`]).
     pub fn node_of(&self, rank: usize) -> usize {
-        self.ranks_per_node.map_or(0, |n| rank / n)
+        self.ranks_per_node.map_or(0, |n| {
+            NodeMap::uniform(rank / n.max(1) + 1, n).node_of(rank)
+        })
     }
 }
 
@@ -143,6 +160,7 @@ impl WorldState {
 
 pub(super) struct World {
     pub(super) config: WorldConfig,
+    pub(super) nodes: NodeMap,
     pub(super) state: Mutex<WorldState>,
     /// One per world rank: a message wakes only its receiver; a failure or a rank leaving wakes
     /// everyone (`wake_all`).

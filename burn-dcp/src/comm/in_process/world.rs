@@ -7,7 +7,7 @@ use super::comm::InProcessComm;
 use super::state::{
     install_panic_hook, InjectedExit, World, WorldConfig, WorldState, EXITING, MAX_IN_PROCESS_RANKS,
 };
-use crate::comm::common::{check_nodes, check_timeout};
+use crate::comm::common::check_timeout;
 use crate::comm::links::{LinkClock, LinkEmulation};
 use crate::comm::transport::Group;
 use crate::comm::{panic_message, Comm, CommError, CommStats, Fault};
@@ -35,7 +35,7 @@ impl InProcessWorld {
             ));
         }
         check_timeout("world", config.timeout)?;
-        check_nodes(size, &config)?;
+        let nodes = config.nodes(size)?;
         install_panic_hook();
         let state = WorldState {
             calls: vec![0; size],
@@ -43,6 +43,7 @@ impl InProcessWorld {
         };
         let world = World {
             config,
+            nodes,
             state: Mutex::new(state),
             wake: (0..size).map(|_| Condvar::new()).collect(),
             stats: (0..size)
@@ -60,15 +61,7 @@ impl InProcessWorld {
     /// world's `ranks_per_node`). Bytes and results are unchanged.
     pub fn emulate_links(&self, links: LinkEmulation) -> Result<(), CommError> {
         links.validate()?;
-        let nodes = match self.world.config.ranks_per_node {
-            Some(per_node) => crate::nodes::NodeMap::with_ranks_per_node(self.size, per_node)
-                .map_err(|e| CommError::Invalid {
-                    group: "world".into(),
-                    message: e.to_string(),
-                })?,
-            None => crate::nodes::NodeMap::single(self.size),
-        };
-        self.world.lock().clock = Some(LinkClock::new(links, nodes));
+        self.world.lock().clock = Some(LinkClock::new(links, self.world.nodes));
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use super::messages::{encode, RecvHandle, SendHandle};
 use super::world::{abort_job, mpi_lock, Posted, RawComm, Shared};
 use crate::comm::collectives::agree_split;
 use crate::comm::common::Accounting;
-use crate::comm::transport::{Channel, Group, Transport};
+use crate::comm::transport::{wait_in_turn, Channel, Group, LinkCounters, Transport};
 use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};
 
 /// A group of MPI processes as seen by one of them.
@@ -22,8 +22,8 @@ pub struct MpiComm {
     owned: bool,
     group: Group,
     /// Per peer and channel: messages sent, receives posted.
-    sent: Mutex<Vec<[u64; Channel::COUNT]>>,
-    received: Mutex<Vec<[u64; Channel::COUNT]>>,
+    sent: LinkCounters,
+    received: LinkCounters,
 }
 
 impl fmt::Debug for MpiComm {
@@ -52,19 +52,13 @@ impl MpiComm {
             comm,
             owned,
             group,
-            sent: Mutex::new(vec![[0; Channel::COUNT]; size]),
-            received: Mutex::new(vec![[0; Channel::COUNT]; size]),
+            sent: LinkCounters::new(size),
+            received: LinkCounters::new(size),
         })
     }
 
     fn tag(&self, seq: u64, channel: Channel) -> c_int {
         ((seq % self.shared.seq_bound) * Channel::COUNT as u64 + channel.index() as u64) as c_int
-    }
-
-    fn next(counters: &Mutex<Vec<[u64; Channel::COUNT]>>, peer: usize, channel: Channel) -> u64 {
-        let mut counters = counters.lock().unwrap_or_else(|p| p.into_inner());
-        counters[peer][channel.index()] += 1;
-        counters[peer][channel.index()] - 1
     }
 }
 
@@ -96,10 +90,8 @@ impl Transport for MpiComm {
         self.begin(op)?;
         let group = &self.group;
         // MPI moves host bytes: a device tensor is read back once, here.
-        let data = data
-            .into_host()
-            .map_err(|e| group.invalid(format!("{op}: {e}")))?;
-        let index = Self::next(&self.sent, peer, channel);
+        let data = group.host(data, op)?;
+        let index = self.sent.next(peer, channel);
         let buffer = encode(op, index, &data).map_err(|e| group.invalid(format!("{op}: {e}")))?;
         let count = c_int::try_from(buffer.len()).map_err(|_| {
             group.invalid(format!(
@@ -132,7 +124,7 @@ impl Transport for MpiComm {
         let bytes = data.as_bytes().len() as u64;
         group.count(
             &self.shared.stats,
-            &self.shared.config,
+            &self.shared.nodes,
             accounting,
             peer,
             bytes,
@@ -152,7 +144,7 @@ impl Transport for MpiComm {
 
     fn post_recv(&self, peer: usize, channel: Channel, op: &str) -> Result<RecvHandle, CommError> {
         self.begin(op)?;
-        let index = Self::next(&self.received, peer, channel);
+        let index = self.received.next(peer, channel);
         let posted = Arc::new(Posted {
             comm: self.comm,
             source: peer as c_int,
@@ -177,7 +169,7 @@ impl Transport for MpiComm {
     }
 
     fn wait(receives: Vec<RecvHandle>) -> Result<Vec<Payload>, CommError> {
-        receives.into_iter().map(RecvHandle::wait).collect()
+        wait_in_turn(receives)
     }
 
     fn split_group(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {

@@ -11,6 +11,7 @@ use mpi::ffi;
 
 use super::world::{mpi_lock, Backoff, Posted, Shared};
 use crate::comm::common::{check_envelope, frame, host_data, unframe, WireError};
+use crate::comm::transport::Received;
 use crate::comm::{CommError, Payload};
 
 /// The serialised message header: what the receiver checks, and how to rebuild the tensor.
@@ -128,8 +129,14 @@ pub(crate) struct RecvHandle {
     pub(super) index: u64,
 }
 
+impl Received for RecvHandle {
+    fn wait(self) -> Result<Payload, CommError> {
+        self.receive()
+    }
+}
+
 impl RecvHandle {
-    pub(super) fn wait(self) -> Result<Payload, CommError> {
+    fn receive(self) -> Result<Payload, CommError> {
         let started = Instant::now();
         let mut backoff = Backoff(0);
         loop {

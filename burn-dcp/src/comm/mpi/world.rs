@@ -10,9 +10,10 @@ use std::time::Duration;
 use mpi::ffi;
 
 use super::comm::MpiComm;
-use crate::comm::common::{check_nodes, check_timeout, WireError};
+use crate::comm::common::{check_timeout, WireError};
 use crate::comm::transport::{Channel, Group};
 use crate::comm::{Comm, CommError, CommStats, WorldConfig};
+use crate::nodes::NodeMap;
 
 /// Environment variables set by MPI launchers for each rank they start: OpenMPI's `mpirun`,
 /// PMIx (`srun --mpi=pmix`, OpenMPI 5), PMI-1/2 (MPICH's hydra, `srun --mpi=pmi2`), MVAPICH.
@@ -44,6 +45,7 @@ unsafe impl Sync for RawComm {}
 /// What every communicator of the process shares: this process is one rank.
 pub(super) struct Shared {
     pub(super) config: WorldConfig,
+    pub(super) nodes: NodeMap,
     pub(super) rank: usize,
     size: usize,
     pub(super) stats: Mutex<CommStats>,
@@ -244,13 +246,17 @@ impl MpiWorld {
                 (tag_ub as u64 + 1) / Channel::COUNT as u64,
             )
         };
-        if let Err(error) = check_nodes(size, &config) {
-            // SAFETY: initialised above; nothing else uses MPI yet.
-            unsafe { ffi::MPI_Finalize() };
-            return Err(error);
-        }
+        let nodes = match config.nodes(size) {
+            Ok(nodes) => nodes,
+            Err(error) => {
+                // SAFETY: initialised above; nothing else uses MPI yet.
+                unsafe { ffi::MPI_Finalize() };
+                return Err(error);
+            }
+        };
         let shared = Arc::new(Shared {
             config,
+            nodes,
             rank,
             size,
             stats: Mutex::new(CommStats::default()),

@@ -160,16 +160,12 @@ impl NcclComm {
         };
         let host = match tensor {
             Some(_) => Vec::new(),
-            None => data
-                .into_host()
-                .map_err(|e| self.invalid(format!("{op}: {e}")))?
-                .into_bytes()
-                .to_vec(),
+            None => self.group.host(data, op)?.into_bytes().to_vec(),
         };
         let message = encode(&header, &host).map_err(|e| self.invalid(format!("{op}: {e}")))?;
         let control = self.control.isend(peer, message.into())?;
         let shared = &self.shared;
-        (self.group).count(&shared.stats, &shared.config, accounting, peer, bytes);
+        (self.group).count(&shared.stats, &shared.nodes, accounting, peer, bytes);
         let done = Arc::new(Mutex::new(None));
         match tensor {
             Some(tensor) => self.queues().sends.push(Outgoing {

@@ -15,6 +15,7 @@ use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use super::comm::NcclComm;
 use crate::comm::common::{check_timeout, frame, unframe, WireError};
 use crate::comm::{Comm, CommError, CommStats, Payload, WorldConfig};
+use crate::nodes::NodeMap;
 
 /// A burn-cuda float tensor.
 pub type CudaTensor = CubeTensor<CudaRuntime>;
@@ -91,6 +92,7 @@ pub(super) struct Shared {
     pub(super) context: Arc<CudaContext>,
     pub(super) device: CudaDevice,
     pub(super) config: WorldConfig,
+    pub(super) nodes: NodeMap,
     pub(super) wrap: Wrap,
     pub(super) stats: Mutex<CommStats>,
     /// Set once an NCCL communicator was aborted: nothing more is launched.
@@ -159,10 +161,12 @@ impl NcclWorld {
             .map_err(|e| invalid(nccl_error("ncclCommInitRank", e)))?;
             raw.assume_init()
         };
+        let nodes = config.nodes(control.size())?;
         let shared = Arc::new(Shared {
             context,
             device,
             config,
+            nodes,
             wrap: Arc::new(|tensor| Payload::from_float::<B>(tensor)),
             stats: Mutex::new(CommStats::default()),
             aborted: AtomicBool::new(false),

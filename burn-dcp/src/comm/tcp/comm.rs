@@ -9,7 +9,7 @@ use super::wire::{Failure, Kind, Shared, WireHeader};
 use crate::comm::collectives::agree_split;
 use crate::comm::common::{check_envelope, host_data};
 use crate::comm::common::{frame, Accounting};
-use crate::comm::transport::{Channel, Group, Transport};
+use crate::comm::transport::{wait_in_turn, Channel, Group, LinkCounters, Received, Transport};
 use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};
 
 /// A group of TCP ranks as seen by one of them.
@@ -17,8 +17,8 @@ pub struct TcpComm {
     shared: Arc<Shared>,
     group: Group,
     /// Per peer and channel: messages sent, receives posted.
-    sent: Mutex<Vec<[u64; Channel::COUNT]>>,
-    posted: Mutex<Vec<[u64; Channel::COUNT]>>,
+    sent: LinkCounters,
+    posted: LinkCounters,
     /// Held from a message's numbering to its write, so that messages of one link leave in
     /// the order of their numbers even when several threads send.
     sending: Mutex<()>,
@@ -40,8 +40,14 @@ pub(crate) struct RecvHandle {
     op: String,
 }
 
-impl RecvHandle {
+impl Received for RecvHandle {
     fn wait(self) -> Result<Payload, CommError> {
+        self.receive()
+    }
+}
+
+impl RecvHandle {
+    fn receive(self) -> Result<Payload, CommError> {
         let shared = &self.shared;
         let started = Instant::now();
         let peer_global = self.key.2;
@@ -111,16 +117,10 @@ impl TcpComm {
         Arc::new(TcpComm {
             shared: shared.clone(),
             group,
-            sent: Mutex::new(vec![[0; Channel::COUNT]; size]),
-            posted: Mutex::new(vec![[0; Channel::COUNT]; size]),
+            sent: LinkCounters::new(size),
+            posted: LinkCounters::new(size),
             sending: Mutex::new(()),
         })
-    }
-
-    fn next(counters: &Mutex<Vec<[u64; Channel::COUNT]>>, peer: usize, channel: Channel) -> u64 {
-        let mut counters = counters.lock().unwrap_or_else(|p| p.into_inner());
-        counters[peer][channel.index()] += 1;
-        counters[peer][channel.index()] - 1
     }
 
     fn peer_failed(&self, failure: Failure, op: &str) -> CommError {
@@ -162,11 +162,9 @@ impl Transport for TcpComm {
         self.begin(op)?;
         let group = &self.group;
         // TCP moves host bytes: a device tensor is read back once, here.
-        let data = data
-            .into_host()
-            .map_err(|e| group.invalid(format!("{op}: {e}")))?;
+        let data = group.host(data, op)?;
         let _sending = self.sending.lock().unwrap_or_else(|p| p.into_inner());
-        let index = Self::next(&self.sent, peer, channel);
+        let index = self.sent.next(peer, channel);
         let header = WireHeader {
             group: group.name.clone(),
             channel: channel.index() as u8,
@@ -188,7 +186,7 @@ impl Transport for TcpComm {
             }
         }
         let shared = &self.shared;
-        group.count(&shared.stats, &shared.config, accounting, peer, bytes);
+        group.count(&shared.stats, &shared.nodes, accounting, peer, bytes);
         Ok(PendingSend::new(|| Ok(())))
     }
 
@@ -201,7 +199,7 @@ impl Transport for TcpComm {
                 channel.index() as u8,
                 self.group.members[peer],
             ),
-            arrival: Self::next(&self.posted, peer, channel),
+            arrival: self.posted.next(peer, channel),
             rank: self.group.rank,
             peer,
             op: op.to_string(),
@@ -209,7 +207,7 @@ impl Transport for TcpComm {
     }
 
     fn wait(receives: Vec<RecvHandle>) -> Result<Vec<Payload>, CommError> {
-        receives.into_iter().map(RecvHandle::wait).collect()
+        wait_in_turn(receives)
     }
 
     fn split_group(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {

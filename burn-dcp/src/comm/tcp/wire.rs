@@ -13,6 +13,7 @@ use burn::tensor::DType;
 
 use crate::comm::common::unframe;
 use crate::comm::{CommStats, WorldConfig};
+use crate::nodes::NodeMap;
 
 /// No frame is larger than this (a corrupt length must not allocate the machine's memory).
 pub(super) const MAX_FRAME: u64 = 1 << 40;
@@ -112,6 +113,7 @@ pub(super) struct State {
 /// What every communicator of the process shares: this process is one rank.
 pub(super) struct Shared {
     pub(super) config: WorldConfig,
+    pub(super) nodes: NodeMap,
     pub(super) rank: usize,
     pub(super) size: usize,
     /// The write half of the link to each global rank (`None` for this rank).

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::comm::TcpComm;
 use super::rendezvous::{master_links, worker_links, Rendezvous};
 use super::wire::{Kind, Shared, State};
-use crate::comm::common::{check_nodes, check_timeout};
+use crate::comm::common::check_timeout;
 use crate::comm::transport::Group;
 use crate::comm::{Comm, CommError, CommStats, WorldConfig};
 
@@ -46,7 +46,7 @@ impl TcpWorld {
         };
         rendezvous.validate().map_err(|e| invalid(e.to_string()))?;
         check_timeout("world", config.timeout)?;
-        check_nodes(rendezvous.world_size, &config)?;
+        let nodes = config.nodes(rendezvous.world_size)?;
         let deadline = Instant::now() + config.timeout;
         let links = match rendezvous.rank {
             0 => master_links(rendezvous, deadline),
@@ -72,6 +72,7 @@ impl TcpWorld {
         }
         let shared = Arc::new(Shared {
             config,
+            nodes,
             rank,
             size,
             links: writers,

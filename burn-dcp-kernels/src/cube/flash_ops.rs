@@ -1,0 +1,98 @@
+//! [`FlashOps`] for burn's `CubeBackend`: checks, then the launches of [`super::launch`].
+
+use burn::prelude::Tensor;
+use burn::tensor::DType;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use super::launch::{backward, forward, merge};
+use super::matrix_launch::{choose, AttentionKernel, TilesKernel};
+use super::support::{primitive, tensor, LIMITS};
+use crate::definition::{AttentionShape, KernelError, VarlenAttention};
+use crate::ops::KernelLimits;
+use crate::tiling::DenseSpans;
+use crate::{FlashGradients, FlashOps, FlashOutput};
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FlashOps
+    for CubeBackend<R, F, I, BT>
+{
+    const LIMITS: KernelLimits = LIMITS;
+
+    fn check_kernels(
+        device: &Self::Device,
+        shape: &AttentionShape,
+        dtype: DType,
+        problem: &VarlenAttention,
+        backward: bool,
+    ) -> Result<(), KernelError> {
+        let kernel = AttentionKernel::from_env()?;
+        if kernel == AttentionKernel::Vector || shape.q_tokens == 0 || shape.kv_tokens == 0 {
+            return Ok(());
+        }
+        let client = R::client(device);
+        let dense = DenseSpans::build(problem)?;
+        let kernels = TilesKernel::of_pass(backward);
+        choose(
+            kernel,
+            client.properties(),
+            dtype,
+            shape,
+            dense.max_spans,
+            kernels,
+        )
+        .map(|_| ())
+    }
+
+    fn flash_forward(
+        q: Tensor<Self, 3>,
+        k: Tensor<Self, 3>,
+        v: Tensor<Self, 3>,
+        problem: &VarlenAttention,
+    ) -> Result<FlashOutput<Self>, KernelError> {
+        let (out, lse) = forward::<R>(primitive(q), primitive(k), primitive(v), problem)?;
+        Ok(FlashOutput {
+            out: tensor(out),
+            lse: tensor(lse),
+        })
+    }
+
+    fn flash_backward(
+        q: Tensor<Self, 3>,
+        k: Tensor<Self, 3>,
+        v: Tensor<Self, 3>,
+        out: Tensor<Self, 3>,
+        lse: Tensor<Self, 2>,
+        dout: Tensor<Self, 3>,
+        problem: &VarlenAttention,
+    ) -> Result<FlashGradients<Self>, KernelError> {
+        let (dq, dk, dv) = backward::<R>(
+            primitive(q),
+            primitive(k),
+            primitive(v),
+            primitive(out),
+            primitive(lse),
+            primitive(dout),
+            problem,
+        )?;
+        Ok(FlashGradients {
+            dq: tensor(dq),
+            dk: tensor(dk),
+            dv: tensor(dv),
+        })
+    }
+
+    fn flash_merge(
+        a: FlashOutput<Self>,
+        b: FlashOutput<Self>,
+    ) -> Result<FlashOutput<Self>, KernelError> {
+        let (out, lse) = merge::<R>(
+            primitive(a.out),
+            primitive(a.lse),
+            primitive(b.out),
+            primitive(b.lse),
+        )?;
+        Ok(FlashOutput {
+            out: tensor(out),
+            lse: tensor(lse),
+        })
+    }
+}

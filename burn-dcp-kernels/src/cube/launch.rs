@@ -1,0 +1,303 @@
+//! The launches of one forward, backward or merge on device tensors.
+
+use burn::tensor::DType;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
+
+use super::kernels;
+use super::matrix_launch::{
+    backward_on_tiles, choose, forward_on_tiles, AttentionKernel, TilesKernel,
+};
+use super::support::*;
+use crate::definition::{KernelError, VarlenAttention};
+use crate::ops::{check_backward, check_forward, check_merge};
+use crate::tiling::{DenseSpans, TileIntervals};
+
+/// Forward on device tensors: `(out [Tq, H, Dv], lse [H, Tq] f32)`, on the kernels
+/// [`KERNEL_ENV`](super::KERNEL_ENV) names ([`AttentionKernel::Vector`] when unset).
+pub fn forward<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    problem: &VarlenAttention,
+) -> Result<(CubeTensor<R>, CubeTensor<R>), KernelError> {
+    forward_with(q, k, v, problem, AttentionKernel::from_env()?)
+}
+
+/// [`forward`] on a chosen kernel. Errors when the device cannot run it (tensor cores it lacks,
+/// tiles beyond its shared memory), naming what is missing.
+pub fn forward_with<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    problem: &VarlenAttention,
+    kernel: AttentionKernel,
+) -> Result<(CubeTensor<R>, CubeTensor<R>), KernelError> {
+    let (s, dtype) = check_forward(&LIMITS, operand(&q), operand(&k), operand(&v), problem)?;
+    let out_dims = [s.q_tokens, s.heads, s.value_dim];
+    let lse_dims = [s.heads, s.q_tokens];
+    if s.q_tokens == 0 || s.kv_tokens == 0 {
+        return Ok((
+            filled(&q, out_dims, 0.0, dtype),
+            filled(&q, lse_dims, f32::NEG_INFINITY, DType::F32),
+        ));
+    }
+    let dense = DenseSpans::build(problem)?;
+    let properties = q.client.properties();
+    let kernels = TilesKernel::of_pass(false);
+    if let Some(tiles) = choose(kernel, properties, dtype, &s, dense.max_spans, kernels)? {
+        return forward_on_tiles(q, k, v, problem, &s, dtype, dense, tiles[0]);
+    }
+    let geometry = Geometry::of(s.head_dim, s.value_dim);
+    let tables = QueryTables::build(&q, dense, CUBE_ROWS, geometry.block);
+    let out = empty(&q, out_dims.to_vec(), dtype);
+    let lse = empty(&q, lse_dims.to_vec(), DType::F32);
+    let vector = vector_size(&[&q, &k, &v, &out], &[s.head_dim, s.value_dim]);
+    let client = q.client.clone();
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::forward_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(s.q_tokens.div_ceil(CUBE_ROWS) as u32, s.heads as u32, 1),
+            CubeDim::new_1d(geometry.units as u32),
+            vector,
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            tables.spans.into_tensor_arg(),
+            tables.offsets.into_tensor_arg(),
+            tables.runs.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            problem.softmax_scale(s.head_dim) as f32,
+            f32::NEG_INFINITY,
+            s.head_dim / vector,
+            s.value_dim / vector,
+            geometry.rows,
+            geometry.units,
+            geometry.block,
+            tables.max_spans,
+            storage(dtype),
+        );
+    }
+    Ok((out, lse))
+}
+
+/// `(dq, dk, dv)` on the device.
+pub(crate) type Gradients<R> = (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>);
+
+/// Backward on device tensors: `(dq, dk, dv)`, on the kernels [`KERNEL_ENV`](super::KERNEL_ENV) names
+/// ([`AttentionKernel::Vector`] when unset).
+pub fn backward<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    out: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    dout: CubeTensor<R>,
+    problem: &VarlenAttention,
+) -> Result<Gradients<R>, KernelError> {
+    let kernel = AttentionKernel::from_env()?;
+    backward_with(q, k, v, out, lse, dout, problem, kernel)
+}
+
+/// [`backward`] on chosen kernels. Errors when the device cannot run them (tensor cores it
+/// lacks, tiles beyond its shared memory), naming what is missing.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_with<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    out: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    dout: CubeTensor<R>,
+    problem: &VarlenAttention,
+    kernel: AttentionKernel,
+) -> Result<Gradients<R>, KernelError> {
+    let (s, dtype) = check_backward(
+        &LIMITS,
+        operand(&q),
+        operand(&k),
+        operand(&v),
+        operand(&out),
+        operand(&lse),
+        operand(&dout),
+        problem,
+    )?;
+    let dq_dims = [s.q_tokens, s.heads, s.head_dim];
+    let dk_dims = [s.kv_tokens, s.kv_heads, s.head_dim];
+    let dv_dims = [s.kv_tokens, s.kv_heads, s.value_dim];
+    if s.q_tokens == 0 || s.kv_tokens == 0 {
+        return Ok((
+            filled(&q, dq_dims, 0.0, dtype),
+            filled(&q, dk_dims, 0.0, dtype),
+            filled(&q, dv_dims, 0.0, dtype),
+        ));
+    }
+    let dense = DenseSpans::build(problem)?;
+    let kernels = TilesKernel::of_pass(true);
+    let properties = q.client.properties();
+    let tiles = choose(kernel, properties, dtype, &s, dense.max_spans, kernels)?;
+    let client = q.client.clone();
+    let storage = storage(dtype);
+    let scale = problem.softmax_scale(s.head_dim) as f32;
+
+    let delta = empty(&q, vec![s.heads, s.q_tokens], DType::F32);
+    let rows = s.heads * s.q_tokens;
+    let unit_dim = CubeDim::new_1d(ELEMENTWISE_UNITS);
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::delta_kernel::launch_unchecked::<R>(
+            &client,
+            calculate_cube_count_elemwise(&client, rows, unit_dim),
+            unit_dim,
+            out.into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            s.value_dim,
+            storage,
+        );
+    }
+
+    if let Some(tiles) = tiles {
+        let inputs = [q, k, v, dout, lse, delta];
+        let geometries = [tiles[0], tiles[1]];
+        return Ok(backward_on_tiles(
+            inputs, problem, &s, dtype, dense, geometries,
+        ));
+    }
+
+    let geometry = Geometry::of(s.head_dim, s.value_dim);
+    let tables = QueryTables::build(&q, dense, CUBE_ROWS, geometry.block);
+    // Key side: key tiles of `CUBE_ROWS` keys against query tiles of `block` queries.
+    let key_tiles = s.kv_tokens.div_ceil(CUBE_ROWS);
+    let by_key =
+        TileIntervals::by_query_tile(&tables.dense, geometry.block, CUBE_ROWS).transpose(key_tiles);
+    let dk = empty(&q, dk_dims.to_vec(), dtype);
+    let dv = empty(&q, dv_dims.to_vec(), dtype);
+    let dq = empty(&q, dq_dims.to_vec(), dtype);
+    let vector = vector_size(
+        &[&q, &k, &v, &dout, &dq, &dk, &dv],
+        &[s.head_dim, s.value_dim],
+    );
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::dkdv_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(key_tiles as u32, s.kv_heads as u32, 1),
+            CubeDim::new_1d(geometry.units as u32),
+            vector,
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            tables.spans.clone().into_tensor_arg(),
+            upload_u32(&client, &q.device, &by_key.offsets).into_tensor_arg(),
+            upload_u32(&client, &q.device, &by_key.intervals).into_tensor_arg(),
+            dk.clone().into_tensor_arg(),
+            dv.clone().into_tensor_arg(),
+            scale,
+            s.head_dim / vector,
+            s.value_dim / vector,
+            geometry.rows,
+            geometry.units,
+            geometry.block,
+            tables.max_spans,
+            storage,
+        );
+    }
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::dq_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(s.q_tokens.div_ceil(CUBE_ROWS) as u32, s.heads as u32, 1),
+            CubeDim::new_1d(geometry.units as u32),
+            vector,
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            dout.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            tables.spans.into_tensor_arg(),
+            tables.offsets.into_tensor_arg(),
+            tables.runs.into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            scale,
+            s.head_dim / vector,
+            s.value_dim / vector,
+            geometry.rows,
+            geometry.units,
+            geometry.block,
+            tables.max_spans,
+            storage,
+        );
+    }
+
+    Ok((dq, dk, dv))
+}
+
+/// Merge on device tensors; writes into `a`'s buffers when nothing else holds them.
+pub fn merge<R: CubeRuntime>(
+    out_a: CubeTensor<R>,
+    lse_a: CubeTensor<R>,
+    out_b: CubeTensor<R>,
+    lse_b: CubeTensor<R>,
+) -> Result<(CubeTensor<R>, CubeTensor<R>), KernelError> {
+    let dtype = check_merge(
+        &LIMITS,
+        operand(&out_a),
+        operand(&lse_a),
+        operand(&out_b),
+        operand(&lse_b),
+    )?;
+    let storage = storage(dtype);
+    let dims = dims3(&out_a);
+    let (tokens, heads, value_dim) = (dims[0], dims[1], dims[2]);
+    if tokens * heads == 0 {
+        return Ok((out_a, lse_a));
+    }
+    let client = out_a.client.clone();
+    let unit_dim = CubeDim::new_1d(ELEMENTWISE_UNITS);
+    let count = calculate_cube_count_elemwise(&client, tokens * heads, unit_dim);
+    let writable = |t: &CubeTensor<R>| t.can_mut() && t.is_nonoverlapping();
+    if writable(&out_a) && writable(&lse_a) {
+        // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+        unsafe {
+            kernels::merge_in_place_kernel::launch_unchecked::<R>(
+                &client,
+                count,
+                unit_dim,
+                out_a.clone().into_tensor_arg(),
+                lse_a.clone().into_tensor_arg(),
+                out_b.into_tensor_arg(),
+                lse_b.into_tensor_arg(),
+                value_dim,
+                storage,
+            );
+        }
+        return Ok((out_a, lse_a));
+    }
+    let out = empty(&out_a, dims, dtype);
+    let lse = empty(&out_a, vec![heads, tokens], DType::F32);
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::merge_kernel::launch_unchecked::<R>(
+            &client,
+            count,
+            unit_dim,
+            out_a.into_tensor_arg(),
+            lse_a.into_tensor_arg(),
+            out_b.into_tensor_arg(),
+            lse_b.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            value_dim,
+            storage,
+        );
+    }
+    Ok((out, lse))
+}
