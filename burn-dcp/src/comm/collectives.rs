@@ -15,7 +15,7 @@ use crate::comm::common::{
     all_reduce_by, check_parts, check_peer, split_membership, split_request, Accounting,
 };
 use crate::comm::payload::sum_payloads;
-use crate::comm::transport::{Channel, Group, Transport};
+use crate::comm::transport::{Channel, Group, Received, Traffic, Transport};
 use crate::comm::{
     control_payloads, Comm, CommError, CommStats, Communicator, OpKind, Payload, PendingRecv,
     PendingSend,
@@ -32,6 +32,11 @@ pub(crate) fn exchange<T: Transport>(
 ) -> Result<Vec<Payload>, CommError> {
     let me = transport.group().rank;
     let size = transport.group().size();
+    let traffic = Traffic {
+        channel,
+        op,
+        accounting,
+    };
     let receives = (0..size)
         .filter(|&peer| peer != me)
         .map(|peer| transport.post_recv(peer, channel, op))
@@ -44,7 +49,7 @@ pub(crate) fn exchange<T: Transport>(
         .into_iter()
         .enumerate()
         .filter(|&(peer, _)| peer != me)
-        .map(|(peer, part)| transport.post_send(peer, channel, part, op, accounting))
+        .map(|(peer, part)| transport.post_send(peer, part, traffic))
         .collect::<Result<Vec<_>, _>>()?;
     let mut received = T::wait(receives)?;
     received.insert(me, own);
@@ -118,17 +123,19 @@ impl<T: Transport> Communicator for T {
     fn isend(&self, peer: usize, data: Payload) -> Result<PendingSend, CommError> {
         check_peer(&self.group().name, self.group().size(), peer, "isend")?;
         self.begin("send")?;
-        let accounting = Accounting::Data(OpKind::SendRecv);
-        self.post_send(peer, Channel::PointToPoint, data, "send/recv", accounting)
+        let traffic = Traffic {
+            channel: Channel::PointToPoint,
+            op: "send/recv",
+            accounting: Accounting::Data(OpKind::SendRecv),
+        };
+        self.post_send(peer, data, traffic)
     }
 
     fn irecv(&self, peer: usize) -> Result<PendingRecv, CommError> {
         check_peer(&self.group().name, self.group().size(), peer, "irecv")?;
         self.begin("recv")?;
         let receive = self.post_recv(peer, Channel::PointToPoint, "send/recv")?;
-        Ok(PendingRecv::new(move || {
-            T::wait(vec![receive]).map(|mut data| data.remove(0))
-        }))
+        Ok(PendingRecv::new(move || receive.wait()))
     }
 
     fn all_to_all(&self, parts: Vec<Payload>) -> Result<Vec<Payload>, CommError> {

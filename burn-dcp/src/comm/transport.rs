@@ -49,11 +49,20 @@ impl LinkCounters {
     }
 }
 
-/// A posted receive that waits on its own (every world's but NCCL's, whose receives of one
-/// exchange are launched together).
+/// A posted receive, waited for on its own (NCCL's receives of one exchange are waited for
+/// together, [`Transport::wait`]).
 pub(crate) trait Received: Send + 'static {
     /// Blocks (up to the world's timeout) for the message.
     fn wait(self) -> Result<Payload, CommError>;
+}
+
+/// Which traffic a message belongs to: its channel, the operation (checked by the receiver)
+/// and how its bytes are counted.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Traffic<'a> {
+    pub(crate) channel: Channel,
+    pub(crate) op: &'a str,
+    pub(crate) accounting: Accounting,
 }
 
 /// A group as one of its members sees it: its name (for errors), its label (for
@@ -145,7 +154,7 @@ impl Group {
 /// receive posted takes the n-th message, whatever order receives are waited in.
 pub(crate) trait Transport: Send + Sync + fmt::Debug + 'static {
     /// A posted receive, waited for with [`Transport::wait`].
-    type Recv: Send + 'static;
+    type Recv: Received;
 
     /// Whether messages leave as host bytes: an all-gather then reads a device tensor back once
     /// rather than once per peer.
@@ -159,24 +168,22 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug + 'static {
     /// here).
     fn begin(&self, op: &str) -> Result<(), CommError>;
 
-    /// Starts sending `data` to group rank `peer` (never this rank) on `channel`; counts its
-    /// bytes by `accounting`.
+    /// Starts sending `data` to group rank `peer` (never this rank) as `traffic`.
     fn post_send(
         &self,
         peer: usize,
-        channel: Channel,
         data: Payload,
-        op: &str,
-        accounting: Accounting,
+        traffic: Traffic,
     ) -> Result<PendingSend, CommError>;
 
     /// Posts a receive of the next message from group rank `peer` on `channel`.
     fn post_recv(&self, peer: usize, channel: Channel, op: &str) -> Result<Self::Recv, CommError>;
 
-    /// Waits for posted receives (of one group), returning their data in their order. NCCL
-    /// launches them in one group call; the others wait for each in turn
-    /// ([`wait_in_turn`]).
-    fn wait(receives: Vec<Self::Recv>) -> Result<Vec<Payload>, CommError>;
+    /// Waits for posted receives (of one group), returning their data in their order: each in
+    /// turn (NCCL launches them in one group call).
+    fn wait(receives: Vec<Self::Recv>) -> Result<Vec<Payload>, CommError> {
+        receives.into_iter().map(Received::wait).collect()
+    }
 
     /// Another communicator that carries this one's control traffic (barriers, agreements),
     /// when it has one (NCCL's bootstrap world).
@@ -194,9 +201,4 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug + 'static {
 
     /// Marks this rank as failed: its peers' pending and future operations fail naming it.
     fn fail(&self, reason: &str);
-}
-
-/// [`Transport::wait`] of receives that wait on their own: each in turn, in posting order.
-pub(crate) fn wait_in_turn<R: Received>(receives: Vec<R>) -> Result<Vec<Payload>, CommError> {
-    receives.into_iter().map(Received::wait).collect()
 }

@@ -13,7 +13,7 @@ use crate::error::CpError;
 use crate::strategy::exchange::{
     all_gather, cat_tokens, checked_tensor, concat_segments, split_sizes,
 };
-use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup};
+use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv};
 
 /// All-gather KV over the whole CP group.
 pub struct AllGatherKv;
@@ -32,11 +32,8 @@ impl AllGatherKv {
 impl AttentionStrategy for AllGatherKv {
     fn forward<B: FlashOps>(
         &self,
-        group: &CpGroup,
-        batch: &CpBatch,
-        q: Tensor<B, 3>,
-        k: Tensor<B, 3>,
-        v: Tensor<B, 3>,
+        CpCall { group, batch }: CpCall,
+        [q, k, v]: Qkv<B>,
     ) -> Result<FlashOutput<B>, CpError> {
         let (k, v) = (
             gather_tokens(group, batch, k, "k")?,
@@ -47,8 +44,7 @@ impl AttentionStrategy for AllGatherKv {
 
     fn backward<B: FlashOps>(
         &self,
-        group: &CpGroup,
-        batch: &CpBatch,
+        CpCall { group, batch }: CpCall,
         x: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         let device = x.q.device();

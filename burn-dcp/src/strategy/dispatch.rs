@@ -8,21 +8,23 @@ use super::agreement::{self, CallConfig};
 use super::{all_gather, dcp, ring, ulysses, usp, BackwardInputs, CpBatch, CpGroup, Strategy};
 use crate::error::CpError;
 
+/// One call of a CP attention strategy: the group it runs on and the batch it computes.
+#[derive(Clone, Copy, Debug)]
+pub struct CpCall<'a> {
+    pub group: &'a CpGroup,
+    pub batch: &'a CpBatch,
+}
+
+/// `q`, `k` and `v` of this rank's tokens: `[T, H, D]`, `[T, K, D]`, `[T, K, Dv]`.
+pub type Qkv<B> = [Tensor<B, 3>; 3];
+
 /// A CP attention algorithm: forward and backward over this rank's shard.
 pub trait AttentionStrategy {
-    fn forward<B: FlashOps>(
-        &self,
-        group: &CpGroup,
-        batch: &CpBatch,
-        q: Tensor<B, 3>,
-        k: Tensor<B, 3>,
-        v: Tensor<B, 3>,
-    ) -> Result<FlashOutput<B>, CpError>;
+    fn forward<B: FlashOps>(&self, call: CpCall, qkv: Qkv<B>) -> Result<FlashOutput<B>, CpError>;
 
     fn backward<B: FlashOps>(
         &self,
-        group: &CpGroup,
-        batch: &CpBatch,
+        call: CpCall,
         inputs: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError>;
 }
@@ -45,11 +47,12 @@ pub fn cp_attention_forward<B: FlashOps>(
     let dims = [q.dims(), k.dims(), v.dims()];
     let config = CallConfig::new("forward", group, batch, dims, q.dtype());
     agreement::agree(group, &config, local)?;
+    let call = CpCall { group, batch };
     let result = match group.strategy {
-        Strategy::Ulysses => ulysses::Ulysses.forward(group, batch, q, k, v),
-        Strategy::Ring => ring::Ring.forward(group, batch, q, k, v),
-        Strategy::AllGather => all_gather::AllGatherKv.forward(group, batch, q, k, v),
-        Strategy::Usp { .. } => usp::Usp.forward(group, batch, q, k, v),
+        Strategy::Ulysses => ulysses::Ulysses.forward(call, [q, k, v]),
+        Strategy::Ring => ring::Ring.forward(call, [q, k, v]),
+        Strategy::AllGather => all_gather::AllGatherKv.forward(call, [q, k, v]),
+        Strategy::Usp { .. } => usp::Usp.forward(call, [q, k, v]),
         Strategy::Dcp => batch
             .schedule()
             .and_then(|plan| dcp::forward(&group.comm, batch, plan, q, k, v)),
@@ -68,11 +71,12 @@ pub fn cp_attention_backward<B: FlashOps>(
     let dims = [inputs.q.dims(), inputs.k.dims(), inputs.v.dims()];
     let config = CallConfig::new("backward", group, batch, dims, inputs.q.dtype());
     agreement::agree(group, &config, local)?;
+    let call = CpCall { group, batch };
     let result = match group.strategy {
-        Strategy::Ulysses => ulysses::Ulysses.backward(group, batch, inputs),
-        Strategy::Ring => ring::Ring.backward(group, batch, inputs),
-        Strategy::AllGather => all_gather::AllGatherKv.backward(group, batch, inputs),
-        Strategy::Usp { .. } => usp::Usp.backward(group, batch, inputs),
+        Strategy::Ulysses => ulysses::Ulysses.backward(call, inputs),
+        Strategy::Ring => ring::Ring.backward(call, inputs),
+        Strategy::AllGather => all_gather::AllGatherKv.backward(call, inputs),
+        Strategy::Usp { .. } => usp::Usp.backward(call, inputs),
         Strategy::Dcp => batch
             .schedule()
             .and_then(|plan| dcp::backward(&group.comm, batch, plan, inputs)),

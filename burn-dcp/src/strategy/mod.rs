@@ -31,5 +31,5 @@ pub mod ulysses;
 pub mod usp;
 
 pub use batch::{BackwardInputs, CpBatch};
-pub use dispatch::{cp_attention_backward, cp_attention_forward, AttentionStrategy};
+pub use dispatch::{cp_attention_backward, cp_attention_forward, AttentionStrategy, CpCall, Qkv};
 pub use spec::{CpGroup, Strategy};

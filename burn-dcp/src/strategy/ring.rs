@@ -23,7 +23,7 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment};
 use crate::comm::{Comm, Payload, PendingRecv, PendingSend};
 use crate::error::CpError;
 use crate::strategy::exchange::checked_tensor;
-use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup};
+use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv};
 
 /// A ring over `comm` whose member `p` holds the tokens `members[p]`.
 pub struct RingPass<'a> {
@@ -233,19 +233,15 @@ impl Ring {
 impl AttentionStrategy for Ring {
     fn forward<B: FlashOps>(
         &self,
-        group: &CpGroup,
-        batch: &CpBatch,
-        q: Tensor<B, 3>,
-        k: Tensor<B, 3>,
-        v: Tensor<B, 3>,
+        CpCall { group, batch }: CpCall,
+        [q, k, v]: Qkv<B>,
     ) -> Result<FlashOutput<B>, CpError> {
         Self::pass(group, batch).forward(q, k, v)
     }
 
     fn backward<B: FlashOps>(
         &self,
-        group: &CpGroup,
-        batch: &CpBatch,
+        CpCall { group, batch }: CpCall,
         inputs: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         Self::pass(group, batch).backward(inputs)

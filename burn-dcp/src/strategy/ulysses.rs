@@ -19,7 +19,7 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput};
 use crate::comm::Comm;
 use crate::error::CpError;
 use crate::strategy::exchange::{all_to_all, cat_tokens, concat_segments, narrow, split_sizes};
-use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup};
+use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv};
 
 /// Which heads each rank of a Ulysses group computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,9 +67,6 @@ fn select_heads<B: Backend>(tensor: Tensor<B, 3>, heads: &[usize]) -> Tensor<B, 
 fn is_range(heads: &[usize]) -> bool {
     !heads.is_empty() && heads.windows(2).all(|w| w[1] == w[0] + 1)
 }
-
-/// Queries, keys and values.
-pub type Qkv<B> = (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>);
 
 /// One rank's side of the all-to-alls of a Ulysses group whose member `p` holds
 /// `member_tokens[p]` tokens.
@@ -315,18 +312,13 @@ impl UlyssesStage<'_> {
 
     /// Forward inputs to heads: `q [T_me, H, D]`, `k`/`v [T_me, K, D]` → the group's tokens on
     /// this rank's heads.
-    pub fn inputs_to_heads<B: Backend>(
-        &self,
-        q: Tensor<B, 3>,
-        k: Tensor<B, 3>,
-        v: Tensor<B, 3>,
-    ) -> Result<Qkv<B>, CpError> {
+    pub fn inputs_to_heads<B: Backend>(&self, [q, k, v]: Qkv<B>) -> Result<Qkv<B>, CpError> {
         let (q_sets, kv_sets) = (self.q_head_sets(), self.kv_head_sets());
         let mut heads = self
             .many_to_heads(vec![(q, q_sets), (k, kv_sets.clone()), (v, kv_sets)])?
             .into_iter();
         let mut next = || heads.next().expect("one tensor per input");
-        Ok((next(), next(), next()))
+        Ok([next(), next(), next()])
     }
 
     /// Forward result back to this rank's tokens on all heads.
@@ -421,21 +413,17 @@ impl Ulysses {
 impl AttentionStrategy for Ulysses {
     fn forward<B: FlashOps>(
         &self,
-        group: &CpGroup,
-        batch: &CpBatch,
-        q: Tensor<B, 3>,
-        k: Tensor<B, 3>,
-        v: Tensor<B, 3>,
+        CpCall { group, batch }: CpCall,
+        qkv: Qkv<B>,
     ) -> Result<FlashOutput<B>, CpError> {
-        let stage = Self::stage(group, batch, q.dims()[1], k.dims()[1]);
-        let (q, k, v) = stage.inputs_to_heads(q, k, v)?;
+        let stage = Self::stage(group, batch, qkv[0].dims()[1], qkv[1].dims()[1]);
+        let [q, k, v] = stage.inputs_to_heads(qkv)?;
         stage.output_to_sequence(B::flash_forward(q, k, v, &Self::problem(batch))?)
     }
 
     fn backward<B: FlashOps>(
         &self,
-        group: &CpGroup,
-        batch: &CpBatch,
+        CpCall { group, batch }: CpCall,
         x: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         let stage = Self::stage(group, batch, x.q.dims()[1], x.k.dims()[1]);

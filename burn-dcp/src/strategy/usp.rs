@@ -11,14 +11,13 @@
 //! Backward mirrors it: all-to-all of q, k, v, out, dout and lse to heads, ring backward, dq and
 //! dk/dv back to sequence shards.
 
-use burn::prelude::Tensor;
 use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput};
 
 use crate::error::CpError;
 use crate::strategy::exchange::concat_segments;
 use crate::strategy::ring::RingPass;
 use crate::strategy::ulysses::{HeadSplit, UlyssesStage};
-use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpGroup, Strategy};
+use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv, Strategy};
 
 /// Ulysses inside, ring outside.
 pub struct Usp;
@@ -80,21 +79,17 @@ impl Usp {
 impl AttentionStrategy for Usp {
     fn forward<B: FlashOps>(
         &self,
-        group: &CpGroup,
-        batch: &CpBatch,
-        q: Tensor<B, 3>,
-        k: Tensor<B, 3>,
-        v: Tensor<B, 3>,
+        CpCall { group, batch }: CpCall,
+        [q, k, v]: Qkv<B>,
     ) -> Result<FlashOutput<B>, CpError> {
         let Mesh { stage, ring } = Self::mesh(group, batch, q.dims()[1], k.dims()[1])?;
-        let (q, k, v) = stage.inputs_to_heads(q, k, v)?;
+        let [q, k, v] = stage.inputs_to_heads([q, k, v])?;
         stage.output_to_sequence(ring.forward(q, k, v)?)
     }
 
     fn backward<B: FlashOps>(
         &self,
-        group: &CpGroup,
-        batch: &CpBatch,
+        CpCall { group, batch }: CpCall,
         x: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         let Mesh { stage, ring } = Self::mesh(group, batch, x.q.dims()[1], x.k.dims()[1])?;

@@ -8,8 +8,7 @@ use std::time::Instant;
 use super::state::{Envelope, InjectedExit, World, WorldState, EXITING, LAST_PANIC};
 use crate::comm::collectives::agree_split;
 use crate::comm::common::check_envelope;
-use crate::comm::common::Accounting;
-use crate::comm::transport::{wait_in_turn, Channel, Group, Received, Transport};
+use crate::comm::transport::{Channel, Group, Received, Traffic, Transport};
 use crate::comm::{Comm, CommError, CommStats, FaultKind, Payload, PendingSend};
 
 /// One rank's handle on one group of an [`InProcessWorld`].
@@ -127,11 +126,14 @@ impl Transport for InProcessComm {
     fn post_send(
         &self,
         peer: usize,
-        channel: Channel,
         data: Payload,
-        op: &str,
-        accounting: Accounting,
+        traffic: Traffic,
     ) -> Result<PendingSend, CommError> {
+        let Traffic {
+            channel,
+            op,
+            accounting,
+        } = traffic;
         let group = &self.group;
         let (me, to) = (group.me(), group.members[peer]);
         let bytes = data.num_bytes();
@@ -198,10 +200,6 @@ impl Transport for InProcessComm {
             seq,
             op: op.to_string(),
         })
-    }
-
-    fn wait(receives: Vec<Waiter>) -> Result<Vec<Payload>, CommError> {
-        wait_in_turn(receives)
     }
 
     fn split_group(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {

@@ -10,8 +10,7 @@ use mpi::ffi;
 use super::messages::{encode, RecvHandle, SendHandle};
 use super::world::{abort_job, mpi_lock, Posted, RawComm, Shared};
 use crate::comm::collectives::agree_split;
-use crate::comm::common::Accounting;
-use crate::comm::transport::{wait_in_turn, Channel, Group, LinkCounters, Transport};
+use crate::comm::transport::{Channel, Group, LinkCounters, Traffic, Transport};
 use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};
 
 /// A group of MPI processes as seen by one of them.
@@ -82,11 +81,14 @@ impl Transport for MpiComm {
     fn post_send(
         &self,
         peer: usize,
-        channel: Channel,
         data: Payload,
-        op: &str,
-        accounting: Accounting,
+        traffic: Traffic,
     ) -> Result<PendingSend, CommError> {
+        let Traffic {
+            channel,
+            op,
+            accounting,
+        } = traffic;
         self.begin(op)?;
         let group = &self.group;
         // MPI moves host bytes: a device tensor is read back once, here.
@@ -166,10 +168,6 @@ impl Transport for MpiComm {
             op: op.to_string(),
             index,
         })
-    }
-
-    fn wait(receives: Vec<RecvHandle>) -> Result<Vec<Payload>, CommError> {
-        wait_in_turn(receives)
     }
 
     fn split_group(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {

@@ -8,8 +8,7 @@ use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use super::comm::{Incoming, NcclComm};
 use super::world::{nccl_error, RawNccl};
-use crate::comm::common::Accounting;
-use crate::comm::transport::{Channel, Group, Transport};
+use crate::comm::transport::{Channel, Group, Received, Traffic, Transport};
 use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};
 
 /// A posted receive, with the communicator that launches it.
@@ -17,6 +16,16 @@ pub(crate) struct NcclRecv {
     comm: Arc<NcclComm>,
     peer: usize,
     incoming: Arc<Incoming>,
+}
+
+impl Received for NcclRecv {
+    fn wait(self) -> Result<Payload, CommError> {
+        let received = self.comm.receive(&[(self.peer, self.incoming)])?;
+        Ok(received
+            .into_iter()
+            .next()
+            .expect("one receive, one payload"))
+    }
 }
 
 impl Transport for NcclComm {
@@ -35,12 +44,10 @@ impl Transport for NcclComm {
     fn post_send(
         &self,
         peer: usize,
-        _channel: Channel,
         data: Payload,
-        op: &str,
-        accounting: Accounting,
+        traffic: Traffic,
     ) -> Result<PendingSend, CommError> {
-        self.queue_send(peer, data, op, accounting)
+        self.queue_send(peer, data, traffic.op, traffic.accounting)
     }
 
     /// Registers the receive; its header is taken in when it is waited for.
@@ -64,14 +71,7 @@ impl Transport for NcclComm {
             let targets: Vec<_> = receives.into_iter().map(|r| (r.peer, r.incoming)).collect();
             return comm.receive(&targets);
         }
-        receives
-            .into_iter()
-            .map(|r| {
-                r.comm
-                    .receive(&[(r.peer, r.incoming)])
-                    .map(|mut d| d.remove(0))
-            })
-            .collect()
+        receives.into_iter().map(Received::wait).collect()
     }
 
     /// Barriers and agreements travel on the control communicator.

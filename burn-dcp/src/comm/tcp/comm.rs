@@ -7,9 +7,8 @@ use std::time::Instant;
 
 use super::wire::{Failure, Kind, Shared, WireHeader};
 use crate::comm::collectives::agree_split;
-use crate::comm::common::{check_envelope, host_data};
-use crate::comm::common::{frame, Accounting};
-use crate::comm::transport::{wait_in_turn, Channel, Group, LinkCounters, Received, Transport};
+use crate::comm::common::{check_envelope, frame, host_data};
+use crate::comm::transport::{Channel, Group, LinkCounters, Received, Traffic, Transport};
 use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};
 
 /// A group of TCP ranks as seen by one of them.
@@ -154,11 +153,14 @@ impl Transport for TcpComm {
     fn post_send(
         &self,
         peer: usize,
-        channel: Channel,
         data: Payload,
-        op: &str,
-        accounting: Accounting,
+        traffic: Traffic,
     ) -> Result<PendingSend, CommError> {
+        let Traffic {
+            channel,
+            op,
+            accounting,
+        } = traffic;
         self.begin(op)?;
         let group = &self.group;
         // TCP moves host bytes: a device tensor is read back once, here.
@@ -204,10 +206,6 @@ impl Transport for TcpComm {
             peer,
             op: op.to_string(),
         })
-    }
-
-    fn wait(receives: Vec<RecvHandle>) -> Result<Vec<Payload>, CommError> {
-        wait_in_turn(receives)
     }
 
     fn split_group(&self, color: usize, key: usize, label: &str) -> Result<Comm, CommError> {
