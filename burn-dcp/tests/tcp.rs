@@ -319,8 +319,7 @@ fn environment_is_read_with_torchrun_names() {
             local_rank: 1,
         }))
     );
-    let error =
-        |pairs: &[(&str, &str)]| Rendezvous::from_vars(vars(pairs)).unwrap_err().to_string();
+    let error = |pairs: &[(&str, &str)]| Rendezvous::from_vars(vars(pairs)).unwrap_err();
     assert!(error(&full[1..]).contains("MASTER_ADDR is not set"));
     let mut bad = full;
     bad[2] = ("RANK", "8");

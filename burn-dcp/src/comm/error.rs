@@ -94,6 +94,13 @@ pub enum PayloadError {
     },
 }
 
+impl PayloadError {
+    /// Whether the message contains `text` (what callers did when this error was a `String`).
+    pub fn contains(&self, text: &str) -> bool {
+        self.to_string().contains(text)
+    }
+}
+
 impl From<PayloadError> for String {
     /// The message, for code whose errors are text (`?` in a closure returning `String`).
     fn from(error: PayloadError) -> String {

@@ -17,3 +17,10 @@ pub enum HeadError {
         value: usize,
     },
 }
+
+impl HeadError {
+    /// Whether the message contains `text` (what callers did when this error was a `String`).
+    pub fn contains(&self, text: &str) -> bool {
+        self.to_string().contains(text)
+    }
+}

@@ -5,14 +5,14 @@
 //! tells from the launcher's environment whether this process is one of several ranks.
 //!
 //! **Same results as the in-process world.** Every operation moves the same messages as
-//! [`InProcessComm`](super::in_process) does: collectives are point-to-point exchanges, and
-//! sums (reduce-scatter, all-reduce) are taken locally in rank order with the same code. A run
-//! under `mpirun` therefore computes bit for bit what the in-process run computes, and counts the
-//! same bytes ([`CommStats`]).
+//! [`InProcessComm`](super::in_process) does: this world is a transport (`comm.rs`) under the
+//! collectives every world shares (`comm/collectives.rs`: point-to-point exchanges, sums taken
+//! locally in rank order). A run under `mpirun` therefore computes bit for bit what the
+//! in-process run computes, and counts the same bytes ([`CommStats`](crate::comm::CommStats)).
 //!
 //! **Nothing waits forever.** Only non-blocking MPI calls are used (`MPI_Isend`, `MPI_Improbe`,
 //! `MPI_Test`), polled against the world's timeout. A wait that times out fails with
-//! [`CommError::Timeout`] naming the peer; the program then aborts the job (`MPI_Abort`, see
+//! [`CommError::Timeout`](crate::comm::CommError::Timeout) naming the peer; the program then aborts the job (`MPI_Abort`, see
 //! [`MpiWorld::abort`]), which makes the launcher kill every rank.
 //!
 //! **Receives are posted, sends may be rendezvous.** A message's size is not known before it

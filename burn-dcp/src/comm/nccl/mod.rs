@@ -23,9 +23,9 @@
 //! NCCL communicator (`ncclCommAbort`) when it passes. Payloads of other backends and host bytes
 //! go over the control communicator.
 //!
-//! **Same numbers as the other worlds.** Collectives are exchanges and sums are taken locally in
-//! rank order with the same code (`common::all_reduce_by`, `sum_payloads`), so a run computes
-//! what the in-process and MPI runs compute.
+//! **Same numbers as the other worlds.** This world is a transport (`transport.rs`); its
+//! collectives are the ones every world shares (`comm/collectives.rs`: exchanges, sums taken
+//! locally in rank order), so a run computes what the in-process and MPI runs compute.
 
 mod comm;
 mod transport;

@@ -13,16 +13,16 @@
 //! the rendezvous with an error naming it; a rank missing at the timeout fails it with the list
 //! of missing ranks.
 //!
-//! **Same results as the other worlds.** Collectives are point-to-point exchanges, sums are
-//! taken locally in rank order with the same code as the in-process and MPI worlds
-//! (`common::all_reduce_by`, `sum_payloads`), and the same bytes are counted.
+//! **Same results as the other worlds.** This world is a transport (`comm.rs`); its collectives
+//! are the ones every world shares (`comm/collectives.rs`: point-to-point exchanges, sums taken
+//! locally in rank order), and the same bytes are counted.
 //!
 //! **Nothing waits forever, failures name the rank.** Each link has a reader thread that takes
 //! every message in as it arrives (so a send never waits on the peer's posting of a receive,
 //! and two ranks sending to each other cannot deadlock); waits are bounded by the world's
 //! timeout. A rank that fails tells every peer (an abort message with the first failure it
 //! knows of, the root cause); a process that dies (SIGKILL) closes its sockets, and its peers'
-//! pending and future operations fail at once with [`CommError::PeerFailed`] naming it. A rank
+//! pending and future operations fail at once with [`CommError::PeerFailed`](crate::comm::CommError::PeerFailed) naming it. A rank
 //! that finishes says goodbye, so a peer still waiting on it fails naming it instead of timing
 //! out.
 

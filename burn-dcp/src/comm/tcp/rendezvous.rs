@@ -77,6 +77,11 @@ pub enum RendezvousError {
 }
 
 impl RendezvousError {
+    /// Whether the message contains `text` (what callers did when this error was a `String`).
+    pub fn contains(&self, text: &str) -> bool {
+        self.to_string().contains(text)
+    }
+
     fn io(step: impl Into<String>, error: impl fmt::Display) -> Self {
         RendezvousError::Io {
             step: step.into(),
