@@ -77,6 +77,7 @@ pub(crate) enum WireError {
         expected: usize,
     },
     /// NCCL's control message: host bytes of another size than its header says.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     #[error("a {shape:?} {dtype:?} message carries {bytes} host bytes instead of {expected}")]
     HostBytes {
         shape: Vec<usize>,
@@ -96,6 +97,7 @@ pub(crate) enum WireError {
         cause: &'static str,
     },
     /// The transport's receive failed (MPI's error code, rendered).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     #[error("{0}")]
     Receive(String),
 }
