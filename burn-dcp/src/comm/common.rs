@@ -1,14 +1,13 @@
-//! What the communicators (in-process, MPI, NCCL) share, so that they check, count and compute
-//! alike: argument checks, byte accounting, split membership and the all-reduce algorithm.
+//! What the worlds and the shared collectives use alike: argument checks, byte accounting, message
+//! framing and envelopes, split membership and the all-reduce algorithm.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use burn::tensor::TensorData;
 
 use crate::comm::payload::{concat_flat, flatten, split_flat, sum_payloads};
 use crate::comm::{CommError, CommStats, OpKind, Payload, PayloadError};
-use crate::nodes::NodeMap;
 
 /// How a message's bytes are counted in [`CommStats`].
 #[derive(Clone, Copy, Debug)]
@@ -35,24 +34,6 @@ impl Accounting {
             Accounting::Control => stats.control_bytes += bytes,
             Accounting::Uncounted => {}
         }
-    }
-
-    /// Counts `bytes` that global rank `me` sends to global rank `to` in `stats` (nothing when
-    /// they are the same rank); the link class comes from `nodes`.
-    pub(crate) fn count_link(
-        self,
-        stats: &Mutex<CommStats>,
-        nodes: &NodeMap,
-        label: &str,
-        (me, to): (usize, usize),
-        bytes: u64,
-    ) {
-        if me == to {
-            return;
-        }
-        let mut stats = stats.lock().unwrap_or_else(|p| p.into_inner());
-        let same_node = nodes.same_node(me, to);
-        self.count(&mut stats, label, bytes, same_node);
     }
 }
 

@@ -140,8 +140,12 @@ impl Group {
         peer: usize,
         bytes: u64,
     ) {
-        let link = (self.me(), self.members[peer]);
-        accounting.count_link(stats, nodes, &self.label, link, bytes);
+        let (me, to) = (self.me(), self.members[peer]);
+        if me == to {
+            return;
+        }
+        let mut stats = stats.lock().unwrap_or_else(|p| p.into_inner());
+        accounting.count(&mut stats, &self.label, bytes, nodes.same_node(me, to));
     }
 }
 

@@ -233,12 +233,6 @@ pub(crate) struct Waiter {
 
 impl Received for Waiter {
     fn wait(self) -> Result<Payload, CommError> {
-        self.receive()
-    }
-}
-
-impl Waiter {
-    fn receive(self) -> Result<Payload, CommError> {
         let (me, sender) = (self.members[self.rank], self.members[self.peer]);
         let key = (self.group.clone(), sender, me, self.channel);
         let started = Instant::now();
@@ -303,7 +297,9 @@ impl Waiter {
                 .0;
         }
     }
+}
 
+impl Waiter {
     /// Checks the envelope of the message that arrived.
     fn open(&self, envelope: Envelope, state: &mut WorldState) -> Result<Payload, CommError> {
         let Err(mismatch) = check_envelope((&self.op, self.seq), (&envelope.op, envelope.index))

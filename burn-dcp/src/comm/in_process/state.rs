@@ -52,11 +52,10 @@ impl WorldConfig {
         }
     }
 
-    /// The node of world rank `rank` (as [`NodeMap::node_of`] of [`WorldConfig::nodes`]).
+    /// The node of world rank `rank`, for a configuration already checked: the worlds classify
+    /// bytes with the [`NodeMap`] of [`WorldConfig::nodes`], which checks it.
     pub fn node_of(&self, rank: usize) -> usize {
-        self.ranks_per_node.map_or(0, |n| {
-            NodeMap::uniform(rank / n.max(1) + 1, n).node_of(rank)
-        })
+        self.ranks_per_node.map_or(0, |n| rank / n)
     }
 }
 

@@ -131,12 +131,6 @@ pub(crate) struct RecvHandle {
 
 impl Received for RecvHandle {
     fn wait(self) -> Result<Payload, CommError> {
-        self.receive()
-    }
-}
-
-impl RecvHandle {
-    fn receive(self) -> Result<Payload, CommError> {
         let started = Instant::now();
         let mut backoff = Backoff(0);
         loop {
@@ -164,7 +158,9 @@ impl RecvHandle {
             backoff.pause();
         }
     }
+}
 
+impl RecvHandle {
     fn protocol(&self, message: String) -> CommError {
         CommError::Protocol {
             group: self.group.clone(),

@@ -41,12 +41,6 @@ pub(crate) struct RecvHandle {
 
 impl Received for RecvHandle {
     fn wait(self) -> Result<Payload, CommError> {
-        self.receive()
-    }
-}
-
-impl RecvHandle {
-    fn receive(self) -> Result<Payload, CommError> {
         let shared = &self.shared;
         let started = Instant::now();
         let peer_global = self.key.2;
@@ -84,7 +78,9 @@ impl RecvHandle {
                 .0;
         }
     }
+}
 
+impl RecvHandle {
     fn peer_failed(&self, failure: Failure) -> CommError {
         CommError::PeerFailed {
             group: self.key.0.clone(),
