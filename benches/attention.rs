@@ -445,7 +445,7 @@ fn wgpu(_: &mut Criterion) {}
 /// bf16 at this size): 1 × 32 heads × 8192 tokens × 128 dims, bf16, causal and full. Our
 /// forward and forward + backward on the vector kernels and on tensor cores, and burn's attention;
 /// the throughput is in FLOP/s (criterion's "elem/s"). Each timed call ends with a device
-/// sync, not a read-back. Never run yet: no GPU was available to this project.
+/// sync, not a read-back. Results of an H100: `benches/RESULTS.md` ("CUDA").
 #[cfg(feature = "cuda")]
 fn cuda(c: &mut Criterion) {
     use burn::tensor::{DType, TensorPrimitive};

@@ -27,7 +27,7 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::activation::log_softmax;
 use burn_dcp::comm::WorldConfig;
 use burn_dcp::nn::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
-use burn_dcp::Strategy;
+use burn_dcp::StrategyKind;
 use burn_dcp_suite::train::launch::Ranks;
 use burn_dcp_suite::train::{
     CpTrain, InputRows, ModelShape, Progress, ShardInput, TpGroup, TrainConfig, TrainData,
@@ -203,16 +203,13 @@ impl TrainModel<B> for BurnNnLm<B> {
 }
 
 fn config(args: &Args) -> Result<TrainConfig, TrainError> {
-    let (strategy, layout) = match args.strategy.as_str() {
-        "ring" | "ring-zigzag" => (Strategy::Ring, burn_dcp::Layout::Zigzag),
-        name => match name.strip_prefix("ring-") {
-            Some(layout) => (Strategy::Ring, layout.parse()?),
-            None => (
-                Strategy::parse(name, args.ulysses_degree, args.cp)?,
-                burn_dcp::Layout::Zigzag,
-            ),
-        },
+    // `ring` is ring-zigzag; a ring's name carries its layout, the others run zigzag.
+    let kind = match args.strategy.as_str() {
+        "ring" => StrategyKind::RING_ZIGZAG,
+        name => name.parse()?,
     };
+    let layout = kind.layout().unwrap_or(burn_dcp::Layout::Zigzag);
+    let strategy = kind.strategy(args.ulysses_degree, args.cp)?;
     let config = TrainConfig {
         cp: args.cp,
         dp: args.dp,

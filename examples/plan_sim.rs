@@ -14,12 +14,12 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use burn_dcp::planner::auto::{choose_strategy, parse_candidates, AutoCandidate};
+use burn_dcp::planner::auto::{choose_strategy, parse_candidates};
 use burn_dcp::planner::cost::evaluate;
 use burn_dcp::planner::{
-    plan_strategy, plan_usp, validate_plan, AttentionDims, DcpConfig, PlanInput, PlanStrategy,
-    Topology,
+    plan_strategy, plan_usp, validate_plan, AttentionDims, DcpConfig, PlanInput, Topology,
 };
+use burn_dcp::StrategyKind;
 use burn_dcp_datasets::{LengthMix, LengthSampler};
 use burn_dcp_kernels::MaskSpec;
 use clap::Parser;
@@ -178,7 +178,7 @@ fn run(args: &Args) -> Result<(), String> {
         .strategies
         .iter()
         .filter(|s| *s != "auto")
-        .map(|s| s.parse::<PlanStrategy>())
+        .map(|s| StrategyKind::from_plan_name(s))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("{e} (or auto)"))?;
     let candidates = match (&args.auto_candidates, auto) {
@@ -188,7 +188,7 @@ fn run(args: &Args) -> Result<(), String> {
         (Some(text), true) => {
             parse_candidates(text).map_err(|e| format!("--auto-candidates {text}: {e}"))?
         }
-        (None, _) => AutoCandidate::ALL.to_vec(),
+        (None, _) => StrategyKind::ALL.to_vec(),
     };
     let input = PlanInput {
         seq_lens: seq_lens.clone(),
@@ -219,7 +219,7 @@ fn run(args: &Args) -> Result<(), String> {
         for _ in 0..args.repeat.max(1) {
             let start = Instant::now();
             let result = match (strategy, args.ulysses_degree) {
-                (PlanStrategy::Usp, Some(degree)) => plan_usp(&input, degree),
+                (StrategyKind::Usp, Some(degree)) => plan_usp(&input, degree),
                 _ => plan_strategy(strategy, &input),
             };
             times.push(start.elapsed().as_secs_f64() * 1e3);
@@ -228,14 +228,14 @@ fn run(args: &Args) -> Result<(), String> {
         let routed = match planned.expect("at least one run") {
             Ok(routed) => routed,
             Err(e) => {
-                skipped.push(json!({"name": strategy.name(), "error": e.to_string()}));
+                skipped.push(json!({"name": strategy.plan_name(), "error": e.to_string()}));
                 continue;
             }
         };
         times.sort_by(f64::total_cmp);
         let planning_ms = times[times.len() / 2];
         validate_plan(&routed.plan, &routed.problem)
-            .map_err(|e| format!("{}: {e}", strategy.name()))?;
+            .map_err(|e| format!("{}: {e}", strategy.plan_name()))?;
         let mut report = evaluate(&routed, &topology).map_err(|e| e.to_string())?;
         report.planning_ms = planning_ms;
         reports.push(report);
@@ -299,7 +299,10 @@ fn run(args: &Args) -> Result<(), String> {
         "{:<17} {:>12} {:>12} {:>8} {:>8} {:>10} {:>10} {:>10}",
         "strategy", "inter GB", "intra GB", "compute", "memory", "fwd ms", "bwd ms", "plan ms"
     );
-    let ring = reports.iter().find(|r| r.name == "ring-zigzag").cloned();
+    let ring = reports
+        .iter()
+        .find(|r| r.name == StrategyKind::RING_ZIGZAG.plan_name())
+        .cloned();
     for r in &reports {
         println!(
             "{:<17} {:>12.3} {:>12.3} {:>8.3} {:>8.3} {:>10.3} {:>10.3} {:>10.1}",
@@ -343,7 +346,10 @@ fn run(args: &Args) -> Result<(), String> {
         );
     }
     if let Some(ring) = ring {
-        for r in reports.iter().filter(|r| r.name != "ring-zigzag") {
+        for r in reports
+            .iter()
+            .filter(|r| r.name != StrategyKind::RING_ZIGZAG.plan_name())
+        {
             let time =
                 |x: &burn_dcp::planner::StrategyReport| x.attention_fwd_ms + x.attention_bwd_ms;
             let bytes = if ring.inter_node_bytes > 0.0 {

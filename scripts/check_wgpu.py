@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Runs cp_attention --backend wgpu for every strategy and layout and checks max_rel_err <= 1e-5
-(f32) for out, lse, dq, dk, dv against the CPU reference. Usage: check_wgpu.py CP_ATTENTION_BINARY"""
+(f32) for out, lse, dq, dk, dv against the CPU reference.
+Usage: check_wgpu.py CP_ATTENTION_BINARY [--backend wgpu|cuda]   (cuda: scripts/gpu_check.sh)"""
 import json
 import subprocess
 import sys
 
 binary = sys.argv[1]
-common = ["--backend", "wgpu", "--cp", "4", "--head-dim", "16", "--seqlens", "300,129,77", "--json"]
+backend = sys.argv[sys.argv.index("--backend") + 1] if "--backend" in sys.argv else "wgpu"
+common = ["--backend", backend, "--cp", "4", "--head-dim", "16", "--seqlens", "300,129,77", "--json"]
 runs = [
     ["--strategy", "ring", "--layout", "zigzag", "--heads", "4", "--kv-heads", "2", "--mask", "causal"],
     ["--strategy", "ring", "--layout", "contiguous", "--heads", "4", "--kv-heads", "1", "--mask", "lambda:8,40"],
@@ -37,4 +39,4 @@ for args in runs:
     if bad:
         sys.exit(f"{' '.join(args)}: max_rel_err above 1e-5: {bad}")
     worst = max(worst, *errors.values())
-print(f"all strategies on wgpu within 1e-5 (worst {worst:.2e})")
+print(f"all strategies on {backend} within 1e-5 (worst {worst:.2e})")

@@ -134,7 +134,7 @@ fn invalid_configurations_are_rejected_with_the_rule() {
     );
     let err = config_error(run(4, Strategy::Ulysses));
     assert!(
-        err.contains("q heads 6 are not divisible by the ulysses degree 4"),
+        err.contains("the ulysses degree 4 must divide the 6 query heads"),
         "{err}"
     );
     let err = config_error(Strategy::parse("usp", None, 4));

@@ -583,7 +583,7 @@ fn dcp_plans_match_cp1_in_training() {
 /// and the step still equals cp 1.
 #[test]
 fn auto_runs_each_candidate_it_can_choose_exactly() {
-    use burn_dcp::planner::auto::AutoCandidate;
+    use burn_dcp::StrategyKind;
     use burn_dcp_suite::train::{plan_step, AutoSettings, DcpSettings};
     let mut base = config(1, 1, Strategy::Ring, Layout::Zigzag, "mixed");
     base.corpus = "default".into();
@@ -592,7 +592,7 @@ fn auto_runs_each_candidate_it_can_choose_exactly() {
     let step = step_with_short_and_long(&data, base.micro_batches, 600);
     let flex = burn::backend::flex::FlexDevice;
     let reference = step_on::<burn::backend::Flex>(&base, step, &flex);
-    let auto = |cp: usize, dp: usize, nodes: usize, candidates: Vec<AutoCandidate>| {
+    let auto = |cp: usize, dp: usize, nodes: usize, candidates: Vec<StrategyKind>| {
         let mut config = base.clone();
         (config.cp, config.dp, config.nodes) = (cp, dp, nodes);
         config.auto = Some(AutoSettings { candidates });
@@ -603,31 +603,31 @@ fn auto_runs_each_candidate_it_can_choose_exactly() {
         config.validate().unwrap();
         config
     };
-    for candidate in AutoCandidate::ALL {
+    for candidate in StrategyKind::ALL {
         let config = auto(4, 1, 2, vec![candidate]);
         let plan = plan_step(&config, &data, step).unwrap();
         assert_eq!(plan.strategies, vec![candidate.name(); 2]);
         assert_eq!(plan.auto_choices.len(), 2);
         let strategies: Vec<Strategy> = plan.batches.iter().map(|b| b.strategy).collect();
         match candidate {
-            AutoCandidate::Usp => assert!(strategies.iter().all(|s| *s
+            StrategyKind::Usp => assert!(strategies.iter().all(|s| *s
                 == Strategy::Usp {
                     ulysses_degree: 2,
                     ring_degree: 2
                 })),
-            AutoCandidate::Dynamic => assert!(
+            StrategyKind::Dynamic => assert!(
                 plan.batches.len() > 2 && plan.batches.iter().any(|b| b.ranks.len() < 4),
                 "dynamic did not split the replica: {:?}",
                 plan.batches
             ),
-            AutoCandidate::Dcp => assert!(plan.batches.iter().all(|b| b.blocks.is_some())),
+            StrategyKind::Dcp => assert!(plan.batches.iter().all(|b| b.blocks.is_some())),
             _ => {}
         }
         let got = step_on::<burn::backend::Flex>(&config, step, &flex);
         assert_same_step(&got, &reference, &format!("auto with only {candidate}"));
     }
     for (cp, dp, nodes) in [(4, 1, 1), (2, 2, 2)] {
-        let config = auto(cp, dp, nodes, AutoCandidate::ALL.to_vec());
+        let config = auto(cp, dp, nodes, StrategyKind::ALL.to_vec());
         let plan = plan_step(&config, &data, step).unwrap();
         assert_eq!(plan.auto_choices.len(), 2);
         for choice in &plan.auto_choices {
@@ -779,7 +779,7 @@ fn tensor_parallel_steps_match_cp1() {
     configs.push(("tp 2 dynamic pool 2", dynamic));
     let mut auto = tp_config(2, 2, 1);
     auto.auto = Some(AutoSettings {
-        candidates: burn_dcp::planner::auto::AutoCandidate::ALL.to_vec(),
+        candidates: burn_dcp::StrategyKind::ALL.to_vec(),
     });
     auto.dcp = Some(DcpSettings {
         block: 16,
@@ -890,7 +890,7 @@ fn pipeline_steps_match_cp1() {
     configs.push(("pp 2 dcp", dcp));
     let mut auto = pp_config(1, 2, 1);
     auto.auto = Some(AutoSettings {
-        candidates: burn_dcp::planner::auto::AutoCandidate::ALL.to_vec(),
+        candidates: burn_dcp::StrategyKind::ALL.to_vec(),
     });
     auto.dcp = Some(DcpSettings {
         block: 16,

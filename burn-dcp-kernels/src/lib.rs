@@ -14,6 +14,7 @@
 //! ```
 
 pub mod definition;
+pub mod heads;
 pub mod memory;
 pub mod ops;
 pub mod portable;

@@ -28,3 +28,10 @@ pub enum CpError {
     #[error(transparent)]
     Kernel(#[from] KernelError),
 }
+
+/// A head rule broken by a configuration ([`crate::heads`]): a [`CpError::Config`] naming it.
+impl From<crate::heads::HeadSplitError> for CpError {
+    fn from(error: crate::heads::HeadSplitError) -> Self {
+        CpError::Config(error.to_string())
+    }
+}

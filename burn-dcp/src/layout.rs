@@ -21,7 +21,9 @@ use burn_dcp_kernels::Segment;
 use crate::error::CpError;
 
 /// How tokens of each sequence are distributed over the ranks of a CP group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Layout {
     Contiguous,

@@ -83,6 +83,8 @@ pub mod volume;
 
 pub use backend::{set_context, ContextParallel, CpContext, CpContextGuard};
 pub use burn_dcp_kernels as kernels;
+/// The head split and its rules (query and kv heads, shares over TP ranks, Ulysses, head units).
+pub use burn_dcp_kernels::heads;
 pub use error::CpError;
 pub use layout::Layout;
 pub use mesh::{Axis, Mesh, MeshShape};
@@ -90,4 +92,5 @@ pub use placement::{Placement, PlacementKind};
 pub use rows::{BatchRows, LocalRows};
 pub use strategy::{
     cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy,
+    StrategyKind,
 };

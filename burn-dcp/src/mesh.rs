@@ -20,6 +20,62 @@ use std::fmt;
 
 use crate::comm::Comm;
 use crate::error::CpError;
+use crate::heads::{HeadParts, HeadSplitError, Heads};
+
+/// A pipeline rule broken: the values, and the rule's text ([`PipelineError::naming_stages`]
+/// lets a command line name its flag).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PipelineError {
+    /// Stages that do not split the layers evenly.
+    Layers { pp: usize, layers: usize },
+    /// Too few micro-batches per DP replica for every stage to have work.
+    MicroBatches {
+        pp: usize,
+        dp: usize,
+        micro_batches: usize,
+    },
+}
+
+impl PipelineError {
+    /// The message with the stages named by the caller (`--pp 3 must divide the 2 layers …`).
+    pub fn naming_stages(&self, stages: &str) -> String {
+        match self {
+            Self::Layers { layers, .. } => format!(
+                "{stages} must divide the {layers} layers (every pipeline stage holds as many)"
+            ),
+            Self::MicroBatches {
+                pp,
+                dp,
+                micro_batches,
+            } => format!(
+                "{stages} needs at least {pp} micro-batches per DP replica (has {micro_batches} over dp {dp})"
+            ),
+        }
+    }
+}
+
+impl fmt::Display for PipelineError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (Self::Layers { pp, .. } | Self::MicroBatches { pp, .. }) = self;
+        f.write_str(&self.naming_stages(&format!("pipeline parallelism over {pp} stages")))
+    }
+}
+
+impl std::error::Error for PipelineError {}
+
+impl From<PipelineError> for CpError {
+    fn from(error: PipelineError) -> Self {
+        CpError::Config(error.to_string())
+    }
+}
+
+/// `pp` pipeline stages of equal depth over `layers` layers: `pp` at least 1 and dividing them.
+pub fn check_stage_layers(pp: usize, layers: usize) -> Result<(), PipelineError> {
+    if pp == 0 || !layers.is_multiple_of(pp) {
+        return Err(PipelineError::Layers { pp, layers });
+    }
+    Ok(())
+}
 
 /// One of the mesh's axes, in rank order (innermost first).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -191,26 +247,27 @@ impl MeshShape {
     /// (`layers % pp`), and with PP every replica runs at least `pp` micro-batches per step so
     /// that every stage has work in the 1F1B steady state. (The TP rules — heads, kv heads, MLP
     /// width, vocabulary — belong to the model: `burn_dcp_models::tensor_parallel::validate_tp`.)
-    pub fn validate_pipeline(&self, layers: usize, micro_batches: usize) -> Result<(), CpError> {
-        if !layers.is_multiple_of(self.pp) {
-            return Err(CpError::Config(format!(
-                "--pp {} must divide the {layers} layers (every pipeline stage holds as many)",
-                self.pp
-            )));
-        }
+    pub fn validate_pipeline(
+        &self,
+        layers: usize,
+        micro_batches: usize,
+    ) -> Result<(), PipelineError> {
+        check_stage_layers(self.pp, layers)?;
         let per_replica = micro_batches / self.dp.max(1);
         if self.pp > 1 && per_replica < self.pp {
-            return Err(CpError::Config(format!(
-                "--pp {} needs at least {} micro-batches per DP replica (has {micro_batches} over dp {}): give --micro-batches ≥ pp × dp",
-                self.pp, self.pp, self.dp
-            )));
+            return Err(PipelineError::MicroBatches {
+                pp: self.pp,
+                dp: self.dp,
+                micro_batches,
+            });
         }
         Ok(())
     }
 
-    /// The query and kv heads one TP rank holds (kv heads replicated when tp > kv heads).
-    pub fn heads_per_tp_rank(&self, heads: usize, kv_heads: usize) -> (usize, usize) {
-        (heads / self.tp, (kv_heads / self.tp).max(1))
+    /// The query and kv heads one TP rank holds ([`Heads::split`] over the TP ranks: kv heads
+    /// replicated when tp > kv heads).
+    pub fn heads_per_tp_rank(&self, heads: Heads) -> Result<Heads, HeadSplitError> {
+        heads.split(HeadParts::TensorParallel(self.tp))
     }
 }
 
@@ -346,14 +403,18 @@ mod tests {
         let layers = shape(1, 1, 1, 3).validate_pipeline(4, 3).unwrap_err();
         assert!(layers
             .to_string()
-            .contains("--pp 3 must divide the 4 layers"));
+            .contains("pipeline parallelism over 3 stages must divide the 4 layers"));
         let few = shape(1, 1, 2, 2).validate_pipeline(4, 2).unwrap_err();
         assert!(few
             .to_string()
             .contains("at least 2 micro-batches per DP replica"));
         assert!(shape(0, 1, 1, 1).validate(64).is_err());
         assert!(shape(usize::MAX, 2, 1, 1).validate(64).is_err());
-        assert_eq!(shape(4, 1, 1, 1).heads_per_tp_rank(8, 2), (2, 1));
+        let heads = Heads::new(8, 2).unwrap();
+        assert_eq!(
+            shape(4, 1, 1, 1).heads_per_tp_rank(heads).unwrap(),
+            Heads::new(2, 1).unwrap()
+        );
     }
 
     #[test]

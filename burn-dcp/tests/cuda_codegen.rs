@@ -32,7 +32,16 @@ fn cuda_source(which: Kernel, kind: FloatKind, tensor_cores: bool) -> String {
     let dtype = StorageType::Scalar(ElemType::Float(kind));
     cubecl::ir::AddressType::U32.register(&mut builder.scope);
     let arg = TensorCompilationArg { inplace: None };
-    let (dims, planes, plane_dim, spans_slots) = ((128, 128, 128, 128), 2, 32, 1);
+    let config = matrix::TileConfig {
+        head_dim: 128,
+        value_dim: 128,
+        head_pad: 128,
+        value_pad: 128,
+        planes: 2,
+        plane_dim: 32,
+        max_spans: 1,
+        tensor_cores,
+    };
     match which {
         Kernel::Forward => {
             use matrix::forward_tiles_kernel as kernel;
@@ -59,14 +68,7 @@ fn cuda_source(which: Kernel, kind: FloatKind, tensor_cores: bool) -> String {
                 lse,
                 scale,
                 neg_inf,
-                dims.0,
-                dims.1,
-                dims.2,
-                dims.3,
-                planes,
-                plane_dim,
-                spans_slots,
-                tensor_cores,
+                config,
                 dtype,
             );
         }
@@ -94,14 +96,7 @@ fn cuda_source(which: Kernel, kind: FloatKind, tensor_cores: bool) -> String {
                 runs,
                 dq,
                 scale,
-                dims.0,
-                dims.1,
-                dims.2,
-                dims.3,
-                planes,
-                plane_dim,
-                spans_slots,
-                tensor_cores,
+                config,
                 dtype,
             );
         }
@@ -131,14 +126,7 @@ fn cuda_source(which: Kernel, kind: FloatKind, tensor_cores: bool) -> String {
                 dk,
                 dv,
                 scale,
-                dims.0,
-                dims.1,
-                dims.2,
-                dims.3,
-                planes,
-                plane_dim,
-                spans_slots,
-                tensor_cores,
+                config,
                 dtype,
             );
         }

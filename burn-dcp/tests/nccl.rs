@@ -1,6 +1,6 @@
 //! The NCCL communicator on a real GPU (feature `cuda`, opt-in: `cargo test -p burn-dcp
-//! --features cuda --test nccl -- --ignored`). Never run in CI (no GPU there) and, so far, never
-//! run at all: the task that wrote it had no GPU.
+//! --features cuda --test nccl -- --ignored`, or `scripts/gpu_check.sh`). Never run in CI (no GPU
+//! there); passed on an H100 (2026-11-26).
 #![cfg(feature = "cuda")]
 
 use std::time::Duration;
@@ -29,6 +29,17 @@ fn nccl_world_of_one_moves_device_tensors() {
         let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();
         let tensor =
             Tensor::<Cuda, 2>::from_data(TensorData::new(values.clone(), [10, 100]), &device);
+        // What the NCCL path sees of the sent tensor (printed: a host fallback says why).
+        let sent_primitive = burn_cubecl::kernel::into_contiguous(
+            tensor.clone().transpose().into_primitive().tensor(),
+        );
+        eprintln!(
+            "sent tensor: contiguous {}, handle {} bytes for {} elements of {:?}",
+            sent_primitive.is_contiguous(),
+            sent_primitive.handle.size(),
+            sent_primitive.meta.shape().num_elements(),
+            sent_primitive.dtype
+        );
         let pending = comm.irecv(0).map_err(|e| e.to_string())?;
         let sent = comm
             .isend(0, Payload::device(tensor.clone().transpose()))
@@ -60,12 +71,22 @@ fn nccl_world_of_one_moves_device_tensors() {
 /// panic inside cudarc. Runs everywhere; on a GPU machine it checks nothing and says so.
 #[test]
 fn without_cuda_init_is_a_clear_error() {
-    let cuda_present = [
-        "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
-        "/usr/lib64/libcuda.so.1",
-    ]
-    .iter()
-    .any(|path| std::path::Path::new(path).exists());
+    // libcuda where the loader finds it: its cache, the usual directories, LD_LIBRARY_PATH.
+    let in_cache = std::process::Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains("libcuda.so"));
+    let library_path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    let cuda_present = in_cache
+        || [
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib64",
+            "/usr/local/nvidia/lib64",
+        ]
+        .into_iter()
+        .chain(library_path.split(':'))
+        .filter(|dir| !dir.is_empty())
+        .any(|dir| std::path::Path::new(dir).join("libcuda.so.1").exists());
     if cuda_present {
         eprintln!("libcuda is installed: this check only applies to machines without it");
         return;

@@ -8,8 +8,9 @@
 use burn_dcp::planner::cost::evaluate;
 use burn_dcp::planner::plan::{DataKind, PlanStats};
 use burn_dcp::planner::{
-    plan_strategy, validate_plan, AttentionDims, DcpConfig, PlanInput, PlanStrategy, Topology,
+    plan_strategy, validate_plan, AttentionDims, DcpConfig, PlanInput, Topology,
 };
+use burn_dcp::StrategyKind;
 use proptest::prelude::*;
 
 const MASKS: [&str; 7] = [
@@ -52,11 +53,11 @@ fn every_strategy_and_mask_gives_a_valid_plan() {
     for mask in MASKS {
         for (nodes, per_node) in [(2, 4), (1, 8)] {
             let input = input(vec![5000, 1200, 37, 3000, 700], mask, nodes, per_node, 256);
-            for strategy in PlanStrategy::ALL {
+            for strategy in StrategyKind::ALL {
                 let routed = plan_strategy(strategy, &input)
-                    .unwrap_or_else(|e| panic!("{mask} {}: {e}", strategy.name()));
+                    .unwrap_or_else(|e| panic!("{mask} {}: {e}", strategy.plan_name()));
                 validate_plan(&routed.plan, &routed.problem)
-                    .unwrap_or_else(|e| panic!("{mask} {}: {e}", strategy.name()));
+                    .unwrap_or_else(|e| panic!("{mask} {}: {e}", strategy.plan_name()));
                 let report = evaluate(&routed, &input.topology).unwrap();
                 assert!(
                     report.attention_fwd_ms > 0.0
@@ -65,10 +66,10 @@ fn every_strategy_and_mask_gives_a_valid_plan() {
                 assert!(report.compute_imbalance >= 1.0 && report.memory_imbalance >= 1.0);
                 // the plan's stats name its strategy and block size, in Rust and in JSON
                 let stats = &routed.plan.stats;
-                assert_eq!(stats.strategy(), strategy.name());
+                assert_eq!(stats.strategy(), strategy.plan_name());
                 assert_eq!(stats.block(), Some(routed.problem.block));
                 let json = serde_json::to_value(stats).unwrap();
-                assert_eq!(json["strategy"], strategy.name());
+                assert_eq!(json["strategy"], strategy.plan_name());
                 assert_eq!(json["block"], routed.problem.block);
                 let back: PlanStats = serde_json::from_value(json).unwrap();
                 assert_eq!(&back, stats);
@@ -80,7 +81,7 @@ fn every_strategy_and_mask_gives_a_valid_plan() {
 #[test]
 fn ulysses_needs_heads_divisible_by_ranks() {
     let input = input(vec![4096], "causal", 2, 8, 512);
-    let err = plan_strategy(PlanStrategy::Ulysses, &input)
+    let err = plan_strategy(StrategyKind::Ulysses, &input)
         .unwrap_err()
         .to_string();
     assert!(
@@ -92,25 +93,25 @@ fn ulysses_needs_heads_divisible_by_ranks() {
 #[test]
 fn bad_inputs_are_rejected_with_the_value() {
     let mut bad = input(vec![4096, 0], "causal", 1, 4, 512);
-    let err = plan_strategy(PlanStrategy::Dcp, &bad)
+    let err = plan_strategy(StrategyKind::Dcp, &bad)
         .unwrap_err()
         .to_string();
     assert!(err.contains("sequence 1 has length 0"), "{err}");
     bad.seq_lens = vec![4096];
     bad.block = 0;
-    let err = plan_strategy(PlanStrategy::Dcp, &bad)
+    let err = plan_strategy(StrategyKind::Dcp, &bad)
         .unwrap_err()
         .to_string();
     assert!(err.contains("block size (0)"), "{err}");
     bad.block = 512;
     bad.dims.kv_heads = 3;
-    let err = plan_strategy(PlanStrategy::Dcp, &bad)
+    let err = plan_strategy(StrategyKind::Dcp, &bad)
         .unwrap_err()
         .to_string();
     assert!(err.contains("multiple of kv heads (3)"), "{err}");
     bad.dims.kv_heads = 2;
     bad.dcp.compute_epsilon = -0.5;
-    let err = plan_strategy(PlanStrategy::Dcp, &bad)
+    let err = plan_strategy(StrategyKind::Dcp, &bad)
         .unwrap_err()
         .to_string();
     assert!(err.contains("-0.5"), "{err}");
@@ -131,8 +132,8 @@ fn dcp_moves_fewer_inter_node_bytes_than_ring() {
         let routed = plan_strategy(strategy, &input).unwrap();
         evaluate(&routed, &input.topology).unwrap()
     };
-    let ring = grid_report(PlanStrategy::RingZigzag);
-    let dcp = grid_report(PlanStrategy::Dcp);
+    let ring = grid_report(StrategyKind::RING_ZIGZAG);
+    let dcp = grid_report(StrategyKind::Dcp);
     assert!(dcp.compute_imbalance <= 1.1 + 1e-9, "{dcp:?}");
     assert!(
         dcp.inter_node_bytes < 0.7 * ring.inter_node_bytes,
@@ -160,7 +161,7 @@ proptest! {
         let mut input = input(lens, mask, nodes, per_node, block);
         input.dcp.stages = stages;
         input.dcp.seed = seed;
-        let routed = plan_strategy(PlanStrategy::Dcp, &input).unwrap();
+        let routed = plan_strategy(StrategyKind::Dcp, &input).unwrap();
         validate_plan(&routed.plan, &routed.problem).unwrap();
         let problem = &routed.problem;
         let grids = &routed.grids;

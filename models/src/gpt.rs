@@ -17,6 +17,7 @@ use burn::prelude::{Backend, Config, Int, Shape, Tensor, TensorData};
 use burn::tensor::activation::{gelu, log_softmax};
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::BasicOps;
+use burn_dcp::heads::Heads;
 use burn_dcp::nn::grouped_attention;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -61,6 +62,11 @@ impl GptConfig {
         ))
     }
 
+    /// The query and kv heads ([`Heads`]' rules: kv heads divide the query heads).
+    pub fn heads(&self) -> Result<Heads, ModelError> {
+        Heads::new(self.n_heads, self.n_kv_heads).map_err(|e| ModelError::Config(e.to_string()))
+    }
+
     /// Checks the shape rules, naming the values.
     pub fn validate(&self) -> Result<(), ModelError> {
         if self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) {
@@ -69,12 +75,7 @@ impl GptConfig {
                 self.d_model, self.n_heads
             )));
         }
-        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return Err(ModelError::Config(format!(
-                "n_kv_heads {} must divide n_heads {}",
-                self.n_kv_heads, self.n_heads
-            )));
-        }
+        self.heads()?;
         if !(self.d_model / self.n_heads).is_multiple_of(2) {
             return Err(ModelError::Config(format!(
                 "the head dim {} must be even for RoPE",

@@ -23,6 +23,7 @@ use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::prelude::{Backend, Bool, Int, Tensor};
 use burn::tensor::activation::gelu;
 use burn::tensor::module::embedding;
+use burn_dcp::heads::HeadParts;
 
 use crate::error::ModelError;
 use crate::gpt::{reshape, self_attention, Gpt, GptConfig, Rope};
@@ -65,28 +66,19 @@ fn local_rows<B: Backend>(
 
 /// Checks the config for `tp` ranks, naming the rule.
 pub fn validate_tp(config: &GptConfig, tp: usize) -> Result<(), ModelError> {
-    config.validate()?;
-    if tp == 0 || !config.n_heads.is_multiple_of(tp) {
-        return Err(ModelError::Config(format!(
-            "--tp {tp} must divide the {} query heads (a TP rank owns whole heads)",
-            config.n_heads
-        )));
-    }
-    if !config.n_kv_heads.is_multiple_of(tp) && !tp.is_multiple_of(config.n_kv_heads) {
-        return Err(ModelError::Config(format!(
-            "--tp {tp} and the {} kv heads: one must divide the other (kv heads are split, or replicated when tp > kv heads)",
-            config.n_kv_heads
-        )));
-    }
+    config
+        .heads()?
+        .split(HeadParts::TensorParallel(tp))
+        .map_err(|e| ModelError::Config(e.to_string()))?;
     if !config.d_ff.is_multiple_of(tp) {
         return Err(ModelError::Config(format!(
-            "--tp {tp} must divide the MLP width {} (column-parallel up projection)",
+            "tensor parallelism over {tp} ranks must divide the MLP width {} (column-parallel up projection)",
             config.d_ff
         )));
     }
     if config.vocab_size < tp {
         return Err(ModelError::Config(format!(
-            "--tp {tp} exceeds the {} vocabulary rows (vocab-parallel embedding)",
+            "tensor parallelism over {tp} ranks exceeds the {} vocabulary rows (vocab-parallel embedding)",
             config.vocab_size
         )));
     }
@@ -95,13 +87,8 @@ pub fn validate_tp(config: &GptConfig, tp: usize) -> Result<(), ModelError> {
 
 /// Checks that `stages` pipeline stages can split the config's layers evenly.
 pub fn validate_stages(config: &GptConfig, stages: usize) -> Result<(), ModelError> {
-    if stages == 0 || !config.n_layers.is_multiple_of(stages) {
-        return Err(ModelError::Config(format!(
-            "--pp {stages} must divide the {} layers (every pipeline stage holds as many)",
-            config.n_layers
-        )));
-    }
-    Ok(())
+    burn_dcp::mesh::check_stage_layers(stages, config.n_layers)
+        .map_err(|e| ModelError::Config(e.to_string()))
 }
 
 /// One TP rank's transformer block.
@@ -467,7 +454,7 @@ mod tests {
         assert!(matches!(tp3, ModelError::Config(_)), "{tp3:?}");
         let tp3 = tp3.to_string();
         assert!(
-            tp3.contains("--tp 3 must divide the 8 query heads"),
+            tp3.contains("tensor parallelism over 3 ranks must divide the 8 query heads"),
             "{tp3}"
         );
         let kv = GptConfig::new(61, 24, 4, 12, 3, 64);

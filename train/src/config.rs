@@ -2,10 +2,10 @@
 //! [`TrainConfig::default`]) and its rules ([`TrainConfig::validate`]).
 
 use burn_dcp::comm::{MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
+use burn_dcp::heads::{HeadParts, Heads};
 use burn_dcp::kernels::MaskSpec;
-use burn_dcp::mesh::MeshShape;
-use burn_dcp::planner::auto::AutoCandidate;
-use burn_dcp::{CpError, Layout, Strategy};
+use burn_dcp::mesh::{MeshShape, PipelineError};
+use burn_dcp::{CpError, Layout, Strategy, StrategyKind};
 use burn_dcp_datasets::{DataError, LengthMix, LengthSampler, MaskPolicy, Tokenizer};
 use burn_dcp_models::GptConfig;
 use serde::{Deserialize, Serialize};
@@ -214,18 +214,27 @@ impl TrainConfig {
     /// auto's candidates, or the static strategy on the CP group.
     fn validate_parallelism(&self) -> Result<(), TrainError> {
         let model = self.model_shape()?;
+        let heads = self.rank_heads(&model)?;
         burn_dcp_models::tensor_parallel::validate_tp(&gpt_of_shape(&model), self.tp)
-            .map_err(|e| TrainError::Config(e.to_string()))?;
+            .map_err(|e| TrainError::Config(format!("--tp {}: {e}", self.tp)))?;
         self.mesh_shape()
-            .validate_pipeline(model.n_layers, self.micro_batches)?;
-        let (heads, kv_heads) = self.rank_heads(&model);
+            .validate_pipeline(model.n_layers, self.micro_batches)
+            .map_err(|e| {
+                let message = e.naming_stages(&format!("--pp {}", self.pp));
+                TrainError::Config(match e {
+                    PipelineError::Layers { .. } => message,
+                    PipelineError::MicroBatches { .. } => {
+                        format!("{message}: give --micro-batches ≥ pp × dp")
+                    }
+                })
+            })?;
         if let Some(auto) = &self.auto {
             self.validate_auto(auto, heads)?;
         }
         if self.dynamic.is_none() {
             self.strategy.validate_mesh(self.cp)?;
             self.strategy
-                .validate_heads(heads, kv_heads, self.cp)
+                .validate_heads(heads.heads(), heads.kv_heads(), self.cp)
                 .map_err(|e| {
                     TrainError::Config(format!("{e} (the heads of one TP rank of {})", self.tp))
                 })?;
@@ -233,29 +242,39 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// Auto's candidates (with `heads` query heads per TP rank), and no other strategy setting.
-    fn validate_auto(&self, auto: &AutoSettings, heads: usize) -> Result<(), TrainError> {
+    /// Auto's candidates (with the `heads` of one TP rank), and no other strategy setting.
+    fn validate_auto(&self, auto: &AutoSettings, heads: Heads) -> Result<(), TrainError> {
         if auto.candidates.is_empty() {
             return Err(TrainError::Config(
                 "strategy auto needs at least one candidate (--auto-candidates)".into(),
             ));
         }
-        // Every candidate but Ulysses runs on any group; Ulysses needs the heads to split.
-        if auto.candidates.iter().all(|c| *c == AutoCandidate::Ulysses)
-            && !heads.is_multiple_of(self.cp)
+        if let Some(other) = auto
+            .candidates
+            .iter()
+            .find(|c| !StrategyKind::ALL.contains(c))
         {
             return Err(TrainError::Config(format!(
-                "--auto-candidates ulysses alone cannot run on cp {}: Ulysses needs the query heads of a TP rank ({heads}) to be a multiple of the CP size",
-                self.cp
+                "strategy auto cannot run {other}: its candidates are {}",
+                candidate_names()
             )));
+        }
+        // Every candidate but Ulysses runs on any group; Ulysses needs the heads to split.
+        if auto.candidates.iter().all(|c| *c == StrategyKind::Ulysses) {
+            if let Err(e) = heads.split_queries(HeadParts::Ulysses(self.cp)) {
+                return Err(TrainError::Config(format!(
+                    "--auto-candidates ulysses alone cannot run on cp {}: {e} (the query heads of a TP rank)",
+                    self.cp
+                )));
+            }
         }
         if self.dynamic.is_some()
             || self.strategy != Strategy::Ring
             || self.layout != Layout::Zigzag
         {
             return Err(TrainError::Config(format!(
-                "strategy auto chooses per micro-batch among ring-zigzag, ulysses, usp, all-gather, dynamic and dcp: it cannot be combined with dynamic settings {:?}, strategy {} or layout {}",
-                self.dynamic, self.strategy, self.layout
+                "strategy auto chooses per micro-batch among {}: it cannot be combined with dynamic settings {:?}, strategy {} or layout {}",
+                candidate_names(), self.dynamic, self.strategy, self.layout
             )));
         }
         Ok(())
@@ -321,8 +340,8 @@ impl TrainConfig {
     fn validate_dynamic(&self, settings: &DynamicSettings) -> Result<(), TrainError> {
         let model = self.model_shape()?;
         let pool = self.pool_size();
-        let (heads, kv_heads) = self.rank_heads(&model);
-        settings.validate(pool, self.strategy, heads, kv_heads)?;
+        let heads = self.rank_heads(&model)?;
+        settings.validate(pool, self.strategy, heads.heads(), heads.kv_heads())?;
         burn_dcp::planner::dynamic::min_cp_size_for(
             self.seq_len,
             &settings.scheduler(pool),
@@ -343,9 +362,9 @@ impl TrainConfig {
         if self.auto.is_some() {
             "auto".into()
         } else if self.dynamic.is_some() {
-            "dynamic".into()
+            StrategyKind::Dynamic.name().into()
         } else {
-            static_strategy_name(self.strategy, self.layout)
+            StrategyKind::of(self.strategy, self.layout).name().into()
         }
     }
 
@@ -419,9 +438,11 @@ impl TrainConfig {
 
     /// The query and kv heads one TP rank holds (kv heads replicated when tp > kv heads): what
     /// its CP attention runs on.
-    pub fn rank_heads(&self, model: &ModelShape) -> (usize, usize) {
+    pub fn rank_heads(&self, model: &ModelShape) -> Result<Heads, TrainError> {
+        let heads = model.heads().map_err(TrainError::Config)?;
         self.mesh_shape()
-            .heads_per_tp_rank(model.n_heads, model.n_kv_heads)
+            .heads_per_tp_rank(heads)
+            .map_err(|e| TrainError::Config(e.naming_parts(&format!("--tp {}", self.tp))))
     }
 
     /// World ranks per virtual node (`--nodes` must divide the world).
@@ -480,12 +501,18 @@ pub(crate) fn gpt_of_shape(shape: &ModelShape) -> GptConfig {
 
 /// A static strategy's name in `strategy_counts`: ring with its layout (`ring-zigzag`), the
 /// others by name (`usp` without its degrees).
+#[deprecated(
+    since = "0.1.0",
+    note = "use StrategyKind::of(strategy, layout).name()"
+)]
 pub fn static_strategy_name(strategy: Strategy, layout: Layout) -> String {
-    match strategy {
-        Strategy::Ring => format!("ring-{layout}"),
-        Strategy::Usp { .. } => "usp".into(),
-        other => other.to_string(),
-    }
+    StrategyKind::of(strategy, layout).name().into()
+}
+
+/// Auto's candidates' names, comma-separated.
+fn candidate_names() -> String {
+    let names: Vec<&str> = StrategyKind::ALL.iter().map(|k| k.name()).collect();
+    names.join(", ")
 }
 
 /// The most micro-batches one optimizer step may take.

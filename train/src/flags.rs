@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use burn_dcp::{Layout, Strategy};
+use burn_dcp::{Layout, Strategy, StrategyKind};
 
 use crate::checkpoint::read_json;
 use crate::config::{AutoSettings, DcpSettings, PpSchedule, Recompute, TrainConfig, MAX_SEQ_LEN};
@@ -148,10 +148,12 @@ fn strategy_and_layout(args: &TrainFlags, cp: usize) -> Result<(Strategy, Layout
         }
         return Ok((Strategy::Ring, Layout::Zigzag));
     }
-    let (name, implied_layout) = match name.strip_prefix("ring-") {
-        Some(layout) => ("ring", Some(layout.parse::<Layout>()?)),
-        None => (name, None),
+    // `ring` takes its layout from --layout; `ring-zigzag` names it (then --layout must agree).
+    let kind = match name {
+        "ring" => None,
+        other => Some(other.parse::<StrategyKind>()?),
     };
+    let implied_layout = kind.and_then(StrategyKind::layout);
     let layout = match (&args.layout, implied_layout) {
         (Some(given), Some(implied)) if given.parse::<Layout>()? != implied => {
             return Err(TrainError::Config(format!(
@@ -165,7 +167,9 @@ fn strategy_and_layout(args: &TrainFlags, cp: usize) -> Result<(Strategy, Layout
         (None, Some(implied)) => implied,
         (None, None) => Layout::Zigzag,
     };
-    let strategy = Strategy::parse(name, args.ulysses_degree, cp)?;
+    let strategy = kind
+        .unwrap_or(StrategyKind::Ring(layout))
+        .strategy(args.ulysses_degree, cp)?;
     Ok((strategy, layout))
 }
 
@@ -176,7 +180,7 @@ fn dynamic_settings(
     cp: usize,
     seq_len: usize,
 ) -> Result<Option<(Strategy, DynamicSettings)>, TrainError> {
-    if args.strategy.as_deref() != Some("dynamic") {
+    if args.strategy.as_deref() != Some(StrategyKind::Dynamic.name()) {
         let given = [
             ("--inner-strategy", args.inner_strategy.is_some()),
             ("--min-cp-size", args.min_cp_size.is_some()),
@@ -234,7 +238,7 @@ fn dcp_settings(args: &TrainFlags, strategy: Strategy) -> Result<Option<DcpSetti
 fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
     let defaults = TrainConfig::default();
     let cp = args.cp.unwrap_or(defaults.cp);
-    let dynamic = args.strategy.as_deref() == Some("dynamic");
+    let dynamic = args.strategy.as_deref() == Some(StrategyKind::Dynamic.name());
     if !dynamic && args.seq_len.is_some() && args.max_tokens_per_rank.is_some() {
         return Err(TrainError::Config("give --seq-len or --max-tokens-per-rank (= seq-len / cp), not both (with --strategy dynamic, --max-tokens-per-rank is the scheduler's per-rank budget)".into()));
     }
@@ -343,7 +347,7 @@ fn auto_settings(args: &TrainFlags) -> Result<Option<AutoSettings>, TrainError> 
     let candidates = match &args.auto_candidates {
         Some(text) => burn_dcp::planner::auto::parse_candidates(text)
             .map_err(|e| TrainError::Config(format!("--auto-candidates {text}: {e}")))?,
-        None => burn_dcp::planner::auto::AutoCandidate::ALL.to_vec(),
+        None => burn_dcp::StrategyKind::ALL.to_vec(),
     };
     Ok(Some(AutoSettings { candidates }))
 }

@@ -50,9 +50,11 @@ pub use checkpoint::{
     check_resume, checkpoint_dir, read_json, saved_checkpoint, write_atomically, write_json,
     TrainState,
 };
+#[allow(deprecated)]
+pub use config::static_strategy_name;
 pub use config::{
-    static_strategy_name, AutoSettings, DcpSettings, PpSchedule, Recompute, TrainConfig,
-    DEFAULT_PLAN_AHEAD, MAX_MICRO_BATCHES, MAX_PLAN_AHEAD, MAX_SEQ_LEN,
+    AutoSettings, DcpSettings, PpSchedule, Recompute, TrainConfig, DEFAULT_PLAN_AHEAD,
+    MAX_MICRO_BATCHES, MAX_PLAN_AHEAD, MAX_SEQ_LEN,
 };
 pub use data::{builtin_documents, TrainData};
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};

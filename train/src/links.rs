@@ -131,10 +131,12 @@ pub fn cpu_compute(
     head_dim: usize,
     ranks: usize,
 ) -> Result<CpuCompute, TrainError> {
-    if heads == 0 || kv_heads == 0 || head_dim == 0 || !heads.is_multiple_of(kv_heads) {
-        return Err(TrainError::Config(format!(
-            "the compute calibration needs heads ({heads}) a positive multiple of kv heads ({kv_heads}) and a head dim ({head_dim}) ≥ 1"
-        )));
+    burn_dcp::heads::Heads::new(heads, kv_heads)
+        .map_err(|e| TrainError::Config(format!("the compute calibration: {e}")))?;
+    if head_dim == 0 {
+        return Err(TrainError::Config(
+            "the compute calibration needs a head dim ≥ 1, got 0".into(),
+        ));
     }
     let n = CALIBRATION_TOKENS;
     let (forward, backward) = best_causal_times(heads, kv_heads, head_dim, n, true)?;

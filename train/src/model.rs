@@ -6,6 +6,7 @@ use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckp
 use burn::module::{AutodiffModule, ParamId};
 use burn::prelude::{Backend, Bool, Int, Tensor, TensorData};
 use burn::tensor::backend::AutodiffBackend;
+use burn_dcp::heads::Heads;
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::shard::RankShard;
 use burn_dcp::{BatchRows, CpBatch, CpError};
@@ -43,6 +44,11 @@ impl ModelShape {
         self.d_model / self.n_heads.max(1)
     }
 
+    /// The query and kv heads ([`Heads`]' rules).
+    pub fn heads(&self) -> Result<Heads, String> {
+        Ok(Heads::new(self.n_heads, self.n_kv_heads)?)
+    }
+
     /// Checks the head rules, naming the values.
     pub fn validate(&self) -> Result<(), String> {
         if self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) {
@@ -51,12 +57,7 @@ impl ModelShape {
                 self.d_model, self.n_heads
             ));
         }
-        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return Err(format!(
-                "n_kv_heads {} must divide n_heads {}",
-                self.n_kv_heads, self.n_heads
-            ));
-        }
+        self.heads()?;
         if self.n_layers == 0 {
             return Err("a model needs at least one layer".into());
         }

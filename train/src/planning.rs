@@ -5,13 +5,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use burn_dcp::planner::auto::{choose_strategy, executable_dcp_plan, AutoCandidate};
+use burn_dcp::planner::auto::{choose_strategy, executable_dcp_plan};
 use burn_dcp::planner::cost::{AttentionDims, RoutedPlan};
 use burn_dcp::planner::dcp::DcpConfig;
 use burn_dcp::planner::strategies::{megatron_schedule, usp_ulysses_degree, PlanInput};
 use burn_dcp::planner::topology::Topology;
 use burn_dcp::strategy::block_plan::BlockSchedule;
-use burn_dcp::{CpError, Layout, Strategy};
+use burn_dcp::{CpError, Layout, Strategy, StrategyKind};
 
 use crate::config::TrainConfig;
 use crate::data::TrainData;
@@ -48,10 +48,12 @@ pub fn plan_input(
         dims: {
             // CP attention runs on the heads of one TP rank, and the strategies move K/V with
             // its real kv heads (the models hand GQA's K/V to the op unrepeated).
-            let (heads, kv_heads) = config.rank_heads(model);
+            let heads = config
+                .rank_heads(model)
+                .map_err(|e| CpError::Config(e.to_string()))?;
             AttentionDims {
-                heads,
-                kv_heads,
+                heads: heads.heads(),
+                kv_heads: heads.kv_heads(),
                 head_dim: model.head_dim(),
                 element_bytes: 4,
             }
@@ -97,7 +99,7 @@ pub(crate) fn run_blocks(
 pub fn plan_auto(
     sequences: &StepSequences,
     config: &TrainConfig,
-    candidates: &[AutoCandidate],
+    candidates: &[StrategyKind],
     model: &ModelShape,
 ) -> Result<(Vec<PlannedBatch>, Vec<AutoRecord>), CpError> {
     let lengths = sequences.lengths();
@@ -126,27 +128,16 @@ pub fn plan_auto(
         });
         let cp = config.cp;
         match choice.winner {
-            AutoCandidate::RingZigzag | AutoCandidate::AllGather | AutoCandidate::Ulysses => {
-                batch.strategy = match choice.winner {
-                    AutoCandidate::RingZigzag => Strategy::Ring,
-                    AutoCandidate::AllGather => Strategy::AllGather,
-                    _ => Strategy::Ulysses,
-                };
-                planned.push(batch);
-            }
-            AutoCandidate::Usp => {
+            StrategyKind::Usp => {
                 let degree = usp_ulysses_degree(&input)?;
-                batch.strategy = Strategy::Usp {
-                    ulysses_degree: degree,
-                    ring_degree: cp / degree,
-                };
+                batch.strategy = StrategyKind::Usp.strategy(Some(degree), cp)?;
                 planned.push(batch);
             }
-            AutoCandidate::Dcp => {
+            StrategyKind::Dcp => {
                 run_blocks(&mut batch, &choice.plan, &input.topology)?;
                 planned.push(batch);
             }
-            AutoCandidate::Dynamic => planned.extend(schedule_batches(
+            StrategyKind::Dynamic => planned.extend(schedule_batches(
                 megatron_schedule(&input)?,
                 &lengths,
                 |s| batch.sequences[s],
@@ -154,6 +145,12 @@ pub fn plan_auto(
                 Strategy::Ring,
                 Layout::Zigzag,
             )?),
+            // Ring (zigzag: auto's static candidates run the layout they are planned with),
+            // all-gather, Ulysses.
+            ring_gather_or_ulysses => {
+                batch.strategy = ring_gather_or_ulysses.strategy(None, cp)?;
+                planned.push(batch);
+            }
         }
     }
     assign_sub_steps(&mut planned);

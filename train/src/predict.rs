@@ -44,8 +44,13 @@ impl Predictor {
         let model = config.model_shape()?;
         let topology = Topology::for_ranks(&config.topology, config.nodes, config.world_size())?;
         let time_scale = time_scale(links, &topology, config.world_size())?;
-        let (heads, kv_heads) = config.rank_heads(&model);
-        let cpu = cpu_compute(heads, kv_heads, model.head_dim(), config.world_size())?;
+        let heads = config.rank_heads(&model)?;
+        let cpu = cpu_compute(
+            heads.heads(),
+            heads.kv_heads(),
+            model.head_dim(),
+            config.world_size(),
+        )?;
         Ok(Some(Self { time_scale, cpu }))
     }
 

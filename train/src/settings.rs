@@ -1,7 +1,7 @@
 //! The settings of the strategies and schedules a [`TrainConfig`](crate::config::TrainConfig)
 //! names: `auto`'s candidates, DCP's blocks and stages, the pipeline schedule.
 
-use burn_dcp::planner::auto::AutoCandidate;
+use burn_dcp::StrategyKind;
 use serde::{Deserialize, Serialize};
 
 use crate::error::TrainError;
@@ -10,7 +10,7 @@ use crate::error::TrainError;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AutoSettings {
     /// The strategies it may choose (`--auto-candidates`; default all).
-    pub candidates: Vec<AutoCandidate>,
+    pub candidates: Vec<StrategyKind>,
 }
 
 /// Settings of `--strategy dcp`.

@@ -51,17 +51,19 @@
 //! in shared memory. The products are `cmma` (tensor cores: `wmma` on CUDA) or, with
 //! `tensor_cores: false`, the same products on ordinary units; everything else is shared.
 //! [`super::KERNEL_ENV`] (`BURN_DCP_ATTENTION_KERNEL`) picks the kernels of every `FlashOps` call:
-//! `vector` (the default), `auto` (tensor cores where the device has them for the dtype and
+//! `vector`, `auto` (the default: tensor cores where the device has them for the dtype and
 //! the tiles fit its shared memory, else vector), `tiles`, `tensor-cores`.
 //!
-//! **Not run on a GPU:** no GPU was available to this project's sessions. The matrix-tile
-//! kernels are checked on lavapipe with their products on ordinary units (f32 ≤ 1e-5 vs the
-//! oracle for every mask, ragged GQA, padded dims, several tiles; f16 within the rounding
-//! bounds), and their `cmma` branches are compiled to CUDA C++ by cubecl-cuda's compiler in CI
-//! (`burn-dcp/tests/cuda_codegen.rs`: `wmma` loads, products and stores on 32-byte-aligned shared
-//! memory); `tests/cube_cuda.rs` (`#[ignore]`d) and the bench group `cuda` run them on a GPU.
-//! Until those have passed, the default stays `vector`. The vector kernels themselves have
-//! not run on CUDA either (they build for it).
+//! **Run on an H100 (2026-11-26):** `tests/cube_cuda.rs` passed there (tensor cores in f16
+//! and bf16 against the f64 oracle for every mask at head dims 40–256, forward and gradients;
+//! against the same tiles on ordinary units; the vector kernels on CUDA), so the default is
+//! `auto`; the bench group `cuda` timed them (`benches/RESULTS.md`: 3.1× the vector kernels
+//! forward, 9.2× forward + backward, ~10 TFLOP/s — far from FlashAttention-3). CI has no GPU:
+//! there the matrix-tile kernels are checked on lavapipe with their products on ordinary units
+//! (f32 ≤ 1e-5 vs the oracle for every mask, ragged GQA, padded dims, several tiles; f16 within
+//! the rounding bounds), and their `cmma` branches are compiled to CUDA C++ by cubecl-cuda's
+//! compiler (`burn-dcp/tests/cuda_codegen.rs`: `wmma` loads, products and stores on
+//! 32-byte-aligned shared memory).
 
 use cubecl::prelude::*;
 
@@ -71,6 +73,39 @@ use super::kernels::{allowed_in, NONE};
 pub const TILE: usize = 16;
 /// Alignment in bytes of the shared-memory tiles (256 bits, `wmma::load_matrix_sync`'s rule).
 const ALIGN: usize = 32;
+
+/// The comptime shape of one matrix-tile kernel launch, shared by the three kernels: the head
+/// and value dims and their zero-padding to a multiple of 16, the planes per cube and units per
+/// plane, the span slots per row of the launch tables, and whether the tile products run on
+/// tensor cores (`cmma`) or on ordinary units.
+#[derive(CubeType, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TileConfig {
+    pub head_dim: usize,
+    pub value_dim: usize,
+    /// `head_dim` rounded up to 16.
+    pub head_pad: usize,
+    /// `value_dim` rounded up to 16.
+    pub value_pad: usize,
+    /// Planes per cube, each owning 16 rows.
+    pub planes: usize,
+    /// Units per plane (32: a CUDA warp, as the `cmma` fragments need).
+    pub plane_dim: usize,
+    /// Span slots per row of the launch tables.
+    pub max_spans: usize,
+    pub tensor_cores: bool,
+}
+
+impl TileConfig {
+    /// Rows (queries, or keys in the dk/dv kernel) per cube: 16 per plane.
+    pub fn rows(&self) -> usize {
+        TILE * self.planes
+    }
+
+    /// Units per cube.
+    pub fn units(&self) -> usize {
+        self.plane_dim * self.planes
+    }
+}
 
 /// `S [16 × 16] = Q [16 × dim] · K [16 × dim]ᵀ` for the plane's rows: `q_tile` holds the
 /// plane's 16 query rows at `q_at` (row-major, `dim` columns), `k_tile` the 16 keys (row-major,
@@ -448,18 +483,18 @@ pub fn forward_tiles_kernel<F: Float>(
     lse: &mut Tensor<f32>,
     scale: f32,
     neg_inf: f32,
-    #[comptime] head_dim: usize,
-    #[comptime] value_dim: usize,
-    #[comptime] head_pad: usize,
-    #[comptime] value_pad: usize,
-    #[comptime] planes: usize,
-    #[comptime] plane_dim: usize,
-    #[comptime] max_spans: usize,
-    #[comptime] tensor_cores: bool,
+    #[comptime] config: TileConfig,
     #[define(F)] _dtype: StorageType,
 ) {
-    let rows = comptime!(TILE * planes);
-    let units = comptime!(plane_dim * planes);
+    let rows = comptime!(config.rows());
+    let units = comptime!(config.units());
+    let head_dim = comptime!(config.head_dim);
+    let value_dim = comptime!(config.value_dim);
+    let head_pad = comptime!(config.head_pad);
+    let value_pad = comptime!(config.value_pad);
+    let plane_dim = comptime!(config.plane_dim);
+    let max_spans = comptime!(config.max_spans);
+    let tensor_cores = comptime!(config.tensor_cores);
     let unit = UNIT_POS as usize;
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
@@ -637,18 +672,18 @@ pub fn dq_tiles_kernel<F: Float>(
     tile_runs: &Tensor<u32>,
     dq: &mut Tensor<F>,
     scale: f32,
-    #[comptime] head_dim: usize,
-    #[comptime] value_dim: usize,
-    #[comptime] head_pad: usize,
-    #[comptime] value_pad: usize,
-    #[comptime] planes: usize,
-    #[comptime] plane_dim: usize,
-    #[comptime] max_spans: usize,
-    #[comptime] tensor_cores: bool,
+    #[comptime] config: TileConfig,
     #[define(F)] _dtype: StorageType,
 ) {
-    let rows = comptime!(TILE * planes);
-    let units = comptime!(plane_dim * planes);
+    let rows = comptime!(config.rows());
+    let units = comptime!(config.units());
+    let head_dim = comptime!(config.head_dim);
+    let value_dim = comptime!(config.value_dim);
+    let head_pad = comptime!(config.head_pad);
+    let value_pad = comptime!(config.value_pad);
+    let plane_dim = comptime!(config.plane_dim);
+    let max_spans = comptime!(config.max_spans);
+    let tensor_cores = comptime!(config.tensor_cores);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let q_tile_index = CUBE_POS_X as usize;
@@ -824,18 +859,18 @@ pub fn dkdv_tiles_kernel<F: Float>(
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
     scale: f32,
-    #[comptime] head_dim: usize,
-    #[comptime] value_dim: usize,
-    #[comptime] head_pad: usize,
-    #[comptime] value_pad: usize,
-    #[comptime] planes: usize,
-    #[comptime] plane_dim: usize,
-    #[comptime] max_spans: usize,
-    #[comptime] tensor_cores: bool,
+    #[comptime] config: TileConfig,
     #[define(F)] _dtype: StorageType,
 ) {
-    let rows = comptime!(TILE * planes);
-    let units = comptime!(plane_dim * planes);
+    let rows = comptime!(config.rows());
+    let units = comptime!(config.units());
+    let head_dim = comptime!(config.head_dim);
+    let value_dim = comptime!(config.value_dim);
+    let head_pad = comptime!(config.head_pad);
+    let value_pad = comptime!(config.value_pad);
+    let plane_dim = comptime!(config.plane_dim);
+    let max_spans = comptime!(config.max_spans);
+    let tensor_cores = comptime!(config.tensor_cores);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let key_tile_index = CUBE_POS_X as usize;

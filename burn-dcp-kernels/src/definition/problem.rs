@@ -3,6 +3,7 @@
 use crate::definition::error::KernelError;
 use crate::definition::mask::{mask_of, validate_masks, MaskSpec};
 use crate::definition::packing::{token_count, whole_sequences, Segment};
+use crate::heads::Heads;
 
 /// What one attention call computes: which sequences exist, how each is masked, and which
 /// (sequence, position) every query and key/value token holds.
@@ -65,11 +66,8 @@ impl AttentionShape {
                 q[1], q[2], v[2]
             ));
         }
-        if k[1] == 0 || !q[1].is_multiple_of(k[1]) {
-            return bad(format!(
-                "kv heads {} must divide q heads {} (grouped-query attention)",
-                k[1], q[1]
-            ));
+        if let Err(e) = Heads::new(q[1], k[1]) {
+            return bad(e.to_string());
         }
         Ok(Self {
             q_tokens: q[0],

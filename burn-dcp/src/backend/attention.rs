@@ -423,12 +423,8 @@ fn check_call(
             "CP attention is self-attention over this rank's tokens: q {q:?}, k {k:?} and v {v:?} must share batch and sequence dims"
         )));
     }
-    if k[1] != v[1] || k[1] == 0 || !q[1].is_multiple_of(k[1]) {
-        return Err(CpError::Input(format!(
-            "k and v need the same number of heads, dividing q's {} (grouped-query attention); got k {} and v {}",
-            q[1], k[1], v[1]
-        )));
-    }
+    crate::heads::Heads::of_tensors(q[1], k[1], v[1])
+        .map_err(|e| CpError::Input(format!("q {q:?}, k {k:?} and v {v:?}: {e}")))?;
     let rank = context.group.comm.rank();
     let rows = context.batch.local_rows(rank)?;
     let (batch, width) = (q[0], q[2]);

@@ -6,6 +6,7 @@ use burn::tensor::ops::AttentionModuleOptions;
 
 use super::HeadError;
 use crate::backend::is_context_parallel;
+use crate::heads::Heads;
 
 /// burn's [`attention`] op with `key`/`value` of fewer heads than `query` (`[B, K, S, D]`,
 /// `H % K == 0`, kv head `h / (H/K)` serving query head `h`).
@@ -39,14 +40,13 @@ pub fn repeat_kv_heads<B: Backend>(
     heads: usize,
 ) -> Result<(Tensor<B, 4>, Tensor<B, 4>), HeadError> {
     let (kv_heads, value_heads) = (key.dims()[1], value.dims()[1]);
-    if kv_heads != value_heads || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-        return Err(HeadError::KeyValue {
+    let group = Heads::of_tensors(heads, kv_heads, value_heads)
+        .map_err(|_| HeadError::KeyValue {
             heads,
             key: kv_heads,
             value: value_heads,
-        });
-    }
-    let group = heads / kv_heads;
+        })?
+        .group_size();
     Ok((repeat(key, group), repeat(value, group)))
 }
 

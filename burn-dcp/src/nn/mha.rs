@@ -10,6 +10,7 @@ use burn::tensor::ops::AttentionModuleOptions;
 use super::attention::{grouped_attention, repeat_kv_heads};
 use super::{bool_values, exact_reshape, HeadError};
 use crate::backend::{current_context, is_context_parallel, CpContext};
+use crate::heads::Heads;
 
 /// Configuration of a [`MultiHeadAttention`]: burn-nn 0.21's `MultiHeadAttentionConfig` (same
 /// fields, defaults and builders) plus `n_kv_heads` (grouped-query attention).
@@ -117,12 +118,11 @@ impl MultiHeadAttentionConfig {
             });
         }
         if let Some(kv) = self.n_kv_heads {
-            if kv == 0 || !self.n_heads.is_multiple_of(kv) {
-                return Err(HeadError::KvHeads {
-                    kv_heads: kv,
-                    heads: self.n_heads,
-                });
-            }
+            // The rule is `Heads`'; the message names burn's config fields.
+            Heads::new(self.n_heads, kv).map_err(|_| HeadError::KvHeads {
+                kv_heads: kv,
+                heads: self.n_heads,
+            })?;
         }
         Ok(())
     }

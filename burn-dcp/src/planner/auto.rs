@@ -21,83 +21,26 @@
 //! the same under every placement up to DCP's memory imbalance), with the cost model's limits
 //! (`planner/cost.rs`: no congestion; on GPUs, no kernel overheads).
 
-use std::fmt;
-use std::str::FromStr;
-
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::error::CpError;
 use crate::planner::cost::{evaluate, RoutedPlan, StrategyReport};
 use crate::planner::dcp::dcp_execution_plan;
 use crate::planner::plan::{tile_grids, validate_plan};
-use crate::planner::strategies::{plan_strategy, PlanInput, PlanStrategy};
+use crate::planner::strategies::{plan_strategy, PlanInput};
+use crate::strategy::StrategyKind;
 
-/// A strategy `auto` may choose.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum AutoCandidate {
-    RingZigzag,
-    Ulysses,
-    Usp,
-    AllGather,
-    Dynamic,
-    Dcp,
-}
+/// Former name of [`StrategyKind`] in `auto` (its `RingZigzag` is [`StrategyKind::RING_ZIGZAG`]).
+/// The candidates are [`StrategyKind::ALL`].
+#[deprecated(since = "0.1.0", note = "use burn_dcp::StrategyKind")]
+pub type AutoCandidate = StrategyKind;
 
-impl AutoCandidate {
-    /// Every candidate, in tie-break order.
-    pub const ALL: [AutoCandidate; 6] = [
-        Self::RingZigzag,
-        Self::Ulysses,
-        Self::Usp,
-        Self::AllGather,
-        Self::Dynamic,
-        Self::Dcp,
-    ];
-
-    /// The name in `strategy_counts` and `plan_sim`'s `auto` report.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::RingZigzag => "ring-zigzag",
-            Self::Ulysses => "ulysses",
-            Self::Usp => "usp",
-            Self::AllGather => "all-gather",
-            Self::Dynamic => "dynamic",
-            Self::Dcp => "dcp",
-        }
-    }
-
-    /// Plans the candidate for `input`.
-    pub fn plan(&self, input: &PlanInput) -> Result<RoutedPlan, CpError> {
-        match self {
-            Self::RingZigzag => plan_strategy(PlanStrategy::RingZigzag, input),
-            Self::Ulysses => plan_strategy(PlanStrategy::Ulysses, input),
-            Self::Usp => plan_strategy(PlanStrategy::Usp, input),
-            Self::AllGather => plan_strategy(PlanStrategy::AllGather, input),
-            Self::Dynamic => plan_strategy(PlanStrategy::MegatronDynamic, input),
-            Self::Dcp => executable_dcp_plan(input),
-        }
-    }
-}
-
-impl fmt::Display for AutoCandidate {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for AutoCandidate {
-    type Err = CpError;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        Self::ALL
-            .into_iter()
-            .find(|c| c.name() == text)
-            .ok_or_else(|| {
-                CpError::Config(format!(
-                    "unknown auto candidate '{text}': expected one of ring-zigzag, ulysses, usp, all-gather, dynamic, dcp"
-                ))
-            })
+/// Plans candidate `kind` (one of [`StrategyKind::ALL`]) for `input` as it runs: DCP's
+/// executable plan, the others' [`plan_strategy`].
+pub fn plan_candidate(kind: StrategyKind, input: &PlanInput) -> Result<RoutedPlan, CpError> {
+    match kind {
+        StrategyKind::Dcp => executable_dcp_plan(input),
+        other => plan_strategy(other, input),
     }
 }
 
@@ -138,10 +81,10 @@ pub struct AutoEstimate {
 /// The choice for one batch: the winner, its plan, and every candidate's estimate.
 #[derive(Clone, Debug)]
 pub struct AutoChoice {
-    pub winner: AutoCandidate,
+    pub winner: StrategyKind,
     /// The winner's plan (what it runs: DCP executes it; the others follow the same rules).
     pub plan: RoutedPlan,
-    /// Every candidate considered, in [`AutoCandidate::ALL`] order.
+    /// Every candidate considered, in [`StrategyKind::ALL`] order.
     pub estimates: Vec<AutoEstimate>,
 }
 
@@ -157,37 +100,40 @@ impl AutoChoice {
 }
 
 /// Parses a comma-separated candidate list (`--auto-candidates`): at least one, each known.
-pub fn parse_candidates(text: &str) -> Result<Vec<AutoCandidate>, CpError> {
+pub fn parse_candidates(text: &str) -> Result<Vec<StrategyKind>, CpError> {
     let candidates = text
         .split(',')
-        .map(|name| name.trim().parse())
-        .collect::<Result<Vec<AutoCandidate>, _>>()?;
+        .map(|name| StrategyKind::from_candidate_name(name.trim()))
+        .collect::<Result<Vec<StrategyKind>, _>>()?;
     if candidates.is_empty() {
         return Err(CpError::Config("auto needs at least one candidate".into()));
     }
     Ok(candidates)
 }
 
-/// Plans every candidate of `candidates` (all: [`AutoCandidate::ALL`]) for `input` and picks the
+/// Plans every candidate of `candidates` (all: [`StrategyKind::ALL`]) for `input` and picks the
 /// lowest estimated attention time (forward + backward); ties go to the candidate earlier in
-/// [`AutoCandidate::ALL`], whatever the order given. A candidate that cannot plan the batch
+/// [`StrategyKind::ALL`], whatever the order given. A candidate that cannot plan the batch
 /// (Ulysses with heads not divisible by the ranks, …) is skipped with its reason; an invalid
-/// input, or no candidate, is an error.
+/// input, no candidate, or a kind that is no candidate (ring in another layout) is an error.
 pub fn choose_strategy(
     input: &PlanInput,
-    candidates: &[AutoCandidate],
+    candidates: &[StrategyKind],
 ) -> Result<AutoChoice, CpError> {
     input.validate()?;
     if candidates.is_empty() {
         return Err(CpError::Config("auto needs at least one candidate".into()));
     }
-    let mut best: Option<(AutoCandidate, f64, RoutedPlan)> = None;
-    let mut estimates = Vec::with_capacity(AutoCandidate::ALL.len());
-    for candidate in AutoCandidate::ALL
+    if let Some(other) = candidates.iter().find(|c| !StrategyKind::ALL.contains(c)) {
+        return Err(StrategyKind::from_candidate_name(other.name()).unwrap_err());
+    }
+    let mut best: Option<(StrategyKind, f64, RoutedPlan)> = None;
+    let mut estimates = Vec::with_capacity(StrategyKind::ALL.len());
+    for candidate in StrategyKind::ALL
         .into_iter()
         .filter(|c| candidates.contains(c))
     {
-        let estimate = candidate.plan(input).and_then(|routed| {
+        let estimate = plan_candidate(candidate, input).and_then(|routed| {
             validate_plan(&routed.plan, &routed.problem)
                 .map_err(|e| CpError::Config(format!("{candidate}: invalid plan: {e}")))?;
             let report = evaluate(&routed, &input.topology)?;
@@ -259,7 +205,7 @@ mod tests {
     #[test]
     fn the_winner_has_the_lowest_estimate_and_every_candidate_is_reported() {
         let input = input(vec![30_000, 8_000, 1_200, 900], MaskSpec::Causal, 2, 8);
-        let choice = choose_strategy(&input, &AutoCandidate::ALL).unwrap();
+        let choice = choose_strategy(&input, &StrategyKind::ALL).unwrap();
         let names: Vec<_> = choice.estimates.iter().map(|e| e.strategy).collect();
         assert_eq!(
             names,
@@ -285,7 +231,7 @@ mod tests {
         assert!(ulysses.error.as_deref().unwrap().contains("multiple of 16"));
         // The same input gives the same choice.
         assert_eq!(
-            choose_strategy(&input, &AutoCandidate::ALL).unwrap().winner,
+            choose_strategy(&input, &StrategyKind::ALL).unwrap().winner,
             choice.winner
         );
     }
@@ -298,25 +244,23 @@ mod tests {
         };
         let choice = choose_strategy(
             &input(vec![65_536, 32_768], lambda, 4, 8),
-            &AutoCandidate::ALL,
+            &StrategyKind::ALL,
         )
         .unwrap();
-        assert_eq!(choice.winner, AutoCandidate::Dcp);
+        assert_eq!(choice.winner, StrategyKind::Dcp);
         let mut single = input(vec![4096, 2048], MaskSpec::Causal, 1, 8);
         single.topology.devices_per_node = 1;
         // One rank: nothing moves, every candidate estimates the same compute; ties go first.
         assert_eq!(
-            choose_strategy(&single, &AutoCandidate::ALL)
-                .unwrap()
-                .winner,
-            AutoCandidate::RingZigzag
+            choose_strategy(&single, &StrategyKind::ALL).unwrap().winner,
+            StrategyKind::RING_ZIGZAG
         );
     }
 
     #[test]
     fn all_gather_moves_every_kv_to_every_rank_and_back_as_gradients() {
         let input = input(vec![8192], MaskSpec::Causal, 1, 8);
-        let routed = plan_strategy(PlanStrategy::AllGather, &input).unwrap();
+        let routed = plan_strategy(StrategyKind::AllGather, &input).unwrap();
         validate_plan(&routed.plan, &routed.problem).unwrap();
         let ranks = input.topology.ranks() as f64;
         // kv bytes of the whole sequence: 2 kv heads × 128 × 2 bytes × 2 (K and V) per token
@@ -330,21 +274,27 @@ mod tests {
     fn invalid_inputs_are_errors_not_skips() {
         let mut bad = input(vec![1024], MaskSpec::Causal, 1, 8);
         bad.block = 0;
-        assert!(choose_strategy(&bad, &AutoCandidate::ALL).is_err());
+        assert!(choose_strategy(&bad, &StrategyKind::ALL).is_err());
         let good = input(vec![1024], MaskSpec::Causal, 1, 8);
         assert!(choose_strategy(&good, &[]).is_err());
-        let only = choose_strategy(&good, &[AutoCandidate::Dcp, AutoCandidate::AllGather]).unwrap();
+        let only = choose_strategy(&good, &[StrategyKind::Dcp, StrategyKind::AllGather]).unwrap();
         let names: Vec<_> = only.estimates.iter().map(|e| e.strategy).collect();
         assert_eq!(names, ["all-gather", "dcp"]);
-        assert!("ring".parse::<AutoCandidate>().is_err());
+        assert!(StrategyKind::from_candidate_name("ring").is_err());
+        let stripe = StrategyKind::Ring(crate::Layout::Stripe);
+        let err = choose_strategy(&good, &[stripe]).unwrap_err().to_string();
+        assert!(
+            err.contains("unknown auto candidate 'ring-stripe'"),
+            "{err}"
+        );
         assert!(parse_candidates("dcp,,ulysses").is_err());
         assert_eq!(
             parse_candidates("dcp,ulysses").unwrap(),
-            [AutoCandidate::Dcp, AutoCandidate::Ulysses]
+            [StrategyKind::Dcp, StrategyKind::Ulysses]
         );
         assert_eq!(
-            "dynamic".parse::<AutoCandidate>().unwrap(),
-            AutoCandidate::Dynamic
+            StrategyKind::from_candidate_name("dynamic").unwrap(),
+            StrategyKind::Dynamic
         );
     }
 }

@@ -38,6 +38,7 @@ use serde::{Deserialize, Serialize};
 use crate::bytes::TokenBytes;
 pub use crate::bytes::{Pass, Side};
 use crate::error::CpError;
+use crate::heads::{HeadParts, HeadSplitError, Heads};
 use crate::planner::hypergraph::FastMap;
 use crate::planner::plan::{BlockProblem, DataKind, Plan, TileGrid};
 pub use crate::planner::topology::BACKWARD_FLOPS_FACTOR;
@@ -82,33 +83,43 @@ impl AttentionDims {
                 self.heads, self.head_dim, self.element_bytes
             )));
         }
-        if !self.heads.is_multiple_of(self.kv_heads) {
-            return Err(CpError::Config(format!(
+        self.head_pair()?;
+        Ok(())
+    }
+
+    /// The query and kv heads ([`Heads`]: kv heads divide the query heads). The planner's
+    /// refusals keep the words plan_sim has always reported (its JSON is compared byte for byte
+    /// across changes); the rules are `Heads`'.
+    pub fn head_pair(&self) -> Result<Heads, CpError> {
+        Heads::new(self.heads, self.kv_heads).map_err(|_| {
+            CpError::Config(format!(
                 "heads ({}) must be a multiple of kv heads ({})",
                 self.heads, self.kv_heads
-            )));
-        }
-        Ok(())
+            ))
+        })
     }
 
     /// Sizes for `units` head units. A unit holds `heads / units` query heads and, when there are
     /// more units than kv heads, a replica of its kv head (as Ulysses does past the kv head count).
     pub fn unit_sizes(&self, units: usize) -> Result<UnitSizes, CpError> {
         self.validate()?;
-        if units == 0 || !self.heads.is_multiple_of(units) {
-            return Err(CpError::Config(format!(
-                "{units} head units do not divide {} query heads",
-                self.heads
-            )));
-        }
-        if !units.is_multiple_of(self.kv_heads) && !self.kv_heads.is_multiple_of(units) {
-            return Err(CpError::Config(format!(
-                "{units} head units and {} kv heads: one must divide the other",
-                self.kv_heads
-            )));
-        }
-        let q_heads = self.heads / units;
-        let kv_heads = (self.kv_heads / units).max(1) as f64;
+        let unit = self
+            .head_pair()?
+            .split(HeadParts::Units(units))
+            .map_err(|e| {
+                CpError::Config(match e {
+                    HeadSplitError::KeyValues { .. } => format!(
+                        "{units} head units and {} kv heads: one must divide the other",
+                        self.kv_heads
+                    ),
+                    _ => format!(
+                        "{units} head units do not divide {} query heads",
+                        self.heads
+                    ),
+                })
+            })?;
+        let q_heads = unit.heads();
+        let kv_heads = unit.kv_heads() as f64;
         let d = self.head_dim as f64;
         let e = self.element_bytes as f64;
         Ok(UnitSizes {
@@ -780,7 +791,7 @@ pub fn route_transfers(
 mod tests {
     use super::*;
     use crate::planner::dcp::DcpConfig;
-    use crate::planner::strategies::{plan_strategy, PlanInput, PlanStrategy};
+    use crate::planner::strategies::{plan_strategy, PlanInput};
     use burn_dcp_kernels::MaskSpec;
 
     /// Links of (almost) unlimited bandwidth, 0.1 s inside a node and 1 s between nodes, and
@@ -814,7 +825,7 @@ mod tests {
             dcp: DcpConfig::default(),
             max_seq_len_per_rank: None,
         };
-        let routed = plan_strategy(PlanStrategy::RingZigzag, &input).unwrap();
+        let routed = plan_strategy(crate::StrategyKind::RING_ZIGZAG, &input).unwrap();
         let report = evaluate(&routed, &input.topology).unwrap();
         // Forward: the agreement (1 s), then the block a rank computes last has come 7 hops,
         // 2 of them between the nodes (1 s each) and 5 inside one (0.1 s each), each hop leaving

@@ -24,6 +24,7 @@ use burn_dcp_kernels::{mask_of, validate_masks, MaskSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::error::CpError;
+use crate::strategy::StrategyKind;
 
 /// A compute block: attention of one q block against one kv block of one head group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -126,14 +127,23 @@ impl PlanStats {
     /// string if it has one, else `""`.
     pub fn strategy(&self) -> &str {
         match self {
-            Self::RingZigzag { .. } => "ring-zigzag",
-            Self::Ulysses(_) => "ulysses",
-            Self::Usp(_) => "usp",
-            Self::AllGather { .. } => "all-gather",
-            Self::MegatronDynamic { .. } => "megatron-dynamic",
-            Self::Dcp(_) => "dcp",
             Self::Other(value) => value["strategy"].as_str().unwrap_or_default(),
+            typed => typed.kind().map_or("", StrategyKind::plan_name),
         }
+    }
+
+    /// The strategy of the typed statistics (their `"strategy"` tag is its
+    /// [`plan_name`](StrategyKind::plan_name)); `None` for [`PlanStats::Other`].
+    pub fn kind(&self) -> Option<StrategyKind> {
+        Some(match self {
+            Self::RingZigzag { .. } => StrategyKind::RING_ZIGZAG,
+            Self::Ulysses(_) => StrategyKind::Ulysses,
+            Self::Usp(_) => StrategyKind::Usp,
+            Self::AllGather { .. } => StrategyKind::AllGather,
+            Self::MegatronDynamic { .. } => StrategyKind::Dynamic,
+            Self::Dcp(_) => StrategyKind::Dcp,
+            Self::Other(_) => return None,
+        })
     }
 
     /// The block size of the plan (for [`PlanStats::Other`], its `"block"` if it has one).
@@ -564,6 +574,42 @@ mod tests {
         }
     }
 
+    /// Sequences of `seq_lens` under `mask`, `heads` query heads over 2 kv heads of dim 64 in
+    /// bf16, blocks of 128, on one a100-p4d node.
+    fn plan_input(
+        seq_lens: Vec<usize>,
+        mask: MaskSpec,
+        heads: usize,
+    ) -> crate::planner::strategies::PlanInput {
+        crate::planner::strategies::PlanInput {
+            seq_lens,
+            masks: vec![mask],
+            dims: crate::planner::cost::AttentionDims {
+                heads,
+                kv_heads: 2,
+                head_dim: 64,
+                element_bytes: 2,
+            },
+            topology: crate::planner::topology::Topology::preset("a100-p4d", 1).unwrap(),
+            block: 128,
+            dcp: Default::default(),
+            max_seq_len_per_rank: None,
+        }
+    }
+
+    #[test]
+    fn every_plan_is_tagged_with_its_kinds_plan_name() {
+        let input = plan_input(vec![1000, 300], MaskSpec::Causal, 8);
+        for kind in StrategyKind::ALL {
+            let routed = crate::planner::strategies::plan_strategy(kind, &input).unwrap();
+            assert_eq!(routed.name, kind.plan_name());
+            assert_eq!(routed.plan.stats.kind(), Some(kind));
+            assert_eq!(routed.plan.stats.strategy(), kind.plan_name());
+            let json = serde_json::to_value(&routed.plan.stats).unwrap();
+            assert_eq!(json["strategy"], kind.plan_name());
+        }
+    }
+
     #[test]
     fn validator_accepts_a_ring_plan_and_rejects_broken_ones() {
         for mask in [
@@ -573,25 +619,10 @@ mod tests {
             "blockwise:128,2",
             "shared-question:0.2,4",
         ] {
-            let input = crate::planner::strategies::PlanInput {
-                seq_lens: vec![1000, 300, 2049],
-                masks: vec![mask.parse().unwrap()],
-                dims: crate::planner::cost::AttentionDims {
-                    heads: 4,
-                    kv_heads: 2,
-                    head_dim: 64,
-                    element_bytes: 2,
-                },
-                topology: crate::planner::topology::Topology::preset("a100-p4d", 1).unwrap(),
-                block: 128,
-                dcp: Default::default(),
-                max_seq_len_per_rank: None,
-            };
-            let routed = crate::planner::strategies::plan_strategy(
-                crate::planner::strategies::PlanStrategy::RingZigzag,
-                &input,
-            )
-            .unwrap();
+            let input = plan_input(vec![1000, 300, 2049], mask.parse().unwrap(), 4);
+            let routed =
+                crate::planner::strategies::plan_strategy(crate::StrategyKind::RING_ZIGZAG, &input)
+                    .unwrap();
             let (plan, p) = (routed.plan, routed.problem);
             validate_plan(&plan, &p).unwrap();
             let json = serde_json::to_string(&plan).unwrap();

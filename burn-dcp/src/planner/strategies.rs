@@ -21,11 +21,10 @@
 //!   batches the schedule needs run one after the other (their stages follow each other).
 //! - **dcp**: see [`crate::planner::dcp`].
 
-use std::str::FromStr;
-
 use burn_dcp_kernels::{mask_of, MaskSpec};
 
 use crate::error::CpError;
+use crate::heads::HeadParts;
 use crate::layout::Layout;
 use crate::planner::cost::{AttentionDims, Pass, Ready, RoutedPlan, Transfer, UnitSizes, POST};
 use crate::planner::dcp::{dcp_plan, DcpConfig};
@@ -34,12 +33,15 @@ use crate::planner::plan::{
     tile_grids, BlockProblem, ComputeBlock, MeshStats, Plan, PlanStats, TileGrid,
 };
 use crate::planner::topology::Topology;
-use crate::strategy::Strategy;
+use crate::strategy::{Strategy, StrategyKind};
 
 /// Most (q, kv) block pairs (full-mask count) a static strategy's plan may have.
 pub const STATIC_TILE_BUDGET: usize = 1 << 21;
 
-/// A planned strategy.
+/// The planner's strategies before [`StrategyKind`], kept so that code written against them
+/// builds and behaves as it did: its names are the plan format's
+/// ([`StrategyKind::plan_name`]: `megatron-dynamic`), read and written through [`StrategyKind`].
+#[deprecated(since = "0.1.0", note = "use burn_dcp::StrategyKind")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlanStrategy {
     RingZigzag,
@@ -50,40 +52,51 @@ pub enum PlanStrategy {
     Dcp,
 }
 
+#[allow(deprecated)]
 impl PlanStrategy {
     pub const ALL: [PlanStrategy; 6] = [
-        PlanStrategy::RingZigzag,
-        PlanStrategy::Ulysses,
-        PlanStrategy::Usp,
-        PlanStrategy::AllGather,
-        PlanStrategy::MegatronDynamic,
-        PlanStrategy::Dcp,
+        Self::RingZigzag,
+        Self::Ulysses,
+        Self::Usp,
+        Self::AllGather,
+        Self::MegatronDynamic,
+        Self::Dcp,
     ];
 
+    /// The plan format's name of the strategy.
     pub fn name(&self) -> &'static str {
-        match self {
-            Self::RingZigzag => "ring-zigzag",
-            Self::Ulysses => "ulysses",
-            Self::Usp => "usp",
-            Self::AllGather => "all-gather",
-            Self::MegatronDynamic => "megatron-dynamic",
-            Self::Dcp => "dcp",
+        StrategyKind::from(*self).plan_name()
+    }
+}
+
+#[allow(deprecated)]
+impl From<PlanStrategy> for StrategyKind {
+    fn from(strategy: PlanStrategy) -> Self {
+        match strategy {
+            PlanStrategy::RingZigzag => StrategyKind::RING_ZIGZAG,
+            PlanStrategy::Ulysses => StrategyKind::Ulysses,
+            PlanStrategy::Usp => StrategyKind::Usp,
+            PlanStrategy::AllGather => StrategyKind::AllGather,
+            PlanStrategy::MegatronDynamic => StrategyKind::Dynamic,
+            PlanStrategy::Dcp => StrategyKind::Dcp,
         }
     }
 }
 
-impl FromStr for PlanStrategy {
+#[allow(deprecated)]
+impl std::str::FromStr for PlanStrategy {
     type Err = CpError;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        Self::ALL
-            .into_iter()
-            .find(|s| s.name() == text)
-            .ok_or_else(|| {
-                CpError::Config(format!(
-                    "unknown strategy '{text}': expected one of ring-zigzag, ulysses, usp, all-gather, megatron-dynamic, dcp"
-                ))
-            })
+        // The plan format's names are those of `StrategyKind::ALL`: ring is zigzag.
+        Ok(match StrategyKind::from_plan_name(text)? {
+            StrategyKind::Ring(_) => Self::RingZigzag,
+            StrategyKind::Ulysses => Self::Ulysses,
+            StrategyKind::Usp => Self::Usp,
+            StrategyKind::AllGather => Self::AllGather,
+            StrategyKind::Dynamic => Self::MegatronDynamic,
+            StrategyKind::Dcp => Self::Dcp,
+        })
     }
 }
 
@@ -150,28 +163,36 @@ impl PlanInput {
     }
 }
 
-/// Plans `strategy` for `input`.
-pub fn plan_strategy(strategy: PlanStrategy, input: &PlanInput) -> Result<RoutedPlan, CpError> {
+/// Plans `strategy` (one of [`StrategyKind::ALL`]) for `input`.
+pub fn plan_strategy(
+    strategy: impl Into<StrategyKind>,
+    input: &PlanInput,
+) -> Result<RoutedPlan, CpError> {
     input.validate()?;
-    match strategy {
-        PlanStrategy::RingZigzag => ring_zigzag(input),
-        PlanStrategy::Ulysses => {
+    match strategy.into() {
+        StrategyKind::Ring(Layout::Zigzag) => ring_zigzag(input),
+        StrategyKind::Ring(layout) => Err(CpError::Config(format!(
+            "the planner places ring's tokens zigzag: it has no plan of ring-{layout}"
+        ))),
+        StrategyKind::Ulysses => {
             let ranks = input.topology.ranks();
-            if !input.dims.heads.is_multiple_of(ranks) {
+            let heads = input.dims.head_pair()?;
+            if heads.split_queries(HeadParts::Ulysses(ranks)).is_err() {
+                // `Heads`' rule, in the words plan_sim's reports have always used.
                 return Err(CpError::Config(format!(
                     "ulysses over {ranks} ranks needs the query heads ({}) to be a multiple of {ranks}",
-                    input.dims.heads
+                    heads.heads()
                 )));
             }
-            usp(input, ranks, PlanStrategy::Ulysses)
+            usp(input, ranks, StrategyKind::Ulysses)
         }
-        PlanStrategy::Usp => {
+        StrategyKind::Usp => {
             let degree = usp_ulysses_degree(input)?;
-            usp(input, degree, PlanStrategy::Usp)
+            usp(input, degree, StrategyKind::Usp)
         }
-        PlanStrategy::AllGather => all_gather(input),
-        PlanStrategy::MegatronDynamic => megatron_dynamic(input),
-        PlanStrategy::Dcp => {
+        StrategyKind::AllGather => all_gather(input),
+        StrategyKind::Dynamic => megatron_dynamic(input),
+        StrategyKind::Dcp => {
             let problem = input.problem(input.dims.kv_heads);
             let grids = tile_grids(&problem);
             dcp_plan(&problem, grids, &input.dims, &input.topology, &input.dcp)
@@ -188,9 +209,9 @@ pub fn executed_plan(
     input: &PlanInput,
 ) -> Result<Option<RoutedPlan>, CpError> {
     let plan = match (strategy, layout) {
-        (Strategy::Ring, Layout::Zigzag) => plan_strategy(PlanStrategy::RingZigzag, input)?,
-        (Strategy::AllGather, Layout::Zigzag) => plan_strategy(PlanStrategy::AllGather, input)?,
-        (Strategy::Ulysses, _) => plan_strategy(PlanStrategy::Ulysses, input)?,
+        (Strategy::Ring, Layout::Zigzag) => plan_strategy(StrategyKind::RING_ZIGZAG, input)?,
+        (Strategy::AllGather, Layout::Zigzag) => plan_strategy(StrategyKind::AllGather, input)?,
+        (Strategy::Ulysses, _) => plan_strategy(StrategyKind::Ulysses, input)?,
         (Strategy::Usp { ulysses_degree, .. }, _) => plan_usp(input, ulysses_degree)?,
         _ => return Ok(None),
     };
@@ -201,26 +222,27 @@ pub fn executed_plan(
 /// a ring of `ranks / ulysses_degree` across them), as `--strategy usp --ulysses-degree` runs it.
 pub fn plan_usp(input: &PlanInput, ulysses_degree: usize) -> Result<RoutedPlan, CpError> {
     input.validate()?;
-    if ulysses_degree == 0 || !input.dims.heads.is_multiple_of(ulysses_degree) {
+    let heads = input.dims.head_pair()?;
+    if heads
+        .split_queries(HeadParts::Ulysses(ulysses_degree))
+        .is_err()
+    {
         return Err(CpError::Config(format!(
             "usp: Ulysses degree {ulysses_degree} must divide the {} query heads",
-            input.dims.heads
+            heads.heads()
         )));
     }
-    usp(input, ulysses_degree, PlanStrategy::Usp)
+    usp(input, ulysses_degree, StrategyKind::Usp)
 }
 
 /// USP's Ulysses degree: the largest divisor of the devices per node that also divides the query
 /// heads and is compatible with the kv heads (one divides the other).
 pub fn usp_ulysses_degree(input: &PlanInput) -> Result<usize, CpError> {
     let per_node = input.topology.devices_per_node;
+    let heads = input.dims.head_pair()?;
     (1..=per_node)
         .rev()
-        .find(|&d| {
-            per_node.is_multiple_of(d)
-                && input.dims.heads.is_multiple_of(d)
-                && (d.is_multiple_of(input.dims.kv_heads) || input.dims.kv_heads.is_multiple_of(d))
-        })
+        .find(|&d| per_node.is_multiple_of(d) && heads.split(HeadParts::Units(d)).is_ok())
         .ok_or_else(|| CpError::Config("no Ulysses degree fits the heads and the node".into()))
 }
 
@@ -410,7 +432,7 @@ fn ring_zigzag(input: &PlanInput) -> Result<RoutedPlan, CpError> {
         &mut transfers,
     );
     Ok(RoutedPlan {
-        name: "ring-zigzag".into(),
+        name: StrategyKind::RING_ZIGZAG.plan_name().into(),
         plan,
         problem,
         grids,
@@ -494,7 +516,7 @@ fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
         offset += longest;
     }
     Ok(RoutedPlan {
-        name: "megatron-dynamic".into(),
+        name: StrategyKind::Dynamic.plan_name().into(),
         plan,
         problem,
         grids,
@@ -529,7 +551,7 @@ fn all_gather(input: &PlanInput) -> Result<RoutedPlan, CpError> {
         );
     }
     Ok(RoutedPlan {
-        name: "all-gather".into(),
+        name: StrategyKind::AllGather.plan_name().into(),
         plan,
         problem,
         grids,
@@ -644,8 +666,8 @@ fn all_to_all(home: usize, rank: usize, tokens: f64, sizes: &UnitSizes, out: &mu
 
 /// USP with Ulysses degree `degree`; `strategy` (ulysses: `degree` is every rank, or usp) names
 /// the plan.
-fn usp(input: &PlanInput, degree: usize, strategy: PlanStrategy) -> Result<RoutedPlan, CpError> {
-    let name = strategy.name();
+fn usp(input: &PlanInput, degree: usize, strategy: StrategyKind) -> Result<RoutedPlan, CpError> {
+    let name = strategy.plan_name();
     let ranks = input.topology.ranks();
     if degree == 0 || !ranks.is_multiple_of(degree) {
         return Err(CpError::Config(format!(
@@ -668,7 +690,7 @@ fn usp(input: &PlanInput, degree: usize, strategy: PlanStrategy) -> Result<Route
         head_units: mesh.units,
     };
     let stats = match strategy {
-        PlanStrategy::Ulysses => PlanStats::Ulysses(stats),
+        StrategyKind::Ulysses => PlanStats::Ulysses(stats),
         _ => PlanStats::Usp(stats),
     };
     let mut plan = Plan::new(ranks, stats);

@@ -28,9 +28,10 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment, VarlenAtt
 
 use crate::comm::{Comm, CommError, Payload, PendingSend};
 use crate::error::CpError;
+use crate::heads::HeadParts;
 use crate::planner::cost::{Pass, Side};
 use crate::strategy::block_plan::{BlockId, BlockSchedule, Instruction};
-use crate::strategy::exchange::{cat_tokens, narrow, split_sizes};
+use crate::strategy::exchange::{cat_tokens, filled, narrow, split_sizes};
 use crate::strategy::{BackwardInputs, CpBatch};
 
 /// Dims of a pass's tensors: query heads, kv heads, head dim, and the head units they are cut
@@ -44,19 +45,12 @@ struct Heads {
 }
 
 impl Heads {
-    /// `units` head units of `heads` query and `kv_heads` kv heads: `units` divides the query
-    /// heads and divides or is a multiple of the kv heads (the plan's rule,
-    /// [`crate::planner::cost::AttentionDims::unit_sizes`]).
+    /// `units` head units of `heads` query and `kv_heads` kv heads
+    /// ([`crate::heads::Heads::split`]'s rule, the plan's).
     fn new(heads: usize, kv_heads: usize, dim: usize, units: usize) -> Result<Self, CpError> {
-        let fits = units > 0
-            && heads.is_multiple_of(units)
-            && kv_heads > 0
-            && (kv_heads.is_multiple_of(units) || units.is_multiple_of(kv_heads));
-        if !fits {
-            return Err(CpError::Config(format!(
-                "DCP: the plan has {units} head units, which must divide the {heads} query heads and divide or be a multiple of the {kv_heads} kv heads"
-            )));
-        }
+        crate::heads::Heads::new(heads, kv_heads)
+            .and_then(|h| h.split(HeadParts::Units(units)))
+            .map_err(|e| CpError::Config(format!("DCP plan: {e}")))?;
         Ok(Self {
             heads,
             kv_heads,
@@ -707,7 +701,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
 
     fn zeros(&self, dims: [usize; 3]) -> Tensor<B, 3> {
         let options = TensorCreationOptions::new(self.device.clone()).with_dtype(self.dtype);
-        Tensor::zeros(dims, options)
+        filled(dims, 0.0, options)
     }
 
     /// A unit's output of `t` tokens no tile read: `out` 0, `lse` −∞.
@@ -715,7 +709,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
         let h = self.heads.unit_heads();
         let out = self.zeros([t, h, self.heads.dim]);
         let options = TensorCreationOptions::new(self.device.clone()).with_dtype(DType::F32);
-        let lse = Tensor::full([h, t], f32::NEG_INFINITY, options);
+        let lse = filled([h, t], f32::NEG_INFINITY, options);
         FlashOutput { out, lse }
     }
 

@@ -71,6 +71,20 @@ pub fn all_gather<B: Backend, const D: usize>(
         .collect()
 }
 
+/// A tensor of `dims` filled with `value`; one with no elements launches nothing (cubecl on
+/// CUDA refuses a launch of zero cubes: `CUDA_ERROR_INVALID_VALUE`, seen on an H100 from DCP's
+/// empty pieces; wgpu accepts it).
+pub fn filled<B: Backend, const D: usize>(
+    dims: [usize; D],
+    value: f32,
+    options: TensorCreationOptions<B>,
+) -> Tensor<B, D> {
+    match dims.contains(&0) {
+        true => Tensor::empty(dims, options),
+        false => Tensor::full(dims, value, options),
+    }
+}
+
 /// Concatenation of tensors along `dim` that tolerates empty pieces (and an all-empty list).
 pub fn cat_tokens<B: Backend, const D: usize>(
     parts: Vec<Tensor<B, D>>,

@@ -14,7 +14,7 @@
 //! whatever the placement. The placement decides balance (zigzag balances causal work), not
 //! correctness.
 //!
-//! `spec.rs` (the [`Strategy`] and its [`CpGroup`]), `batch.rs` ([`CpBatch`], [`BackwardInputs`]) and
+//! `kind.rs` ([`StrategyKind`]: every strategy's name, parsed and printed there only), `spec.rs` (the [`Strategy`] and its [`CpGroup`]), `batch.rs` ([`CpBatch`], [`BackwardInputs`]) and
 //! `dispatch.rs` (the [`AttentionStrategy`] trait and the entry points [`cp_attention_forward`] /
 //! [`cp_attention_backward`]) are the base every strategy file builds on.
 
@@ -25,6 +25,7 @@ pub mod block_plan;
 pub mod dcp;
 mod dispatch;
 pub mod exchange;
+mod kind;
 pub mod ring;
 mod spec;
 pub mod ulysses;
@@ -32,4 +33,5 @@ pub mod usp;
 
 pub use batch::{BackwardInputs, CpBatch};
 pub use dispatch::{cp_attention_backward, cp_attention_forward, AttentionStrategy, CpCall, Qkv};
+pub use kind::StrategyKind;
 pub use spec::{CpGroup, Strategy};

@@ -22,7 +22,7 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment};
 
 use crate::comm::{Comm, Payload, PendingRecv, PendingSend};
 use crate::error::CpError;
-use crate::strategy::exchange::checked_tensor;
+use crate::strategy::exchange::{checked_tensor, filled};
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv};
 
 /// A ring over `comm` whose member `p` holds the tokens `members[p]`.
@@ -158,11 +158,11 @@ impl RingPass<'_> {
             }
         }
         Ok(merged.unwrap_or_else(|| FlashOutput {
-            out: Tensor::zeros([tokens, heads, value_dim], (&device, q.dtype())),
-            lse: Tensor::full(
+            out: filled([tokens, heads, value_dim], 0.0, (&device, q.dtype()).into()),
+            lse: filled(
                 [heads, tokens],
                 f32::NEG_INFINITY,
-                (&device, burn::tensor::DType::F32),
+                (&device, burn::tensor::DType::F32).into(),
             ),
         }))
     }

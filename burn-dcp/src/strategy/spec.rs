@@ -4,6 +4,9 @@ use std::fmt;
 
 use crate::comm::Comm;
 use crate::error::CpError;
+use crate::heads::{HeadParts, Heads};
+use crate::layout::Layout;
+use crate::strategy::StrategyKind;
 
 /// Which algorithm computes attention across the CP group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -27,63 +30,25 @@ pub enum Strategy {
 
 impl fmt::Display for Strategy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The kind's name; ring's without its layout, USP's with its mesh.
+        let name = StrategyKind::of(*self, Layout::Zigzag).family();
         match self {
-            Strategy::Ulysses => f.write_str("ulysses"),
-            Strategy::Ring => f.write_str("ring"),
-            Strategy::AllGather => f.write_str("all-gather"),
             Strategy::Usp {
                 ulysses_degree,
                 ring_degree,
-            } => write!(f, "usp({ulysses_degree}x{ring_degree})"),
-            Strategy::Dcp => f.write_str("dcp"),
+            } => write!(f, "{name}({ulysses_degree}x{ring_degree})"),
+            _ => f.write_str(name),
         }
     }
 }
 
 impl Strategy {
-    /// Parses a strategy name for a CP group of `cp` ranks. `usp` needs `ulysses_degree` (the
-    /// ring degree is `cp / ulysses_degree`); the other strategies reject it, so a degree is never
-    /// silently ignored.
+    /// Parses a strategy name for a CP group of `cp` ranks: `ring` (its layout is given apart),
+    /// `ulysses`, `usp`, `all-gather` or `dcp`. `usp` needs `ulysses_degree` (the ring degree is
+    /// `cp / ulysses_degree`); the other strategies reject it, so a degree is never silently
+    /// ignored. The names are [`StrategyKind`]'s.
     pub fn parse(name: &str, ulysses_degree: Option<usize>, cp: usize) -> Result<Self, CpError> {
-        let strategy = match (name, ulysses_degree) {
-            ("ulysses", None) => Strategy::Ulysses,
-            ("ring", None) => Strategy::Ring,
-            ("all-gather", None) => Strategy::AllGather,
-            ("dcp", None) => Strategy::Dcp,
-            ("usp", Some(0)) => {
-                return Err(CpError::Config(
-                    "the ulysses degree must be at least 1, got 0".into(),
-                ))
-            }
-            ("usp", Some(ulysses_degree)) => {
-                if !cp.is_multiple_of(ulysses_degree) {
-                    return Err(CpError::Config(format!(
-                        "cp size {cp} is not divisible by ulysses degree {ulysses_degree}"
-                    )));
-                }
-                Strategy::Usp {
-                    ulysses_degree,
-                    ring_degree: cp / ulysses_degree,
-                }
-            }
-            ("usp", None) => {
-                return Err(CpError::Config(
-                    "strategy usp needs the ulysses degree (ulysses_degree × ring_degree = cp); none was given".into(),
-                ))
-            }
-            ("ulysses" | "ring" | "all-gather" | "dcp", Some(degree)) => {
-                return Err(CpError::Config(format!(
-                    "a ulysses degree ({degree}) only applies to strategy usp, not {name}"
-                )))
-            }
-            (other, _) => {
-                return Err(CpError::Config(format!(
-                    "unknown strategy '{other}': expected ulysses, ring, all-gather, usp or dcp"
-                )))
-            }
-        };
-        strategy.validate_mesh(cp)?;
-        Ok(strategy)
+        StrategyKind::from_static_name(name)?.strategy(ulysses_degree, cp)
     }
 
     /// Checks the strategy against the CP size.
@@ -106,23 +71,16 @@ impl Strategy {
         Ok(())
     }
 
-    /// Checks the head counts against the strategy.
+    /// Checks the head counts against the strategy ([`crate::heads`]'s rules): grouped-query
+    /// heads, and Ulysses' degree (all of `cp`, or USP's) dividing the query heads.
     pub fn validate_heads(&self, heads: usize, kv_heads: usize, cp: usize) -> Result<(), CpError> {
-        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(CpError::Config(format!(
-                "kv heads {kv_heads} must divide q heads {heads} (grouped-query attention)"
-            )));
-        }
+        let heads = Heads::new(heads, kv_heads)?;
         let degree = match self {
             Strategy::Ulysses => cp,
             Strategy::Usp { ulysses_degree, .. } => *ulysses_degree,
-            Strategy::Ring | Strategy::AllGather | Strategy::Dcp => 1,
+            Strategy::Ring | Strategy::AllGather | Strategy::Dcp => return Ok(()),
         };
-        if !heads.is_multiple_of(degree) {
-            return Err(CpError::Config(format!(
-                "q heads {heads} are not divisible by the ulysses degree {degree} (strategy {self})"
-            )));
-        }
+        heads.split_queries(HeadParts::Ulysses(degree))?;
         Ok(())
     }
 }

@@ -18,7 +18,9 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput};
 
 use crate::comm::Comm;
 use crate::error::CpError;
-use crate::strategy::exchange::{all_to_all, cat_tokens, concat_segments, narrow, split_sizes};
+use crate::strategy::exchange::{
+    all_to_all, cat_tokens, concat_segments, filled, narrow, split_sizes,
+};
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv};
 
 /// Which heads each rank of a Ulysses group computes.
@@ -292,10 +294,8 @@ impl UlyssesStage<'_> {
     fn sum_kv_pieces<B: Backend>(&self, pieces: Vec<Tensor<B, 3>>, dim: usize) -> Tensor<B, 3> {
         let tokens = self.member_tokens[self.me()];
         let device = pieces[0].device();
-        let mut grad = Tensor::<B, 3>::zeros(
-            [tokens, self.split.kv_heads, dim],
-            (&device, pieces[0].dtype()),
-        );
+        let dims = [tokens, self.split.kv_heads, dim];
+        let mut grad = filled::<B, 3>(dims, 0.0, (&device, pieces[0].dtype()).into());
         if tokens == 0 {
             return grad;
         }

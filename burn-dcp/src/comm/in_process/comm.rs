@@ -137,6 +137,11 @@ impl Transport for InProcessComm {
         let group = &self.group;
         let (me, to) = (group.me(), group.members[peer]);
         let bytes = data.num_bytes();
+        if me != to {
+            // Another rank's thread will read it: this thread's writes first.
+            data.finish_writes()
+                .map_err(|e| group.invalid(format!("{op}: sending to rank {peer}: {e}")))?;
+        }
         {
             let mut state = self.world.lock();
             if let Some(error) = state.peer_failed(&group.name, group.rank, op) {

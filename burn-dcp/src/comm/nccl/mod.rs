@@ -3,8 +3,10 @@
 //! and host payloads travel over a *control* communicator of the same ranks (the MPI world under
 //! `mpirun`, or the in-process world when ranks are threads).
 //!
-//! **Status: compiled in CI, never run.** This task has no GPU; nothing in this file has executed
-//! on a device. The README says so too.
+//! **Status:** a world of one ran on an H100 (2026-11-26, `burn-dcp/tests/nccl.rs`: a device
+//! tensor sent to itself through `ncclSend`/`ncclRecv`, all-reduce, a host all-gather over the
+//! control world). Several ranks have not run: NCCL refuses two ranks on one GPU, and the GPU
+//! machine lent had one. CI has no GPU.
 //!
 //! **Why a control communicator.** A receive does not know its message's size, and NCCL needs it
 //! before `ncclRecv`. Sending the header over NCCL itself would need a second, dependent NCCL

@@ -72,7 +72,7 @@ fn plan_dcp(
     place_plan(&mut plan, problem, &built, &rank, &schedule.stage_of_tile);
     let transfers = direct_transfers(&plan, problem, &sizes, topology);
     Ok(RoutedPlan {
-        name: "dcp".into(),
+        name: crate::strategy::StrategyKind::Dcp.plan_name().into(),
         plan,
         problem: problem.clone(),
         grids,

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU checks, on a machine with an NVIDIA GPU, CUDA (nvcc's headers, NVRTC) and NCCL, from a
+# bundle that scripts/gpu_bundle.sh built elsewhere: no Rust toolchain needed here.
+#   1. the kernels on CUDA against the f64 oracle: vector kernels (f32), matrix tiles on tensor
+#      cores (f16, bf16), forward and backward (burn-dcp-kernels/tests/cube_cuda.rs);
+#   2. NCCL: a world of one moves device tensors (burn-dcp/tests/nccl.rs; one GPU allows no more:
+#      NCCL refuses two ranks on one device);
+#   3. every CP strategy on CUDA (threads as ranks on the one GPU) against the CPU reference,
+#      max_rel_err <= 1e-5 (scripts/check_wgpu.py --backend cuda);
+#   4. gpt_longctx on CUDA: cp 4 (ring zigzag, ulysses, dcp) against cp 1, per-step loss <= 1e-4;
+#   5. the benchmark group `cuda` (1 x 32 heads x 8192 x 128, bf16);
+#   6. step 3 on the matrix-tile kernels (BURN_DCP_ATTENTION_KERNEL=tiles: f32, ordinary units).
+# Each step has its own time limit; the log goes to $OUT/gpu_check.log (or /tmp) as it runs.
+#
+# Usage: scripts/gpu_check.sh [DIR] [STEP...]   (DIR default .gpu; steps default 1 2 3 4 5)
+set -uo pipefail
+dir=$(cd "${1:-.gpu}" && pwd)
+shift || true
+steps=${*:-1 2 3 4 5}
+out=${OUT:-/tmp}
+log=$out/gpu_check.log
+exec > >(tee -a "$log") 2>&1
+cd "$dir"
+[ -d bin ] || tar xJf bins.tar.xz
+bin=$dir/bin
+nvidia-smi -L || { echo "no NVIDIA GPU"; exit 1; }
+# CUDA's headers (cubecl-cuda compiles its kernels with NVRTC and includes them) and the
+# libraries cudarc loads by name: libnvrtc.so*, libnccl.so* (cudarc asks for libnccl.so, not
+# the .so.2 that NCCL's packages install).
+nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
+export CUDA_PATH=${CUDA_PATH:-$(dirname "$(dirname "$nvcc")")}
+libs=/tmp/gpu_check_libs
+mkdir -p $libs
+for name in nvrtc nccl; do
+  found=$(find "$CUDA_PATH"/lib64/ /usr/lib/x86_64-linux-gnu /usr/local /opt -name "lib$name.so*" \
+    -not -name "*builtins*" 2>/dev/null | sort | head -1)
+  echo "lib$name: ${found:-not found}"
+  [ -n "$found" ] && ln -sf "$found" $libs/lib$name.so && export LD_LIBRARY_PATH=$libs:$(dirname "$found"):${LD_LIBRARY_PATH:-}
+done
+echo "CUDA_PATH=$CUDA_PATH"
+status=0
+step() { # step NAME SECONDS COMMAND...
+  local name=$1 seconds=$2
+  shift 2
+  echo "=== $name (limit ${seconds}s) ==="
+  local start=$SECONDS
+  timeout "$seconds" "$@"
+  local rc=$?
+  echo "=== $name: exit $rc in $((SECONDS - start))s ==="
+  [ $rc -eq 0 ] || status=1
+}
+for s in $steps; do
+  case $s in
+    1) step "kernels on CUDA" 150 "$bin/cube_cuda" --ignored --test-threads 1 ;;
+    2) step "NCCL world of one" 40 "$bin/nccl" --include-ignored --test-threads 1 ;;
+    3) step "every strategy on CUDA" 120 python3 "$dir/check_wgpu.py" "$bin/cp_attention" --backend cuda ;;
+    4) step "gpt_longctx on CUDA" 90 python3 - "$bin/gpt_longctx" <<'PY'
+import json, subprocess, sys
+binary = sys.argv[1]
+common = ["--steps", "3", "--seed", "7", "--seq-len", "2048", "--corpus", "builtin", "--json"]
+def losses(*flags):
+    out = subprocess.run([binary, *flags, *common], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)["losses"]
+flex = losses("--cp", "1")
+reference = losses("--backend", "cuda", "--cp", "1")
+print("flex cp1", flex)
+print("cuda cp1", reference)
+worst = 0.0
+for name, flags in {"cuda cp4 ring-zigzag": ["--cp", "4", "--strategy", "ring-zigzag"],
+                    "cuda cp4 ulysses": ["--cp", "4", "--strategy", "ulysses"],
+                    "cuda cp4 dcp": ["--cp", "4", "--strategy", "dcp"]}.items():
+    got = losses("--backend", "cuda", *flags)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got, reference))
+    print(name, got, f"max rel vs cuda cp1 {rel:.2e}")
+    worst = max(worst, rel)
+print(f"cuda vs flex at cp1: max rel {max(abs(a - b) / abs(b) for a, b in zip(reference, flex)):.2e}")
+sys.exit(0 if worst <= 1e-4 else f"cp 4 on CUDA differs from cp 1 by {worst:.2e} > 1e-4")
+PY
+       ;;
+    6) step "every strategy on CUDA, matrix-tile kernels" 120 env BURN_DCP_ATTENTION_KERNEL=tiles \
+         python3 "$dir/check_wgpu.py" "$bin/cp_attention" --backend cuda ;;
+    5) step "benchmark group cuda" 150 "$bin/attention" --bench cuda --warm-up-time 1 --measurement-time 3 ;;
+  esac
+done
+echo "gpu_check: $([ $status -eq 0 ] && echo all steps passed || echo some steps FAILED)"
+exit $status
