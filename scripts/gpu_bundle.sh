@@ -4,7 +4,7 @@
 # examples cp_attention and gpt_longctx and the benchmark, release profile, feature `cuda` only
 # (no MPI: the GPU machine has no OpenMPI), stripped. Then `scripts/gpu_check.sh DIR` there.
 #
-# Usage: scripts/gpu_bundle.sh [DIR]   (default .gpu, which .git/info/exclude should ignore)
+# Usage: scripts/gpu_bundle.sh [DIR]   (default .gpu, which .gitignore ignores: carry it to the GPU)
 # Environment: CARGO_TARGET_DIR (default target/gpu: its own directory, so the CI build's
 # debug artifacts are untouched).
 set -euo pipefail

@@ -576,6 +576,32 @@ fn dcp_plans_match_cp1_in_training() {
     }
 }
 
+/// Auto's candidates are `StrategyKind::ALL`: a config (say, a hand-edited config.json) naming a
+/// ring in another layout is refused with the candidates, not run or ignored.
+#[test]
+fn auto_refuses_a_kind_that_is_no_candidate() {
+    use burn_dcp::StrategyKind;
+    use burn_dcp_suite::train::{AutoSettings, DcpSettings};
+    let mut config = config(2, 1, Strategy::Ring, Layout::Zigzag, "causal");
+    config.auto = Some(AutoSettings {
+        candidates: vec![StrategyKind::Dcp, StrategyKind::Ring(Layout::Stripe)],
+    });
+    config.dcp = Some(DcpSettings {
+        block: 64,
+        stages: 2,
+    });
+    let err = config.validate().unwrap_err().to_string();
+    assert!(
+        err.contains("strategy auto cannot run ring-stripe: its candidates are ring-zigzag, ulysses, usp, all-gather, dynamic, dcp"),
+        "{err}"
+    );
+    let json = serde_json::to_value(&config.auto).unwrap();
+    assert_eq!(
+        json["candidates"],
+        serde_json::json!(["dcp", "ring-stripe"])
+    );
+}
+
 /// `--strategy auto`: each candidate, forced alone, runs on every micro-batch and gives the loss
 /// and gradients of cp 1 (on a step of the default corpus with long and short sequences, so
 /// dynamic CP splits the replica into groups, and over two virtual nodes, so USP is a real 2 × 2
