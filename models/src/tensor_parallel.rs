@@ -66,6 +66,7 @@ fn local_rows<B: Backend>(
 
 /// Checks the config for `tp` ranks, naming the rule.
 pub fn validate_tp(config: &GptConfig, tp: usize) -> Result<(), ModelError> {
+    config.validate()?;
     config
         .heads()?
         .split(HeadParts::TensorParallel(tp))
@@ -83,6 +84,11 @@ pub fn validate_tp(config: &GptConfig, tp: usize) -> Result<(), ModelError> {
         )));
     }
     Ok(())
+}
+
+/// Query heads per kv head of the whole model.
+fn unit_group(config: &GptConfig) -> usize {
+    config.n_heads / config.n_kv_heads
 }
 
 /// Checks that `stages` pipeline stages can split the config's layers evenly.
@@ -195,14 +201,16 @@ impl<B: Backend> TpGpt<B> {
             )));
         }
         let head_dim = config.head_dim();
-        let heads = config.n_heads / tp;
-        let (kv_heads, kv_first) = if config.n_kv_heads >= tp {
-            let local = config.n_kv_heads / tp;
-            (local, rank * local)
+        let unit = config
+            .heads()?
+            .split(HeadParts::TensorParallel(tp))
+            .map_err(|e| ModelError::Config(e.to_string()))?;
+        let (heads, kv_heads) = (unit.heads(), unit.kv_heads());
+        let kv_first = if config.n_kv_heads >= tp {
+            rank * kv_heads
         } else {
             // Replicated: this rank's query heads all belong to one kv head.
-            let group = config.n_heads / config.n_kv_heads;
-            (1, rank * heads / group)
+            rank * heads / unit_group(config)
         };
         let q_cols = rank * heads * head_dim..(rank + 1) * heads * head_dim;
         let kv_cols = kv_first * head_dim..(kv_first + kv_heads) * head_dim;

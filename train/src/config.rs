@@ -216,7 +216,7 @@ impl TrainConfig {
         let model = self.model_shape()?;
         let heads = self.rank_heads(&model)?;
         burn_dcp_models::tensor_parallel::validate_tp(&gpt_of_shape(&model), self.tp)
-            .map_err(|e| TrainError::Config(format!("--tp {}: {e}", self.tp)))?;
+            .map_err(|e| TrainError::Config(e.to_string()))?;
         self.mesh_shape()
             .validate_pipeline(model.n_layers, self.micro_batches)
             .map_err(|e| {

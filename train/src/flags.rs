@@ -151,7 +151,11 @@ fn strategy_and_layout(args: &TrainFlags, cp: usize) -> Result<(Strategy, Layout
     // `ring` takes its layout from --layout; `ring-zigzag` names it (then --layout must agree).
     let kind = match name {
         "ring" => None,
-        other => Some(other.parse::<StrategyKind>()?),
+        other => Some(other.parse::<StrategyKind>().map_err(|e| match other {
+            // A ring's layout: the layout's own error.
+            ring if ring.starts_with("ring-") => TrainError::from(e),
+            _ => TrainError::Config(format!("{e} (or ring, auto)")),
+        })?),
     };
     let implied_layout = kind.and_then(StrategyKind::layout);
     let layout = match (&args.layout, implied_layout) {

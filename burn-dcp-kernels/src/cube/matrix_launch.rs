@@ -40,7 +40,7 @@ pub enum AttentionKernel {
 pub const KERNEL_ENV: &str = "BURN_DCP_ATTENTION_KERNEL";
 
 impl AttentionKernel {
-    /// The kernel [`KERNEL_ENV`] names ([`AttentionKernel::Vector`] when it is unset), read
+    /// The kernel [`KERNEL_ENV`] names ([`AttentionKernel::Auto`] when it is unset), read
     /// once per process (at the first kernel call), so every call of the process agrees.
     pub fn from_env() -> Result<Self, KernelError> {
         static CHOICE: std::sync::OnceLock<Result<AttentionKernel, KernelError>> =

@@ -96,15 +96,6 @@ impl Payload {
         }
     }
 
-    /// Makes a device tensor that another thread produced safe to read and drop on this one: a
-    /// copy in this thread's own memory, with this thread's queue drained before the sender's
-    /// buffer is let go. Host payloads are returned as they are.
-    ///
-    /// Why: cubecl gives each thread its own stream and memory pool. A kernel queued on the
-    /// receiver's stream that reads the sender's buffer is not yet submitted when the receiver
-    /// drops its handle; the sender's pool then hands the buffer out again, and the sender's next
-    /// write can reach the device first (seen on wgpu as wrong gradients on some ranks). Reading
-    /// the buffer once, into our own memory, and waiting for that read closes the window.
     /// Waits until this thread's queue has written a device tensor (host payloads: at once),
     /// so that another thread may read it: the sender's half of [`Payload::adopt`].
     ///
@@ -120,6 +111,15 @@ impl Payload {
         }
     }
 
+    /// Makes a device tensor that another thread produced safe to read and drop on this one: a
+    /// copy in this thread's own memory, with this thread's queue drained before the sender's
+    /// buffer is let go. Host payloads are returned as they are.
+    ///
+    /// Why: cubecl gives each thread its own stream and memory pool. A kernel queued on the
+    /// receiver's stream that reads the sender's buffer is not yet submitted when the receiver
+    /// drops its handle; the sender's pool then hands the buffer out again, and the sender's next
+    /// write can reach the device first (seen on wgpu as wrong gradients on some ranks). Reading
+    /// the buffer once, into our own memory, and waiting for that read closes the window.
     pub(crate) fn adopt(self) -> Result<Payload, PayloadError> {
         match self {
             Payload::Host(data) => Ok(Payload::Host(data)),

@@ -42,13 +42,15 @@ struct Heads {
     kv_heads: usize,
     dim: usize,
     units: usize,
+    /// One unit's query and kv heads.
+    unit: crate::heads::Heads,
 }
 
 impl Heads {
     /// `units` head units of `heads` query and `kv_heads` kv heads
     /// ([`crate::heads::Heads::split`]'s rule, the plan's).
     fn new(heads: usize, kv_heads: usize, dim: usize, units: usize) -> Result<Self, CpError> {
-        crate::heads::Heads::new(heads, kv_heads)
+        let unit = crate::heads::Heads::new(heads, kv_heads)
             .and_then(|h| h.split(HeadParts::Units(units)))
             .map_err(|e| CpError::Config(format!("DCP plan: {e}")))?;
         Ok(Self {
@@ -56,17 +58,18 @@ impl Heads {
             kv_heads,
             dim,
             units,
+            unit,
         })
     }
 
     /// Query heads of one unit.
     fn unit_heads(&self) -> usize {
-        self.heads / self.units
+        self.unit.heads()
     }
 
     /// Kv heads of one unit (units sharing a kv head each hold it).
     fn unit_kv_heads(&self) -> usize {
-        (self.kv_heads / self.units).max(1)
+        self.unit.kv_heads()
     }
 
     /// A unit's query heads, kv heads and head dim.

@@ -172,9 +172,11 @@ impl RingPass<'_> {
         x: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         let device = x.q.device();
-        let mut dq = x.q.zeros_like();
+        // Zeros without a launch where a rank holds no tokens (see `filled`).
+        let zeros = |t: &Tensor<B, 3>| filled(t.dims(), 0.0, (&device, t.dtype()).into());
+        let mut dq = zeros(&x.q);
         let (mut k, mut v) = (x.k.clone(), x.v.clone());
-        let (mut dk, mut dv) = (x.k.zeros_like(), x.v.zeros_like());
+        let (mut dk, mut dv) = (zeros(&x.k), zeros(&x.v));
         for step in 0..self.comm.size() {
             let last = step + 1 == self.comm.size();
             let kv_in_flight = if last {

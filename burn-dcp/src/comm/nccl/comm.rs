@@ -131,10 +131,11 @@ impl NcclComm {
     fn cuda_tensor(data: &Payload) -> Option<CudaTensor> {
         let tensor = data.device_any()?.downcast_ref::<CudaTensor>()?.clone();
         let tensor = into_contiguous(tensor);
-        // Row-major from the handle's start; the handle may be longer than the data (cubecl
-        // rounds allocations), which NCCL never reads: it sends the data's bytes.
+        // Row-major from the handle's used start (the device pointer includes its offset); the
+        // handle may be longer than the data (cubecl rounds allocations), which NCCL never
+        // reads: it sends the data's bytes.
         let bytes = tensor.meta.shape().num_elements() * tensor.dtype.size();
-        (tensor.is_contiguous() && tensor.handle.size() as usize >= bytes).then_some(tensor)
+        (tensor.is_contiguous() && tensor.handle.size_in_used() as usize >= bytes).then_some(tensor)
     }
 
     /// Posts a message to `peer`: its header (and host bytes) over the control communicator,
