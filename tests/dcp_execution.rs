@@ -251,7 +251,7 @@ fn ranks_with_different_plans_fail_at_once() {
 fn forward_on_4_ranks(
     inputs: &burn_dcp::harness::PackedInputs,
     batch_of: impl Fn(usize) -> CpBatch + Sync,
-) -> Vec<Result<(), String>> {
+) -> Vec<Result<(), burn_dcp::comm::RankFailure>> {
     use burn_dcp::comm::{InProcessWorld, WorldConfig};
     use burn_dcp::{cp_attention_forward, CpGroup};
     let world = InProcessWorld::new(4, WorldConfig::default()).unwrap();

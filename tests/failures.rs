@@ -18,7 +18,9 @@ use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Tensor, TensorData};
 use burn_dcp::backend::{set_context, ContextParallel, CpContext};
-use burn_dcp::comm::{CommError, Fault, FaultKind, InProcessWorld, WorldConfig};
+use burn_dcp::comm::{
+    CommError, Fault, FaultKind, InProcessWorld, RankFailure, RankFailureKind, WorldConfig,
+};
 use burn_dcp::harness::PackedInputs;
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::{
@@ -123,7 +125,7 @@ fn decorated_rank(comm: burn_dcp::comm::Comm, setup: &RankSetup) -> Result<Vec<f
 
 /// The outcome of one run of a world.
 struct Outcome {
-    results: Vec<Result<Vec<f32>, String>>,
+    results: Vec<Result<Vec<f32>, RankFailure>>,
     first_failure: Option<(usize, String)>,
     summary: Option<String>,
     calls: Vec<u64>,
@@ -560,4 +562,55 @@ fn fault_injection_never_hangs_and_always_names_the_first_failed_rank() {
     for kind in ["Panic", "Error"] {
         assert_eq!(tally[kind].0, tally[kind].1, "{kind}: {tally:?}");
     }
+}
+
+#[test]
+fn a_rank_failure_names_its_rank_how_it_failed_and_reads_as_its_message() {
+    let world = InProcessWorld::new(3, WorldConfig::default()).unwrap();
+    let results = world.run(|comm| -> Result<usize, CommError> {
+        match comm.rank() {
+            1 => Err(CommError::Invalid {
+                group: "world".into(),
+                message: "the task's own words".into(),
+            }),
+            2 => panic!("a panic on rank 2"),
+            rank => Ok(rank),
+        }
+    });
+    assert_eq!(results[0], Ok(0));
+    let error = results[1].as_ref().unwrap_err();
+    assert_eq!((error.rank(), error.kind()), (1, RankFailureKind::Error));
+    assert!(error.detail().contains("the task's own words"), "{error}");
+    assert!(error.starts_with("rank 1 returned an error: "), "{error}");
+    assert_eq!(error.to_string(), error.as_str());
+    let panic = results[2].as_ref().unwrap_err();
+    assert_eq!((panic.rank(), panic.kind()), (2, RankFailureKind::Panic));
+    assert_eq!(panic.detail(), "a panic on rank 2");
+    assert_eq!(*panic, "rank 2 panicked: a panic on rank 2");
+
+    // Code written when a rank's result was `Result<T, String>` still builds: `?` turns the
+    // failure into its message.
+    let first_error = || -> Result<Vec<usize>, String> {
+        let values = results.iter().cloned().collect::<Result<Vec<_>, _>>()?;
+        Ok(values)
+    };
+    assert_eq!(first_error().unwrap_err(), error.as_str());
+
+    // An injected exit (nobody has failed, so the fault fires at rank 1's first call).
+    let world = InProcessWorld::new(2, WorldConfig::default()).unwrap();
+    world.inject_faults([Fault {
+        rank: 1,
+        at_call: 0,
+        kind: FaultKind::Exit,
+    }]);
+    let results = world.run(|comm| -> Result<(), CommError> {
+        if comm.rank() == 1 {
+            comm.barrier()?;
+        }
+        Ok(())
+    });
+    assert!(results[0].is_ok());
+    let exit = results[1].as_ref().unwrap_err();
+    assert_eq!((exit.rank(), exit.kind()), (1, RankFailureKind::Exit));
+    assert_eq!(*exit, "rank 1 left the world early (injected fault)");
 }

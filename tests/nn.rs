@@ -13,7 +13,7 @@ use burn::prelude::{Backend, Bool, Tensor, TensorData};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::{set_context, ContextParallel, CpContext};
-use burn_dcp::comm::{InProcessWorld, WorldConfig};
+use burn_dcp::comm::{InProcessWorld, RankFailure, WorldConfig};
 use burn_dcp::harness::max_rel_err;
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::nn::{
@@ -828,7 +828,7 @@ fn drop_ins_under_cp_equal_one_device_with_one_packed_row() {
 /// row); returns each rank's result.
 fn under_context<T: Send>(
     task: impl Fn(usize, burn_dcp::CpContextGuard) -> Result<T, String> + Sync,
-) -> Vec<Result<T, String>> {
+) -> Vec<Result<T, RankFailure>> {
     let world = InProcessWorld::new(2, WorldConfig::default()).unwrap();
     world.run(|comm| -> Result<T, String> {
         let placement =

@@ -602,6 +602,33 @@ fn auto_refuses_a_kind_that_is_no_candidate() {
     );
 }
 
+/// Resuming an auto run with other candidates names both sets by their names.
+#[test]
+fn resuming_auto_with_other_candidates_names_both() {
+    use burn_dcp_suite::train::TrainFlags;
+    let flags = |candidates: &str| TrainFlags {
+        strategy: Some("auto".into()),
+        auto_candidates: Some(candidates.into()),
+        ..TrainFlags::default()
+    };
+    let saved = flags("ring-zigzag,ulysses").config().unwrap();
+    let dir = std::env::temp_dir().join(format!("bdcp-auto-resume-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string(&saved).unwrap(),
+    )
+    .unwrap();
+    let err = flags("dcp").resume(&dir).unwrap_err().to_string();
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(
+        err.contains(
+            "the auto settings candidates dcp differ from the resumed run's candidates ring-zigzag, ulysses"
+        ),
+        "{err}"
+    );
+}
+
 /// `--strategy auto`: each candidate, forced alone, runs on every micro-batch and gives the loss
 /// and gradients of cp 1 (on a step of the default corpus with long and short sequences, so
 /// dynamic CP splits the replica into groups, and over two virtual nodes, so USP is a real 2 × 2

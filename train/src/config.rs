@@ -511,8 +511,7 @@ pub fn static_strategy_name(strategy: Strategy, layout: Layout) -> String {
 
 /// Auto's candidates' names, comma-separated.
 fn candidate_names() -> String {
-    let names: Vec<&str> = StrategyKind::ALL.iter().map(|k| k.name()).collect();
-    names.join(", ")
+    StrategyKind::names(&StrategyKind::ALL)
 }
 
 /// The most micro-batches one optimizer step may take.

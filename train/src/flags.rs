@@ -402,7 +402,10 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
         return Err(settings("dynamic CP", show(&given), show(&saved)));
     }
     if args.auto_candidates.is_some() && given.auto != saved.auto {
-        let show = |c: &TrainConfig| format!("{:?}", c.auto);
+        let show = |c: &TrainConfig| match &c.auto {
+            Some(auto) => format!("candidates {}", StrategyKind::names(&auto.candidates)),
+            None => "none (not auto)".to_string(),
+        };
         return Err(settings("auto", show(&given), show(&saved)));
     }
     if (args.block.is_some() || args.stages.is_some()) && given.dcp != saved.dcp {

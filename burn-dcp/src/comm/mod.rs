@@ -31,7 +31,9 @@ pub use communicator::{Comm, Communicator};
 pub use error::{CommError, PayloadError};
 pub use faults::{Fault, FaultKind};
 pub use helpers::{panic_message, sum_tensor_data};
-pub use in_process::{InProcessWorld, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
+pub use in_process::{
+    InProcessWorld, RankFailure, RankFailureKind, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT,
+};
 pub use links::LinkEmulation;
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiWorld};

@@ -97,6 +97,13 @@ impl StrategyKind {
         }
     }
 
+    /// The [`name`](Self::name)s of `kinds`, comma-separated, in their order
+    /// (`"ring-zigzag, ulysses"`): how messages list a set of kinds.
+    pub fn names(kinds: &[Self]) -> String {
+        let names: Vec<&str> = kinds.iter().map(|kind| kind.name()).collect();
+        names.join(", ")
+    }
+
     /// The name in the plan format (`stats.strategy`) and `plan_sim --strategies`: as
     /// [`name`](Self::name), but dynamic CP is `megatron-dynamic`.
     pub fn plan_name(self) -> &'static str {
@@ -303,6 +310,10 @@ mod tests {
             .to_string();
         assert!(
             err.contains("unknown auto candidate 'ring-stripe': expected one of ring-zigzag, ulysses, usp, all-gather, dynamic, dcp"),
+            "{err}"
+        );
+        assert!(
+            err.ends_with(&StrategyKind::names(&StrategyKind::ALL)),
             "{err}"
         );
         let err = StrategyKind::from_plan_name("dynamic")

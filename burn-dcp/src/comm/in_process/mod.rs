@@ -19,9 +19,11 @@
 //! the peer fails at once instead of at the timeout.
 
 mod comm;
+mod failure;
 mod state;
 mod world;
 
 pub use comm::InProcessComm;
+pub use failure::{RankFailure, RankFailureKind};
 pub use state::{WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
 pub use world::InProcessWorld;

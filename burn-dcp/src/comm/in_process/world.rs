@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::comm::InProcessComm;
+use super::failure::RankFailure;
 use super::state::{
     install_panic_hook, InjectedExit, World, WorldConfig, WorldState, EXITING, MAX_IN_PROCESS_RANKS,
 };
@@ -80,8 +81,9 @@ impl InProcessWorld {
     /// While they run, the portable kernels' default threads per call are this process's cores
     /// shared among its ranks ([`burn_dcp_kernels::portable::RankThreads`]).
     /// A rank that errors or panics is marked failed, so its peers error out instead of hanging;
-    /// a rank that returns is marked finished, so peers waiting on it fail at once.
-    pub fn run<T, E, F>(&self, task: F) -> Vec<Result<T, String>>
+    /// a rank that returns is marked finished, so peers waiting on it fail at once. A failed
+    /// rank's result is a [`RankFailure`] naming it ("rank 1 returned an error: …").
+    pub fn run<T, E, F>(&self, task: F) -> Vec<Result<T, RankFailure>>
     where
         T: Send,
         E: fmt::Display,
@@ -106,18 +108,21 @@ impl InProcessWorld {
                             run_rank(&world, rank, comm, task)
                         })
                         .map_err(|error| {
-                            let reason = format!("rank {rank} could not be started: {error}");
-                            self.world.mark_failed(rank, reason.clone());
-                            reason
+                            let what = format!("could not be started: {error}");
+                            let failure = RankFailure::thread(rank, what);
+                            self.world.mark_failed(rank, failure.to_string());
+                            failure
                         })
                 })
                 .collect();
             handles
                 .into_iter()
-                .map(|handle| {
-                    handle?
-                        .join()
-                        .unwrap_or_else(|_| Err("rank thread could not be joined".into()))
+                .enumerate()
+                .map(|(rank, handle)| {
+                    handle?.join().unwrap_or_else(|_| {
+                        let what = "thread could not be joined".to_string();
+                        Err(RankFailure::thread(rank, what))
+                    })
                 })
                 .collect()
         })
@@ -152,7 +157,7 @@ impl InProcessWorld {
 
     /// One message for a run whose ranks returned `results`: the rank that failed first with its
     /// reason, then the ranks that failed after it. `None` when every rank succeeded.
-    pub fn failure_summary<T>(&self, results: &[Result<T, String>]) -> Option<String> {
+    pub fn failure_summary<T, E: fmt::Display>(&self, results: &[Result<T, E>]) -> Option<String> {
         let failed: Vec<usize> = (0..results.len())
             .filter(|&r| results[r].is_err())
             .collect();
@@ -161,7 +166,7 @@ impl InProcessWorld {
         }
         let Some((first, reason)) = self.first_failure() else {
             let rank = failed[0];
-            return results[rank].as_ref().err().cloned();
+            return results[rank].as_ref().err().map(|e| e.to_string());
         };
         let others: Vec<String> = failed
             .iter()
@@ -185,7 +190,7 @@ pub(super) fn run_rank<T, E: fmt::Display>(
     rank: usize,
     comm: Comm,
     task: &(impl Fn(Comm) -> Result<T, E> + Sync),
-) -> Result<T, String> {
+) -> Result<T, RankFailure> {
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(comm)));
     EXITING.with(|exiting| exiting.set(false));
     match outcome {
@@ -194,18 +199,18 @@ pub(super) fn run_rank<T, E: fmt::Display>(
             Ok(value)
         }
         Ok(Err(error)) => {
-            let reason = format!("rank {rank} returned an error: {error}");
-            world.mark_failed(rank, reason.clone());
-            Err(reason)
+            let failure = RankFailure::error(rank, error);
+            world.mark_failed(rank, failure.to_string());
+            Err(failure)
         }
         Err(payload) if payload.is::<InjectedExit>() => {
             world.mark_finished(rank);
-            Err(format!("rank {rank} left the world early (injected fault)"))
+            Err(RankFailure::exit(rank))
         }
         Err(payload) => {
-            let reason = format!("rank {rank} panicked: {}", panic_message(&*payload));
-            world.mark_failed(rank, reason.clone());
-            Err(reason)
+            let failure = RankFailure::panic(rank, panic_message(&*payload));
+            world.mark_failed(rank, failure.to_string());
+            Err(failure)
         }
     }
 }
