@@ -1,4 +1,4 @@
-//! [`FlashOps`] for burn's `CubeBackend` (wgpu, CUDA): the tiled `#[cube]` kernels of
+//! [`FlashOps`](crate::ops::FlashOps) for burn's `CubeBackend` (wgpu, CUDA): the tiled `#[cube]` kernels of
 //! [`kernels`], launched with the host-built tables of [`crate::tiling`].
 //!
 //! - **Forward**: one cube per (tile of 128 queries, head); each unit owns `rows` queries

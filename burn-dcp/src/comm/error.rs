@@ -35,7 +35,7 @@ pub enum CommError {
         peer_global: usize,
         message: String,
     },
-    /// A fault injected by a test ([`Fault`]).
+    /// A fault injected by a test ([`Fault`](super::Fault)).
     #[error("group '{group}': injected fault: global rank {global_rank} failed at its communication call #{call} ({op})")]
     Injected {
         group: String,

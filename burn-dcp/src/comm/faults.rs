@@ -17,7 +17,7 @@ pub struct Fault {
 pub enum FaultKind {
     /// The rank panics inside the call.
     Panic,
-    /// The call returns [`CommError::Injected`].
+    /// The call returns [`CommError::Injected`](super::CommError::Injected).
     Error,
     /// The call sleeps this long first (past the timeout, peers waiting on the rank time out).
     Delay(Duration),

@@ -1,6 +1,6 @@
 //! Communicators (process groups): the only way ranks exchange data.
 //!
-//! Messages are [`Payload`]s: a backend's tensor on its device, or host [`TensorData`] (bytes +
+//! Messages are [`Payload`]s: a backend's tensor on its device, or host [`TensorData`](burn::tensor::TensorData) (bytes +
 //! shape + dtype), so one communicator serves every backend and dtype, and a communicator that
 //! can pass device tensors as they are (the in-process world) never copies them to the host. Every blocking wait has a timeout and fails with an error naming the peer; when a
 //! rank fails, every rank's pending and future operations fail with [`CommError::PeerFailed`]

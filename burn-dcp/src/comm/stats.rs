@@ -40,7 +40,7 @@ pub struct CommStats {
     /// The data bytes by link class (see `WorldConfig::ranks_per_node`).
     pub bytes_by_link: LinkBytes,
     /// The data bytes by the label of the group that sent them (see
-    /// [`Communicator::split_labeled`]; unlabeled groups count under `""`).
+    /// [`Communicator::split_labeled`](super::Communicator::split_labeled); unlabeled groups count under `""`).
     pub bytes_by_label: BTreeMap<String, u64>,
 }
 

@@ -11,7 +11,7 @@ use crate::comm::common::check_envelope;
 use crate::comm::transport::{Channel, Group, Received, Traffic, Transport};
 use crate::comm::{Comm, CommError, CommStats, FaultKind, Payload, PendingSend};
 
-/// One rank's handle on one group of an [`InProcessWorld`].
+/// One rank's handle on one group of an [`InProcessWorld`](super::InProcessWorld).
 pub struct InProcessComm {
     world: Arc<World>,
     group: Group,

@@ -22,7 +22,7 @@ pub struct InProcessWorld {
 
 impl InProcessWorld {
     /// A world of `size` ranks (1 to [`MAX_IN_PROCESS_RANKS`]) whose waits time out after
-    /// `config.timeout` (more than zero, at most [`MAX_TIMEOUT`]).
+    /// `config.timeout` (more than zero, at most [`MAX_TIMEOUT`](super::MAX_TIMEOUT)).
     pub fn new(size: usize, config: WorldConfig) -> Result<Self, CommError> {
         let invalid = |message: String| {
             Err(CommError::Invalid {
@@ -57,7 +57,7 @@ impl InProcessWorld {
         })
     }
 
-    /// Emulates links from now on (see [`super::links`]): every message between two ranks is
+    /// Emulates links from now on (see [`links`](crate::comm::links)): every message between two ranks is
     /// received no earlier than it would arrive over its link (intra-node or inter-node, by the
     /// world's `ranks_per_node`). Bytes and results are unchanged.
     pub fn emulate_links(&self, links: LinkEmulation) -> Result<(), CommError> {
