@@ -176,6 +176,12 @@ impl Heads {
         })
     }
 
+    /// The first kv head that part `part` of a [`split`](Self::split) into `parts` reads:
+    /// `part · kv_heads / n` (parts sharing a replicated kv head read the same one).
+    pub fn first_kv_head(self, part: usize, parts: HeadParts) -> usize {
+        part * self.kv_heads / parts.count()
+    }
+
     /// One part's query heads when `parts` each own whole query heads (the kv heads go where
     /// their queries are): `heads / n`.
     pub fn split_queries(self, parts: HeadParts) -> Result<usize, HeadSplitError> {
@@ -212,6 +218,17 @@ mod tests {
         let straddling = Heads::new(12, 6).unwrap();
         assert_eq!(straddling.split_queries(HeadParts::Ulysses(4)).unwrap(), 3);
         assert!(straddling.split(HeadParts::Units(4)).is_err());
+        // The kv heads each part reads: its own share, or the replica its queries belong to.
+        let firsts = |parts: HeadParts| -> Vec<usize> {
+            (0..parts.count())
+                .map(|part| heads.first_kv_head(part, parts))
+                .collect()
+        };
+        assert_eq!(firsts(HeadParts::TensorParallel(2)), [0, 1]);
+        assert_eq!(firsts(HeadParts::Units(4)), [0, 0, 1, 1]);
+        assert_eq!(firsts(HeadParts::Units(8)), [0, 0, 0, 0, 1, 1, 1, 1]);
+        let eight = Heads::new(16, 8).unwrap();
+        assert_eq!(eight.first_kv_head(3, HeadParts::TensorParallel(4)), 6);
     }
 
     #[test]

@@ -33,7 +33,7 @@ pub use definition::{
     MAX_SOFTMAX_SCALE,
 };
 pub use ops::{
-    check_backward, check_forward, check_merge, FlashGradients, FlashOps, FlashOutput,
+    check_backward, check_forward, check_merge, filled, FlashGradients, FlashOps, FlashOutput,
     KernelLimits, Operand,
 };
 

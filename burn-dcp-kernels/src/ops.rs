@@ -11,6 +11,21 @@ use burn::tensor::{DType, TensorCreationOptions, TensorData};
 use crate::definition::{AttentionShape, KernelError, VarlenAttention};
 use crate::portable;
 
+/// A tensor of `dims` filled with `value`; one with no elements is allocated without a launch
+/// (cubecl on CUDA refuses a launch of zero cubes, `CUDA_ERROR_INVALID_VALUE`, seen on an H100
+/// from DCP's empty pieces and from a rank with no tokens; wgpu accepts it). The strategies' and
+/// the kernels' degenerate outputs are made by it.
+pub fn filled<B: Backend, const D: usize>(
+    dims: [usize; D],
+    value: f32,
+    options: TensorCreationOptions<B>,
+) -> Tensor<B, D> {
+    match dims.contains(&0) {
+        true => Tensor::empty(dims, options),
+        false => Tensor::full(dims, value, options),
+    }
+}
+
 /// Forward result: `out [q_tokens, heads, value_dim]` (input dtype), `lse [heads, q_tokens]` (f32).
 #[derive(Clone, Debug)]
 pub struct FlashOutput<B: Backend> {

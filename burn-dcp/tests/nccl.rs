@@ -34,9 +34,9 @@ fn nccl_world_of_one_moves_device_tensors() {
             tensor.clone().transpose().into_primitive().tensor(),
         );
         eprintln!(
-            "sent tensor: contiguous {}, handle {} bytes for {} elements of {:?}",
+            "sent tensor: contiguous {}, handle {} bytes in use for {} elements of {:?}",
             sent_primitive.is_contiguous(),
-            sent_primitive.handle.size(),
+            sent_primitive.handle.size_in_used(),
             sent_primitive.meta.shape().num_elements(),
             sent_primitive.dtype
         );

@@ -23,7 +23,7 @@ use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::prelude::{Backend, Bool, Int, Tensor};
 use burn::tensor::activation::gelu;
 use burn::tensor::module::embedding;
-use burn_dcp::heads::HeadParts;
+use burn_dcp::heads::{HeadParts, Heads};
 
 use crate::error::ModelError;
 use crate::gpt::{reshape, self_attention, Gpt, GptConfig, Rope};
@@ -67,10 +67,7 @@ fn local_rows<B: Backend>(
 /// Checks the config for `tp` ranks, naming the rule.
 pub fn validate_tp(config: &GptConfig, tp: usize) -> Result<(), ModelError> {
     config.validate()?;
-    config
-        .heads()?
-        .split(HeadParts::TensorParallel(tp))
-        .map_err(|e| ModelError::Config(e.to_string()))?;
+    rank_heads(config, tp)?;
     if !config.d_ff.is_multiple_of(tp) {
         return Err(ModelError::Config(format!(
             "tensor parallelism over {tp} ranks must divide the MLP width {} (column-parallel up projection)",
@@ -86,9 +83,12 @@ pub fn validate_tp(config: &GptConfig, tp: usize) -> Result<(), ModelError> {
     Ok(())
 }
 
-/// Query heads per kv head of the whole model.
-fn unit_group(config: &GptConfig) -> usize {
-    config.n_heads / config.n_kv_heads
+/// One of `tp` ranks' query and kv heads.
+fn rank_heads(config: &GptConfig, tp: usize) -> Result<Heads, ModelError> {
+    config
+        .heads()?
+        .split(HeadParts::TensorParallel(tp))
+        .map_err(|e| ModelError::Config(e.to_string()))
 }
 
 /// Checks that `stages` pipeline stages can split the config's layers evenly.
@@ -201,17 +201,12 @@ impl<B: Backend> TpGpt<B> {
             )));
         }
         let head_dim = config.head_dim();
-        let unit = config
-            .heads()?
-            .split(HeadParts::TensorParallel(tp))
-            .map_err(|e| ModelError::Config(e.to_string()))?;
+        let unit = rank_heads(config, tp)?;
         let (heads, kv_heads) = (unit.heads(), unit.kv_heads());
-        let kv_first = if config.n_kv_heads >= tp {
-            rank * kv_heads
-        } else {
-            // Replicated: this rank's query heads all belong to one kv head.
-            rank * heads / unit_group(config)
-        };
+        // Replicated past their count: ranks whose query heads share one kv head all read it.
+        let kv_first = config
+            .heads()?
+            .first_kv_head(rank, HeadParts::TensorParallel(tp));
         let q_cols = rank * heads * head_dim..(rank + 1) * heads * head_dim;
         let kv_cols = kv_first * head_dim..(kv_first + kv_heads) * head_dim;
         let ff = config.d_ff / tp;

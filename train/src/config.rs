@@ -249,11 +249,7 @@ impl TrainConfig {
                 "strategy auto needs at least one candidate (--auto-candidates)".into(),
             ));
         }
-        if let Some(other) = auto
-            .candidates
-            .iter()
-            .find(|c| !StrategyKind::ALL.contains(c))
-        {
+        if let Some(other) = auto.candidates.iter().find(|c| !c.is_candidate()) {
             return Err(TrainError::Config(format!(
                 "strategy auto cannot run {other}: its candidates are {}",
                 candidate_names()

@@ -145,7 +145,8 @@ pub(super) fn empty<R: CubeRuntime>(
     )
 }
 
-/// A tensor filled with `value` (the degenerate shapes the kernels are not launched on).
+/// A tensor filled with `value` (the degenerate shapes the kernels are not launched on;
+/// [`crate::ops::filled`]: no launch where it has no elements).
 pub(super) fn filled<R: CubeRuntime, const D: usize>(
     like: &CubeTensor<R>,
     dims: [usize; D],
@@ -154,7 +155,7 @@ pub(super) fn filled<R: CubeRuntime, const D: usize>(
 ) -> CubeTensor<R> {
     type B<R> = CubeBackend<R, f32, i32, u32>;
     let options = TensorCreationOptions::<B<R>>::new(like.device.clone()).with_dtype(dtype);
-    Tensor::<B<R>, D>::full(dims, value, options)
+    crate::ops::filled::<B<R>, D>(dims, value, options)
         .into_primitive()
         .tensor()
 }

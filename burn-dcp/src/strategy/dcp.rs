@@ -34,12 +34,11 @@ use crate::strategy::block_plan::{BlockId, BlockSchedule, Instruction};
 use crate::strategy::exchange::{cat_tokens, filled, narrow, split_sizes};
 use crate::strategy::{BackwardInputs, CpBatch};
 
-/// Dims of a pass's tensors: query heads, kv heads, head dim, and the head units they are cut
+/// Dims of a pass's tensors: query and kv heads, head dim, and the head units they are cut
 /// into.
 #[derive(Clone, Copy, Debug)]
 struct Heads {
-    heads: usize,
-    kv_heads: usize,
+    whole: crate::heads::Heads,
     dim: usize,
     units: usize,
     /// One unit's query and kv heads.
@@ -50,12 +49,11 @@ impl Heads {
     /// `units` head units of `heads` query and `kv_heads` kv heads
     /// ([`crate::heads::Heads::split`]'s rule, the plan's).
     fn new(heads: usize, kv_heads: usize, dim: usize, units: usize) -> Result<Self, CpError> {
-        let unit = crate::heads::Heads::new(heads, kv_heads)
-            .and_then(|h| h.split(HeadParts::Units(units)))
+        let (whole, unit) = crate::heads::Heads::new(heads, kv_heads)
+            .and_then(|whole| Ok((whole, whole.split(HeadParts::Units(units))?)))
             .map_err(|e| CpError::Config(format!("DCP plan: {e}")))?;
         Ok(Self {
-            heads,
-            kv_heads,
+            whole,
             dim,
             units,
             unit,
@@ -84,10 +82,7 @@ impl Heads {
 
     /// First kv head of `unit`.
     fn first_kv_head(&self, unit: usize) -> usize {
-        match self.units <= self.kv_heads {
-            true => unit * self.unit_kv_heads(),
-            false => unit / (self.units / self.kv_heads),
-        }
+        self.whole.first_kv_head(unit, HeadParts::Units(self.units))
     }
 }
 
@@ -738,9 +733,9 @@ impl<'a, B: FlashOps> Run<'a, B> {
             lses.push(Tensor::cat(unit_lses, 0));
         }
         let h = self.heads;
-        outs.push(self.zeros([0, h.heads, h.dim]));
+        outs.push(self.zeros([0, h.whole.heads(), h.dim]));
         let options = TensorCreationOptions::new(self.device.clone()).with_dtype(DType::F32);
-        lses.push(Tensor::empty([h.heads, 0], options));
+        lses.push(Tensor::empty([h.whole.heads(), 0], options));
         FlashOutput {
             out: cat_tokens(outs, 0),
             lse: cat_tokens(lses, 1),
@@ -781,9 +776,9 @@ impl<'a, B: FlashOps> Run<'a, B> {
             dks.push(Tensor::cat(unit_dk, 1));
             dvs.push(Tensor::cat(unit_dv, 1));
         }
-        dqs.push(self.zeros([0, h.heads, h.dim]));
-        dks.push(self.zeros([0, h.kv_heads, h.dim]));
-        dvs.push(self.zeros([0, h.kv_heads, h.dim]));
+        dqs.push(self.zeros([0, h.whole.heads(), h.dim]));
+        dks.push(self.zeros([0, h.whole.kv_heads(), h.dim]));
+        dvs.push(self.zeros([0, h.whole.kv_heads(), h.dim]));
         FlashGradients {
             dq: cat_tokens(dqs, 0),
             dk: cat_tokens(dks, 0),

@@ -2,6 +2,7 @@
 
 use burn::prelude::{Backend, Tensor};
 use burn::tensor::{DType, TensorCreationOptions};
+pub use burn_dcp_kernels::filled;
 use burn_dcp_kernels::Segment;
 
 use crate::comm::{Comm, CommError, Payload};
@@ -69,20 +70,6 @@ pub fn all_gather<B: Backend, const D: usize>(
         .enumerate()
         .map(|(from, data)| checked_tensor(comm, data, from, expected(from), dtype, what, &device))
         .collect()
-}
-
-/// A tensor of `dims` filled with `value`; one with no elements launches nothing (cubecl on
-/// CUDA refuses a launch of zero cubes: `CUDA_ERROR_INVALID_VALUE`, seen on an H100 from DCP's
-/// empty pieces; wgpu accepts it).
-pub fn filled<B: Backend, const D: usize>(
-    dims: [usize; D],
-    value: f32,
-    options: TensorCreationOptions<B>,
-) -> Tensor<B, D> {
-    match dims.contains(&0) {
-        true => Tensor::empty(dims, options),
-        false => Tensor::full(dims, value, options),
-    }
 }
 
 /// Concatenation of tensors along `dim` that tolerates empty pieces (and an all-empty list).

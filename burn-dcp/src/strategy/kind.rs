@@ -100,8 +100,18 @@ impl StrategyKind {
     /// The [`name`](Self::name)s of `kinds`, comma-separated, in their order
     /// (`"ring-zigzag, ulysses"`): how messages list a set of kinds.
     pub fn names(kinds: &[Self]) -> String {
-        let names: Vec<&str> = kinds.iter().map(|kind| kind.name()).collect();
-        names.join(", ")
+        join(kinds, Self::name)
+    }
+
+    /// Whether `auto` may choose it: one of [`ALL`](Self::ALL) (ring only in the zigzag layout).
+    pub fn is_candidate(self) -> bool {
+        Self::ALL.contains(&self)
+    }
+
+    /// The error for a kind `auto` cannot choose: [`from_candidate_name`](Self::from_candidate_name)'s
+    /// for its name.
+    pub(crate) fn not_a_candidate(self) -> CpError {
+        unknown("auto candidate", self.name(), &Self::ALL, Self::name)
     }
 
     /// The name in the plan format (`stats.strategy`) and `plan_sim --strategies`: as
@@ -189,42 +199,51 @@ impl StrategyKind {
     /// Reads a static strategy's [`family`](Self::family) name (`ring`, not `ring-zigzag`: the
     /// layout is given apart), as [`Strategy::parse`] does.
     pub fn from_static_name(text: &str) -> Result<Self, CpError> {
-        find(&Self::STATIC, Self::family, text)
-            .ok_or_else(|| unknown("strategy", text, &Self::STATIC, Self::family))
+        read("strategy", text, &Self::STATIC, Self::family)
     }
 
     /// Reads a plan-format name ([`plan_name`](Self::plan_name)) of one of [`ALL`](Self::ALL).
     pub fn from_plan_name(text: &str) -> Result<Self, CpError> {
-        find(&Self::ALL, Self::plan_name, text)
-            .ok_or_else(|| unknown("strategy", text, &Self::ALL, Self::plan_name))
+        read("strategy", text, &Self::ALL, Self::plan_name)
     }
 
     /// Reads one of `auto`'s candidates: a [`name`](Self::name) of one of [`ALL`](Self::ALL).
     pub fn from_candidate_name(text: &str) -> Result<Self, CpError> {
-        find(&Self::ALL, Self::name, text)
-            .ok_or_else(|| unknown("auto candidate", text, &Self::ALL, Self::name))
+        read("auto candidate", text, &Self::ALL, Self::name)
     }
 }
 
-fn find(
+/// The one of `kinds` whose `name` is `text`, or an error listing their names.
+fn read(
+    what: &str,
+    text: &str,
     kinds: &[StrategyKind],
     name: fn(StrategyKind) -> &'static str,
-    text: &str,
-) -> Option<StrategyKind> {
-    kinds.iter().copied().find(|kind| name(*kind) == text)
+) -> Result<StrategyKind, CpError> {
+    kinds
+        .iter()
+        .copied()
+        .find(|kind| name(*kind) == text)
+        .ok_or_else(|| unknown(what, text, kinds, name))
 }
 
+/// "unknown `what` '`text`': expected one of" `kinds`' names.
 fn unknown(
     what: &str,
     text: &str,
     kinds: &[StrategyKind],
     name: fn(StrategyKind) -> &'static str,
 ) -> CpError {
-    let names: Vec<&str> = kinds.iter().map(|kind| name(*kind)).collect();
     CpError::Config(format!(
         "unknown {what} '{text}': expected one of {}",
-        names.join(", ")
+        join(kinds, name)
     ))
+}
+
+/// `kinds`' names by `name`, comma-separated.
+fn join(kinds: &[StrategyKind], name: fn(StrategyKind) -> &'static str) -> String {
+    let names: Vec<&str> = kinds.iter().map(|kind| name(*kind)).collect();
+    names.join(", ")
 }
 
 impl fmt::Display for StrategyKind {
@@ -241,8 +260,7 @@ impl FromStr for StrategyKind {
         if let Some(layout) = text.strip_prefix("ring-") {
             return Ok(Self::Ring(layout.parse()?));
         }
-        find(&Self::NAMED, Self::name, text)
-            .ok_or_else(|| unknown("strategy", text, &Self::NAMED, Self::name))
+        read("strategy", text, &Self::NAMED, Self::name)
     }
 }
 

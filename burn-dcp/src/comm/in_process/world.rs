@@ -109,9 +109,7 @@ impl InProcessWorld {
                         })
                         .map_err(|error| {
                             let what = format!("could not be started: {error}");
-                            let failure = RankFailure::thread(rank, what);
-                            self.world.mark_failed(rank, failure.to_string());
-                            failure
+                            failed(&self.world, RankFailure::thread(rank, what))
                         })
                 })
                 .collect();
@@ -198,19 +196,20 @@ pub(super) fn run_rank<T, E: fmt::Display>(
             world.mark_finished(rank);
             Ok(value)
         }
-        Ok(Err(error)) => {
-            let failure = RankFailure::error(rank, error);
-            world.mark_failed(rank, failure.to_string());
-            Err(failure)
-        }
+        Ok(Err(error)) => Err(failed(world, RankFailure::error(rank, error))),
         Err(payload) if payload.is::<InjectedExit>() => {
             world.mark_finished(rank);
             Err(RankFailure::exit(rank))
         }
         Err(payload) => {
             let failure = RankFailure::panic(rank, panic_message(&*payload));
-            world.mark_failed(rank, failure.to_string());
-            Err(failure)
+            Err(failed(world, failure))
         }
     }
+}
+
+/// Records `failure` as its rank's in the world (what its peers' errors will name) and returns it.
+fn failed(world: &World, failure: RankFailure) -> RankFailure {
+    world.mark_failed(failure.rank(), failure.to_string());
+    failure
 }
