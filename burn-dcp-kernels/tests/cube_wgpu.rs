@@ -572,7 +572,7 @@ mod matrix_tiles {
         tensor_cores: false,
     };
 
-    fn upload(values: &[f32], dims: [usize; 3], dtype: DType) -> Tensor<B, 3> {
+    pub(super) fn upload(values: &[f32], dims: [usize; 3], dtype: DType) -> Tensor<B, 3> {
         Tensor::<B, 3>::from_data(
             TensorData::new(values.to_vec(), dims),
             &WgpuDevice::default(),
@@ -580,7 +580,7 @@ mod matrix_tiles {
         .cast(dtype)
     }
 
-    fn read<const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
+    pub(super) fn read<const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
         tensor
             .into_data()
             .convert::<f32>()
@@ -590,7 +590,7 @@ mod matrix_tiles {
 
     /// `(out, lse)` of the matrix-tile forward, and the inputs as the device holds them (rounded
     /// to `dtype`).
-    fn run(
+    pub(super) fn run(
         case: &Case,
         seed: u64,
         dtype: DType,
@@ -618,7 +618,7 @@ mod matrix_tiles {
 
     /// `[dq, dk, dv]` of the matrix-tile backward (after its forward), and the inputs as the
     /// device holds them.
-    fn run_backward(
+    pub(super) fn run_backward(
         case: &Case,
         seed: u64,
         dtype: DType,
@@ -790,5 +790,156 @@ mod matrix_tiles {
         let (auto, _, _) = run(&case, 151, DType::F32, AttentionKernel::Auto).unwrap();
         let (vector, _, _) = run(&case, 151, DType::F32, AttentionKernel::Vector).unwrap();
         assert_eq!(auto, vector);
+    }
+}
+
+/// The flash kernels ([`burn_dcp_kernels::cube::flash`]) with their plain bodies (products,
+/// fragment loads and row reductions on ordinary units, plain copies): everything but
+/// `ldmatrix`, `mma.sync`, `cp.async` and the shuffles, which `cube_cuda.rs` runs on a GPU.
+mod flash_plain {
+    use super::matrix_tiles::{read, run, run_backward, upload};
+    use super::*;
+    use burn::tensor::{DType, TensorPrimitive};
+    use burn_dcp_kernels::cube::{forward_with, AttentionKernel};
+
+    type B = WgpuPlain;
+    const FLASH: AttentionKernel = AttentionKernel::Flash {
+        tensor_cores: false,
+    };
+
+    fn with_dims(mut case: Case, head_dim: usize, value_dim: usize) -> Case {
+        case.shape.head_dim = head_dim;
+        case.shape.value_dim = value_dim;
+        case
+    }
+
+    /// Forward and gradients in f32 within 1e-5 of the oracle.
+    fn check_f32(case: &Case, seed: u64, what: &str) {
+        let (out, lse, x) = run(case, seed, DType::F32, FLASH).unwrap();
+        let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
+        let errors = [rel_err(&out, &want.out), rel_err(&lse, &want.lse)];
+        assert!(
+            errors.iter().all(|&e| e <= 1e-5),
+            "flash {what}: out/lse errors {errors:?}"
+        );
+        check_gradients(case, seed, DType::F32, 1e-5, what);
+    }
+
+    fn check_gradients(case: &Case, seed: u64, dtype: DType, bound: f32, what: &str) {
+        let ([dq, dk, dv], x) = run_backward(case, seed, dtype, FLASH).unwrap();
+        let want =
+            reference::backward(&x.q, &x.k, &x.v, &x.dout, &case.problem, &case.shape).unwrap();
+        let errors = [
+            rel_err(&dq, &want.dq),
+            rel_err(&dk, &want.dk),
+            rel_err(&dv, &want.dv),
+        ];
+        assert!(
+            errors.iter().all(|&e| e <= bound),
+            "flash {what}: dq/dk/dv errors {errors:?}"
+        );
+    }
+
+    #[test]
+    fn every_mask_on_ragged_gqa_batches_matches_the_reference() {
+        // Groups of 1, 3 (one head per cube) and 4 (four heads share a cube's key tiles).
+        for (index, mask) in masks().into_iter().enumerate() {
+            for (heads, kv_heads) in [(2, 2), (3, 1), (4, 1)] {
+                let case = with_dims(ragged_case(mask.clone(), heads, kv_heads), 16, 32);
+                let what = format!("{mask} H{heads} K{kv_heads}");
+                check_f32(&case, 200 + index as u64, &what);
+            }
+        }
+    }
+
+    #[test]
+    fn several_tiles_whole_and_partial_match_the_reference() {
+        // Sequences of 200, 37 and 130 tokens: several cubes and key tiles, runs of whole and
+        // partial tiles under every mask; two heads per cube (group 2).
+        for (index, mask) in long_masks().into_iter().enumerate() {
+            let case = long_case(vec![mask.clone()], 4, 2, (16, 16));
+            check_f32(&case, 210 + index as u64, &format!("{mask} long"));
+        }
+        let case = long_case(long_mixed_masks(), 2, 1, (32, 16));
+        check_f32(&case, 220, "per-sequence masks with key ranges, D32/16");
+    }
+
+    #[test]
+    fn half_precision_rounds_only_where_tensor_cores_would() {
+        // As the matrix tiles' test: P and dS are rounded to f16 before their products, the
+        // LSE and every accumulator stay f32.
+        let case = long_case(vec![MaskSpec::Causal], 4, 2, (48, 48));
+        let unit_roundoff = 2f32.powi(-11);
+        let (out, lse, x) = run(&case, 230, DType::F16, FLASH).unwrap();
+        let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
+        let max_v = x.v.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let max_out = want.out.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = out
+            .iter()
+            .zip(&want.out)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let bound = unit_roundoff * (max_v + max_out) * 1.01;
+        assert!(worst <= bound, "|out - oracle| {worst} > {bound}");
+        let lse_err = rel_err(&lse, &want.lse);
+        assert!(lse_err <= 1e-5, "lse {lse_err}");
+        check_gradients(&case, 230, DType::F16, 2e-3, "f16 causal D48");
+    }
+
+    #[test]
+    fn fully_masked_rows_and_nan_scores_keep_their_meaning() {
+        let case = with_dims(fully_masked_case(), 16, 16);
+        let (out, lse, _) = run(&case, 240, DType::F32, FLASH).unwrap();
+        assert!(out.iter().all(|&x| x == 0.0), "{out:?}");
+        assert!(lse.iter().all(|&x| x == f32::NEG_INFINITY), "{lse:?}");
+        let (grads, _) = run_backward(&case, 240, DType::F32, FLASH).unwrap();
+        for (name, values) in ["dq", "dk", "dv"].iter().zip(&grads) {
+            assert!(values.iter().all(|&x| x == 0.0), "{name}: {values:?}");
+        }
+
+        let (heads, dim) = (2, 16);
+        let problem = VarlenAttention::packed(vec![5, 3], vec![MaskSpec::Causal]);
+        let mut rng = SmallRng::seed_from_u64(241);
+        let mut q = random(&mut rng, 8 * heads * dim);
+        let (k, v) = (
+            random(&mut rng, 8 * heads * dim),
+            random(&mut rng, 8 * heads * dim),
+        );
+        q[2 * heads * dim] = f32::NAN; // token 2 (sequence 0), head 0
+        let primitive = |values: &[f32]| upload(values, [8, heads, dim], DType::F32);
+        let (out, lse) = forward_with(
+            primitive(&q).into_primitive().tensor(),
+            primitive(&k).into_primitive().tensor(),
+            primitive(&v).into_primitive().tensor(),
+            &problem,
+            FLASH,
+        )
+        .unwrap();
+        let out = read(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out)));
+        let lse = read(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse)));
+        let row = 2 * heads * dim;
+        assert!(out[row..row + dim].iter().all(|x| x.is_nan()), "{out:?}");
+        assert!(lse[2].is_nan(), "lse of the NaN row: {}", lse[2]);
+        // Sequence 1 shares the cube but not the NaN query's keys.
+        assert!(out[5 * heads * dim..].iter().all(|x| x.is_finite()));
+    }
+
+    #[test]
+    fn what_the_flash_kernels_cannot_run_is_refused_with_the_reason() {
+        let case = long_case(vec![MaskSpec::Causal], 2, 1, (16, 16));
+        let cores = AttentionKernel::Flash { tensor_cores: true };
+        let err = run(&case, 250, DType::F16, cores).unwrap_err().to_string();
+        assert!(err.contains("mma.sync") && err.contains("F16"), "{err}");
+        let err = run(&case, 250, DType::F32, cores).unwrap_err().to_string();
+        assert!(err.contains("f16 or bf16") && err.contains("F32"), "{err}");
+        let odd = long_case(vec![MaskSpec::Causal], 2, 1, (40, 16));
+        let err = run(&odd, 250, DType::F32, FLASH).unwrap_err().to_string();
+        assert!(
+            err.contains("multiples of 16") && err.contains("40"),
+            "{err}"
+        );
+        let wide = long_case(vec![MaskSpec::Causal], 2, 1, (16, 256));
+        let err = run(&wide, 250, DType::F32, FLASH).unwrap_err().to_string();
+        assert!(err.contains("up to 128") && err.contains("256"), "{err}");
     }
 }

@@ -55,7 +55,7 @@ use cubecl::prelude::*;
 /// The running maximum before any key: far below any real score, still finite.
 pub(super) const NONE: f32 = -3.0e38;
 /// Scores and LSE values below this are "no key" (the sentinel or `-inf`).
-const NONE_LIMIT: f32 = -1.0e38;
+pub(super) const NONE_LIMIT: f32 = -1.0e38;
 
 /// Index (in vectors of `N`) of element `col·N` of row `row`, head `head` of a
 /// `[tokens, heads, dim]` tensor read as vectors. With `N > 1` the host guarantees a contiguous

@@ -5,9 +5,10 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
 
+use super::flash::{backward_flash, forward_flash};
 use super::kernels;
 use super::matrix_launch::{
-    backward_on_tiles, choose, forward_on_tiles, AttentionKernel, TilesKernel,
+    backward_on_tiles, choose, choose_flash, forward_on_tiles, AttentionKernel, TilesKernel,
 };
 use super::support::*;
 use crate::definition::{KernelError, VarlenAttention};
@@ -45,6 +46,9 @@ pub fn forward_with<R: CubeRuntime>(
     }
     let dense = DenseSpans::build(problem)?;
     let properties = q.client.properties();
+    if let Some(plan) = choose_flash(kernel, properties, dtype, &s, dense.max_spans)? {
+        return Ok(forward_flash(q, k, v, problem, &s, dtype, &dense, &plan));
+    }
     let kernels = TilesKernel::of_pass(false);
     if let Some(tiles) = choose(kernel, properties, dtype, &s, dense.max_spans, kernels)? {
         return forward_on_tiles(q, k, v, problem, &s, dtype, dense, tiles[0]);
@@ -138,7 +142,11 @@ pub fn backward_with<R: CubeRuntime>(
     let dense = DenseSpans::build(problem)?;
     let kernels = TilesKernel::of_pass(true);
     let properties = q.client.properties();
-    let tiles = choose(kernel, properties, dtype, &s, dense.max_spans, kernels)?;
+    let flash = choose_flash(kernel, properties, dtype, &s, dense.max_spans)?;
+    let tiles = match flash {
+        Some(_) => None,
+        None => choose(kernel, properties, dtype, &s, dense.max_spans, kernels)?,
+    };
     let client = q.client.clone();
     let storage = storage(dtype);
     let scale = problem.softmax_scale(s.head_dim) as f32;
@@ -160,6 +168,10 @@ pub fn backward_with<R: CubeRuntime>(
         );
     }
 
+    if let Some(plan) = flash {
+        let inputs = [q, k, v, dout, lse, delta];
+        return Ok(backward_flash(inputs, problem, &s, dtype, &dense, &plan));
+    }
     if let Some(tiles) = tiles {
         let inputs = [q, k, v, dout, lse, delta];
         let geometries = [tiles[0], tiles[1]];

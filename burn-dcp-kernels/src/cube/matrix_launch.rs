@@ -8,6 +8,7 @@ use cubecl::ir::features::MmaConfig;
 use cubecl::ir::{DeviceProperties, ElemType, FloatKind};
 use cubecl::{CubeCount, CubeDim};
 
+use super::flash::FlashPlan;
 use super::matrix::{self, TILE};
 use super::{empty, storage, upload_u32, QueryTables};
 use crate::definition::{AttentionShape, KernelError, VarlenAttention};
@@ -20,14 +21,16 @@ use crate::tiling::{DenseSpans, TileIntervals};
 pub enum AttentionKernel {
     /// The vector kernels ([`super::kernels`]), on every device.
     Vector,
-    /// Matrix tiles on tensor cores where the device has them for the inputs (f16/bf16 in, f32
-    /// accumulation, 16 × 16 × 16, planes of 32 units) and the tiles fit its shared memory; the
-    /// vector kernels otherwise. The default: `tests/cube_cuda.rs` passed on an H100 (f16 and
-    /// bf16 against the oracle, every mask, forward and gradients), where the tensor cores run
-    /// the forward 3.1× and forward + backward 9.2× faster than the vector kernels
-    /// (`benches/RESULTS.md`); elsewhere (f32, lavapipe, no `cmma`) it is the vector kernels.
+    /// The fastest kernels the device and the problem allow: the flash kernels
+    /// ([`super::flash`]: f16/bf16 on CUDA sm_80+, head and value dims multiples of 16 up to
+    /// 128), else matrix tiles on tensor cores (f16/bf16 on devices with `cmma`, tiles within
+    /// shared memory), else the vector kernels (f32, lavapipe). The default.
     #[default]
     Auto,
+    /// The flash kernels ([`super::flash`]), or an error naming what the device or the problem
+    /// lacks. With `tensor_cores: false` their products, loads and reductions run on plain
+    /// units, on any device and for f32 too: the path CI tests on lavapipe.
+    Flash { tensor_cores: bool },
     /// The matrix-tile kernels ([`super::matrix`]), or an error naming what the device lacks.
     /// With `tensor_cores: false` their tile products run on ordinary units, on any device and
     /// for f32 too: the path CI tests on lavapipe.
@@ -36,7 +39,7 @@ pub enum AttentionKernel {
 
 /// The environment variable [`super::forward`] and [`super::backward`] read their
 /// [`AttentionKernel`] from (once per process): `vector`, `auto` (also when unset), `tiles` (matrix tiles without
-/// tensor cores) or `tensor-cores`.
+/// tensor cores), `tensor-cores`, `flash` or `flash-plain` (the flash kernels without tensor cores).
 pub const KERNEL_ENV: &str = "BURN_DCP_ATTENTION_KERNEL";
 
 impl AttentionKernel {
@@ -70,8 +73,13 @@ impl std::str::FromStr for AttentionKernel {
                 tensor_cores: false,
             }),
             "tensor-cores" => Ok(Self::MatrixTiles { tensor_cores: true }),
+            "flash" => Ok(Self::Flash { tensor_cores: true }),
+            "flash-plain" => Ok(Self::Flash {
+                tensor_cores: false,
+            }),
             other => Err(KernelError::InvalidValue(format!(
-                "{KERNEL_ENV}={other:?}: expected one of vector, auto, tiles, tensor-cores"
+                "{KERNEL_ENV}={other:?}: expected one of vector, auto, tiles, tensor-cores, \
+                 flash, flash-plain"
             ))),
         }
     }
@@ -225,6 +233,24 @@ impl MatrixTiles {
     }
 }
 
+/// The flash kernels' plan for `kernel`, or `None` for the others: `Auto` takes them where
+/// they fit, a forced choice errors where they do not.
+pub(super) fn choose_flash(
+    kernel: AttentionKernel,
+    properties: &DeviceProperties,
+    dtype: DType,
+    shape: &AttentionShape,
+    max_spans: usize,
+) -> Result<Option<FlashPlan>, KernelError> {
+    match kernel {
+        AttentionKernel::Auto => Ok(FlashPlan::new(properties, dtype, shape, max_spans, true).ok()),
+        AttentionKernel::Flash { tensor_cores } => {
+            FlashPlan::new(properties, dtype, shape, max_spans, tensor_cores).map(Some)
+        }
+        _ => Ok(None),
+    }
+}
+
 /// The geometries of the three kernels for `kernel`, or `None` for the vector kernels: `Auto`
 /// takes tensor cores only where all three fit, a forced choice errors where one does not.
 pub(super) fn choose(
@@ -242,7 +268,7 @@ pub(super) fn choose(
             .collect::<Result<Vec<_>, _>>()
     };
     match kernel {
-        AttentionKernel::Vector => Ok(None),
+        AttentionKernel::Vector | AttentionKernel::Flash { .. } => Ok(None),
         AttentionKernel::Auto => Ok(fit_all(true).ok()),
         AttentionKernel::MatrixTiles { tensor_cores } => fit_all(tensor_cores).map(Some),
     }
@@ -415,6 +441,16 @@ mod tests {
         assert_eq!(
             "tensor-cores".parse(),
             Ok(AttentionKernel::MatrixTiles { tensor_cores: true })
+        );
+        assert_eq!(
+            "flash".parse(),
+            Ok(AttentionKernel::Flash { tensor_cores: true })
+        );
+        assert_eq!(
+            "flash-plain".parse(),
+            Ok(AttentionKernel::Flash {
+                tensor_cores: false
+            })
         );
         let err = "cmma".parse::<AttentionKernel>().unwrap_err().to_string();
         assert!(

@@ -22,6 +22,7 @@
 //! Why the vector kernels are shaped so (lavapipe's loads and loop cap): [`kernels`]. The
 //! matrix-tile kernels, tensor cores and what has run where: [`matrix`].
 
+pub mod flash;
 mod flash_ops;
 pub mod kernels;
 mod launch;

@@ -15,6 +15,9 @@ use crate::definition::KernelError;
 use crate::spans::QuerySpans;
 use crate::VarlenAttention;
 
+mod runs;
+pub use runs::TileRuns;
+
 /// Per query, its allowed packed key spans, padded to the same count.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DenseSpans {

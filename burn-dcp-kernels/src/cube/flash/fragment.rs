@@ -1,0 +1,292 @@
+//! Register fragments of the `m16n8k16` product and the pieces that move them: loads from shared
+//! memory, the product, and the row reductions across the four lanes that share a row.
+//!
+//! A plane (warp) holds a `16 × 16` A tile, a `16 × 8` B tile and a `16 × 8` f32 accumulator in
+//! registers, spread over its 32 lanes as PTX's `mma.m16n8k16` defines them (PTX ISA, "Matrix
+//! Fragments for mma.m16n8k16 with floating point type"). With `g = lane / 4`, `t = lane % 4`,
+//! each fragment is an array of pairs of adjacent elements:
+//!
+//! | fragment | pairs | pair `v` holds |
+//! |---|---|---|
+//! | A (row m, col k) | 4 | row `g + 8·(v % 2)`, cols `2t + 8·(v / 2)` and the next |
+//! | B (row k, col n) | 2 | rows `2t + 8v` and the next, col `g` |
+//! | C (row m, col n) | 2 | row `g + 8v`, cols `2t` and the next |
+//!
+//! The C layout of two adjacent `n = 8` tiles is the A layout of one `k = 16` tile, so scores
+//! become the next product's A operand in registers ([`accumulators_as_a`]).
+//!
+//! Every piece has two bodies chosen at compile time. With `tensor_cores` (CUDA, sm_80+):
+//! `ldmatrix` loads and `mma.sync`. Without: the same fragments loaded element by element by the
+//! table above, and the product computed by the plane's units through a shared scratch tile,
+//! which runs on every device (lavapipe in CI) — so everything but the two instructions and
+//! their lane layout is tested without a GPU. The row reductions likewise: plane shuffles
+//! (`shuffles`) or shared memory.
+
+use cubecl::prelude::*;
+
+/// Pairs of adjacent elements: one 32-bit register of f16/bf16, two of f32. Fragments live in
+/// flat arrays of pairs: A fragment `j` is pairs `4j..4j + 4`, accumulator fragment `n` pairs
+/// `2n..2n + 2`, so that loops over them may stay rolled on devices without tensor cores
+/// (lavapipe compiles every unrolled load separately) and unroll into registers on CUDA.
+pub type Pair<T> = Vector<T, Const<2>>;
+
+/// Elements of the scratch tile one plane's products use without tensor cores: A (16 × 16)
+/// then both B fragments (16 × 16).
+pub const PRODUCT_SCRATCH: usize = 16 * 16 + 16 * 16;
+/// Elements of the scratch one plane's reductions use without shuffles.
+pub const REDUCE_SCRATCH: usize = 32;
+
+/// The lane and its `(g, t)` of the table above.
+#[cube]
+pub fn lane_coords() -> (usize, usize, usize) {
+    let lane = UNIT_POS_X as usize;
+    (lane, lane / 4, lane % 4)
+}
+
+/// Loads the A fragment of rows `row0..row0 + 16`, cols `col0..col0 + 16` of a row-major
+/// `tile` with `stride` elements per row (16-byte aligned rows: `stride` and `col0` multiples of
+/// 8) into pairs `at..at + 4` of `a`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn load_a<F: Float>(
+    tile: &SharedMemory<F>,
+    row0: usize,
+    col0: usize,
+    a: &mut Array<Pair<F>>,
+    at: usize,
+    #[comptime] stride: usize,
+    #[comptime] tensor_cores: bool,
+) {
+    let (lane, g, t) = lane_coords();
+    if tensor_cores {
+        // ldmatrix x4: lanes 8j..8j+7 give the rows of 8 × 8 matrix j, which is register j:
+        // (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
+        let from = (row0 + lane % 16) * stride + col0 + (lane / 16) * 8;
+        let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+        let rows = def.load_matrix::<F, Const<2>>(
+            &tile.slice(from, from + 8),
+            cmma::MatrixIdent::A,
+            4usize,
+            false,
+        );
+        #[unroll]
+        for v in 0..4usize {
+            a[at + v] = rows[v];
+        }
+    } else {
+        #[unroll]
+        for v in 0..4usize {
+            let from = (row0 + g + 8 * (v % 2)) * stride + col0 + 2 * t + 8 * (v / 2);
+            let mut pair = Pair::<F>::empty();
+            pair[0] = tile[from];
+            pair[1] = tile[from + 1];
+            a[at + v] = pair;
+        }
+    }
+}
+
+/// Two B fragments, for the `n` tiles `n0..n0 + 8` (pairs 0, 1) and `n0 + 8..n0 + 16` (pairs 2,
+/// 3), over `k0..k0 + 16`. `transposed = false`: `tile` is row-major in `n` (row `n`, col `k`:
+/// a K tile for `Q·Kᵀ`); `true`: row-major in `k` (row `k`, col `n`: a V tile for `P·V`).
+#[cube]
+pub fn load_b_pair<F: Float>(
+    tile: &SharedMemory<F>,
+    n0: usize,
+    k0: usize,
+    #[comptime] stride: usize,
+    #[comptime] transposed: bool,
+    #[comptime] tensor_cores: bool,
+) -> Array<Pair<F>> {
+    let (lane, g, t) = lane_coords();
+    if tensor_cores {
+        let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+        // Matrix j = lane / 8 is register j: (n tile 0, k 0-7), (n tile 0, k 8-15), (n tile
+        // 1, k 0-7), (n tile 1, k 8-15); `.trans` reads the k-major tile as its transpose.
+        let k = k0 + ((lane / 8) % 2) * 8;
+        let n = n0 + (lane / 16) * 8;
+        let at = if transposed {
+            (k + lane % 8) * stride + n
+        } else {
+            (n + lane % 8) * stride + k
+        };
+        def.load_matrix::<F, Const<2>>(
+            &tile.slice(at, at + 8),
+            cmma::MatrixIdent::B,
+            4usize,
+            transposed,
+        )
+    } else {
+        let mut b = Array::<Pair<F>>::new(4usize);
+        #[unroll]
+        for h in 0..2usize {
+            #[unroll]
+            for v in 0..2usize {
+                let n = n0 + 8 * h + g;
+                let k = k0 + 2 * t + 8 * v;
+                let mut pair = Pair::<F>::empty();
+                if transposed {
+                    pair[0] = tile[k * stride + n];
+                    pair[1] = tile[(k + 1) * stride + n];
+                } else {
+                    pair[0] = tile[n * stride + k];
+                    pair[1] = tile[n * stride + k + 1];
+                }
+                b[2 * h + v] = pair;
+            }
+        }
+        b
+    }
+}
+
+/// `len` accumulator fragments of zeros (`2 · len` pairs).
+#[cube]
+pub fn zero_accumulators(#[comptime] len: usize) -> Array<Pair<f32>> {
+    let mut c = Array::<Pair<f32>>::new(2 * len);
+    #[unroll]
+    for i in 0..2 * len {
+        c[i] = Pair::<f32>::new(0.0);
+    }
+    c
+}
+
+/// `C_h += A · B_h` for both B fragments `h` of a [`load_b_pair`] result: `A` is pairs
+/// `a_at..a_at + 4` of `a`, `C_0` pairs `c_at..c_at + 2` of `c` and `C_1` the next two.
+/// `scratch` is the plane's [`PRODUCT_SCRATCH`] elements at `scratch_at` (unused with tensor
+/// cores). Every unit of the cube calls it together (the scratch form synchronises the cube).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn mma_pair<F: Float>(
+    a: &Array<Pair<F>>,
+    a_at: usize,
+    b: &Array<Pair<F>>,
+    c: &mut Array<Pair<f32>>,
+    c_at: usize,
+    scratch: &mut SharedMemory<F>,
+    scratch_at: usize,
+    #[comptime] tensor_cores: bool,
+) {
+    if tensor_cores {
+        let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+        let mut a_frag = Array::<Pair<F>>::new(4usize);
+        #[unroll]
+        for v in 0..4usize {
+            a_frag[v] = a[a_at + v];
+        }
+        #[unroll]
+        for h in 0..2usize {
+            let mut b_frag = Array::<Pair<F>>::new(2usize);
+            let mut c_frag = Array::<Pair<f32>>::new(2usize);
+            #[unroll]
+            for v in 0..2usize {
+                b_frag[v] = b[2 * h + v];
+                c_frag[v] = c[c_at + 2 * h + v];
+            }
+            def.execute_inplace(&a_frag, &b_frag, &mut c_frag);
+            #[unroll]
+            for v in 0..2usize {
+                c[c_at + 2 * h + v] = c_frag[v];
+            }
+        }
+    } else {
+        let (_lane, g, t) = lane_coords();
+        let a_base = scratch_at;
+        let b_base = scratch_at + 16 * 16;
+        #[unroll]
+        for v in 0..4usize {
+            let at = a_base + (g + 8 * (v % 2)) * 16 + 2 * t + 8 * (v / 2);
+            let pair = a[a_at + v];
+            scratch[at] = pair[0];
+            scratch[at + 1] = pair[1];
+        }
+        // B as 16 rows (k) of 16 columns (n: both fragments).
+        #[unroll]
+        for i in 0..4usize {
+            let k = 2 * t + 8 * (i % 2);
+            let n = 8 * (i / 2) + g;
+            let pair = b[i];
+            scratch[b_base + k * 16 + n] = pair[0];
+            scratch[b_base + (k + 1) * 16 + n] = pair[1];
+        }
+        sync_cube();
+        for i in 0..4usize {
+            // Pair `i` of C: fragment `i / 2`, row `g + 8·(i % 2)`, cols `2t`, `2t + 1`.
+            let row = g + 8 * (i % 2);
+            let col = 8 * (i / 2) + 2 * t;
+            let mut pair = c[c_at + i];
+            let mut first = pair[0];
+            let mut second = pair[1];
+            #[unroll]
+            for k in 0..16usize {
+                let x = f32::cast_from(scratch[a_base + row * 16 + k]);
+                first += x * f32::cast_from(scratch[b_base + k * 16 + col]);
+                second += x * f32::cast_from(scratch[b_base + k * 16 + col + 1]);
+            }
+            pair[0] = first;
+            pair[1] = second;
+            c[c_at + i] = pair;
+        }
+        sync_cube();
+    }
+}
+
+/// Pairs `at..at + 4` of an A fragment (input dtype) of the `k` columns `16j..16j + 16` made of
+/// accumulator fragments `2j` and `2j + 1` of `p` (pairs `4j..4j + 4`): scores or probabilities
+/// become the next product's left operand without leaving registers.
+#[cube]
+pub fn accumulators_as_a<F: Float>(p: &Array<Pair<f32>>, j: usize) -> Array<Pair<F>> {
+    let mut a = Array::<Pair<F>>::new(4usize);
+    // C pairs of fragment 2j: rows g, g+8 (cols 2t..); of 2j + 1: the same 8 columns on.
+    // A pairs: (g, k 2t..), (g + 8, k 2t..), (g, k 2t + 8..), (g + 8, k 2t + 8..).
+    #[unroll]
+    for v in 0..4usize {
+        a[v] = Pair::<F>::cast_from(p[4 * j + v]);
+    }
+    a
+}
+
+/// The maximum of `value` over the four lanes of the row (`t = 0..3` of one `g`). `scratch`:
+/// the plane's [`REDUCE_SCRATCH`] f32 at `scratch_at` (unused with `shuffles`). Every unit of
+/// the cube calls it together.
+#[cube]
+pub fn row_max(
+    value: f32,
+    scratch: &mut SharedMemory<f32>,
+    scratch_at: usize,
+    #[comptime] shuffles: bool,
+) -> f32 {
+    if shuffles {
+        let value = max(value, plane_shuffle_xor(value, 1));
+        max(value, plane_shuffle_xor(value, 2))
+    } else {
+        let (lane, g, _t) = lane_coords();
+        scratch[scratch_at + lane] = value;
+        sync_cube();
+        let base = scratch_at + 4 * g;
+        let first = max(scratch[base], scratch[base + 1]);
+        let result = max(first, max(scratch[base + 2], scratch[base + 3]));
+        sync_cube();
+        result
+    }
+}
+
+/// The sum of `value` over the four lanes of the row; as [`row_max`].
+#[cube]
+pub fn row_sum(
+    value: f32,
+    scratch: &mut SharedMemory<f32>,
+    scratch_at: usize,
+    #[comptime] shuffles: bool,
+) -> f32 {
+    if shuffles {
+        let value = value + plane_shuffle_xor(value, 1);
+        value + plane_shuffle_xor(value, 2)
+    } else {
+        let (lane, g, _t) = lane_coords();
+        scratch[scratch_at + lane] = value;
+        sync_cube();
+        let base = scratch_at + 4 * g;
+        let result = (scratch[base] + scratch[base + 1]) + (scratch[base + 2] + scratch[base + 3]);
+        sync_cube();
+        result
+    }
+}

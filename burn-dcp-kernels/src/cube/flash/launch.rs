@@ -1,0 +1,362 @@
+//! Host side of the FlashAttention-2-class kernels: whether a device and a problem can run them,
+//! their comptime shapes, tables and launches.
+
+use burn::tensor::DType;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::features::{MmaConfig, Plane};
+use cubecl::ir::{DeviceProperties, ElemType, FloatKind, StorageType};
+use cubecl::{CubeCount, CubeDim};
+
+use super::stage::padded;
+use super::{backward, forward, FlashConfig};
+use crate::cube::{empty, storage, upload_u32};
+use crate::definition::{AttentionShape, KernelError, VarlenAttention};
+use crate::tiling::{DenseSpans, TileRuns};
+
+/// Largest head or value dim of these kernels (their accumulators live in registers).
+pub const FLASH_MAX_DIM: usize = 128;
+/// Planes per cube (each owns 16 rows).
+const PLANES: usize = 4;
+
+/// The three kernels' comptime shapes for one problem on one device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashPlan {
+    pub forward: FlashConfig,
+    pub dq: FlashConfig,
+    pub dkdv: FlashConfig,
+}
+
+impl FlashPlan {
+    /// The plan for `shape` in `dtype` with `max_spans` span slots, on tensor cores
+    /// (`ldmatrix`, `mma.sync`, `cp.async`, plane shuffles: CUDA sm_80+) or, with
+    /// `tensor_cores: false`, on the plain bodies (any device). Errors name what is missing.
+    pub fn new(
+        properties: &DeviceProperties,
+        dtype: DType,
+        shape: &AttentionShape,
+        max_spans: usize,
+        tensor_cores: bool,
+    ) -> Result<Self, KernelError> {
+        flash_fits(properties, dtype, shape, tensor_cores)?;
+        let limit = properties.hardware.max_shared_memory_size;
+        Self::sized(limit, dtype, shape, max_spans, tensor_cores)
+    }
+
+    /// The plan for a device with `limit` bytes of shared memory per cube (the features
+    /// unchecked: [`flash_fits`] checks them). Errors when even the smallest cubes do not fit.
+    pub fn sized(
+        limit: usize,
+        dtype: DType,
+        shape: &AttentionShape,
+        max_spans: usize,
+        tensor_cores: bool,
+    ) -> Result<Self, KernelError> {
+        let (head_dim, value_dim) = (shape.head_dim, shape.value_dim);
+        let group = shape.heads / shape.kv_heads;
+        // Query heads of one kv head share a cube's key and value tiles.
+        let heads_per_cube = [4, 2, 1]
+            .into_iter()
+            .find(|&h| h <= PLANES && group % h == 0 && PLANES % h == 0)
+            .unwrap_or(1);
+        let widest = head_dim.max(value_dim);
+        let config = |planes: usize, block: usize, heads_per_cube: usize| FlashConfig {
+            head_dim,
+            value_dim,
+            planes,
+            heads_per_cube: heads_per_cube.min(planes),
+            block,
+            max_spans,
+            tensor_cores,
+            async_copy: tensor_cores,
+            shuffles: tensor_cores,
+        };
+        // Planes and tiles, largest first, until the cube fits the device's shared memory:
+        // key tiles of 64 in the forward; 32 in dq above dim 64 (its S, dP and dQ share the
+        // registers); query tiles of 32 in dk/dv (its dK and dV take the registers).
+        let dq_block = if widest > 64 { 32 } else { 64 };
+        let shapes = |block: usize| [(PLANES, block), (PLANES, 32), (2, 32), (2, 16), (1, 16)];
+        let pick =
+            |name: &str, block: usize, heads: usize, bytes: fn(&FlashConfig, DType) -> usize| {
+                shapes(block)
+                    .into_iter()
+                    .filter(|&(_, b)| b <= block)
+                    .map(|(planes, block)| config(planes, block, heads))
+                    .find(|c| bytes(c, dtype) <= limit)
+                    .ok_or_else(|| {
+                        let smallest = config(1, 16, 1);
+                        KernelError::Unsupported(format!(
+                            "the flash {name} kernel at head dim {head_dim} and value dim \
+                         {value_dim} ({dtype:?}, {max_spans} span slots) needs {} bytes of \
+                         shared memory per cube at least; this device has {limit}",
+                            bytes(&smallest, dtype)
+                        ))
+                    })
+            };
+        Ok(Self {
+            forward: pick("forward", 64, heads_per_cube, forward_bytes)?,
+            dq: pick("dq", dq_block, heads_per_cube, dq_bytes)?,
+            dkdv: pick("dk/dv", 32, 1, dkdv_bytes)?,
+        })
+    }
+}
+
+/// Bytes of shared memory of one forward cube.
+fn forward_bytes(c: &FlashConfig, dtype: DType) -> usize {
+    let rows = 16 * c.planes;
+    let inputs = rows * padded(c.head_dim)
+        + c.buffers() * c.block * (padded(c.head_dim) + padded(c.value_dim));
+    dtype.size() * inputs + 4 * (c.tokens_per_cube() * 2 * c.max_spans) + scratch(c, dtype)
+}
+
+/// Bytes of shared memory of one dq cube.
+fn dq_bytes(c: &FlashConfig, dtype: DType) -> usize {
+    let rows = 16 * c.planes;
+    let inputs = rows * (padded(c.head_dim) + padded(c.value_dim))
+        + c.buffers() * c.block * (padded(c.head_dim) + padded(c.value_dim));
+    dtype.size() * inputs + 4 * (c.tokens_per_cube() * 2 * c.max_spans) + scratch(c, dtype)
+}
+
+/// Bytes of shared memory of one dk/dv cube.
+fn dkdv_bytes(c: &FlashConfig, dtype: DType) -> usize {
+    let rows = 16 * c.planes;
+    let per_row = padded(c.head_dim) + padded(c.value_dim);
+    let inputs = rows * per_row + c.buffers() * c.block * per_row;
+    let values = c.buffers() * c.block * (2 + 2 * c.max_spans);
+    dtype.size() * inputs + 4 * values + scratch(c, dtype)
+}
+/// Bytes of the plain bodies' scratch, the barriers and alignment.
+fn scratch(config: &FlashConfig, dtype: DType) -> usize {
+    let product = if config.tensor_cores {
+        0
+    } else {
+        config.planes * super::fragment::PRODUCT_SCRATCH * dtype.size()
+    };
+    let reduce = if config.shuffles {
+        0
+    } else {
+        config.planes * super::fragment::REDUCE_SCRATCH * 4
+    };
+    product + reduce + 8 * 64
+}
+
+/// Whether the flash kernels take `shape` in `dtype` on this device: head and value dims
+/// multiples of 16 up to [`FLASH_MAX_DIM`]; with tensor cores f16/bf16 on a device with the
+/// `m16n8k16` product into f32, `ldmatrix`, `cp.async` and plane shuffles on planes of 32.
+pub fn flash_fits(
+    properties: &DeviceProperties,
+    dtype: DType,
+    shape: &AttentionShape,
+    tensor_cores: bool,
+) -> Result<(), KernelError> {
+    for (name, dim) in [("head", shape.head_dim), ("value", shape.value_dim)] {
+        if dim % 16 != 0 || dim > FLASH_MAX_DIM {
+            return Err(KernelError::Unsupported(format!(
+                "the flash kernels take {name} dims that are multiples of 16 up to \
+                 {FLASH_MAX_DIM}, not {dim}"
+            )));
+        }
+    }
+    if !tensor_cores {
+        return Ok(());
+    }
+    let kind = match dtype {
+        DType::F16 => FloatKind::F16,
+        DType::BF16 => FloatKind::BF16,
+        other => {
+            return Err(KernelError::Unsupported(format!(
+                "the flash kernels' tensor cores take f16 or bf16 inputs, not {other:?}"
+            )))
+        }
+    };
+    let input: StorageType = ElemType::Float(kind).into();
+    let features = &properties.features;
+    let mma = MmaConfig {
+        a_type: input,
+        b_type: input,
+        cd_type: ElemType::Float(FloatKind::F32).into(),
+        m: 16,
+        n: 8,
+        k: 16,
+    };
+    let plane = (
+        properties.hardware.plane_size_min,
+        properties.hardware.plane_size_max,
+    );
+    let missing = [
+        (
+            !features.matmul.mma.contains(&mma),
+            "the m16n8k16 mma.sync product into f32",
+        ),
+        (!features.matmul.ldmatrix.contains(&input), "ldmatrix"),
+        (!features.copy_async, "cp.async copies"),
+        (!features.plane.contains(Plane::Ops), "plane shuffles"),
+        (plane != (32, 32), "planes of 32 units"),
+    ];
+    match missing.iter().find(|(lacks, _)| *lacks) {
+        Some((_, what)) => Err(KernelError::Unsupported(format!(
+            "the flash kernels need {what} for {dtype:?} on this device (CUDA, sm_80 or newer)"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// `tensor` as the copies read it: contiguous last dim, strides and offset multiples of 16
+/// bytes (a copy otherwise).
+fn aligned<R: CubeRuntime>(tensor: CubeTensor<R>, config: &FlashConfig) -> CubeTensor<R> {
+    if !config.async_copy {
+        return tensor;
+    }
+    let element = tensor.dtype.size();
+    let chunk = 16 / element;
+    let strides = tensor.meta.strides();
+    let offset = tensor.handle.offset_start.unwrap_or(0);
+    let fine = strides.len() == 3
+        && strides[2] == 1
+        && strides[0] % chunk == 0
+        && strides[1] % chunk == 0
+        && offset % 16 == 0;
+    if fine {
+        tensor
+    } else {
+        into_contiguous(tensor)
+    }
+}
+
+fn cube_dim(config: &FlashConfig) -> CubeDim {
+    CubeDim::new_2d(32, config.planes as u32)
+}
+
+/// The forward: `(out, lse)`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_flash<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    problem: &VarlenAttention,
+    s: &AttentionShape,
+    dtype: DType,
+    dense: &DenseSpans,
+    plan: &FlashPlan,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let config = plan.forward;
+    let [q, k, v] = [q, k, v].map(|t| aligned(t, &config));
+    let tokens = config.tokens_per_cube();
+    let runs = TileRuns::by_query_tile(dense, tokens, config.block);
+    let out = empty(&q, vec![s.q_tokens, s.heads, s.value_dim], dtype);
+    let lse = empty(&q, vec![s.heads, s.q_tokens], DType::F32);
+    let client = q.client.clone();
+    let upload = |values: &[u32]| upload_u32(&client, &q.device, values);
+    let (spans, offsets, runs) = (
+        upload(&dense.spans),
+        upload(&runs.offsets),
+        upload(&runs.runs),
+    );
+    let count = CubeCount::Static(
+        s.q_tokens.div_ceil(tokens) as u32,
+        (s.heads / config.heads_per_cube) as u32,
+        1,
+    );
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked
+    // by the caller; shared memory was sized by `FlashPlan::new`; the copies' alignment by
+    // `aligned`.
+    unsafe {
+        forward::flash_forward_kernel::launch_unchecked::<R>(
+            &client,
+            count,
+            cube_dim(&config),
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            spans.into_tensor_arg(),
+            offsets.into_tensor_arg(),
+            runs.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            problem.softmax_scale(s.head_dim) as f32,
+            f32::NEG_INFINITY,
+            config,
+            storage(dtype),
+        );
+    }
+    (out, lse)
+}
+
+/// The backward (`delta` already computed): `(dq, dk, dv)`.
+pub fn backward_flash<R: CubeRuntime>(
+    inputs: [CubeTensor<R>; 6],
+    problem: &VarlenAttention,
+    s: &AttentionShape,
+    dtype: DType,
+    dense: &DenseSpans,
+    plan: &FlashPlan,
+) -> crate::cube::Gradients<R> {
+    let [q, k, v, dout, lse, delta] = inputs;
+    let [q, k, v, dout] = [q, k, v, dout].map(|t| aligned(t, &plan.dq));
+    let client = q.client.clone();
+    let scale = problem.softmax_scale(s.head_dim) as f32;
+    let device = q.device.clone();
+    let upload = |values: &[u32]| upload_u32(&client, &device, values);
+    let dq = empty(&q, vec![s.q_tokens, s.heads, s.head_dim], dtype);
+    let dk = empty(&q, vec![s.kv_tokens, s.kv_heads, s.head_dim], dtype);
+    let dv = empty(&q, vec![s.kv_tokens, s.kv_heads, s.value_dim], dtype);
+    let spans = upload(&dense.spans);
+
+    let c = plan.dkdv;
+    let keys = 16 * c.planes;
+    let key_tiles = s.kv_tokens.div_ceil(keys);
+    let by_key = TileRuns::by_query_tile(dense, c.block, keys).transpose(key_tiles);
+    // SAFETY: as in `forward_flash`.
+    unsafe {
+        backward::flash_dkdv_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(key_tiles as u32, s.kv_heads as u32, 1),
+            cube_dim(&c),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            spans.clone().into_tensor_arg(),
+            upload(&by_key.offsets).into_tensor_arg(),
+            upload(&by_key.runs).into_tensor_arg(),
+            dk.clone().into_tensor_arg(),
+            dv.clone().into_tensor_arg(),
+            scale,
+            c,
+            storage(dtype),
+        );
+    }
+
+    let c = plan.dq;
+    let tokens = c.tokens_per_cube();
+    let runs = TileRuns::by_query_tile(dense, tokens, c.block);
+    // SAFETY: as in `forward_flash`.
+    unsafe {
+        backward::flash_dq_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(
+                s.q_tokens.div_ceil(tokens) as u32,
+                (s.heads / c.heads_per_cube) as u32,
+                1,
+            ),
+            cube_dim(&c),
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            dout.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            spans.into_tensor_arg(),
+            upload(&runs.offsets).into_tensor_arg(),
+            upload(&runs.runs).into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            scale,
+            c,
+            storage(dtype),
+        );
+    }
+    (dq, dk, dv)
+}

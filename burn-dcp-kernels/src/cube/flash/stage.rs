@@ -1,0 +1,197 @@
+//! Staging into shared memory: tiles of rows (asynchronous 16-byte copies or plain loads), the
+//! per-row spans and f32 row values, and the cursor over a cube's listed tiles.
+//!
+//! Tiles are row-major with [`padded`] columns: `dim + 8`, so the eight 16-byte rows an
+//! `ldmatrix` phase reads fall in distinct banks (a row of `dim` elements, a multiple of 64
+//! bytes, would put them all in the same four).
+
+use cubecl::prelude::barrier::copy_async;
+use cubecl::prelude::*;
+
+/// Elements per 16-byte copy of f16/bf16.
+pub const CHUNK: usize = 8;
+
+/// Columns of a staged tile of `dim`-element rows.
+pub fn padded(dim: usize) -> usize {
+    dim + CHUNK
+}
+
+/// Copies rows `first_row..first_row + rows` of head `head` of `source` (`[tokens, heads, dim]`)
+/// into `tile` at `at` (row-major, `padded(dim)` columns), by `units` units (`unit` is this
+/// one's index among them: the cube's, or a plane's lanes for a plane's own rows). Rows past
+/// `rows_total` repeat the last row (their pairs are masked). With `async_copy` each unit issues
+/// 16-byte `cp.async` copies (the host checked the alignment: contiguous last dim, strides and
+/// offset multiples of 8 elements) that the caller commits to a barrier; otherwise plain loads.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_rows<F: Float>(
+    source: &Tensor<F>,
+    tile: &mut SharedMemory<F>,
+    at: usize,
+    first_row: usize,
+    head: usize,
+    rows_total: usize,
+    unit: usize,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] units: usize,
+    #[comptime] async_copy: bool,
+) {
+    let per_row = comptime!(dim / CHUNK);
+    let chunks = comptime!(rows * per_row);
+    let stride = comptime!(padded(dim));
+    #[unroll]
+    for pass in 0..chunks.div_ceil(units) {
+        let chunk = pass * units + unit;
+        if chunks % units == 0 || chunk < chunks {
+            let row = chunk / per_row;
+            let col = (chunk % per_row) * CHUNK;
+            let token = min(first_row + row, rows_total - 1);
+            let from = token * source.stride(0) + head * source.stride(1) + col;
+            let to = at + row * stride + col;
+            if async_copy {
+                copy_async(
+                    &source.slice(from, from + CHUNK),
+                    &mut tile.slice_mut(to, to + CHUNK),
+                    CHUNK as u32,
+                );
+            } else {
+                #[unroll]
+                for e in 0..CHUNK {
+                    tile[to + e] = source[from + e * source.stride(2)];
+                }
+            }
+        }
+    }
+}
+
+/// The spans of tokens `first..first + rows` into `into` at `at` (empty past `tokens`, so that
+/// no key is allowed), all `units` units together.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_spans(
+    spans: &Tensor<u32>,
+    into: &mut SharedMemory<u32>,
+    at: usize,
+    first: usize,
+    tokens: usize,
+    #[comptime] rows: usize,
+    #[comptime] max_spans: usize,
+    #[comptime] units: usize,
+) {
+    let unit = UNIT_POS as usize;
+    let len = comptime!(rows * 2 * max_spans);
+    #[unroll]
+    for pass in 0..len.div_ceil(units) {
+        let index = pass * units + unit;
+        if index < len {
+            let token = first + index / (2 * max_spans);
+            let mut value = 0u32;
+            if token < tokens {
+                value = spans[token * 2 * max_spans + index % (2 * max_spans)];
+            }
+            into[at + index] = value;
+        }
+    }
+}
+
+/// Per-token f32 values `source [H, T]` of head `head`, tokens `first..first + rows`, into
+/// `into` at `at` (0 past `tokens`), all `units` units together.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_row_values(
+    source: &Tensor<f32>,
+    into: &mut SharedMemory<f32>,
+    at: usize,
+    head: usize,
+    first: usize,
+    tokens: usize,
+    #[comptime] rows: usize,
+    #[comptime] units: usize,
+) {
+    let unit = UNIT_POS as usize;
+    #[unroll]
+    for pass in 0..rows.div_ceil(units) {
+        let index = pass * units + unit;
+        if index < rows {
+            let token = first + index;
+            let mut value = 0.0f32;
+            if token < tokens {
+                value = source[head * source.stride(0) + token * source.stride(1)];
+            }
+            into[at + index] = value;
+        }
+    }
+}
+
+/// Whether `key` lies in one of the `max_spans` spans staged at `at` of `spans`.
+#[cube]
+pub fn allowed(
+    spans: &SharedMemory<u32>,
+    at: usize,
+    key: usize,
+    #[comptime] max_spans: usize,
+) -> bool {
+    let mut allowed = false;
+    #[unroll]
+    for s in 0..max_spans {
+        let start = spans[at + 2 * s] as usize;
+        let end = spans[at + 2 * s + 1] as usize;
+        allowed = allowed || (key >= start && key < end);
+    }
+    allowed
+}
+
+/// A position in a cube's list of tiles: runs `[first, end, full]` of the launch table
+/// ([`crate::tiling::TileRuns`]), walked tile by tile, `rounds` times over (the dk/dv kernel
+/// walks its list once per query head of the group).
+#[derive(CubeType)]
+pub struct Cursor {
+    pub run: usize,
+    pub tile: usize,
+    pub round: usize,
+}
+
+#[cube]
+impl Cursor {
+    /// The first tile of runs `first_run..end_run` (none when the range is empty).
+    pub fn start(runs: &Tensor<u32>, first_run: usize, end_run: usize) -> Cursor {
+        let mut tile = 0;
+        if first_run < end_run {
+            tile = runs[3 * first_run] as usize;
+        }
+        Cursor {
+            run: first_run,
+            tile,
+            round: 0,
+        }
+    }
+
+    /// Whether the current run marks its tiles full.
+    pub fn full(&self, runs: &Tensor<u32>) -> bool {
+        runs[3 * self.run + 2] == 1
+    }
+
+    /// Moves to the next tile (past the end of the last run, to the next round's first).
+    pub fn advance(&mut self, runs: &Tensor<u32>, first_run: usize, end_run: usize) {
+        self.tile += 1;
+        if self.tile == runs[3 * self.run + 1] as usize {
+            self.run += 1;
+            if self.run == end_run {
+                self.run = first_run;
+                self.round += 1;
+            }
+            self.tile = runs[3 * self.run] as usize;
+        }
+    }
+}
+
+/// The number of tiles in runs `first_run..end_run`.
+#[cube]
+pub fn count_tiles(runs: &Tensor<u32>, first_run: usize, end_run: usize) -> usize {
+    let mut total = 0;
+    for run in first_run..end_run {
+        total += (runs[3 * run + 1] - runs[3 * run]) as usize;
+    }
+    total
+}
