@@ -2,26 +2,30 @@
 # The flash kernels' register budget without a GPU: dumps the CUDA C++ cubecl-cuda generates for
 # the forward, dq and dk/dv kernels in bf16 and f16 at head dims 64 and 128 (the plans an H100
 # gets; burn-dcp-kernels/tests/flash_cuda_source.rs), compiles each with NVRTC and ptxas for
-# sm_80 and sm_90 (../shared/cuda-offline/ptx_report.py, or $CUDA_OFFLINE_DIR/ptx_report.py) and
+# sm_80 and sm_90 (scripts/cuda-offline/ptx_report.py: NVRTC, ptxas and CUDA's headers from PyPI
+# wheels, fetched once into ~/.cache/cuda-offline by its setup.sh; or $CUDA_OFFLINE_DIR's) and
 # prints one JSON line per kernel build: registers, spill bytes, shared memory and the counts of
 # mma.sync / ldmatrix / cp.async / wmma instructions; the pass is in the `kernel` field
 # (flash_forward_*, flash_dq_*, flash_dkdv_*). Fails on any spill byte or on a kernel without
 # mma.sync.
 #
 # Usage: scripts/cuda_report.sh [OUT_DIR]   (default target/cuda-report; the .cu files and the
-# JSON lines, report.jsonl, are kept there)
+# JSON lines, report.jsonl, are kept there). The test builds with CI's feature set (`--workspace
+# --features mpi,wgpu,cuda`, so CI reuses its test build); CUDA_REPORT_CARGO_ARGS overrides it
+# (e.g. `-p burn-dcp-kernels --features cuda`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-target/cuda-report}
-tools=${CUDA_OFFLINE_DIR:-$(cd .. && pwd)/shared/cuda-offline}
+tools=${CUDA_OFFLINE_DIR:-scripts/cuda-offline}
 if [ ! -x "$tools/ptx_report.py" ] && [ ! -f "$tools/ptx_report.py" ]; then
   echo "cuda_report: no ptx_report.py in $tools (set CUDA_OFFLINE_DIR)" >&2
   exit 2
 fi
 rm -rf "$out" && mkdir -p "$out"
-BURN_DCP_DUMP_CUDA="$(pwd)/$out/kernels" cargo test ${CUDA_REPORT_CARGO_FLAGS:-} -p burn-dcp-kernels \
-  --features cuda --test flash_cuda_source -- --quiet
-python3 "$tools/setup.sh" >/dev/null 2>&1 || bash "$tools/setup.sh" >/dev/null
+cargo_args=${CUDA_REPORT_CARGO_ARGS:---workspace --features mpi,wgpu,cuda}
+# shellcheck disable=SC2086
+BURN_DCP_DUMP_CUDA="$(pwd)/$out/kernels" cargo test $cargo_args --test flash_cuda_source -- --quiet
+bash "$tools/setup.sh" >/dev/null
 status=0
 for source in "$out"/kernels.flash_*.cu; do
   python3 "$tools/ptx_report.py" "$source" --arch sm_80,sm_90 | tee -a "$out/report.jsonl"

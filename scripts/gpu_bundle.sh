@@ -16,7 +16,7 @@ tests=(cargo test --release -p burn-dcp-suite -p burn-dcp-kernels -p burn-dcp
   --features cuda --test cube_cuda --test nccl --no-run)
 # The examples as programs (`cargo test --example` would build their test harness).
 programs=(cargo build --release -p burn-dcp-suite --features cuda
-  --example cp_attention --example gpt_longctx --bench attention)
+  --example cp_attention --example gpt_longctx --example attention_tflops --bench attention)
 "${tests[@]}"
 "${programs[@]}"
 rm -rf "$dir" && mkdir -p "$dir/bin"
@@ -32,6 +32,6 @@ for line in sys.stdin:
         shutil.copy(exe, f"{dest}/{name}")
         print(name, exe)
 ' "$dir/bin"
-cp scripts/gpu_check.sh scripts/check_wgpu.py "$dir/"
+cp scripts/gpu_check.sh scripts/check_wgpu.py scripts/gpu_attention.py "$dir/"
 tar -C "$dir" -cJf "$dir/bins.tar.xz" bin && rm -rf "$dir/bin"
 du -sh "$dir"

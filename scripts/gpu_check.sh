@@ -9,7 +9,9 @@
 #      max_rel_err <= 1e-5 (scripts/check_wgpu.py --backend cuda);
 #   4. gpt_longctx on CUDA: cp 4 (ring zigzag, ulysses, dcp) against cp 1, per-step loss <= 1e-4;
 #   5. the benchmark group `cuda` (1 x 32 heads x 8192 x 128, bf16);
-#   6. step 3 on the matrix-tile kernels (BURN_DCP_ATTENTION_KERNEL=tiles: f32, ordinary units).
+#   6. step 3 on the matrix-tile kernels (BURN_DCP_ATTENTION_KERNEL=tiles: f32, ordinary units);
+#   7. issue 47's side-by-side: the flash kernels, the old tiles, burn's attention and torch's
+#      flash attention, bf16, TFLOP/s (scripts/gpu_attention.py: $OUT/<date>-<gpu>.json).
 # Each step has its own time limit; the log goes to $OUT/gpu_check.log (or /tmp) as it runs.
 #
 # Usage: scripts/gpu_check.sh [DIR] [STEP...]   (DIR default .gpu; steps default 1 2 3 4 5)
@@ -51,7 +53,7 @@ step() { # step NAME SECONDS COMMAND...
 }
 for s in $steps; do
   case $s in
-    1) step "kernels on CUDA" 150 "$bin/cube_cuda" --ignored --test-threads 1 ;;
+    1) step "kernels on CUDA" ${KERNEL_LIMIT:-300} "$bin/cube_cuda" --ignored --test-threads 1 ${CUBE_CUDA_FILTER:-} ;;
     2) step "NCCL world of one" 40 "$bin/nccl" --include-ignored --test-threads 1 ;;
     3) step "every strategy on CUDA" 120 python3 "$dir/check_wgpu.py" "$bin/cp_attention" --backend cuda ;;
     4) step "gpt_longctx on CUDA" 90 python3 - "$bin/gpt_longctx" <<'PY'
@@ -60,7 +62,9 @@ binary = sys.argv[1]
 common = ["--steps", "3", "--seed", "7", "--seq-len", "2048", "--corpus", "builtin", "--json"]
 def losses(*flags):
     out = subprocess.run([binary, *flags, *common], check=True, capture_output=True, text=True).stdout
-    return json.loads(out)["losses"]
+    summary = json.loads(out)
+    print(" ".join(flags), "tokens/s", round(summary.get("tokens_per_second", 0.0), 1))
+    return summary["losses"]
 flex = losses("--cp", "1")
 reference = losses("--backend", "cuda", "--cp", "1")
 print("flex cp1", flex)
@@ -80,6 +84,7 @@ PY
     6) step "every strategy on CUDA, matrix-tile kernels" 120 env BURN_DCP_ATTENTION_KERNEL=tiles \
          python3 "$dir/check_wgpu.py" "$bin/cp_attention" --backend cuda ;;
     5) step "benchmark group cuda" 150 "$bin/attention" --bench cuda --warm-up-time 1 --measurement-time 3 ;;
+    7) step "flash side by side" ${SIDE_LIMIT:-480} python3 "$dir/gpu_attention.py" "$bin" "$out" --reps ${REPS:-10} ;;
   esac
 done
 echo "gpu_check: $([ $status -eq 0 ] && echo all steps passed || echo some steps FAILED)"

@@ -270,3 +270,133 @@ fn the_vector_kernels_match_the_oracle_on_cuda() {
         assert!(rel_err(&read(grads.dv), &want.dv) <= 1e-5, "{mask} dv");
     }
 }
+
+const FLASH: AttentionKernel = AttentionKernel::Flash { tensor_cores: true };
+const FLASH_PLAIN: AttentionKernel = AttentionKernel::Flash {
+    tensor_cores: false,
+};
+
+/// `case` with head and value dims `dims`.
+fn with_dims(case: Case, dims: (usize, usize)) -> Case {
+    Case {
+        shape: burn_dcp_kernels::AttentionShape {
+            head_dim: dims.0,
+            value_dim: dims.1,
+            ..case.shape
+        },
+        problem: case.problem,
+    }
+}
+
+/// The gradients of `kernel` against the oracle within `bound` (relative to the largest).
+fn check_gradients(case: &Case, seed: u64, dtype: DType, kernel: AttentionKernel, what: &str) {
+    // Gradients stored in the input dtype, P and dS rounded to it before their products: the
+    // lavapipe test's bound for f16 (2e-3 relative), scaled by the unit roundoff for bf16.
+    let bound = if dtype == DType::F16 {
+        2e-3
+    } else {
+        2e-3 * 8.0
+    };
+    let ([dq, dk, dv], [q, k, v, dout]) = gradients(case, seed, dtype, kernel);
+    let want = reference::backward(&q, &k, &v, &dout, &case.problem, &case.shape).unwrap();
+    let errors = [
+        rel_err(&dq, &want.dq),
+        rel_err(&dk, &want.dk),
+        rel_err(&dv, &want.dv),
+    ];
+    assert!(
+        errors.iter().all(|&e| e <= bound),
+        "{what}: dq/dk/dv errors {errors:?} > {bound}"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn flash_kernels_match_the_oracle_for_every_mask_in_f16_and_bf16() {
+    for dtype in [DType::F16, DType::BF16] {
+        for (index, mask) in masks().into_iter().enumerate() {
+            // Groups of 2 (two heads per cube), 4 (four) and 3 (one).
+            for (heads, kv_heads) in [(4, 2), (8, 2), (3, 1)] {
+                let case = with_dims(ragged_case(mask.clone(), heads, kv_heads), (64, 64));
+                let what = format!("flash {dtype:?} {mask} H{heads} K{kv_heads}");
+                check_half(&case, 100 + index as u64, dtype, FLASH, &what);
+                check_gradients(&case, 100 + index as u64, dtype, FLASH, &what);
+            }
+        }
+        for (index, mask) in long_masks().into_iter().enumerate() {
+            for dims in [(64, 64), (128, 128), (32, 96), (16, 16)] {
+                let case = long_case(vec![mask.clone()], 4, 2, dims);
+                let what = format!("flash {dtype:?} {mask} dims {dims:?}");
+                check_half(&case, 120 + index as u64, dtype, FLASH, &what);
+                check_gradients(&case, 120 + index as u64, dtype, FLASH, &what);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn flash_tensor_cores_agree_with_their_plain_bodies() {
+    // The same kernels with `ldmatrix`, `mma.sync`, `cp.async` and shuffles, or with plain
+    // loads, products and reductions: only the f32 summation order differs.
+    let case = long_case(vec![MaskSpec::Causal], 8, 2, (128, 128));
+    for (dtype, unit_roundoff) in [(DType::F16, 2f32.powi(-11)), (DType::BF16, 2f32.powi(-8))] {
+        let (_, cores_out, cores_lse) = forward(&case, 140, dtype, FLASH);
+        let (_, plain_out, plain_lse) = forward(&case, 140, dtype, FLASH_PLAIN);
+        assert!(rel_err(&cores_lse, &plain_lse) <= 1e-5, "{dtype:?} lse");
+        let out_err = rel_err(&cores_out, &plain_out);
+        assert!(out_err <= 2.0 * unit_roundoff, "{dtype:?} out {out_err}");
+        let (cores, _) = gradients(&case, 141, dtype, FLASH);
+        let (plain, _) = gradients(&case, 141, dtype, FLASH_PLAIN);
+        for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(cores.iter().zip(&plain)) {
+            let err = rel_err(a, b);
+            assert!(err <= 8.0 * unit_roundoff, "{dtype:?} {name} {err}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn flash_reads_unaligned_views_and_auto_takes_it() {
+    // q, k, v as views starting 4 elements into rows of 136: no 16-byte copies from there, so
+    // the launch makes them contiguous first, and the result is that of contiguous inputs.
+    // `Auto` picks the flash kernels for bf16.
+    let case = long_case(vec![MaskSpec::Causal], 4, 2, (128, 128));
+    let s = &case.shape;
+    let mut rng = SmallRng::seed_from_u64(150);
+    let mut view = |tokens: usize, heads: usize| {
+        let wide = upload(
+            &random(&mut rng, tokens * heads * 136),
+            [tokens, heads, 136],
+            DType::BF16,
+        );
+        wide.narrow(2, 4, 128)
+    };
+    let views = [
+        view(s.q_tokens, s.heads),
+        view(s.kv_tokens, s.kv_heads),
+        view(s.kv_tokens, s.kv_heads),
+    ];
+    let copies = views.clone().map(|t| {
+        let dims = t.dims();
+        upload(&read(t), dims, DType::BF16)
+    });
+    let run = |[q, k, v]: &[Tensor<B, 3>; 3], kernel| {
+        let primitive = |t: &Tensor<B, 3>| t.clone().into_primitive().tensor();
+        let (out, lse) = forward_with(
+            primitive(q),
+            primitive(k),
+            primitive(v),
+            &case.problem,
+            kernel,
+        )
+        .unwrap();
+        (
+            read(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out))),
+            read(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse))),
+        )
+    };
+    let on_views = run(&views, FLASH);
+    assert_eq!(on_views, run(&copies, FLASH));
+    assert_eq!(on_views, run(&views, AttentionKernel::Auto));
+}

@@ -17,7 +17,7 @@ use cubecl::prelude::*;
 use super::forward::{add_product, load_rows_as_a, mask_rows, scale_scores, scores};
 use super::fragment::*;
 use super::stage::*;
-use super::FlashConfig;
+use super::{fast_exp, FlashConfig};
 use crate::cube::kernels::{NONE, NONE_LIMIT};
 
 /// Turns scaled, masked scores `s` into `P = exp(s − lse)` (0 where masked) and `dp` into
@@ -122,7 +122,7 @@ fn write_rows<F: Float>(
 }
 
 /// Backward, query side: `dq [Tq, H, D]`. The forward's cubes and tile lists.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, fast_math = fast_exp())]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_dq_kernel<F: Float>(
     q: &Tensor<F>,
@@ -608,7 +608,7 @@ fn dkdv_tile<F: Float>(
 /// `16·planes·x..`, kv head `y`); tile lists per key tile (the transpose of query tiles of
 /// `block` queries against key tiles of `16 · planes` keys), walked once per query head of the
 /// group.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, fast_math = fast_exp())]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_dkdv_kernel<F: Float>(
     q: &Tensor<F>,

@@ -13,7 +13,7 @@ use cubecl::prelude::*;
 
 use super::fragment::*;
 use super::stage::*;
-use super::FlashConfig;
+use super::{fast_exp, FlashConfig};
 use crate::cube::kernels::{NONE, NONE_LIMIT};
 
 /// The online softmax state of the lane's two rows (`g` and `g + 8`): running max, the lane's
@@ -214,7 +214,7 @@ pub fn softmax_step(
 /// Forward: `out [Tq, H, Dv]` (input dtype) and `lse [H, Tq]` (f32). Tiles from
 /// `tile_offsets` / `tile_runs` ([`crate::tiling::TileRuns`], query tiles of
 /// `tokens_per_cube` tokens against key tiles of `block` keys).
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, fast_math = fast_exp())]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward_kernel<F: Float>(
     q: &Tensor<F>,

@@ -17,8 +17,27 @@ use crate::tiling::{DenseSpans, TileRuns};
 
 /// Largest head or value dim of these kernels (their accumulators live in registers).
 pub const FLASH_MAX_DIM: usize = 128;
-/// Planes per cube (each owns 16 rows).
+/// Planes per cube (each owns 16 rows) unless [`PLANES_ENV`] says otherwise.
 const PLANES: usize = 4;
+/// A tuning knob, read once per process: the planes per cube of the flash kernels (1, 2, 4 or
+/// 8; default 4).
+pub const PLANES_ENV: &str = "BURN_DCP_FLASH_PLANES";
+
+fn planes() -> Result<usize, KernelError> {
+    static PLANES_CHOICE: std::sync::OnceLock<Result<usize, KernelError>> =
+        std::sync::OnceLock::new();
+    PLANES_CHOICE
+        .get_or_init(|| match std::env::var(PLANES_ENV) {
+            Err(_) => Ok(PLANES),
+            Ok(value) => match value.parse::<usize>() {
+                Ok(planes @ (1 | 2 | 4 | 8)) => Ok(planes),
+                _ => Err(KernelError::InvalidValue(format!(
+                    "{PLANES_ENV}={value:?}: expected 1, 2, 4 or 8"
+                ))),
+            },
+        })
+        .clone()
+}
 
 /// The three kernels' comptime shapes for one problem on one device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,9 +75,10 @@ impl FlashPlan {
         let (head_dim, value_dim) = (shape.head_dim, shape.value_dim);
         let group = shape.heads / shape.kv_heads;
         // Query heads of one kv head share a cube's key and value tiles.
+        let most = planes()?;
         let heads_per_cube = [4, 2, 1]
             .into_iter()
-            .find(|&h| h <= PLANES && group % h == 0 && PLANES % h == 0)
+            .find(|&h| h <= most && group % h == 0 && most % h == 0)
             .unwrap_or(1);
         let widest = head_dim.max(value_dim);
         let config = |planes: usize, block: usize, heads_per_cube: usize| FlashConfig {
@@ -76,12 +96,12 @@ impl FlashPlan {
         // key tiles of 64 in the forward; 32 in dq above dim 64 (its S, dP and dQ share the
         // registers); query tiles of 32 in dk/dv (its dK and dV take the registers).
         let dq_block = if widest > 64 { 32 } else { 64 };
-        let shapes = |block: usize| [(PLANES, block), (PLANES, 32), (2, 32), (2, 16), (1, 16)];
+        let shapes = |block: usize| [(most, block), (most, 32), (2, 32), (2, 16), (1, 16)];
         let pick =
             |name: &str, block: usize, heads: usize, bytes: fn(&FlashConfig, DType) -> usize| {
                 shapes(block)
                     .into_iter()
-                    .filter(|&(_, b)| b <= block)
+                    .filter(|&(planes, b)| planes <= most && b <= block)
                     .map(|(planes, block)| config(planes, block, heads))
                     .find(|c| bytes(c, dtype) <= limit)
                     .ok_or_else(|| {

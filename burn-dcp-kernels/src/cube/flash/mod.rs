@@ -20,6 +20,14 @@ pub use launch::{backward_flash, flash_fits, forward_flash, FlashPlan, FLASH_MAX
 
 use cubecl::prelude::*;
 
+/// The kernels' fast-math flags: on CUDA `exp`, `ln` and divisions compile to `__expf`,
+/// `__logf` and `__fdividef` (a few ulp; the hardware instructions keep NaN and infinity)
+/// instead of the exact library calls. cubecl uses these flags for that choice only; other
+/// devices ignore them.
+pub fn fast_exp() -> cubecl::ir::features::EnumSet<FastMath> {
+    FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+}
+
 /// The comptime shape of one launch.
 #[derive(CubeType, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FlashConfig {
