@@ -11,10 +11,15 @@
 //!   tile (`block` queries, double-buffered with their lse, delta and spans) each plane computes
 //!   `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ`, then `Pᵀ`, `dSᵀ`, and adds `dV += Pᵀ·dO`, `dK += dSᵀ·Q`.
 
+// The kernels' builtins (`CUBE_COUNT_X`, `CUBE_POS_X`) are dummy constants in the Rust body
+// the macro keeps beside the expansion; `count - 1 - position` overflows there, never on a device.
+#![allow(arithmetic_overflow)]
+
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::forward::{add_product, load_rows_as_a, mask_rows, scale_scores, scores};
+
 use super::fragment::*;
 use super::stage::*;
 use super::{fast_exp, FlashConfig};
@@ -121,6 +126,35 @@ fn write_rows<F: Float>(
     }
 }
 
+/// [`scores`] of one row tile whose A fragments are in registers.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn scores_in_registers<F: Float>(
+    a: &Array<Pair<F>>,
+    tile: &SharedMemory<F>,
+    base: usize,
+    scratch: &mut SharedMemory<F>,
+    scratch_at: usize,
+    #[comptime] dim: usize,
+    #[comptime] block: usize,
+    #[comptime] tensor_cores: bool,
+) -> Array<Pair<f32>> {
+    scores::<F>(
+        a,
+        tile,
+        0usize,
+        tile,
+        base,
+        scratch,
+        scratch_at,
+        dim,
+        block,
+        1usize,
+        true,
+        tensor_cores,
+    )
+}
+
 /// Backward, query side: `dq [Tq, H, D]`. The forward's cubes and tile lists.
 #[cube(launch_unchecked, fast_math = fast_exp())]
 #[allow(clippy::too_many_arguments)]
@@ -153,7 +187,9 @@ pub fn flash_dq_kernel<F: Float>(
     let head = CUBE_POS_Y as usize * config.heads_per_cube + plane / per_head;
     let kv_head = head / (q.shape(1) / k.shape(1));
     let q_tokens = q.shape(0);
-    let first_token = CUBE_POS_X as usize * tokens;
+    // The heaviest query tiles (the last, under a causal mask) first.
+    let q_tile_index = CUBE_COUNT_X as usize - 1 - CUBE_POS_X as usize;
+    let first_token = q_tile_index * tokens;
     let row0 = (plane % per_head) * 16;
     let first_row = first_token + row0;
 
@@ -189,7 +225,6 @@ pub fn flash_dq_kernel<F: Float>(
         spans_at[v] = (row0 + g + 8 * v) * 2 * max_spans;
     }
 
-    let q_tile_index = CUBE_POS_X as usize;
     let first_run = tile_offsets[q_tile_index] as usize;
     let end_run = tile_offsets[q_tile_index + 1] as usize;
     let total = count_tiles(tile_runs, first_run, end_run);
@@ -284,7 +319,7 @@ pub fn flash_dq_kernel<F: Float>(
                 ready_1.arrive_and_wait();
             }
             let base = buffer * block;
-            let mut s = scores::<F>(
+            let mut s = scores_in_registers::<F>(
                 &q_frags,
                 &k_tile,
                 base,
@@ -294,7 +329,7 @@ pub fn flash_dq_kernel<F: Float>(
                 block,
                 tensor_cores,
             );
-            let mut dp = scores::<F>(
+            let mut dp = scores_in_registers::<F>(
                 &do_frags,
                 &v_tile,
                 base,
@@ -304,7 +339,7 @@ pub fn flash_dq_kernel<F: Float>(
                 block,
                 tensor_cores,
             );
-            scale_scores(&mut s, scale, block, tensor_cores);
+            scale_scores(&mut s, scale, comptime!(block / 4), tensor_cores);
             if !full {
                 let first_key = key_tile * block;
                 mask_rows(
@@ -313,6 +348,7 @@ pub fn flash_dq_kernel<F: Float>(
                     &spans_at,
                     first_key,
                     block,
+                    1usize,
                     max_spans,
                     tensor_cores,
                 );
@@ -338,6 +374,7 @@ pub fn flash_dq_kernel<F: Float>(
                 scratch_at,
                 head_dim,
                 block,
+                1usize,
                 tensor_cores,
             );
             sync_cube();
@@ -360,7 +397,7 @@ pub fn flash_dq_kernel<F: Float>(
                 config,
             );
             sync_cube();
-            let mut s = scores::<F>(
+            let mut s = scores_in_registers::<F>(
                 &q_frags,
                 &k_tile,
                 0usize,
@@ -370,7 +407,7 @@ pub fn flash_dq_kernel<F: Float>(
                 block,
                 tensor_cores,
             );
-            let mut dp = scores::<F>(
+            let mut dp = scores_in_registers::<F>(
                 &do_frags,
                 &v_tile,
                 0usize,
@@ -380,7 +417,7 @@ pub fn flash_dq_kernel<F: Float>(
                 block,
                 tensor_cores,
             );
-            scale_scores(&mut s, scale, block, tensor_cores);
+            scale_scores(&mut s, scale, comptime!(block / 4), tensor_cores);
             if !full {
                 let first_key = key_tile * block;
                 mask_rows(
@@ -389,6 +426,7 @@ pub fn flash_dq_kernel<F: Float>(
                     &spans_at,
                     first_key,
                     block,
+                    1usize,
                     max_spans,
                     tensor_cores,
                 );
@@ -414,6 +452,7 @@ pub fn flash_dq_kernel<F: Float>(
                 scratch_at,
                 head_dim,
                 block,
+                1usize,
                 tensor_cores,
             );
             sync_cube();
@@ -567,7 +606,7 @@ fn dkdv_tile<F: Float>(
         head_dim,
         tc,
     );
-    let mut s = scores::<F>(
+    let mut s = scores_in_registers::<F>(
         &k_frags, &kv.q, base, scratch, scratch_at, head_dim, block, tc,
     );
     let v_frags = load_rows_as_a::<F>(
@@ -576,10 +615,10 @@ fn dkdv_tile<F: Float>(
         value_dim,
         tc,
     );
-    let mut dp = scores::<F>(
+    let mut dp = scores_in_registers::<F>(
         &v_frags, &kv.dout, base, scratch, scratch_at, value_dim, block, tc,
     );
-    scale_scores(&mut s, scale, block, tc);
+    scale_scores(&mut s, scale, comptime!(block / 4), tc);
     if !full {
         let spans_at = base * 2 * config.max_spans;
         mask_columns(
@@ -597,10 +636,10 @@ fn dkdv_tile<F: Float>(
         &mut s, &mut dp, &none, &none, &kv.lse, &kv.delta, base, block, false, tc,
     );
     add_product::<F>(
-        &s, &kv.dout, base, dv_acc, scratch, scratch_at, value_dim, block, tc,
+        &s, &kv.dout, base, dv_acc, scratch, scratch_at, value_dim, block, 1usize, tc,
     );
     add_product::<F>(
-        &dp, &kv.q, base, dk_acc, scratch, scratch_at, head_dim, block, tc,
+        &dp, &kv.q, base, dk_acc, scratch, scratch_at, head_dim, block, 1usize, tc,
     );
 }
 

@@ -1,12 +1,16 @@
 //! The forward: `out` and the f32 LSE, FlashAttention-2's loop on register fragments.
 //!
-//! Cube `(x, y)`: tokens `x·T..(x + 1)·T` (`T` = [`FlashConfig::tokens_per_cube`]) of query heads
-//! `y·hc..(y + 1)·hc` (`hc` = `heads_per_cube`, all of one kv head); plane `p` owns 16 of those
-//! tokens of one head. Its Q fragments are loaded once; per listed key tile (`block` keys,
+//! Cube `(x, y)`: `T` tokens ([`FlashConfig::tokens_per_cube`]) of query heads
+//! `y·hc..(y + 1)·hc` (`hc` = `heads_per_cube`, all of one kv head); plane `p` owns `16·m` of
+//! those tokens of one head (`m` = `row_tiles`). Its Q fragments are loaded once; per listed key tile (`block` keys,
 //! double-buffered) each plane computes `S = Q·Kᵀ` into f32 accumulators, masks it in registers
 //! if the tile is partial, runs the online softmax step on its rows (row max and sum across the
 //! four lanes of a row), rescales its output accumulators and adds `P·V` with `P` converted in
 //! registers. The end divides by the row sums and writes `out` and `lse`.
+
+// The kernels' builtins (`CUBE_COUNT_X`, `CUBE_POS_X`) are dummy constants in the Rust body
+// the macro keeps beside the expansion; `count - 1 - position` overflows there, never on a device.
+#![allow(arithmetic_overflow)]
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -16,8 +20,9 @@ use super::stage::*;
 use super::{fast_exp, FlashConfig};
 use crate::cube::kernels::{NONE, NONE_LIMIT};
 
-/// The online softmax state of the lane's two rows (`g` and `g + 8`): running max, the lane's
-/// part of the running sum, and the output accumulators (`value_dim / 8` fragments).
+/// The online softmax state of the lane's `2m` rows (`16i + g` and `16i + g + 8` of each of
+/// the plane's `m` row tiles): running max, the lane's part of the running sum, and the output
+/// accumulators (`m · value_dim / 8` fragments, row tile by row tile).
 #[derive(CubeType)]
 pub struct RowState {
     pub max: Array<f32>,
@@ -27,68 +32,91 @@ pub struct RowState {
 
 #[cube]
 impl RowState {
-    pub fn new(#[comptime] value_dim: usize) -> RowState {
-        let mut max = Array::<f32>::new(2usize);
-        let mut sum = Array::<f32>::new(2usize);
+    pub fn new(#[comptime] value_dim: usize, #[comptime] row_tiles: usize) -> RowState {
+        let mut max = Array::<f32>::new(2 * row_tiles);
+        let mut sum = Array::<f32>::new(2 * row_tiles);
         #[unroll]
-        for v in 0..2usize {
-            max[v] = NONE;
-            sum[v] = 0.0;
+        for r in 0..2 * row_tiles {
+            max[r] = NONE;
+            sum[r] = 0.0;
         }
         RowState {
             max,
             sum,
-            out: zero_accumulators(value_dim / 8),
+            out: zero_accumulators(row_tiles * value_dim / 8),
         }
     }
 }
 
-/// `S = A·Bᵀ` for the plane's 16 rows against `block` rows of `tile` starting at row `base`:
-/// `a` holds the plane's A fragments (`dim / 16` of them), `tile` the other side row-major
-/// (`padded(dim)` columns). `block / 8` accumulator fragments.
+/// `S = A·Bᵀ` for the plane's `16 · row_tiles` rows against `block` rows of `tile` from row
+/// `base` (row-major, `padded(dim)` columns): `row_tiles · block / 8` accumulator fragments, row
+/// tile by row tile. The A fragments are `a` (`a_in_registers`, one row tile: `dim / 16`
+/// fragments) or are loaded per use from rows `a_row0..` of `a_tile` — each B fragment loaded
+/// from `tile` then serves every row tile, which is what more rows per plane buy.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn scores<F: Float>(
     a: &Array<Pair<F>>,
+    a_tile: &SharedMemory<F>,
+    a_row0: usize,
     tile: &SharedMemory<F>,
     base: usize,
     scratch: &mut SharedMemory<F>,
     scratch_at: usize,
     #[comptime] dim: usize,
     #[comptime] block: usize,
+    #[comptime] row_tiles: usize,
+    #[comptime] a_in_registers: bool,
     #[comptime] tensor_cores: bool,
 ) -> Array<Pair<f32>> {
-    let mut s = zero_accumulators(block / 8);
+    let mut s = zero_accumulators(row_tiles * block / 8);
+    let stride = comptime!(padded(dim));
     #[unroll(tensor_cores)]
     for kk in 0..dim / 16 {
+        let mut a_kk = Array::<Pair<F>>::new(4 * row_tiles);
+        if !a_in_registers {
+            #[unroll]
+            for mi in 0..row_tiles {
+                load_a::<F>(
+                    a_tile,
+                    a_row0 + 16 * mi,
+                    16 * kk,
+                    &mut a_kk,
+                    4 * mi,
+                    stride,
+                    tensor_cores,
+                );
+            }
+        }
         #[unroll(tensor_cores)]
         for np in 0..block / 16 {
-            let b = load_b_pair::<F>(
-                tile,
-                base + 16 * np,
-                16 * kk,
-                comptime!(padded(dim)),
-                false,
-                tensor_cores,
-            );
-            mma_pair::<F>(
-                a,
-                4 * kk,
-                &b,
-                &mut s,
-                4 * np,
-                scratch,
-                scratch_at,
-                tensor_cores,
-            );
+            let b = load_b_pair::<F>(tile, base + 16 * np, 16 * kk, stride, false, tensor_cores);
+            #[unroll]
+            for mi in 0..row_tiles {
+                let at = mi * (block / 4) + 4 * np;
+                if a_in_registers {
+                    mma_pair::<F>(a, 4 * kk, &b, &mut s, at, scratch, scratch_at, tensor_cores);
+                } else {
+                    mma_pair::<F>(
+                        &a_kk,
+                        4 * mi,
+                        &b,
+                        &mut s,
+                        at,
+                        scratch,
+                        scratch_at,
+                        tensor_cores,
+                    );
+                }
+            }
         }
     }
     s
 }
 
-/// `acc += P·B` for the plane's 16 rows: `p` holds `P` as accumulator fragments (`block / 8`
-/// of them, `block` columns), `tile` the `block` rows of B from row `base` (row-major, `dim`
-/// columns, `padded(dim)` stride); `acc` has `dim / 8` fragments.
+/// `acc += P·B` for the plane's `16 · row_tiles` rows: `p` holds `P` as accumulator fragments
+/// (`block / 8` per row tile, `block` columns), `tile` the `block` rows of B from row `base`
+/// (row-major, `dim` columns, `padded(dim)` stride); `acc` has `dim / 8` fragments per row tile.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn add_product<F: Float>(
@@ -100,11 +128,20 @@ pub fn add_product<F: Float>(
     scratch_at: usize,
     #[comptime] dim: usize,
     #[comptime] block: usize,
+    #[comptime] row_tiles: usize,
     #[comptime] tensor_cores: bool,
 ) {
     #[unroll(tensor_cores)]
     for kk in 0..block / 16 {
-        let a = accumulators_as_a::<F>(p, kk);
+        let mut a = Array::<Pair<F>>::new(4 * row_tiles);
+        #[unroll]
+        for mi in 0..row_tiles {
+            let part = accumulators_as_a::<F>(p, mi * (block / 16) + kk);
+            #[unroll]
+            for v in 0..4usize {
+                a[4 * mi + v] = part[v];
+            }
+        }
         #[unroll(tensor_cores)]
         for np in 0..dim / 16 {
             let b = load_b_pair::<F>(
@@ -115,51 +152,61 @@ pub fn add_product<F: Float>(
                 true,
                 tensor_cores,
             );
-            mma_pair::<F>(&a, 0, &b, acc, 4 * np, scratch, scratch_at, tensor_cores);
+            #[unroll]
+            for mi in 0..row_tiles {
+                let at = mi * (dim / 4) + 4 * np;
+                mma_pair::<F>(&a, 4 * mi, &b, acc, at, scratch, scratch_at, tensor_cores);
+            }
         }
     }
 }
 
-/// Multiplies every score by `scale`.
+/// Multiplies the first `pairs` pairs of `s` by `scale`.
 #[cube]
 pub fn scale_scores(
     s: &mut Array<Pair<f32>>,
     scale: f32,
-    #[comptime] block: usize,
+    #[comptime] pairs: usize,
     #[comptime] unrolled: bool,
 ) {
     #[unroll(unrolled)]
-    for i in 0..block / 4 {
+    for i in 0..pairs {
         s[i] = s[i] * Pair::<f32>::new(scale);
     }
 }
 
 /// Sets the scores of the pairs the spans do not allow to `NONE`. The lane's rows are
-/// queries whose spans start at `spans_at[v]` of `spans`; its columns are keys
-/// `first_key + 8n + 2t + e`.
+/// queries whose spans start at `spans_at[r]` of `spans` (`r = 2i + v` for row `16i + g + 8v`);
+/// its columns are keys `first_key + 8n + 2t + e`.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn mask_rows(
     s: &mut Array<Pair<f32>>,
     spans: &SharedMemory<u32>,
     spans_at: &Array<usize>,
     first_key: usize,
     #[comptime] block: usize,
+    #[comptime] row_tiles: usize,
     #[comptime] max_spans: usize,
     #[comptime] unrolled: bool,
 ) {
     let (_lane, _g, t) = lane_coords();
-    #[unroll(unrolled)]
-    for i in 0..block / 4 {
-        // Pair `i`: fragment `i / 2`, row `v = i % 2`.
-        let mut pair = s[i];
-        #[unroll]
-        for e in 0..2usize {
-            let key = first_key + 8 * (i / 2) + 2 * t + e;
-            if !allowed(spans, spans_at[i % 2], key, max_spans) {
-                pair[e] = NONE;
+    #[unroll]
+    for mi in 0..row_tiles {
+        #[unroll(unrolled)]
+        for i in 0..block / 4 {
+            // Pair `i` of the row tile: fragment `i / 2`, row `v = i % 2`.
+            let at = mi * (block / 4) + i;
+            let mut pair = s[at];
+            #[unroll]
+            for e in 0..2usize {
+                let key = first_key + 8 * (i / 2) + 2 * t + e;
+                if !allowed(spans, spans_at[2 * mi + i % 2], key, max_spans) {
+                    pair[e] = NONE;
+                }
             }
+            s[at] = pair;
         }
-        s[i] = pair;
     }
 }
 
@@ -167,6 +214,7 @@ pub fn mask_rows(
 /// (across the row's four lanes), turns the scores into probabilities in place, adds them to
 /// the lane's part of the running sum and rescales the output accumulators.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn softmax_step(
     s: &mut Array<Pair<f32>>,
     state: &mut RowState,
@@ -174,26 +222,29 @@ pub fn softmax_step(
     reduce_at: usize,
     #[comptime] block: usize,
     #[comptime] value_dim: usize,
+    #[comptime] row_tiles: usize,
     #[comptime] shuffles: bool,
     #[comptime] unrolled: bool,
 ) {
     #[unroll]
-    for v in 0..2usize {
+    for r in 0..2 * row_tiles {
+        let (mi, v) = comptime!((r / 2, r % 2));
+        let s_at = mi * (block / 4) + v;
         let mut tile_max = f32::new(NONE);
         #[unroll(unrolled)]
         for n in 0..block / 8 {
-            let pair = s[2 * n + v];
+            let pair = s[s_at + 2 * n];
             tile_max = max(tile_max, max(pair[0], pair[1]));
         }
         let tile_max = row_max(tile_max, reduce, reduce_at, shuffles);
-        let new_max = max(state.max[v], tile_max);
+        let new_max = max(state.max[r], tile_max);
         // `exp(NONE - x)` is 0 for a real x; equal maxima (also NONE and NONE) give 1.
-        let alpha = (state.max[v] - new_max).exp();
-        state.max[v] = new_max;
+        let alpha = (state.max[r] - new_max).exp();
+        state.max[r] = new_max;
         let mut total = 0.0f32;
         #[unroll(unrolled)]
         for n in 0..block / 8 {
-            let mut pair = s[2 * n + v];
+            let mut pair = s[s_at + 2 * n];
             #[unroll]
             for e in 0..2usize {
                 // A masked pair gives 0; a NaN score gives NaN, which reaches `out` and `lse`.
@@ -201,19 +252,21 @@ pub fn softmax_step(
                 total += p;
                 pair[e] = p;
             }
-            s[2 * n + v] = pair;
+            s[s_at + 2 * n] = pair;
         }
-        state.sum[v] = state.sum[v] * alpha + total;
+        state.sum[r] = state.sum[r] * alpha + total;
+        let out_at = mi * (value_dim / 4) + v;
         #[unroll(unrolled)]
         for n in 0..value_dim / 8 {
-            state.out[2 * n + v] = state.out[2 * n + v] * Pair::<f32>::new(alpha);
+            state.out[out_at + 2 * n] = state.out[out_at + 2 * n] * Pair::<f32>::new(alpha);
         }
     }
 }
 
 /// Forward: `out [Tq, H, Dv]` (input dtype) and `lse [H, Tq]` (f32). Tiles from
 /// `tile_offsets` / `tile_runs` ([`crate::tiling::TileRuns`], query tiles of
-/// `tokens_per_cube` tokens against key tiles of `block` keys).
+/// `tokens_per_cube` tokens against key tiles of `block` keys), the heaviest query tiles (the
+/// last, under a causal mask) launched first.
 #[cube(launch_unchecked, fast_math = fast_exp())]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward_kernel<F: Float>(
@@ -230,13 +283,14 @@ pub fn flash_forward_kernel<F: Float>(
     #[comptime] config: FlashConfig,
     #[define(F)] _dtype: StorageType,
 ) {
-    let planes = comptime!(config.planes);
     let units = comptime!(config.units());
     let head_dim = comptime!(config.head_dim);
     let value_dim = comptime!(config.value_dim);
     let max_spans = comptime!(config.max_spans);
     let tensor_cores = comptime!(config.tensor_cores);
     let shuffles = comptime!(config.shuffles);
+    let row_tiles = comptime!(config.row_tiles);
+    let rows = comptime!(16 * config.row_tiles);
     let tokens = comptime!(config.tokens_per_cube());
     let per_head = comptime!(config.planes / config.heads_per_cube);
     let (lane, g, t) = lane_coords();
@@ -244,102 +298,103 @@ pub fn flash_forward_kernel<F: Float>(
     let head = CUBE_POS_Y as usize * config.heads_per_cube + plane / per_head;
     let kv_head = head / (q.shape(1) / k.shape(1));
     let q_tokens = q.shape(0);
-    let first_token = CUBE_POS_X as usize * tokens;
+    let q_tile_index = CUBE_COUNT_X as usize - 1 - CUBE_POS_X as usize;
+    let first_token = q_tile_index * tokens;
     // The plane's first row among the cube's tokens.
-    let row0 = (plane % per_head) * 16;
+    let row0 = (plane % per_head) * rows;
 
-    let q_size = comptime!(16 * padded(config.head_dim));
+    let q_size = comptime!(16 * config.row_tiles * padded(config.head_dim));
     let k_size = comptime!(config.block * padded(config.head_dim));
     let v_size = comptime!(config.block * padded(config.value_dim));
-    let mut q_tile = SharedMemory::<F>::new_aligned(planes * q_size, 16usize);
-    let mut k_tile = SharedMemory::<F>::new_aligned(config.buffers() * k_size, 16usize);
-    let mut v_tile = SharedMemory::<F>::new_aligned(config.buffers() * v_size, 16usize);
-    let mut row_spans = SharedMemory::<u32>::new(tokens * 2 * max_spans);
-    let mut scratch = SharedMemory::<F>::new(comptime!(if config.tensor_cores {
+    let q_tile = SharedMemory::<F>::new_aligned(config.planes * q_size, 16usize);
+    let k_tile = SharedMemory::<F>::new_aligned(config.buffers() * k_size, 16usize);
+    let v_tile = SharedMemory::<F>::new_aligned(config.buffers() * v_size, 16usize);
+    let row_spans = SharedMemory::<u32>::new(tokens * 2 * max_spans);
+    let scratch = SharedMemory::<F>::new(comptime!(if config.tensor_cores {
         1
     } else {
         config.planes * PRODUCT_SCRATCH
     }));
-    let mut reduce = SharedMemory::<f32>::new(comptime!(if config.shuffles {
+    let reduce = SharedMemory::<f32>::new(comptime!(if config.shuffles {
         1
     } else {
         config.planes * REDUCE_SCRATCH
     }));
+    let mut tiles = ForwardTiles::<F> {
+        q: q_tile,
+        k: k_tile,
+        v: v_tile,
+        spans: row_spans,
+        scratch,
+        reduce,
+    };
     let scratch_at = plane * PRODUCT_SCRATCH;
     let reduce_at = plane * REDUCE_SCRATCH;
+    let q_at = plane * q_size;
 
-    let q_tile_index = CUBE_POS_X as usize;
     let first_run = tile_offsets[q_tile_index] as usize;
     let end_run = tile_offsets[q_tile_index + 1] as usize;
     let total = count_tiles(tile_runs, first_run, end_run);
     let mut cursor = Cursor::start(tile_runs, first_run, end_run);
-    let mut state = RowState::new(value_dim);
-    let mut spans_at = Array::<usize>::new(2usize);
+    let mut state = RowState::new(value_dim, row_tiles);
+    let mut spans_at = Array::<usize>::new(2 * row_tiles);
     #[unroll]
-    for v in 0..2usize {
-        spans_at[v] = (row0 + g + 8 * v) * 2 * max_spans;
+    for r in 0..2 * row_tiles {
+        spans_at[r] = (row0 + 16 * (r / 2) + g + 8 * (r % 2)) * 2 * max_spans;
     }
+    // One row tile per plane keeps its Q fragments in registers; more read them per tile.
+    let mut q_frags = Array::<Pair<F>>::new(comptime!(if config.row_tiles == 1 {
+        config.head_dim / 4
+    } else {
+        1
+    }));
+    let first_row = first_token + row0;
+    let copy = comptime!(config.async_copy);
+    stage_rows::<F>(
+        q,
+        &mut tiles.q,
+        q_at,
+        first_row,
+        head,
+        q_tokens,
+        lane,
+        rows,
+        head_dim,
+        32usize,
+        copy,
+    );
+    stage_spans(
+        spans,
+        &mut tiles.spans,
+        0usize,
+        first_token,
+        q_tokens,
+        tokens,
+        max_spans,
+        units,
+    );
 
-    if config.async_copy {
+    if copy {
         let q_ready = Barrier::shared(units as u32, UNIT_POS == 0);
         let ready_0 = Barrier::shared(units as u32, UNIT_POS == 0);
         let ready_1 = Barrier::shared(units as u32, UNIT_POS == 0);
-        let q_at = plane * q_size;
-        stage_rows::<F>(
-            q,
-            &mut q_tile,
-            q_at,
-            first_token + row0,
-            head,
-            q_tokens,
-            lane,
-            16usize,
-            head_dim,
-            32usize,
-            true,
-        );
         q_ready.commit_copy_async();
         if total > 0 {
-            stage_key_tile::<F>(
-                k,
-                v,
-                &mut k_tile,
-                &mut v_tile,
-                0usize,
-                cursor.tile,
-                kv_head,
-                config,
-            );
+            stage_key_tile::<F>(k, v, &mut tiles, 0usize, cursor.tile, kv_head, config);
             ready_0.commit_copy_async();
         }
-        stage_spans(
-            spans,
-            &mut row_spans,
-            0usize,
-            first_token,
-            q_tokens,
-            tokens,
-            max_spans,
-            units,
-        );
         q_ready.arrive_and_wait();
-        let q_frags = load_rows_as_a::<F>(&q_tile, q_at, head_dim, tensor_cores);
+        if row_tiles == 1 {
+            load_rows_into::<F>(&tiles.q, q_at, &mut q_frags, head_dim, tensor_cores);
+        }
         for i in 0..total {
             let buffer = i % 2;
             let key_tile = cursor.tile;
             let full = cursor.full(tile_runs);
             if i + 1 < total {
                 cursor.advance(tile_runs, first_run, end_run);
-                stage_key_tile::<F>(
-                    k,
-                    v,
-                    &mut k_tile,
-                    &mut v_tile,
-                    1 - buffer,
-                    cursor.tile,
-                    kv_head,
-                    config,
-                );
+                let next = cursor.tile;
+                stage_key_tile::<F>(k, v, &mut tiles, 1 - buffer, next, kv_head, config);
                 if buffer == 0 {
                     ready_1.commit_copy_async();
                 } else {
@@ -352,82 +407,25 @@ pub fn flash_forward_kernel<F: Float>(
                 ready_1.arrive_and_wait();
             }
             forward_tile::<F>(
-                &q_frags,
-                &k_tile,
-                &v_tile,
-                buffer,
-                key_tile,
-                full,
-                &row_spans,
-                &spans_at,
-                &mut state,
-                scale,
-                &mut scratch,
-                scratch_at,
-                &mut reduce,
-                reduce_at,
-                config,
+                &q_frags, &mut tiles, q_at, buffer, key_tile, full, &spans_at, &mut state, scale,
+                scratch_at, reduce_at, config,
             );
             // Nobody reads this buffer any more when the next iteration refills it.
             sync_cube();
         }
     } else {
-        let q_at = plane * q_size;
-        stage_rows::<F>(
-            q,
-            &mut q_tile,
-            q_at,
-            first_token + row0,
-            head,
-            q_tokens,
-            lane,
-            16usize,
-            head_dim,
-            32usize,
-            false,
-        );
-        stage_spans(
-            spans,
-            &mut row_spans,
-            0usize,
-            first_token,
-            q_tokens,
-            tokens,
-            max_spans,
-            units,
-        );
         sync_cube();
-        let q_frags = load_rows_as_a::<F>(&q_tile, q_at, head_dim, tensor_cores);
+        if row_tiles == 1 {
+            load_rows_into::<F>(&tiles.q, q_at, &mut q_frags, head_dim, tensor_cores);
+        }
         for _ in 0..total {
             let key_tile = cursor.tile;
             let full = cursor.full(tile_runs);
-            stage_key_tile::<F>(
-                k,
-                v,
-                &mut k_tile,
-                &mut v_tile,
-                0usize,
-                key_tile,
-                kv_head,
-                config,
-            );
+            stage_key_tile::<F>(k, v, &mut tiles, 0usize, key_tile, kv_head, config);
             sync_cube();
             forward_tile::<F>(
-                &q_frags,
-                &k_tile,
-                &v_tile,
-                0usize,
-                key_tile,
-                full,
-                &row_spans,
-                &spans_at,
-                &mut state,
-                scale,
-                &mut scratch,
-                scratch_at,
-                &mut reduce,
-                reduce_at,
-                config,
+                &q_frags, &mut tiles, q_at, 0usize, key_tile, full, &spans_at, &mut state, scale,
+                scratch_at, reduce_at, config,
             );
             sync_cube();
             cursor.advance(tile_runs, first_run, end_run);
@@ -436,16 +434,18 @@ pub fn flash_forward_kernel<F: Float>(
 
     // The end: row sums across the four lanes, `out = acc / sum`, `lse = max + ln(sum)`.
     #[unroll]
-    for v in 0..2usize {
-        let sum = row_sum(state.sum[v], &mut reduce, reduce_at, shuffles);
+    for r in 0..2 * row_tiles {
+        let (mi, v) = comptime!((r / 2, r % 2));
+        let sum = row_sum(state.sum[r], &mut tiles.reduce, reduce_at, shuffles);
         // A row that attended a key has a real max, or a NaN sum (a NaN score).
-        let seen = state.max[v] > NONE_LIMIT || !(sum == 0.0);
-        let token = first_token + row0 + g + 8 * v;
+        let seen = state.max[r] > NONE_LIMIT || !(sum == 0.0);
+        let token = first_row + 16 * mi + g + 8 * v;
         if token < q_tokens {
             let base = token * out.stride(0) + head * out.stride(1);
+            let out_at = mi * (value_dim / 4) + v;
             #[unroll(tensor_cores)]
             for n in 0..value_dim / 8 {
-                let pair = state.out[2 * n + v];
+                let pair = state.out[out_at + 2 * n];
                 #[unroll]
                 for e in 0..2usize {
                     // A query without any key writes 0.
@@ -454,15 +454,51 @@ pub fn flash_forward_kernel<F: Float>(
                 }
             }
             if t == 0 {
-                let value = select(seen, state.max[v] + sum.ln(), neg_inf);
+                let value = select(seen, state.max[r] + sum.ln(), neg_inf);
                 lse[head * lse.stride(0) + token * lse.stride(1)] = value;
             }
         }
     }
 }
 
+/// The forward's shared memory: Q rows, K and V tiles (one or two buffers), the cube's spans,
+/// and the plain bodies' scratch.
+#[derive(CubeType)]
+pub struct ForwardTiles<F: Float> {
+    q: SharedMemory<F>,
+    k: SharedMemory<F>,
+    v: SharedMemory<F>,
+    spans: SharedMemory<u32>,
+    scratch: SharedMemory<F>,
+    reduce: SharedMemory<f32>,
+}
+
 /// The plane's 16 staged rows at `at` of `tile` (`padded(dim)` columns) as `dim / 16` A
-/// fragments.
+/// fragments, into `frags`.
+#[cube]
+pub fn load_rows_into<F: Float>(
+    tile: &SharedMemory<F>,
+    at: usize,
+    frags: &mut Array<Pair<F>>,
+    #[comptime] dim: usize,
+    #[comptime] tensor_cores: bool,
+) {
+    let stride = comptime!(padded(dim));
+    #[unroll(tensor_cores)]
+    for kk in 0..dim / 16 {
+        load_a::<F>(
+            tile,
+            at / stride,
+            16 * kk,
+            frags,
+            4 * kk,
+            stride,
+            tensor_cores,
+        );
+    }
+}
+
+/// The plane's 16 staged rows at `at` of `tile` as `dim / 16` A fragments.
 #[cube]
 pub fn load_rows_as_a<F: Float>(
     tile: &SharedMemory<F>,
@@ -471,30 +507,16 @@ pub fn load_rows_as_a<F: Float>(
     #[comptime] tensor_cores: bool,
 ) -> Array<Pair<F>> {
     let mut frags = Array::<Pair<F>>::new(dim / 4);
-    let stride = comptime!(padded(dim));
-    #[unroll(tensor_cores)]
-    for kk in 0..dim / 16 {
-        load_a::<F>(
-            tile,
-            at / stride,
-            16 * kk,
-            &mut frags,
-            4 * kk,
-            stride,
-            tensor_cores,
-        );
-    }
+    load_rows_into::<F>(tile, at, &mut frags, dim, tensor_cores);
     frags
 }
 
 /// Stages key tile `key_tile` (`block` keys of `kv_head`) of K and V into buffer `buffer`.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 fn stage_key_tile<F: Float>(
     k: &Tensor<F>,
     v: &Tensor<F>,
-    k_tile: &mut SharedMemory<F>,
-    v_tile: &mut SharedMemory<F>,
+    tiles: &mut ForwardTiles<F>,
     buffer: usize,
     key_tile: usize,
     kv_head: usize,
@@ -509,10 +531,30 @@ fn stage_key_tile<F: Float>(
     let v_at = buffer * comptime!(config.block * padded(config.value_dim));
     let (hd, vd, copy) = comptime!((config.head_dim, config.value_dim, config.async_copy));
     stage_rows::<F>(
-        k, k_tile, k_at, first, kv_head, kv_tokens, unit, block, hd, units, copy,
+        k,
+        &mut tiles.k,
+        k_at,
+        first,
+        kv_head,
+        kv_tokens,
+        unit,
+        block,
+        hd,
+        units,
+        copy,
     );
     stage_rows::<F>(
-        v, v_tile, v_at, first, kv_head, kv_tokens, unit, block, vd, units, copy,
+        v,
+        &mut tiles.v,
+        v_at,
+        first,
+        kv_head,
+        kv_tokens,
+        unit,
+        block,
+        vd,
+        units,
+        copy,
     );
 }
 
@@ -522,66 +564,72 @@ fn stage_key_tile<F: Float>(
 #[allow(clippy::too_many_arguments)]
 fn forward_tile<F: Float>(
     q_frags: &Array<Pair<F>>,
-    k_tile: &SharedMemory<F>,
-    v_tile: &SharedMemory<F>,
+    tiles: &mut ForwardTiles<F>,
+    q_at: usize,
     buffer: usize,
     key_tile: usize,
     full: bool,
-    row_spans: &SharedMemory<u32>,
     spans_at: &Array<usize>,
     state: &mut RowState,
     scale: f32,
-    scratch: &mut SharedMemory<F>,
     scratch_at: usize,
-    reduce: &mut SharedMemory<f32>,
     reduce_at: usize,
     #[comptime] config: FlashConfig,
 ) {
     let block = comptime!(config.block);
-    let tensor_cores = comptime!(config.tensor_cores);
+    let tc = comptime!(config.tensor_cores);
+    let m = comptime!(config.row_tiles);
+    let q_row0 = q_at / comptime!(padded(config.head_dim));
     let base = buffer * block;
     let mut s = scores::<F>(
         q_frags,
-        k_tile,
+        &tiles.q,
+        q_row0,
+        &tiles.k,
         base,
-        scratch,
+        &mut tiles.scratch,
         scratch_at,
         config.head_dim,
         block,
-        tensor_cores,
+        m,
+        comptime!(m == 1),
+        tc,
     );
-    scale_scores(&mut s, scale, block, tensor_cores);
+    scale_scores(&mut s, scale, comptime!(m * block / 4), tc);
     if !full {
         let first_key = key_tile * block;
         mask_rows(
             &mut s,
-            row_spans,
+            &tiles.spans,
             spans_at,
             first_key,
             block,
+            m,
             config.max_spans,
-            tensor_cores,
+            tc,
         );
     }
     softmax_step(
         &mut s,
         state,
-        reduce,
+        &mut tiles.reduce,
         reduce_at,
         block,
         config.value_dim,
+        m,
         config.shuffles,
-        tensor_cores,
+        tc,
     );
     add_product::<F>(
         &s,
-        v_tile,
+        &tiles.v,
         base,
         &mut state.out,
-        scratch,
+        &mut tiles.scratch,
         scratch_at,
         config.value_dim,
         block,
-        tensor_cores,
+        m,
+        tc,
     );
 }

@@ -23,6 +23,28 @@ const PLANES: usize = 4;
 /// 8; default 4).
 pub const PLANES_ENV: &str = "BURN_DCP_FLASH_PLANES";
 
+/// Row tiles per plane of the forward unless [`ROW_TILES_ENV`] says otherwise.
+const ROW_TILES: usize = 2;
+/// A tuning knob, read once per process: the forward's row tiles of 16 per plane (1 or 2;
+/// default 2).
+pub const ROW_TILES_ENV: &str = "BURN_DCP_FLASH_ROW_TILES";
+
+fn row_tiles() -> Result<usize, KernelError> {
+    static ROW_TILES_CHOICE: std::sync::OnceLock<Result<usize, KernelError>> =
+        std::sync::OnceLock::new();
+    ROW_TILES_CHOICE
+        .get_or_init(|| match std::env::var(ROW_TILES_ENV) {
+            Err(_) => Ok(ROW_TILES),
+            Ok(value) => match value.parse::<usize>() {
+                Ok(tiles @ (1 | 2)) => Ok(tiles),
+                _ => Err(KernelError::InvalidValue(format!(
+                    "{ROW_TILES_ENV}={value:?}: expected 1 or 2"
+                ))),
+            },
+        })
+        .clone()
+}
+
 fn planes() -> Result<usize, KernelError> {
     static PLANES_CHOICE: std::sync::OnceLock<Result<usize, KernelError>> =
         std::sync::OnceLock::new();
@@ -81,50 +103,74 @@ impl FlashPlan {
             .find(|&h| h <= most && group % h == 0 && most % h == 0)
             .unwrap_or(1);
         let widest = head_dim.max(value_dim);
-        let config = |planes: usize, block: usize, heads_per_cube: usize| FlashConfig {
+        let config = |planes: usize, row_tiles: usize, block: usize, heads: usize| FlashConfig {
             head_dim,
             value_dim,
             planes,
-            heads_per_cube: heads_per_cube.min(planes),
+            row_tiles,
+            heads_per_cube: heads.min(planes),
             block,
             max_spans,
             tensor_cores,
             async_copy: tensor_cores,
             shuffles: tensor_cores,
         };
-        // Planes and tiles, largest first, until the cube fits the device's shared memory:
-        // key tiles of 64 in the forward; 32 in dq above dim 64 (its S, dP and dQ share the
-        // registers); query tiles of 32 in dk/dv (its dK and dV take the registers).
+        // Planes, row tiles and tiles, largest first, until the cube fits the device's shared
+        // memory: key tiles of 64 in the forward; 32 in dq above dim 64 (its S, dP and dQ share
+        // the registers); query tiles of 32 in dk/dv (its dK and dV take the registers). Only
+        // the forward takes two row tiles per plane.
         let dq_block = if widest > 64 { 32 } else { 64 };
-        let shapes = |block: usize| [(most, block), (most, 32), (2, 32), (2, 16), (1, 16)];
-        let pick =
-            |name: &str, block: usize, heads: usize, bytes: fn(&FlashConfig, DType) -> usize| {
-                shapes(block)
-                    .into_iter()
-                    .filter(|&(planes, b)| planes <= most && b <= block)
-                    .map(|(planes, block)| config(planes, block, heads))
-                    .find(|c| bytes(c, dtype) <= limit)
-                    .ok_or_else(|| {
-                        let smallest = config(1, 16, 1);
-                        KernelError::Unsupported(format!(
-                            "the flash {name} kernel at head dim {head_dim} and value dim \
+        let shapes = |block: usize, tiles: usize| {
+            [
+                (most, tiles, block),
+                ((most / 2).max(1), tiles, block),
+                (most, 1, block),
+                (most, 1, 32),
+                (2, 1, 32),
+                (2, 1, 16),
+                (1, 1, 16),
+            ]
+        };
+        let pick = |name: &str,
+                    block: usize,
+                    tiles: usize,
+                    heads: usize,
+                    bytes: fn(&FlashConfig, DType) -> usize| {
+            shapes(block, tiles)
+                .into_iter()
+                .filter(|&(planes, _, b)| planes <= most && b <= block)
+                .map(|(planes, tiles, block)| config(planes, tiles, block, heads))
+                .find(|c| bytes(c, dtype) <= limit)
+                .ok_or_else(|| {
+                    let smallest = config(1, 1, 16, 1);
+                    KernelError::Unsupported(format!(
+                        "the flash {name} kernel at head dim {head_dim} and value dim \
                          {value_dim} ({dtype:?}, {max_spans} span slots) needs {} bytes of \
                          shared memory per cube at least; this device has {limit}",
-                            bytes(&smallest, dtype)
-                        ))
-                    })
-            };
+                        bytes(&smallest, dtype)
+                    ))
+                })
+        };
+        // Two row tiles per plane above dim 64 hold twice the accumulators: key tiles of 32.
+        let tiles = row_tiles()?;
+        let forward_block = if tiles > 1 && widest > 64 { 32 } else { 64 };
         Ok(Self {
-            forward: pick("forward", 64, heads_per_cube, forward_bytes)?,
-            dq: pick("dq", dq_block, heads_per_cube, dq_bytes)?,
-            dkdv: pick("dk/dv", 32, 1, dkdv_bytes)?,
+            forward: pick(
+                "forward",
+                forward_block,
+                tiles,
+                heads_per_cube,
+                forward_bytes,
+            )?,
+            dq: pick("dq", dq_block, 1, heads_per_cube, dq_bytes)?,
+            dkdv: pick("dk/dv", 32, 1, 1, dkdv_bytes)?,
         })
     }
 }
 
 /// Bytes of shared memory of one forward cube.
 fn forward_bytes(c: &FlashConfig, dtype: DType) -> usize {
-    let rows = 16 * c.planes;
+    let rows = 16 * c.row_tiles * c.planes;
     let inputs = rows * padded(c.head_dim)
         + c.buffers() * c.block * (padded(c.head_dim) + padded(c.value_dim));
     dtype.size() * inputs + 4 * (c.tokens_per_cube() * 2 * c.max_spans) + scratch(c, dtype)
@@ -379,4 +425,63 @@ pub fn backward_flash<R: CubeRuntime>(
         );
     }
     (dq, dk, dv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(dim: usize, value_dim: usize, heads: usize, kv_heads: usize) -> AttentionShape {
+        AttentionShape {
+            q_tokens: 1000,
+            kv_tokens: 1000,
+            heads,
+            kv_heads,
+            head_dim: dim,
+            value_dim,
+        }
+    }
+
+    #[test]
+    fn plans_fill_the_shared_memory_they_have() {
+        // An H100 (227 KiB), bf16, dim 128: the forward takes two row tiles per plane and key
+        // tiles of 32, dq key tiles of 32, dk/dv query tiles of 32; GQA groups of 4 share cubes.
+        let h100 =
+            FlashPlan::sized(232_448, DType::BF16, &shape(128, 128, 32, 8), 1, true).unwrap();
+        let f = h100.forward;
+        assert_eq!(
+            (f.planes, f.row_tiles, f.block, f.heads_per_cube),
+            (4, 2, 32, 4)
+        );
+        assert_eq!(
+            (f.tokens_per_cube(), f.async_copy, f.shuffles),
+            (32, true, true)
+        );
+        assert_eq!(
+            (h100.dq.row_tiles, h100.dq.block, h100.dkdv.block),
+            (1, 32, 32)
+        );
+        // Dim 64: key tiles of 64 everywhere.
+        let d64 = FlashPlan::sized(232_448, DType::F16, &shape(64, 64, 8, 8), 1, true).unwrap();
+        assert_eq!(
+            (d64.forward.block, d64.dq.block, d64.forward.row_tiles),
+            (64, 64, 2)
+        );
+        // lavapipe's 32 KiB in f32 (the plain bodies CI runs): two row tiles on two planes.
+        let small = FlashPlan::sized(32_768, DType::F32, &shape(16, 32, 3, 1), 1, false).unwrap();
+        let f = small.forward;
+        assert_eq!(
+            (f.planes, f.row_tiles, f.block, f.heads_per_cube),
+            (2, 2, 64, 1)
+        );
+        assert!(!f.async_copy && !f.tensor_cores && !f.shuffles);
+        // Nothing fits: the error says how much the smallest cube needs.
+        let err = FlashPlan::sized(1_000, DType::F32, &shape(128, 128, 1, 1), 1, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("flash forward") && err.contains("1000"),
+            "{err}"
+        );
+    }
 }

@@ -35,8 +35,12 @@ pub struct FlashConfig {
     pub head_dim: usize,
     /// Head dim of v, a multiple of 16.
     pub value_dim: usize,
-    /// Planes (warps of 32 units) per cube, each owning 16 rows.
+    /// Planes (warps of 32 units) per cube, each owning `16 · row_tiles` rows.
     pub planes: usize,
+    /// Row tiles of 16 per plane (forward: 1 or 2; the backward kernels: 1). Two halve the
+    /// shared-memory reads per product (each K and V fragment serves both) at the price of
+    /// reading Q from shared memory per tile.
+    pub row_tiles: usize,
     /// Query heads of one kv head per cube (forward and dq): the planes split over them, and
     /// the cube's key and value tiles serve all of them.
     pub heads_per_cube: usize,
@@ -61,7 +65,7 @@ impl FlashConfig {
 
     /// Tokens per cube on the 16-row side (each of its `heads_per_cube` heads has them all).
     pub fn tokens_per_cube(&self) -> usize {
-        16 * self.planes / self.heads_per_cube
+        16 * self.row_tiles * self.planes / self.heads_per_cube
     }
 
     /// Buffers per staged tile: two when copies overlap the products.
