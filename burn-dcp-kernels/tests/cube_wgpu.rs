@@ -855,8 +855,20 @@ mod flash_plain {
     #[test]
     fn several_tiles_whole_and_partial_match_the_reference() {
         // Sequences of 200, 37 and 130 tokens: several cubes and key tiles, runs of whole and
-        // partial tiles under every mask; two heads per cube (group 2).
-        for (index, mask) in long_masks().into_iter().enumerate() {
+        // partial tiles (a diagonal, a window with a sink: two spans, blocks); two heads per
+        // cube (group 2). Every mask on the ragged batches above.
+        let masks = [
+            MaskSpec::Causal,
+            MaskSpec::Lambda {
+                sink: 8,
+                window: 30,
+            },
+            MaskSpec::Blockwise {
+                block: 16,
+                local_blocks: 2,
+            },
+        ];
+        for (index, mask) in masks.into_iter().enumerate() {
             let case = long_case(vec![mask.clone()], 4, 2, (16, 16));
             check_f32(&case, 210 + index as u64, &format!("{mask} long"));
         }
@@ -897,20 +909,18 @@ mod flash_plain {
             assert!(values.iter().all(|&x| x == 0.0), "{name}: {values:?}");
         }
 
+        // Two query heads on one kv head: the launch of the fully masked case above.
         let (heads, dim) = (2, 16);
         let problem = VarlenAttention::packed(vec![5, 3], vec![MaskSpec::Causal]);
         let mut rng = SmallRng::seed_from_u64(241);
         let mut q = random(&mut rng, 8 * heads * dim);
-        let (k, v) = (
-            random(&mut rng, 8 * heads * dim),
-            random(&mut rng, 8 * heads * dim),
-        );
+        let (k, v) = (random(&mut rng, 8 * dim), random(&mut rng, 8 * dim));
         q[2 * heads * dim] = f32::NAN; // token 2 (sequence 0), head 0
-        let primitive = |values: &[f32]| upload(values, [8, heads, dim], DType::F32);
+        let primitive = |values: &[f32], heads| upload(values, [8, heads, dim], DType::F32);
         let (out, lse) = forward_with(
-            primitive(&q).into_primitive().tensor(),
-            primitive(&k).into_primitive().tensor(),
-            primitive(&v).into_primitive().tensor(),
+            primitive(&q, heads).into_primitive().tensor(),
+            primitive(&k, 1).into_primitive().tensor(),
+            primitive(&v, 1).into_primitive().tensor(),
             &problem,
             FLASH,
         )
