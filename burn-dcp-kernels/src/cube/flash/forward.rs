@@ -380,7 +380,16 @@ pub fn flash_forward_kernel<F: Float>(
         let ready_1 = Barrier::shared(units as u32, UNIT_POS == 0);
         q_ready.commit_copy_async();
         if total > 0 {
-            stage_key_tile::<F>(k, v, &mut tiles, 0usize, cursor.tile, kv_head, config);
+            stage_key_tile::<F>(
+                k,
+                v,
+                &mut tiles.k,
+                &mut tiles.v,
+                0usize,
+                cursor.tile,
+                kv_head,
+                config,
+            );
             ready_0.commit_copy_async();
         }
         q_ready.arrive_and_wait();
@@ -394,7 +403,16 @@ pub fn flash_forward_kernel<F: Float>(
             if i + 1 < total {
                 cursor.advance(tile_runs, first_run, end_run);
                 let next = cursor.tile;
-                stage_key_tile::<F>(k, v, &mut tiles, 1 - buffer, next, kv_head, config);
+                stage_key_tile::<F>(
+                    k,
+                    v,
+                    &mut tiles.k,
+                    &mut tiles.v,
+                    1 - buffer,
+                    next,
+                    kv_head,
+                    config,
+                );
                 if buffer == 0 {
                     ready_1.commit_copy_async();
                 } else {
@@ -421,7 +439,16 @@ pub fn flash_forward_kernel<F: Float>(
         for _ in 0..total {
             let key_tile = cursor.tile;
             let full = cursor.full(tile_runs);
-            stage_key_tile::<F>(k, v, &mut tiles, 0usize, key_tile, kv_head, config);
+            stage_key_tile::<F>(
+                k,
+                v,
+                &mut tiles.k,
+                &mut tiles.v,
+                0usize,
+                key_tile,
+                kv_head,
+                config,
+            );
             sync_cube();
             forward_tile::<F>(
                 &q_frags, &mut tiles, q_at, 0usize, key_tile, full, &spans_at, &mut state, scale,
@@ -509,53 +536,6 @@ pub fn load_rows_as_a<F: Float>(
     let mut frags = Array::<Pair<F>>::new(dim / 4);
     load_rows_into::<F>(tile, at, &mut frags, dim, tensor_cores);
     frags
-}
-
-/// Stages key tile `key_tile` (`block` keys of `kv_head`) of K and V into buffer `buffer`.
-#[cube]
-fn stage_key_tile<F: Float>(
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    tiles: &mut ForwardTiles<F>,
-    buffer: usize,
-    key_tile: usize,
-    kv_head: usize,
-    #[comptime] config: FlashConfig,
-) {
-    let block = comptime!(config.block);
-    let units = comptime!(config.units());
-    let unit = UNIT_POS as usize;
-    let first = key_tile * block;
-    let kv_tokens = k.shape(0);
-    let k_at = buffer * comptime!(config.block * padded(config.head_dim));
-    let v_at = buffer * comptime!(config.block * padded(config.value_dim));
-    let (hd, vd, copy) = comptime!((config.head_dim, config.value_dim, config.async_copy));
-    stage_rows::<F>(
-        k,
-        &mut tiles.k,
-        k_at,
-        first,
-        kv_head,
-        kv_tokens,
-        unit,
-        block,
-        hd,
-        units,
-        copy,
-    );
-    stage_rows::<F>(
-        v,
-        &mut tiles.v,
-        v_at,
-        first,
-        kv_head,
-        kv_tokens,
-        unit,
-        block,
-        vd,
-        units,
-        copy,
-    );
 }
 
 /// One key tile of the forward for the plane's rows: scores, mask (partial tiles), softmax

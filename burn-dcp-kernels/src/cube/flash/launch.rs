@@ -29,36 +29,37 @@ const ROW_TILES: usize = 2;
 /// default 2).
 pub const ROW_TILES_ENV: &str = "BURN_DCP_FLASH_ROW_TILES";
 
+type Knob = std::sync::OnceLock<Result<usize, KernelError>>;
+
+/// A tuning knob read once per process into `cell`: the value of the variable `name`, one of
+/// `allowed`, or `default` when unset.
+fn knob(
+    cell: &'static Knob,
+    name: &str,
+    default: usize,
+    allowed: &[usize],
+) -> Result<usize, KernelError> {
+    cell.get_or_init(|| match std::env::var(name) {
+        Err(_) => Ok(default),
+        Ok(value) => value
+            .parse::<usize>()
+            .ok()
+            .filter(|v| allowed.contains(v))
+            .ok_or_else(|| {
+                KernelError::InvalidValue(format!("{name}={value:?}: expected one of {allowed:?}"))
+            }),
+    })
+    .clone()
+}
+
 fn row_tiles() -> Result<usize, KernelError> {
-    static ROW_TILES_CHOICE: std::sync::OnceLock<Result<usize, KernelError>> =
-        std::sync::OnceLock::new();
-    ROW_TILES_CHOICE
-        .get_or_init(|| match std::env::var(ROW_TILES_ENV) {
-            Err(_) => Ok(ROW_TILES),
-            Ok(value) => match value.parse::<usize>() {
-                Ok(tiles @ (1 | 2)) => Ok(tiles),
-                _ => Err(KernelError::InvalidValue(format!(
-                    "{ROW_TILES_ENV}={value:?}: expected 1 or 2"
-                ))),
-            },
-        })
-        .clone()
+    static CELL: Knob = Knob::new();
+    knob(&CELL, ROW_TILES_ENV, ROW_TILES, &[1, 2])
 }
 
 fn planes() -> Result<usize, KernelError> {
-    static PLANES_CHOICE: std::sync::OnceLock<Result<usize, KernelError>> =
-        std::sync::OnceLock::new();
-    PLANES_CHOICE
-        .get_or_init(|| match std::env::var(PLANES_ENV) {
-            Err(_) => Ok(PLANES),
-            Ok(value) => match value.parse::<usize>() {
-                Ok(planes @ (1 | 2 | 4 | 8)) => Ok(planes),
-                _ => Err(KernelError::InvalidValue(format!(
-                    "{PLANES_ENV}={value:?}: expected 1, 2, 4 or 8"
-                ))),
-            },
-        })
-        .clone()
+    static CELL: Knob = Knob::new();
+    knob(&CELL, PLANES_ENV, PLANES, &[1, 2, 4, 8])
 }
 
 /// The three kernels' comptime shapes for one problem on one device.
@@ -100,7 +101,7 @@ impl FlashPlan {
         let most = planes()?;
         let heads_per_cube = [4, 2, 1]
             .into_iter()
-            .find(|&h| h <= most && group % h == 0 && most % h == 0)
+            .find(|&h| h <= most && group.is_multiple_of(h) && most.is_multiple_of(h))
             .unwrap_or(1);
         let widest = head_dim.max(value_dim);
         let config = |planes: usize, row_tiles: usize, block: usize, heads: usize| FlashConfig {
@@ -280,9 +281,9 @@ fn aligned<R: CubeRuntime>(tensor: CubeTensor<R>, config: &FlashConfig) -> CubeT
     let offset = tensor.handle.offset_start.unwrap_or(0);
     let fine = strides.len() == 3
         && strides[2] == 1
-        && strides[0] % chunk == 0
-        && strides[1] % chunk == 0
-        && offset % 16 == 0;
+        && strides[0].is_multiple_of(chunk)
+        && strides[1].is_multiple_of(chunk)
+        && offset.is_multiple_of(16);
     if fine {
         tensor
     } else {

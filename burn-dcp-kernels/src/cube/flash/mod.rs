@@ -11,6 +11,8 @@
 //! `docs/flash-kernels.md` for the layouts, the choices and what has run where.
 
 pub mod backward;
+mod dkdv;
+mod dq;
 pub mod forward;
 pub mod fragment;
 mod launch;

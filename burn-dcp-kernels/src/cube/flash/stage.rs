@@ -8,6 +8,8 @@
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
+use super::FlashConfig;
+
 /// Elements per 16-byte copy of f16/bf16.
 pub const CHUNK: usize = 8;
 
@@ -194,4 +196,35 @@ pub fn count_tiles(runs: &Tensor<u32>, first_run: usize, end_run: usize) -> usiz
         total += (runs[3 * run + 1] - runs[3 * run]) as usize;
     }
     total
+}
+
+/// Stages key tile `key_tile` (`block` keys of `kv_head`) of K and V into buffer `buffer`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_key_tile<F: Float>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    k_tile: &mut SharedMemory<F>,
+    v_tile: &mut SharedMemory<F>,
+    buffer: usize,
+    key_tile: usize,
+    kv_head: usize,
+    #[comptime] config: FlashConfig,
+) {
+    let block = comptime!(config.block);
+    let units = comptime!(config.units());
+    let unit = UNIT_POS as usize;
+    let first = key_tile * block;
+    let kv_tokens = k.shape(0);
+    let k_rows = comptime!(config.block * (config.head_dim + CHUNK));
+    let v_rows = comptime!(config.block * (config.value_dim + CHUNK));
+    let k_at = buffer * k_rows;
+    let v_at = buffer * v_rows;
+    let (hd, vd, copy) = comptime!((config.head_dim, config.value_dim, config.async_copy));
+    stage_rows::<F>(
+        k, k_tile, k_at, first, kv_head, kv_tokens, unit, block, hd, units, copy,
+    );
+    stage_rows::<F>(
+        v, v_tile, v_at, first, kv_head, kv_tokens, unit, block, vd, units, copy,
+    );
 }

@@ -1,0 +1,367 @@
+//! The dk/dv kernel: cube = `16 · planes` keys of one kv head, plane `p` owns 16 of them; per
+//! query tile (`block` queries, double-buffered with their lse, delta and spans) of every query
+//! head of the GQA group each plane computes `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ`, then `Pᵀ`, `dSᵀ`,
+//! and adds `dV += Pᵀ·dO`, `dK += dSᵀ·Q`.
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use super::backward::{mask_columns, probabilities_and_ds, scores_in_registers, write_rows};
+use super::forward::{add_product, load_rows_as_a, scale_scores};
+use super::fragment::*;
+use super::stage::*;
+use super::{fast_exp, FlashConfig};
+
+/// Stages query tile `query_tile` of head `head` into buffer `buffer`: Q and dO rows (copies),
+/// and their lse, delta and spans (plain stores, visible after the buffer's barrier or sync).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_query_tile<F: Float>(
+    q: &Tensor<F>,
+    dout: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    spans: &Tensor<u32>,
+    tiles: &mut QueryTiles<F>,
+    buffer: usize,
+    query_tile: usize,
+    head: usize,
+    #[comptime] config: FlashConfig,
+) {
+    let block = comptime!(config.block);
+    let units = comptime!(config.units());
+    let max_spans = comptime!(config.max_spans);
+    let unit = UNIT_POS as usize;
+    let first = query_tile * block;
+    let q_tokens = q.shape(0);
+    let q_at = buffer * comptime!(config.block * padded(config.head_dim));
+    let do_at = buffer * comptime!(config.block * padded(config.value_dim));
+    let (hd, vd, copy) = comptime!((config.head_dim, config.value_dim, config.async_copy));
+    stage_rows::<F>(
+        q,
+        &mut tiles.q,
+        q_at,
+        first,
+        head,
+        q_tokens,
+        unit,
+        block,
+        hd,
+        units,
+        copy,
+    );
+    stage_rows::<F>(
+        dout,
+        &mut tiles.dout,
+        do_at,
+        first,
+        head,
+        q_tokens,
+        unit,
+        block,
+        vd,
+        units,
+        copy,
+    );
+    let at = buffer * block;
+    stage_row_values(lse, &mut tiles.lse, at, head, first, q_tokens, block, units);
+    stage_row_values(
+        delta,
+        &mut tiles.delta,
+        at,
+        head,
+        first,
+        q_tokens,
+        block,
+        units,
+    );
+    let spans_at = at * 2 * max_spans;
+    stage_spans(
+        spans,
+        &mut tiles.spans,
+        spans_at,
+        first,
+        q_tokens,
+        block,
+        max_spans,
+        units,
+    );
+}
+
+/// The dk/dv kernel's staged query tiles (`buffers` of each).
+#[derive(CubeType)]
+struct QueryTiles<F: Float> {
+    q: SharedMemory<F>,
+    dout: SharedMemory<F>,
+    lse: SharedMemory<f32>,
+    delta: SharedMemory<f32>,
+    spans: SharedMemory<u32>,
+}
+
+/// One query tile of the dk/dv kernel for the plane's 16 keys.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dkdv_tile<F: Float>(
+    kv: &QueryTiles<F>,
+    k_tile: &SharedMemory<F>,
+    v_tile: &SharedMemory<F>,
+    buffer: usize,
+    first_key: usize,
+    full: bool,
+    dk_acc: &mut Array<Pair<f32>>,
+    dv_acc: &mut Array<Pair<f32>>,
+    scale: f32,
+    scratch: &mut SharedMemory<F>,
+    scratch_at: usize,
+    #[comptime] config: FlashConfig,
+) {
+    let (head_dim, value_dim) = comptime!((config.head_dim, config.value_dim));
+    let block = comptime!(config.block);
+    let tc = comptime!(config.tensor_cores);
+    let plane = UNIT_POS_Y as usize;
+    let base = buffer * block;
+    // The plane's keys and values, reloaded per tile (registers go to the accumulators).
+    let k_frags = load_rows_as_a::<F>(
+        k_tile,
+        plane * comptime!(16 * padded(head_dim)),
+        head_dim,
+        tc,
+    );
+    let mut s = scores_in_registers::<F>(
+        &k_frags, &kv.q, base, scratch, scratch_at, head_dim, block, tc,
+    );
+    let v_frags = load_rows_as_a::<F>(
+        v_tile,
+        plane * comptime!(16 * padded(value_dim)),
+        value_dim,
+        tc,
+    );
+    let mut dp = scores_in_registers::<F>(
+        &v_frags, &kv.dout, base, scratch, scratch_at, value_dim, block, tc,
+    );
+    scale_scores(&mut s, scale, comptime!(block / 4), tc);
+    if !full {
+        let spans_at = base * 2 * config.max_spans;
+        mask_columns(
+            &mut s,
+            &kv.spans,
+            spans_at,
+            first_key,
+            block,
+            config.max_spans,
+            tc,
+        );
+    }
+    let none = Array::<f32>::new(2usize);
+    probabilities_and_ds(
+        &mut s, &mut dp, &none, &none, &kv.lse, &kv.delta, base, block, false, tc,
+    );
+    add_product::<F>(
+        &s, &kv.dout, base, dv_acc, scratch, scratch_at, value_dim, block, 1usize, tc,
+    );
+    add_product::<F>(
+        &dp, &kv.q, base, dk_acc, scratch, scratch_at, head_dim, block, 1usize, tc,
+    );
+}
+
+/// Backward, key side: `dk [Tk, K, D]`, `dv [Tk, K, Dv]`. Cube `(x, y)` = (keys
+/// `16·planes·x..`, kv head `y`); tile lists per key tile (the transpose of query tiles of
+/// `block` queries against key tiles of `16 · planes` keys), walked once per query head of the
+/// group.
+#[cube(launch_unchecked, fast_math = fast_exp())]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_dkdv_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    dout: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    spans: &Tensor<u32>,
+    tile_offsets: &Tensor<u32>,
+    tile_runs: &Tensor<u32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    scale: f32,
+    #[comptime] config: FlashConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let units = comptime!(config.units());
+    let (head_dim, value_dim) = comptime!((config.head_dim, config.value_dim));
+    let block = comptime!(config.block);
+    let max_spans = comptime!(config.max_spans);
+    let copy = comptime!(config.async_copy);
+    let buffers = comptime!(config.buffers());
+    let plane = UNIT_POS_Y as usize;
+    let unit = UNIT_POS as usize;
+    let key_tile = CUBE_POS_X as usize;
+    let kv_head = CUBE_POS_Y as usize;
+    let group = q.shape(1) / k.shape(1);
+    let kv_tokens = k.shape(0);
+    let cube_keys = comptime!(16 * config.planes);
+    let first_key = key_tile * cube_keys;
+    let plane_key = first_key + plane * 16;
+
+    let mut k_tile =
+        SharedMemory::<F>::new_aligned(comptime!(cube_keys * padded(head_dim)), 16usize);
+    let mut v_tile =
+        SharedMemory::<F>::new_aligned(comptime!(cube_keys * padded(value_dim)), 16usize);
+    let mut tiles = QueryTiles::<F> {
+        q: SharedMemory::<F>::new_aligned(comptime!(buffers * block * padded(head_dim)), 16usize),
+        dout: SharedMemory::<F>::new_aligned(
+            comptime!(buffers * block * padded(value_dim)),
+            16usize,
+        ),
+        lse: SharedMemory::<f32>::new(buffers * block),
+        delta: SharedMemory::<f32>::new(buffers * block),
+        spans: SharedMemory::<u32>::new(buffers * block * 2 * max_spans),
+    };
+    let mut scratch = SharedMemory::<F>::new(comptime!(if config.tensor_cores {
+        1
+    } else {
+        config.planes * PRODUCT_SCRATCH
+    }));
+    let scratch_at = plane * PRODUCT_SCRATCH;
+
+    let first_run = tile_offsets[key_tile] as usize;
+    let end_run = tile_offsets[key_tile + 1] as usize;
+    let total = count_tiles(tile_runs, first_run, end_run) * group;
+    let mut cursor = Cursor::start(tile_runs, first_run, end_run);
+    let mut dk_acc = zero_accumulators(head_dim / 8);
+    let mut dv_acc = zero_accumulators(value_dim / 8);
+
+    if total > 0 {
+        let keys = cube_keys;
+        let kt = kv_tokens;
+        stage_rows::<F>(
+            k,
+            &mut k_tile,
+            0usize,
+            first_key,
+            kv_head,
+            kt,
+            unit,
+            keys,
+            head_dim,
+            units,
+            copy,
+        );
+        stage_rows::<F>(
+            v,
+            &mut v_tile,
+            0usize,
+            first_key,
+            kv_head,
+            kt,
+            unit,
+            keys,
+            value_dim,
+            units,
+            copy,
+        );
+    }
+    if copy {
+        let ready_0 = Barrier::shared(units as u32, UNIT_POS == 0);
+        let ready_1 = Barrier::shared(units as u32, UNIT_POS == 0);
+        // The key rows travel with the first query tile.
+        if total > 0 {
+            let head = kv_head * group;
+            stage_query_tile::<F>(
+                q,
+                dout,
+                lse,
+                delta,
+                spans,
+                &mut tiles,
+                0usize,
+                cursor.tile,
+                head,
+                config,
+            );
+            ready_0.commit_copy_async();
+        }
+        for i in 0..total {
+            let buffer = i % 2;
+            let full = cursor.full(tile_runs);
+            if i + 1 < total {
+                cursor.advance(tile_runs, first_run, end_run);
+                let head = kv_head * group + cursor.round;
+                let next = cursor.tile;
+                stage_query_tile::<F>(
+                    q,
+                    dout,
+                    lse,
+                    delta,
+                    spans,
+                    &mut tiles,
+                    1 - buffer,
+                    next,
+                    head,
+                    config,
+                );
+                if buffer == 0 {
+                    ready_1.commit_copy_async();
+                } else {
+                    ready_0.commit_copy_async();
+                }
+            }
+            if buffer == 0 {
+                ready_0.arrive_and_wait();
+            } else {
+                ready_1.arrive_and_wait();
+            }
+            dkdv_tile::<F>(
+                &tiles,
+                &k_tile,
+                &v_tile,
+                buffer,
+                plane_key,
+                full,
+                &mut dk_acc,
+                &mut dv_acc,
+                scale,
+                &mut scratch,
+                scratch_at,
+                config,
+            );
+            sync_cube();
+        }
+    } else {
+        for _ in 0..total {
+            let head = kv_head * group + cursor.round;
+            let full = cursor.full(tile_runs);
+            stage_query_tile::<F>(
+                q,
+                dout,
+                lse,
+                delta,
+                spans,
+                &mut tiles,
+                0usize,
+                cursor.tile,
+                head,
+                config,
+            );
+            sync_cube();
+            dkdv_tile::<F>(
+                &tiles,
+                &k_tile,
+                &v_tile,
+                0usize,
+                plane_key,
+                full,
+                &mut dk_acc,
+                &mut dv_acc,
+                scale,
+                &mut scratch,
+                scratch_at,
+                config,
+            );
+            sync_cube();
+            cursor.advance(tile_runs, first_run, end_run);
+        }
+    }
+    let tc = comptime!(config.tensor_cores);
+    write_rows::<F>(&dk_acc, dk, plane_key, kv_head, scale, head_dim, tc);
+    write_rows::<F>(&dv_acc, dv, plane_key, kv_head, 1.0, value_dim, tc);
+}
