@@ -34,7 +34,7 @@ use burn::tensor::{DType, TensorData};
 use burn_dcp::comm::LinkEmulation;
 use burn_dcp::comm::{LinkBytes, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
 use burn_dcp::harness::{
-    max_rel_err, run_context_parallel_on, run_context_parallel_with_links, run_single_device,
+    max_rel_err, run_context_parallel_on, run_context_parallel_with_links, run_single_device_in,
     PackedInputs, PackedOutputs, RunReport, RunSpec,
 };
 use burn_dcp::kernels::{validate_cu_seqlens, validate_scale, MaskSpec};
@@ -152,9 +152,24 @@ struct Args {
     /// The emulated links' time scale (bandwidth ÷ F, latency × F) [default: measured]
     #[arg(long)]
     link_scale: Option<f64>,
+    /// The dtype q, k, v and dout are cast to, for the CP run and the reference alike: f32 |
+    /// bf16 | f16 (the LSE and every accumulator stay f32)
+    #[arg(long, default_value = "f32")]
+    dtype: String,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+}
+
+impl Args {
+    fn dtype(&self) -> Result<burn::tensor::DType, String> {
+        match self.dtype.as_str() {
+            "f32" => Ok(burn::tensor::DType::F32),
+            "bf16" => Ok(burn::tensor::DType::BF16),
+            "f16" => Ok(burn::tensor::DType::F16),
+            other => Err(format!("--dtype {other:?}: expected f32, bf16 or f16")),
+        }
+    }
 }
 
 /// What `--emulate-links` gives the report: the links' scale and the cost model's prediction.
@@ -295,6 +310,7 @@ fn run(args: &Args) -> Result<(), String> {
         timeout: Duration::from_secs(args.timeout_secs),
         blocks,
         nodes: args.nodes,
+        dtype: args.dtype()?,
     };
     let device = Default::default();
     if ranks.is_distributed() {
@@ -427,8 +443,14 @@ fn report_run(
     emulation: Option<&Emulation>,
 ) -> Result<(), String> {
     let started = Instant::now();
-    let reference = run_single_device::<Flex>(&Default::default(), inputs, &spec.masks, spec.scale)
-        .map_err(|e| e.to_string())?;
+    let reference = run_single_device_in::<Flex>(
+        &Default::default(),
+        inputs,
+        &spec.masks,
+        spec.scale,
+        spec.dtype,
+    )
+    .map_err(|e| e.to_string())?;
     let reference_ms = started.elapsed().as_secs_f64() * 1e3;
     if let Some(path) = &args.output {
         write_outputs(path, inputs, &report.outputs)?;
@@ -669,6 +691,7 @@ fn summarize(
         "tokens": inputs.tokens(),
         "mask": spec.masks[0].to_string(),
         "backend": args.backend,
+        "dtype": args.dtype,
         "backend_type": burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "cp_attention")?,
         "seed": args.seed,
         "non_finite_inputs": non_finite,

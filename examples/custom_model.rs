@@ -30,8 +30,8 @@ use burn_dcp::nn::{TransformerEncoder, TransformerEncoderConfig, TransformerEnco
 use burn_dcp::StrategyKind;
 use burn_dcp_suite::train::launch::Ranks;
 use burn_dcp_suite::train::{
-    CpTrain, InputRows, ModelShape, Progress, ShardInput, TpGroup, TrainConfig, TrainData,
-    TrainError, TrainModel, Trainer,
+    CpTrain, InputRows, ModelShape, Precision, Progress, ShardInput, TpGroup, TrainConfig,
+    TrainData, TrainError, TrainModel, Trainer,
 };
 use clap::Parser;
 
@@ -77,6 +77,10 @@ struct Args {
     /// Seed of the weights and the data
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// The dtype the forward and backward compute in: f32 | bf16 | f16 (the weights, their
+    /// gradients and AdamW's moments stay f32)
+    #[arg(long, default_value = "f32")]
+    precision: String,
     /// The same model on burn-nn's own TransformerEncoder (its attention bypasses burn's op:
     /// refused at the first micro-batch)
     #[arg(long)]
@@ -158,7 +162,11 @@ impl<B: Backend> BurnNnLm<B> {
 fn loss_sum<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int>) -> Tensor<B, 1> {
     let [rows, width, vocab] = logits.dims();
     let n = rows * width;
-    let log_probs = log_softmax(logits.reshape([n, vocab]), 1);
+    // The softmax and the loss in f32, whatever the model computes in (`--precision`).
+    let logits = logits
+        .reshape([n, vocab])
+        .cast(burn::tensor::FloatDType::F32);
+    let log_probs = log_softmax(logits, 1);
     let labels = labels.reshape([n]);
     let valid = labels.clone().greater_equal_elem(0);
     let picked = log_probs
@@ -220,6 +228,7 @@ fn config(args: &Args) -> Result<TrainConfig, TrainError> {
         steps: args.steps,
         seed: args.seed,
         corpus: args.corpus.clone(),
+        precision: Precision::parse(&args.precision)?,
         model_shape: Some(ModelShape {
             vocab_size: VOCAB,
             d_model: args.d_model,

@@ -23,8 +23,21 @@ if [ ! -x "$tools/ptx_report.py" ] && [ ! -f "$tools/ptx_report.py" ]; then
 fi
 rm -rf "$out" && mkdir -p "$out"
 cargo_args=${CUDA_REPORT_CARGO_ARGS:---workspace --features mpi,wgpu,cuda}
+# The test binary of that build, found without building anything else: a `--test` filter would
+# resolve other features and rebuild burn and cubecl (minutes of CI).
 # shellcheck disable=SC2086
-BURN_DCP_DUMP_CUDA="$(pwd)/$out/kernels" cargo test $cargo_args --test flash_cuda_source -- --quiet
+binary=$(cargo test $cargo_args --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    message = json.loads(line)
+    if message.get("reason") == "compiler-artifact" and message["target"]["name"] == "flash_cuda_source" and message.get("executable"):
+        print(message["executable"])
+' | head -1)
+if [ -z "$binary" ]; then
+  echo "cuda_report: no flash_cuda_source test binary in the build of: cargo test $cargo_args" >&2
+  exit 2
+fi
+BURN_DCP_DUMP_CUDA="$(pwd)/$out/kernels" "$binary" --quiet
 bash "$tools/setup.sh" >/dev/null
 status=0
 for source in "$out"/kernels.flash_*.cu; do

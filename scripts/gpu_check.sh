@@ -11,14 +11,17 @@
 #   5. the benchmark group `cuda` (1 x 32 heads x 8192 x 128, bf16);
 #   6. step 3 on the matrix-tile kernels (BURN_DCP_ATTENTION_KERNEL=tiles: f32, ordinary units);
 #   7. issue 47's side-by-side: the flash kernels, the old tiles, burn's attention and torch's
-#      flash attention, bf16, TFLOP/s (scripts/gpu_attention.py: $OUT/<date>-<gpu>.json).
+#      flash attention, bf16, TFLOP/s (scripts/gpu_attention.py: $OUT/<date>-<gpu>.json);
+#   8. bf16 training on CUDA (issue 46): gpt_longctx --precision bf16 (the flash kernels) at cp 1
+#      against f32 (relative loss <= 2e-2) and cp 4 (ring zigzag, ulysses, dcp) against bf16 cp 1
+#      (<= 2.5e-2, TransformerEngine's bf16 bound); tokens/s, peak memory and CP bytes of each.
 # Each step has its own time limit; the log goes to $OUT/gpu_check.log (or /tmp) as it runs.
 #
-# Usage: scripts/gpu_check.sh [DIR] [STEP...]   (DIR default .gpu; steps default 1 2 3 4 5)
+# Usage: scripts/gpu_check.sh [DIR] [STEP...]   (DIR default .gpu; steps default 1 2 3 4 5 8)
 set -uo pipefail
 dir=$(cd "${1:-.gpu}" && pwd)
 shift || true
-steps=${*:-1 2 3 4 5}
+steps=${*:-1 2 3 4 5 8}
 out=${OUT:-/tmp}
 log=$out/gpu_check.log
 exec > >(tee -a "$log") 2>&1
@@ -84,6 +87,38 @@ PY
     6) step "every strategy on CUDA, matrix-tile kernels" 120 env BURN_DCP_ATTENTION_KERNEL=tiles \
          python3 "$dir/check_wgpu.py" "$bin/cp_attention" --backend cuda ;;
     5) step "benchmark group cuda" 150 "$bin/attention" --bench cuda --warm-up-time 1 --measurement-time 3 ;;
+    8) step "bf16 training on CUDA" 150 python3 - "$bin/gpt_longctx" <<'PY'
+import json, subprocess, sys
+binary = sys.argv[1]
+common = ["--backend", "cuda", "--steps", "5", "--seed", "7", "--seq-len", "8192", "--corpus", "builtin", "--json"]
+def run(*flags):
+    out = subprocess.run([binary, *flags, *common], check=True, capture_output=True, text=True).stdout
+    summary = json.loads(out)
+    print(" ".join(flags), "tokens/s", round(summary["tokens_per_second"], 1), "peak MB", summary.get("peak_memory_mb"),
+          "cp bytes", summary["bytes_by_axis"]["cp"], "losses", summary["losses"])
+    return summary
+def worst(got, want):
+    return max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"]))
+f32 = run("--cp", "1")
+bf16 = run("--cp", "1", "--precision", "bf16")
+failures = []
+drift = worst(bf16, f32)
+print(f"bf16 vs f32 at cp 1: max rel {drift:.2e} (bound 2e-2)")
+if drift > 2e-2:
+    failures.append("bf16 vs f32")
+for name in ("ring-zigzag", "ulysses", "dcp"):
+    got = run("--cp", "4", "--strategy", name, "--precision", "bf16")
+    rel = worst(got, bf16)
+    print(f"bf16 cp4 {name}: max rel vs bf16 cp1 {rel:.2e} (bound 2.5e-2)")
+    if rel > 2.5e-2:
+        failures.append(name)
+    if name == "ring-zigzag":
+        f32_ring = run("--cp", "4", "--strategy", name)
+        print(f"ring-zigzag cp4 tokens/s bf16 / f32 {got['tokens_per_second'] / f32_ring['tokens_per_second']:.2f}, "
+              f"cp bytes {got['bytes_by_axis']['cp'] / f32_ring['bytes_by_axis']['cp']:.4f}")
+sys.exit("failed: " + ", ".join(failures) if failures else 0)
+PY
+       ;;
     7) step "flash side by side" ${SIDE_LIMIT:-480} python3 "$dir/gpu_attention.py" "$bin" "$out" --reps ${REPS:-10} ;;
   esac
 done

@@ -1108,6 +1108,28 @@ fn cp_attention_kernel_choice_is_checked_and_tiles_run() {
     }
 }
 
+/// A precision the backend does not compute in is refused before the first step, naming the
+/// backend and the precisions it has (lavapipe: no bf16; f32 and f16).
+#[cfg(feature = "wgpu")]
+#[test]
+fn gpt_longctx_refuses_a_precision_the_backend_lacks() {
+    refused(
+        "gpt_longctx",
+        &[
+            "--backend",
+            "wgpu",
+            "--precision",
+            "bf16",
+            "--steps",
+            "1",
+            "--seq-len",
+            "256",
+        ],
+        "precision bf16: the backend fusion<cubecl<wgpu<wgsl>>> does not compute in BF16 on this \
+         device; it supports --precision f32, f16",
+    );
+}
+
 /// `cp_attention --emulate-links` reports the measured attention time next to the cost model's
 /// prediction of the same plan; without it, or for a layout the cost model has no plan of, the
 /// prediction is null; a bad scale is refused.

@@ -171,3 +171,37 @@ fn key_range_masks_with_fully_masked_rows() {
         }
     }
 }
+
+/// bf16 and f16 inputs (the LSE and every accumulator f32): every strategy and layout against
+/// the single device in the same dtype, within TransformerEngine's CP-test tolerances
+/// (`torch.allclose`, atol = rtol = 2.5e-2 for bf16, 5e-3 for f16:
+/// tests/pytorch/attention/run_attention_with_cp.py). As there (and in ring-flash-attention),
+/// each partial output comes from the kernel in the inputs' dtype and the partials merge in f32.
+#[test]
+fn half_precision_matches_single_device_within_transformer_engine_tolerances() {
+    use burn::tensor::DType;
+    use burn_dcp::harness::run_single_device_in;
+    let device = Default::default();
+    let usp = Strategy::Usp {
+        ulysses_degree: 2,
+        ring_degree: 2,
+    };
+    let mut seed = 500;
+    for (dtype, tolerance) in [(DType::BF16, 2.5e-2f32), (DType::F16, 5e-3)] {
+        for mask in masks() {
+            seed += 1;
+            let inputs = random_inputs(&[13, 3, 1, 6, 21], 4, 2, 8, seed);
+            let masks = std::slice::from_ref(&mask);
+            let single = run_single_device_in::<B>(&device, &inputs, masks, None, dtype).unwrap();
+            for strategy in [Strategy::Ulysses, Strategy::Ring, Strategy::AllGather, usp] {
+                for layout in layouts() {
+                    let mut run = spec(4, strategy, layout, &mask);
+                    run.dtype = dtype;
+                    let report = run_context_parallel::<B>(&device, &inputs, &run).unwrap();
+                    let what = format!("{dtype:?} {strategy} {layout} {mask}");
+                    assert_allclose(&report.outputs, &single, tolerance, &what);
+                }
+            }
+        }
+    }
+}

@@ -392,3 +392,36 @@ fn head_units_that_do_not_fit_the_heads_are_refused() {
         "{error}"
     );
 }
+
+/// DCP in bf16 (the LSE and every accumulator f32; the partial outputs and gradients a rank
+/// sends travel in bf16): within TransformerEngine's bf16 CP tolerance of the single device in
+/// bf16 (atol = rtol = 2.5e-2), over one node and two.
+#[test]
+fn dcp_in_bf16_matches_the_single_device_in_bf16() {
+    use burn::tensor::DType;
+    use burn_dcp::harness::run_single_device_in;
+    use common::assert_allclose;
+    let seq_lens = [40, 9, 23];
+    for (index, mask) in masks().into_iter().enumerate() {
+        for (cp, nodes) in [(4, 1), (4, 2)] {
+            let plan = schedule(&seq_lens, &mask, (4, 2, 8), cp, nodes, 8, 3);
+            let inputs = random_inputs(&seq_lens, 4, 2, 8, 600 + index as u64);
+            let mut run = spec(cp, Strategy::Dcp, Layout::Contiguous, &mask);
+            run.blocks = Some(Arc::new(plan));
+            run.nodes = nodes;
+            run.dtype = DType::BF16;
+            let what = format!("bf16 dcp cp {cp} nodes {nodes} {mask}");
+            let report = run_context_parallel::<B>(&Default::default(), &inputs, &run)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let single = run_single_device_in::<B>(
+                &Default::default(),
+                &inputs,
+                &run.masks,
+                None,
+                run.dtype,
+            )
+            .unwrap();
+            assert_allclose(&report.outputs, &single, 2.5e-2, &what);
+        }
+    }
+}

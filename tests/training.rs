@@ -41,6 +41,7 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         auto: None,
         model_shape: None,
         recompute: Default::default(),
+        precision: Default::default(),
     }
 }
 
@@ -506,17 +507,23 @@ fn step_with_short_and_long(data: &TrainData, micro_batches: usize, long: usize)
         .expect("a step with short and long sequences")
 }
 
-#[test]
-fn dynamic_cp_pools_match_cp1_on_the_default_corpus() {
-    use burn_dcp_suite::train::{plan_step, CpSizes, DynamicSettings};
+/// Ring cp 1 on the default corpus at 4 micro-batches of 1024 tokens, and the first step that
+/// holds short sequences (the tails of documents) beside long ones: most pieces of the default
+/// corpus fill a micro-batch.
+fn mixed_lengths_step() -> (TrainConfig, usize) {
     let mut base = config(1, 1, Strategy::Ring, Layout::Zigzag, "causal");
     base.corpus = "default".into();
     base.seq_len = 1024;
     base.micro_batches = 4;
-    // Most pieces of the default corpus fill a micro-batch: take the first step that also holds
-    // short sequences (the tails of documents).
     let data = TrainData::load(&base).unwrap();
     let step = step_with_short_and_long(&data, base.micro_batches, 1000);
+    (base, step)
+}
+
+#[test]
+fn dynamic_cp_pools_match_cp1_on_the_default_corpus() {
+    use burn_dcp_suite::train::{plan_step, CpSizes, DynamicSettings};
+    let (base, step) = mixed_lengths_step();
     let flex = burn::backend::flex::FlexDevice;
     let reference = step_on::<burn::backend::Flex>(&base, step, &flex);
     let mut mixed = false;
@@ -1143,3 +1150,6 @@ fn recompute_modes_train_exactly_and_communicate_one_forward_more() {
         }
     }
 }
+
+#[path = "training/precision.rs"]
+mod precision;

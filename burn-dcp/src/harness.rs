@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use burn::prelude::Tensor;
-use burn::tensor::TensorData;
+use burn::tensor::{DType, TensorData};
 use burn_dcp_kernels::{FlashOps, MaskSpec, VarlenAttention};
 
 use crate::comm::{Comm, CommStats, InProcessWorld, LinkEmulation, WorldConfig};
@@ -57,6 +57,9 @@ pub struct RunSpec {
     /// Virtual nodes the ranks are spread over (consecutive ranks share a node; must divide
     /// `cp`): bytes are counted per link class.
     pub nodes: usize,
+    /// The dtype q, k, v and dout are cast to on the device (f32, bf16 or f16; the LSE is f32
+    /// whatever it is); the results come back as f32 values.
+    pub dtype: DType,
 }
 
 /// A CP run: packed results, bytes each rank sent (forward, backward) and the slowest rank's times.
@@ -122,21 +125,33 @@ fn gather_rows(data: &[f32], width: usize, indices: &[usize]) -> Vec<f32> {
         .collect()
 }
 
-/// Single-device attention (the oracle of CP runs): the whole micro-batch on one device.
+/// Single-device attention (the oracle of CP runs): the whole micro-batch on one device, f32.
 pub fn run_single_device<B: FlashOps>(
     device: &B::Device,
     inputs: &PackedInputs,
     masks: &[MaskSpec],
     scale: Option<f64>,
 ) -> Result<PackedOutputs, CpError> {
+    run_single_device_in::<B>(device, inputs, masks, scale, DType::F32)
+}
+
+/// [`run_single_device`] with the inputs cast to `dtype` on the device.
+pub fn run_single_device_in<B: FlashOps>(
+    device: &B::Device,
+    inputs: &PackedInputs,
+    masks: &[MaskSpec],
+    scale: Option<f64>,
+    dtype: DType,
+) -> Result<PackedOutputs, CpError> {
     inputs.validate()?;
     let x = inputs;
     let t = x.tokens();
     let problem = VarlenAttention::packed(x.seq_lens.clone(), masks.to_vec()).with_scale(scale);
-    let q = tensor::<B, 3>(x.q.clone(), [t, x.heads, x.head_dim], device);
-    let k = tensor::<B, 3>(x.k.clone(), [t, x.kv_heads, x.head_dim], device);
-    let v = tensor::<B, 3>(x.v.clone(), [t, x.kv_heads, x.value_dim], device);
-    let dout = tensor::<B, 3>(x.dout.clone(), [t, x.heads, x.value_dim], device);
+    let tensor = |values: &[f32], dims| tensor::<B, 3>(values.to_vec(), dims, device).cast(dtype);
+    let q = tensor(&x.q, [t, x.heads, x.head_dim]);
+    let k = tensor(&x.k, [t, x.kv_heads, x.head_dim]);
+    let v = tensor(&x.v, [t, x.kv_heads, x.value_dim]);
+    let dout = tensor(&x.dout, [t, x.heads, x.value_dim]);
     let fwd = B::flash_forward(q.clone(), k.clone(), v.clone(), &problem)?;
     let grads = B::flash_backward(q, k, v, fwd.out.clone(), fwd.lse.clone(), dout, &problem)?;
     Ok(PackedOutputs {
@@ -188,7 +203,7 @@ pub fn run_context_parallel_with_links<B: FlashOps>(
     if let Some(links) = links {
         world.emulate_links(links)?;
     }
-    let results = world.run(|comm| run_rank::<B>(device, inputs, &batch, comm, spec.strategy));
+    let results = world.run(|comm| run_rank::<B>(device, inputs, &batch, comm, spec));
     if let Some(summary) = world.failure_summary(&results) {
         return Err(CpError::RunFailed(summary));
     }
@@ -213,7 +228,7 @@ pub fn run_context_parallel_on<B: FlashOps>(
         )));
     }
     let batch = prepare(inputs, spec)?;
-    let mine = run_rank::<B>(device, inputs, &batch, comm.clone(), spec.strategy)?;
+    let mine = run_rank::<B>(device, inputs, &batch, comm.clone(), spec)?;
     let stats = serde_json::to_vec(&comm.stats()).map_err(|e| CpError::Config(e.to_string()))?;
     let messages = |r: RankResult| {
         let floats = |v: Vec<f32>| {
@@ -314,8 +329,9 @@ fn run_rank<B: FlashOps>(
     x: &PackedInputs,
     batch: &CpBatch,
     comm: crate::comm::Comm,
-    strategy: Strategy,
+    spec: &RunSpec,
 ) -> Result<RankResult, CpError> {
+    let strategy = spec.strategy;
     let rank = comm.rank();
     let indices = batch.placement.packed_indices(rank);
     let n = indices.len();
@@ -325,6 +341,7 @@ fn run_rank<B: FlashOps>(
             [n, heads, dim],
             device,
         )
+        .cast(spec.dtype)
     };
     let (q, k, v) = (
         local(&x.q, x.heads, x.head_dim),

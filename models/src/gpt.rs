@@ -16,7 +16,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNor
 use burn::prelude::{Backend, Config, Int, Shape, Tensor, TensorData};
 use burn::tensor::activation::{gelu, log_softmax};
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::BasicOps;
+use burn::tensor::{BasicOps, FloatDType};
 use burn_dcp::heads::Heads;
 use burn_dcp::nn::grouped_attention;
 use rand::rngs::SmallRng;
@@ -220,14 +220,22 @@ impl<B: Backend> Rope<B> {
         }
     }
 
-    /// Rotates `x [1, heads, T, head_dim]` (half-split convention).
+    /// Rotates `x [1, heads, T, head_dim]` (half-split convention). The tables are computed in
+    /// f32 and rounded to `x`'s dtype (bf16 training rotates bf16 queries and keys).
     pub(crate) fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let [_, _, _, dim] = x.dims();
         let half = dim / 2;
+        let dtype = x.dtype();
+        let (cos, sin) = (self.cos.clone().cast(dtype), self.sin.clone().cast(dtype));
+        // Nothing to rotate on a rank without tokens (and burn-flex 0.21 narrows an empty bf16
+        // tensor into an empty f32 one).
+        if x.shape().num_elements() == 0 {
+            return x;
+        }
         let x1 = x.clone().narrow(3, 0, half);
         let x2 = x.narrow(3, half, half);
-        let rotated_1 = x1.clone() * self.cos.clone() - x2.clone() * self.sin.clone();
-        let rotated_2 = x1 * self.sin.clone() + x2 * self.cos.clone();
+        let rotated_1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
+        let rotated_2 = x1 * sin + x2 * cos;
         Tensor::cat(vec![rotated_1, rotated_2], 3)
     }
 }
@@ -311,7 +319,9 @@ impl<B: Backend> Gpt<B> {
         labels: Tensor<B, 1, Int>,
     ) -> Tensor<B, 1> {
         let count = tokens.dims()[0];
-        let log_probs = log_softmax(self.forward(tokens, positions), 1);
+        // The softmax and the loss in f32, whatever the model computes in.
+        let logits = self.forward(tokens, positions).cast(FloatDType::F32);
+        let log_probs = log_softmax(logits, 1);
         let valid = labels.clone().greater_equal_elem(0);
         let targets = reshape(labels.clamp_min(0), [count, 1]);
         let picked = reshape(log_probs.gather(1, targets), [count]);

@@ -23,6 +23,7 @@ use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::prelude::{Backend, Bool, Int, Tensor};
 use burn::tensor::activation::gelu;
 use burn::tensor::module::embedding;
+use burn::tensor::FloatDType;
 use burn_dcp::heads::{HeadParts, Heads};
 
 use crate::error::ModelError;
@@ -391,7 +392,8 @@ impl<B: Backend> TpGpt<B> {
         tp: &T,
     ) -> Result<Tensor<B, 1>, ModelError> {
         let count = x.dims()[1];
-        let logits = self.logits(x, tp)?;
+        // The softmax and the loss in f32, whatever the model computes in.
+        let logits = self.logits(x, tp)?.cast(FloatDType::F32);
         let local_vocab = logits.dims()[1];
         let max = tp.max(logits.clone().detach().max_dim(1))?;
         let sum_exp = tp.reduce((logits.clone() - max.clone()).exp().sum_dim(1))?;

@@ -70,6 +70,7 @@ pub fn spec(cp: usize, strategy: Strategy, layout: Layout, mask: &MaskSpec) -> R
         timeout: Duration::from_secs(60),
         blocks: None,
         nodes: 1,
+        dtype: burn::tensor::DType::F32,
     }
 }
 
@@ -106,4 +107,26 @@ pub fn token_rows<Bk: burn::tensor::backend::Backend>(
         burn::tensor::TensorData::new(rows, [indices.len(), heads, dim]),
         &Default::default(),
     )
+}
+
+/// `|got − want| ≤ atol + rtol·|want|` for every element of out, lse, dq, dk, dv (torch's
+/// `allclose`, as TransformerEngine's CP tests compare CP with one device).
+pub fn assert_allclose(got: &PackedOutputs, want: &PackedOutputs, tolerance: f32, what: &str) {
+    for (name, g, w) in [
+        ("out", &got.out, &want.out),
+        ("lse", &got.lse, &want.lse),
+        ("dq", &got.dq, &want.dq),
+        ("dk", &got.dk, &want.dk),
+        ("dv", &got.dv, &want.dv),
+    ] {
+        assert_eq!(g.len(), w.len(), "{what}: {name} lengths");
+        for (i, (a, b)) in g.iter().zip(w.iter()).enumerate() {
+            // Masked rows hold −∞ in lse on both sides.
+            let same = a == b || (a - b).abs() <= tolerance + tolerance * b.abs();
+            assert!(
+                same,
+                "{what}: {name}[{i}] {a} vs {b} beyond atol = rtol = {tolerance}"
+            );
+        }
+    }
 }

@@ -14,7 +14,7 @@ use crate::dynamic::DynamicSettings;
 use crate::error::TrainError;
 use crate::links::EmulatedLinks;
 use crate::model::ModelShape;
-pub use crate::settings::{AutoSettings, DcpSettings, PpSchedule, Recompute};
+pub use crate::settings::{AutoSettings, DcpSettings, PpSchedule, Precision, Recompute};
 
 /// Everything that defines a run (written to `config.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -88,6 +88,10 @@ pub struct TrainConfig {
     /// What the backward recomputes (`--recompute`): memory for compute, same results.
     #[serde(default)]
     pub recompute: Recompute,
+    /// The dtype the forward and backward compute in (`--precision`; the master weights stay
+    /// f32, see [`Precision`]).
+    #[serde(default)]
+    pub precision: Precision,
 }
 
 impl Default for TrainConfig {
@@ -123,6 +127,7 @@ impl Default for TrainConfig {
             auto: None,
             model_shape: None,
             recompute: Recompute::None,
+            precision: Precision::F32,
         }
     }
 }

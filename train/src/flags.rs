@@ -7,7 +7,9 @@ use std::path::Path;
 use burn_dcp::{Layout, Strategy, StrategyKind};
 
 use crate::checkpoint::read_json;
-use crate::config::{AutoSettings, DcpSettings, PpSchedule, Recompute, TrainConfig, MAX_SEQ_LEN};
+use crate::config::{
+    AutoSettings, DcpSettings, PpSchedule, Precision, Recompute, TrainConfig, MAX_SEQ_LEN,
+};
 use crate::dynamic::{CpSizes, DynamicSettings};
 use crate::error::TrainError;
 use crate::links::EmulatedLinks;
@@ -113,6 +115,9 @@ pub struct TrainFlags {
     /// What the backward recomputes instead of keeping it: none | attention (burn's BalancedCheckpointing: memory-bound activations and the CP attention's output, which communicates once more) | block (every transformer block from its input) [default: none]
     #[cfg_attr(feature = "cli", arg(long))]
     pub recompute: Option<String>,
+    /// The dtype the forward and backward compute in: f32 | bf16 | f16 (parameters, gradients, optimizer moments and checkpoints stay f32; attention accumulates in f32; CP messages travel in this dtype) [default: f32]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub precision: Option<String>,
     /// Timeout of every communication wait, seconds [default: 60]
     #[cfg_attr(feature = "cli", arg(long))]
     pub timeout_secs: Option<u64>,
@@ -306,6 +311,12 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
             .map(Recompute::parse)
             .transpose()?
             .unwrap_or_default(),
+        precision: args
+            .precision
+            .as_deref()
+            .map(Precision::parse)
+            .transpose()?
+            .unwrap_or_default(),
     })
     .and_then(|mut config| {
         if let Some((inner, settings)) = dynamic_settings(args, cp, config.seq_len)? {
@@ -386,6 +397,11 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
     // What the backward recomputes changes memory and time, not results: this run's flag decides.
     if args.recompute.is_some() {
         config.recompute = given.recompute;
+    }
+    // The master weights and the optimizer's moments are f32 whatever the precision: a resumed
+    // run may compute in another one (this run's flag decides).
+    if args.precision.is_some() {
+        config.precision = given.precision;
     }
     let saved_in = format!("(saved in {})", dir.display());
     let settings = |what: &str, given: String, saved: String| {

@@ -53,7 +53,7 @@ pub use checkpoint::{
 #[allow(deprecated)]
 pub use config::static_strategy_name;
 pub use config::{
-    AutoSettings, DcpSettings, PpSchedule, Recompute, TrainConfig, DEFAULT_PLAN_AHEAD,
+    AutoSettings, DcpSettings, PpSchedule, Precision, Recompute, TrainConfig, DEFAULT_PLAN_AHEAD,
     MAX_MICRO_BATCHES, MAX_PLAN_AHEAD, MAX_SEQ_LEN,
 };
 pub use data::{builtin_documents, TrainData};
@@ -64,7 +64,9 @@ pub use gradients::{all_reduce_grads, gradient_values, GRADIENT_BUCKET_BYTES};
 pub use groups::RankGroups;
 pub use links::EmulatedLinks;
 pub use metrics::{Progress, StepMetrics, StepObserver};
-pub use model::{CpTrain, InputRows, ModelShape, PipelineStage, ShardInput, TrainModel};
+pub use model::{
+    cast_model, CpTrain, InputRows, ModelShape, PipelineStage, ShardInput, TrainModel,
+};
 pub use plan::{AutoRecord, PlannedBatch, RankWork, ScheduleStats, StepPlan, StepSequences};
 pub use planning::{plan_auto, plan_input, plan_step, plan_step_predicted};
 pub use predict::Predictor;

@@ -324,3 +324,23 @@ impl<B: FlashOps, C: CheckpointStrategy> PipelineStage<CpTrain<B, C>> for TpGpt<
         Ok(TpGpt::loss_from_hidden(self, x, labels, tp)?)
     }
 }
+
+/// A copy of `model` whose float parameters are cast to `dtype` (same parameter ids): each is a
+/// differentiable cast of the original, so a backward through the copy brings the gradients to
+/// the original parameters in their own dtype (f32 master weights with a bf16 forward).
+pub fn cast_model<B: Backend, M: burn::module::Module<B>>(
+    model: M,
+    dtype: burn::tensor::FloatDType,
+) -> M {
+    struct CastParams(burn::tensor::FloatDType);
+    impl<B: Backend> burn::module::ModuleMapper<B> for CastParams {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<Tensor<B, D>>,
+        ) -> burn::module::Param<Tensor<B, D>> {
+            let dtype = self.0;
+            param.map(|tensor| tensor.cast(dtype))
+        }
+    }
+    model.map(&mut CastParams(dtype))
+}

@@ -32,9 +32,9 @@ use burn_dcp::{CpBatch, CpError, CpGroup};
 
 use burn_dcp::shard::RankShard;
 
-use crate::config::{PpSchedule, Recompute};
+use crate::config::{PpSchedule, Precision, Recompute};
 use crate::groups::RankGroups;
-use crate::model::{CpTrain, PipelineStage, ShardInput, TrainModel};
+use crate::model::{cast_model, CpTrain, PipelineStage, ShardInput, TrainModel};
 use crate::plan::{PlannedBatch, RankWork, StepSequences};
 
 /// Hidden states between pipeline stages (and, under `Recompute::Block`, between layers).
@@ -120,6 +120,8 @@ pub(super) struct StageRun<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel
     loss_sum: f64,
     in_flight: HashMap<usize, InFlight<B, C>>,
     recompute: Recompute,
+    /// The dtype each forward's copy of the model is cast to (`None`: f32, the model itself).
+    compute: Option<burn::tensor::FloatDType>,
     /// Sends not yet known to be complete: waited for at the end of the step ([`Self::finish`]),
     /// not right after posting, so that a stage never waits for its send while its peer waits
     /// for it (under a rendezvous transport such as MPI or NCCL, 1F1B's warm-up forward sends
@@ -135,6 +137,7 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         global_labels: usize,
         device: &'a B::Device,
         recompute: Recompute,
+        precision: Precision,
     ) -> Self {
         Self {
             model,
@@ -146,8 +149,16 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
             loss_sum: 0.0,
             in_flight: HashMap::new(),
             recompute,
+            compute: precision.compute_dtype(),
             sends: Vec::new(),
         }
+    }
+
+    /// The model a forward runs: under a low precision a fresh copy cast to it (every forward
+    /// its own: each backward consumes the casts' graph), whose gradients reach the f32
+    /// parameters of [`Self::model`] in f32; else `None` (the model itself).
+    fn cast_copy(&self, model: M) -> Option<M> {
+        self.compute.map(|dtype| cast_model(model, dtype))
     }
 
     /// Waits for this rank's sends; returns its accumulated gradients and its loss sum.
@@ -215,10 +226,9 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         })?;
         let group = self.groups.group(&planned.ranks, planned.strategy)?;
         let blocks = self.recompute == Recompute::Block;
-        let stage = self
-            .model
-            .stages()
-            .filter(|_| self.pp().size() > 1 || blocks);
+        let copy = self.cast_copy(self.model.clone());
+        let model: &M = copy.as_ref().unwrap_or(self.model);
+        let stage = model.stages().filter(|_| self.pp().size() > 1 || blocks);
         let kept_batch = blocks.then(|| batch.clone());
         let input = match stage {
             None => Some(ShardInput::new(
@@ -243,10 +253,7 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
                 (input, output, None)
             }
             (None, Some(input), _) => {
-                let loss = self
-                    .model
-                    .loss_sum(input, &self.groups.tp)
-                    .map_err(failed)?;
+                let loss = model.loss_sum(input, &self.groups.tp).map_err(failed)?;
                 self.loss_sum += loss.clone().into_scalar().to_f64();
                 (None, Output::Loss(loss), None)
             }
@@ -362,8 +369,9 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         if let Some(input) = input {
             let grad = match input.grad(&grads) {
                 Some(grad) => Payload::device(grad),
-                // An input no output depends on (no tokens): a zero gradient of its shape.
-                None => TensorData::zeros::<f32, _>(input.shape()).into(),
+                // An input no output depends on (no tokens): a zero gradient of its shape and
+                // dtype.
+                None => Payload::device(input.zeros_like().inner()),
             };
             self.sends.push(self.pp().isend(stage - 1, grad)?);
         }
@@ -392,6 +400,7 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         let mut x = x.detach();
         let positions = int_tensor(&shard.positions, self.device);
         let frozen = self.model.clone().no_grad();
+        let frozen = self.cast_copy(frozen.clone()).unwrap_or(frozen);
         let frozen = frozen
             .stages()
             .ok_or_else(|| failed("the model has no stages to recompute".into()))?;
@@ -431,8 +440,10 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
     ) -> Result<(), CpError> {
         let stage = self.pp().rank();
         let tp = &self.groups.tp;
-        let model = self
-            .model
+        let copy = self.cast_copy(self.model.clone());
+        let model = copy
+            .as_ref()
+            .unwrap_or(self.model)
             .stages()
             .ok_or_else(|| failed("the model has no stages to recompute".into()))?;
         let mut grad = match output {

@@ -20,7 +20,7 @@ use crate::checkpoint::{
     load_model, read_json, save_checkpoint, saved_checkpoint, Checkpoint, CheckpointFiles,
     Recorder_, TrainState,
 };
-use crate::config::{Recompute, TrainConfig};
+use crate::config::{Precision, Recompute, TrainConfig};
 use crate::data::TrainData;
 use crate::error::TrainError;
 use crate::groups::RankGroups;
@@ -130,6 +130,7 @@ impl Trainer<'_> {
     {
         let config = self.config;
         check_checkpoint_strategy::<C>(config.recompute)?;
+        check_precision::<B>(config.precision, device)?;
         // Every call times its waits (`comm_wait_ms`) and, in a trace, is a span.
         let world = burn_dcp::trace::TracedComm::wrap(world);
         let groups = RankGroups::new(world, config)?;
@@ -217,6 +218,28 @@ fn check_checkpoint_strategy<C: CheckpointStrategy>(
                 Recompute::Attention => "train it with Trainer::train_rank_checkpointed::<B, BalancedCheckpointing, _, _>",
                 _ => "train it with Trainer::train_rank",
             }
+        )));
+    }
+    Ok(())
+}
+
+/// The backend computes in `precision` on `device` (lavapipe, for one, has no bf16).
+fn check_precision<B: burn::prelude::Backend>(
+    precision: Precision,
+    device: &B::Device,
+) -> Result<(), TrainError> {
+    let dtype = precision.dtype();
+    if !B::supports_dtype(device, dtype) {
+        let supported: Vec<&str> = Precision::ALL
+            .into_iter()
+            .filter(|other| B::supports_dtype(device, other.dtype()))
+            .map(|other| other.name())
+            .collect();
+        return Err(TrainError::Config(format!(
+            "precision {precision}: the backend {} does not compute in {dtype:?} on this device; \
+             it supports --precision {}",
+            B::name(device),
+            supported.join(", ")
         )));
     }
     Ok(())

@@ -109,3 +109,66 @@ impl std::fmt::Display for Recompute {
         f.write_str(self.name())
     }
 }
+
+/// The dtype a run computes in (`--precision`). Whatever it is, the parameters, their
+/// gradients, the optimizer's moments and the checkpoints stay f32 (master weights); with `bf16`
+/// or `f16` every micro-batch's forward runs on a copy of the model cast to that dtype (one
+/// differentiable cast per parameter: its gradient comes back to the f32 parameter in f32), so
+/// activations, attention inputs and CP messages are in the low precision, while attention
+/// accumulates in f32 (LSE, softmax, partial results), and the loss's softmax runs in f32.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Precision {
+    pub const ALL: [Precision; 3] = [Precision::F32, Precision::Bf16, Precision::F16];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Self, TrainError> {
+        Self::ALL
+            .into_iter()
+            .find(|precision| precision.name() == name)
+            .ok_or_else(|| {
+                TrainError::Config(format!(
+                    "unknown precision '{name}': expected f32, bf16 or f16"
+                ))
+            })
+    }
+
+    /// The dtype of the forward's copy of the model: `None` for f32 (the master weights run as
+    /// they are).
+    pub fn compute_dtype(&self) -> Option<burn::tensor::FloatDType> {
+        match self {
+            Self::F32 => None,
+            Self::Bf16 => Some(burn::tensor::FloatDType::BF16),
+            Self::F16 => Some(burn::tensor::FloatDType::F16),
+        }
+    }
+
+    /// The element dtype of the activations and messages.
+    pub fn dtype(&self) -> burn::tensor::DType {
+        match self {
+            Self::F32 => burn::tensor::DType::F32,
+            Self::Bf16 => burn::tensor::DType::BF16,
+            Self::F16 => burn::tensor::DType::F16,
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}

@@ -88,6 +88,7 @@ pub fn step_gradients_planned<B: FlashOps, C: CheckpointStrategy, M: TrainModel<
         global_labels,
         device,
         config.recompute,
+        config.precision,
     );
     let passes = stage_passes(
         config.pp_schedule,

@@ -45,6 +45,7 @@ impl<B: TpInner> TensorParallel<ContextParallel<B>> for TpGroup {
         }
         let device = x.device();
         let shape = x.shape();
+        let dtype = x.dtype();
         let gathered = self
             .comm
             .all_gather(x.detach().into_data().convert::<f32>().into())
@@ -63,6 +64,10 @@ impl<B: TpInner> TensorParallel<ContextParallel<B>> for TpGroup {
                 }
             }
         }
-        Ok(Tensor::from_data(TensorData::new(max, shape), &device))
+        // In `x`'s dtype (the maxima are values of `x`: exact in it).
+        Ok(Tensor::from_data(
+            TensorData::new(max, shape),
+            (&device, dtype),
+        ))
     }
 }

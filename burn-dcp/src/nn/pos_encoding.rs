@@ -74,10 +74,12 @@ impl<B: Backend> PositionalEncoding<B> {
                 max_sequence_size >= seq_length,
                 "max_sequence_size({max_sequence_size}) must be greater or equal than length({seq_length})"
             );
+            let dtype = input.dtype();
             return input.add(
                 self.sinusoids
                     .clone()
-                    .slice([0..1, 0..seq_length, 0..d_model]),
+                    .slice([0..1, 0..seq_length, 0..d_model])
+                    .cast(dtype),
             );
         };
         if let Some(&last) = positions.iter().max() {
@@ -93,6 +95,8 @@ impl<B: Backend> PositionalEncoding<B> {
         );
         let table = exact_reshape(self.sinusoids.clone(), [max_sequence_size, d_model]);
         let picked = exact_reshape(table.select(0, positions), [batch, seq_length, d_model]);
-        input.add(picked)
+        // The table in the input's dtype (bf16 training adds it to bf16 embeddings).
+        let dtype = input.dtype();
+        input.add(picked.cast(dtype))
     }
 }

@@ -107,11 +107,12 @@ impl<B: Backend> RotaryEncoding<B> {
             burn::prelude::TensorData::new(positions, [batch * seq_len]),
             &device,
         );
-        let frequencies = self.freq_complex.clone().select(0, positions);
+        // The tables in `x`'s dtype (computed in the module's own, f32 unless cast).
+        let dtype = x.dtype();
+        let frequencies = self.freq_complex.clone().select(0, positions).cast(dtype);
         let frequencies = exact_reshape(frequencies, [batch, 1, seq_len, d_model, 2]);
         // Each pair (x₂ᵢ, x₂ᵢ₊₁) → (x₂ᵢ·cos − x₂ᵢ₊₁·sin, x₂ᵢ·sin + x₂ᵢ₊₁·cos), as burn-nn lays it out.
-        let signs =
-            Tensor::<B, 2>::from_floats([[1.0, 0.0, 0.0, 1.0], [0.0, -1.0, 1.0, 0.0]], &device);
+        let signs = pair_signs::<B>(&device, dtype);
         let pairs =
             exact_reshape(x, [batch, rest, seq_len, d_model / 2, 2]).matmul(signs.unsqueeze::<5>());
         let rotated = exact_reshape(pairs, [batch, rest, seq_len, d_model, 2]) * frequencies;
@@ -171,14 +172,22 @@ pub(crate) fn rotate_at<B: Backend, const D: usize>(
     let angles = exact_reshape(positions, [count, 1]) * exact_reshape(inverse, [1, half]);
     let cos = exact_reshape(angles.clone().cos(), [count, half, 1, 1]);
     let sin = exact_reshape(angles.sin(), [count, half, 1, 1]);
+    // The angles in f32, the tables rounded to `x`'s dtype.
+    let dtype = x.dtype();
     let table = exact_reshape(
-        Tensor::cat(vec![cos, sin], 3).repeat_dim(2, 2),
+        Tensor::cat(vec![cos, sin], 3).repeat_dim(2, 2).cast(dtype),
         [batch, 1, seq_len, dim, 2],
     );
-    let signs = Tensor::<B, 2>::from_floats([[1.0, 0.0, 0.0, 1.0], [0.0, -1.0, 1.0, 0.0]], &device);
+    let signs = pair_signs::<B>(&device, dtype);
     let pairs = exact_reshape(x, [batch, rest, seq_len, half, 2]).matmul(signs.unsqueeze::<5>());
     let rotated = exact_reshape(pairs, [batch, rest, seq_len, dim, 2]) * table;
     exact_reshape(rotated.sum_dim(4), shape)
+}
+
+/// The `[2, 4]` matrix that turns each pair `(a, b)` into `(a, −b, b, a)` (then multiplied by
+/// `(cos, sin, sin, cos)` and summed in pairs), in `dtype` (exact in every float dtype).
+fn pair_signs<B: Backend>(device: &B::Device, dtype: burn::tensor::DType) -> Tensor<B, 2> {
+    Tensor::<B, 2>::from_floats([[1.0, 0.0, 0.0, 1.0], [0.0, -1.0, 1.0, 0.0]], device).cast(dtype)
 }
 
 /// `[cos, sin]` of `position · θᵢ` for the positions of `range`: `[positions, d_model, 2]`, each

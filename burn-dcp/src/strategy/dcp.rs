@@ -31,7 +31,9 @@ use crate::error::CpError;
 use crate::heads::HeadParts;
 use crate::planner::cost::{Pass, Side};
 use crate::strategy::block_plan::{BlockId, BlockSchedule, Instruction};
-use crate::strategy::exchange::{cat_tokens, filled, narrow, split_sizes};
+use crate::strategy::exchange::{
+    accumulator_dtype, cat_tokens, filled, narrow, split_sizes, widened,
+};
 use crate::strategy::{BackwardInputs, CpBatch};
 
 /// Dims of a pass's tensors: query and kv heads, head dim, and the head units they are cut
@@ -546,7 +548,13 @@ impl<'a, B: FlashOps> Run<'a, B> {
         self.merge_output(key, partial)
     }
 
+    /// Merges a partial output into the unit's, kept in the accumulator dtype (f32 for half
+    /// inputs: one rounding, when the result is sent or returned).
     fn merge_output(&mut self, key: Key, partial: FlashOutput<B>) -> Result<(), CpError> {
+        let partial = FlashOutput {
+            out: widened(partial.out),
+            lse: partial.lse,
+        };
         let merged = match self.blocks.outputs.remove(&key) {
             Some(previous) => B::flash_merge(previous, partial)?,
             None => partial,
@@ -589,7 +597,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     .get(&key)
                     .ok_or_else(|| self.missing("the partial output", key))?;
                 Ok(vec![
-                    Payload::device(output.out.clone()),
+                    self.sent(output.out.clone()),
                     Payload::device(output.lse.clone()),
                 ])
             }
@@ -599,7 +607,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     .dq
                     .get(&key)
                     .ok_or_else(|| self.missing("the dq", key))?;
-                Ok(vec![Payload::device(dq.clone())])
+                Ok(vec![self.sent(dq.clone())])
             }
             (Side::KeyValue, _) => {
                 let (dk, dv) = self
@@ -608,7 +616,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     .get(&key)
                     .cloned()
                     .ok_or_else(|| self.missing("the dk/dv", key))?;
-                Ok(vec![Payload::device(dk), Payload::device(dv)])
+                Ok(vec![self.sent(dk), self.sent(dv)])
             }
         }
     }
@@ -651,7 +659,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     .outputs
                     .remove(&key)
                     .unwrap_or_else(|| self.empty_output(t));
-                vec![Payload::device(output.out), Payload::device(output.lse)]
+                vec![self.sent(output.out), Payload::device(output.lse)]
             }
             true => {
                 let dq = self.blocks.dq.remove(&key);
@@ -662,11 +670,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     .dkv
                     .remove(&key)
                     .unwrap_or_else(|| self.zero_kv(t));
-                vec![
-                    Payload::device(dq),
-                    Payload::device(dk),
-                    Payload::device(dv),
-                ]
+                vec![self.sent(dq), self.sent(dk), self.sent(dv)]
             }
         }
     }
@@ -682,14 +686,14 @@ impl<'a, B: FlashOps> Run<'a, B> {
         let mut parts = parts.into_iter();
         match backward {
             false => {
-                let out = self.take::<3>(&mut parts)?;
+                let out = widened(self.take::<3>(&mut parts)?);
                 let lse = self.take::<2>(&mut parts)?;
                 self.blocks.outputs.insert(key, FlashOutput { out, lse });
             }
             true => {
-                let dq = self.take::<3>(&mut parts)?;
-                let dk = self.take::<3>(&mut parts)?;
-                let dv = self.take::<3>(&mut parts)?;
+                let dq = widened(self.take::<3>(&mut parts)?);
+                let dk = widened(self.take::<3>(&mut parts)?);
+                let dv = widened(self.take::<3>(&mut parts)?);
                 self.blocks.dq.insert(key, dq);
                 self.blocks.dkv.insert(key, (dk, dv));
             }
@@ -697,9 +701,16 @@ impl<'a, B: FlashOps> Run<'a, B> {
         Ok(())
     }
 
+    /// Zeros in the accumulator dtype (the results' before they are sent or returned).
     fn zeros(&self, dims: [usize; 3]) -> Tensor<B, 3> {
-        let options = TensorCreationOptions::new(self.device.clone()).with_dtype(self.dtype);
+        let dtype = accumulator_dtype(self.dtype);
+        let options = TensorCreationOptions::new(self.device.clone()).with_dtype(dtype);
         filled(dims, 0.0, options)
+    }
+
+    /// An accumulated result as a message: in the inputs' dtype.
+    fn sent(&self, t: Tensor<B, 3>) -> Payload {
+        Payload::device(t.cast(self.dtype))
     }
 
     /// A unit's output of `t` tokens no tile read: `out` 0, `lse` −∞.
@@ -737,7 +748,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
         let options = TensorCreationOptions::new(self.device.clone()).with_dtype(DType::F32);
         lses.push(Tensor::empty([h.whole.heads(), 0], options));
         FlashOutput {
-            out: cat_tokens(outs, 0),
+            out: cat_tokens(outs, 0).cast(self.dtype),
             lse: cat_tokens(lses, 1),
         }
     }
@@ -780,14 +791,16 @@ impl<'a, B: FlashOps> Run<'a, B> {
         dks.push(self.zeros([0, h.whole.kv_heads(), h.dim]));
         dvs.push(self.zeros([0, h.whole.kv_heads(), h.dim]));
         FlashGradients {
-            dq: cat_tokens(dqs, 0),
-            dk: cat_tokens(dks, 0),
-            dv: cat_tokens(dvs, 0),
+            dq: cat_tokens(dqs, 0).cast(self.dtype),
+            dk: cat_tokens(dks, 0).cast(self.dtype),
+            dv: cat_tokens(dvs, 0).cast(self.dtype),
         }
     }
 }
 
+/// Adds `value` into the map's accumulator of `key` (kept in the accumulator dtype).
 fn add_into<B: FlashOps>(map: &mut HashMap<Key, Tensor<B, 3>>, key: Key, value: Tensor<B, 3>) {
+    let value = widened(value);
     let sum = match map.remove(&key) {
         Some(previous) => previous + value,
         None => value,
@@ -801,6 +814,7 @@ fn add_pair_into<B: FlashOps>(
     dk: Tensor<B, 3>,
     dv: Tensor<B, 3>,
 ) {
+    let (dk, dv) = (widened(dk), widened(dv));
     let sum = match map.remove(&key) {
         Some((k, v)) => (k + dk, v + dv),
         None => (dk, dv),

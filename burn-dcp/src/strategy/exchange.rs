@@ -109,7 +109,9 @@ pub fn split_sizes<B: Backend, const D: usize>(
         .collect()
 }
 
-/// `tensor.narrow(dim, start, size)`, also for `size == 0` (burn's narrow rejects empty ranges).
+/// `tensor.narrow(dim, start, size)`, also for `size == 0` (burn's narrow rejects empty ranges),
+/// in `tensor`'s dtype (burn-flex 0.21 narrows an empty bf16 or f16 tensor into an empty f32
+/// one: cast back, a no-op otherwise).
 pub fn narrow<B: Backend, const D: usize>(
     tensor: Tensor<B, D>,
     dim: usize,
@@ -117,7 +119,8 @@ pub fn narrow<B: Backend, const D: usize>(
     size: usize,
 ) -> Tensor<B, D> {
     if size > 0 {
-        return tensor.narrow(dim, start, size);
+        let dtype = tensor.dtype();
+        return tensor.narrow(dim, start, size).cast(dtype);
     }
     let mut dims = tensor.dims();
     dims[dim] = 0;
@@ -128,4 +131,20 @@ pub fn narrow<B: Backend, const D: usize>(
 /// The segments of several ranks, concatenated in rank order (the token order after a gather).
 pub fn concat_segments<'a>(lists: impl IntoIterator<Item = &'a [Segment]>) -> Vec<Segment> {
     lists.into_iter().flatten().copied().collect()
+}
+
+/// The dtype partial attention results are accumulated in for inputs of `dtype`: f32 for f16 and
+/// bf16 (ring's running merge, the dq/dk/dv sums of ring, DCP and Ulysses' replicated heads add
+/// in f32 and round once, when a result is sent or returned), the inputs' own otherwise.
+pub fn accumulator_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F16 | DType::BF16 => DType::F32,
+        other => other,
+    }
+}
+
+/// `t` in its [`accumulator_dtype`] (no op for f32 and f64).
+pub fn widened<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    let dtype = accumulator_dtype(t.dtype());
+    t.cast(dtype)
 }

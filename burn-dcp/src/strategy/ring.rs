@@ -22,7 +22,7 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment};
 
 use crate::comm::{Comm, Payload, PendingRecv, PendingSend};
 use crate::error::CpError;
-use crate::strategy::exchange::{checked_tensor, filled};
+use crate::strategy::exchange::{checked_tensor, filled, widened};
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv};
 
 /// A ring over `comm` whose member `p` holds the tokens `members[p]`.
@@ -144,6 +144,11 @@ impl RingPass<'_> {
             let problem = self.step_problem(self.owner(step));
             if problem.has_work() {
                 let part = B::flash_forward(q.clone(), k.clone(), v.clone(), &problem)?;
+                // The running merge in f32 for half inputs: one rounding of `out`, at the end.
+                let part = FlashOutput {
+                    out: widened(part.out),
+                    lse: part.lse,
+                };
                 merged = Some(match merged {
                     None => part,
                     Some(acc) => B::flash_merge(acc, part)?,
@@ -157,8 +162,13 @@ impl RingPass<'_> {
                 );
             }
         }
+        let dtype = q.dtype();
+        let merged = merged.map(|merged| FlashOutput {
+            out: merged.out.cast(dtype),
+            lse: merged.lse,
+        });
         Ok(merged.unwrap_or_else(|| FlashOutput {
-            out: filled([tokens, heads, value_dim], 0.0, (&device, q.dtype()).into()),
+            out: filled([tokens, heads, value_dim], 0.0, (&device, dtype).into()),
             lse: filled(
                 [heads, tokens],
                 f32::NEG_INFINITY,
@@ -172,9 +182,12 @@ impl RingPass<'_> {
         x: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         let device = x.q.device();
-        // Zeros without a launch where a rank holds no tokens (see `filled`).
+        // Zeros without a launch where a rank holds no tokens (see `filled`). dq accumulates here
+        // in f32 for half inputs; dk/dv travel the ring in the inputs' dtype (the messages) and
+        // each rank adds its part to them in f32.
         let zeros = |t: &Tensor<B, 3>| filled(t.dims(), 0.0, (&device, t.dtype()).into());
-        let mut dq = zeros(&x.q);
+        let dtype = x.q.dtype();
+        let mut dq = widened(zeros(&x.q));
         let (mut k, mut v) = (x.k.clone(), x.v.clone());
         let (mut dk, mut dv) = (zeros(&x.k), zeros(&x.v));
         for step in 0..self.comm.size() {
@@ -195,9 +208,9 @@ impl RingPass<'_> {
                     x.dout.clone(),
                     &problem,
                 )?;
-                dq = dq + part.dq;
-                dk = dk + part.dk;
-                dv = dv + part.dv;
+                dq = dq + widened(part.dq);
+                dk = (widened(dk) + widened(part.dk)).cast(dtype);
+                dv = (widened(dv) + widened(part.dv)).cast(dtype);
             }
             // The accumulators follow their block; after the last step they reach its owner.
             let grads_in_flight =
@@ -215,7 +228,11 @@ impl RingPass<'_> {
                 grads.next().expect("dv received"),
             );
         }
-        Ok(FlashGradients { dq, dk, dv })
+        Ok(FlashGradients {
+            dq: dq.cast(dtype),
+            dk,
+            dv,
+        })
     }
 }
 

@@ -19,7 +19,8 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput};
 use crate::comm::Comm;
 use crate::error::CpError;
 use crate::strategy::exchange::{
-    all_to_all, cat_tokens, concat_segments, filled, narrow, split_sizes,
+    accumulator_dtype, all_to_all, cat_tokens, concat_segments, filled, narrow, split_sizes,
+    widened,
 };
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv};
 
@@ -295,9 +296,12 @@ impl UlyssesStage<'_> {
         let tokens = self.member_tokens[self.me()];
         let device = pieces[0].device();
         let dims = [tokens, self.split.kv_heads, dim];
-        let mut grad = filled::<B, 3>(dims, 0.0, (&device, pieces[0].dtype()).into());
+        let dtype = pieces[0].dtype();
+        // Replicated heads add up in f32 for half inputs, rounded once at the end.
+        let wide = accumulator_dtype(dtype);
+        let mut grad = filled::<B, 3>(dims, 0.0, (&device, wide).into());
         if tokens == 0 {
-            return grad;
+            return grad.cast(dtype);
         }
         for (p, piece) in pieces.into_iter().enumerate() {
             let heads = self.split.kv_heads(p);
@@ -305,9 +309,9 @@ impl UlyssesStage<'_> {
             let indices = Tensor::<B, 1, Int>::from_data(indices.as_slice(), &device);
             // Add-update accumulates repeated indices (replicated heads) on every backend
             // that implements select_assign's Add, which burn's backends do sequentially.
-            grad = grad.select_assign(1, indices, piece, IndexingUpdateOp::Add);
+            grad = grad.select_assign(1, indices, widened(piece), IndexingUpdateOp::Add);
         }
-        grad
+        grad.cast(dtype)
     }
 
     /// Forward inputs to heads: `q [T_me, H, D]`, `k`/`v [T_me, K, D]` → the group's tokens on
