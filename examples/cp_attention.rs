@@ -777,7 +777,7 @@ fn print_text(summary: &serde_json::Value) {
 
 /// Reads a float tensor as f32 values with its shape.
 fn read_float(
-    file: &SafeTensors,
+    file: &SafeTensors<'_>,
     name: &str,
     path: &Path,
 ) -> Result<(Vec<f32>, Vec<usize>), String> {
@@ -808,7 +808,7 @@ fn read_float(
     Ok((values, shape))
 }
 
-fn read_cu_seqlens(file: &SafeTensors, path: &Path) -> Result<Vec<i64>, String> {
+fn read_cu_seqlens(file: &SafeTensors<'_>, path: &Path) -> Result<Vec<i64>, String> {
     let view = file.tensor("cu_seqlens").map_err(|e| {
         format!(
             "{}: tensor 'cu_seqlens' is missing or unreadable ({e})",

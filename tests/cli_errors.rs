@@ -442,7 +442,7 @@ fn mode2_inputs(path: &Path, t: usize, heads: usize, kv: usize, dim: usize, nan_
         .iter()
         .flat_map(|v| v.to_le_bytes())
         .collect();
-    let tensors: HashMap<String, TensorView> = [
+    let tensors: HashMap<String, TensorView<'_>> = [
         ("q", TensorView::new(Dtype::F32, vec![t, heads, dim], &q)),
         (
             "k",

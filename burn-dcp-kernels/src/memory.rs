@@ -124,35 +124,55 @@ fn whole(layout: Layout) -> Option<(usize, Layout)> {
 
 /// Writes the header (tag, requested size) just before `user`.
 ///
-/// SAFETY: `user` is at least 16 bytes into a block of this allocator, aligned to 16.
+/// # Safety
+/// `user` is `offset ≥ 16` bytes into a live block of this allocator, aligned to 16.
 unsafe fn write_header(user: *mut u8, tag: usize, size: usize) {
-    let header = user.sub(16) as *mut usize;
-    header.write(tag);
-    header.add(1).write(size);
+    // SAFETY: the 16 bytes before `user` lie in the block's header (the caller's contract), and
+    // they are aligned for two `usize`s (the block's alignment is at least 16).
+    unsafe {
+        let header = user.sub(16) as *mut usize;
+        header.write(tag);
+        header.add(1).write(size);
+    }
 }
 
-/// SAFETY: `user` was returned by this allocator and not freed.
+/// The header (tag, requested size) that [`write_header`] wrote before `user`.
+///
+/// # Safety
+/// `user` was returned by this allocator and not freed.
 unsafe fn read_header(user: *mut u8) -> (usize, usize) {
-    let header = user.sub(16) as *const usize;
-    (header.read(), header.add(1).read())
+    // SAFETY: every pointer this allocator returns has its header written just before it.
+    unsafe {
+        let header = user.sub(16) as *const usize;
+        (header.read(), header.add(1).read())
+    }
 }
 
+// SAFETY: every block comes from `System` with the layout `whole` gives, which the matching
+// `dealloc`/`realloc` recompute from the caller's layout; the pointers returned are `offset`
+// bytes into it, aligned to the caller's alignment (the offset is a multiple of it).
 unsafe impl GlobalAlloc for TrackingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        self.allocate(layout, false)
+        // SAFETY: `GlobalAlloc::alloc`'s contract is `allocate`'s.
+        unsafe { self.allocate(layout, false) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        self.allocate(layout, true)
+        // SAFETY: as `alloc`.
+        unsafe { self.allocate(layout, true) }
     }
 
     unsafe fn dealloc(&self, user: *mut u8, layout: Layout) {
         let Some((offset, block)) = whole(layout) else {
             return;
         };
-        let (tag, size) = read_header(user);
-        charge(tag, -(size as i64));
-        System.dealloc(user.sub(offset), block);
+        // SAFETY: `user` came from this allocator with `layout` (GlobalAlloc's contract), so its
+        // block starts `offset` bytes before it and has the layout `block`.
+        unsafe {
+            let (tag, size) = read_header(user);
+            charge(tag, -(size as i64));
+            System.dealloc(user.sub(offset), block);
+        }
     }
 
     unsafe fn realloc(&self, user: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -162,26 +182,35 @@ unsafe impl GlobalAlloc for TrackingAllocator {
         let Some(grown) = new_size.checked_add(offset) else {
             return std::ptr::null_mut();
         };
-        let (tag, size) = read_header(user);
-        let base = System.realloc(user.sub(offset), block, grown);
-        if base.is_null() {
-            return base;
+        // SAFETY: as `dealloc` for the old block; the new one keeps the alignment and the offset,
+        // so its header goes where `read_header` will look for it.
+        unsafe {
+            let (tag, size) = read_header(user);
+            let base = System.realloc(user.sub(offset), block, grown);
+            if base.is_null() {
+                return base;
+            }
+            let user = base.add(offset);
+            write_header(user, tag, new_size);
+            charge(tag, new_size as i64 - size as i64);
+            user
         }
-        let user = base.add(offset);
-        write_header(user, tag, new_size);
-        charge(tag, new_size as i64 - size as i64);
-        user
     }
 }
 
 impl TrackingAllocator {
+    /// # Safety
+    /// `GlobalAlloc::alloc`'s: `layout` has a non-zero size.
     unsafe fn allocate(&self, layout: Layout, zeroed: bool) -> *mut u8 {
         let Some((offset, block)) = whole(layout) else {
             return std::ptr::null_mut();
         };
-        let base = match zeroed {
-            true => System.alloc_zeroed(block),
-            false => System.alloc(block),
+        // SAFETY: `block` has a non-zero size (the header's offset alone is 16 bytes).
+        let base = unsafe {
+            match zeroed {
+                true => System.alloc_zeroed(block),
+                false => System.alloc(block),
+            }
         };
         if base.is_null() {
             return base;
@@ -190,10 +219,13 @@ impl TrackingAllocator {
             INSTALLED.store(true, Ordering::Relaxed);
         }
         let tag = TAG.try_with(Cell::get).unwrap_or(NO_TAG);
-        let user = base.add(offset);
-        write_header(user, tag, layout.size());
-        charge(tag, layout.size() as i64);
-        user
+        // SAFETY: `offset < block.size()`, and `user` is `offset ≥ 16` bytes into the block.
+        unsafe {
+            let user = base.add(offset);
+            write_header(user, tag, layout.size());
+            charge(tag, layout.size() as i64);
+            user
+        }
     }
 }
 
@@ -209,6 +241,7 @@ mod tests {
         let tag = MAX_TAGS - 1;
         let _guard = TagGuard::set(Some(tag));
         assert_eq!(super::tag(), Some(tag));
+        // SAFETY: every pointer goes back to the allocator with the layout it came with.
         unsafe {
             let a = allocator.alloc(layout);
             let b = allocator.alloc_zeroed(wide);

@@ -176,9 +176,9 @@ impl<'a> Operand<'a> {
 /// the dtype.
 pub fn check_forward(
     limits: &KernelLimits,
-    q: Operand,
-    k: Operand,
-    v: Operand,
+    q: Operand<'_>,
+    k: Operand<'_>,
+    v: Operand<'_>,
     problem: &VarlenAttention,
 ) -> Result<(AttentionShape, DType), KernelError> {
     let dtype = common_float_dtype(&[("q", q.dtype), ("k", k.dtype), ("v", v.dtype)])?;
@@ -194,12 +194,12 @@ pub fn check_forward(
 #[allow(clippy::too_many_arguments)]
 pub fn check_backward(
     limits: &KernelLimits,
-    q: Operand,
-    k: Operand,
-    v: Operand,
-    out: Operand,
-    lse: Operand,
-    dout: Operand,
+    q: Operand<'_>,
+    k: Operand<'_>,
+    v: Operand<'_>,
+    out: Operand<'_>,
+    lse: Operand<'_>,
+    dout: Operand<'_>,
     problem: &VarlenAttention,
 ) -> Result<(AttentionShape, DType), KernelError> {
     let (shape, dtype) = check_forward(limits, q, k, v, problem)?;
@@ -213,10 +213,10 @@ pub fn check_backward(
 /// on the value dim. Returns the outputs' dtype.
 pub fn check_merge(
     limits: &KernelLimits,
-    out_a: Operand,
-    lse_a: Operand,
-    out_b: Operand,
-    lse_b: Operand,
+    out_a: Operand<'_>,
+    lse_a: Operand<'_>,
+    out_b: Operand<'_>,
+    lse_b: Operand<'_>,
 ) -> Result<DType, KernelError> {
     let dtype = common_float_dtype(&[("out a", out_a.dtype), ("out b", out_b.dtype)])?;
     limits.check_dtype(dtype)?;

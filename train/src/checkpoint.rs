@@ -174,7 +174,7 @@ pub(crate) struct Checkpoint<'a, M, O> {
 /// at any point leaves a complete checkpoint (the old or the new) behind.
 pub(crate) fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optimizer<M, B>>(
     groups: &RankGroups,
-    saved: &Checkpoint<M, O>,
+    saved: &Checkpoint<'_, M, O>,
 ) -> Result<(), TrainError> {
     let world = &groups.mesh.world;
     // The shard this rank owns, as (file name, bytes) pairs.

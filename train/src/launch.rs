@@ -254,11 +254,11 @@ struct StderrLogger;
 static STDERR_LOGGER: StderrLogger = StderrLogger;
 
 impl log::Log for StderrLogger {
-    fn enabled(&self, metadata: &log::Metadata) -> bool {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
         metadata.level() <= log::max_level()
     }
 
-    fn log(&self, record: &log::Record) {
+    fn log(&self, record: &log::Record<'_>) {
         if !self.enabled(record.metadata()) {
             return;
         }

@@ -111,7 +111,7 @@ pub struct RankWork {
 impl PlannedBatch {
     /// World rank `rank`'s shard of this batch: its sequences gathered from the step's
     /// micro-batches, cut by the placement (`rank` must be one of [`Self::ranks`]).
-    pub fn shard(&self, sequences: &StepSequences, rank: usize) -> Result<RankWork, CpError> {
+    pub fn shard(&self, sequences: &StepSequences<'_>, rank: usize) -> Result<RankWork, CpError> {
         if !self.ranks.contains(&rank) {
             return Err(CpError::Config(format!(
                 "world rank {rank} is not in this batch's CP group (world ranks {:?})",
@@ -214,7 +214,7 @@ impl StepPlan {
 }
 
 /// Work estimate of every sequence of the step.
-pub fn sequence_works(sequences: &StepSequences, model: &ModelShape) -> Vec<f64> {
+pub fn sequence_works(sequences: &StepSequences<'_>, model: &ModelShape) -> Vec<f64> {
     let lengths = sequences.lengths();
     (0..lengths.len())
         .map(|s| sequence_work(lengths[s], sequences.mask(s), model))
@@ -224,7 +224,7 @@ pub fn sequence_works(sequences: &StepSequences, model: &ModelShape) -> Vec<f64>
 /// Static CP: micro-batch `i` on replica `i mod dp` (of `cp` ranks), sub-step `⌊i / dp⌋`, placed
 /// by `layout`, run by `strategy`.
 pub fn plan_static(
-    sequences: &StepSequences,
+    sequences: &StepSequences<'_>,
     cp: usize,
     dp: usize,
     strategy: Strategy,
@@ -251,7 +251,7 @@ pub fn plan_static(
 /// Dynamic CP: every group of every sub-step of the scheduler's plan for a pool of `pool` ranks,
 /// each placed by `layout` over its group and run by `inner` (sized to the group).
 pub fn plan_dynamic(
-    sequences: &StepSequences,
+    sequences: &StepSequences<'_>,
     works: &[f64],
     settings: &DynamicSettings,
     pool: usize,

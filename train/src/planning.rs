@@ -27,7 +27,7 @@ use crate::predict::Predictor;
 /// runs), the group's topology, and DCP's block, stages and seed.
 pub fn plan_input(
     batch: &PlannedBatch,
-    sequences: &StepSequences,
+    sequences: &StepSequences<'_>,
     config: &TrainConfig,
     model: &ModelShape,
 ) -> Result<PlanInput, CpError> {
@@ -73,7 +73,7 @@ pub fn plan_input(
 /// together) for the group's topology; the plan's homes become the placement.
 pub(crate) fn plan_blocks(
     batch: &mut PlannedBatch,
-    sequences: &StepSequences,
+    sequences: &StepSequences<'_>,
     config: &TrainConfig,
     model: &ModelShape,
 ) -> Result<(), CpError> {
@@ -97,7 +97,7 @@ pub(crate) fn run_blocks(
 /// Strategy auto: each micro-batch of the static split runs the candidate with the lowest
 /// estimated attention time; returns the planned batches and every micro-batch's choice.
 pub fn plan_auto(
-    sequences: &StepSequences,
+    sequences: &StepSequences<'_>,
     config: &TrainConfig,
     candidates: &[StrategyKind],
     model: &ModelShape,

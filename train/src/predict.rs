@@ -59,7 +59,7 @@ impl Predictor {
     pub fn step_ms(
         &self,
         plan: &StepPlan,
-        sequences: &StepSequences,
+        sequences: &StepSequences<'_>,
         config: &TrainConfig,
         model: &ModelShape,
     ) -> Result<Option<f64>, CpError> {
@@ -98,7 +98,7 @@ impl Predictor {
     fn batch_ms(
         &self,
         batch: &PlannedBatch,
-        sequences: &StepSequences,
+        sequences: &StepSequences<'_>,
         config: &TrainConfig,
         model: &ModelShape,
     ) -> Result<Option<f64>, CpError> {

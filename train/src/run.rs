@@ -106,7 +106,7 @@ impl Trainer<'_> {
     where
         B: FlashOps,
         M: TrainModel<CpTrain<B>>,
-        F: FnOnce(&ModelInit<B>) -> Result<M, TrainError>,
+        F: FnOnce(&ModelInit<'_, B>) -> Result<M, TrainError>,
     {
         self.train_rank_checkpointed::<B, NoCheckpointing, M, F>(world, device, init)
     }
@@ -126,7 +126,7 @@ impl Trainer<'_> {
         B: FlashOps,
         C: CheckpointStrategy,
         M: TrainModel<CpTrain<B, C>>,
-        F: FnOnce(&ModelInit<B>) -> Result<M, TrainError>,
+        F: FnOnce(&ModelInit<'_, B>) -> Result<M, TrainError>,
     {
         let config = self.config;
         check_checkpoint_strategy::<C>(config.recompute)?;

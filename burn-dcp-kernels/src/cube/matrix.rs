@@ -125,6 +125,7 @@ pub fn scores<F: Float>(
 ) {
     if tensor_cores {
         let stride = comptime!(dim as u32);
+        // SAFETY: filled by `cmma::load` before any read.
         let a = unsafe {
             cmma::Matrix::<F>::uninitialized(
                 cmma::MatrixIdent::A,
@@ -134,6 +135,7 @@ pub fn scores<F: Float>(
                 cmma::MatrixLayout::RowMajor,
             )
         };
+        // SAFETY: filled by `cmma::load` before any read.
         let b = unsafe {
             cmma::Matrix::<F>::uninitialized(
                 cmma::MatrixIdent::B,
@@ -231,6 +233,7 @@ pub fn add_probabilities_times_values<F: Float>(
             &p_tile.slice(p_at, p_at + TILE * TILE),
             comptime!(TILE as u32),
         );
+        // SAFETY: filled by `cmma::load` before any read.
         let b = unsafe {
             cmma::Matrix::<F>::uninitialized(
                 cmma::MatrixIdent::B,
@@ -240,6 +243,7 @@ pub fn add_probabilities_times_values<F: Float>(
                 cmma::MatrixLayout::RowMajor,
             )
         };
+        // SAFETY: filled by `cmma::load` before any read.
         let c = unsafe {
             cmma::Matrix::<f32>::uninitialized(
                 cmma::MatrixIdent::Accumulator,

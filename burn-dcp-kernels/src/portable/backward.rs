@@ -57,7 +57,7 @@ pub(super) struct Inputs<'a> {
 
 /// Gradients, token-major: `(dq [q_tokens, heads, head_dim], dk [kv_tokens, kv_heads, head_dim],
 /// dv [kv_tokens, kv_heads, value_dim])`.
-pub(super) fn tiled(x: Inputs) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+pub(super) fn tiled(x: Inputs<'_>) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let s = x.shape;
     let group = s.group_size();
     let blocks = query_blocks(x.problem, block_tokens(group));
@@ -131,7 +131,7 @@ struct NonFinite {
 }
 
 impl NonFinite {
-    fn of(x: &Inputs) -> Self {
+    fn of(x: &Inputs<'_>) -> Self {
         let s = x.shape;
         Self {
             k: nonfinite_prefix(x.k, s.kv_tokens, s.kv_heads, s.head_dim),
@@ -155,7 +155,7 @@ struct PartGradients {
 }
 
 fn part_backward(
-    x: &Inputs,
+    x: &Inputs<'_>,
     nonfinite: &NonFinite,
     kv: usize,
     blocks: &[Range<usize>],
@@ -172,7 +172,7 @@ fn part_backward(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn part_backward_avx2(
-    x: &Inputs,
+    x: &Inputs<'_>,
     nonfinite: &NonFinite,
     kv: usize,
     blocks: &[Range<usize>],
@@ -182,7 +182,7 @@ unsafe fn part_backward_avx2(
 
 #[inline(always)]
 fn part_backward_any(
-    x: &Inputs,
+    x: &Inputs<'_>,
     nonfinite: &NonFinite,
     kv: usize,
     blocks: &[Range<usize>],
@@ -223,7 +223,7 @@ struct Rows {
     finite: bool,
 }
 
-fn block_rows(x: &Inputs, kv: usize, block: &Range<usize>, spans: &[&[Range<usize>]]) -> Rows {
+fn block_rows(x: &Inputs<'_>, kv: usize, block: &Range<usize>, spans: &[&[Range<usize>]]) -> Rows {
     let s = x.shape;
     let (group, d, dv) = (s.group_size(), s.head_dim, s.value_dim);
     let rows = block.len() * group;
@@ -266,7 +266,7 @@ fn block_rows(x: &Inputs, kv: usize, block: &Range<usize>, spans: &[&[Range<usiz
 /// One key/value head × one query block: returns the block's `dq` rows and adds its `dk`, `dv`
 /// into the part's.
 fn block_backward(
-    x: &Inputs,
+    x: &Inputs<'_>,
     nonfinite: &NonFinite,
     kv: usize,
     block: Range<usize>,
@@ -358,7 +358,7 @@ fn block_backward(
 /// A tile computed pair by pair over its allowed pairs only (non-finite values somewhere in it),
 /// with the per-query loop's arithmetic.
 fn pairwise_tile(
-    x: &Inputs,
+    x: &Inputs<'_>,
     kv: usize,
     side: &Rows,
     keys: &Range<usize>,

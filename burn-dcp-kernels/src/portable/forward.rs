@@ -71,7 +71,7 @@ pub(super) fn query_blocks(problem: &VarlenAttention, size: usize) -> Vec<Range<
 }
 
 /// Forward attention: `(out [q_tokens, heads, value_dim], lse [heads, q_tokens])`.
-pub(super) fn tiled(x: Inputs) -> (Vec<f32>, Vec<f32>) {
+pub(super) fn tiled(x: Inputs<'_>) -> (Vec<f32>, Vec<f32>) {
     let s = x.shape;
     let group = s.group_size();
     let blocks = query_blocks(x.problem, block_tokens(group));
@@ -204,7 +204,7 @@ pub(super) fn classify(
 /// One key/value head × one query block: the block's rows, ordered (token, head of the group),
 /// as `(out [tokens · group, value_dim], lse [tokens · group])`.
 fn block_forward(
-    x: &Inputs,
+    x: &Inputs<'_>,
     nonfinite_v: &[u32],
     kv: usize,
     block: Range<usize>,
@@ -221,7 +221,7 @@ fn block_forward(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn block_forward_avx2(
-    x: &Inputs,
+    x: &Inputs<'_>,
     nonfinite_v: &[u32],
     kv: usize,
     block: Range<usize>,
@@ -231,7 +231,7 @@ unsafe fn block_forward_avx2(
 
 #[inline(always)]
 fn block_forward_any(
-    x: &Inputs,
+    x: &Inputs<'_>,
     nonfinite_v: &[u32],
     kv: usize,
     block: Range<usize>,
@@ -495,7 +495,13 @@ impl<'a> Strided<'a> {
 
 /// `dst [m, n]` (row-major, contiguous) `← (dst if accumulate) + alpha · lhs [m, k] · rhs [k, n]`,
 /// single-threaded (the callers already run one task per core).
-pub(super) fn matmul(dst: &mut [f32], lhs: Strided, rhs: Strided, alpha: f32, accumulate: bool) {
+pub(super) fn matmul(
+    dst: &mut [f32],
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    alpha: f32,
+    accumulate: bool,
+) {
     let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
     assert!(
         rhs.rows == k && dst.len() >= m * n && lhs.in_bounds() && rhs.in_bounds(),

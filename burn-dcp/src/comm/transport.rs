@@ -177,7 +177,7 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug + 'static {
         &self,
         peer: usize,
         data: Payload,
-        traffic: Traffic,
+        traffic: Traffic<'_>,
     ) -> Result<PendingSend, CommError>;
 
     /// Posts a receive of the next message from group rank `peer` on `channel`.

@@ -188,7 +188,7 @@ enum Choice {
 }
 
 /// Rule 4: the sub-step's groups (not yet widened) and the sequences left for later.
-fn place(pending: &[usize], batch: &Batch) -> (Vec<DraftGroup>, Vec<usize>) {
+fn place(pending: &[usize], batch: &Batch<'_>) -> (Vec<DraftGroup>, Vec<usize>) {
     let pool = batch.config.world;
     let mut groups: Vec<DraftGroup> = Vec::new();
     let mut left = Vec::new();
@@ -229,7 +229,7 @@ fn place(pending: &[usize], batch: &Batch) -> (Vec<DraftGroup>, Vec<usize>) {
 }
 
 /// `group` at `size`: its per-rank token bound recomputed.
-fn resized(group: &DraftGroup, size: usize, batch: &Batch) -> DraftGroup {
+fn resized(group: &DraftGroup, size: usize, batch: &Batch<'_>) -> DraftGroup {
     DraftGroup {
         size,
         sequences: group.sequences.clone(),
@@ -246,7 +246,7 @@ fn next_fitting_size(
     group: &DraftGroup,
     sizes: &[usize],
     room: usize,
-    batch: &Batch,
+    batch: &Batch<'_>,
 ) -> Option<usize> {
     sizes
         .iter()
@@ -257,7 +257,7 @@ fn next_fitting_size(
 
 /// Widens the most loaded group that can grow within the pool and the budget; `false` when none
 /// can.
-fn widen_once(groups: &mut [DraftGroup], sizes: &[usize], batch: &Batch) -> bool {
+fn widen_once(groups: &mut [DraftGroup], sizes: &[usize], batch: &Batch<'_>) -> bool {
     let used: usize = groups.iter().map(|g| g.size).sum();
     let pool = batch.config.world;
     let candidate = (0..groups.len())
@@ -279,7 +279,7 @@ fn widen_once(groups: &mut [DraftGroup], sizes: &[usize], batch: &Batch) -> bool
 }
 
 /// One group of every sequence of the sub-step on the whole pool, if it fits the budget.
-fn whole_pool(groups: &[DraftGroup], batch: &Batch) -> Option<DraftGroup> {
+fn whole_pool(groups: &[DraftGroup], batch: &Batch<'_>) -> Option<DraftGroup> {
     let mut sequences: Vec<usize> = groups.iter().flat_map(|g| g.sequences.clone()).collect();
     sequences.sort_by_key(|&s| (std::cmp::Reverse(batch.lengths[s]), s));
     let merged = DraftGroup {
@@ -295,7 +295,7 @@ fn whole_pool(groups: &[DraftGroup], batch: &Batch) -> Option<DraftGroup> {
 /// Rule 5: widen groups until every rank of the pool is in one — within the budget, which wins:
 /// where no group can take the remaining ranks without a rank over the budget (the zigzag
 /// layout's non-monotone shares), they stay idle for the sub-step.
-fn fill_idle_ranks(mut groups: Vec<DraftGroup>, batch: &Batch) -> Vec<DraftGroup> {
+fn fill_idle_ranks(mut groups: Vec<DraftGroup>, batch: &Batch<'_>) -> Vec<DraftGroup> {
     let sizes = batch.config.sizes();
     while widen_once(&mut groups, &sizes, batch) {}
     let used: usize = groups.iter().map(|g| g.size).sum();

@@ -32,7 +32,7 @@ impl AllGatherKv {
 impl AttentionStrategy for AllGatherKv {
     fn forward<B: FlashOps>(
         &self,
-        CpCall { group, batch }: CpCall,
+        CpCall { group, batch }: CpCall<'_>,
         [q, k, v]: Qkv<B>,
     ) -> Result<FlashOutput<B>, CpError> {
         let (k, v) = (
@@ -44,7 +44,7 @@ impl AttentionStrategy for AllGatherKv {
 
     fn backward<B: FlashOps>(
         &self,
-        CpCall { group, batch }: CpCall,
+        CpCall { group, batch }: CpCall<'_>,
         x: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         let device = x.q.device();

@@ -20,11 +20,15 @@ pub type Qkv<B> = [Tensor<B, 3>; 3];
 
 /// A CP attention algorithm: forward and backward over this rank's shard.
 pub trait AttentionStrategy {
-    fn forward<B: FlashOps>(&self, call: CpCall, qkv: Qkv<B>) -> Result<FlashOutput<B>, CpError>;
+    fn forward<B: FlashOps>(
+        &self,
+        call: CpCall<'_>,
+        qkv: Qkv<B>,
+    ) -> Result<FlashOutput<B>, CpError>;
 
     fn backward<B: FlashOps>(
         &self,
-        call: CpCall,
+        call: CpCall<'_>,
         inputs: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError>;
 }

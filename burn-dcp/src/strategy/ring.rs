@@ -252,7 +252,7 @@ impl Ring {
 impl AttentionStrategy for Ring {
     fn forward<B: FlashOps>(
         &self,
-        CpCall { group, batch }: CpCall,
+        CpCall { group, batch }: CpCall<'_>,
         [q, k, v]: Qkv<B>,
     ) -> Result<FlashOutput<B>, CpError> {
         Self::pass(group, batch).forward(q, k, v)
@@ -260,7 +260,7 @@ impl AttentionStrategy for Ring {
 
     fn backward<B: FlashOps>(
         &self,
-        CpCall { group, batch }: CpCall,
+        CpCall { group, batch }: CpCall<'_>,
         inputs: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         Self::pass(group, batch).backward(inputs)

@@ -417,7 +417,7 @@ impl Ulysses {
 impl AttentionStrategy for Ulysses {
     fn forward<B: FlashOps>(
         &self,
-        CpCall { group, batch }: CpCall,
+        CpCall { group, batch }: CpCall<'_>,
         qkv: Qkv<B>,
     ) -> Result<FlashOutput<B>, CpError> {
         let stage = Self::stage(group, batch, qkv[0].dims()[1], qkv[1].dims()[1]);
@@ -427,7 +427,7 @@ impl AttentionStrategy for Ulysses {
 
     fn backward<B: FlashOps>(
         &self,
-        CpCall { group, batch }: CpCall,
+        CpCall { group, batch }: CpCall<'_>,
         x: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         let stage = Self::stage(group, batch, x.q.dims()[1], x.k.dims()[1]);

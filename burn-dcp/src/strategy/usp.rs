@@ -79,7 +79,7 @@ impl Usp {
 impl AttentionStrategy for Usp {
     fn forward<B: FlashOps>(
         &self,
-        CpCall { group, batch }: CpCall,
+        CpCall { group, batch }: CpCall<'_>,
         [q, k, v]: Qkv<B>,
     ) -> Result<FlashOutput<B>, CpError> {
         let Mesh { stage, ring } = Self::mesh(group, batch, q.dims()[1], k.dims()[1])?;
@@ -89,7 +89,7 @@ impl AttentionStrategy for Usp {
 
     fn backward<B: FlashOps>(
         &self,
-        CpCall { group, batch }: CpCall,
+        CpCall { group, batch }: CpCall<'_>,
         x: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
         let Mesh { stage, ring } = Self::mesh(group, batch, x.q.dims()[1], x.k.dims()[1])?;

@@ -115,7 +115,7 @@ pub fn write_rows<F: Float>(
     }
 }
 
-/// [`scores`] of one row tile whose A fragments are in registers.
+/// [`scores()`] of one row tile whose A fragments are in registers.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn scores_in_registers<F: Float>(

@@ -13,7 +13,7 @@
 //! | C (row m, col n) | 2 | row `g + 8v`, cols `2t` and the next |
 //!
 //! The C layout of two adjacent `n = 8` tiles is the A layout of one `k = 16` tile, so scores
-//! become the next product's A operand in registers ([`accumulators_as_a`]).
+//! become the next product's A operand in registers ([`accumulators_as_a()`]).
 //!
 //! Every piece has two bodies chosen at compile time. With `tensor_cores` (CUDA, sm_80+):
 //! `ldmatrix` loads and `mma.sync`. Without: the same fragments loaded element by element by the
@@ -149,7 +149,7 @@ pub fn zero_accumulators(#[comptime] len: usize) -> Array<Pair<f32>> {
     c
 }
 
-/// `C_h += A · B_h` for both B fragments `h` of a [`load_b_pair`] result: `A` is pairs
+/// `C_h += A · B_h` for both B fragments `h` of a [`load_b_pair()`] result: `A` is pairs
 /// `a_at..a_at + 4` of `a`, `C_0` pairs `c_at..c_at + 2` of `c` and `C_1` the next two.
 /// `scratch` is the plane's [`PRODUCT_SCRATCH`] elements at `scratch_at` (unused with tensor
 /// cores). Every unit of the cube calls it together (the scratch form synchronises the cube).
@@ -269,7 +269,7 @@ pub fn row_max(
     }
 }
 
-/// The sum of `value` over the four lanes of the row; as [`row_max`].
+/// The sum of `value` over the four lanes of the row; as [`row_max()`].
 #[cube]
 pub fn row_sum(
     value: f32,

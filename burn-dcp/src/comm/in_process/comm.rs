@@ -127,7 +127,7 @@ impl Transport for InProcessComm {
         &self,
         peer: usize,
         data: Payload,
-        traffic: Traffic,
+        traffic: Traffic<'_>,
     ) -> Result<PendingSend, CommError> {
         let Traffic {
             channel,

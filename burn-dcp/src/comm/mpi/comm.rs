@@ -82,7 +82,7 @@ impl Transport for MpiComm {
         &self,
         peer: usize,
         data: Payload,
-        traffic: Traffic,
+        traffic: Traffic<'_>,
     ) -> Result<PendingSend, CommError> {
         let Traffic {
             channel,
@@ -102,6 +102,7 @@ impl Transport for MpiComm {
                 c_int::MAX
             ))
         })?;
+        // SAFETY: reads a constant the MPI bindings define.
         let mut request: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
         let code = {
             let _mpi = mpi_lock();
@@ -179,6 +180,7 @@ impl Transport for MpiComm {
         // Everyone arrives (with a deadline) before the blocking MPI_Comm_split.
         let group = agree_split(self, color, key, label)?;
         self.begin("split")?;
+        // SAFETY: reads a constant the MPI bindings define.
         let mut comm: ffi::MPI_Comm = unsafe { ffi::RSMPI_COMM_NULL };
         let code = {
             let _mpi = mpi_lock();

@@ -40,6 +40,7 @@ pub(super) struct RawComm(pub(super) ffi::MPI_Comm);
 // SAFETY: the handle is only passed to MPI calls made under `MPI_LOCK`, with the library
 // initialised for at least `MPI_THREAD_SERIALIZED`.
 unsafe impl Send for RawComm {}
+// SAFETY: as `Send`: shared references only hand the handle to calls under `MPI_LOCK`.
 unsafe impl Sync for RawComm {}
 
 /// What every communicator of the process shares: this process is one rank.
@@ -193,6 +194,8 @@ impl MpiWorld {
             ));
         }
         let _mpi = mpi_lock();
+        // SAFETY: MPI's initialisation and queries, under `MPI_LOCK`, once per process (checked
+        // above); the out-parameters are locals that outlive the calls.
         let (rank, size, seq_bound) = unsafe {
             let mut initialized: c_int = 0;
             ffi::MPI_Initialized(&mut initialized);
@@ -266,12 +269,9 @@ impl MpiWorld {
         });
         let _ = SHARED.set(shared.clone());
         let group = Group::new("world".into(), Arc::from(""), (0..size).collect(), rank);
-        let world = MpiComm::create(
-            &shared,
-            RawComm(unsafe { ffi::RSMPI_COMM_WORLD }),
-            false,
-            group,
-        );
+        // SAFETY: reads a constant the MPI bindings define.
+        let world_handle = RawComm(unsafe { ffi::RSMPI_COMM_WORLD });
+        let world = MpiComm::create(&shared, world_handle, false, group);
         Ok(MpiWorld { shared, world })
     }
 

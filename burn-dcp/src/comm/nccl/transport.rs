@@ -45,7 +45,7 @@ impl Transport for NcclComm {
         &self,
         peer: usize,
         data: Payload,
-        traffic: Traffic,
+        traffic: Traffic<'_>,
     ) -> Result<PendingSend, CommError> {
         self.queue_send(peer, data, traffic.op, traffic.accounting)
     }

@@ -28,6 +28,7 @@ pub(super) struct RawNccl(pub(super) nccl_sys::ncclComm_t);
 // SAFETY: NCCL communicators may be used from any thread as long as calls on one communicator
 // are not concurrent; every call on it is made under `NcclComm::launch`'s lock.
 unsafe impl Send for RawNccl {}
+// SAFETY: as `Send`: calls through a shared reference are serialised by the same lock.
 unsafe impl Sync for RawNccl {}
 
 /// The message header, sent over the control communicator.

@@ -150,7 +150,7 @@ impl Transport for TcpComm {
         &self,
         peer: usize,
         data: Payload,
-        traffic: Traffic,
+        traffic: Traffic<'_>,
     ) -> Result<PendingSend, CommError> {
         let Traffic {
             channel,
