@@ -12,9 +12,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::dynamic::DynamicSettings;
 use crate::error::TrainError;
-use crate::links::EmulatedLinks;
 use crate::model::ModelShape;
-pub use crate::settings::{AutoSettings, DcpSettings, PpSchedule, Precision, Recompute};
+pub use crate::settings::{
+    AutoSettings, DcpSettings, EmulatedLinks, PpSchedule, Precision, Recompute,
+};
 
 /// Everything that defines a run (written to `config.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -12,7 +12,7 @@ use crate::config::{
 };
 use crate::dynamic::{CpSizes, DynamicSettings};
 use crate::error::TrainError;
-use crate::links::EmulatedLinks;
+use crate::settings::EmulatedLinks;
 
 /// The training flags of the examples (`gpt_longctx`'s command line), each optional: what is
 /// not given takes [`TrainConfig::default`]'s value (the one home of the defaults), or on resume

@@ -53,8 +53,8 @@ pub use checkpoint::{
 #[allow(deprecated)]
 pub use config::static_strategy_name;
 pub use config::{
-    AutoSettings, DcpSettings, PpSchedule, Precision, Recompute, TrainConfig, DEFAULT_PLAN_AHEAD,
-    MAX_MICRO_BATCHES, MAX_PLAN_AHEAD, MAX_SEQ_LEN,
+    AutoSettings, DcpSettings, EmulatedLinks, PpSchedule, Precision, Recompute, TrainConfig,
+    DEFAULT_PLAN_AHEAD, MAX_MICRO_BATCHES, MAX_PLAN_AHEAD, MAX_SEQ_LEN,
 };
 pub use data::{builtin_documents, TrainData};
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
@@ -62,14 +62,13 @@ pub use error::TrainError;
 pub use flags::TrainFlags;
 pub use gradients::{all_reduce_grads, gradient_values, GRADIENT_BUCKET_BYTES};
 pub use groups::RankGroups;
-pub use links::EmulatedLinks;
 pub use metrics::{Progress, StepMetrics, StepObserver};
 pub use model::{
     cast_model, CpTrain, InputRows, ModelShape, PipelineStage, ShardInput, TrainModel,
 };
 pub use plan::{AutoRecord, PlannedBatch, RankWork, ScheduleStats, StepPlan, StepSequences};
-pub use planning::{plan_auto, plan_input, plan_step, plan_step_predicted};
-pub use predict::Predictor;
+pub use planning::{plan_auto, plan_input, plan_step};
+pub use predict::{plan_step_predicted, Predictor};
 pub use run::{init_model, train_rank, ModelInit, RankOutcome, TrainBackend, TrainGpt, Trainer};
 pub use step::{rank_peak_memory_mb, step_gradients, step_gradients_planned, StepResult, AXES};
 pub use tensor_parallel::TpGroup;

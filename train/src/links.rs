@@ -23,17 +23,10 @@ use burn_dcp::comm::{InProcessWorld, LinkEmulation};
 use burn_dcp::kernels::{FlashOps, MaskSpec, VarlenAttention};
 use burn_dcp::planner::cost::ComputeModel;
 use burn_dcp::planner::topology::Topology;
-use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
-
-/// `--emulate-links` settings (the run's `config.json` keeps them).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct EmulatedLinks {
-    /// The links' time scale (`--link-scale`); `None`: measured at start.
-    pub scale: Option<f64>,
-}
+pub use crate::settings::EmulatedLinks;
 
 /// Tokens of the calibration forward.
 const CALIBRATION_TOKENS: usize = 1024;

@@ -20,11 +20,10 @@ use crate::plan::{
     assign_sub_steps, plan_dynamic, plan_static, schedule_batches, sequence_works, AutoRecord,
     PlannedBatch, StepPlan, StepSequences,
 };
-use crate::predict::Predictor;
 
 /// The planner's input for `batch`: its sequences and masks, the attention dimensions its CP
-/// calls see (one TP rank's query heads, K/V repeated to as many heads, f32 elements, as training
-/// runs), the group's topology, and DCP's block, stages and seed.
+/// calls see (one TP rank's query heads, K/V repeated to as many heads, elements of the training
+/// precision), the group's topology, and DCP's block, stages and seed.
 pub fn plan_input(
     batch: &PlannedBatch,
     sequences: &StepSequences<'_>,
@@ -55,7 +54,7 @@ pub fn plan_input(
                 heads: heads.heads(),
                 kv_heads: heads.kv_heads(),
                 head_dim: model.head_dim(),
-                element_bytes: 4,
+                element_bytes: config.precision.dtype().size(),
             }
         },
         topology: config.group_topology()?,
@@ -155,26 +154,6 @@ pub fn plan_auto(
     }
     assign_sub_steps(&mut planned);
     Ok((planned, records))
-}
-
-/// [`plan_step`] with the step's predicted attention time from `predictor`.
-pub fn plan_step_predicted(
-    config: &TrainConfig,
-    data: &TrainData,
-    step: usize,
-    predictor: Option<&Predictor>,
-) -> Result<StepPlan, CpError> {
-    let mut plan = plan_step(config, data, step)?;
-    if let Some(predictor) = predictor {
-        let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
-        let model = config
-            .model_shape()
-            .map_err(|e| CpError::Config(e.to_string()))?;
-        plan.predicted_attention_ms = predictor
-            .step_ms(&plan, &sequences, config, &model)
-            .map_err(|e| CpError::Config(format!("step {step}: predicting its attention: {e}")))?;
-    }
-    Ok(plan)
 }
 
 /// The topology of `batch`'s CP group (its DP × CP pool ranks) as they sit on the run's nodes:

@@ -22,7 +22,8 @@ use crate::config::TrainConfig;
 use crate::links::{cpu_compute, emulated_topology, time_scale, CpuCompute};
 use crate::model::ModelShape;
 use crate::plan::{PlannedBatch, StepPlan, StepSequences};
-use crate::planning::{group_topology, plan_input};
+use crate::data::TrainData;
+use crate::planning::{group_topology, plan_input, plan_step};
 use crate::settings::DcpSettings;
 use crate::TrainError;
 
@@ -124,4 +125,24 @@ impl Predictor {
         let report = evaluate_with(&routed, &machine, &self.cpu.model)?;
         Ok(Some(report.attention_fwd_ms + report.attention_bwd_ms))
     }
+}
+
+/// [`plan_step`] with the step's predicted attention time from `predictor`.
+pub fn plan_step_predicted(
+    config: &TrainConfig,
+    data: &TrainData,
+    step: usize,
+    predictor: Option<&Predictor>,
+) -> Result<StepPlan, CpError> {
+    let mut plan = plan_step(config, data, step)?;
+    if let Some(predictor) = predictor {
+        let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
+        let model = config
+            .model_shape()
+            .map_err(|e| CpError::Config(e.to_string()))?;
+        plan.predicted_attention_ms = predictor
+            .step_ms(&plan, &sequences, config, &model)
+            .map_err(|e| CpError::Config(format!("step {step}: predicting its attention: {e}")))?;
+    }
+    Ok(plan)
 }

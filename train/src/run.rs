@@ -27,7 +27,7 @@ use crate::groups::RankGroups;
 use crate::metrics::{StepMetrics, StepObserver};
 use crate::model::{CpTrain, InputRows, TrainModel};
 use crate::plan::StepPlan;
-use crate::planning::plan_step_predicted;
+use crate::predict::plan_step_predicted;
 use crate::predict::Predictor;
 use crate::step::{rank_peak_memory_mb, step_gradients_planned, StepBytes, AXES};
 

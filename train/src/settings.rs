@@ -172,3 +172,10 @@ impl std::fmt::Display for Precision {
         f.write_str(self.name())
     }
 }
+
+/// `--emulate-links` settings (the run's `config.json` keeps them).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EmulatedLinks {
+    /// The links' time scale (`--link-scale`); `None`: measured at start.
+    pub scale: Option<f64>,
+}
