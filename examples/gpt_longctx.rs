@@ -101,7 +101,7 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 }
 
 fn run(args: &Args) -> Result<(), TrainError> {
-    burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "gpt_longctx")
+    burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "--example gpt_longctx")
         .map_err(TrainError::Config)?;
     let config = match &args.resume {
         Some(dir) => args.train.resume(dir)?,
@@ -174,8 +174,12 @@ fn train(
             &out.join("config.json"),
             &SavedConfig {
                 config,
-                backend: burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "gpt_longctx")
-                    .map_err(TrainError::Config)?,
+                backend: burn_dcp_suite::backend_type(
+                    &args.backend,
+                    args.no_fusion,
+                    "--example gpt_longctx",
+                )
+                .map_err(TrainError::Config)?,
             },
         )?;
     }
@@ -435,7 +439,7 @@ fn summarize(
     let train_seconds: f64 = metrics.iter().map(|m| m.step_ms).sum::<f64>() / 1e3;
     let summary = json!({
         "config": config,
-        "backend": burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "gpt_longctx")
+        "backend": burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "--example gpt_longctx")
             .map_err(TrainError::Config)?,
         "steps_run": metrics.len(),
         "first_step": metrics.first().map(|m| m.step),

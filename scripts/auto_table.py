@@ -3,7 +3,7 @@
 the ldc-like and longalign-like samplers (several token counts, masks and clusters) and prints a
 markdown table of the winner and every candidate's estimated attention time (fwd + bwd, ms).
 
-    python3 scripts/auto_table.py [--seeds 0] [--binary target/release/examples/plan_sim]
+    python3 scripts/auto_table.py [--seeds 0] [--binary target/release/plan_sim]
 """
 
 import argparse
@@ -27,7 +27,7 @@ def run(binary, mix, mask, seed, tokens, topology, nodes):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--binary", default="target/release/examples/plan_sim")
+    parser.add_argument("--binary", default="target/release/plan_sim")
     parser.add_argument("--seeds", default="0")
     args = parser.parse_args()
     print("| mix | mask | tokens | cluster | seed | winner | " + " | ".join(CANDIDATES) + " |")

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 args = sys.argv[1:]
-binary = args[0] if args and not args[0].startswith("--") else "target/release/examples/cp_attention"
+binary = args[0] if args and not args[0].startswith("--") else "target/release/cp_attention"
 
 
 def option(name, default):

@@ -6,7 +6,7 @@ Writes random q, k, v, dout and cu_seqlens (ragged, GQA) with numpy + safetensor
 dense float64 numpy implementation of masked attention and its gradients.
 
 Usage: python3 scripts/check_mode2.py [CARGO_RUN_PREFIX...]
-(default prefix: cargo run -q --example cp_attention --)
+(default prefix: cargo run -q -p burn-dcp-tools --bin cp_attention --)
 Needs: pip install numpy safetensors
 """
 import math
@@ -107,7 +107,7 @@ def rel_err(got, want):
 
 
 def main():
-    prefix = sys.argv[1:] or ["cargo", "run", "-q", "--example", "cp_attention", "--"]
+    prefix = sys.argv[1:] or ["cargo", "run", "-q", "-p", "burn-dcp-tools", "--bin", "cp_attention", "--"]
     rng = np.random.default_rng(5)
     seqlens = [70, 3, 41, 1, 25]
     cu = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int64)

@@ -9,7 +9,8 @@ Also checks `cp_attention --json` with processes (one JSON object, from rank 0, 
 in-process run's errors and bytes).
 
 Usage: python3 scripts/check_mpi.py [BIN_DIR] [--quick] [--steps N] [--launcher mpi|tcp]
-  BIN_DIR: folder with gpt_longctx and cp_attention (built with `--features mpi` for MPI)
+  BIN_DIR: the examples folder with gpt_longctx (target/<profile>/examples; cp_attention, a tool,
+  is in its parent), built with `--features mpi` for MPI
            (default target/release/examples)
   --quick: the CI set (2 and 4 processes); default: every mesh and strategy (up to 8 processes)
   --launcher: mpi (default) or tcp
@@ -26,7 +27,8 @@ bin_dir = args[0] if args and not args[0].startswith("--") else "target/release/
 quick = "--quick" in args
 steps = args[args.index("--steps") + 1] if "--steps" in args else "3"
 train = os.path.join(bin_dir, "gpt_longctx")
-attention = os.path.join(bin_dir, "cp_attention")
+# cp_attention is a binary of burn-dcp-tools: target/<profile>/, above the examples.
+attention = os.path.join(os.path.dirname(os.path.normpath(bin_dir)), "cp_attention")
 common = ["--steps", steps, "--seed", "7", "--seq-len", "1024", "--json"]
 env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
 launcher = args[args.index("--launcher") + 1] if "--launcher" in args else "mpi"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the GPU checks here (no GPU needed) and packs them for a machine with an NVIDIA GPU:
 # the kernels' CUDA tests (tests/cube_cuda.rs), the NCCL tests (burn-dcp/tests/nccl.rs), the
-# examples cp_attention and gpt_longctx and the benchmark, release profile, feature `cuda` only
+# tool cp_attention, the examples gpt_longctx and attention_tflops and the benchmark, release profile, feature `cuda` only
 # (no MPI: the GPU machine has no OpenMPI), stripped. Then `scripts/gpu_check.sh DIR` there.
 #
 # Usage: scripts/gpu_bundle.sh [DIR]   (default .gpu, which .gitignore ignores: carry it to the GPU)
@@ -15,8 +15,8 @@ export CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=true
 tests=(cargo test --release -p burn-dcp-suite -p burn-dcp-kernels -p burn-dcp
   --features cuda --test cube_cuda --test nccl --no-run)
 # The examples as programs (`cargo test --example` would build their test harness).
-programs=(cargo build --release -p burn-dcp-suite --features cuda
-  --example cp_attention --example gpt_longctx --example attention_tflops --bench attention)
+programs=(cargo build --release -p burn-dcp-suite -p burn-dcp-tools --features cuda
+  --bin cp_attention --example gpt_longctx --example attention_tflops --bench attention)
 "${tests[@]}"
 "${programs[@]}"
 rm -rf "$dir" && mkdir -p "$dir/bin"

@@ -14,7 +14,7 @@ degree 2, ring 16, masked kernels: its compute skips masked pairs, its ring stil
 A speedup is the baseline's estimated forward + backward attention time over DCP's, averaged
 over --seeds batches per scale.
 
-Usage: python3 scripts/paper_speedups.py [--binary target/release/examples/plan_sim]
+Usage: python3 scripts/paper_speedups.py [--binary target/release/plan_sim]
        [--seeds 0,1,2] [--scales 0.5,1,2,4]
 """
 import argparse
@@ -41,7 +41,7 @@ def plan_sim(binary, scale, seed, mask, strategies, extra=()):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--binary", default="target/release/examples/plan_sim")
+    parser.add_argument("--binary", default="target/release/plan_sim")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--scales", default="0.5,1,2,4")
     args = parser.parse_args()

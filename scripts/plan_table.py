@@ -4,7 +4,7 @@ fails unless DCP moves >= 30% fewer inter-node bytes than ring-zigzag at compute
 <= 1.10 under causal masks, and is estimated faster than ring-zigzag by >= 2.15x under the
 sparse masks (the low end of the DCP paper's sparse range).
 
-    python3 scripts/plan_table.py [--check] [--seeds 0,1,2] [--binary target/release/examples/plan_sim]
+    python3 scripts/plan_table.py [--check] [--seeds 0,1,2] [--binary target/release/plan_sim]
 """
 
 import argparse
@@ -26,7 +26,7 @@ def run(binary, mix, mask, seed, nodes=4, extra=()):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--binary", default="target/release/examples/plan_sim")
+    parser.add_argument("--binary", default="target/release/plan_sim")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()

@@ -6,8 +6,8 @@ set -euo pipefail
 seqlens=${1:-1000,3000,517,7}
 heads=${2:-8}
 kv_heads=${3:-2}
-cargo build --release --example cp_attention -q
-bin=target/release/examples/cp_attention
+cargo build --release -p burn-dcp-tools --bin cp_attention -q
+bin=target/release/cp_attention
 fail=0
 for cp in 2 4 8; do
   for strategy in ulysses ring all-gather usp; do

@@ -1,6 +1,6 @@
 //! Run context-parallel attention end to end on in-process ranks: shard packed inputs by the
 //! layout, run forward and backward on one thread per rank, unshard the results, count bytes.
-//! Used by the `cp_attention` example and the tests; handy to check a configuration by hand.
+//! Used by the `cp_attention` tool (burn-dcp-tools) and the tests; handy to check a configuration by hand.
 
 use std::time::{Duration, Instant};
 

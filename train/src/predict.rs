@@ -19,10 +19,10 @@ use burn_dcp::planner::topology::Topology;
 use burn_dcp::{CpError, Strategy};
 
 use crate::config::TrainConfig;
+use crate::data::TrainData;
 use crate::links::{cpu_compute, emulated_topology, time_scale, CpuCompute};
 use crate::model::ModelShape;
 use crate::plan::{PlannedBatch, StepPlan, StepSequences};
-use crate::data::TrainData;
 use crate::planning::{group_topology, plan_input, plan_step};
 use crate::settings::DcpSettings;
 use crate::TrainError;

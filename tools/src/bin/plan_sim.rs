@@ -2,14 +2,16 @@
 //! intra-node bytes, compute and memory imbalance, estimated attention time (forward and
 //! backward, communication overlapped per the plan's stages) and planning time.
 //!
-//!     cargo run --release --example plan_sim -- --lengths-from ldc-like --tokens 131072 \
-//!         --topology a100-p4d --nodes 4 --mask causal --json
+//! ```text
+//! cargo run --release -p burn-dcp-tools --bin plan_sim -- --lengths-from ldc-like --tokens 131072 \
+//!     --topology a100-p4d --nodes 4 --mask causal --json
+//! ```
 //!
 //! Every plan is checked by the independent validator before it is reported. With `auto` in
 //! `--strategies` it also reports the choice of `gpt_longctx --strategy auto` for the batch: give
-//! the micro-batch's `--lengths`, the model's `--heads --kv-heads --head-dim`, `--element-bytes 4`
-//! (training runs f32), the group's `--topology --nodes --devices-per-node`, and the run's
-//! `--block --stages --seed` (and `--auto-candidates`).
+//! the micro-batch's `--lengths`, the model's `--heads --kv-heads --head-dim`, `--element-bytes`
+//! (4 in f32, 2 with `--precision bf16|f16`), the group's `--topology --nodes
+//! --devices-per-node`, and the run's `--block --stages --seed` (and `--auto-candidates`).
 
 use std::path::PathBuf;
 use std::time::Instant;

@@ -1,8 +1,10 @@
 //! Statistics of a long-context corpus: document count, tokens, length percentiles, a histogram
 //! and the packing efficiency at a token budget.
 //!
-//!     cargo run --release --example dataset_stats -- --corpus default --json
-//!     cargo run --release --example dataset_stats -- --corpus ldc-like --samples 20000 --svg ldc.svg
+//! ```text
+//! cargo run --release -p burn-dcp-tools --bin dataset_stats -- --corpus default --json
+//! cargo run --release -p burn-dcp-tools --bin dataset_stats -- --corpus ldc-like --samples 20000 --svg ldc.svg
+//! ```
 
 use std::path::PathBuf;
 

@@ -4,8 +4,10 @@
 //! threads-as-ranks and the single-device reference, and reports the max relative error of
 //! out, lse, dq, dk, dv, the bytes each rank sent (measured and analytic) and timings.
 //!
-//!     cargo run --release --example cp_attention -- --strategy ring --layout zigzag --cp 4 \
-//!         --heads 8 --kv-heads 2 --seqlens 1000,3000,517 --mask causal --json
+//! ```text
+//! cargo run --release -p burn-dcp-tools --bin cp_attention -- --strategy ring --layout zigzag --cp 4 \
+//!     --heads 8 --kv-heads 2 --seqlens 1000,3000,517 --mask causal --json
+//! ```
 //!
 //! With `--features wgpu` (or `cuda`), `--backend wgpu` runs the CP ranks on the cubecl kernels
 //! (Mesa's lavapipe without a GPU); the reference stays on the CPU's portable implementation.
@@ -47,8 +49,8 @@ use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::volume::{analytic_volume, VolumeShape};
 use burn_dcp::{CpError, Layout, Placement, Strategy};
 #[cfg(feature = "wgpu")]
-use burn_dcp_suite::kernels::backends::{WgpuFusion, WgpuPlain};
-use burn_dcp_suite::launch::Ranks;
+use burn_dcp_kernels::backends::{WgpuFusion, WgpuPlain};
+use burn_dcp_train::launch::Ranks;
 use burn_dcp_train::links::{cpu_compute, emulated_topology, time_scale, EmulatedLinks};
 use clap::Parser;
 use rand::rngs::SmallRng;
@@ -132,8 +134,8 @@ struct Args {
     /// with `--features wgpu` / `--features cuda`). The reference always runs on flex.
     #[arg(long, default_value = "flex")]
     backend: String,
-    /// With --backend wgpu: burn's plain CubeBackend instead of the default Fusion<CubeBackend>
-    /// (the type burn's default features make burn::backend::Wgpu).
+    /// With --backend wgpu: burn's plain `CubeBackend` instead of the default `Fusion<CubeBackend>`
+    /// (the type burn's default features make `burn::backend::Wgpu`).
     #[arg(long)]
     no_fusion: bool,
     /// Timeout of every communication wait, in seconds.
@@ -184,11 +186,11 @@ struct Emulation {
 }
 
 fn main() {
-    burn_dcp_suite::launch::init_logging();
+    burn_dcp_train::launch::init_logging();
     let args = Args::parse();
     if let Err(message) = run(&args) {
         // With several processes (MPI or TCP) every rank finds the same error: rank 0 alone prints it.
-        if burn_dcp_suite::launch::launcher_rank() == 0 {
+        if burn_dcp_train::launch::launcher_rank() == 0 {
             eprintln!("error: {message}");
         }
         std::process::exit(2);
@@ -196,7 +198,11 @@ fn main() {
 }
 
 fn run(args: &Args) -> Result<(), String> {
-    burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "cp_attention")?;
+    burn_dcp_tools::backend_type(
+        &args.backend,
+        args.no_fusion,
+        "-p burn-dcp-tools --bin cp_attention",
+    )?;
     if args.cp == 0 || args.cp > MAX_IN_PROCESS_RANKS {
         return Err(format!(
             "--cp {} must be between 1 and {MAX_IN_PROCESS_RANKS} (ranks are threads of this process)",
@@ -692,7 +698,11 @@ fn summarize(
         "mask": spec.masks[0].to_string(),
         "backend": args.backend,
         "dtype": args.dtype,
-        "backend_type": burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "cp_attention")?,
+        "backend_type": burn_dcp_tools::backend_type(
+        &args.backend,
+        args.no_fusion,
+        "-p burn-dcp-tools --bin cp_attention",
+    )?,
         "seed": args.seed,
         "non_finite_inputs": non_finite,
         "max_rel_err": {

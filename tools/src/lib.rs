@@ -1,0 +1,50 @@
+//! The command-line tools of burn-dcp (`src/bin`): `cp_attention` (CP attention on in-process
+//! ranks against one device; Mode 2 on a user's tensors), `plan_sim` (the planners on synthetic
+//! or sampled batches, without running attention) and `dataset_stats` (a corpus's document
+//! lengths and packing). This library holds what they share with the examples: the `--backend`
+//! flag's check.
+//!
+//! ```text
+//! cargo run --release -p burn-dcp-tools --bin cp_attention -- --strategy ring --cp 4 --json
+//! ```
+
+/// Checks a `--backend` flag of a program (`program`: how cargo names it, e.g. `--example
+/// gpt_longctx` or `-p burn-dcp-tools --bin cp_attention`): `flex` always runs; `wgpu`/`cuda` run
+/// when this crate was built with that cargo feature (the root package's and this crate's
+/// features forward to it), and otherwise name the feature (never a silent CPU fallback).
+pub fn check_backend(backend: &str, program: &str) -> Result<(), String> {
+    let compiled = match backend {
+        "flex" => return Ok(()),
+        "wgpu" => cfg!(feature = "wgpu"),
+        "cuda" => cfg!(feature = "cuda"),
+        other => {
+            return Err(format!(
+                "unknown backend '{other}': expected flex, wgpu or cuda"
+            ))
+        }
+    };
+    if !compiled {
+        return Err(format!(
+            "backend '{backend}' needs the cargo feature `{backend}`: cargo run --release --features {backend} {program} -- --backend {backend}"
+        ));
+    }
+    Ok(())
+}
+
+/// The backend type a program runs for `--backend` (checked with [`check_backend`]) and
+/// `--no-fusion`, as recorded in its outputs: `flex`; `wgpu-fusion` (burn-fusion's
+/// `Fusion<CubeBackend<WgpuRuntime>>`, the type burn's default features make
+/// `burn::backend::Wgpu`) or `wgpu` (the plain `CubeBackend`, `--no-fusion`); `cuda` (the plain
+/// `CubeBackend<CudaRuntime>`: NCCL reads its tensors' device memory).
+pub fn backend_type(backend: &str, no_fusion: bool, program: &str) -> Result<&'static str, String> {
+    check_backend(backend, program)?;
+    match (backend, no_fusion) {
+        ("wgpu", false) => Ok("wgpu-fusion"),
+        ("wgpu", true) => Ok("wgpu"),
+        (other, true) => Err(format!(
+            "--no-fusion applies to --backend wgpu only, not {other} (flex has no fusion layer; cuda runs burn's plain CubeBackend already)"
+        )),
+        ("cuda", false) => Ok("cuda"),
+        _ => Ok("flex"),
+    }
+}

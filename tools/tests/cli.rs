@@ -1,0 +1,430 @@
+//! The tools (`cp_attention`, `plan_sim`, `dataset_stats`) on invalid and edge inputs: every
+//! bad input is a clear one-line error (exit 2, no panic), edge inputs that are valid work.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::Command;
+
+use safetensors::tensor::{Dtype, TensorView};
+
+#[allow(dead_code)] // each command-line test file uses a part of them
+#[path = "../../tests/support/cli.rs"]
+mod cli;
+use cli::{example, refused, stderr, succeeded, temp_dir};
+
+#[test]
+fn cp_attention_refuses_sizes_it_cannot_hold_and_bad_values() {
+    refused(
+        "cp_attention",
+        &["--seqlens", "4000000000"],
+        "GiB of memory, more than the",
+    );
+    refused(
+        "cp_attention",
+        &["--heads", "4000000000"],
+        "GiB of memory, more than the",
+    );
+    refused(
+        "cp_attention",
+        &["--seqlens", "18446744073709551615,1"],
+        "the total token count overflows",
+    );
+    refused(
+        "cp_attention",
+        &["--cp", "100000"],
+        "--cp 100000 must be between 1 and 1024",
+    );
+    for scale in ["1e38", "nan", "inf", "0", "-1"] {
+        refused(
+            "cp_attention",
+            &[&format!("--scale={scale}")],
+            "softmax scale",
+        );
+    }
+    refused(
+        "cp_attention",
+        &["--timeout-secs", "0"],
+        "--timeout-secs 0 must be between 1",
+    );
+    refused("cp_attention", &["--seqlens", "0,0"], "hold no token");
+    refused(
+        "cp_attention",
+        &["--strategy", "usp", "--ulysses-degree", "0"],
+        "ulysses degree must be at least 1",
+    );
+}
+
+#[test]
+fn cp_attention_checks_the_dcp_and_topology_flags() {
+    refused(
+        "cp_attention",
+        &["--block", "32"],
+        "--block only applies to --strategy dcp",
+    );
+    refused(
+        "cp_attention",
+        &["--cp", "4", "--nodes", "3"],
+        "3 nodes must divide the 4 ranks",
+    );
+    refused(
+        "cp_attention",
+        &["--topology", "tpu-pod"],
+        "unknown topology 'tpu-pod'",
+    );
+    refused(
+        "cp_attention",
+        &["--strategy", "dcp", "--block", "0"],
+        "block size (0)",
+    );
+    refused(
+        "cp_attention",
+        &["--strategy", "dcp", "--seqlens", "40,0", "--block", "8"],
+        "sequence 1 has length 0",
+    );
+    let report = succeeded(
+        "cp_attention",
+        &[
+            "--strategy",
+            "dcp",
+            "--cp",
+            "4",
+            "--nodes",
+            "2",
+            "--heads",
+            "2",
+            "--head-dim",
+            "8",
+            "--seqlens",
+            "70,9",
+            "--block",
+            "16",
+            "--json",
+        ],
+    );
+    let report: serde_json::Value = serde_json::from_str(&report).unwrap();
+    assert_eq!(
+        report["bytes_by_link"], report["predicted_bytes_by_link"],
+        "{report}"
+    );
+    assert!(
+        report["max_rel_err"]["out"].as_f64().unwrap() <= 1e-5,
+        "{report}"
+    );
+    // Head units placed apart by the plan: exact, bytes as predicted; units that do not fit
+    // the heads are refused with the rule.
+    refused(
+        "cp_attention",
+        &["--head-units", "2"],
+        "--head-units only applies to --strategy dcp",
+    );
+    refused(
+        "cp_attention",
+        &["--strategy", "dcp", "--heads", "4", "--head-units", "3"],
+        "3 head units do not divide 4 query heads",
+    );
+    let flags = [
+        "--strategy",
+        "dcp",
+        "--cp",
+        "4",
+        "--nodes",
+        "2",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--seqlens",
+        "90,33",
+        "--block",
+        "16",
+        "--head-units",
+        "4",
+        "--json",
+    ];
+    let report: serde_json::Value =
+        serde_json::from_str(&succeeded("cp_attention", &flags)).unwrap();
+    assert_eq!(report["head_units"], 4, "{report}");
+    assert_eq!(
+        report["bytes_by_link"], report["predicted_bytes_by_link"],
+        "{report}"
+    );
+    assert_eq!(
+        report["bytes_sent_per_rank"], report["analytic_bytes_per_rank"],
+        "{report}"
+    );
+    for (name, error) in report["max_rel_err"].as_object().unwrap() {
+        assert!(error.as_f64().unwrap() <= 1e-5, "{name}: {report}");
+    }
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Writes a Mode 2 input file: `q`, `dout` `[t, heads, dim]`, `k`, `v` `[t, kv, dim]`.
+fn mode2_inputs(path: &Path, t: usize, heads: usize, kv: usize, dim: usize, nan_at: Option<usize>) {
+    let value = |i: usize| ((i * 37 % 101) as f32 / 101.0) - 0.5;
+    let mut q: Vec<f32> = (0..t * heads * dim).map(value).collect();
+    if let Some(at) = nan_at {
+        q[at] = f32::NAN;
+    }
+    let kv_values: Vec<f32> = (0..t * kv * dim).map(|i| value(i + 7)).collect();
+    let dout: Vec<f32> = (0..t * heads * dim).map(|i| value(i + 3)).collect();
+    let (q, kv_bytes, dout) = (f32_bytes(&q), f32_bytes(&kv_values), f32_bytes(&dout));
+    let cu: Vec<u8> = [0i64, t as i64 / 2, t as i64]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let tensors: HashMap<String, TensorView<'_>> = [
+        ("q", TensorView::new(Dtype::F32, vec![t, heads, dim], &q)),
+        (
+            "k",
+            TensorView::new(Dtype::F32, vec![t, kv, dim], &kv_bytes),
+        ),
+        (
+            "v",
+            TensorView::new(Dtype::F32, vec![t, kv, dim], &kv_bytes),
+        ),
+        (
+            "dout",
+            TensorView::new(Dtype::F32, vec![t, heads, dim], &dout),
+        ),
+        ("cu_seqlens", TensorView::new(Dtype::I64, vec![3], &cu)),
+    ]
+    .into_iter()
+    .map(|(name, view)| (name.to_string(), view.unwrap()))
+    .collect();
+    safetensors::serialize_to_file(tensors, None, path).unwrap();
+}
+
+#[test]
+fn cp_attention_mode2_validates_shapes_and_keeps_nan_visible() {
+    let dir = temp_dir("mode2");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (input, output) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
+    let (i, o) = (input.to_str().unwrap(), output.to_str().unwrap());
+    mode2_inputs(&input, 8, 0, 0, 4, None);
+    refused(
+        "cp_attention",
+        &["--inputs", i, "--output", o],
+        "must all be at least 1",
+    );
+    mode2_inputs(&input, 8, 2, 2, 0, None);
+    refused(
+        "cp_attention",
+        &["--inputs", i, "--output", o],
+        "must all be at least 1",
+    );
+    // NaN in q of token 1, head 0 (sequence 0): out, lse and dq of that row are NaN.
+    let (t, heads, dim) = (8, 2, 4);
+    mode2_inputs(&input, t, heads, 2, dim, Some(heads * dim));
+    for strategy in ["ring", "ulysses", "all-gather"] {
+        let out = succeeded(
+            "cp_attention",
+            &[
+                "--inputs",
+                i,
+                "--output",
+                o,
+                "--cp",
+                "2",
+                "--strategy",
+                strategy,
+                "--json",
+            ],
+        );
+        let summary: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(summary["non_finite_inputs"], true);
+        let bytes = std::fs::read(&output).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let read = |name: &str| -> Vec<f32> {
+            file.tensor(name)
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        let (out, lse, dq) = (read("out"), read("lse"), read("dq"));
+        let row = heads * dim;
+        assert!(
+            out[row..row + dim].iter().all(|x| x.is_nan()),
+            "{strategy}: out {out:?}"
+        );
+        assert!(lse[1].is_nan(), "{strategy}: lse {lse:?}");
+        assert!(
+            dq[row..row + dim].iter().all(|x| x.is_nan()),
+            "{strategy}: dq {dq:?}"
+        );
+        // Token 6 is in sequence 1, which the NaN cannot reach.
+        assert!(
+            out[6 * row..7 * row].iter().all(|x| x.is_finite()),
+            "{strategy}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn plan_sim_and_dataset_stats_refuse_sizes_with_limits() {
+    refused("plan_sim", &["--lengths", "4000000000"], "block pairs");
+    refused(
+        "plan_sim",
+        &["--nodes", "1000000", "--lengths", "4096"],
+        "exceed the 4096 ranks",
+    );
+    refused(
+        "plan_sim",
+        &["--stages", "18446744073709551615"],
+        "1 to 64 communication stages",
+    );
+    refused(
+        "plan_sim",
+        &["--compute-epsilon", "nan"],
+        "compute epsilon must be",
+    );
+    refused(
+        "dataset_stats",
+        &[
+            "--max-tokens-per-rank",
+            "4611686018427387904",
+            "--ranks",
+            "4",
+        ],
+        "overflows the tokens of a micro-batch",
+    );
+    refused(
+        "dataset_stats",
+        &["--corpus", "ldc-like", "--samples", "1000000000000"],
+        "--samples",
+    );
+}
+
+/// The kernel choice of `BURN_DCP_ATTENTION_KERNEL` on wgpu (lavapipe): a bad value and a kernel
+/// the device cannot run are one-line errors naming the rule, before anything is queued on
+/// burn-fusion's stream; `tiles` runs every rank on the matrix-tile kernels within 1e-5.
+#[cfg(feature = "wgpu")]
+#[test]
+fn cp_attention_kernel_choice_is_checked_and_tiles_run() {
+    let with_kernel = |kernel: &str, extra: &[&str]| {
+        let mut args = vec!["--backend", "wgpu", "--cp", "2", "--head-dim", "16"];
+        args.extend([
+            "--seqlens",
+            "100,37",
+            "--strategy",
+            "ring",
+            "--mask",
+            "causal",
+        ]);
+        args.extend(extra);
+        Command::new(example("cp_attention"))
+            .args(&args)
+            .env("BURN_DCP_ATTENTION_KERNEL", kernel)
+            .output()
+            .unwrap()
+    };
+    for (kernel, expected) in [
+        ("cmma", "expected one of vector, auto, tiles, tensor-cores"),
+        (
+            "tensor-cores",
+            "tensor cores take f16 or bf16 inputs, not F32",
+        ),
+    ] {
+        for extra in [&[][..], &["--no-fusion"][..]] {
+            let output = with_kernel(kernel, extra);
+            let text = stderr(&output);
+            assert_eq!(output.status.code(), Some(2), "{kernel} {extra:?}: {text}");
+            assert!(!text.contains("panicked"), "{kernel} {extra:?}: {text}");
+            assert!(text.contains(expected), "{kernel} {extra:?}: {text}");
+        }
+    }
+    let output = with_kernel("tiles", &["--json"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    for (name, error) in report["max_rel_err"].as_object().unwrap() {
+        assert!(error.as_f64().unwrap() <= 1e-5, "{name}: {error}");
+    }
+}
+
+/// `cp_attention --emulate-links` reports the measured attention time next to the cost model's
+/// prediction of the same plan; without it, or for a layout the cost model has no plan of, the
+/// prediction is null; a bad scale is refused.
+#[test]
+fn cp_attention_emulated_links_report_measured_and_predicted_time() {
+    let base = [
+        "--cp",
+        "4",
+        "--nodes",
+        "2",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--seqlens",
+        "300,100",
+        "--json",
+    ];
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        serde_json::from_str(&succeeded("cp_attention", &args)).unwrap()
+    };
+    for strategy in [
+        &["--strategy", "ring"][..],
+        &["--strategy", "usp", "--ulysses-degree", "2"],
+        &["--strategy", "dcp", "--block", "64"],
+    ] {
+        let extra: Vec<&str> = strategy
+            .iter()
+            .chain(&["--emulate-links", "--link-scale", "2000"])
+            .copied()
+            .collect();
+        let report = run(&extra);
+        assert_eq!(report["emulate_links"], true, "{report}");
+        assert_eq!(report["link_scale"], 2000.0, "{report}");
+        let measured = report["measured_attention_ms"].as_f64().unwrap();
+        let predicted = report["predicted_attention_ms"].as_f64().unwrap();
+        assert!(measured > 0.0 && predicted > 0.0, "{report}");
+        let parts = report["predicted_forward_ms"].as_f64().unwrap()
+            + report["predicted_backward_ms"].as_f64().unwrap();
+        assert!((parts - predicted).abs() <= 1e-9 * predicted, "{report}");
+        assert!(
+            report["max_rel_err"]["dk"].as_f64().unwrap() < 1e-4,
+            "{report}"
+        );
+    }
+    let plain = run(&["--strategy", "ring"]);
+    assert_eq!(plain["emulate_links"], false);
+    assert!(plain["predicted_attention_ms"].is_null(), "{plain}");
+    assert!(plain["measured_attention_ms"].as_f64().unwrap() > 0.0);
+    let contiguous = run(&[
+        "--strategy",
+        "ring",
+        "--layout",
+        "contiguous",
+        "--emulate-links",
+        "--link-scale",
+        "10",
+    ]);
+    assert!(
+        contiguous["predicted_attention_ms"].is_null(),
+        "{contiguous}"
+    );
+    let mut args = base.to_vec();
+    args.extend(["--emulate-links", "--link-scale", "0"]);
+    refused(
+        "cp_attention",
+        &args,
+        "--link-scale 0 must be a positive number",
+    );
+    let mut args = base.to_vec();
+    args.extend(["--link-scale", "10"]);
+    refused(
+        "cp_attention",
+        &args,
+        "--link-scale 10 only applies with --emulate-links",
+    );
+}
