@@ -22,7 +22,7 @@
 //!
 //!     cargo bench --features wgpu --bench attention -- --quick wgpu
 //!
-//! With `--features cuda` (an NVIDIA GPU), the group `cuda` times issue 17's GPU shape (1 × 32
+//! With `--features cuda` (an NVIDIA GPU), the group `cuda` times the GPU shape (1 × 32
 //! heads × 8192 tokens × 128 dims, bf16, causal and full): our forward and forward + backward on
 //! the vector kernels and on tensor cores, and burn's attention:
 //!
@@ -441,7 +441,7 @@ fn wgpu(c: &mut Criterion) {
 #[cfg(not(feature = "wgpu"))]
 fn wgpu(_: &mut Criterion) {}
 
-/// The GPU shape of issue 17 (FlashAttention-3 reports 740 TFLOP/s forward on an H100 in
+/// The GPU shape (FlashAttention-3 reports 740 TFLOP/s forward on an H100 in
 /// bf16 at this size): 1 × 32 heads × 8192 tokens × 128 dims, bf16, causal and full. Our
 /// forward and forward + backward on the vector kernels and on tensor cores, and burn's attention;
 /// the throughput is in FLOP/s (criterion's "elem/s"). Each timed call ends with a device

@@ -1,5 +1,5 @@
-//! Attention throughput on a CUDA GPU, one implementation per run, as JSON lines: issue 47's
-//! shapes in bf16 — 1 × 32 heads × 8192 tokens × 128 dims (causal and full) and a GQA shape
+//! Attention throughput on a CUDA GPU, one implementation per run, as JSON lines: the
+//! side-by-side shapes in bf16 — 1 × 32 heads × 8192 tokens × 128 dims (causal and full) and a GQA shape
 //! (32 query / 8 kv heads, 16384 tokens, causal) — forward and forward + backward.
 //!
 //! ```text

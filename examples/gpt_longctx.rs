@@ -276,20 +276,20 @@ fn train(
 /// `--trace FILE`: the run's tracer and where it goes.
 struct Tracing {
     path: PathBuf,
-    tracer: std::sync::Arc<burn_dcp::trace::Tracer>,
+    tracer: std::sync::Arc<burn_dcp::diagnostics::trace::Tracer>,
 }
 
 impl Tracing {
     fn new(path: PathBuf) -> Self {
         Self {
             path,
-            tracer: burn_dcp::trace::Tracer::new(),
+            tracer: burn_dcp::diagnostics::trace::Tracer::new(),
         }
     }
 
     /// Records the calling rank thread's steps on the track of `rank`.
-    fn enter(&self, rank: usize) -> burn_dcp::trace::RankTrace {
-        burn_dcp::trace::RankTrace::enter(&self.tracer, rank)
+    fn enter(&self, rank: usize) -> burn_dcp::diagnostics::trace::RankTrace {
+        burn_dcp::diagnostics::trace::RankTrace::enter(&self.tracer, rank)
     }
 
     /// The file of `rank` when ranks are processes: FILE with `.rank<r>` before its extension.

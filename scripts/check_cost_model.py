@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The cost model against measured attention time (issue "Dynamic CP and DCP where they pay off",
-item 4): cp_attention --cp 8 --nodes 2 --emulate-links --heads 8 --kv-heads 2
+"""The cost model against measured attention time:
+cp_attention --cp 8 --nodes 2 --emulate-links --heads 8 --kv-heads 2
 --seqlens 4096,1024,512,300 for ring (zigzag), all-gather, usp (Ulysses degree 2) and dcp (block
 128), causal and lambda:64,512. Prints measured and predicted attention time (forward + backward,
 ms) and their ratio per run; with --check asserts predicted/measured within 0.75-1.25 for each.

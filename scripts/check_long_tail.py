@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""Long-tailed training data over 2 emulated nodes (issue "Dynamic CP and DCP where they pay
-off"): gpt_longctx --lengths-from longalign-like at pool 8 for ring (zigzag), dynamic, dcp and
+"""Long-tailed training data over 2 emulated nodes: gpt_longctx --lengths-from longalign-like at pool 8 for ring (zigzag), dynamic, dcp and
 auto with --emulate-links, and the same data at cp 1. Checks that every run's per-step losses
 equal cp 1's (<= 1e-5 relative), and prints bytes by link, rank workload imbalance, attention
 time measured and predicted by the cost model, and tokens/s per strategy (the README's evidence

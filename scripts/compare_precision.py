@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""bf16 training against f32 (issue 46): gpt_longctx at the same seed and data in f32 and in
+"""bf16 training against f32: gpt_longctx at the same seed and data in f32 and in
 bf16 (`--precision bf16`: f32 master weights, bf16 forward/backward, attention accumulating in
 f32, the loss in f32), on the CPU backend.
 

@@ -10,9 +10,9 @@
 #   4. gpt_longctx on CUDA: cp 4 (ring zigzag, ulysses, dcp) against cp 1, per-step loss <= 1e-4;
 #   5. the benchmark group `cuda` (1 x 32 heads x 8192 x 128, bf16);
 #   6. step 3 on the matrix-tile kernels (BURN_DCP_ATTENTION_KERNEL=tiles: f32, ordinary units);
-#   7. issue 47's side-by-side: the flash kernels, the old tiles, burn's attention and torch's
+#   7. the side-by-side: the flash kernels, the old tiles, burn's attention and torch's
 #      flash attention, bf16, TFLOP/s (scripts/gpu_attention.py: $OUT/<date>-<gpu>.json);
-#   8. bf16 training on CUDA (issue 46): gpt_longctx --precision bf16 (the flash kernels) at cp 1
+#   8. bf16 training on CUDA: gpt_longctx --precision bf16 (the flash kernels) at cp 1
 #      against f32 (relative loss <= 2e-2) and cp 4 (ring zigzag, ulysses, dcp) against bf16 cp 1
 #      (<= 2.5e-2, TransformerEngine's bf16 bound); tokens/s, peak memory and CP bytes of each.
 # Each step has its own time limit; the log goes to $OUT/gpu_check.log (or /tmp) as it runs.

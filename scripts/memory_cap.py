@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""The longest sequence that trains under a per-rank memory cap, per cp (issue "What CP is for,
-measured", item 1): for each cp, one process per rank (the TCP launcher, or mpirun), every
+"""The longest sequence that trains under a per-rank memory cap, per cp: for each cp, one process per rank (the TCP launcher, or mpirun), every
 process under `ulimit -v CAP` (virtual memory; MALLOC_ARENA_MAX=2 so glibc's per-thread arenas do
 not reserve address space the run never touches), the longest `--seq-len` (a multiple of
 --granularity) whose `gpt_longctx --micro-batches 1 --steps 1` finishes. A run that needs more

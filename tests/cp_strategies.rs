@@ -3,7 +3,9 @@
 
 mod common;
 
-use burn_dcp::harness::{run_context_parallel, run_single_device, PackedInputs, PackedOutputs};
+use burn_dcp::diagnostics::harness::{
+    run_context_parallel, run_single_device, PackedInputs, PackedOutputs,
+};
 use burn_dcp::kernels::{reference, AttentionShape, MaskSpec, VarlenAttention};
 use burn_dcp::Strategy;
 use common::*;
@@ -180,7 +182,7 @@ fn key_range_masks_with_fully_masked_rows() {
 #[test]
 fn half_precision_matches_single_device_within_transformer_engine_tolerances() {
     use burn::tensor::DType;
-    use burn_dcp::harness::run_single_device_in;
+    use burn_dcp::diagnostics::harness::run_single_device_in;
     let device = Default::default();
     let usp = Strategy::Usp {
         ulysses_degree: 2,

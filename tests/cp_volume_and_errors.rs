@@ -9,9 +9,9 @@ use burn::backend::Flex;
 use burn::prelude::Tensor;
 use burn::tensor::TensorData;
 use burn_dcp::comm::{CommError, InProcessWorld, Payload, WorldConfig};
-use burn_dcp::harness::run_context_parallel;
+use burn_dcp::diagnostics::harness::run_context_parallel;
+use burn_dcp::diagnostics::volume::{analytic_volume, VolumeShape};
 use burn_dcp::kernels::MaskSpec;
-use burn_dcp::volume::{analytic_volume, VolumeShape};
 use burn_dcp::{CpError, Layout, Placement, Strategy};
 use common::*;
 

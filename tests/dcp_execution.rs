@@ -6,7 +6,7 @@ mod common;
 
 use std::sync::Arc;
 
-use burn_dcp::harness::{run_context_parallel, run_single_device};
+use burn_dcp::diagnostics::harness::{run_context_parallel, run_single_device};
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::planner::cost::{AttentionDims, Pass, RoutedPlan};
 use burn_dcp::planner::dcp::{dcp_execution_plan, dcp_plan, DcpConfig};
@@ -249,7 +249,7 @@ fn ranks_with_different_plans_fail_at_once() {
 
 /// Forward of `inputs` (4 heads, 2 kv heads, dim 8) on 4 ranks, rank `r` with `batch_of(r)`.
 fn forward_on_4_ranks(
-    inputs: &burn_dcp::harness::PackedInputs,
+    inputs: &burn_dcp::diagnostics::harness::PackedInputs,
     batch_of: impl Fn(usize) -> CpBatch + Sync,
 ) -> Vec<Result<(), burn_dcp::comm::RankFailure>> {
     use burn_dcp::comm::{InProcessWorld, WorldConfig};
@@ -399,7 +399,7 @@ fn head_units_that_do_not_fit_the_heads_are_refused() {
 #[test]
 fn dcp_in_bf16_matches_the_single_device_in_bf16() {
     use burn::tensor::DType;
-    use burn_dcp::harness::run_single_device_in;
+    use burn_dcp::diagnostics::harness::run_single_device_in;
     use common::assert_allclose;
     let seq_lens = [40, 9, 23];
     for (index, mask) in masks().into_iter().enumerate() {

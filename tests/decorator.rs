@@ -8,11 +8,11 @@ use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::Tensor;
 use burn_dcp::backend::{set_context, ContextParallel, CpContext};
+use burn_dcp::batch::shard::unshard_rows;
 use burn_dcp::comm::{InProcessWorld, WorldConfig};
-use burn_dcp::harness::{max_rel_err, run_single_device, PackedInputs};
+use burn_dcp::diagnostics::harness::{max_rel_err, run_single_device, PackedInputs};
+use burn_dcp::diagnostics::volume::{analytic_volume, VolumeShape};
 use burn_dcp::kernels::MaskSpec;
-use burn_dcp::shard::unshard_rows;
-use burn_dcp::volume::{analytic_volume, VolumeShape};
 use burn_dcp::{CpBatch, CpGroup, Layout, Placement, Strategy};
 use common::*;
 
@@ -310,7 +310,7 @@ fn grouped_query_heads_move_only_the_real_kv_heads() {
         };
         let real = analytic_volume(strategy, &placement, &shape(kv_heads));
         let repeated = analytic_volume(strategy, &placement, &shape(heads));
-        let total = |v: &[burn_dcp::volume::RankVolume]| -> u64 {
+        let total = |v: &[burn_dcp::diagnostics::volume::RankVolume]| -> u64 {
             v.iter().map(|r| r.forward + r.backward).sum()
         };
         for (rank, r) in ranks.iter().enumerate() {

@@ -21,7 +21,7 @@ use burn_dcp::backend::{set_context, ContextParallel, CpContext};
 use burn_dcp::comm::{
     CommError, Fault, FaultKind, InProcessWorld, RankFailure, RankFailureKind, WorldConfig,
 };
-use burn_dcp::harness::PackedInputs;
+use burn_dcp::diagnostics::harness::PackedInputs;
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::{
     cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpError, CpGroup, Layout,

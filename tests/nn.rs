@@ -14,7 +14,7 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::{set_context, ContextParallel, CpContext};
 use burn_dcp::comm::{InProcessWorld, RankFailure, WorldConfig};
-use burn_dcp::harness::max_rel_err;
+use burn_dcp::diagnostics::harness::max_rel_err;
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::nn::{
     MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, PositionalEncoding,

@@ -1014,7 +1014,7 @@ fn pipeline_training_follows_cp1_over_8_steps() {
 /// per layer — not with the repeated heads.
 #[test]
 fn cp_bytes_of_a_step_are_the_analytic_volume_with_the_real_kv_heads() {
-    use burn_dcp::volume::{analytic_volume, VolumeShape};
+    use burn_dcp::diagnostics::volume::{analytic_volume, VolumeShape};
     let config = config(4, 1, Strategy::Ring, Layout::Zigzag, "causal");
     let model = config.model_config().unwrap();
     assert!(

@@ -57,39 +57,35 @@
 //! per axis group. Below the op: [`strategy::cp_attention_forward`] /
 //! [`strategy::cp_attention_backward`] on token-major tensors, a [`strategy::CpGroup`] built
 //! from a [`comm::Comm`], and a [`strategy::CpBatch`] describing the micro-batch
-//! ([`placement::Placement`] and masks). [`planner`] plans dynamic CP groups and DCP block
-//! placements. With the feature `harness`, `volume` gives the analytic bytes each static
-//! strategy sends (the tests check the measured bytes against it).
+//! ([`batch`]: the [`Placement`] of its tokens, its rows, and the masks). [`planner`] plans
+//! dynamic CP groups and DCP block placements. [`diagnostics`]: traces, and with the feature
+//! `harness` the end-to-end runs against one device and the analytic bytes of each static
+//! strategy (the tests check the measured bytes against them).
+//!
+//! The folders, bottom up: `comm` (communicators, and which node each rank is on), `batch` (the
+//! micro-batch's vocabulary), `strategy` and `planner` (executing and planning CP attention; the
+//! byte model in `planner::bytes`), `backend` (the decorator), `mesh` (the parallelism axes and
+//! TP's ops), `nn` (the drop-ins), `diagnostics`.
 
 pub mod backend;
-pub mod bytes;
+pub mod batch;
 pub mod comm;
+pub mod diagnostics;
 pub mod error;
-#[cfg(feature = "harness")]
-pub mod harness;
-pub mod layout;
 pub mod mesh;
 pub mod nn;
-pub mod nodes;
-pub mod placement;
 pub mod planner;
-pub mod rows;
-pub mod shard;
 pub mod strategy;
-pub mod tensor_parallel;
-pub mod trace;
-#[cfg(feature = "harness")]
-pub mod volume;
 
 pub use backend::{set_context, ContextParallel, CpContext, CpContextGuard};
+pub use batch::layout::Layout;
+pub use batch::placement::{Placement, PlacementKind};
+pub use batch::rows::{BatchRows, LocalRows};
 pub use burn_dcp_kernels as kernels;
 /// The head split and its rules (query and kv heads, shares over TP ranks, Ulysses, head units).
 pub use burn_dcp_kernels::heads;
 pub use error::CpError;
-pub use layout::Layout;
 pub use mesh::{Axis, Mesh, MeshShape};
-pub use placement::{Placement, PlacementKind};
-pub use rows::{BatchRows, LocalRows};
 pub use strategy::{
     cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy,
     StrategyKind,

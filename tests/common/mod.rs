@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use burn::backend::Flex;
-use burn_dcp::harness::{max_rel_err, PackedInputs, PackedOutputs, RunSpec};
+use burn_dcp::diagnostics::harness::{max_rel_err, PackedInputs, PackedOutputs, RunSpec};
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::{Layout, Strategy};
 use rand::rngs::SmallRng;

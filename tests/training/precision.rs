@@ -1,4 +1,4 @@
-//! Training in bf16 and f16 (`--precision`, issue 46) on Flex: the f32 master weights are cast to
+//! Training in bf16 and f16 (`--precision`) on Flex: the f32 master weights are cast to
 //! the low precision per micro-batch, so activations, attention inputs and CP messages are bf16,
 //! attention accumulates in f32, and the loss's softmax runs in f32.
 //!

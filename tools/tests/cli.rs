@@ -3,14 +3,13 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::Command;
 
 use safetensors::tensor::{Dtype, TensorView};
 
 #[allow(dead_code)] // each command-line test file uses a part of them
 #[path = "../../tests/support/cli.rs"]
 mod cli;
-use cli::{example, refused, stderr, succeeded, temp_dir};
+use cli::{refused, succeeded, temp_dir};
 
 #[test]
 fn cp_attention_refuses_sizes_it_cannot_hold_and_bad_values() {
@@ -319,7 +318,7 @@ fn cp_attention_kernel_choice_is_checked_and_tiles_run() {
             "causal",
         ]);
         args.extend(extra);
-        Command::new(example("cp_attention"))
+        std::process::Command::new(cli::example("cp_attention"))
             .args(&args)
             .env("BURN_DCP_ATTENTION_KERNEL", kernel)
             .output()
@@ -334,14 +333,14 @@ fn cp_attention_kernel_choice_is_checked_and_tiles_run() {
     ] {
         for extra in [&[][..], &["--no-fusion"][..]] {
             let output = with_kernel(kernel, extra);
-            let text = stderr(&output);
+            let text = cli::stderr(&output);
             assert_eq!(output.status.code(), Some(2), "{kernel} {extra:?}: {text}");
             assert!(!text.contains("panicked"), "{kernel} {extra:?}: {text}");
             assert!(text.contains(expected), "{kernel} {extra:?}: {text}");
         }
     }
     let output = with_kernel("tiles", &["--json"]);
-    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(output.status.success(), "{}", cli::stderr(&output));
     let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     for (name, error) in report["max_rel_err"].as_object().unwrap() {
         assert!(error.as_f64().unwrap() <= 1e-5, "{name}: {error}");

@@ -450,7 +450,7 @@ impl TrainConfig {
     /// World ranks per virtual node (`--nodes` must divide the world).
     pub fn ranks_per_node(&self) -> Result<usize, CpError> {
         let world = self.world_size();
-        match burn_dcp::nodes::NodeMap::new(world, self.nodes) {
+        match burn_dcp::comm::nodes::NodeMap::new(world, self.nodes) {
             Ok(map) => Ok(map.ranks_per_node()),
             // The rule is NodeMap's; the message names the flag and what the world is.
             Err(_) => Err(CpError::Config(format!(

@@ -203,7 +203,8 @@ pub(crate) fn reduce_step<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTr
         extra.push((vec![id], embedding));
     }
     let started = Instant::now();
-    let span = burn_dcp::trace::span("gradient all-reduce", "sync", serde_json::Value::Null);
+    let span =
+        burn_dcp::diagnostics::trace::span("gradient all-reduce", "sync", serde_json::Value::Null);
     let mut flatten = Flatten::<CpTrain<B, C>> {
         grads: accumulator.grads(),
         flat: Vec::new(),

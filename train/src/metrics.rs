@@ -75,7 +75,7 @@ pub struct StepMetrics {
     pub peak_memory_mb: Option<Vec<f64>>,
     /// The slowest rank's wall time in communication calls and waits during the step (sends,
     /// receives, collectives — in attention, the gradient all-reduce and the engine's own
-    /// agreements; overlaps `attention_ms`), `burn_dcp::trace::comm_wait_time`.
+    /// agreements; overlaps `attention_ms`), `burn_dcp::diagnostics::trace::comm_wait_time`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_wait_ms: Option<f64>,
     /// The slowest rank's optimizer update of the step.

@@ -6,9 +6,9 @@ use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckp
 use burn::module::{AutodiffModule, ParamId};
 use burn::prelude::{Backend, Bool, Int, Tensor, TensorData};
 use burn::tensor::backend::AutodiffBackend;
+use burn_dcp::batch::shard::RankShard;
 use burn_dcp::heads::Heads;
 use burn_dcp::kernels::FlashOps;
-use burn_dcp::shard::RankShard;
 use burn_dcp::{BatchRows, CpBatch, CpError};
 use burn_dcp_models::{GptConfig, TpGpt};
 use serde::{Deserialize, Serialize};
@@ -90,7 +90,7 @@ pub enum InputRows {
 }
 
 impl InputRows {
-    /// The batch with its rows (see [`burn_dcp::rows`]).
+    /// The batch with its rows (see [`burn_dcp::batch::rows`]).
     pub fn rows_of(self, batch: CpBatch) -> Result<CpBatch, CpError> {
         match self {
             InputRows::Packed => Ok(batch),

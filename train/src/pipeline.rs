@@ -30,7 +30,7 @@ use burn_dcp::comm::{Comm, Payload, PendingSend};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{CpBatch, CpError, CpGroup};
 
-use burn_dcp::shard::RankShard;
+use burn_dcp::batch::shard::RankShard;
 
 use crate::config::{PpSchedule, Precision, Recompute};
 use crate::groups::RankGroups;

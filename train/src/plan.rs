@@ -22,9 +22,9 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 
+use burn_dcp::batch::shard::RankShard;
 use burn_dcp::kernels::{MaskSpec, MicroBatch};
 use burn_dcp::planner::dynamic::{rank_work, schedule_with, DynamicCpSchedule};
-use burn_dcp::shard::RankShard;
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::{CpError, Layout, Placement, Strategy};
 use serde::{Deserialize, Serialize};

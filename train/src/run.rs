@@ -11,8 +11,8 @@ use burn::record::Recorder;
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::attention_time;
 use burn_dcp::comm::Comm;
+use burn_dcp::diagnostics::trace::comm_wait_time;
 use burn_dcp::kernels::FlashOps;
-use burn_dcp::trace::comm_wait_time;
 use burn_dcp::CpError;
 use burn_dcp_models::TpGpt;
 
@@ -132,7 +132,7 @@ impl Trainer<'_> {
         check_checkpoint_strategy::<C>(config.recompute)?;
         check_precision::<B>(config.precision, device)?;
         // Every call times its waits (`comm_wait_ms`) and, in a trace, is a span.
-        let world = burn_dcp::trace::TracedComm::wrap(world);
+        let world = burn_dcp::diagnostics::trace::TracedComm::wrap(world);
         let groups = RankGroups::new(world, config)?;
         let (tp_rank, pp_rank) = (groups.tp.comm.rank(), groups.mesh.pp.rank());
         let mut model = init(&ModelInit {
@@ -371,7 +371,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
         let world = &self.groups.mesh.world;
         let mut metrics = Vec::new();
         for step in first..=self.config.steps {
-            let step_trace = burn_dcp::trace::StepTrace::open(step);
+            let step_trace = burn_dcp::diagnostics::trace::StepTrace::open(step);
             let started = Instant::now();
             world.barrier()?;
             let stats_before = world.stats();
@@ -391,7 +391,11 @@ impl<B: FlashOps> StepLoop<'_, B> {
                 self.device,
             )?;
             let optimizer_started = Instant::now();
-            let span = burn_dcp::trace::span("optimizer", "optimizer", serde_json::Value::Null);
+            let span = burn_dcp::diagnostics::trace::span(
+                "optimizer",
+                "optimizer",
+                serde_json::Value::Null,
+            );
             model = optimizer.step(self.config.learning_rate, model, result.grads);
             drop(span);
             let optimizer_ms = optimizer_started.elapsed().as_secs_f64() * 1e3;

@@ -154,8 +154,12 @@ pub(crate) fn check_stages_agree(pp: &Comm, plan: &StepPlan) -> Result<(), CpErr
 }
 
 /// The trace span of this rank's `pass` of its micro-batch in sub-step `unit`.
-fn micro_batch_span(unit: usize, pass: &str, planned: &PlannedBatch) -> burn_dcp::trace::Span {
-    burn_dcp::trace::span(
+fn micro_batch_span(
+    unit: usize,
+    pass: &str,
+    planned: &PlannedBatch,
+) -> burn_dcp::diagnostics::trace::Span {
+    burn_dcp::diagnostics::trace::span(
         format_args!("micro-batch {unit} {pass}"),
         "compute",
         serde_json::json!({"strategy": planned.strategy.to_string(), "ranks": [planned.ranks.start, planned.ranks.end]}),
@@ -179,7 +183,7 @@ pub(crate) struct StepBytes {
     /// After [`summed`](Self::summed): every rank's, in world order.
     #[serde(default)]
     pub(crate) peak_memory_per_rank: Vec<Option<f64>>,
-    /// The rank's time in communication calls and waits ([`burn_dcp::trace::comm_wait_time`]);
+    /// The rank's time in communication calls and waits ([`burn_dcp::diagnostics::trace::comm_wait_time`]);
     /// [`summed`](Self::summed) keeps the max.
     #[serde(default)]
     pub(crate) comm_wait_ms: f64,

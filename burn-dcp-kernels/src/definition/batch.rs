@@ -3,7 +3,7 @@
 //!
 //! The datasets crate packs documents into [`MicroBatch`]es; training takes a step's micro-batches
 //! as they are (static CP) or regroups their sequences ([`MicroBatch::gather`], dynamic CP); a
-//! placement then says which tokens each rank of a CP group holds, and `burn_dcp::shard` cuts the
+//! placement then says which tokens each rank of a CP group holds, and `burn_dcp::batch::shard` cuts the
 //! rank's shard out of the micro-batch. It lives here, with the masks and segments it refers to,
 //! so that the datasets and the CP library share it without depending on each other.
 

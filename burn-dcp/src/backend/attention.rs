@@ -3,7 +3,7 @@
 //! burn calls `attention(q, k, v, mask, bias, options)` with `q [batch, heads, seq, dim]` and
 //! `k`/`v [batch, kv_heads, seq, dim]` (`heads % kv_heads == 0`: grouped-query heads are taken as
 //! they are, and the strategies move only the real kv heads). Under a CP context `seq` is this
-//! rank's tokens: without [`BatchRows`](crate::rows::BatchRows) in the context, one packed row
+//! rank's tokens: without [`BatchRows`](crate::batch::rows::BatchRows) in the context, one packed row
 //! (`batch` 1) in the placement's order; with them, `batch` rows, each holding the rank's tokens
 //! of that row's sequences first and padding after (gathered into the packed order and scattered
 //! back, padding gets zeros). The masks come from the context (per sequence, on global
@@ -31,9 +31,9 @@ use burn_dcp_kernels::{FlashOps, FlashOutput, MaskSpec};
 
 use crate::backend::context::{intercept, CpContext};
 use crate::backend::timing::timed;
+use crate::batch::rows::LocalRows;
 use crate::error::CpError;
 use crate::nn::exact_reshape;
-use crate::rows::LocalRows;
 use crate::strategy::{cp_attention_backward, cp_attention_forward, BackwardInputs};
 
 /// Backends `ContextParallel` can wrap: they know how to run CP attention on their primitives.

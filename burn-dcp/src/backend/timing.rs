@@ -22,13 +22,13 @@ pub fn attention_time() -> Duration {
 }
 
 /// Runs `work` (the `pass` of a CP attention call of `strategy`), adding its wall time to this
-/// thread's attention time, as a span `attention <pass>` of the trace ([`crate::trace`]).
+/// thread's attention time, as a span `attention <pass>` of the trace ([`crate::diagnostics::trace`]).
 pub(crate) fn timed<T>(
     pass: &str,
     strategy: &impl std::fmt::Display,
     work: impl FnOnce() -> T,
 ) -> T {
-    let _span = crate::trace::span(
+    let _span = crate::diagnostics::trace::span(
         format_args!("attention {pass}"),
         "attention",
         serde_json::json!({"strategy": strategy.to_string()}),

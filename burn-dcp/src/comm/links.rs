@@ -27,7 +27,7 @@
 use std::time::{Duration, Instant};
 
 use super::CommError;
-use crate::nodes::NodeMap;
+use crate::comm::nodes::NodeMap;
 use crate::planner::topology::Topology;
 
 /// Link speeds of an emulated cluster (already scaled to the compute they sit beside).

@@ -20,6 +20,7 @@ pub mod links;
 pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod nodes;
 pub mod payload;
 mod pending;
 mod stats;

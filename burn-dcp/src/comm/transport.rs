@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use burn::tensor::TensorData;
 
 use crate::comm::common::Accounting;
+use crate::comm::nodes::NodeMap;
 use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};
-use crate::nodes::NodeMap;
 
 /// The ordered stream between two ranks of a group that a message travels on: point-to-point,
 /// collective and control traffic never mix, so a collective cannot take a message a ring step

@@ -44,7 +44,7 @@ impl PositionalEncodingConfig {
 ///
 /// Without a CP context it equals burn-nn's module (token `t` of each row at position `t`).
 /// Under a CP context each of this rank's tokens gets the sinusoid of its **global** position in
-/// its sequence (see [`crate::rows`]).
+/// its sequence (see [`crate::batch::rows`]).
 #[derive(Module, Debug)]
 pub struct PositionalEncoding<B: Backend> {
     /// The sinusoids used to add positional information to the input embeddings.

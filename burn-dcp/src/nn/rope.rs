@@ -57,7 +57,7 @@ impl RotaryEncodingConfig {
 /// Without a CP context it equals burn-nn's module: the `seq_len` tokens of the input are at
 /// positions `start .. start + seq_len`. Under a CP context ([`crate::backend::set_context`]) the
 /// input's tokens are this rank's share of the batch (`[B, …, W, d_model]`, see
-/// [`crate::rows`]), and each is rotated by its **global** position in its sequence (plus
+/// [`crate::batch::rows`]), and each is rotated by its **global** position in its sequence (plus
 /// `start`) — what burn-nn's module gets wrong on every rank but the first.
 #[derive(Module, Debug)]
 pub struct RotaryEncoding<B: Backend> {

@@ -5,7 +5,7 @@
 //! needs it. Every strategy routes its own way (ring: hop by hop; DCP and all-to-all: directly,
 //! one copy per remote node then forwarded inside the node), so the same evaluator measures all.
 //!
-//! **Bytes moved per block** follow the one byte model, [`crate::bytes`] (per token and head unit:
+//! **Bytes moved per block** follow the one byte model, [`crate::planner::bytes`] (per token and head unit:
 //! `q` = query heads × D × element bytes, `kv` = 2 × kv heads × D × element bytes, `o` = q + 4
 //! bytes of LSE per query head, `dout` = q).
 //!
@@ -35,10 +35,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::bytes::TokenBytes;
-pub use crate::bytes::{Pass, Side};
 use crate::error::CpError;
 use crate::heads::{HeadParts, HeadSplitError, Heads};
+use crate::planner::bytes::TokenBytes;
+pub use crate::planner::bytes::{Pass, Side};
 use crate::planner::hypergraph::FastMap;
 use crate::planner::plan::{BlockProblem, DataKind, Plan, TileGrid};
 pub use crate::planner::topology::BACKWARD_FLOPS_FACTOR;

@@ -37,8 +37,8 @@
 
 use std::ops::Range;
 
+use crate::batch::layout::Layout;
 use crate::error::CpError;
-use crate::layout::Layout;
 
 /// Settings of the dynamic CP scheduler.
 #[derive(Clone, Debug, PartialEq)]

@@ -11,7 +11,7 @@
 //!   placement), `stages` (stage schedule).
 //! - `strategies`: ring-zigzag, Ulysses, USP, all-gather, Megatron-dynamic and DCP as block plans
 //!   with their communication.
-//! - `cost`: the byte model of `crate::bytes` per head unit (`hop_bytes`), routing (`routes`), bytes per link class, balance and
+//! - `cost`: the byte model of `crate::planner::bytes` per head unit (`hop_bytes`), routing (`routes`), bytes per link class, balance and
 //!   estimated attention time of a plan.
 //! - `auto`: the per-micro-batch choice of `--strategy auto` (lowest estimated time).
 //!
@@ -19,6 +19,7 @@
 //! strategies' plans describe what the static strategies do.
 
 pub mod auto;
+pub mod bytes;
 pub mod cost;
 pub mod dcp;
 pub mod dynamic;

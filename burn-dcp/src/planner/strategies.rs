@@ -23,9 +23,9 @@
 
 use burn_dcp_kernels::{mask_of, MaskSpec};
 
+use crate::batch::layout::Layout;
 use crate::error::CpError;
 use crate::heads::HeadParts;
-use crate::layout::Layout;
 use crate::planner::cost::{AttentionDims, Pass, Ready, RoutedPlan, Transfer, UnitSizes, POST};
 use crate::planner::dcp::{dcp_plan, DcpConfig};
 use crate::planner::dynamic::{schedule_with, DynamicCpConfig, DynamicCpSchedule};

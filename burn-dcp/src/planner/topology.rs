@@ -90,7 +90,7 @@ impl Topology {
     /// A preset's links and devices with `ranks` ranks spread evenly over `nodes` nodes
     /// (`nodes` must divide `ranks`), as the in-process world maps ranks to virtual nodes.
     pub fn for_ranks(name: &str, nodes: usize, ranks: usize) -> Result<Self, CpError> {
-        crate::nodes::NodeMap::new(ranks, nodes)?;
+        crate::comm::nodes::NodeMap::new(ranks, nodes)?;
         let topology = Self {
             devices_per_node: ranks / nodes,
             ..Self::preset(name, nodes)?
@@ -134,8 +134,8 @@ impl Topology {
     }
 
     /// Its ranks as nodes of consecutive ranks.
-    pub fn node_map(&self) -> crate::nodes::NodeMap {
-        crate::nodes::NodeMap::uniform(self.nodes, self.devices_per_node)
+    pub fn node_map(&self) -> crate::comm::nodes::NodeMap {
+        crate::comm::nodes::NodeMap::uniform(self.nodes, self.devices_per_node)
     }
 
     pub fn node_of(&self, rank: usize) -> usize {

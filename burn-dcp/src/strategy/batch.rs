@@ -6,9 +6,9 @@ use std::sync::Arc;
 use burn::prelude::Tensor;
 use burn_dcp_kernels::{FlashOps, MaskSpec, Segment, VarlenAttention};
 
+use crate::batch::placement::Placement;
+use crate::batch::rows::{BatchRows, LocalRows};
 use crate::error::CpError;
-use crate::placement::Placement;
-use crate::rows::{BatchRows, LocalRows};
 use crate::strategy::block_plan::BlockSchedule;
 
 /// What a micro-batch's attention needs besides the tensors: where tokens live, the masks, the
@@ -38,7 +38,7 @@ impl CpBatch {
         }
     }
 
-    /// The micro-batch as the rows of `[B, S, …]` batches (see [`crate::rows`]): checks that the
+    /// The micro-batch as the rows of `[B, S, …]` batches (see [`crate::batch::rows`]): checks that the
     /// rows hold every sequence.
     pub fn with_rows(mut self, rows: BatchRows) -> Result<Self, CpError> {
         rows.local(&self.placement, 0)?;

@@ -40,11 +40,11 @@ use std::fmt;
 
 use burn_dcp_kernels::Segment;
 
-use crate::bytes::RankVolume;
+use crate::batch::placement::Placement;
+use crate::comm::nodes::NodeMap;
 use crate::comm::LinkBytes;
 use crate::error::CpError;
-use crate::nodes::NodeMap;
-use crate::placement::Placement;
+use crate::planner::bytes::RankVolume;
 use crate::planner::cost::unit_moves;
 use crate::planner::cost::{
     route_transfers, routes, AttentionDims, Hop, Pass, Route, Side, Transfer,

@@ -34,7 +34,7 @@ pub trait AttentionStrategy {
 }
 
 /// Context-parallel attention forward on this rank's shard: `q [T, H, D]`, `k`/`v [T, K, D]`
-/// (this rank's tokens in [`Placement`](crate::placement::Placement) order) → `out [T, H, Dv]`, `lse [H, T]`.
+/// (this rank's tokens in [`Placement`](crate::batch::placement::Placement) order) → `out [T, H, Dv]`, `lse [H, T]`.
 ///
 /// A collective call: every rank of the group calls it with the same configuration. The ranks
 /// first agree on the configuration (see `agreement`): invalid inputs on any rank, or ranks that

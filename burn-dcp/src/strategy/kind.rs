@@ -3,7 +3,7 @@
 //! `auto`'s candidates and `strategy_counts`, the engine's metrics and checkpoints all name a
 //! strategy through [`StrategyKind`].
 //!
-//! Two spellings differ on purpose, each where a peer defined it: the plan format (issue 6's
+//! Two spellings differ on purpose, each where a peer defined it: the plan format (
 //! `plan_sim --strategies …,megatron-dynamic,…` and its JSON) calls dynamic CP
 //! `megatron-dynamic` ([`StrategyKind::plan_name`]); training and `auto` call it `dynamic`
 //! ([`StrategyKind::name`]).
@@ -13,8 +13,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::batch::layout::Layout;
 use crate::error::CpError;
-use crate::layout::Layout;
 use crate::strategy::Strategy;
 
 /// What a CP strategy is, by name: the static strategies (ring with its layout, which its name

@@ -9,7 +9,7 @@
 //! | USP        | `usp.rs`        | Ulysses inside, ring outside (2D mesh) |
 //! | DCP        | `dcp.rs`, `block_plan.rs` | a planner's block plan: each block once to each rank that needs it, results home |
 //!
-//! Every strategy works with every [`Placement`](crate::placement::Placement) — a static layout's or a planner's: tokens are
+//! Every strategy works with every [`Placement`](crate::batch::placement::Placement) — a static layout's or a planner's: tokens are
 //! described by (sequence, position) segments, so the kernels apply masks on global positions
 //! whatever the placement. The placement decides balance (zigzag balances causal work), not
 //! correctness.

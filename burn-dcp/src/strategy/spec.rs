@@ -2,10 +2,10 @@
 
 use std::fmt;
 
+use crate::batch::layout::Layout;
 use crate::comm::Comm;
 use crate::error::CpError;
 use crate::heads::{HeadParts, Heads};
-use crate::layout::Layout;
 use crate::strategy::StrategyKind;
 
 /// Which algorithm computes attention across the CP group.

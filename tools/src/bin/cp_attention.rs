@@ -35,10 +35,11 @@ use burn::backend::Flex;
 use burn::tensor::{DType, TensorData};
 use burn_dcp::comm::LinkEmulation;
 use burn_dcp::comm::{LinkBytes, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
-use burn_dcp::harness::{
+use burn_dcp::diagnostics::harness::{
     max_rel_err, run_context_parallel_on, run_context_parallel_with_links, run_single_device_in,
     PackedInputs, PackedOutputs, RunReport, RunSpec,
 };
+use burn_dcp::diagnostics::volume::{analytic_volume, VolumeShape};
 use burn_dcp::kernels::{validate_cu_seqlens, validate_scale, MaskSpec};
 use burn_dcp::planner::cost::{evaluate_with, AttentionDims, Pass, RoutedPlan};
 use burn_dcp::planner::dcp::{dcp_execution_plan, DcpConfig};
@@ -46,7 +47,6 @@ use burn_dcp::planner::plan::{tile_grids, BlockProblem};
 use burn_dcp::planner::strategies::{executed_plan, PlanInput};
 use burn_dcp::planner::topology::Topology;
 use burn_dcp::strategy::block_plan::BlockSchedule;
-use burn_dcp::volume::{analytic_volume, VolumeShape};
 use burn_dcp::{CpError, Layout, Placement, Strategy};
 #[cfg(feature = "wgpu")]
 use burn_dcp_kernels::backends::{WgpuFusion, WgpuPlain};

@@ -7,9 +7,9 @@ use std::sync::{Condvar, Mutex, MutexGuard, Once};
 use std::time::{Duration, Instant};
 
 use crate::comm::links::LinkClock;
+use crate::comm::nodes::NodeMap;
 use crate::comm::transport::Channel;
 use crate::comm::{panic_message, CommError, CommStats, Fault, FaultKind, Payload};
-use crate::nodes::NodeMap;
 
 /// The most ranks an in-process world may have (one thread each).
 pub const MAX_IN_PROCESS_RANKS: usize = 1024;

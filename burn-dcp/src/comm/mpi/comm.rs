@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use mpi::ffi;
 
 use super::messages::{encode, RecvHandle, SendHandle};
-use super::world::{abort_job, mpi_lock, Posted, RawComm, Shared};
+use super::state::{abort_job, mpi_lock, Posted, RawComm, Shared};
 use crate::comm::collectives::agree_split;
 use crate::comm::transport::{Channel, Group, LinkCounters, Traffic, Transport};
 use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};

@@ -9,7 +9,7 @@ use std::time::Instant;
 use burn::tensor::{DType, TensorData};
 use mpi::ffi;
 
-use super::world::{mpi_lock, Backoff, Posted, Shared};
+use super::state::{mpi_lock, Backoff, Posted, Shared};
 use crate::comm::common::{check_envelope, frame, host_data, unframe, WireError};
 use crate::comm::transport::Received;
 use crate::comm::{CommError, Payload};

@@ -34,6 +34,7 @@
 
 mod comm;
 mod messages;
+mod state;
 mod world;
 
 pub use comm::MpiComm;

@@ -4,16 +4,15 @@
 use std::ffi::{c_int, c_void};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
 
 use mpi::ffi;
 
 use super::comm::MpiComm;
-use crate::comm::common::{check_timeout, WireError};
+use super::state::{abort_job, mpi_lock, RawComm, Shared, SHARED};
+use crate::comm::common::check_timeout;
 use crate::comm::transport::{Channel, Group};
 use crate::comm::{Comm, CommError, CommStats, WorldConfig};
-use crate::nodes::NodeMap;
 
 /// Environment variables set by MPI launchers for each rank they start: OpenMPI's `mpirun`,
 /// PMIx (`srun --mpi=pmix`, OpenMPI 5), PMI-1/2 (MPICH's hydra, `srun --mpi=pmi2`), MVAPICH.
@@ -24,135 +23,6 @@ pub const LAUNCHER_VARIABLES: [&str; 5] = [
     "PMI_RANK",
     "MV2_COMM_WORLD_SIZE",
 ];
-
-/// Every MPI call of the process is made under this lock (see the module docs).
-pub(super) static MPI_LOCK: Mutex<()> = Mutex::new(());
-/// The process's world, once initialised (MPI can be initialised once per process).
-pub(super) static SHARED: OnceLock<Arc<Shared>> = OnceLock::new();
-
-pub(super) fn mpi_lock() -> MutexGuard<'static, ()> {
-    MPI_LOCK.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A raw MPI communicator handle (a pointer under OpenMPI), used only under [`MPI_LOCK`].
-#[derive(Clone, Copy)]
-pub(super) struct RawComm(pub(super) ffi::MPI_Comm);
-// SAFETY: the handle is only passed to MPI calls made under `MPI_LOCK`, with the library
-// initialised for at least `MPI_THREAD_SERIALIZED`.
-unsafe impl Send for RawComm {}
-// SAFETY: as `Send`: shared references only hand the handle to calls under `MPI_LOCK`.
-unsafe impl Sync for RawComm {}
-
-/// What every communicator of the process shares: this process is one rank.
-pub(super) struct Shared {
-    pub(super) config: WorldConfig,
-    pub(super) nodes: NodeMap,
-    pub(super) rank: usize,
-    size: usize,
-    pub(super) stats: Mutex<CommStats>,
-    /// Receives posted and not yet matched, matched by [`Shared::progress`].
-    pub(super) posted: Mutex<Vec<Arc<Posted>>>,
-    /// Sequence numbers wrap at this bound (tags are `seq % bound * Channel::COUNT + channel`).
-    pub(super) seq_bound: u64,
-    /// Set once the job is being aborted or MPI finalised: no further MPI calls.
-    pub(super) closed: AtomicBool,
-}
-
-impl Shared {
-    /// Matches every posted receive whose message has arrived (`MPI_Improbe` + `MPI_Mrecv`).
-    pub(super) fn progress(&self) {
-        let mut posted = self.posted.lock().unwrap_or_else(|p| p.into_inner());
-        if posted.is_empty() || self.closed.load(Ordering::SeqCst) {
-            return;
-        }
-        let _mpi = mpi_lock();
-        posted.retain(|p| !p.try_match());
-    }
-
-    pub(super) fn unpost(&self, which: &Arc<Posted>) {
-        let mut posted = self.posted.lock().unwrap_or_else(|p| p.into_inner());
-        posted.retain(|p| !Arc::ptr_eq(p, which));
-    }
-}
-
-/// A receive posted on (communicator, source, tag); `slot` holds the message once matched.
-pub(super) struct Posted {
-    pub(super) comm: RawComm,
-    pub(super) source: c_int,
-    pub(super) tag: c_int,
-    pub(super) slot: Mutex<Option<Result<Vec<u8>, WireError>>>,
-}
-
-impl Posted {
-    /// Under `MPI_LOCK`: takes the message in if it has arrived; whether it did.
-    fn try_match(&self) -> bool {
-        let mut flag: c_int = 0;
-        // SAFETY: plain MPI calls on a live communicator, under MPI_LOCK; the status and message
-        // are written by MPI.
-        unsafe {
-            let mut message: ffi::MPI_Message = ffi::RSMPI_MESSAGE_NULL;
-            let mut status: ffi::MPI_Status = std::mem::zeroed();
-            let code = ffi::MPI_Improbe(
-                self.source,
-                self.tag,
-                self.comm.0,
-                &mut flag,
-                &mut message,
-                &mut status,
-            );
-            let result = if code != 0 {
-                Some(Err(WireError::Receive(format!(
-                    "MPI_Improbe failed with error code {code}"
-                ))))
-            } else if flag == 0 {
-                None
-            } else {
-                let mut count: c_int = 0;
-                ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut count);
-                let mut buffer = vec![0u8; count.max(0) as usize];
-                let code = ffi::MPI_Mrecv(
-                    buffer.as_mut_ptr() as *mut c_void,
-                    count,
-                    ffi::RSMPI_UINT8_T,
-                    &mut message,
-                    ffi::RSMPI_STATUS_IGNORE,
-                );
-                Some(match code {
-                    0 => Ok(buffer),
-                    _ => Err(WireError::Receive(format!(
-                        "MPI_Mrecv failed with error code {code}"
-                    ))),
-                })
-            };
-            match result {
-                Some(result) => {
-                    *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
-                    true
-                }
-                None => false,
-            }
-        }
-    }
-
-    pub(super) fn take(&self) -> Option<Result<Vec<u8>, WireError>> {
-        self.slot.lock().unwrap_or_else(|p| p.into_inner()).take()
-    }
-}
-
-/// Polls with a short spin, then sleeps growing to 1 ms (ranks may outnumber cores).
-pub(super) struct Backoff(pub(super) u32);
-
-impl Backoff {
-    pub(super) fn pause(&mut self) {
-        self.0 += 1;
-        if self.0 < 64 {
-            std::thread::yield_now();
-        } else {
-            let micros = (self.0 as u64 - 63).min(50) * 20;
-            std::thread::sleep(Duration::from_micros(micros));
-        }
-    }
-}
 
 /// This process's rank of an MPI job: initialises MPI, gives the world communicator, and
 /// finalises MPI when dropped.
@@ -307,18 +177,4 @@ impl Drop for MpiWorld {
             }
         }
     }
-}
-
-/// Prints `message` for world rank `rank` and aborts the job; never returns.
-pub(super) fn abort_job(rank: usize, message: &str) -> ! {
-    log::error!("rank {rank} aborts the MPI job: {message}");
-    if let Some(shared) = SHARED.get() {
-        shared.closed.store(true, Ordering::SeqCst);
-    }
-    // The lock is not taken: another thread may hold it in a poll, and the job ends anyway.
-    // SAFETY: MPI_Abort on the world communicator of an initialised MPI.
-    unsafe {
-        ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1);
-    }
-    std::process::exit(1)
 }

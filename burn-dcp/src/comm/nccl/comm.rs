@@ -16,7 +16,7 @@ use cubecl::Runtime;
 use cudarc::driver::{sys as cuda_sys, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
-use super::world::{decode, encode, nccl_error, CudaTensor, Header, RawNccl, Shared};
+use super::state::{decode, encode, nccl_error, CudaTensor, Header, RawNccl, Shared};
 use crate::comm::common::Accounting;
 use crate::comm::transport::Group;
 use crate::comm::{Comm, CommError, Payload, PendingRecv, PendingSend};

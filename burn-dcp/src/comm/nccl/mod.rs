@@ -30,6 +30,7 @@
 //! locally in rank order), so a run computes what the in-process and MPI runs compute.
 
 mod comm;
+mod state;
 mod transport;
 mod world;
 

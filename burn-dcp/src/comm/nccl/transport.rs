@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use super::comm::{Incoming, NcclComm};
-use super::world::{nccl_error, RawNccl};
+use super::state::{nccl_error, RawNccl};
 use crate::comm::transport::{Channel, Group, Received, Traffic, Transport};
 use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};
 

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use burn::tensor::DType;
 
 use crate::comm::common::unframe;
+use crate::comm::nodes::NodeMap;
 use crate::comm::{CommStats, WorldConfig};
-use crate::nodes::NodeMap;
 
 /// No frame is larger than this (a corrupt length must not allocate the machine's memory).
 pub(super) const MAX_FRAME: u64 = 1 << 40;

@@ -14,8 +14,8 @@
 
 use burn::prelude::{Backend, Bool, Int, Tensor, TensorData};
 
+use crate::batch::placement::Placement;
 use crate::error::CpError;
-use crate::placement::Placement;
 
 /// Which sequences of the micro-batch each row of a `[B, S, …]` batch holds (consecutive
 /// sequences, in order: row 0 the first `seqs_per_row[0]`, row 1 the next, …).
@@ -291,7 +291,7 @@ impl LocalRows {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::Layout;
+    use crate::batch::layout::Layout;
 
     #[test]
     fn padded_rows_cover_every_token_once_with_global_positions() {

@@ -1,5 +1,5 @@
 //! The static layouts: how each sequence of a packed micro-batch is cut over the ranks of a CP
-//! group (each is a special case of a [`Placement`](crate::placement::Placement)).
+//! group (each is a special case of a [`Placement`](crate::batch::placement::Placement)).
 //!
 //! Every sequence is split over the `cp` ranks independently, so a packed micro-batch of ragged
 //! sequences needs no padding: a sequence shorter than `cp` simply leaves some ranks without tokens
@@ -108,7 +108,7 @@ pub(crate) fn rank_segments(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::placement::Placement;
+    use crate::batch::placement::Placement;
 
     #[test]
     fn max_rank_tokens_is_the_largest_shard() {

@@ -8,11 +8,11 @@ use burn::prelude::Tensor;
 use burn::tensor::{DType, TensorData};
 use burn_dcp_kernels::{FlashOps, MaskSpec, VarlenAttention};
 
+use crate::batch::layout::Layout;
+use crate::batch::placement::Placement;
+use crate::batch::shard::scatter_rows;
 use crate::comm::{Comm, CommStats, InProcessWorld, LinkEmulation, WorldConfig};
 use crate::error::CpError;
-use crate::layout::Layout;
-use crate::placement::Placement;
-use crate::shard::scatter_rows;
 use crate::strategy::block_plan::BlockSchedule;
 use crate::strategy::{
     cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy,
@@ -310,7 +310,7 @@ pub fn run_context_parallel_on<B: FlashOps>(
 fn prepare(inputs: &PackedInputs, spec: &RunSpec) -> Result<CpBatch, CpError> {
     inputs.validate()?;
     spec.strategy.validate_mesh(spec.cp)?;
-    crate::nodes::NodeMap::new(spec.cp, spec.nodes)?;
+    crate::comm::nodes::NodeMap::new(spec.cp, spec.nodes)?;
     spec.strategy
         .validate_heads(inputs.heads, inputs.kv_heads, spec.cp)?;
     let mut batch = match &spec.blocks {

@@ -18,14 +18,14 @@
 //!   token counts) plus the ring formulas across the ring group, whose member `g` holds
 //!   `T_g = Σ_u T_{g,u}` tokens with `Hs = H/U` heads and `K_u` kv heads.
 //!
-//! Each term is a per-token size of the one byte model ([`crate::bytes::TokenBytes::hop`], the
+//! Each term is a per-token size of the one byte model ([`crate::planner::bytes::TokenBytes::hop`], the
 //! planner's too) times a token count. The all-to-alls of Ulysses move exactly the tensors, nothing
 //! else; ring steps that are skipped
 //! for lack of unmasked work still pass their block on (the next rank may need it).
 
-pub use crate::bytes::RankVolume;
-use crate::bytes::{Pass, Side, TokenBytes};
-use crate::placement::Placement;
+use crate::batch::placement::Placement;
+pub use crate::planner::bytes::RankVolume;
+use crate::planner::bytes::{Pass, Side, TokenBytes};
 use crate::strategy::ulysses::HeadSplit;
 use crate::strategy::Strategy;
 

@@ -8,8 +8,8 @@
 
 use burn_dcp_kernels::MicroBatch;
 
+use crate::batch::placement::Placement;
 use crate::error::CpError;
-use crate::placement::Placement;
 
 /// One rank's share of a micro-batch, ready for the model (`i64`, burn's int element).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,7 +83,7 @@ pub fn scatter_rows(full: &mut [f32], width: usize, indices: &[usize], rows: &[f
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::Layout;
+    use crate::batch::layout::Layout;
     use burn_dcp_kernels::MaskSpec;
 
     #[test]

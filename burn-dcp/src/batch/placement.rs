@@ -13,8 +13,8 @@ use std::hash::{Hash, Hasher};
 
 use burn_dcp_kernels::Segment;
 
+use crate::batch::layout::{rank_segments, Layout};
 use crate::error::CpError;
-use crate::layout::{rank_segments, Layout};
 
 /// What built a placement (for messages and the ranks' agreement).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
