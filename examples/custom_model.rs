@@ -178,7 +178,7 @@ fn loss_sum<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int>) -> Tens
 impl TrainModel<B> for CausalLm<B> {
     const INPUT_ROWS: InputRows = InputRows::OnePerSequence;
 
-    fn loss_sum(&self, input: ShardInput<B>, _tp: &TpGroup) -> Result<Tensor<B, 1>, String> {
+    fn loss_sum(&self, input: ShardInput<B>, _tp: &TpGroup) -> Result<Tensor<B, 1>, TrainError> {
         let x = self.embedding.forward(input.tokens);
         let x = self.encoder.forward(
             TransformerEncoderInput::new(x)
@@ -196,7 +196,7 @@ impl TrainModel<B> for CausalLm<B> {
 impl TrainModel<B> for BurnNnLm<B> {
     const INPUT_ROWS: InputRows = InputRows::OnePerSequence;
 
-    fn loss_sum(&self, input: ShardInput<B>, _tp: &TpGroup) -> Result<Tensor<B, 1>, String> {
+    fn loss_sum(&self, input: ShardInput<B>, _tp: &TpGroup) -> Result<Tensor<B, 1>, TrainError> {
         let [rows, width] = input.tokens.dims();
         let device = input.tokens.device();
         let causal = burn::nn::attention::generate_autoregressive_mask(rows, width, &device);

@@ -501,16 +501,6 @@ pub(crate) fn gpt_of_shape(shape: &ModelShape) -> GptConfig {
     .with_tied_embeddings(shape.tied_embeddings)
 }
 
-/// A static strategy's name in `strategy_counts`: ring with its layout (`ring-zigzag`), the
-/// others by name (`usp` without its degrees).
-#[deprecated(
-    since = "0.1.0",
-    note = "use StrategyKind::of(strategy, layout).name()"
-)]
-pub fn static_strategy_name(strategy: Strategy, layout: Layout) -> String {
-    StrategyKind::of(strategy, layout).name().into()
-}
-
 /// Auto's candidates' names, comma-separated.
 fn candidate_names() -> String {
     StrategyKind::names(&StrategyKind::ALL)

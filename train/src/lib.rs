@@ -31,6 +31,7 @@ mod data;
 pub mod dynamic;
 pub mod error;
 pub mod flags;
+mod gpt;
 mod gradients;
 pub mod groups;
 pub mod launch;
@@ -50,8 +51,6 @@ pub use checkpoint::{
     check_resume, checkpoint_dir, read_json, saved_checkpoint, write_atomically, write_json,
     TrainState,
 };
-#[allow(deprecated)]
-pub use config::static_strategy_name;
 pub use config::{
     AutoSettings, DcpSettings, EmulatedLinks, PpSchedule, Precision, Recompute, TrainConfig,
     DEFAULT_PLAN_AHEAD, MAX_MICRO_BATCHES, MAX_PLAN_AHEAD, MAX_SEQ_LEN,
@@ -60,6 +59,7 @@ pub use data::{builtin_documents, TrainData};
 pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
 pub use error::TrainError;
 pub use flags::TrainFlags;
+pub use gpt::{init_model, train_rank, TrainGpt};
 pub use gradients::{all_reduce_grads, gradient_values, GRADIENT_BUCKET_BYTES};
 pub use groups::RankGroups;
 pub use metrics::{Progress, StepMetrics, StepObserver};
@@ -69,6 +69,6 @@ pub use model::{
 pub use plan::{AutoRecord, PlannedBatch, RankWork, ScheduleStats, StepPlan, StepSequences};
 pub use planning::{plan_auto, plan_input, plan_step};
 pub use predict::{plan_step_predicted, Predictor};
-pub use run::{init_model, train_rank, ModelInit, RankOutcome, TrainBackend, TrainGpt, Trainer};
+pub use run::{ModelInit, RankOutcome, TrainBackend, Trainer};
 pub use step::{rank_peak_memory_mb, step_gradients, step_gradients_planned, StepResult, AXES};
 pub use tensor_parallel::TpGroup;

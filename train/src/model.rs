@@ -2,17 +2,16 @@
 //! tensor- and pipeline-parallel hooks) and [`ModelShape`] (the sizes the planners and the cost
 //! model use). The GPT of `burn-dcp-models` implements both; any burn model can.
 
-use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::module::{AutodiffModule, ParamId};
 use burn::prelude::{Backend, Bool, Int, Tensor, TensorData};
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::batch::shard::RankShard;
 use burn_dcp::heads::Heads;
-use burn_dcp::kernels::FlashOps;
 use burn_dcp::{BatchRows, CpBatch, CpError};
-use burn_dcp_models::{GptConfig, TpGpt};
 use serde::{Deserialize, Serialize};
 
+use crate::error::TrainError;
 use crate::tensor_parallel::TpGroup;
 
 /// The training backend over an inner backend `B` (burn Flex on the CPU, or a cubecl backend with
@@ -62,20 +61,6 @@ impl ModelShape {
             return Err("a model needs at least one layer".into());
         }
         Ok(())
-    }
-}
-
-impl From<&GptConfig> for ModelShape {
-    fn from(config: &GptConfig) -> Self {
-        Self {
-            vocab_size: config.vocab_size,
-            d_model: config.d_model,
-            n_layers: config.n_layers,
-            n_heads: config.n_heads,
-            n_kv_heads: config.n_kv_heads,
-            d_ff: config.d_ff,
-            tied_embeddings: config.tied_embeddings,
-        }
     }
 }
 
@@ -154,8 +139,9 @@ pub trait TrainModel<B: AutodiffBackend>: AutodiffModule<B> {
     const INPUT_ROWS: InputRows = InputRows::Packed;
 
     /// Sum of the loss over the labelled tokens of `input` (labels ≥ 0) as a `[1]` tensor. `tp`
-    /// is the rank's tensor-parallel group (size 1 unless [`Self::tensor_parallel`]).
-    fn loss_sum(&self, input: ShardInput<B>, tp: &TpGroup) -> Result<Tensor<B, 1>, String>;
+    /// is the rank's tensor-parallel group (size 1 unless [`Self::tensor_parallel`]). A model's
+    /// own rule is a [`TrainError::Model`]; CP and communication errors convert with `?`.
+    fn loss_sum(&self, input: ShardInput<B>, tp: &TpGroup) -> Result<Tensor<B, 1>, TrainError>;
 
     /// Whether the model shards itself over a TP group (the engine refuses `tp > 1` otherwise).
     fn tensor_parallel(&self) -> bool {
@@ -186,14 +172,14 @@ pub trait PipelineStage<B: Backend> {
     /// The width `d` of the hidden states sent between stages.
     fn hidden_size(&self) -> usize;
     /// First stage: the tokens' embeddings.
-    fn embed(&self, tokens: Tensor<B, 1, Int>, tp: &TpGroup) -> Result<Tensor<B, 3>, String>;
+    fn embed(&self, tokens: Tensor<B, 1, Int>, tp: &TpGroup) -> Result<Tensor<B, 3>, TrainError>;
     /// This stage's layers.
     fn forward_hidden(
         &self,
         x: Tensor<B, 3>,
         positions: Tensor<B, 1, Int>,
         tp: &TpGroup,
-    ) -> Result<Tensor<B, 3>, String>;
+    ) -> Result<Tensor<B, 3>, TrainError>;
     /// The layers [`Self::forward_hidden`] runs one after the other, each of which
     /// [`Recompute::Block`](crate::Recompute::Block) recomputes on its own (default 1: the
     /// whole stage is one block).
@@ -208,13 +194,13 @@ pub trait PipelineStage<B: Backend> {
         x: Tensor<B, 3>,
         positions: Tensor<B, 1, Int>,
         tp: &TpGroup,
-    ) -> Result<Tensor<B, 3>, String> {
+    ) -> Result<Tensor<B, 3>, TrainError> {
         match layer {
             0 => self.forward_hidden(x, positions, tp),
-            _ => Err(format!(
+            _ => Err(TrainError::Model(format!(
                 "layer {layer} of a stage of {} layers",
                 self.layers()
-            )),
+            ))),
         }
     }
     /// Last stage: the loss sum of the labels `≥ 0`.
@@ -223,106 +209,7 @@ pub trait PipelineStage<B: Backend> {
         x: Tensor<B, 3>,
         labels: Tensor<B, 1, Int>,
         tp: &TpGroup,
-    ) -> Result<Tensor<B, 1>, String>;
-}
-
-/// `[1, T]` → `[T]` (the GPT takes one packed row).
-fn packed<B: Backend, K: burn::tensor::BasicOps<B>>(t: Tensor<B, 2, K>) -> Tensor<B, 1, K> {
-    let tokens = t.dims()[1];
-    burn_dcp_models::gpt::reshape(t, [tokens])
-}
-
-/// The GPT (a TP shard of a pipeline stage, `TpGpt::stage`): every hook.
-impl<B: FlashOps, C: CheckpointStrategy> TrainModel<CpTrain<B, C>> for TpGpt<CpTrain<B, C>> {
-    fn loss_sum(
-        &self,
-        input: ShardInput<CpTrain<B, C>>,
-        tp: &TpGroup,
-    ) -> Result<Tensor<CpTrain<B, C>, 1>, String> {
-        if input.tokens.dims()[0] != 1 {
-            return Err(format!(
-                "the GPT takes one packed row of tokens, got {} rows",
-                input.tokens.dims()[0]
-            ));
-        }
-        Ok(TpGpt::loss_sum(
-            self,
-            packed(input.tokens),
-            packed(input.positions),
-            packed(input.labels),
-            tp,
-        )?)
-    }
-
-    fn tensor_parallel(&self) -> bool {
-        true
-    }
-
-    fn stages(&self) -> Option<&dyn PipelineStage<CpTrain<B, C>>> {
-        Some(self)
-    }
-
-    fn kv_param_ids(&self) -> Vec<ParamId> {
-        TpGpt::kv_param_ids(self)
-    }
-
-    fn tied_embedding_id(&self) -> Option<ParamId> {
-        TpGpt::tied_embedding_id(self)
-    }
-}
-
-impl<B: FlashOps, C: CheckpointStrategy> PipelineStage<CpTrain<B, C>> for TpGpt<CpTrain<B, C>> {
-    fn is_first_stage(&self) -> bool {
-        TpGpt::is_first_stage(self)
-    }
-
-    fn is_last_stage(&self) -> bool {
-        TpGpt::is_last_stage(self)
-    }
-
-    fn hidden_size(&self) -> usize {
-        self.d_model()
-    }
-
-    fn embed(
-        &self,
-        tokens: Tensor<CpTrain<B, C>, 1, Int>,
-        tp: &TpGroup,
-    ) -> Result<Tensor<CpTrain<B, C>, 3>, String> {
-        Ok(TpGpt::embed(self, tokens, tp)?)
-    }
-
-    fn forward_hidden(
-        &self,
-        x: Tensor<CpTrain<B, C>, 3>,
-        positions: Tensor<CpTrain<B, C>, 1, Int>,
-        tp: &TpGroup,
-    ) -> Result<Tensor<CpTrain<B, C>, 3>, String> {
-        Ok(self.blocks_forward(x, positions, tp)?)
-    }
-
-    fn layers(&self) -> usize {
-        self.block_count()
-    }
-
-    fn forward_layer(
-        &self,
-        layer: usize,
-        x: Tensor<CpTrain<B, C>, 3>,
-        positions: Tensor<CpTrain<B, C>, 1, Int>,
-        tp: &TpGroup,
-    ) -> Result<Tensor<CpTrain<B, C>, 3>, String> {
-        Ok(self.block_forward(layer, x, positions, tp)?)
-    }
-
-    fn loss_from_hidden(
-        &self,
-        x: Tensor<CpTrain<B, C>, 3>,
-        labels: Tensor<CpTrain<B, C>, 1, Int>,
-        tp: &TpGroup,
-    ) -> Result<Tensor<CpTrain<B, C>, 1>, String> {
-        Ok(TpGpt::loss_from_hidden(self, x, labels, tp)?)
-    }
+    ) -> Result<Tensor<B, 1>, TrainError>;
 }
 
 /// A copy of `model` whose float parameters are cast to `dtype` (same parameter ids): each is a

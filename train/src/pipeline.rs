@@ -33,6 +33,7 @@ use burn_dcp::{CpBatch, CpError, CpGroup};
 use burn_dcp::batch::shard::RankShard;
 
 use crate::config::{PpSchedule, Precision, Recompute};
+use crate::error::TrainError;
 use crate::groups::RankGroups;
 use crate::model::{cast_model, CpTrain, PipelineStage, ShardInput, TrainModel};
 use crate::plan::{PlannedBatch, RankWork, StepSequences};
@@ -41,7 +42,7 @@ use crate::plan::{PlannedBatch, RankWork, StepSequences};
 type Hidden<B, C> = Tensor<CpTrain<B, C>, 3>;
 
 /// A model's forward failing, as the step's error.
-fn failed(error: String) -> CpError {
+fn failed(error: TrainError) -> CpError {
     CpError::RunFailed(format!("model forward: {error}"))
 }
 
@@ -401,9 +402,11 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         let positions = int_tensor(&shard.positions, self.device);
         let frozen = self.model.clone().no_grad();
         let frozen = self.cast_copy(frozen.clone()).unwrap_or(frozen);
-        let frozen = frozen
-            .stages()
-            .ok_or_else(|| failed("the model has no stages to recompute".into()))?;
+        let frozen = frozen.stages().ok_or_else(|| {
+            failed(TrainError::Model(
+                "the model has no stages to recompute".into(),
+            ))
+        })?;
         let mut inputs = Vec::with_capacity(frozen.layers());
         for layer in 0..frozen.layers() {
             inputs.push(x.clone());
@@ -445,7 +448,11 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
             .as_ref()
             .unwrap_or(self.model)
             .stages()
-            .ok_or_else(|| failed("the model has no stages to recompute".into()))?;
+            .ok_or_else(|| {
+                failed(TrainError::Model(
+                    "the model has no stages to recompute".into(),
+                ))
+            })?;
         let mut grad = match output {
             Output::Loss(loss) => {
                 self.enter_backward(&group)?;

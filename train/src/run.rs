@@ -3,9 +3,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use burn::backend::autodiff::checkpoint::strategy::{
-    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
-};
+use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
 use burn::optim::{AdamWConfig, Optimizer};
 use burn::record::Recorder;
 use burn::tensor::backend::AutodiffBackend;
@@ -14,7 +12,6 @@ use burn_dcp::comm::Comm;
 use burn_dcp::diagnostics::trace::comm_wait_time;
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::CpError;
-use burn_dcp_models::TpGpt;
 
 use crate::checkpoint::{
     load_model, read_json, save_checkpoint, saved_checkpoint, Checkpoint, CheckpointFiles,
@@ -31,43 +28,12 @@ use crate::predict::plan_step_predicted;
 use crate::predict::Predictor;
 use crate::step::{rank_peak_memory_mb, step_gradients_planned, StepBytes, AXES};
 
-/// The model one rank trains: its TP shard of the GPT (the whole GPT at tp 1), on [`CpTrain`]
-/// with checkpoint strategy `C`.
-pub type TrainGpt<B, C = NoCheckpointing> = TpGpt<CpTrain<B, C>>;
-
 /// The default training backend: [`CpTrain`] over burn Flex (CPU).
 pub type TrainBackend = CpTrain<burn::backend::Flex>;
 
 /// The result of one rank's training.
 pub struct RankOutcome {
     pub metrics: Vec<StepMetrics>,
-}
-
-/// TP rank `tp_rank`'s shard of pipeline stage `pp_rank` of the model at initialisation: every
-/// rank cuts its shard from the same full initialisation (seed `config.seed`), so any mesh starts
-/// from tp 1, pp 1's weights.
-pub fn init_model<B: FlashOps>(
-    config: &TrainConfig,
-    tp_rank: usize,
-    pp_rank: usize,
-    device: &B::Device,
-) -> Result<TrainGpt<B>, TrainError> {
-    init_gpt::<B, NoCheckpointing>(config, tp_rank, pp_rank, device)
-}
-
-/// [`init_model`] on [`CpTrain`] with checkpoint strategy `C`.
-fn init_gpt<B: FlashOps, C: CheckpointStrategy>(
-    config: &TrainConfig,
-    tp_rank: usize,
-    pp_rank: usize,
-    device: &B::Device,
-) -> Result<TrainGpt<B, C>, TrainError> {
-    let model_config = config.model_config()?;
-    let full = model_config
-        .init::<CpTrain<B, C>>(config.seed, device)
-        .map_err(TrainError::from)?;
-    TpGpt::stage(&full, &model_config, tp_rank, config.tp, pp_rank, config.pp)
-        .map_err(TrainError::from)
 }
 
 /// What a rank's model is built from: the run's configuration, the rank's TP rank and pipeline
@@ -285,39 +251,6 @@ pub(crate) fn check_model_support<B: AutodiffBackend, M: TrainModel<B>>(
         }
     }
     Ok(())
-}
-
-/// Trains the GPT of `config.model_size` on one rank ([`Trainer::train_rank`] with
-/// [`init_model`]).
-pub fn train_rank<B: FlashOps>(
-    world: Comm,
-    config: &TrainConfig,
-    data: &TrainData,
-    resume: Option<&Path>,
-    out: Option<&Path>,
-    observer: &dyn StepObserver,
-    device: &B::Device,
-) -> Result<RankOutcome, TrainError> {
-    let trainer = Trainer {
-        config,
-        data,
-        resume,
-        out,
-        observer,
-    };
-    match config.recompute {
-        Recompute::Attention => trainer
-            .train_rank_checkpointed::<B, BalancedCheckpointing, TrainGpt<B, BalancedCheckpointing>, _>(
-                world,
-                device,
-                |rank| init_gpt(rank.config, rank.tp_rank, rank.pp_rank, rank.device),
-            ),
-        Recompute::None | Recompute::Block => {
-            trainer.train_rank::<B, TrainGpt<B>, _>(world, device, |rank| {
-                init_model::<B>(rank.config, rank.tp_rank, rank.pp_rank, rank.device)
-            })
-        }
-    }
 }
 
 /// A receiver of the plans of consecutive steps, computed ahead on a background thread.

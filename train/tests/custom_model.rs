@@ -15,7 +15,7 @@ use burn_dcp::nn::{TransformerEncoder, TransformerEncoderConfig, TransformerEnco
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_train::{
     CpTrain, InputRows, ModelShape, ShardInput, StepMetrics, StepObserver, TpGroup, TrainConfig,
-    TrainData, TrainModel, Trainer,
+    TrainData, TrainError, TrainModel, Trainer,
 };
 
 type B = CpTrain<Flex>;
@@ -73,7 +73,7 @@ fn loss_sum<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int>) -> Tens
 impl TrainModel<B> for TinyLm<B> {
     const INPUT_ROWS: InputRows = InputRows::OnePerSequence;
 
-    fn loss_sum(&self, input: ShardInput<B>, _tp: &TpGroup) -> Result<Tensor<B, 1>, String> {
+    fn loss_sum(&self, input: ShardInput<B>, _tp: &TpGroup) -> Result<Tensor<B, 1>, TrainError> {
         let x = self.embedding.forward(input.tokens);
         let x = self.encoder.forward(
             TransformerEncoderInput::new(x)
@@ -99,7 +99,7 @@ struct BurnNnLm<B: Backend> {
 impl TrainModel<B> for BurnNnLm<B> {
     const INPUT_ROWS: InputRows = InputRows::OnePerSequence;
 
-    fn loss_sum(&self, input: ShardInput<B>, _tp: &TpGroup) -> Result<Tensor<B, 1>, String> {
+    fn loss_sum(&self, input: ShardInput<B>, _tp: &TpGroup) -> Result<Tensor<B, 1>, TrainError> {
         let [rows, width] = input.tokens.dims();
         let causal =
             burn::nn::attention::generate_autoregressive_mask(rows, width, &input.tokens.device());

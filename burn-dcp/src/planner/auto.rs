@@ -30,24 +30,6 @@ use crate::planner::plan::{tile_grids, validate_plan};
 use crate::planner::strategies::{plan_strategy, PlanInput};
 use crate::strategy::StrategyKind;
 
-/// Former name of [`StrategyKind`] in `auto` (its `RingZigzag` is [`StrategyKind::RING_ZIGZAG`],
-/// its `plan` [`plan_candidate`]). The candidates are [`StrategyKind::ALL`]; as an alias it
-/// parses every strategy name (`ring-stripe` too): [`StrategyKind::from_candidate_name`] reads
-/// candidates only, as `AutoCandidate`'s own parse did.
-#[deprecated(since = "0.1.0", note = "use burn_dcp::StrategyKind")]
-pub type AutoCandidate = StrategyKind;
-
-impl StrategyKind {
-    /// Plans the candidate for `input`: `AutoCandidate::plan`, kept for code written against it.
-    #[deprecated(
-        since = "0.1.0",
-        note = "use planner::auto::plan_candidate(kind, input)"
-    )]
-    pub fn plan(&self, input: &PlanInput) -> Result<RoutedPlan, CpError> {
-        plan_candidate(*self, input)
-    }
-}
-
 /// Plans candidate `kind` (one of [`StrategyKind::ALL`]) for `input` as it runs: DCP's
 /// executable plan, the others' [`plan_strategy`].
 pub fn plan_candidate(kind: StrategyKind, input: &PlanInput) -> Result<RoutedPlan, CpError> {
@@ -281,20 +263,6 @@ mod tests {
         let total: f64 = routed.transfers.iter().map(|t| t.bytes).sum();
         // forward gather + backward gather + reduce-scatter: each (R − 1) / R of everything, R times
         assert!((total - 3.0 * kv * (ranks - 1.0)).abs() < 1e-6 * total);
-    }
-
-    #[test]
-    #[allow(deprecated)]
-    fn the_former_candidate_type_still_plans() {
-        let input = input(vec![3_000, 1_200], MaskSpec::Causal, 1, 8);
-        for kind in StrategyKind::ALL {
-            let former: AutoCandidate = kind;
-            let (old, new) = (
-                former.plan(&input).unwrap(),
-                plan_candidate(kind, &input).unwrap(),
-            );
-            assert_eq!((old.name, old.plan.ranks), (new.name, new.plan.ranks));
-        }
     }
 
     #[test]

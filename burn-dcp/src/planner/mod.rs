@@ -28,13 +28,9 @@ pub mod plan;
 pub mod strategies;
 pub mod topology;
 
-#[allow(deprecated)]
-pub use auto::AutoCandidate;
 pub use auto::{choose_strategy, parse_candidates, plan_candidate, AutoChoice, AutoEstimate};
 pub use cost::{evaluate, AttentionDims, RoutedPlan, StrategyReport};
 pub use dcp::{dcp_plan, DcpConfig};
 pub use plan::{validate_plan, BlockProblem, Plan, MAX_PLAN_TILES};
-#[allow(deprecated)]
-pub use strategies::PlanStrategy;
 pub use strategies::{plan_strategy, plan_usp, PlanInput};
 pub use topology::{attention_flops, LinkClass, Topology, MAX_PLAN_RANKS};

@@ -38,68 +38,6 @@ use crate::strategy::{Strategy, StrategyKind};
 /// Most (q, kv) block pairs (full-mask count) a static strategy's plan may have.
 pub const STATIC_TILE_BUDGET: usize = 1 << 21;
 
-/// The planner's strategies before [`StrategyKind`], kept so that code written against them
-/// builds and behaves as it did: its names are the plan format's
-/// ([`StrategyKind::plan_name`]: `megatron-dynamic`), read and written through [`StrategyKind`].
-#[deprecated(since = "0.1.0", note = "use burn_dcp::StrategyKind")]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PlanStrategy {
-    RingZigzag,
-    Ulysses,
-    Usp,
-    AllGather,
-    MegatronDynamic,
-    Dcp,
-}
-
-#[allow(deprecated)]
-impl PlanStrategy {
-    pub const ALL: [PlanStrategy; 6] = [
-        Self::RingZigzag,
-        Self::Ulysses,
-        Self::Usp,
-        Self::AllGather,
-        Self::MegatronDynamic,
-        Self::Dcp,
-    ];
-
-    /// The plan format's name of the strategy.
-    pub fn name(&self) -> &'static str {
-        StrategyKind::from(*self).plan_name()
-    }
-}
-
-#[allow(deprecated)]
-impl From<PlanStrategy> for StrategyKind {
-    fn from(strategy: PlanStrategy) -> Self {
-        match strategy {
-            PlanStrategy::RingZigzag => StrategyKind::RING_ZIGZAG,
-            PlanStrategy::Ulysses => StrategyKind::Ulysses,
-            PlanStrategy::Usp => StrategyKind::Usp,
-            PlanStrategy::AllGather => StrategyKind::AllGather,
-            PlanStrategy::MegatronDynamic => StrategyKind::Dynamic,
-            PlanStrategy::Dcp => StrategyKind::Dcp,
-        }
-    }
-}
-
-#[allow(deprecated)]
-impl std::str::FromStr for PlanStrategy {
-    type Err = CpError;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        // The plan format's names are those of `StrategyKind::ALL`: ring is zigzag.
-        Ok(match StrategyKind::from_plan_name(text)? {
-            StrategyKind::Ring(_) => Self::RingZigzag,
-            StrategyKind::Ulysses => Self::Ulysses,
-            StrategyKind::Usp => Self::Usp,
-            StrategyKind::AllGather => Self::AllGather,
-            StrategyKind::Dynamic => Self::MegatronDynamic,
-            StrategyKind::Dcp => Self::Dcp,
-        })
-    }
-}
-
 /// Everything a planner needs.
 #[derive(Clone, Debug)]
 pub struct PlanInput {

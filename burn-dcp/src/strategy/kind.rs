@@ -44,12 +44,6 @@ impl StrategyKind {
     /// Ring in the zigzag layout, the ring the planner plans and `auto` may choose.
     pub const RING_ZIGZAG: Self = Self::Ring(Layout::Zigzag);
 
-    /// `AutoCandidate::RingZigzag` of earlier versions.
-    #[doc(hidden)]
-    #[deprecated(since = "0.1.0", note = "use StrategyKind::RING_ZIGZAG")]
-    #[allow(non_upper_case_globals)]
-    pub const RingZigzag: Self = Self::RING_ZIGZAG;
-
     /// The strategies the planner plans and `auto` chooses among, in auto's tie-break order (ring
     /// in the zigzag layout only: the block planner places ring's tokens zigzag).
     pub const ALL: [Self; 6] = [
