@@ -46,6 +46,13 @@ fn failed(error: TrainError) -> CpError {
     CpError::RunFailed(format!("model forward: {error}"))
 }
 
+/// `Recompute::Block` of a model without pipeline stages, as the step's error.
+fn no_stages() -> CpError {
+    failed(TrainError::Model(
+        "the model has no stages to recompute".into(),
+    ))
+}
+
 /// A forward or backward pass of one schedule unit (a sub-step of the plan).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pass {
@@ -157,9 +164,18 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
 
     /// The model a forward runs: under a low precision a fresh copy cast to it (every forward
     /// its own: each backward consumes the casts' graph), whose gradients reach the f32
-    /// parameters of [`Self::model`] in f32; else `None` (the model itself).
-    fn cast_copy(&self, model: M) -> Option<M> {
-        self.compute.map(|dtype| cast_model(model, dtype))
+    /// parameters of [`Self::model`] in f32; else `None` (the model itself, not cloned).
+    fn cast_copy(&self) -> Option<M> {
+        self.compute
+            .map(|dtype| cast_model(self.model.clone(), dtype))
+    }
+
+    /// `model` in the compute dtype (itself in f32).
+    fn in_compute_dtype(&self, model: M) -> M {
+        match self.compute {
+            Some(dtype) => cast_model(model, dtype),
+            None => model,
+        }
     }
 
     /// Waits for this rank's sends; returns its accumulated gradients and its loss sum.
@@ -227,7 +243,7 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         })?;
         let group = self.groups.group(&planned.ranks, planned.strategy)?;
         let blocks = self.recompute == Recompute::Block;
-        let copy = self.cast_copy(self.model.clone());
+        let copy = self.cast_copy();
         let model: &M = copy.as_ref().unwrap_or(self.model);
         let stage = model.stages().filter(|_| self.pp().size() > 1 || blocks);
         let kept_batch = blocks.then(|| batch.clone());
@@ -400,13 +416,8 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         let embedded = model.is_first_stage().then(|| x.clone());
         let mut x = x.detach();
         let positions = int_tensor(&shard.positions, self.device);
-        let frozen = self.model.clone().no_grad();
-        let frozen = self.cast_copy(frozen.clone()).unwrap_or(frozen);
-        let frozen = frozen.stages().ok_or_else(|| {
-            failed(TrainError::Model(
-                "the model has no stages to recompute".into(),
-            ))
-        })?;
+        let frozen = self.in_compute_dtype(self.model.clone().no_grad());
+        let frozen = frozen.stages().ok_or_else(no_stages)?;
         let mut inputs = Vec::with_capacity(frozen.layers());
         for layer in 0..frozen.layers() {
             inputs.push(x.clone());
@@ -443,16 +454,12 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
     ) -> Result<(), CpError> {
         let stage = self.pp().rank();
         let tp = &self.groups.tp;
-        let copy = self.cast_copy(self.model.clone());
+        let copy = self.cast_copy();
         let model = copy
             .as_ref()
             .unwrap_or(self.model)
             .stages()
-            .ok_or_else(|| {
-                failed(TrainError::Model(
-                    "the model has no stages to recompute".into(),
-                ))
-            })?;
+            .ok_or_else(no_stages)?;
         let mut grad = match output {
             Output::Loss(loss) => {
                 self.enter_backward(&group)?;
