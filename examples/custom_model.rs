@@ -31,7 +31,7 @@ use burn_dcp::StrategyKind;
 use burn_dcp_suite::train::launch::Ranks;
 use burn_dcp_suite::train::{
     CpTrain, InputRows, ModelShape, Precision, Progress, ShardInput, TpGroup, TrainConfig,
-    TrainData, TrainError, TrainModel, Trainer,
+    TrainData, TrainError, TrainMode, TrainModel, Trainer,
 };
 use clap::Parser;
 
@@ -221,8 +221,7 @@ fn config(args: &Args) -> Result<TrainConfig, TrainError> {
     let config = TrainConfig {
         cp: args.cp,
         dp: args.dp,
-        strategy,
-        layout,
+        mode: TrainMode::Static { strategy, layout },
         seq_len: args.seq_len,
         micro_batches: args.micro_batches,
         steps: args.steps,

@@ -18,7 +18,7 @@ use burn_dcp_suite::launch::Ranks;
 use burn_dcp_suite::train::metrics::truncate_metrics;
 use burn_dcp_suite::train::{
     check_resume, train_rank, write_json, Progress, RankOutcome, Recompute, StepMetrics,
-    TrainConfig, TrainData, TrainError, TrainFlags,
+    TrainConfig, TrainData, TrainError, TrainFlags, TrainMode,
 };
 use clap::Parser;
 use serde_json::json;
@@ -197,19 +197,19 @@ fn train(
         out.as_deref().filter(|_| leader),
         appending,
     )?;
-    let strategy = match &config.dynamic {
-        Some(d) => format!(
+    let strategy = match &config.mode {
+        TrainMode::Dynamic { settings, .. } => format!(
             "dynamic CP over a pool of {} ({} inside groups, {} tokens per rank, {:?} sizes)",
             config.pool_size(),
-            config.strategy,
-            d.max_tokens_per_rank,
-            d.cp_sizes
+            config.mode.group_strategy(),
+            settings.max_tokens_per_rank,
+            settings.cp_sizes
         ),
-        None if config.auto.is_some() => format!(
+        TrainMode::Auto { .. } => format!(
             "auto strategy: per micro-batch the lowest estimated attention time on {} × {} nodes",
             config.topology, config.nodes
         ),
-        None => format!("{} strategy", config.strategy),
+        mode => format!("{} strategy", mode.group_strategy()),
     };
     let strategy = match config.pp {
         1 => strategy,
@@ -222,7 +222,7 @@ fn train(
     if leader {
         eprintln!(
             "gpt_longctx: {} model, world {} = {} ({strategy}, {} layout) on {}, {} tokens/micro-batch, {} micro-batches/step, mask {}",
-            config.model_size, config.world_size(), config.mesh_shape(), config.layout, ranks.describe(), config.seq_len, config.micro_batches, config.mask
+            config.model_size, config.world_size(), config.mesh_shape(), config.mode.layout(), ranks.describe(), config.seq_len, config.micro_batches, config.mask
         );
     }
     let data = TrainData::load(config)?;

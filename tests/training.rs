@@ -9,8 +9,20 @@ use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::models::Gpt;
 use burn_dcp_suite::train::{
-    gradient_values, init_model, step_gradients, CpTrain, RankGroups, TrainConfig, TrainData,
+    gradient_values, init_model, step_gradients, CpTrain, DynamicSettings, GroupStrategy,
+    RankGroups, TrainConfig, TrainData, TrainMode,
 };
+
+/// Dynamic CP with `settings`, each group running the strategy and layout `config` has.
+fn with_dynamic(config: &mut TrainConfig, settings: DynamicSettings) {
+    config.mode = TrainMode::Dynamic {
+        settings,
+        inner: GroupStrategy::Static {
+            strategy: config.mode.group_strategy(),
+            layout: config.mode.layout(),
+        },
+    };
+}
 
 fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) -> TrainConfig {
     TrainConfig {
@@ -19,8 +31,8 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         tp: 1,
         pp: 1,
         pp_schedule: Default::default(),
-        strategy,
-        layout,
+        // Strategy dcp: the test gives its settings (`TrainMode::Dcp`).
+        mode: TrainMode::Static { strategy, layout },
         seq_len: 150,
         micro_batches: 2,
         steps: 1,
@@ -32,13 +44,10 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         tokenizer: "bytes".into(),
         lengths_from: None,
         timeout_secs: 60,
-        dynamic: None,
         plan_ahead: 2,
-        dcp: None,
         topology: "a100-p4d".into(),
         nodes: 1,
         emulate_links: None,
-        auto: None,
         model_shape: None,
         recompute: Default::default(),
         precision: Default::default(),
@@ -539,12 +548,19 @@ fn dynamic_cp_pools_match_cp1_on_the_default_corpus() {
         (4, 2, 256, CpSizes::Pow2, usp, 2),
     ] {
         let mut dynamic = base.clone();
-        (dynamic.cp, dynamic.dp, dynamic.strategy) = (cp, dp, inner);
-        dynamic.dynamic = Some(DynamicSettings {
-            max_tokens_per_rank: budget,
-            min_cp_size: min,
-            cp_sizes: sizes,
-        });
+        (dynamic.cp, dynamic.dp) = (cp, dp);
+        dynamic.mode = TrainMode::Static {
+            strategy: inner,
+            layout: Layout::Zigzag,
+        };
+        with_dynamic(
+            &mut dynamic,
+            DynamicSettings {
+                max_tokens_per_rank: budget,
+                min_cp_size: min,
+                cp_sizes: sizes,
+            },
+        );
         let data = TrainData::load(&dynamic).unwrap();
         let plan = plan_step(&dynamic, &data, step).unwrap();
         let mut used: Vec<usize> = plan.batches.iter().map(|b| b.ranks.len()).collect();
@@ -573,7 +589,7 @@ fn dcp_plans_match_cp1_in_training() {
         let reference = one_step(&config(1, 1, Strategy::Ring, Layout::Zigzag, mask));
         for (cp, dp, nodes, block) in [(4, 1, 1, 16), (4, 1, 2, 32), (2, 2, 1, 8)] {
             let mut dcp = config(cp, dp, Strategy::Dcp, Layout::Zigzag, mask);
-            dcp.dcp = Some(DcpSettings { block, stages: 3 });
+            dcp.mode = TrainMode::Dcp(DcpSettings { block, stages: 3 });
             dcp.nodes = nodes;
             let got = step_on::<burn::backend::Flex>(&dcp, 1, &flex);
             let what = format!("dcp cp {cp} dp {dp} nodes {nodes} block {block} mask {mask}");
@@ -590,19 +606,21 @@ fn auto_refuses_a_kind_that_is_no_candidate() {
     use burn_dcp::StrategyKind;
     use burn_dcp_suite::train::{AutoSettings, DcpSettings};
     let mut config = config(2, 1, Strategy::Ring, Layout::Zigzag, "causal");
-    config.auto = Some(AutoSettings {
-        candidates: vec![StrategyKind::Dcp, StrategyKind::Ring(Layout::Stripe)],
-    });
-    config.dcp = Some(DcpSettings {
-        block: 64,
-        stages: 2,
-    });
+    config.mode = TrainMode::Auto {
+        settings: AutoSettings {
+            candidates: vec![StrategyKind::Dcp, StrategyKind::Ring(Layout::Stripe)],
+        },
+        dcp: DcpSettings {
+            block: 64,
+            stages: 2,
+        },
+    };
     let err = config.validate().unwrap_err().to_string();
     assert!(
         err.contains("strategy auto cannot run ring-stripe: its candidates are ring-zigzag, ulysses, usp, all-gather, dynamic, dcp"),
         "{err}"
     );
-    let json = serde_json::to_value(&config.auto).unwrap();
+    let json = serde_json::to_value(config.mode.auto()).unwrap();
     assert_eq!(
         json["candidates"],
         serde_json::json!(["dcp", "ring-stripe"])
@@ -655,11 +673,13 @@ fn auto_runs_each_candidate_it_can_choose_exactly() {
     let auto = |cp: usize, dp: usize, nodes: usize, candidates: Vec<StrategyKind>| {
         let mut config = base.clone();
         (config.cp, config.dp, config.nodes) = (cp, dp, nodes);
-        config.auto = Some(AutoSettings { candidates });
-        config.dcp = Some(DcpSettings {
-            block: 64,
-            stages: 2,
-        });
+        config.mode = TrainMode::Auto {
+            settings: AutoSettings { candidates },
+            dcp: DcpSettings {
+                block: 64,
+                stages: 2,
+            },
+        };
         config.validate().unwrap();
         config
     };
@@ -716,7 +736,7 @@ fn tensor_parallel_gpt_matches_the_full_model() {
     use burn::tensor::TensorData;
     use burn_dcp_models::tensor_parallel::vocab_range;
     use burn_dcp_models::{GptConfig, TpGpt};
-    use burn_dcp_suite::train::tensor_parallel::TpGroup;
+    use burn_dcp_suite::train::TpGroup;
     type B = CpTrain<burn::backend::Flex>;
     let device = burn::backend::flex::FlexDevice;
     let config = GptConfig::new(61, 32, 2, 4, 2, 64);
@@ -831,20 +851,25 @@ fn tensor_parallel_steps_match_cp1() {
         ("tp 4", tp_config(4, 1, 1)),
     ];
     let mut dynamic = tp_config(2, 2, 1);
-    dynamic.dynamic = Some(DynamicSettings {
-        max_tokens_per_rank: 100,
-        min_cp_size: 1,
-        cp_sizes: CpSizes::Pow2,
-    });
+    with_dynamic(
+        &mut dynamic,
+        DynamicSettings {
+            max_tokens_per_rank: 100,
+            min_cp_size: 1,
+            cp_sizes: CpSizes::Pow2,
+        },
+    );
     configs.push(("tp 2 dynamic pool 2", dynamic));
     let mut auto = tp_config(2, 2, 1);
-    auto.auto = Some(AutoSettings {
-        candidates: burn_dcp::StrategyKind::ALL.to_vec(),
-    });
-    auto.dcp = Some(DcpSettings {
-        block: 16,
-        stages: 2,
-    });
+    auto.mode = TrainMode::Auto {
+        settings: AutoSettings {
+            candidates: burn_dcp::StrategyKind::ALL.to_vec(),
+        },
+        dcp: DcpSettings {
+            block: 16,
+            stages: 2,
+        },
+    };
     configs.push(("tp 2 auto", auto));
     for (what, config) in configs {
         config.validate().unwrap();
@@ -935,27 +960,31 @@ fn pipeline_steps_match_cp1() {
     gpipe.pp_schedule = PpSchedule::Gpipe;
     configs.push(("pp 2 cp 2 gpipe", gpipe));
     let mut dynamic = pp_config(1, 2, 2);
-    dynamic.dynamic = Some(DynamicSettings {
-        max_tokens_per_rank: 60,
-        min_cp_size: 1,
-        cp_sizes: CpSizes::Pow2,
-    });
+    with_dynamic(
+        &mut dynamic,
+        DynamicSettings {
+            max_tokens_per_rank: 60,
+            min_cp_size: 1,
+            cp_sizes: CpSizes::Pow2,
+        },
+    );
     configs.push(("pp 2 cp 2 dp 2 dynamic", dynamic));
     let mut dcp = pp_config(1, 2, 1);
-    dcp.strategy = Strategy::Dcp;
-    dcp.dcp = Some(DcpSettings {
+    dcp.mode = TrainMode::Dcp(DcpSettings {
         block: 16,
         stages: 2,
     });
     configs.push(("pp 2 dcp", dcp));
     let mut auto = pp_config(1, 2, 1);
-    auto.auto = Some(AutoSettings {
-        candidates: burn_dcp::StrategyKind::ALL.to_vec(),
-    });
-    auto.dcp = Some(DcpSettings {
-        block: 16,
-        stages: 2,
-    });
+    auto.mode = TrainMode::Auto {
+        settings: AutoSettings {
+            candidates: burn_dcp::StrategyKind::ALL.to_vec(),
+        },
+        dcp: DcpSettings {
+            block: 16,
+            stages: 2,
+        },
+    };
     configs.push(("pp 2 auto", auto));
     for (what, config) in configs {
         config.validate().unwrap();
@@ -986,11 +1015,14 @@ fn pipeline_training_follows_cp1_over_8_steps() {
     tp_pp_cp.tp = 2;
     let mut dynamic = base(2, 2);
     dynamic.pp = 2;
-    dynamic.dynamic = Some(burn_dcp_suite::train::DynamicSettings {
-        max_tokens_per_rank: 60,
-        min_cp_size: 1,
-        cp_sizes: burn_dcp_suite::train::CpSizes::Pow2,
-    });
+    with_dynamic(
+        &mut dynamic,
+        burn_dcp_suite::train::DynamicSettings {
+            max_tokens_per_rank: 60,
+            min_cp_size: 1,
+            cp_sizes: burn_dcp_suite::train::CpSizes::Pow2,
+        },
+    );
     for (what, config) in [
         ("pp 2 cp 2", pp_cp),
         ("tp 2 pp 2 cp 2", tp_pp_cp),
@@ -1092,7 +1124,7 @@ fn recompute_modes_train_exactly_and_communicate_one_forward_more() {
     tp_pp.pp = 2;
     tp_pp.micro_batches = 4;
     let mut dcp = config(2, 2, Strategy::Dcp, Layout::Zigzag, "causal");
-    dcp.dcp = Some(burn_dcp_suite::train::DcpSettings {
+    dcp.mode = TrainMode::Dcp(burn_dcp_suite::train::DcpSettings {
         block: 32,
         stages: 2,
     });

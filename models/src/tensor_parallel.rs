@@ -41,7 +41,7 @@ pub trait TensorParallel<B: Backend> {
     /// `g`: all-reduce forward, identity backward.
     fn reduce<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, ModelError>;
     /// Element-wise maximum over the group, without gradient.
-    fn max<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, ModelError>;
+    fn all_reduce_max<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, ModelError>;
 }
 
 /// The vocabulary rows TP rank `rank` of `tp` owns (an uneven split when `tp` does not divide).
@@ -395,7 +395,7 @@ impl<B: Backend> TpGpt<B> {
         // The softmax and the loss in f32, whatever the model computes in.
         let logits = self.logits(x, tp)?.cast(FloatDType::F32);
         let local_vocab = logits.dims()[1];
-        let max = tp.max(logits.clone().detach().max_dim(1))?;
+        let max = tp.all_reduce_max(logits.clone().detach().max_dim(1))?;
         let sum_exp = tp.reduce((logits.clone() - max.clone()).exp().sum_dim(1))?;
         let lse = reshape(sum_exp.log() + max, [count]);
         let (local, inside) = local_rows(labels.clone(), self.vocab_start, local_vocab);

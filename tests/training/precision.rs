@@ -92,13 +92,13 @@ fn bf16_cp4_matches_bf16_cp1_for_every_strategy() {
         config(4, 1, usp, Layout::Zigzag, "causal"),
     ];
     let mut dcp = config(4, 1, Strategy::Dcp, Layout::Zigzag, "causal");
-    dcp.dcp = Some(DcpSettings {
+    dcp.mode = TrainMode::Dcp(DcpSettings {
         block: 16,
         stages: 3,
     });
     configs.push(dcp);
     for config in configs {
-        let what = format!("bf16 cp 4 {} {}", config.strategy, config.layout);
+        let what = format!("bf16 cp 4 {}", config.strategy_name());
         let got = one_step(&at(Precision::Bf16, config));
         assert!(got.2 > 0, "{what}: nothing was communicated");
         let (r, f) = (&reference, &f32_reference);
@@ -118,12 +118,19 @@ fn bf16_dynamic_cp_matches_bf16_cp1() {
     let reference = step_on::<burn::backend::Flex>(&base, step, &flex);
     let precision_err = worst_gradient_err(&reference, &f32_reference);
     let mut dynamic = base.clone();
-    (dynamic.cp, dynamic.strategy) = (4, Strategy::Ulysses);
-    dynamic.dynamic = Some(DynamicSettings {
-        max_tokens_per_rank: 512,
-        min_cp_size: 1,
-        cp_sizes: CpSizes::Pow2,
-    });
+    dynamic.cp = 4;
+    dynamic.mode = TrainMode::Static {
+        strategy: Strategy::Ulysses,
+        layout: Layout::Zigzag,
+    };
+    with_dynamic(
+        &mut dynamic,
+        DynamicSettings {
+            max_tokens_per_rank: 512,
+            min_cp_size: 1,
+            cp_sizes: CpSizes::Pow2,
+        },
+    );
     let got = step_on::<burn::backend::Flex>(&dynamic, step, &flex);
     let (r, f) = (&reference, &f32_reference);
     assert_as_accurate(

@@ -2,7 +2,7 @@
 //! ranks against one device; Mode 2 on a user's tensors), `plan_sim` (the planners on synthetic
 //! or sampled batches, without running attention) and `dataset_stats` (a corpus's document
 //! lengths and packing). This library holds what they share with the examples: the `--backend`
-//! flag's check.
+//! flag's check, and how a tool ends on an error ([`exit_on_error`]).
 //!
 //! ```text
 //! cargo run --release -p burn-dcp-tools --bin cp_attention -- --strategy ring --cp 4 --json
@@ -46,5 +46,14 @@ pub fn backend_type(backend: &str, no_fusion: bool, program: &str) -> Result<&'s
         )),
         ("cuda", false) => Ok("cuda"),
         _ => Ok("flex"),
+    }
+}
+
+/// Ends a tool whose `run` failed: the message on stderr after `error: `, exit status 2 (the
+/// status of a usage error, as clap's).
+pub fn exit_on_error(result: Result<(), String>) {
+    if let Err(message) = result {
+        eprintln!("error: {message}");
+        std::process::exit(2);
     }
 }

@@ -15,7 +15,7 @@ use crate::error::TrainError;
 use crate::groups::RankGroups;
 
 /// Where a run keeps its checkpoint.
-pub fn checkpoint_dir(out: &Path) -> PathBuf {
+pub(crate) fn checkpoint_dir(out: &Path) -> PathBuf {
     out.join("checkpoint")
 }
 
@@ -272,7 +272,7 @@ pub(crate) fn write_checkpoint(
     Ok(())
 }
 
-pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, TrainError> {
+pub(crate) fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, TrainError> {
     let text = std::fs::read_to_string(path).map_err(|e| TrainError::io("read", path, e))?;
     serde_json::from_str(&text)
         .map_err(|e| TrainError::Malformed(format!("{} is not valid: {e}", path.display())))
@@ -287,7 +287,7 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), TrainError
 
 /// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
 /// reader (or a run killed while writing) sees the old or the new content, never a mix.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy())

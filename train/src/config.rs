@@ -5,16 +5,17 @@ use burn_dcp::comm::{MAX_IN_PROCESS_RANKS, MAX_TIMEOUT};
 use burn_dcp::heads::{HeadParts, Heads};
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::mesh::{MeshShape, PipelineError};
-use burn_dcp::{CpError, Layout, Strategy, StrategyKind};
+use burn_dcp::{CpError, Strategy, StrategyKind};
 use burn_dcp_datasets::{DataError, LengthMix, LengthSampler, MaskPolicy, Tokenizer};
 use burn_dcp_models::GptConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::dynamic::DynamicSettings;
 use crate::error::TrainError;
+pub use crate::mode::{GroupStrategy, TrainMode};
 use crate::model::ModelShape;
 pub use crate::settings::{
-    AutoSettings, DcpSettings, EmulatedLinks, PpSchedule, Precision, Recompute,
+    AutoSettings, CpSizes, DcpSettings, DynamicSettings, EmulatedLinks, PpSchedule, Precision,
+    Recompute,
 };
 
 /// Everything that defines a run (written to `config.json`).
@@ -31,8 +32,10 @@ pub struct TrainConfig {
     /// The pipeline's schedule (`--pp-schedule`).
     #[serde(default)]
     pub pp_schedule: PpSchedule,
-    pub strategy: Strategy,
-    pub layout: Layout,
+    /// How the CP ranks attend: the strategy and layout, DCP, dynamic CP or auto, each with its
+    /// settings (in `config.json` the flat fields `strategy`, `layout`, `dynamic`, `dcp`, `auto`).
+    #[serde(flatten)]
+    pub mode: TrainMode,
     /// Tokens per packed micro-batch (one DP replica's CP group processes one at a time).
     pub seq_len: usize,
     /// Micro-batches per optimizer step over all DP replicas (the global batch).
@@ -55,16 +58,9 @@ pub struct TrainConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lengths_from: Option<String>,
     pub timeout_secs: u64,
-    /// `--strategy dynamic`: the `dp × cp` ranks form one pool and every sequence gets a CP group
-    /// per step (then `strategy` and `layout` are the strategy inside each group).
-    #[serde(default)]
-    pub dynamic: Option<DynamicSettings>,
     /// Steps planned ahead on a background thread (`--plan-ahead`).
     #[serde(default = "default_plan_ahead")]
     pub plan_ahead: usize,
-    /// `--strategy dcp`: the block size and stages of each micro-batch's DCP plan.
-    #[serde(default)]
-    pub dcp: Option<DcpSettings>,
     /// Topology preset the ranks model (`--topology`): DCP plans for it, and every strategy's
     /// bytes are counted per link class.
     #[serde(default = "default_topology")]
@@ -76,12 +72,6 @@ pub struct TrainConfig {
     /// links, slowed to this machine's compute (`crate::links`); `None`: messages arrive at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub emulate_links: Option<EmulatedLinks>,
-    /// `--strategy auto`: every micro-batch runs the strategy with the lowest estimated attention
-    /// time on the topology (`burn_dcp::planner::auto`): ring-zigzag, ulysses, usp, all-gather,
-    /// dynamic (groups inside the replica) or dcp (planned with `dcp`'s settings). `strategy` and
-    /// `layout` then hold ring and zigzag, the static candidates' layout.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub auto: Option<AutoSettings>,
     /// The shape of a model other than the GPT of `model_size` (planning and checks read it);
     /// `None`: the GPT's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -106,8 +96,7 @@ impl Default for TrainConfig {
             tp: 1,
             pp: 1,
             pp_schedule: PpSchedule::default(),
-            strategy: Strategy::Ring,
-            layout: Layout::Zigzag,
+            mode: TrainMode::default(),
             seq_len: 4096,
             micro_batches: 2,
             steps: 30,
@@ -119,13 +108,10 @@ impl Default for TrainConfig {
             tokenizer: "bytes".into(),
             lengths_from: None,
             timeout_secs: 60,
-            dynamic: None,
             plan_ahead: DEFAULT_PLAN_AHEAD,
-            dcp: None,
             topology: default_topology(),
             nodes: default_nodes(),
             emulate_links: None,
-            auto: None,
             model_shape: None,
             recompute: Recompute::None,
             precision: Precision::F32,
@@ -165,8 +151,8 @@ impl TrainConfig {
         self.validate_schedule()?;
         self.validate_parallelism()?;
         self.validate_limits()?;
-        if let Some(settings) = &self.dynamic {
-            self.validate_dynamic(settings)?;
+        if let TrainMode::Dynamic { settings, inner } = &self.mode {
+            self.validate_dynamic(settings, inner)?;
         }
         self.group_topology()?;
         self.validate_dcp()?;
@@ -234,16 +220,19 @@ impl TrainConfig {
                     }
                 })
             })?;
-        if let Some(auto) = &self.auto {
-            self.validate_auto(auto, heads)?;
-        }
-        if self.dynamic.is_none() {
-            self.strategy.validate_mesh(self.cp)?;
-            self.strategy
-                .validate_heads(heads.heads(), heads.kv_heads(), self.cp)
-                .map_err(|e| {
-                    TrainError::Config(format!("{e} (the heads of one TP rank of {})", self.tp))
-                })?;
+        match &self.mode {
+            TrainMode::Static { strategy, .. } => {
+                static_strategy(*strategy)?;
+                strategy.validate_mesh(self.cp)?;
+                strategy
+                    .validate_heads(heads.heads(), heads.kv_heads(), self.cp)
+                    .map_err(|e| {
+                        TrainError::Config(format!("{e} (the heads of one TP rank of {})", self.tp))
+                    })?;
+            }
+            TrainMode::Auto { settings, .. } => self.validate_auto(settings, heads)?,
+            // DCP runs on any heads; dynamic CP's groups are checked with its settings.
+            TrainMode::Dcp(_) | TrainMode::Dynamic { .. } => {}
         }
         Ok(())
     }
@@ -270,15 +259,6 @@ impl TrainConfig {
                 )));
             }
         }
-        if self.dynamic.is_some()
-            || self.strategy != Strategy::Ring
-            || self.layout != Layout::Zigzag
-        {
-            return Err(TrainError::Config(format!(
-                "strategy auto chooses per micro-batch among {}: it cannot be combined with dynamic settings {:?}, strategy {} or layout {}",
-                candidate_names(), self.dynamic, self.strategy, self.layout
-            )));
-        }
         Ok(())
     }
 
@@ -300,16 +280,9 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// DCP settings exactly with strategies dcp and auto; their block and stages.
+    /// DCP's block and stages (where the mode plans blocks).
     fn validate_dcp(&self) -> Result<(), TrainError> {
-        if (self.strategy == Strategy::Dcp || self.auto.is_some()) != self.dcp.is_some() {
-            return Err(TrainError::Config(format!(
-                "strategy {} with DCP settings {:?}: strategies dcp and auto need them, the others none",
-                self.strategy_name(),
-                self.dcp
-            )));
-        }
-        if let Some(dcp) = &self.dcp {
+        if let Some(dcp) = self.mode.dcp() {
             if dcp.block == 0 || dcp.block > self.seq_len.max(1) {
                 return Err(TrainError::Config(format!(
                     "--block {} must be between 1 and --seq-len {}",
@@ -339,15 +312,27 @@ impl TrainConfig {
 
     /// Dynamic CP: the settings, the inner strategy on every group size, and the longest packed
     /// sequence (`seq_len` tokens) fitting the pool.
-    fn validate_dynamic(&self, settings: &DynamicSettings) -> Result<(), TrainError> {
+    fn validate_dynamic(
+        &self,
+        settings: &DynamicSettings,
+        inner: &GroupStrategy,
+    ) -> Result<(), TrainError> {
         let model = self.model_shape()?;
         let pool = self.pool_size();
         let heads = self.rank_heads(&model)?;
-        settings.validate(pool, self.strategy, heads.heads(), heads.kv_heads())?;
+        if let GroupStrategy::Static { strategy, .. } = inner {
+            static_strategy(*strategy)?;
+        }
+        settings.validate(
+            pool,
+            self.mode.group_strategy(),
+            heads.heads(),
+            heads.kv_heads(),
+        )?;
         burn_dcp::planner::dynamic::min_cp_size_for(
             self.seq_len,
             &settings.scheduler(pool),
-            self.layout,
+            self.mode.layout(),
         )
         .map(|_| ())
         .map_err(|e| {
@@ -358,16 +343,9 @@ impl TrainConfig {
         })
     }
 
-    /// The strategy as `--strategy` names it: `auto`, `dynamic`, `ring-zigzag` (ring with its
-    /// layout), `ulysses`, `usp`, `all-gather` or `dcp`.
+    /// The strategy as `--strategy` names it ([`TrainMode::name`]).
     pub fn strategy_name(&self) -> String {
-        if self.auto.is_some() {
-            "auto".into()
-        } else if self.dynamic.is_some() {
-            StrategyKind::Dynamic.name().into()
-        } else {
-            StrategyKind::of(self.strategy, self.layout).name().into()
-        }
+        self.mode.name()
     }
 
     /// The GPT of `model_size` (with the tokenizer's vocabulary).
@@ -486,6 +464,26 @@ impl TrainConfig {
         burn_dcp::planner::topology::Topology::for_ranks(&self.topology, nodes, self.cp)
             .map_err(|e| CpError::Config(format!("--topology {}: {e}", self.topology)))
     }
+
+    /// The topology of the CP group of pool ranks `ranks` (a dynamic CP group or a replica) as
+    /// they sit on the run's nodes: the nodes it touches, holding equal shares of it.
+    pub fn ranks_topology(
+        &self,
+        ranks: &std::ops::Range<usize>,
+    ) -> Result<burn_dcp::planner::topology::Topology, CpError> {
+        let per_node = (self.ranks_per_node()? / self.tp).max(1);
+        let size = ranks.len();
+        let first = ranks.start / per_node;
+        let last = ranks.end.saturating_sub(1) / per_node;
+        let nodes = last - first + 1;
+        if !size.is_multiple_of(nodes) {
+            return Err(CpError::Config(format!(
+                "a CP group of {size} ranks ({ranks:?}) spreads unevenly over {nodes} nodes of {per_node}"
+            )));
+        }
+        burn_dcp::planner::topology::Topology::for_ranks(&self.topology, nodes, size)
+            .map_err(|e| CpError::Config(format!("--topology {}: {e}", self.topology)))
+    }
 }
 
 /// The GPT of a shape (the TP rules of `burn_dcp_models` are stated on it).
@@ -499,6 +497,17 @@ pub(crate) fn gpt_of_shape(shape: &ModelShape) -> GptConfig {
         shape.d_ff,
     )
     .with_tied_embeddings(shape.tied_embeddings)
+}
+
+/// A static strategy (of a static mode or dynamic CP's groups) is never DCP: DCP plans blocks
+/// with its own settings ([`TrainMode::Dcp`], [`GroupStrategy::Dcp`]).
+fn static_strategy(strategy: Strategy) -> Result<(), TrainError> {
+    if strategy == Strategy::Dcp {
+        return Err(TrainError::Config(
+            "a static strategy cannot be dcp: DCP plans blocks with its settings (TrainMode::Dcp, GroupStrategy::Dcp; --block, --stages)".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Auto's candidates' names, comma-separated.

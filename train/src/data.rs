@@ -16,7 +16,7 @@ use crate::error::TrainError;
 
 /// The `builtin` corpus: this crate's own README and sources (small, always at hand; for tests and
 /// examples that must not depend on installed files).
-pub fn builtin_documents() -> Vec<Document> {
+pub(crate) fn builtin_documents() -> Vec<Document> {
     [
         ("README.md", include_str!("../README.md")),
         ("lib.rs", include_str!("lib.rs")),

@@ -78,3 +78,8 @@ impl From<TrainError> for String {
         error.to_string()
     }
 }
+
+/// A model's forward failing, as the step's error.
+pub(crate) fn forward_failed(error: TrainError) -> CpError {
+    CpError::RunFailed(format!("model forward: {error}"))
+}

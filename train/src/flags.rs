@@ -8,11 +8,12 @@ use burn_dcp::{Layout, Strategy, StrategyKind};
 
 use crate::checkpoint::read_json;
 use crate::config::{
-    AutoSettings, DcpSettings, PpSchedule, Precision, Recompute, TrainConfig, MAX_SEQ_LEN,
+    AutoSettings, DcpSettings, GroupStrategy, PpSchedule, Precision, Recompute, TrainConfig,
+    TrainMode, MAX_SEQ_LEN,
 };
-use crate::dynamic::{CpSizes, DynamicSettings};
 use crate::error::TrainError;
 use crate::settings::EmulatedLinks;
+use crate::settings::{CpSizes, DynamicSettings};
 
 /// The training flags of the examples (`gpt_longctx`'s command line), each optional: what is
 /// not given takes [`TrainConfig::default`]'s value (the one home of the defaults), or on resume
@@ -251,11 +252,6 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
     if !dynamic && args.seq_len.is_some() && args.max_tokens_per_rank.is_some() {
         return Err(TrainError::Config("give --seq-len or --max-tokens-per-rank (= seq-len / cp), not both (with --strategy dynamic, --max-tokens-per-rank is the scheduler's per-rank budget)".into()));
     }
-    let (strategy, layout) = if dynamic {
-        (Strategy::Ring, layout_flag(args)?)
-    } else {
-        strategy_and_layout(args, cp)?
-    };
     let seq_len = match (args.seq_len, args.max_tokens_per_rank) {
         (Some(n), _) => n,
         (None, _) if dynamic => defaults.seq_len,
@@ -281,8 +277,7 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
             .map(PpSchedule::parse)
             .transpose()?
             .unwrap_or_default(),
-        strategy,
-        layout,
+        mode: TrainMode::default(),
         seq_len,
         micro_batches: args.micro_batches.unwrap_or(defaults.micro_batches),
         steps: args.steps.unwrap_or(defaults.steps),
@@ -297,13 +292,10 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
         tokenizer: args.tokenizer.clone().unwrap_or(defaults.tokenizer.clone()),
         lengths_from: args.lengths_from.clone().or(defaults.lengths_from.clone()),
         timeout_secs: args.timeout_secs.unwrap_or(defaults.timeout_secs),
-        dynamic: None,
         plan_ahead: args.plan_ahead.unwrap_or(defaults.plan_ahead),
-        dcp: None,
         topology: args.topology.clone().unwrap_or(defaults.topology.clone()),
         nodes: args.nodes.unwrap_or(defaults.nodes),
         emulate_links: emulated_links(args)?,
-        auto: auto_settings(args)?,
         model_shape: None,
         recompute: args
             .recompute
@@ -319,14 +311,49 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
             .unwrap_or_default(),
     })
     .and_then(|mut config| {
-        if let Some((inner, settings)) = dynamic_settings(args, cp, config.seq_len)? {
-            config.strategy = inner;
-            config.dynamic = Some(settings);
-        }
-        // dcp, also inside dynamic CP's groups (`--inner-strategy dcp`): the block plans' settings.
-        config.dcp = dcp_settings(args, config.strategy)?;
+        config.mode = mode_from_args(args, cp, config.seq_len)?;
         Ok(config)
     })
+}
+
+/// The mode the flags name: `--strategy` with its layout and settings (`--strategy dynamic`'s
+/// `--inner-strategy`, DCP's `--block`/`--stages`, auto's `--auto-candidates`); the flags of
+/// another mode are an error.
+fn mode_from_args(args: &TrainFlags, cp: usize, seq_len: usize) -> Result<TrainMode, TrainError> {
+    let auto = auto_settings(args)?;
+    if let Some((inner, settings)) = dynamic_settings(args, cp, seq_len)? {
+        let inner = match dcp_settings(args, inner)? {
+            Some(dcp) => {
+                no_layout(args, "--inner-strategy dcp")?;
+                GroupStrategy::Dcp(dcp)
+            }
+            None => GroupStrategy::Static {
+                strategy: inner,
+                layout: layout_flag(args)?,
+            },
+        };
+        return Ok(TrainMode::Dynamic { settings, inner });
+    }
+    let (strategy, layout) = strategy_and_layout(args, cp)?;
+    let dcp = dcp_settings(args, strategy)?;
+    Ok(match (auto, dcp) {
+        (Some(settings), Some(dcp)) => TrainMode::Auto { settings, dcp },
+        (None, Some(dcp)) => {
+            no_layout(args, "--strategy dcp")?;
+            TrainMode::Dcp(dcp)
+        }
+        _ => TrainMode::Static { strategy, layout },
+    })
+}
+
+/// DCP places tokens where its plan homes them: a `--layout` beside it would be ignored.
+fn no_layout(args: &TrainFlags, what: &str) -> Result<(), TrainError> {
+    match &args.layout {
+        Some(layout) => Err(TrainError::Config(format!(
+            "--layout {layout} does not apply to {what}: DCP places every token where its block plan homes it"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// `--emulate-links` and `--link-scale`.
@@ -412,20 +439,20 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
     let dynamic_flags = args.inner_strategy.is_some()
         || args.min_cp_size.is_some()
         || args.cp_sizes.is_some()
-        || (args.max_tokens_per_rank.is_some() && saved.dynamic.is_some());
-    if (args.strategy.is_some() || dynamic_flags) && given.dynamic != saved.dynamic {
-        let show = |c: &TrainConfig| format!("{:?}", c.dynamic);
+        || (args.max_tokens_per_rank.is_some() && saved.mode.dynamic().is_some());
+    if (args.strategy.is_some() || dynamic_flags) && given.mode.dynamic() != saved.mode.dynamic() {
+        let show = |c: &TrainConfig| format!("{:?}", c.mode.dynamic());
         return Err(settings("dynamic CP", show(&given), show(&saved)));
     }
-    if args.auto_candidates.is_some() && given.auto != saved.auto {
-        let show = |c: &TrainConfig| match &c.auto {
+    if args.auto_candidates.is_some() && given.mode.auto() != saved.mode.auto() {
+        let show = |c: &TrainConfig| match c.mode.auto() {
             Some(auto) => format!("candidates {}", StrategyKind::names(&auto.candidates)),
             None => "none (not auto)".to_string(),
         };
         return Err(settings("auto", show(&given), show(&saved)));
     }
-    if (args.block.is_some() || args.stages.is_some()) && given.dcp != saved.dcp {
-        let show = |c: &TrainConfig| format!("{:?}", c.dcp);
+    if (args.block.is_some() || args.stages.is_some()) && given.mode.dcp() != saved.mode.dcp() {
+        let show = |c: &TrainConfig| format!("{:?}", c.mode.dcp());
         return Err(settings("DCP", show(&given), show(&saved)));
     }
     // The topology changes DCP's plans and the byte counts by link; given, it must agree.
@@ -439,8 +466,8 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
     }
     // Every other flag that was given: (flag, given?, the value compared and shown).
     type Value = fn(&TrainConfig) -> String;
-    let seq_len_given =
-        args.seq_len.is_some() || (args.max_tokens_per_rank.is_some() && saved.dynamic.is_none());
+    let seq_len_given = args.seq_len.is_some()
+        || (args.max_tokens_per_rank.is_some() && saved.mode.dynamic().is_none());
     let checks: [(&str, bool, Value); 14] = [
         ("--corpus", args.corpus.is_some(), |c| c.corpus.clone()),
         ("--lengths-from", args.lengths_from.is_some(), |c| {
@@ -454,7 +481,9 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
         ("--tp", args.tp.is_some(), |c| c.tp.to_string()),
         ("--pp", args.pp.is_some(), |c| c.pp.to_string()),
         ("--strategy", args.strategy.is_some(), |c| c.strategy_name()),
-        ("--layout", args.layout.is_some(), |c| c.layout.to_string()),
+        ("--layout", args.layout.is_some(), |c| {
+            c.mode.layout().to_string()
+        }),
         ("--seq-len", seq_len_given, |c| c.seq_len.to_string()),
         ("--micro-batches", args.micro_batches.is_some(), |c| {
             c.micro_batches.to_string()
@@ -466,8 +495,8 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
         ("--mask", args.mask.is_some(), |c| c.mask.clone()),
     ];
     // Strategies that print alike (USP of other degrees) still differ.
-    let strategy_differs =
-        given.strategy != saved.strategy || given.auto.is_some() != saved.auto.is_some();
+    let strategy_differs = given.mode.group_strategy() != saved.mode.group_strategy()
+        || given.mode.auto().is_some() != saved.mode.auto().is_some();
     for (flag, was_given, value) in checks {
         let differs = match flag {
             "--strategy" => strategy_differs,

@@ -23,7 +23,7 @@ use crate::tensor_parallel::TpGroup;
 
 /// The TP ranks that hold the same kv heads as `rank` (more than one only when tp > kv heads,
 /// which replicates them): their k/v gradients are summed over these ranks.
-pub fn kv_replicas(model: &ModelShape, rank: usize, tp: usize) -> Vec<usize> {
+pub(crate) fn kv_replicas(model: &ModelShape, rank: usize, tp: usize) -> Vec<usize> {
     if model.n_kv_heads >= tp {
         return vec![rank];
     }
@@ -91,7 +91,7 @@ impl RankGroups {
                 groups: HashMap::new(),
             }),
         };
-        if config.dynamic.is_none() {
+        if config.mode.dynamic().is_none() {
             let replicas = (0..config.dp).map(|d| d * config.cp..(d + 1) * config.cp);
             groups.create(&replicas.collect::<Vec<_>>())?;
         }

@@ -28,35 +28,33 @@
 mod checkpoint;
 mod config;
 mod data;
-pub mod dynamic;
-pub mod error;
-pub mod flags;
+mod error;
+mod flags;
 mod gpt;
 mod gradients;
-pub mod groups;
+mod groups;
 pub mod launch;
 pub mod links;
 pub mod metrics;
-pub mod model;
-pub mod pipeline;
-pub mod plan;
+mod mode;
+mod model;
+mod pipeline;
+mod plan;
 mod planning;
-pub mod predict;
+mod predict;
 mod run;
 mod settings;
 mod step;
-pub mod tensor_parallel;
+mod tensor_parallel;
 
-pub use checkpoint::{
-    check_resume, checkpoint_dir, read_json, saved_checkpoint, write_atomically, write_json,
-    TrainState,
-};
+// What users of the engine use; everything else is the engine's own (`pub(crate)`).
+pub use checkpoint::{check_resume, saved_checkpoint, write_json, TrainState};
 pub use config::{
-    AutoSettings, DcpSettings, EmulatedLinks, PpSchedule, Precision, Recompute, TrainConfig,
-    DEFAULT_PLAN_AHEAD, MAX_MICRO_BATCHES, MAX_PLAN_AHEAD, MAX_SEQ_LEN,
+    AutoSettings, CpSizes, DcpSettings, DynamicSettings, EmulatedLinks, GroupStrategy, PpSchedule,
+    Precision, Recompute, TrainConfig, TrainMode, DEFAULT_PLAN_AHEAD, MAX_MICRO_BATCHES,
+    MAX_PLAN_AHEAD, MAX_SEQ_LEN,
 };
-pub use data::{builtin_documents, TrainData};
-pub use dynamic::{sequence_work, CpSizes, DynamicSettings};
+pub use data::TrainData;
 pub use error::TrainError;
 pub use flags::TrainFlags;
 pub use gpt::{init_model, train_rank, TrainGpt};
@@ -66,9 +64,8 @@ pub use metrics::{Progress, StepMetrics, StepObserver};
 pub use model::{
     cast_model, CpTrain, InputRows, ModelShape, PipelineStage, ShardInput, TrainModel,
 };
-pub use plan::{AutoRecord, PlannedBatch, RankWork, ScheduleStats, StepPlan, StepSequences};
-pub use planning::{plan_auto, plan_input, plan_step};
-pub use predict::{plan_step_predicted, Predictor};
+pub use plan::{AutoRecord, PlannedBatch, StepPlan};
+pub use planning::plan_step;
 pub use run::{ModelInit, RankOutcome, TrainBackend, Trainer};
-pub use step::{rank_peak_memory_mb, step_gradients, step_gradients_planned, StepResult, AXES};
+pub use step::{rank_peak_memory_mb, step_gradients, AXES};
 pub use tensor_parallel::TpGroup;

@@ -33,18 +33,13 @@ use burn_dcp::{CpBatch, CpError, CpGroup};
 use burn_dcp::batch::shard::RankShard;
 
 use crate::config::{PpSchedule, Precision, Recompute};
-use crate::error::TrainError;
+use crate::error::{forward_failed as failed, TrainError};
 use crate::groups::RankGroups;
 use crate::model::{cast_model, CpTrain, PipelineStage, ShardInput, TrainModel};
-use crate::plan::{PlannedBatch, RankWork, StepSequences};
+use crate::plan::{PlannedBatch, StepSequences};
 
 /// Hidden states between pipeline stages (and, under `Recompute::Block`, between layers).
 type Hidden<B, C> = Tensor<CpTrain<B, C>, 3>;
-
-/// A model's forward failing, as the step's error.
-fn failed(error: TrainError) -> CpError {
-    CpError::RunFailed(format!("model forward: {error}"))
-}
 
 /// `Recompute::Block` of a model without pipeline stages, as the step's error.
 fn no_stages() -> CpError {
@@ -55,7 +50,7 @@ fn no_stages() -> CpError {
 
 /// A forward or backward pass of one schedule unit (a sub-step of the plan).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Pass {
+pub(crate) enum Pass {
     Forward(usize),
     Backward(usize),
 }
@@ -63,7 +58,12 @@ pub enum Pass {
 /// The passes stage `stage` of `stages` runs over `units` schedule units, in order. Backward
 /// passes come in the forwards' order on every schedule, so a stage receives gradients in the
 /// order it sent activations.
-pub fn stage_passes(schedule: PpSchedule, stage: usize, stages: usize, units: usize) -> Vec<Pass> {
+pub(crate) fn stage_passes(
+    schedule: PpSchedule,
+    stage: usize,
+    stages: usize,
+    units: usize,
+) -> Vec<Pass> {
     let warmup = match schedule {
         PpSchedule::OneFOneB => (stages - stage - 1).min(units),
         PpSchedule::Gpipe => units,
@@ -116,7 +116,9 @@ struct KeptLayers<B: FlashOps, C: CheckpointStrategy> {
     batch: CpBatch,
 }
 
-/// One rank's passes over a step: its stage of the model, and what is in flight.
+/// One rank's passes over a step at pp > 1 (or under `Recompute::Block`, which runs the model
+/// stage by stage, layer by layer): its stage of the model, and what is in flight. At pp 1 a step
+/// runs each micro-batch's forward and backward without it (`step.rs`).
 pub(super) struct StageRun<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> {
     model: &'a M,
     groups: &'a RankGroups,
@@ -138,7 +140,7 @@ pub(super) struct StageRun<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel
 }
 
 impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> StageRun<'a, B, C, M> {
-    pub fn new(
+    pub(crate) fn new(
         model: &'a M,
         groups: &'a RankGroups,
         sequences: &'a StepSequences<'a>,
@@ -179,7 +181,7 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
     }
 
     /// Waits for this rank's sends; returns its accumulated gradients and its loss sum.
-    pub fn finish(self) -> Result<(GradientsAccumulator<M>, f64), CpError> {
+    pub(crate) fn finish(self) -> Result<(GradientsAccumulator<M>, f64), CpError> {
         for send in self.sends {
             send.wait()?;
         }
@@ -231,16 +233,9 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
     }
 
     /// The forward pass of schedule unit `unit`, in which this rank runs `planned`.
-    pub fn forward(&mut self, unit: usize, planned: &PlannedBatch) -> Result<(), CpError> {
+    pub(crate) fn forward(&mut self, unit: usize, planned: &PlannedBatch) -> Result<(), CpError> {
         let me = self.groups.world.rank();
-        let RankWork { batch, shard } = planned.shard(self.sequences, me)?;
-        let batch = M::INPUT_ROWS.rows_of(CpBatch {
-            placement: planned.placement.clone(),
-            masks: batch.masks,
-            scale: None,
-            blocks: planned.blocks.clone(),
-            rows: None,
-        })?;
+        let (shard, batch) = planned.rank_input(self.sequences, me, M::INPUT_ROWS)?;
         let group = self.groups.group(&planned.ranks, planned.strategy)?;
         let blocks = self.recompute == Recompute::Block;
         let copy = self.cast_copy();
@@ -356,7 +351,7 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
     }
 
     /// The backward pass of schedule unit `unit` (whose forward this rank ran).
-    pub fn backward(&mut self, unit: usize) -> Result<(), CpError> {
+    pub(crate) fn backward(&mut self, unit: usize) -> Result<(), CpError> {
         let stage = self.pp().rank();
         let InFlight {
             output,

@@ -1,16 +1,7 @@
 //! A step's plan: which world ranks run which (sub-)micro-batch as one CP group, and where every
-//! token of it lives (the group's [`Placement`]). Every strategy is a plan:
-//!
-//! - **static CP** ([`plan_static`]): micro-batch `i` of the step runs on DP replica `i mod dp`
-//!   (world ranks `d·cp .. (d+1)·cp`), placed by the layout;
-//! - **dynamic CP** ([`plan_dynamic`]): the scheduler's groups, each running the sequences it was
-//!   given, placed by the layout over the group;
-//! - **DCP** (static groups, `plan_blocks` in `block_plans.rs`): each micro-batch's DCP block plan for the group's
-//!   topology; its homes are the placement and it travels with the batch to the executor.
-//! - **auto** ([`plan_auto`](crate::plan_auto)): static groups; each micro-batch runs the candidate with the lowest
-//!   estimated attention time (`burn_dcp::planner::auto`): a static strategy placed zigzag, the
-//!   megatron-dynamic schedule inside the replica (its groups run one after the other) or the DCP
-//!   plan. Each planned batch carries the strategy its group runs.
+//! token of it lives (the group's [`Placement`]). Every mode is a plan (`planning/`, one file per
+//! mode: static split, DCP's block plans, dynamic CP's groups, auto's choice per micro-batch);
+//! each planned batch carries the strategy its group runs.
 //!
 //! The step executes every plan alike (`step_gradients_planned`): a rank takes each planned batch
 //! whose ranks include it and asks it for its shard ([`PlannedBatch::shard`]: the batch's
@@ -24,16 +15,15 @@ use std::sync::Arc;
 
 use burn_dcp::batch::shard::RankShard;
 use burn_dcp::kernels::{MaskSpec, MicroBatch};
-use burn_dcp::planner::dynamic::{rank_work, schedule_with, DynamicCpSchedule};
+use burn_dcp::planner::dynamic::rank_work;
 use burn_dcp::strategy::block_plan::BlockSchedule;
-use burn_dcp::{CpError, Layout, Placement, Strategy};
+use burn_dcp::{CpBatch, CpError, Placement, Strategy};
 use serde::{Deserialize, Serialize};
 
-use crate::dynamic::{sequence_work, strategy_for, DynamicSettings};
-use crate::model::ModelShape;
+use crate::model::{InputRows, ModelShape};
 
 /// The sequences of a step's global batch, micro-batch by micro-batch, numbered in that order.
-pub struct StepSequences<'a> {
+pub(crate) struct StepSequences<'a> {
     batches: Vec<&'a MicroBatch>,
     /// (micro-batch, sequence index in it) of every sequence of the step.
     sequences: Vec<(usize, usize)>,
@@ -41,11 +31,16 @@ pub struct StepSequences<'a> {
 
 impl<'a> StepSequences<'a> {
     /// The step's micro-batches.
-    pub fn micro_batches(&self) -> usize {
+    pub(crate) fn micro_batches(&self) -> usize {
         self.batches.len()
     }
 
-    pub fn new(batches: Vec<&'a MicroBatch>) -> Self {
+    /// The step's micro-batches, in order.
+    pub(crate) fn batches(&self) -> &[&'a MicroBatch] {
+        &self.batches
+    }
+
+    pub(crate) fn new(batches: Vec<&'a MicroBatch>) -> Self {
         let sequences = batches
             .iter()
             .enumerate()
@@ -54,29 +49,21 @@ impl<'a> StepSequences<'a> {
         Self { batches, sequences }
     }
 
-    pub fn len(&self) -> usize {
-        self.sequences.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.sequences.is_empty()
-    }
-
-    pub fn lengths(&self) -> Vec<usize> {
+    pub(crate) fn lengths(&self) -> Vec<usize> {
         self.sequences
             .iter()
             .map(|&(b, s)| self.batches[b].sequence(s).len())
             .collect()
     }
 
-    pub fn mask(&self, sequence: usize) -> &MaskSpec {
+    pub(crate) fn mask(&self, sequence: usize) -> &MaskSpec {
         let (b, s) = self.sequences[sequence];
         &self.batches[b].masks[s]
     }
 
     /// The micro-batch of `sequences`, packed in that order (all of one micro-batch, in order,
     /// give it back unchanged).
-    pub fn gather(&self, sequences: &[usize]) -> MicroBatch {
+    pub(crate) fn gather(&self, sequences: &[usize]) -> MicroBatch {
         MicroBatch::gather(sequences.iter().map(|&sequence| {
             let (b, s) = self.sequences[sequence];
             (self.batches[b], s)
@@ -103,7 +90,7 @@ pub struct PlannedBatch {
 }
 
 /// A planned batch as one rank runs it: the batch (for its masks) and the rank's shard of it.
-pub struct RankWork {
+pub(crate) struct RankWork {
     pub batch: MicroBatch,
     pub shard: RankShard,
 }
@@ -111,7 +98,11 @@ pub struct RankWork {
 impl PlannedBatch {
     /// World rank `rank`'s shard of this batch: its sequences gathered from the step's
     /// micro-batches, cut by the placement (`rank` must be one of [`Self::ranks`]).
-    pub fn shard(&self, sequences: &StepSequences<'_>, rank: usize) -> Result<RankWork, CpError> {
+    pub(crate) fn shard(
+        &self,
+        sequences: &StepSequences<'_>,
+        rank: usize,
+    ) -> Result<RankWork, CpError> {
         if !self.ranks.contains(&rank) {
             return Err(CpError::Config(format!(
                 "world rank {rank} is not in this batch's CP group (world ranks {:?})",
@@ -121,6 +112,25 @@ impl PlannedBatch {
         let batch = sequences.gather(&self.sequences);
         let shard = RankShard::of(&batch, &self.placement, rank - self.ranks.start)?;
         Ok(RankWork { batch, shard })
+    }
+
+    /// World rank `rank`'s shard of this batch and the CP batch its attention calls run on (the
+    /// placement, masks and block plan), in the model's input `rows`.
+    pub(crate) fn rank_input(
+        &self,
+        sequences: &StepSequences<'_>,
+        rank: usize,
+        rows: InputRows,
+    ) -> Result<(RankShard, CpBatch), CpError> {
+        let RankWork { batch, shard } = self.shard(sequences, rank)?;
+        let batch = rows.rows_of(CpBatch {
+            placement: self.placement.clone(),
+            masks: batch.masks,
+            scale: None,
+            blocks: self.blocks.clone(),
+            rows: None,
+        })?;
+        Ok((shard, batch))
     }
 }
 
@@ -161,7 +171,7 @@ pub struct AutoRecord {
 
 /// What a step's plan does, for the metrics.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct ScheduleStats {
+pub(crate) struct ScheduleStats {
     /// Group size → number of sequences that ran in groups of that size.
     pub cp_group_sizes: BTreeMap<usize, usize>,
     /// Max / mean of the per-rank estimated work over the step.
@@ -189,7 +199,7 @@ impl StepPlan {
     }
 
     /// Group sizes and the per-rank work imbalance over a world of `world` ranks.
-    pub fn stats(&self, world: usize) -> ScheduleStats {
+    pub(crate) fn stats(&self, world: usize) -> ScheduleStats {
         let mut sizes = BTreeMap::new();
         for batch in &self.batches {
             *sizes.entry(batch.ranks.len()).or_default() += batch.sequences.len();
@@ -213,85 +223,33 @@ impl StepPlan {
     }
 }
 
+/// Allowed query-key pairs of a sequence's mask (exact).
+fn attention_pairs(mask: &MaskSpec, len: usize) -> f64 {
+    (0..len)
+        .map(|i| mask.key_ranges(i, len).count() as f64)
+        .sum()
+}
+
+/// Forward FLOPs of a sequence: what dynamic CP's scheduler balances (per rank `work / group
+/// size`). `4 · d_model · n_layers · pairs(mask)` of attention (`pairs` = allowed query-key pairs
+/// of its mask, counted exactly) plus `2 · linear_params · len` of the token-local layers
+/// (`linear_params` = the weights of the QKV/output projections and the MLP of every layer, and
+/// the LM head). The backward multiplies both by about the same factor, so it is left out.
+pub(crate) fn sequence_work(len: usize, mask: &MaskSpec, model: &ModelShape) -> f64 {
+    let d = model.d_model as f64;
+    let kv_dim = d * model.n_kv_heads as f64 / model.n_heads as f64;
+    let per_layer = d * d * 2.0 + 2.0 * d * kv_dim + 2.0 * d * model.d_ff as f64;
+    let linear_params = per_layer * model.n_layers as f64 + d * model.vocab_size as f64;
+    let attention = 4.0 * d * model.n_layers as f64 * attention_pairs(mask, len);
+    attention + 2.0 * linear_params * len as f64
+}
+
 /// Work estimate of every sequence of the step.
-pub fn sequence_works(sequences: &StepSequences<'_>, model: &ModelShape) -> Vec<f64> {
+pub(crate) fn sequence_works(sequences: &StepSequences<'_>, model: &ModelShape) -> Vec<f64> {
     let lengths = sequences.lengths();
     (0..lengths.len())
         .map(|s| sequence_work(lengths[s], sequences.mask(s), model))
         .collect()
-}
-
-/// Static CP: micro-batch `i` on replica `i mod dp` (of `cp` ranks), sub-step `⌊i / dp⌋`, placed
-/// by `layout`, run by `strategy`.
-pub fn plan_static(
-    sequences: &StepSequences<'_>,
-    cp: usize,
-    dp: usize,
-    strategy: Strategy,
-    layout: Layout,
-) -> Result<Vec<PlannedBatch>, CpError> {
-    let mut first = 0;
-    let mut planned = Vec::with_capacity(sequences.batches.len());
-    for (index, batch) in sequences.batches.iter().enumerate() {
-        let count = batch.sequences();
-        let replica = index % dp;
-        planned.push(PlannedBatch {
-            sub_step: index / dp,
-            ranks: replica * cp..(replica + 1) * cp,
-            sequences: (first..first + count).collect(),
-            placement: Arc::new(Placement::of_layout(&batch.seq_lens(), cp, layout)?),
-            blocks: None,
-            strategy,
-        });
-        first += count;
-    }
-    Ok(planned)
-}
-
-/// Dynamic CP: every group of every sub-step of the scheduler's plan for a pool of `pool` ranks,
-/// each placed by `layout` over its group and run by `inner` (sized to the group).
-pub fn plan_dynamic(
-    sequences: &StepSequences<'_>,
-    works: &[f64],
-    settings: &DynamicSettings,
-    pool: usize,
-    inner: Strategy,
-    layout: Layout,
-) -> Result<Vec<PlannedBatch>, CpError> {
-    let lengths = sequences.lengths();
-    let schedule = schedule_with(&lengths, works, &settings.scheduler(pool), layout)?;
-    schedule_batches(schedule, &lengths, |s| s, 0, inner, layout)
-}
-
-/// The planned batches of a dynamic CP schedule: every group of every sub-step, placed by
-/// `layout` over its group and run by `inner` (sized to the group). The schedule's sequence `s`
-/// is the step's sequence `sequence_of(s)` (whose length is in `lengths`) and its rank `r` the
-/// pool rank `first_rank + r`.
-pub(crate) fn schedule_batches(
-    schedule: DynamicCpSchedule,
-    lengths: &[usize],
-    sequence_of: impl Fn(usize) -> usize,
-    first_rank: usize,
-    inner: Strategy,
-    layout: Layout,
-) -> Result<Vec<PlannedBatch>, CpError> {
-    let mut planned = Vec::new();
-    for (sub_step, micro_batch) in schedule.micro_batches.into_iter().enumerate() {
-        for group in micro_batch.groups {
-            let sequences: Vec<usize> = group.sequences.iter().map(|&s| sequence_of(s)).collect();
-            let group_lengths: Vec<usize> = sequences.iter().map(|&s| lengths[s]).collect();
-            let placement = Placement::of_layout(&group_lengths, group.ranks.len(), layout)?;
-            planned.push(PlannedBatch {
-                sub_step,
-                strategy: strategy_for(inner, group.ranks.len())?,
-                ranks: first_rank + group.ranks.start..first_rank + group.ranks.end,
-                sequences,
-                placement: Arc::new(placement),
-                blocks: None,
-            });
-        }
-    }
-    Ok(planned)
 }
 
 /// Numbers sub-steps so that batches of one sub-step run on disjoint ranks: each batch comes one
@@ -307,39 +265,5 @@ pub(crate) fn assign_sub_steps(batches: &mut [PlannedBatch]) {
             .max()
             .unwrap_or(0);
         batches[i].sub_step = after;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn static_plans_run_replica_d_on_micro_batches_d_plus_k_dp() {
-        let a = MicroBatch::from_documents(&[vec![1, 2, 3], vec![4, 5]], MaskSpec::Causal);
-        let b = MicroBatch::from_documents(&[vec![6, 7, 8, 9]], MaskSpec::Causal);
-        let sequences = StepSequences::new(vec![&a, &b, &a, &b]);
-        assert_eq!(sequences.lengths(), vec![3, 2, 4, 3, 2, 4]);
-        let planned = plan_static(&sequences, 2, 2, Strategy::Ring, Layout::Zigzag).unwrap();
-        let summary: Vec<_> = planned
-            .iter()
-            .map(|p| (p.sub_step, p.ranks.clone(), p.sequences.clone()))
-            .collect();
-        assert_eq!(
-            summary,
-            vec![
-                (0, 0..2, vec![0, 1]),
-                (0, 2..4, vec![2]),
-                (1, 0..2, vec![3, 4]),
-                (1, 2..4, vec![5])
-            ]
-        );
-        assert_eq!(sequences.gather(&planned[2].sequences), a);
-        let work = planned[1].shard(&sequences, 3).unwrap();
-        assert_eq!(work.batch, b);
-        // Zigzag over 2 ranks of 4 tokens: rank 1 holds positions 1 and 2.
-        assert_eq!(work.shard.positions, vec![1, 2]);
-        assert_eq!(work.shard.tokens, vec![7, 8]);
-        assert!(planned[1].shard(&sequences, 0).is_err());
     }
 }

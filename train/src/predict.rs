@@ -23,13 +23,13 @@ use crate::data::TrainData;
 use crate::links::{cpu_compute, emulated_topology, time_scale, CpuCompute};
 use crate::model::ModelShape;
 use crate::plan::{PlannedBatch, StepPlan, StepSequences};
-use crate::planning::{group_topology, plan_input, plan_step};
+use crate::planning::{plan_input, plan_step};
 use crate::settings::DcpSettings;
 use crate::TrainError;
 
 /// What predicting a step needs: the links' time scale and this machine's measured kernels.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Predictor {
+pub(crate) struct Predictor {
     pub time_scale: f64,
     pub cpu: CpuCompute,
 }
@@ -38,7 +38,7 @@ impl Predictor {
     /// The predictor of `config`'s emulated run (`None` without `--emulate-links`): its time
     /// scale (as the links use it: the value measured once per process, or `--link-scale`) and
     /// the kernels measured for one TP rank's heads.
-    pub fn of_run(config: &TrainConfig) -> Result<Option<Self>, TrainError> {
+    pub(crate) fn of_run(config: &TrainConfig) -> Result<Option<Self>, TrainError> {
         let Some(links) = config.emulate_links else {
             return Ok(None);
         };
@@ -57,7 +57,7 @@ impl Predictor {
 
     /// The predicted attention time (ms) of `plan`'s slowest rank; `None` when a batch runs a
     /// strategy the cost model has no plan of.
-    pub fn step_ms(
+    pub(crate) fn step_ms(
         &self,
         plan: &StepPlan,
         sequences: &StepSequences<'_>,
@@ -66,24 +66,14 @@ impl Predictor {
     ) -> Result<Option<f64>, CpError> {
         // The static strategies' plans start from a block of 128 tokens (halved as their layout
         // needs, `PlanInput::static_problem`); dcp plans with its own settings.
-        let with_blocks;
-        let config = match config.dcp {
-            Some(_) => config,
-            None => {
-                with_blocks = TrainConfig {
-                    dcp: Some(DcpSettings {
-                        block: 128,
-                        stages: 4,
-                    }),
-                    ..config.clone()
-                };
-                &with_blocks
-            }
-        };
+        let dcp = config.mode.dcp().cloned().unwrap_or(DcpSettings {
+            block: 128,
+            stages: 4,
+        });
         let layers = (model.n_layers / config.pp.max(1)).max(1) as f64;
         let mut per_rank = vec![0.0f64; config.pool_size()];
         for batch in &plan.batches {
-            let Some(ms) = self.batch_ms(batch, sequences, config, model)? else {
+            let Some(ms) = self.batch_ms(batch, sequences, config, model, &dcp)? else {
                 return Ok(None);
             };
             for rank in batch.ranks.clone() {
@@ -102,19 +92,20 @@ impl Predictor {
         sequences: &StepSequences<'_>,
         config: &TrainConfig,
         model: &ModelShape,
+        dcp: &DcpSettings,
     ) -> Result<Option<f64>, CpError> {
-        let mut input = plan_input(batch, sequences, config, model)?;
-        let routed: RoutedPlan = match (batch.strategy, config.layout) {
+        let mut input = plan_input(batch, sequences, config, model, dcp)?;
+        let routed: RoutedPlan = match (batch.strategy, config.mode.layout()) {
             // The executed plan, planned again alike: on the static group's topology, or on its
             // dynamic CP group's.
             (Strategy::Dcp, _) => {
-                if config.dynamic.is_some() {
-                    input.topology = group_topology(config, batch)?;
+                if config.mode.dynamic().is_some() {
+                    input.topology = config.ranks_topology(&batch.ranks)?;
                 }
                 executable_dcp_plan(&input)?
             }
             (strategy, layout) => {
-                input.topology = group_topology(config, batch)?;
+                input.topology = config.ranks_topology(&batch.ranks)?;
                 match executed_plan(strategy, layout, &input)? {
                     Some(plan) => plan,
                     None => return Ok(None),
@@ -128,7 +119,7 @@ impl Predictor {
 }
 
 /// [`plan_step`] with the step's predicted attention time from `predictor`.
-pub fn plan_step_predicted(
+pub(crate) fn plan_step_predicted(
     config: &TrainConfig,
     data: &TrainData,
     step: usize,

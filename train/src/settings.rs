@@ -1,7 +1,9 @@
 //! The settings of the strategies and schedules a [`TrainConfig`](crate::config::TrainConfig)
-//! names: `auto`'s candidates, DCP's blocks and stages, the pipeline schedule.
+//! names: `auto`'s candidates, DCP's blocks and stages, dynamic CP's scheduler, the pipeline
+//! schedule.
 
-use burn_dcp::StrategyKind;
+use burn_dcp::planner::dynamic::DynamicCpConfig;
+use burn_dcp::{CpError, Strategy, StrategyKind};
 use serde::{Deserialize, Serialize};
 
 use crate::error::TrainError;
@@ -20,6 +22,93 @@ pub struct DcpSettings {
     pub block: usize,
     /// Communication stages of each plan (`--stages`).
     pub stages: usize,
+}
+
+/// Group sizes the scheduler may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpSizes {
+    /// Powers of two (Megatron), plus the whole pool.
+    Pow2,
+    /// Any size.
+    Any,
+}
+
+impl std::str::FromStr for CpSizes {
+    type Err = TrainError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "pow2" => Ok(Self::Pow2),
+            "any" => Ok(Self::Any),
+            other => Err(TrainError::Config(format!(
+                "unknown --cp-sizes '{other}': expected pow2 or any"
+            ))),
+        }
+    }
+}
+
+/// Settings of `--strategy dynamic`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DynamicSettings {
+    /// The scheduler's per-rank token budget (`--max-tokens-per-rank`).
+    pub max_tokens_per_rank: usize,
+    /// Smallest group size (`--min-cp-size`).
+    pub min_cp_size: usize,
+    /// Group sizes (`--cp-sizes`).
+    pub cp_sizes: CpSizes,
+}
+
+impl DynamicSettings {
+    /// The scheduler's configuration for a pool of `pool` ranks.
+    pub fn scheduler(&self, pool: usize) -> DynamicCpConfig {
+        DynamicCpConfig {
+            world: pool,
+            max_seq_len_per_rank: self.max_tokens_per_rank,
+            min_cp_size: self.min_cp_size,
+            power_of_two: self.cp_sizes == CpSizes::Pow2,
+        }
+    }
+
+    /// Checks the settings for a pool of `pool` ranks, an inner strategy and the model's heads.
+    pub fn validate(
+        &self,
+        pool: usize,
+        inner: Strategy,
+        heads: usize,
+        kv_heads: usize,
+    ) -> Result<(), TrainError> {
+        let scheduler = self.scheduler(pool);
+        scheduler.validate()?;
+        for size in scheduler.sizes() {
+            let strategy = strategy_for(inner, size)?;
+            strategy
+                .validate_heads(heads, kv_heads, size)
+                .map_err(|e| {
+                    TrainError::Config(format!("dynamic CP may use groups of {size} ranks: {e}"))
+                })?;
+        }
+        Ok(())
+    }
+}
+
+/// The inner strategy on a group of `size` ranks (USP keeps its Ulysses degree; the ring degree
+/// is what remains).
+pub(crate) fn strategy_for(inner: Strategy, size: usize) -> Result<Strategy, CpError> {
+    match inner {
+        Strategy::Usp { ulysses_degree, .. } => {
+            if !size.is_multiple_of(ulysses_degree) {
+                return Err(CpError::Config(format!(
+                    "inner strategy usp with ulysses degree {ulysses_degree} needs every group size to be a multiple of it; dynamic CP may use a group of {size} (raise --min-cp-size or use --cp-sizes pow2)"
+                )));
+            }
+            Ok(Strategy::Usp {
+                ulysses_degree,
+                ring_degree: size / ulysses_degree,
+            })
+        }
+        other => Ok(other),
+    }
 }
 
 /// The order of a stage's forward and backward passes (`--pp-schedule`).

@@ -2,20 +2,24 @@
 //! gradient and loss all-reduces; the bytes it sent.
 
 use std::collections::BTreeMap;
+use std::marker::PhantomData;
 
 use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::prelude::ToElement;
+use burn::tensor::FloatDType;
+use burn_dcp::backend::{set_context, CpContext};
 use burn_dcp::comm::{Comm, CommStats, LinkBytes};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::CpError;
 use serde::{Deserialize, Serialize};
 
-use crate::config::TrainConfig;
+use crate::config::{Recompute, TrainConfig};
 use crate::data::TrainData;
-use crate::error::TrainError;
+use crate::error::{forward_failed, TrainError};
 use crate::gradients::reduce_step;
 use crate::groups::RankGroups;
-use crate::model::{CpTrain, TrainModel};
+use crate::model::{cast_model, CpTrain, ShardInput, TrainModel};
 use crate::pipeline::{stage_passes, Pass, StageRun};
 use crate::plan::{PlannedBatch, ScheduleStats, StepPlan, StepSequences};
 use crate::planning::plan_step;
@@ -39,7 +43,7 @@ pub fn step_gradients<B: FlashOps, M: TrainModel<CpTrain<B>>>(
 }
 
 /// One rank's step: the mean loss, the all-reduced gradients, the tokens, and what ran where.
-pub struct StepResult {
+pub(crate) struct StepResult {
     pub loss: f64,
     pub grads: GradientsParams,
     pub tokens: usize,
@@ -50,9 +54,14 @@ pub struct StepResult {
 }
 
 /// Runs step `plan.step` by its plan: this rank's shard of every planned batch it is in, in the
-/// batch's group, through the pipeline's stages on the pipeline schedule ([`pipeline`](crate::pipeline); at pp 1
-/// one forward and backward after the other); then the all-reduces of the gradients and the loss.
-pub fn step_gradients_planned<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
+/// batch's group — at pp 1 one forward and backward after the other, else through the
+/// pipeline's stages on its schedule ([`pipeline`](crate::pipeline)) — then the all-reduces of
+/// the gradients and the loss.
+pub(crate) fn step_gradients_planned<
+    B: FlashOps,
+    C: CheckpointStrategy,
+    M: TrainModel<CpTrain<B, C>>,
+>(
     model: &M,
     groups: &RankGroups,
     config: &TrainConfig,
@@ -81,10 +90,61 @@ pub fn step_gradients_planned<B: FlashOps, C: CheckpointStrategy, M: TrainModel<
     for planned in plan.batches_of(me) {
         units[planned.sub_step] = Some(planned);
     }
+    let (accumulator, loss_sum) = if config.pp == 1 && config.recompute != Recompute::Block {
+        let mut run = SingleStage::<B, C, M> {
+            model,
+            groups,
+            sequences: &sequences,
+            global_labels,
+            device,
+            compute: config.precision.compute_dtype(),
+            accumulator: GradientsAccumulator::new(),
+            loss_sum: 0.0,
+            checkpointing: PhantomData,
+        };
+        for (unit, planned) in units.iter().enumerate() {
+            if let Some(planned) = planned {
+                run.forward_backward(unit, planned)?;
+            }
+        }
+        (run.accumulator, run.loss_sum)
+    } else {
+        run_stages::<B, C, M>(
+            model,
+            groups,
+            config,
+            &sequences,
+            global_labels,
+            &units,
+            device,
+        )?
+    };
+    let reduced =
+        reduce_step::<B, C, M>(model, groups, step, accumulator, loss_sum, global_labels)?;
+    Ok(StepResult {
+        loss: reduced.loss,
+        grads: reduced.grads,
+        tokens,
+        stats: plan.stats(groups.world.size()),
+        grad_sync_ms: reduced.grad_sync_ms,
+    })
+}
+
+/// The pipeline's passes over this rank's `units` (pp > 1, or `Recompute::Block`, which runs
+/// the model stage by stage); returns the accumulated gradients and the loss sum.
+fn run_stages<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
+    model: &M,
+    groups: &RankGroups,
+    config: &TrainConfig,
+    sequences: &StepSequences<'_>,
+    global_labels: usize,
+    units: &[Option<&PlannedBatch>],
+    device: &B::Device,
+) -> Result<(GradientsAccumulator<M>, f64), CpError> {
     let mut run = StageRun::<B, C, M>::new(
         model,
         groups,
-        &sequences,
+        sequences,
         global_labels,
         device,
         config.recompute,
@@ -112,16 +172,56 @@ pub fn step_gradients_planned<B: FlashOps, C: CheckpointStrategy, M: TrainModel<
             }
         }
     }
-    let (accumulator, loss_sum) = run.finish()?;
-    let reduced =
-        reduce_step::<B, C, M>(model, groups, step, accumulator, loss_sum, global_labels)?;
-    Ok(StepResult {
-        loss: reduced.loss,
-        grads: reduced.grads,
-        tokens,
-        stats: plan.stats(groups.world.size()),
-        grad_sync_ms: reduced.grad_sync_ms,
-    })
+    run.finish()
+}
+
+/// One rank's micro-batches without a pipeline: each one's forward, then its backward.
+struct SingleStage<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> {
+    model: &'a M,
+    groups: &'a RankGroups,
+    sequences: &'a StepSequences<'a>,
+    global_labels: usize,
+    device: &'a B::Device,
+    /// The dtype each forward's copy of the model is cast to (`None`: f32, the model itself).
+    compute: Option<FloatDType>,
+    accumulator: GradientsAccumulator<M>,
+    /// Sum of the unscaled losses.
+    loss_sum: f64,
+    /// The checkpointing the model's backend runs.
+    checkpointing: PhantomData<C>,
+}
+
+impl<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> SingleStage<'_, B, C, M> {
+    /// The forward of `planned` (sub-step `unit`) in its CP group, its loss, and the backward of
+    /// `loss / global_labels` into the accumulated gradients. Under a low precision the forward
+    /// runs a fresh copy of the model cast to it, whose gradients reach the f32 parameters.
+    fn forward_backward(&mut self, unit: usize, planned: &PlannedBatch) -> Result<(), CpError> {
+        let me = self.groups.world.rank();
+        let loss = {
+            let _span = micro_batch_span(unit, "forward", planned);
+            let (shard, batch) = planned.rank_input(self.sequences, me, M::INPUT_ROWS)?;
+            let group = self.groups.group(&planned.ranks, planned.strategy)?;
+            let copy = self
+                .compute
+                .map(|dtype| cast_model(self.model.clone(), dtype));
+            let model = copy.as_ref().unwrap_or(self.model);
+            let input = ShardInput::new(&shard, &batch, me - planned.ranks.start, self.device)?;
+            let context = set_context(CpContext { group, batch });
+            let loss = model
+                .loss_sum(input, &self.groups.tp)
+                .map_err(forward_failed)?;
+            self.loss_sum += loss.clone().into_scalar().to_f64();
+            // Never silent: a model whose attention bypassed the op fails at its first
+            // micro-batch.
+            context.finish()?;
+            loss
+        };
+        let _span = micro_batch_span(unit, "backward", planned);
+        let grads = (loss / self.global_labels as f64).backward();
+        let grads = GradientsParams::from_grads(grads, self.model);
+        self.accumulator.accumulate(self.model, grads);
+        Ok(())
+    }
 }
 
 /// Stops the step with an error, rather than a hang or a wrong gradient, when the pipeline's stages

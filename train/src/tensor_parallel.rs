@@ -36,7 +36,7 @@ impl<B: TpInner> TensorParallel<ContextParallel<B>> for TpGroup {
         tp_reduce(x, &self.comm).map_err(|e| ModelError::Collective(e.to_string()))
     }
 
-    fn max<const D: usize>(
+    fn all_reduce_max<const D: usize>(
         &self,
         x: Tensor<ContextParallel<B>, D>,
     ) -> Result<Tensor<ContextParallel<B>, D>, ModelError> {

@@ -122,8 +122,10 @@ fn config(cp: usize, dp: usize, strategy: Strategy) -> TrainConfig {
     TrainConfig {
         cp,
         dp,
-        strategy,
-        layout: Layout::Zigzag,
+        mode: burn_dcp_train::TrainMode::Static {
+            strategy,
+            layout: Layout::Zigzag,
+        },
         seq_len: 96,
         micro_batches: 2,
         steps: 3,

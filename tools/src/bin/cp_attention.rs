@@ -198,6 +198,104 @@ fn main() {
 }
 
 fn run(args: &Args) -> Result<(), String> {
+    let (strategy, layout, mask) = parsed_flags(args)?;
+    let inputs = match &args.inputs {
+        Some(path) => {
+            let inputs = read_inputs(path)?;
+            let dims = [
+                inputs.heads,
+                inputs.kv_heads,
+                inputs.head_dim,
+                inputs.value_dim,
+            ];
+            check_size(&inputs.seq_lens, dims, args.cp)?;
+            inputs
+        }
+        None => random_inputs(args, strategy)?,
+    };
+    let topology = Topology::for_ranks(&args.topology, args.nodes, args.cp)
+        .map_err(|e| format!("--topology {} --nodes {}: {e}", args.topology, args.nodes))?;
+    let (blocks, dcp_routed) = block_plan(args, strategy, &inputs, &mask, &topology)?;
+    let ranks = Ranks::new(
+        args.cp,
+        WorldConfig {
+            timeout: Duration::from_secs(args.timeout_secs),
+            ranks_per_node: Some(args.cp / args.nodes.max(1)),
+        },
+    )?;
+    if let (Some(scale), false) = (args.link_scale, args.emulate_links) {
+        return Err(format!(
+            "--link-scale {scale} only applies with --emulate-links"
+        ));
+    }
+    let emulation = match args.emulate_links {
+        false => None,
+        true if ranks.is_distributed() => {
+            return Err(
+                "--emulate-links delays the messages of ranks that are threads of this process; these ranks are processes (MPI or TCP), whose links are real"
+                    .into(),
+            )
+        }
+        true => Some(emulation(
+            args,
+            &inputs,
+            &mask,
+            &topology,
+            strategy,
+            layout,
+            dcp_routed,
+        )?),
+    };
+    if let (true, true, Some(schedule)) = (ranks.is_leader(), args.explain, &blocks) {
+        let text = explain(schedule);
+        match args.json {
+            true => eprint!("{text}"),
+            false => print!("{text}"),
+        }
+    }
+    let spec = RunSpec {
+        cp: args.cp,
+        strategy,
+        layout,
+        masks: vec![mask],
+        scale: args.scale,
+        timeout: Duration::from_secs(args.timeout_secs),
+        blocks,
+        nodes: args.nodes,
+        dtype: args.dtype()?,
+    };
+    if ranks.is_distributed() {
+        return run_distributed(args, &ranks, &inputs, &spec);
+    }
+    let links = emulation.as_ref().map(|e| e.links);
+    let device = Default::default();
+    let report = match args.backend.as_str() {
+        #[cfg(feature = "wgpu")]
+        "wgpu" if args.no_fusion => {
+            run_context_parallel_with_links::<WgpuPlain>(&Default::default(), &inputs, &spec, links)
+        }
+        #[cfg(feature = "wgpu")]
+        "wgpu" => run_context_parallel_with_links::<WgpuFusion>(
+            &Default::default(),
+            &inputs,
+            &spec,
+            links,
+        ),
+        #[cfg(feature = "cuda")]
+        "cuda" => run_context_parallel_with_links::<burn::backend::Cuda>(
+            &Default::default(),
+            &inputs,
+            &spec,
+            links,
+        ),
+        _ => run_context_parallel_with_links::<Flex>(&device, &inputs, &spec, links),
+    }
+    .map_err(|e| e.to_string())?;
+    report_run(args, &inputs, &spec, &report, emulation.as_ref())
+}
+
+/// The flags' rules (backend, ranks, timeout, scale), then the strategy, layout and mask.
+fn parsed_flags(args: &Args) -> Result<(Strategy, Layout, MaskSpec), String> {
     burn_dcp_tools::backend_type(
         &args.backend,
         args.no_fusion,
@@ -229,148 +327,71 @@ fn run(args: &Args) -> Result<(), String> {
         .mask
         .parse()
         .map_err(|e: burn_dcp::kernels::KernelError| e.to_string())?;
-    let inputs = match &args.inputs {
-        Some(path) => {
-            let inputs = read_inputs(path)?;
-            let dims = [
-                inputs.heads,
-                inputs.kv_heads,
-                inputs.head_dim,
-                inputs.value_dim,
-            ];
-            check_size(&inputs.seq_lens, dims, args.cp)?;
-            inputs
-        }
-        None => random_inputs(args, strategy)?,
-    };
-    let topology = Topology::for_ranks(&args.topology, args.nodes, args.cp)
-        .map_err(|e| format!("--topology {} --nodes {}: {e}", args.topology, args.nodes))?;
-    let mut dcp_routed = None;
-    let blocks = match strategy {
-        Strategy::Dcp => {
-            let routed = dcp_routed_plan(args, &inputs, &mask, &topology)?;
-            let schedule = BlockSchedule::new(&routed.plan, &routed.problem, &topology)
-                .map_err(|e| format!("--strategy dcp: {e}"))?;
-            dcp_routed = Some(routed);
-            Some(Arc::new(schedule))
-        }
-        _ => {
-            if let Some(flag) = [
-                ("--block", args.block.is_some()),
-                ("--stages", args.stages.is_some()),
-                ("--head-units", args.head_units.is_some()),
-                ("--explain", args.explain),
-            ]
-            .iter()
-            .find_map(|(flag, given)| given.then_some(flag))
-            {
-                return Err(format!("{flag} only applies to --strategy dcp"));
-            }
-            None
-        }
-    };
-    let ranks = Ranks::new(
-        args.cp,
-        WorldConfig {
-            timeout: Duration::from_secs(args.timeout_secs),
-            ranks_per_node: Some(args.cp / args.nodes.max(1)),
-        },
-    )?;
-    if let (Some(scale), false) = (args.link_scale, args.emulate_links) {
-        return Err(format!(
-            "--link-scale {scale} only applies with --emulate-links"
-        ));
+    Ok((strategy, layout, mask))
+}
+
+/// Strategy dcp: the inputs' block plan for the topology (the schedule the ranks run, and the
+/// routed plan the cost model predicts from); other strategies refuse DCP's flags.
+fn block_plan(
+    args: &Args,
+    strategy: Strategy,
+    inputs: &PackedInputs,
+    mask: &MaskSpec,
+    topology: &Topology,
+) -> Result<(Option<Arc<BlockSchedule>>, Option<RoutedPlan>), String> {
+    if strategy == Strategy::Dcp {
+        let routed = dcp_routed_plan(args, inputs, mask, topology)?;
+        let schedule = BlockSchedule::new(&routed.plan, &routed.problem, topology)
+            .map_err(|e| format!("--strategy dcp: {e}"))?;
+        return Ok((Some(Arc::new(schedule)), Some(routed)));
     }
-    let emulation = match args.emulate_links {
-        false => None,
-        true if ranks.is_distributed() => {
-            return Err(
-                "--emulate-links delays the messages of ranks that are threads of this process; these ranks are processes (MPI or TCP), whose links are real"
-                    .into(),
-            )
-        }
-        true => Some(emulation(
-            args,
-            &inputs,
-            &mask,
-            &topology,
-            strategy,
-            layout,
-            dcp_routed,
-        )?),
-    };
-    let leader = ranks.is_leader();
-    if let (true, true, Some(schedule)) = (leader, args.explain, &blocks) {
-        let text = explain(schedule);
-        match args.json {
-            true => eprint!("{text}"),
-            false => print!("{text}"),
-        }
+    if let Some(flag) = [
+        ("--block", args.block.is_some()),
+        ("--stages", args.stages.is_some()),
+        ("--head-units", args.head_units.is_some()),
+        ("--explain", args.explain),
+    ]
+    .iter()
+    .find_map(|(flag, given)| given.then_some(flag))
+    {
+        return Err(format!("{flag} only applies to --strategy dcp"));
     }
-    let spec = RunSpec {
-        cp: args.cp,
-        strategy,
-        layout,
-        masks: vec![mask],
-        scale: args.scale,
-        timeout: Duration::from_secs(args.timeout_secs),
-        blocks,
-        nodes: args.nodes,
-        dtype: args.dtype()?,
-    };
+    Ok((None, None))
+}
+
+/// One rank per process (MPI or TCP): every rank runs its part; rank 0 assembles and reports.
+fn run_distributed(
+    args: &Args,
+    ranks: &Ranks,
+    inputs: &PackedInputs,
+    spec: &RunSpec,
+) -> Result<(), String> {
     let device = Default::default();
-    if ranks.is_distributed() {
-        // One rank per process (MPI or TCP): every rank runs its part; rank 0 assembles and reports.
-        let report = ranks.run(|comm| {
-            match args.backend.as_str() {
-                #[cfg(feature = "wgpu")]
-                "wgpu" if args.no_fusion => {
-                    run_context_parallel_on::<WgpuPlain>(comm, &Default::default(), &inputs, &spec)
-                }
-                #[cfg(feature = "wgpu")]
-                "wgpu" => {
-                    run_context_parallel_on::<WgpuFusion>(comm, &Default::default(), &inputs, &spec)
-                }
-                #[cfg(feature = "cuda")]
-                "cuda" => run_context_parallel_on::<burn::backend::Cuda>(
-                    comm,
-                    &Default::default(),
-                    &inputs,
-                    &spec,
-                ),
-                _ => run_context_parallel_on::<Flex>(comm, &device, &inputs, &spec),
+    let report = ranks.run(|comm| {
+        match args.backend.as_str() {
+            #[cfg(feature = "wgpu")]
+            "wgpu" if args.no_fusion => {
+                run_context_parallel_on::<WgpuPlain>(comm, &Default::default(), inputs, spec)
             }
-            .map_err(|e| e.to_string())
-        })?;
-        return match report.flatten() {
-            Some(report) => report_run(args, &inputs, &spec, &report, None),
-            None => Ok(()),
-        };
-    }
-    let links = emulation.as_ref().map(|e| e.links);
-    let report = match args.backend.as_str() {
-        #[cfg(feature = "wgpu")]
-        "wgpu" if args.no_fusion => {
-            run_context_parallel_with_links::<WgpuPlain>(&Default::default(), &inputs, &spec, links)
+            #[cfg(feature = "wgpu")]
+            "wgpu" => {
+                run_context_parallel_on::<WgpuFusion>(comm, &Default::default(), inputs, spec)
+            }
+            #[cfg(feature = "cuda")]
+            "cuda" => run_context_parallel_on::<burn::backend::Cuda>(
+                comm,
+                &Default::default(),
+                inputs,
+                spec,
+            ),
+            _ => run_context_parallel_on::<Flex>(comm, &device, inputs, spec),
         }
-        #[cfg(feature = "wgpu")]
-        "wgpu" => run_context_parallel_with_links::<WgpuFusion>(
-            &Default::default(),
-            &inputs,
-            &spec,
-            links,
-        ),
-        #[cfg(feature = "cuda")]
-        "cuda" => run_context_parallel_with_links::<burn::backend::Cuda>(
-            &Default::default(),
-            &inputs,
-            &spec,
-            links,
-        ),
-        _ => run_context_parallel_with_links::<Flex>(&device, &inputs, &spec, links),
+        .map_err(|e| e.to_string())
+    })?;
+    match report.flatten() {
+        Some(report) => report_run(args, inputs, spec, &report, None),
+        None => Ok(()),
     }
-    .map_err(|e| e.to_string())?;
-    report_run(args, &inputs, &spec, &report, emulation.as_ref())
 }
 
 /// `--emulate-links`: the links' scale (given or measured), the delays, and the cost model's

@@ -54,11 +54,7 @@ struct Args {
 }
 
 fn main() {
-    let args = Args::parse();
-    if let Err(message) = run(&args) {
-        eprintln!("error: {message}");
-        std::process::exit(2);
-    }
+    burn_dcp_tools::exit_on_error(run(&Args::parse()));
 }
 
 /// The most synthetic sequences (10 M lengths take about 10 s to draw and sort).

@@ -16,10 +16,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use burn_dcp::planner::auto::{choose_strategy, parse_candidates};
-use burn_dcp::planner::cost::evaluate;
 use burn_dcp::planner::{
-    plan_strategy, plan_usp, validate_plan, AttentionDims, DcpConfig, PlanInput, Topology,
+    choose_strategy, evaluate, parse_candidates, plan_strategy, plan_usp, validate_plan,
+    AttentionDims, AutoChoice, DcpConfig, Plan, PlanInput, StrategyReport, Topology,
 };
 use burn_dcp::StrategyKind;
 use burn_dcp_datasets::{LengthMix, LengthSampler};
@@ -111,11 +110,7 @@ struct Args {
 }
 
 fn main() {
-    let args = Args::parse();
-    if let Err(message) = run(&args) {
-        eprintln!("error: {message}");
-        std::process::exit(2);
-    }
+    burn_dcp_tools::exit_on_error(run(&Args::parse()));
 }
 
 /// The most tokens a drawn batch may have (the planners' tile limit is reached long before).
@@ -141,6 +136,15 @@ fn lengths(args: &Args) -> Result<Vec<usize>, String> {
     Ok(sampler.sample_batch(args.tokens, args.seed))
 }
 
+/// The planned strategies: each one's report (by the cost model), those that could not plan
+/// the batch, auto's choice with its planning time, and the plan `--plan-out` writes.
+struct Outcome {
+    reports: Vec<StrategyReport>,
+    skipped: Vec<serde_json::Value>,
+    choice: Option<(AutoChoice, f64)>,
+    last_plan: Option<Plan>,
+}
+
 fn run(args: &Args) -> Result<(), String> {
     if args.repeat == 0 || args.repeat > 1000 {
         return Err(format!(
@@ -148,6 +152,59 @@ fn run(args: &Args) -> Result<(), String> {
             args.repeat
         ));
     }
+    let input = plan_input(args)?;
+    let auto = args.strategies.iter().any(|s| s == "auto");
+    let strategies = args
+        .strategies
+        .iter()
+        .filter(|s| *s != "auto")
+        .map(|s| StrategyKind::from_plan_name(s))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{e} (or auto)"))?;
+    let candidates = match (&args.auto_candidates, auto) {
+        (Some(_), false) => {
+            return Err("--auto-candidates only applies with auto in --strategies".into())
+        }
+        (Some(text), true) => {
+            parse_candidates(text).map_err(|e| format!("--auto-candidates {text}: {e}"))?
+        }
+        (None, _) => StrategyKind::ALL.to_vec(),
+    };
+    let mut outcome = plan_each(args, &strategies, &input)?;
+    if auto {
+        let started = Instant::now();
+        let choice = choose_strategy(&input, &candidates).map_err(|e| e.to_string())?;
+        let planning_ms = started.elapsed().as_secs_f64() * 1e3;
+        // --plan-out writes the plan of the last strategy: auto's winner comes last.
+        outcome.last_plan = Some(choice.plan.plan.clone());
+        outcome.choice = Some((choice, planning_ms));
+    }
+    if outcome.reports.is_empty() && outcome.choice.is_none() {
+        let reasons: Vec<String> = outcome
+            .skipped
+            .iter()
+            .map(|s| format!("{}: {}", s["name"].as_str().unwrap_or(""), s["error"]))
+            .collect();
+        return Err(format!(
+            "no strategy could plan this batch ({})",
+            reasons.join("; ")
+        ));
+    }
+    if let (Some(path), Some(plan)) = (&args.plan_out, &outcome.last_plan) {
+        let text = serde_json::to_string(plan).map_err(|e| e.to_string())?;
+        std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    if args.json {
+        print_json(&outcome);
+    } else {
+        print_table(args, &input, &outcome);
+    }
+    Ok(())
+}
+
+/// The planners' input the flags describe: the batch's lengths and masks, the attention's
+/// dimensions, the topology, DCP's block and settings.
+fn plan_input(args: &Args) -> Result<PlanInput, String> {
     let seq_lens = lengths(args)?;
     let masks: Vec<MaskSpec> = match &args.masks {
         Some(text) => {
@@ -169,31 +226,13 @@ fn run(args: &Args) -> Result<(), String> {
             .parse()
             .map_err(|e| format!("--mask {}: {e}", args.mask))?],
     };
-    let mask_text = args.masks.clone().unwrap_or_else(|| args.mask.clone());
     let mut topology = Topology::preset(&args.topology, args.nodes).map_err(|e| e.to_string())?;
     if let Some(devices) = args.devices_per_node {
         topology.devices_per_node = devices;
         topology.validate().map_err(|e| e.to_string())?;
     }
-    let auto = args.strategies.iter().any(|s| s == "auto");
-    let strategies = args
-        .strategies
-        .iter()
-        .filter(|s| *s != "auto")
-        .map(|s| StrategyKind::from_plan_name(s))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{e} (or auto)"))?;
-    let candidates = match (&args.auto_candidates, auto) {
-        (Some(_), false) => {
-            return Err("--auto-candidates only applies with auto in --strategies".into())
-        }
-        (Some(text), true) => {
-            parse_candidates(text).map_err(|e| format!("--auto-candidates {text}: {e}"))?
-        }
-        (None, _) => StrategyKind::ALL.to_vec(),
-    };
     let input = PlanInput {
-        seq_lens: seq_lens.clone(),
+        seq_lens,
         masks,
         dims: AttentionDims {
             heads: args.heads,
@@ -201,7 +240,7 @@ fn run(args: &Args) -> Result<(), String> {
             head_dim: args.head_dim,
             element_bytes: args.element_bytes,
         },
-        topology: topology.clone(),
+        topology,
         block: args.block,
         dcp: DcpConfig {
             compute_epsilon: args.compute_epsilon,
@@ -212,17 +251,30 @@ fn run(args: &Args) -> Result<(), String> {
         max_seq_len_per_rank: args.max_seq_len_per_rank,
     };
     input.validate().map_err(|e| e.to_string())?;
-    let mut reports = Vec::new();
-    let mut skipped = Vec::new();
-    let mut last_plan = None;
-    for strategy in strategies {
+    Ok(input)
+}
+
+/// Plans the batch with each strategy (`--repeat` times, the median planning time kept),
+/// validates each plan and evaluates it on the topology.
+fn plan_each(
+    args: &Args,
+    strategies: &[StrategyKind],
+    input: &PlanInput,
+) -> Result<Outcome, String> {
+    let mut outcome = Outcome {
+        reports: Vec::new(),
+        skipped: Vec::new(),
+        choice: None,
+        last_plan: None,
+    };
+    for &strategy in strategies {
         let mut times = Vec::new();
         let mut planned = None;
         for _ in 0..args.repeat.max(1) {
             let start = Instant::now();
             let result = match (strategy, args.ulysses_degree) {
-                (StrategyKind::Usp, Some(degree)) => plan_usp(&input, degree),
-                _ => plan_strategy(strategy, &input),
+                (StrategyKind::Usp, Some(degree)) => plan_usp(input, degree),
+                _ => plan_strategy(strategy, input),
             };
             times.push(start.elapsed().as_secs_f64() * 1e3);
             planned = Some(result);
@@ -230,7 +282,9 @@ fn run(args: &Args) -> Result<(), String> {
         let routed = match planned.expect("at least one run") {
             Ok(routed) => routed,
             Err(e) => {
-                skipped.push(json!({"name": strategy.plan_name(), "error": e.to_string()}));
+                outcome
+                    .skipped
+                    .push(json!({"name": strategy.plan_name(), "error": e.to_string()}));
                 continue;
             }
         };
@@ -238,51 +292,36 @@ fn run(args: &Args) -> Result<(), String> {
         let planning_ms = times[times.len() / 2];
         validate_plan(&routed.plan, &routed.problem)
             .map_err(|e| format!("{}: {e}", strategy.plan_name()))?;
-        let mut report = evaluate(&routed, &topology).map_err(|e| e.to_string())?;
+        let mut report = evaluate(&routed, &input.topology).map_err(|e| e.to_string())?;
         report.planning_ms = planning_ms;
-        reports.push(report);
-        last_plan = Some(routed.plan);
+        outcome.reports.push(report);
+        outcome.last_plan = Some(routed.plan);
     }
-    let choice = if auto {
-        let started = Instant::now();
-        let choice = choose_strategy(&input, &candidates).map_err(|e| e.to_string())?;
-        let planning_ms = started.elapsed().as_secs_f64() * 1e3;
-        // --plan-out writes the plan of the last strategy: auto's winner comes last.
-        last_plan = Some(choice.plan.plan.clone());
-        Some((choice, planning_ms))
-    } else {
-        None
-    };
-    if reports.is_empty() && choice.is_none() {
-        let reasons: Vec<String> = skipped
-            .iter()
-            .map(|s| format!("{}: {}", s["name"].as_str().unwrap_or(""), s["error"]))
-            .collect();
-        return Err(format!(
-            "no strategy could plan this batch ({})",
-            reasons.join("; ")
-        ));
+    Ok(outcome)
+}
+
+/// `--json`: one object of the strategies' reports, the skipped ones and auto's choice.
+fn print_json(outcome: &Outcome) {
+    let mut out = json!({ "strategies": outcome.reports });
+    if !outcome.skipped.is_empty() {
+        out["skipped"] = json!(outcome.skipped);
     }
-    if let (Some(path), Some(plan)) = (&args.plan_out, &last_plan) {
-        let text = serde_json::to_string(plan).map_err(|e| e.to_string())?;
-        std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    if let Some((choice, planning_ms)) = &outcome.choice {
+        out["auto"] = json!({
+            "choice": choice.winner.name(),
+            "estimated_ms": choice.estimated_ms(),
+            "estimates": choice.estimates,
+            "planning_ms": planning_ms,
+        });
     }
-    if args.json {
-        let mut out = json!({ "strategies": reports });
-        if !skipped.is_empty() {
-            out["skipped"] = json!(skipped);
-        }
-        if let Some((choice, planning_ms)) = &choice {
-            out["auto"] = json!({
-                "choice": choice.winner.name(),
-                "estimated_ms": choice.estimated_ms(),
-                "estimates": choice.estimates,
-                "planning_ms": planning_ms,
-            });
-        }
-        println!("{out}");
-        return Ok(());
-    }
+    println!("{out}");
+}
+
+/// The table: the batch, one row per strategy, the skipped ones, auto's choice, and each
+/// strategy against ring-zigzag.
+fn print_table(args: &Args, input: &PlanInput, outcome: &Outcome) {
+    let (seq_lens, topology, reports) = (&input.seq_lens, &input.topology, &outcome.reports);
+    let mask_text = args.masks.clone().unwrap_or_else(|| args.mask.clone());
     let tokens: usize = seq_lens.iter().sum();
     println!(
         "{} sequences, {tokens} tokens (longest {}), mask {}, {} × {} ranks ({}), H {} / KV {} × D {}, block {}",
@@ -301,11 +340,7 @@ fn run(args: &Args) -> Result<(), String> {
         "{:<17} {:>12} {:>12} {:>8} {:>8} {:>10} {:>10} {:>10}",
         "strategy", "inter GB", "intra GB", "compute", "memory", "fwd ms", "bwd ms", "plan ms"
     );
-    let ring = reports
-        .iter()
-        .find(|r| r.name == StrategyKind::RING_ZIGZAG.plan_name())
-        .cloned();
-    for r in &reports {
+    for r in reports {
         println!(
             "{:<17} {:>12.3} {:>12.3} {:>8.3} {:>8.3} {:>10.3} {:>10.3} {:>10.1}",
             r.name,
@@ -318,59 +353,70 @@ fn run(args: &Args) -> Result<(), String> {
             r.planning_ms
         );
     }
-    for s in &skipped {
+    for s in &outcome.skipped {
         println!(
             "{:<17} skipped: {}",
             s["name"].as_str().unwrap_or(""),
             s["error"]
         );
     }
-    if let Some((choice, planning_ms)) = &choice {
-        let estimates: Vec<String> = choice
-            .estimates
-            .iter()
-            .map(|e| match (e.estimated_ms, &e.error) {
-                (Some(ms), _) => format!("{} {ms:.3} ms", e.strategy),
-                (None, error) => {
-                    format!("{} skipped", e.strategy)
-                        + &error
-                            .as_deref()
-                            .map(|e| format!(" ({e})"))
-                            .unwrap_or_default()
-                }
-            })
-            .collect();
-        println!(
-            "auto chooses {} (estimated attention fwd+bwd {:.3} ms; planned all in {planning_ms:.1} ms): {}",
-            choice.winner,
-            choice.estimated_ms(),
-            estimates.join(", ")
-        );
+    if let Some((choice, planning_ms)) = &outcome.choice {
+        print_choice(choice, *planning_ms);
     }
+    let ring = reports
+        .iter()
+        .find(|r| r.name == StrategyKind::RING_ZIGZAG.plan_name());
     if let Some(ring) = ring {
         for r in reports
             .iter()
             .filter(|r| r.name != StrategyKind::RING_ZIGZAG.plan_name())
         {
-            let time =
-                |x: &burn_dcp::planner::StrategyReport| x.attention_fwd_ms + x.attention_bwd_ms;
-            let bytes = if ring.inter_node_bytes > 0.0 {
-                format!(
-                    "{:+.1}%",
-                    100.0 * (r.inter_node_bytes / ring.inter_node_bytes - 1.0)
-                )
-            } else {
-                format!(
-                    "n/a (ring moves none; {} moves {:.0} B)",
-                    r.name, r.inter_node_bytes
-                )
-            };
-            println!(
-                "{} vs ring-zigzag: inter-node bytes {bytes}, attention (fwd+bwd) speedup {:.2}×",
-                r.name,
-                time(&ring) / time(r).max(1e-12)
-            );
+            print_against_ring(ring, r);
         }
     }
-    Ok(())
+}
+
+/// Auto's line: its choice, the estimate, and every candidate's estimate (or why it was skipped).
+fn print_choice(choice: &AutoChoice, planning_ms: f64) {
+    let estimates: Vec<String> = choice
+        .estimates
+        .iter()
+        .map(|e| match (e.estimated_ms, &e.error) {
+            (Some(ms), _) => format!("{} {ms:.3} ms", e.strategy),
+            (None, error) => {
+                format!("{} skipped", e.strategy)
+                    + &error
+                        .as_deref()
+                        .map(|e| format!(" ({e})"))
+                        .unwrap_or_default()
+            }
+        })
+        .collect();
+    println!(
+        "auto chooses {} (estimated attention fwd+bwd {:.3} ms; planned all in {planning_ms:.1} ms): {}",
+        choice.winner,
+        choice.estimated_ms(),
+        estimates.join(", ")
+    );
+}
+
+/// A strategy against ring-zigzag: inter-node bytes and the attention speedup.
+fn print_against_ring(ring: &StrategyReport, r: &StrategyReport) {
+    let time = |x: &StrategyReport| x.attention_fwd_ms + x.attention_bwd_ms;
+    let bytes = if ring.inter_node_bytes > 0.0 {
+        format!(
+            "{:+.1}%",
+            100.0 * (r.inter_node_bytes / ring.inter_node_bytes - 1.0)
+        )
+    } else {
+        format!(
+            "n/a (ring moves none; {} moves {:.0} B)",
+            r.name, r.inter_node_bytes
+        )
+    };
+    println!(
+        "{} vs ring-zigzag: inter-node bytes {bytes}, attention (fwd+bwd) speedup {:.2}×",
+        r.name,
+        time(ring) / time(r).max(1e-12)
+    );
 }
