@@ -24,7 +24,9 @@ use std::collections::HashMap;
 
 use burn::prelude::Tensor;
 use burn::tensor::{DType, TensorCreationOptions};
-use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment, VarlenAttention};
+use burn_dcp_kernels::{
+    AttentionShape, FlashGradients, FlashOps, FlashOutput, Segment, VarlenAttention,
+};
 
 use crate::comm::{Comm, CommError, Payload, PendingSend};
 use crate::error::CpError;
@@ -34,7 +36,7 @@ use crate::strategy::block_plan::{BlockId, BlockSchedule, Instruction};
 use crate::strategy::exchange::{
     accumulator_dtype, cat_tokens, filled, narrow, split_sizes, widened,
 };
-use crate::strategy::{BackwardInputs, CpBatch};
+use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, Qkv};
 
 /// Dims of a pass's tensors: query and kv heads, head dim, and the head units they are cut
 /// into.
@@ -118,6 +120,47 @@ struct Run<'a, B: FlashOps> {
     dtype: DType,
     device: B::Device,
     blocks: Blocks<B>,
+}
+
+/// DCP as an [`AttentionStrategy`]: the batch's block plan ([`CpBatch::blocks`]) on the group.
+#[derive(Clone, Copy, Debug)]
+pub struct Dcp;
+
+impl AttentionStrategy for Dcp {
+    /// The block plan covers this group and places the tokens as the batch says; one dim for
+    /// values and heads (the plan's byte model has one).
+    fn validate_call(&self, batch: &CpBatch, shape: AttentionShape) -> Result<(), CpError> {
+        let schedule = batch.schedule()?;
+        if schedule.placement() != &*batch.placement {
+            return Err(CpError::Config(format!(
+                "the block plan places the tokens differently from the micro-batch's {}",
+                batch.placement
+            )));
+        }
+        if shape.value_dim != shape.head_dim {
+            return Err(CpError::Config(format!(
+                "strategy dcp needs value dim {} = head dim {} (its byte model has one dim)",
+                shape.value_dim, shape.head_dim
+            )));
+        }
+        Ok(())
+    }
+
+    fn forward<B: FlashOps>(
+        &self,
+        CpCall { group, batch }: CpCall<'_>,
+        [q, k, v]: Qkv<B>,
+    ) -> Result<FlashOutput<B>, CpError> {
+        forward(&group.comm, batch, batch.schedule()?, q, k, v)
+    }
+
+    fn backward<B: FlashOps>(
+        &self,
+        CpCall { group, batch }: CpCall<'_>,
+        inputs: BackwardInputs<B>,
+    ) -> Result<FlashGradients<B>, CpError> {
+        backward(&group.comm, batch, batch.schedule()?, inputs)
+    }
 }
 
 /// DCP forward on this rank's home blocks: `q [T, H, D]`, `k`/`v [T, K, D]` in the placement's

@@ -2,7 +2,7 @@
 //! make a failure fail the peers at once.
 
 use burn::prelude::Tensor;
-use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput};
+use burn_dcp_kernels::{AttentionShape, FlashGradients, FlashOps, FlashOutput};
 
 use super::agreement::{self, CallConfig};
 use super::{all_gather, dcp, ring, ulysses, usp, BackwardInputs, CpBatch, CpGroup, Strategy};
@@ -18,8 +18,16 @@ pub struct CpCall<'a> {
 /// `q`, `k` and `v` of this rank's tokens: `[T, H, D]`, `[T, K, D]`, `[T, K, Dv]`.
 pub type Qkv<B> = [Tensor<B, 3>; 3];
 
-/// A CP attention algorithm: forward and backward over this rank's shard.
+/// A CP attention algorithm: the rules of a call it adds to every strategy's (its own file's),
+/// and forward and backward over this rank's shard. [`with_strategy`] is where a [`Strategy`]
+/// finds its implementation.
 pub trait AttentionStrategy {
+    /// Checks a call beyond the rules every strategy shares (the group, placement, heads, masks
+    /// and dtypes); run on every rank before the ranks agree, so an error fails them all.
+    fn validate_call(&self, _batch: &CpBatch, _shape: AttentionShape) -> Result<(), CpError> {
+        Ok(())
+    }
+
     fn forward<B: FlashOps>(
         &self,
         call: CpCall<'_>,
@@ -52,15 +60,13 @@ pub fn cp_attention_forward<B: FlashOps>(
     let config = CallConfig::new("forward", group, batch, dims, q.dtype());
     agreement::agree(group, &config, local)?;
     let call = CpCall { group, batch };
-    let result = match group.strategy {
-        Strategy::Ulysses => ulysses::Ulysses.forward(call, [q, k, v]),
-        Strategy::Ring => ring::Ring.forward(call, [q, k, v]),
-        Strategy::AllGather => all_gather::AllGatherKv.forward(call, [q, k, v]),
-        Strategy::Usp { .. } => usp::Usp.forward(call, [q, k, v]),
-        Strategy::Dcp => batch
-            .schedule()
-            .and_then(|plan| dcp::forward(&group.comm, batch, plan, q, k, v)),
-    };
+    let result = with_strategy(
+        group.strategy,
+        Forward {
+            call,
+            qkv: [q, k, v],
+        },
+    );
     fail_fast(group, result)
 }
 
@@ -76,16 +82,67 @@ pub fn cp_attention_backward<B: FlashOps>(
     let config = CallConfig::new("backward", group, batch, dims, inputs.q.dtype());
     agreement::agree(group, &config, local)?;
     let call = CpCall { group, batch };
-    let result = match group.strategy {
-        Strategy::Ulysses => ulysses::Ulysses.backward(call, inputs),
-        Strategy::Ring => ring::Ring.backward(call, inputs),
-        Strategy::AllGather => all_gather::AllGatherKv.backward(call, inputs),
-        Strategy::Usp { .. } => usp::Usp.backward(call, inputs),
-        Strategy::Dcp => batch
-            .schedule()
-            .and_then(|plan| dcp::backward(&group.comm, batch, plan, inputs)),
-    };
+    let result = with_strategy(group.strategy, Backward { call, inputs });
     fail_fast(group, result)
+}
+
+/// What a call does with a strategy's implementation (see [`with_strategy`]).
+pub trait WithStrategy {
+    type Output;
+    fn apply<S: AttentionStrategy>(self, strategy: &S) -> Self::Output;
+}
+
+/// Applies `op` to the implementation of `strategy`: the registry, one line per strategy.
+pub fn with_strategy<Op: WithStrategy>(strategy: Strategy, op: Op) -> Op::Output {
+    match strategy {
+        Strategy::Ulysses => op.apply(&ulysses::Ulysses),
+        Strategy::Ring => op.apply(&ring::Ring),
+        Strategy::AllGather => op.apply(&all_gather::AllGatherKv),
+        Strategy::Usp { .. } => op.apply(&usp::Usp),
+        Strategy::Dcp => op.apply(&dcp::Dcp),
+    }
+}
+
+/// A forward call.
+struct Forward<'a, B: FlashOps> {
+    call: CpCall<'a>,
+    qkv: Qkv<B>,
+}
+
+impl<B: FlashOps> WithStrategy for Forward<'_, B> {
+    type Output = Result<FlashOutput<B>, CpError>;
+
+    fn apply<S: AttentionStrategy>(self, strategy: &S) -> Self::Output {
+        strategy.forward(self.call, self.qkv)
+    }
+}
+
+/// A backward call.
+struct Backward<'a, B: FlashOps> {
+    call: CpCall<'a>,
+    inputs: BackwardInputs<B>,
+}
+
+impl<B: FlashOps> WithStrategy for Backward<'_, B> {
+    type Output = Result<FlashGradients<B>, CpError>;
+
+    fn apply<S: AttentionStrategy>(self, strategy: &S) -> Self::Output {
+        strategy.backward(self.call, self.inputs)
+    }
+}
+
+/// A strategy's own rules of a call ([`AttentionStrategy::validate_call`]).
+struct ValidateCall<'a> {
+    batch: &'a CpBatch,
+    shape: AttentionShape,
+}
+
+impl WithStrategy for ValidateCall<'_> {
+    type Output = Result<(), CpError>;
+
+    fn apply<S: AttentionStrategy>(self, strategy: &S) -> Self::Output {
+        strategy.validate_call(self.batch, self.shape)
+    }
 }
 
 /// Once data moves, an error leaves peers mid-protocol: mark this rank failed (with the error as
@@ -157,32 +214,9 @@ fn validate_inputs<B: FlashOps>(
         )));
     }
     burn_dcp_kernels::validate_masks(&batch.masks, &batch.placement.seq_lens)?;
-    if group.strategy == Strategy::Dcp {
-        validate_blocks(batch, shape)?;
-    }
+    with_strategy(group.strategy, ValidateCall { batch, shape })?;
     if let Some(scale) = batch.scale {
         burn_dcp_kernels::validate_scale(scale)?;
-    }
-    Ok(())
-}
-
-/// Strategy dcp: the block plan covers this group and places the tokens as the batch says.
-fn validate_blocks(
-    batch: &CpBatch,
-    shape: burn_dcp_kernels::AttentionShape,
-) -> Result<(), CpError> {
-    let schedule = batch.schedule()?;
-    if schedule.placement() != &*batch.placement {
-        return Err(CpError::Config(format!(
-            "the block plan places the tokens differently from the micro-batch's {}",
-            batch.placement
-        )));
-    }
-    if shape.value_dim != shape.head_dim {
-        return Err(CpError::Config(format!(
-            "strategy dcp needs value dim {} = head dim {} (its byte model has one dim)",
-            shape.value_dim, shape.head_dim
-        )));
     }
     Ok(())
 }

@@ -15,8 +15,10 @@
 //! correctness.
 //!
 //! `kind.rs` ([`StrategyKind`]: every strategy's name, parsed and printed there only), `spec.rs` (the [`Strategy`] and its [`CpGroup`]), `batch.rs` ([`CpBatch`], [`BackwardInputs`]) and
-//! `dispatch.rs` (the [`AttentionStrategy`] trait and the entry points [`cp_attention_forward`] /
-//! [`cp_attention_backward`]) are the base every strategy file builds on.
+//! `dispatch.rs` (the [`AttentionStrategy`] trait, which every strategy file implements — DCP's
+//! too —, [`with_strategy`], the one line per strategy that finds its implementation, and the
+//! entry points [`cp_attention_forward`] / [`cp_attention_backward`]) are the base every strategy
+//! file builds on.
 
 pub(crate) mod agreement;
 pub mod all_gather;
@@ -32,6 +34,9 @@ pub mod ulysses;
 pub mod usp;
 
 pub use batch::{BackwardInputs, CpBatch};
-pub use dispatch::{cp_attention_backward, cp_attention_forward, AttentionStrategy, CpCall, Qkv};
+pub use dispatch::{
+    cp_attention_backward, cp_attention_forward, with_strategy, AttentionStrategy, CpCall, Qkv,
+    WithStrategy,
+};
 pub use kind::StrategyKind;
 pub use spec::{CpGroup, Strategy};
