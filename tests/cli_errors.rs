@@ -99,6 +99,27 @@ fn gpt_longctx_refuses_bad_flags_with_the_rule() {
         &["--strategy", "dynamic", "--block", "32"],
         "--block only applies to --strategy dcp or auto",
     );
+    refused_gpt(
+        &["--optimizer", "lion"],
+        "unknown --optimizer 'lion': expected adamw, adam or sgd",
+    );
+    refused_gpt(
+        &["--optimizer", "sgd", "--adam-beta1", "0.8"],
+        "--adam-beta1 does not apply to --optimizer sgd",
+    );
+    refused_gpt(&["--lr-schedule", "step"], "unknown --lr-schedule 'step'");
+    refused_gpt(
+        &["--warmup-steps", "50"],
+        "--warmup-steps 50 exceeds the 30 steps of the schedule",
+    );
+    refused_gpt(
+        &["--clip-grad-norm", "0"],
+        "--clip-grad-norm 0 must be a positive number",
+    );
+    refused_gpt(
+        &["--strategy", "dcp", "--layout", "stripe"],
+        "--layout stripe does not apply to --strategy dcp",
+    );
 }
 
 /// DCP inside dynamic CP's groups (`--inner-strategy dcp`): each group's sequences run a DCP

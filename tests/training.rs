@@ -39,6 +39,9 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         model_size: "tiny".into(),
         seed: 5,
         learning_rate: 1e-3,
+        optimizer: Default::default(),
+        lr_schedule: Default::default(),
+        clip_grad_norm: None,
         mask: mask.into(),
         corpus: "builtin".into(),
         tokenizer: "bytes".into(),
@@ -1182,6 +1185,9 @@ fn recompute_modes_train_exactly_and_communicate_one_forward_more() {
         }
     }
 }
+
+#[path = "training/optimizers.rs"]
+mod optimizers;
 
 #[path = "training/precision.rs"]
 mod precision;

@@ -281,6 +281,18 @@ impl<B: Backend> TpGpt<B> {
         }
     }
 
+    /// The parameters every TP rank holds whole: the norms (RMSNorm scales of every block and
+    /// the final norm). Every other parameter is this rank's shard.
+    pub fn replicated_param_ids(&self) -> Vec<ParamId> {
+        let blocks = self
+            .blocks
+            .iter()
+            .flat_map(|b| [b.attn_norm.gamma.id, b.mlp_norm.gamma.id]);
+        blocks
+            .chain(self.norm.iter().map(|norm| norm.gamma.id))
+            .collect()
+    }
+
     /// The TP ranks that hold the same kv projection as `rank` (more than one only when tp >
     /// kv heads): the trainer sums the k/v weight gradients over them.
     pub fn kv_replicas(config: &GptConfig, rank: usize, tp: usize) -> Vec<usize> {

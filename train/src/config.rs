@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::TrainError;
 pub use crate::mode::{GroupStrategy, TrainMode};
 use crate::model::ModelShape;
+pub use crate::optim::{LrScheduleSettings, OptimizerSettings};
 pub use crate::settings::{
     AutoSettings, CpSizes, DcpSettings, DynamicSettings, EmulatedLinks, PpSchedule, Precision,
     Recompute,
@@ -43,7 +44,20 @@ pub struct TrainConfig {
     pub steps: usize,
     pub model_size: String,
     pub seed: u64,
+    /// The peak learning rate (`--lr`; the schedule's).
     pub learning_rate: f64,
+    /// The optimizer and its hyper-parameters (`--optimizer` …; default burn's AdamW).
+    #[serde(default)]
+    pub optimizer: OptimizerSettings,
+    /// The learning rate over the steps (`--lr-schedule`, `--warmup-steps`, `--min-lr`;
+    /// default constant).
+    #[serde(default)]
+    pub lr_schedule: LrScheduleSettings,
+    /// `--clip-grad-norm`: gradients scaled so that their global norm (over every parameter of
+    /// the model, each counted once across TP, PP and the DP × CP pool) is at most this;
+    /// `None`: not clipped (the norm is reported either way).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clip_grad_norm: Option<f64>,
     /// Mask policy: `causal`, `lambda`, `blockwise`, `shared-question` (DCP defaults), `mixed`
     /// (one of those per sequence), `full`, or a spec such as `lambda:64,4096`.
     pub mask: String,
@@ -103,6 +117,9 @@ impl Default for TrainConfig {
             model_size: "tiny".into(),
             seed: 0,
             learning_rate: 3e-3,
+            optimizer: OptimizerSettings::default(),
+            lr_schedule: LrScheduleSettings::default(),
+            clip_grad_norm: None,
             mask: "causal".into(),
             corpus: "default".into(),
             tokenizer: "bytes".into(),
@@ -166,6 +183,13 @@ impl TrainConfig {
             return Err(TrainError::Config(format!(
                 "learning rate {} must be a finite number in (0, 1]",
                 self.learning_rate
+            )));
+        }
+        self.optimizer.validate()?;
+        self.lr_schedule.validate(self.learning_rate, self.steps)?;
+        if let Some(max) = self.clip_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
+            return Err(TrainError::Config(format!(
+                "--clip-grad-norm {max} must be a positive number"
             )));
         }
         if self.timeout_secs == 0 || self.timeout_secs > MAX_TIMEOUT.as_secs() {

@@ -12,6 +12,7 @@ use crate::config::{
     TrainMode, MAX_SEQ_LEN,
 };
 use crate::error::TrainError;
+use crate::optim::{LrScheduleKind, LrScheduleSettings, OptimizerKind, OptimizerSettings};
 use crate::settings::EmulatedLinks;
 use crate::settings::{CpSizes, DynamicSettings};
 
@@ -98,9 +99,45 @@ pub struct TrainFlags {
     /// Seed of the weights and the data [default: 0]
     #[cfg_attr(feature = "cli", arg(long))]
     pub seed: Option<u64>,
-    /// AdamW learning rate [default: 0.003]
+    /// Peak learning rate (the schedule's) [default: 0.003]
     #[cfg_attr(feature = "cli", arg(long))]
     pub lr: Option<f64>,
+    /// adamw | adam | sgd [default: adamw]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub optimizer: Option<String>,
+    /// Weight decay (adamw: decoupled; adam, sgd: L2) [default: 1e-4 for adamw, 0 otherwise]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub weight_decay: Option<f64>,
+    /// adam, adamw: β₁ [default: 0.9]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub adam_beta1: Option<f64>,
+    /// adam, adamw: β₂ [default: 0.999]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub adam_beta2: Option<f64>,
+    /// adam, adamw: ε [default: 1e-5]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub adam_eps: Option<f64>,
+    /// sgd: momentum, 0 for none [default: 0.9]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub sgd_momentum: Option<f64>,
+    /// constant | cosine | linear: the learning rate after the warm-up, down to --min-lr at the
+    /// last step [default: constant]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub lr_schedule: Option<String>,
+    /// Steps of linear warm-up to --lr [default: 0]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub warmup_steps: Option<usize>,
+    /// Where cosine and linear end [default: 0]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub min_lr: Option<f64>,
+    /// The step at which the decay reaches --min-lr [default: --steps]; give it to continue a
+    /// run past its first --steps on the same schedule
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub lr_decay_steps: Option<usize>,
+    /// Clip the gradients' global norm (every parameter once, across TP, PP, DP and CP) to this
+    /// [default: no clipping]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub clip_grad_norm: Option<f64>,
     /// Mask of every sequence: causal | lambda | blockwise | shared-question (DCP defaults) | mixed (one of those per sequence) | full | a spec such as lambda:64,4096 [default: causal]
     #[cfg_attr(feature = "cli", arg(long))]
     pub mask: Option<String>,
@@ -287,6 +324,17 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
             .unwrap_or(defaults.model_size.clone()),
         seed: args.seed.unwrap_or(defaults.seed),
         learning_rate: args.lr.unwrap_or(defaults.learning_rate),
+        optimizer: optimizer_settings(args)?,
+        lr_schedule: LrScheduleSettings {
+            kind: match &args.lr_schedule {
+                Some(name) => LrScheduleKind::parse(name)?,
+                None => LrScheduleKind::default(),
+            },
+            warmup_steps: args.warmup_steps.unwrap_or(0),
+            min_lr: args.min_lr.unwrap_or(0.0),
+            decay_steps: args.lr_decay_steps,
+        },
+        clip_grad_norm: args.clip_grad_norm,
         mask: args.mask.clone().unwrap_or(defaults.mask.clone()),
         corpus: args.corpus.clone().unwrap_or(defaults.corpus.clone()),
         tokenizer: args.tokenizer.clone().unwrap_or(defaults.tokenizer.clone()),
@@ -354,6 +402,35 @@ fn no_layout(args: &TrainFlags, what: &str) -> Result<(), TrainError> {
         ))),
         None => Ok(()),
     }
+}
+
+/// `--optimizer` and its hyper-parameters (each flag only for the optimizers that have it).
+fn optimizer_settings(args: &TrainFlags) -> Result<OptimizerSettings, TrainError> {
+    let kind = match &args.optimizer {
+        Some(name) => OptimizerKind::parse(name)?,
+        None => OptimizerKind::default(),
+    };
+    let adam = kind != OptimizerKind::Sgd;
+    let given = [
+        ("--adam-beta1", args.adam_beta1.is_some() && !adam),
+        ("--adam-beta2", args.adam_beta2.is_some() && !adam),
+        ("--adam-eps", args.adam_eps.is_some() && !adam),
+        ("--sgd-momentum", args.sgd_momentum.is_some() && adam),
+    ];
+    if let Some((flag, _)) = given.iter().find(|(_, wrong)| *wrong) {
+        return Err(TrainError::Config(format!(
+            "{flag} does not apply to --optimizer {kind}"
+        )));
+    }
+    let defaults = OptimizerSettings::of(kind);
+    Ok(OptimizerSettings {
+        kind,
+        weight_decay: args.weight_decay.unwrap_or(defaults.weight_decay),
+        beta1: args.adam_beta1.unwrap_or(defaults.beta1),
+        beta2: args.adam_beta2.unwrap_or(defaults.beta2),
+        epsilon: args.adam_eps.unwrap_or(defaults.epsilon),
+        momentum: args.sgd_momentum.unwrap_or(defaults.momentum),
+    })
 }
 
 /// `--emulate-links` and `--link-scale`.
@@ -509,6 +586,37 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
                 value(&saved)
             )));
         }
+    }
+    // The optimizer's state and the schedule continue from the checkpoint: given, they agree.
+    let optimizer_given = args.optimizer.is_some()
+        || args.weight_decay.is_some()
+        || args.adam_beta1.is_some()
+        || args.adam_beta2.is_some()
+        || args.adam_eps.is_some()
+        || args.sgd_momentum.is_some();
+    if optimizer_given && given.optimizer != saved.optimizer {
+        return Err(settings(
+            "optimizer",
+            format!("{:?}", given.optimizer),
+            format!("{:?}", saved.optimizer),
+        ));
+    }
+    let schedule_given = args.lr_schedule.is_some()
+        || args.warmup_steps.is_some()
+        || args.min_lr.is_some()
+        || args.lr_decay_steps.is_some();
+    if schedule_given && given.lr_schedule != saved.lr_schedule {
+        return Err(settings(
+            "learning-rate schedule",
+            format!("{:?}", given.lr_schedule),
+            format!("{:?}", saved.lr_schedule),
+        ));
+    }
+    if args.clip_grad_norm.is_some() && given.clip_grad_norm != saved.clip_grad_norm {
+        return Err(TrainError::Config(format!(
+            "--clip-grad-norm differs from the resumed run's {:?} {saved_in}",
+            saved.clip_grad_norm
+        )));
     }
     if args.lr.is_some_and(|lr| lr != saved.learning_rate) {
         return Err(TrainError::Config(format!(

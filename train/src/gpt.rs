@@ -143,6 +143,10 @@ impl<B: FlashOps, C: CheckpointStrategy> TrainModel<CpTrain<B, C>> for TpGpt<CpT
     fn tied_embedding_id(&self) -> Option<ParamId> {
         TpGpt::tied_embedding_id(self)
     }
+
+    fn tp_replicated_ids(&self) -> Vec<ParamId> {
+        TpGpt::replicated_param_ids(self)
+    }
 }
 
 impl<B: FlashOps, C: CheckpointStrategy> PipelineStage<CpTrain<B, C>> for TpGpt<CpTrain<B, C>> {

@@ -307,3 +307,111 @@ pub fn gradient_values<B: AutodiffBackend, M: AutodiffModule<B>>(
     model.visit(&mut collect);
     collect.1
 }
+
+/// The global L2 norm of a step's gradients (after their all-reduce): over every parameter of
+/// the model, each counted once — a TP shard on its rank, a parameter the TP ranks replicate
+/// ([`TrainModel::tp_replicated_ids`]) on TP rank 0, a kv projection its TP replicas share on
+/// the first of them, the tied embedding on the first stage — summed over the TP group and the
+/// pipeline's stages, so every rank gets the norm cp 1 computes (in f64).
+pub(crate) fn global_grad_norm<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
+    model: &M,
+    grads: &GradientsParams,
+    groups: &RankGroups,
+) -> Result<f64, CpError> {
+    let mut skip: Vec<ParamId> = Vec::new();
+    if groups.tp.comm.rank() > 0 {
+        skip.extend(model.tp_replicated_ids());
+    }
+    if groups.kv_replicas.as_ref().is_some_and(|kv| kv.rank() > 0) {
+        skip.extend(model.kv_param_ids());
+    }
+    if groups.mesh.pp.rank() > 0 {
+        skip.extend(model.tied_embedding_id());
+    }
+    struct SquaredSums<'a, B: AutodiffBackend> {
+        grads: &'a GradientsParams,
+        skip: &'a [ParamId],
+        sums: Vec<Tensor<B::InnerBackend, 1>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredSums<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.skip.contains(&param.id) {
+                return;
+            }
+            if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                let grad = grad.cast(burn::tensor::FloatDType::F32);
+                self.sums.push(grad.clone().mul(grad).sum());
+            }
+        }
+    }
+    let mut squares = SquaredSums::<CpTrain<B, C>> {
+        grads,
+        skip: &skip,
+        sums: Vec::new(),
+    };
+    model.visit(&mut squares);
+    // One read-back: every parameter's sum of squares, added in f64 in the model's order.
+    let local: f64 = match squares.sums.is_empty() {
+        true => 0.0,
+        false => Tensor::cat(squares.sums, 0)
+            .into_data()
+            .convert::<f64>()
+            .to_vec::<f64>()
+            .map_err(|e| CpError::Input(format!("gradient norm: {e:?}")))?
+            .into_iter()
+            .sum(),
+    };
+    // Over the control path (8 bytes a rank, not counted as the mesh's traffic).
+    let mut total = local;
+    for comm in [&groups.tp.comm, &groups.mesh.pp] {
+        if comm.size() > 1 {
+            let parts = comm.all_gather_control("gradient norm", total.to_le_bytes().to_vec())?;
+            total = parts
+                .iter()
+                .map(|bytes| {
+                    let bytes: [u8; 8] = bytes.as_slice().try_into().map_err(|_| {
+                        CpError::Input(format!(
+                            "a malformed gradient norm part of {} bytes",
+                            bytes.len()
+                        ))
+                    })?;
+                    Ok(f64::from_le_bytes(bytes))
+                })
+                .sum::<Result<f64, CpError>>()?;
+        }
+    }
+    Ok(total.sqrt())
+}
+
+/// Scales every gradient by `max_norm / norm` when the global norm exceeds `max_norm` (PyTorch's
+/// `clip_grad_norm_`, whose 1e-6 keeps a zero norm finite); returns the gradients.
+pub(crate) fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: GradientsParams,
+    norm: f64,
+    max_norm: f64,
+) -> GradientsParams {
+    let scale = max_norm / (norm + 1e-6);
+    if scale >= 1.0 {
+        return grads;
+    }
+    struct Scale<B: AutodiffBackend> {
+        grads: GradientsParams,
+        scale: f64,
+        _backend: std::marker::PhantomData<B>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                self.grads.register(param.id, grad.mul_scalar(self.scale));
+            }
+        }
+    }
+    let mut scaled = Scale::<B> {
+        grads,
+        scale,
+        _backend: std::marker::PhantomData,
+    };
+    model.visit(&mut scaled);
+    scaled.grads
+}

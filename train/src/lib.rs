@@ -38,6 +38,7 @@ pub mod links;
 pub mod metrics;
 mod mode;
 mod model;
+mod optim;
 mod pipeline;
 mod plan;
 mod planning;
@@ -63,6 +64,10 @@ pub use groups::RankGroups;
 pub use metrics::{Progress, StepMetrics, StepObserver};
 pub use model::{
     cast_model, CpTrain, InputRows, ModelShape, PipelineStage, ShardInput, TrainModel,
+};
+pub use optim::{
+    LrSchedule, LrScheduleKind, LrScheduleSettings, OptimizerKind, OptimizerSettings, SteppedLr,
+    WarmupDecay,
 };
 pub use plan::{AutoRecord, PlannedBatch, StepPlan};
 pub use planning::plan_step;

@@ -21,6 +21,13 @@ pub struct StepMetrics {
     pub step: usize,
     /// Mean cross-entropy over every labelled token of the global batch.
     pub loss: f64,
+    /// The learning rate the step's update used (the schedule's).
+    #[serde(default)]
+    pub lr: f64,
+    /// The global gradient norm before clipping (every parameter counted once across TP, PP
+    /// and the DP × CP pool: cp 1's).
+    #[serde(default)]
+    pub grad_norm: f64,
     /// Tokens processed in the step (all replicas).
     pub tokens: usize,
     /// Bytes sent by all ranks during the step (attention and gradient all-reduce).

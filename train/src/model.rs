@@ -163,6 +163,14 @@ pub trait TrainModel<B: AutodiffBackend>: AutodiffModule<B> {
     fn tied_embedding_id(&self) -> Option<ParamId> {
         None
     }
+
+    /// Under TP: the parameters every rank of the TP group holds whole (the GPT's norms), which
+    /// the global gradient norm counts once (on TP rank 0); every other parameter is a shard of
+    /// its own. A TP model that holds such parameters must name them here, or `--clip-grad-norm`
+    /// overcounts them.
+    fn tp_replicated_ids(&self) -> Vec<ParamId> {
+        Vec::new()
+    }
 }
 
 /// One pipeline stage of a model (packed rows: `[1, T, d]` hidden states of tokens `[T]`).

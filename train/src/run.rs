@@ -4,7 +4,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
-use burn::optim::{AdamWConfig, Optimizer};
+use burn::optim::Optimizer;
 use burn::record::Recorder;
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::attention_time;
@@ -23,6 +23,7 @@ use crate::error::TrainError;
 use crate::groups::RankGroups;
 use crate::metrics::{StepMetrics, StepObserver};
 use crate::model::{CpTrain, InputRows, TrainModel};
+use crate::optim::{LrSchedule, OptimizerKind};
 use crate::plan::StepPlan;
 use crate::predict::plan_step_predicted;
 use crate::predict::Predictor;
@@ -95,6 +96,46 @@ impl Trainer<'_> {
         F: FnOnce(&ModelInit<'_, B>) -> Result<M, TrainError>,
     {
         let config = self.config;
+        let schedule = config
+            .lr_schedule
+            .schedule(config.learning_rate, config.steps);
+        let settings = &config.optimizer;
+        match settings.kind {
+            OptimizerKind::AdamW => {
+                let optimizer = settings.adamw().init::<CpTrain<B, C>, M>();
+                self.train_rank_with(world, device, init, optimizer, &schedule)
+            }
+            OptimizerKind::Adam => {
+                let optimizer = settings.adam().init::<CpTrain<B, C>, M>();
+                self.train_rank_with(world, device, init, optimizer, &schedule)
+            }
+            OptimizerKind::Sgd => {
+                let optimizer = settings.sgd().init::<CpTrain<B, C>, M>();
+                self.train_rank_with(world, device, init, optimizer, &schedule)
+            }
+        }
+    }
+
+    /// [`Self::train_rank_checkpointed`] with the caller's optimizer (any burn `Optimizer`; a
+    /// resume loads its record from the checkpoint) and learning-rate schedule (burn's
+    /// `LrScheduler`s through [`SteppedLr`](crate::SteppedLr)); `config.optimizer`,
+    /// `config.lr_schedule` and `config.learning_rate` are then not used.
+    pub fn train_rank_with<B, C, M, O, F>(
+        &self,
+        world: Comm,
+        device: &B::Device,
+        init: F,
+        mut optimizer: O,
+        schedule: &dyn LrSchedule,
+    ) -> Result<RankOutcome, TrainError>
+    where
+        B: FlashOps,
+        C: CheckpointStrategy,
+        M: TrainModel<CpTrain<B, C>>,
+        O: Optimizer<M, CpTrain<B, C>>,
+        F: FnOnce(&ModelInit<'_, B>) -> Result<M, TrainError>,
+    {
+        let config = self.config;
         check_checkpoint_strategy::<C>(config.recompute)?;
         check_precision::<B>(config.precision, device)?;
         // Every call times its waits (`comm_wait_ms`) and, in a trace, is a span.
@@ -109,7 +150,6 @@ impl Trainer<'_> {
         })?;
         check_model_support(&model, config)?;
         let files = CheckpointFiles::of(config, tp_rank, pp_rank);
-        let mut optimizer = AdamWConfig::new().init::<CpTrain<B, C>, M>();
         let mut first_step = 1;
         if let Some(dir) = self.resume {
             let checkpoint = saved_checkpoint(dir)?;
@@ -132,6 +172,7 @@ impl Trainer<'_> {
             data: self.data,
             observer: self.observer,
             device,
+            schedule,
         };
         // Rank 0 reports the steps: it predicts their attention time on an emulated machine
         // (measured here, before any rank computes).
@@ -284,6 +325,7 @@ pub(crate) struct StepLoop<'a, B: FlashOps> {
     data: &'a TrainData,
     observer: &'a dyn StepObserver,
     device: &'a B::Device,
+    schedule: &'a dyn LrSchedule,
 }
 
 impl<B: FlashOps> StepLoop<'_, B> {
@@ -329,7 +371,8 @@ impl<B: FlashOps> StepLoop<'_, B> {
                 "optimizer",
                 serde_json::Value::Null,
             );
-            model = optimizer.step(self.config.learning_rate, model, result.grads);
+            let lr = self.schedule.lr(step);
+            model = optimizer.step(lr, model, result.grads);
             drop(span);
             let optimizer_ms = optimizer_started.elapsed().as_secs_f64() * 1e3;
             let mut bytes = StepBytes::between(&stats_before, &world.stats());
@@ -349,6 +392,8 @@ impl<B: FlashOps> StepLoop<'_, B> {
                 let step_metrics = StepMetrics {
                     step,
                     loss: result.loss,
+                    lr,
+                    grad_norm: result.grad_norm,
                     tokens: result.tokens,
                     bytes_communicated: bytes.total,
                     bytes_by_link: bytes.links,

@@ -17,15 +17,15 @@ use serde::{Deserialize, Serialize};
 use crate::config::{Recompute, TrainConfig};
 use crate::data::TrainData;
 use crate::error::{forward_failed, TrainError};
-use crate::gradients::reduce_step;
+use crate::gradients::{clip_grad_norm, global_grad_norm, reduce_step};
 use crate::groups::RankGroups;
 use crate::model::{cast_model, CpTrain, ShardInput, TrainModel};
 use crate::pipeline::{stage_passes, Pass, StageRun};
 use crate::plan::{PlannedBatch, ScheduleStats, StepPlan, StepSequences};
 use crate::planning::plan_step;
 
-/// Gradients of the global mean loss of step `step` (all-reduced over DP×CP), the loss and the
-/// step's token count. The step is planned here, synchronously; training plans ahead on a
+/// Gradients of the global mean loss of step `step` (all-reduced over DP×CP; clipped to
+/// `config.clip_grad_norm`), the loss and the step's token count. The step is planned here, synchronously; training plans ahead on a
 /// background thread and calls [`step_gradients_planned`].
 pub fn step_gradients<B: FlashOps, M: TrainModel<CpTrain<B>>>(
     model: &M,
@@ -45,7 +45,10 @@ pub fn step_gradients<B: FlashOps, M: TrainModel<CpTrain<B>>>(
 /// One rank's step: the mean loss, the all-reduced gradients, the tokens, and what ran where.
 pub(crate) struct StepResult {
     pub loss: f64,
+    /// Every parameter's gradient of the step, clipped to `--clip-grad-norm`.
     pub grads: GradientsParams,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
     pub tokens: usize,
     pub stats: ScheduleStats,
     /// Time of the gradient all-reduces over the pool (after the backward passes: not
@@ -121,9 +124,15 @@ pub(crate) fn step_gradients_planned<
     };
     let reduced =
         reduce_step::<B, C, M>(model, groups, step, accumulator, loss_sum, global_labels)?;
+    let grad_norm = global_grad_norm(model, &reduced.grads, groups)?;
+    let grads = match config.clip_grad_norm {
+        Some(max_norm) => clip_grad_norm(model, reduced.grads, grad_norm, max_norm),
+        None => reduced.grads,
+    };
     Ok(StepResult {
         loss: reduced.loss,
-        grads: reduced.grads,
+        grads,
+        grad_norm,
         tokens,
         stats: plan.stats(groups.world.size()),
         grad_sync_ms: reduced.grad_sync_ms,
