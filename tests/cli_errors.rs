@@ -886,3 +886,114 @@ fn gpt_longctx_recompute_modes_train_the_same_losses() {
     assert!(extra[0] > 0, "no recompute communication: {extra:?}");
     assert_eq!(extra[0], extra[1], "attention vs block recompute bytes");
 }
+
+/// The losses of a run directory's `metrics.jsonl`, by step.
+fn metrics_losses(dir: &std::path::Path) -> Vec<(u64, String)> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let step: serde_json::Value = serde_json::from_str(line).unwrap();
+            (step["step"].as_u64().unwrap(), step["loss"].to_string())
+        })
+        .collect()
+}
+
+/// `--checkpoint-every 1`: a run killed with SIGKILL at random moments (seeded; over its whole
+/// length, so during steps, plans and checkpoint writes) and resumed each time from its latest
+/// complete checkpoint — started afresh when none was written yet — ends with the uninterrupted
+/// run's losses, step for step, bit for bit; the kept checkpoints are complete.
+#[test]
+fn a_run_killed_at_random_moments_resumes_to_the_same_losses() {
+    let flags = [
+        "--cp",
+        "2",
+        "--steps",
+        "24",
+        "--checkpoint-every",
+        "1",
+        "--keep-checkpoints",
+        "2",
+    ];
+    let base = gpt(&flags);
+    let with = |extra: &[&str]| -> Vec<String> {
+        let mut args = base.clone();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    };
+    let reference = temp_dir("killed-reference");
+    let started = std::time::Instant::now();
+    let output = Command::new(example("gpt_longctx"))
+        .args(with(&["--out", reference.to_str().unwrap()]))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    let length = started.elapsed();
+    let want = metrics_losses(&reference);
+    assert_eq!(want.len(), 24);
+    let dir = temp_dir("killed");
+    let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+    let (mut attempts, mut killed_runs) = (0, 0);
+    loop {
+        let saved = ["checkpoint", "checkpoint.old"]
+            .iter()
+            .find_map(|name| std::fs::read_to_string(dir.join(name).join("state.json")).ok())
+            .map(|text| {
+                serde_json::from_str::<serde_json::Value>(&text).unwrap()["step"]
+                    .as_u64()
+                    .unwrap()
+            });
+        let resumable = saved.is_some();
+        let args = match resumable {
+            true => with(&["--resume", dir.to_str().unwrap()]),
+            false => {
+                let _ = std::fs::remove_dir_all(&dir);
+                with(&["--out", dir.to_str().unwrap()])
+            }
+        };
+        let mut child = Command::new(example("gpt_longctx"))
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Five runs killed, each at a moment drawn over what it has left to run.
+        if killed_runs < 5 && attempts < 40 {
+            attempts += 1;
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let fraction = (seed >> 11) as f64 / (1u64 << 53) as f64;
+            let left = (24 - saved.unwrap_or(0)) as f64 / 24.0;
+            std::thread::sleep(length.mul_f64(fraction * left));
+            if child.try_wait().unwrap().is_none() {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                killed_runs += 1;
+                continue;
+            }
+        }
+        let output = child.wait_with_output().unwrap();
+        assert!(output.status.success(), "{}", stderr(&output));
+        if dir.join("checkpoint/state.json").exists() && metrics_losses(&dir).len() == 24 {
+            break;
+        }
+    }
+    eprintln!("{killed_runs} runs killed in {attempts} attempts");
+    assert!(
+        killed_runs >= 3,
+        "only {killed_runs} runs killed mid-way in {attempts} attempts"
+    );
+    assert_eq!(metrics_losses(&dir), want, "after {killed_runs} kills");
+    // The checkpoint and the one archived beside it: the last two steps.
+    for (name, step) in [("checkpoint", 24), ("checkpoint-00000023", 23)] {
+        let state: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(name).join("state.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(state["step"], step, "{name}");
+        assert!(dir.join(name).join("model.mpk").exists());
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_dir_all(&reference).ok();
+}

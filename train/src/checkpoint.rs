@@ -164,6 +164,8 @@ pub(crate) struct Checkpoint<'a, M, O> {
     pub(crate) optimizer: &'a O,
     pub(crate) state: &'a TrainState,
     pub(crate) files: &'a CheckpointFiles,
+    /// Checkpoints kept (`--keep-checkpoints`).
+    pub(crate) keep: usize,
 }
 
 /// Saves the checkpoint atomically, sharded over TP and PP. The first rank of every (TP, PP)
@@ -230,7 +232,7 @@ pub(crate) fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optim
                 }
             }
         }
-        write_checkpoint(saved.out, &shard, saved.state)?;
+        write_checkpoint(saved.out, &shard, saved.state, saved.keep)?;
     }
     for send in sends {
         send.wait()?;
@@ -238,11 +240,16 @@ pub(crate) fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optim
     Ok(world.barrier()?)
 }
 
-/// Rank 0's part of [`save_checkpoint`]: the files, then the atomic swap of directories.
+/// Rank 0's part of [`save_checkpoint`]: the files into `checkpoint.tmp/`, then the atomic swap
+/// of directories (`checkpoint/` → `checkpoint.old/`, `checkpoint.tmp/` → `checkpoint/`); the
+/// old one kept as `checkpoint-<step>/` while fewer than `keep` exist, else removed. Every
+/// directory a resume or a user reads is complete: a directory is removed only after a rename
+/// to a `.removing` name.
 pub(crate) fn write_checkpoint(
     out: &Path,
     files: &[(String, Vec<u8>)],
     state: &TrainState,
+    keep: usize,
 ) -> Result<(), TrainError> {
     let (dir, tmp, old) = (
         checkpoint_dir(out),
@@ -250,9 +257,7 @@ pub(crate) fn write_checkpoint(
         out.join("checkpoint.old"),
     );
     let io = |what: &'static str, path: &Path, e: std::io::Error| TrainError::io(what, path, e);
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| io("remove", &tmp, e))?;
-    }
+    remove_dir(&tmp)?;
     std::fs::create_dir_all(&tmp).map_err(|e| io("create", &tmp, e))?;
     for (name, bytes) in files {
         let path = tmp.join(name);
@@ -260,16 +265,59 @@ pub(crate) fn write_checkpoint(
     }
     write_json(&tmp.join("state.json"), state)?;
     if dir.exists() {
-        if old.exists() {
-            std::fs::remove_dir_all(&old).map_err(|e| io("remove", &old, e))?;
-        }
+        remove_dir(&old)?;
         std::fs::rename(&dir, &old).map_err(|e| io("move aside", &dir, e))?;
     }
     std::fs::rename(&tmp, &dir).map_err(|e| io("move into place", &tmp, e))?;
     if old.exists() {
-        std::fs::remove_dir_all(&old).map_err(|e| io("remove", &old, e))?;
+        if keep > 1 {
+            let previous: TrainState = read_json(&old.join("state.json"))?;
+            let archive = out.join(format!("checkpoint-{:08}", previous.step));
+            remove_dir(&archive)?;
+            std::fs::rename(&old, &archive).map_err(|e| io("keep", &old, e))?;
+        } else {
+            remove_dir(&old)?;
+        }
+    }
+    // The newest keep − 1 archives stay beside `checkpoint/`.
+    for (_, path) in archived_checkpoints(out)?
+        .iter()
+        .rev()
+        .skip(keep.saturating_sub(1))
+    {
+        remove_dir(path)?;
     }
     Ok(())
+}
+
+/// The run's archived checkpoints (`checkpoint-<step>/`), by step.
+fn archived_checkpoints(out: &Path) -> Result<Vec<(usize, PathBuf)>, TrainError> {
+    let entries = std::fs::read_dir(out).map_err(|e| TrainError::io("list", out, e))?;
+    let mut found: Vec<(usize, PathBuf)> = entries
+        .filter_map(|entry| entry.ok())
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix("checkpoint-")?.parse().ok()?;
+            Some((step, entry.path()))
+        })
+        .collect();
+    found.sort();
+    Ok(found)
+}
+
+/// Removes a directory (if there) after renaming it to `<name>.removing`, so that a run killed
+/// while removing never leaves a partial directory under a checkpoint's name.
+fn remove_dir(path: &Path) -> Result<(), TrainError> {
+    if !path.exists() {
+        return Ok(());
+    }
+    let removing = path.with_extension("removing");
+    let io = |what: &'static str, path: &Path, e: std::io::Error| TrainError::io(what, path, e);
+    if removing.exists() {
+        std::fs::remove_dir_all(&removing).map_err(|e| io("remove", &removing, e))?;
+    }
+    std::fs::rename(path, &removing).map_err(|e| io("move aside", path, e))?;
+    std::fs::remove_dir_all(&removing).map_err(|e| io("remove", &removing, e))
 }
 
 pub(crate) fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, TrainError> {

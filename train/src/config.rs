@@ -58,6 +58,14 @@ pub struct TrainConfig {
     /// `None`: not clipped (the norm is reported either way).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clip_grad_norm: Option<f64>,
+    /// `--checkpoint-every N`: a checkpoint after every N-th step too (with an output
+    /// directory; the last step's is always written); `None`: only the last.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_every: Option<usize>,
+    /// `--keep-checkpoints K`: the newest K checkpoints are kept (`checkpoint/`, then
+    /// `checkpoint-<step>/`), older ones removed.
+    #[serde(default = "default_one")]
+    pub keep_checkpoints: usize,
     /// Mask policy: `causal`, `lambda`, `blockwise`, `shared-question` (DCP defaults), `mixed`
     /// (one of those per sequence), `full`, or a spec such as `lambda:64,4096`.
     pub mask: String,
@@ -120,6 +128,8 @@ impl Default for TrainConfig {
             optimizer: OptimizerSettings::default(),
             lr_schedule: LrScheduleSettings::default(),
             clip_grad_norm: None,
+            checkpoint_every: None,
+            keep_checkpoints: 1,
             mask: "causal".into(),
             corpus: "default".into(),
             tokenizer: "bytes".into(),
@@ -190,6 +200,12 @@ impl TrainConfig {
         if let Some(max) = self.clip_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
             return Err(TrainError::Config(format!(
                 "--clip-grad-norm {max} must be a positive number"
+            )));
+        }
+        if self.checkpoint_every == Some(0) || self.keep_checkpoints == 0 {
+            return Err(TrainError::Config(format!(
+                "--checkpoint-every {:?} and --keep-checkpoints {} must be at least 1",
+                self.checkpoint_every, self.keep_checkpoints
             )));
         }
         if self.timeout_secs == 0 || self.timeout_secs > MAX_TIMEOUT.as_secs() {

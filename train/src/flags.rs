@@ -134,6 +134,12 @@ pub struct TrainFlags {
     /// run past its first --steps on the same schedule
     #[cfg_attr(feature = "cli", arg(long))]
     pub lr_decay_steps: Option<usize>,
+    /// With --out: also save a checkpoint after every N-th step [default: only after the last]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub checkpoint_every: Option<usize>,
+    /// Checkpoints kept: the newest in checkpoint/, older ones in checkpoint-<step>/ [default: 1]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub keep_checkpoints: Option<usize>,
     /// Clip the gradients' global norm (every parameter once, across TP, PP, DP and CP) to this
     /// [default: no clipping]
     #[cfg_attr(feature = "cli", arg(long))]
@@ -335,6 +341,8 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
             decay_steps: args.lr_decay_steps,
         },
         clip_grad_norm: args.clip_grad_norm,
+        checkpoint_every: args.checkpoint_every,
+        keep_checkpoints: args.keep_checkpoints.unwrap_or(defaults.keep_checkpoints),
         mask: args.mask.clone().unwrap_or(defaults.mask.clone()),
         corpus: args.corpus.clone().unwrap_or(defaults.corpus.clone()),
         tokenizer: args.tokenizer.clone().unwrap_or(defaults.tokenizer.clone()),
@@ -495,6 +503,13 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
     let given = config_from_args(args)?;
     // Emulated links change when messages arrive, not what they hold: this run's flags decide.
     config.emulate_links = given.emulate_links;
+    // When checkpoints are written, and how many are kept, changes no result.
+    if args.checkpoint_every.is_some() {
+        config.checkpoint_every = given.checkpoint_every;
+    }
+    if args.keep_checkpoints.is_some() {
+        config.keep_checkpoints = given.keep_checkpoints;
+    }
     if args.pp_schedule.is_some() {
         config.pp_schedule = given.pp_schedule;
     }

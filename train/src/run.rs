@@ -182,26 +182,32 @@ impl Trainer<'_> {
             _ => None,
         };
         groups.mesh.world.barrier()?;
-        let (model, metrics) = std::thread::scope(|scope| {
-            let plans = plan_ahead(scope, config, self.data, first_step, predictor);
-            run.steps(model, &mut optimizer, first_step, &plans)
-        })?;
-        if let Some(out) = self.out {
+        // A checkpoint of step `step` (with an output directory; every rank takes part).
+        let save = |model: &M, optimizer: &O, step: usize| -> Result<(), TrainError> {
+            let Some(out) = self.out else {
+                return Ok(());
+            };
             let state = TrainState {
-                step: config.steps,
+                step,
                 config: Some(config.clone()),
                 model: Some(config.model_identity()?),
             };
             let saved = Checkpoint {
                 out,
-                model: &model,
-                optimizer: &optimizer,
+                model,
+                optimizer,
                 state: &state,
                 files: &files,
+                keep: config.keep_checkpoints,
             };
             save_checkpoint(&groups, &saved)
-                .inspect_err(|e| groups.mesh.world.abort(&e.to_string()))?;
-        }
+                .inspect_err(|e| groups.mesh.world.abort(&e.to_string()))
+        };
+        let (model, metrics) = std::thread::scope(|scope| {
+            let plans = plan_ahead(scope, config, self.data, first_step, predictor);
+            run.steps(model, &mut optimizer, first_step, &plans, &save)
+        })?;
+        save(&model, &optimizer, config.steps)?;
         Ok(RankOutcome { metrics })
     }
 }
@@ -337,6 +343,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
         optimizer: &mut O,
         first: usize,
         plans: &PlanReceiver,
+        save: &dyn Fn(&M, &O, usize) -> Result<(), TrainError>,
     ) -> Result<(M, Vec<StepMetrics>), TrainError>
     where
         C: CheckpointStrategy,
@@ -423,6 +430,11 @@ impl<B: FlashOps> StepLoop<'_, B> {
             }
             world.barrier()?;
             drop(step_trace);
+            // `--checkpoint-every`: the last step's checkpoint is written after the loop.
+            let every = self.config.checkpoint_every;
+            if every.is_some_and(|n| step % n == 0) && step < self.config.steps {
+                save(&model, optimizer, step)?;
+            }
         }
         Ok((model, metrics))
     }
