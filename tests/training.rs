@@ -42,6 +42,8 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         optimizer: Default::default(),
         lr_schedule: Default::default(),
         clip_grad_norm: None,
+        eval_every: None,
+        eval_tokens: 4096,
         checkpoint_every: None,
         keep_checkpoints: 1,
         mask: mask.into(),

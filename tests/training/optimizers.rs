@@ -176,3 +176,36 @@ fn a_users_optimizer_and_burn_scheduler_train_as_the_flags_do() {
     }
     assert_eq!(observer.0.into_inner().unwrap(), by_flags);
 }
+
+/// `--eval-every`: the validation loss (held-out documents, forward only) at cp 4, dp 2 × cp 2
+/// and pp 2 × cp 2 is cp 1's, on every step it runs (every 2nd and the last).
+#[test]
+fn validation_loss_matches_cp1_across_the_mesh() {
+    let with_eval = |cp: usize| {
+        let mut config = config(cp, 1, Strategy::Ring, Layout::Zigzag, "causal");
+        config.steps = 3;
+        config.eval_every = Some(2);
+        config.eval_tokens = 1500;
+        config
+    };
+    let reference = recorded(&with_eval(1));
+    let losses: Vec<Option<f64>> = reference.iter().map(|m| m.val_loss).collect();
+    assert!(losses[0].is_none() && losses[1].is_some() && losses[2].is_some());
+    let mut dp = with_eval(2);
+    dp.dp = 2;
+    let mut pp = with_eval(2);
+    pp.pp = 2;
+    for (what, config) in [
+        ("cp 4", with_eval(4)),
+        ("dp 2 × cp 2", dp),
+        ("pp 2 × cp 2", pp),
+    ] {
+        config.validate().unwrap();
+        for (got, want) in recorded(&config).iter().zip(&reference) {
+            match (got.val_loss, want.val_loss) {
+                (Some(g), Some(w)) => assert!((g - w).abs() / w <= 1e-5, "{what}: {g} vs {w}"),
+                (g, w) => assert_eq!(g, w, "{what} step {}", got.step),
+            }
+        }
+    }
+}

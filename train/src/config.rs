@@ -58,6 +58,13 @@ pub struct TrainConfig {
     /// `None`: not clipped (the norm is reported either way).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clip_grad_norm: Option<f64>,
+    /// `--eval-every N`: the validation loss (over the held-out documents of `eval_tokens`)
+    /// after every N-th step and the last; `None`: no documents held out, no validation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_every: Option<usize>,
+    /// `--eval-tokens T`: at least this many tokens of whole documents held out of training.
+    #[serde(default = "default_eval_tokens")]
+    pub eval_tokens: usize,
     /// `--checkpoint-every N`: a checkpoint after every N-th step too (with an output
     /// directory; the last step's is always written); `None`: only the last.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -128,6 +135,8 @@ impl Default for TrainConfig {
             optimizer: OptimizerSettings::default(),
             lr_schedule: LrScheduleSettings::default(),
             clip_grad_norm: None,
+            eval_every: None,
+            eval_tokens: default_eval_tokens(),
             checkpoint_every: None,
             keep_checkpoints: 1,
             mask: "causal".into(),
@@ -152,6 +161,10 @@ pub(crate) fn default_topology() -> String {
 
 pub(crate) fn default_nodes() -> usize {
     1
+}
+
+pub(crate) fn default_eval_tokens() -> usize {
+    4096
 }
 
 pub(crate) fn default_one() -> usize {
@@ -200,6 +213,12 @@ impl TrainConfig {
         if let Some(max) = self.clip_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
             return Err(TrainError::Config(format!(
                 "--clip-grad-norm {max} must be a positive number"
+            )));
+        }
+        if self.eval_every == Some(0) || self.eval_tokens == 0 {
+            return Err(TrainError::Config(format!(
+                "--eval-every {:?} and --eval-tokens {} must be at least 1",
+                self.eval_every, self.eval_tokens
             )));
         }
         if self.checkpoint_every == Some(0) || self.keep_checkpoints == 0 {

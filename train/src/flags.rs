@@ -134,6 +134,13 @@ pub struct TrainFlags {
     /// run past its first --steps on the same schedule
     #[cfg_attr(feature = "cli", arg(long))]
     pub lr_decay_steps: Option<usize>,
+    /// Validation loss after every N-th step and the last, on documents held out of training
+    /// [default: no validation]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub eval_every: Option<usize>,
+    /// Tokens of whole documents held out for validation (at least) [default: 4096]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub eval_tokens: Option<usize>,
     /// With --out: also save a checkpoint after every N-th step [default: only after the last]
     #[cfg_attr(feature = "cli", arg(long))]
     pub checkpoint_every: Option<usize>,
@@ -341,6 +348,8 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
             decay_steps: args.lr_decay_steps,
         },
         clip_grad_norm: args.clip_grad_norm,
+        eval_every: args.eval_every,
+        eval_tokens: args.eval_tokens.unwrap_or(defaults.eval_tokens),
         checkpoint_every: args.checkpoint_every,
         keep_checkpoints: args.keep_checkpoints.unwrap_or(defaults.keep_checkpoints),
         mask: args.mask.clone().unwrap_or(defaults.mask.clone()),

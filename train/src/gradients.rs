@@ -220,23 +220,28 @@ pub(crate) fn reduce_step<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTr
     let grad_sync_ms = started.elapsed().as_secs_f64() * 1e3;
     // Over the whole world: a non-finite gradient on one TP position stops every rank, named.
     check_finite(&groups.mesh.world, step, loss_sum, &non_finite)?;
-    let mut total = groups
-        .world
-        .all_reduce(TensorData::new(vec![loss_sum], [1]).into())?;
-    if groups.mesh.pp.size() > 1 {
-        // Only the last stage computes losses: every stage gets their sum.
-        total = groups.mesh.pp.all_reduce(total)?;
-    }
-    let total: f64 = total
-        .into_host()
-        .map_err(|e| CpError::Input(e.to_string()))?
-        .to_vec::<f64>()
-        .map_err(|e| CpError::Input(format!("{e:?}")))?[0];
+    let total = sum_losses(groups, loss_sum)?;
     Ok(ReducedStep {
         loss: total / global_labels as f64,
         grads: register.grads,
         grad_sync_ms,
     })
+}
+
+/// The loss sums of every rank of the pool (and of every stage: only the last computes losses),
+/// on every rank.
+pub(crate) fn sum_losses(groups: &RankGroups, loss_sum: f64) -> Result<f64, CpError> {
+    let mut total = groups
+        .world
+        .all_reduce(TensorData::new(vec![loss_sum], [1]).into())?;
+    if groups.mesh.pp.size() > 1 {
+        total = groups.mesh.pp.all_reduce(total)?;
+    }
+    Ok(total
+        .into_host()
+        .map_err(|e| CpError::Input(e.to_string()))?
+        .to_vec::<f64>()
+        .map_err(|e| CpError::Input(format!("{e:?}")))?[0])
 }
 
 pub(crate) fn all_finite<B: burn::prelude::Backend, const D: usize>(tensor: &Tensor<B, D>) -> bool {

@@ -28,6 +28,10 @@ pub struct StepMetrics {
     /// and the DP × CP pool: cp 1's).
     #[serde(default)]
     pub grad_norm: f64,
+    /// `--eval-every`: the mean loss over every labelled token of the validation set after
+    /// this step's update (on the steps it runs; `None` otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
     /// Tokens processed in the step (all replicas).
     pub tokens: usize,
     /// Bytes sent by all ranks during the step (attention and gradient all-reduce).
@@ -151,8 +155,12 @@ impl Progress {
 impl StepObserver for Progress {
     fn on_step(&self, m: &StepMetrics) {
         let tokens_per_second = m.tokens as f64 / (m.step_ms / 1e3);
+        let validation = m
+            .val_loss
+            .map(|loss| format!(" | val loss {loss:.4}"))
+            .unwrap_or_default();
         let numbers = format!(
-            "step {}/{} | {} | loss {:.4} | {:.0} tok/s | {:.1} MB sent",
+            "step {}/{} | {} | loss {:.4}{validation} | {:.0} tok/s | {:.1} MB sent",
             m.step,
             self.steps,
             self.label,

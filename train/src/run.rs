@@ -27,7 +27,7 @@ use crate::optim::{LrSchedule, OptimizerKind};
 use crate::plan::StepPlan;
 use crate::predict::plan_step_predicted;
 use crate::predict::Predictor;
-use crate::step::{rank_peak_memory_mb, step_gradients_planned, StepBytes, AXES};
+use crate::step::{rank_peak_memory_mb, step_gradients_planned, validation_loss, StepBytes, AXES};
 
 /// The default training backend: [`CpTrain`] over burn Flex (CPU).
 pub type TrainBackend = CpTrain<burn::backend::Flex>;
@@ -387,6 +387,22 @@ impl<B: FlashOps> StepLoop<'_, B> {
             bytes.comm_wait_ms = (comm_wait_time() - wait_before).as_secs_f64() * 1e3;
             bytes.optimizer_ms = optimizer_ms;
             bytes.peak_memory_mb = rank_peak_memory_mb(world.rank());
+            // After the step's time and byte counts: validation is not the step's.
+            let step_ms = started.elapsed().as_secs_f64() * 1e3;
+            let val_loss = match (self.config.eval_every, self.data.validation()) {
+                (Some(every), Some(validation))
+                    if step % every == 0 || step == self.config.steps =>
+                {
+                    Some(validation_loss::<B, C, M>(
+                        &model,
+                        self.groups,
+                        self.config,
+                        validation,
+                        self.device,
+                    )?)
+                }
+                _ => None,
+            };
             let bytes = bytes.summed(world)?;
             if world.rank() == 0 {
                 let bytes_by_axis = AXES
@@ -401,10 +417,11 @@ impl<B: FlashOps> StepLoop<'_, B> {
                     loss: result.loss,
                     lr,
                     grad_norm: result.grad_norm,
+                    val_loss,
                     tokens: result.tokens,
                     bytes_communicated: bytes.total,
                     bytes_by_link: bytes.links,
-                    step_ms: started.elapsed().as_secs_f64() * 1e3,
+                    step_ms,
                     cp_group_sizes: result
                         .stats
                         .cp_group_sizes

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::{Recompute, TrainConfig};
 use crate::data::TrainData;
 use crate::error::{forward_failed, TrainError};
-use crate::gradients::{clip_grad_norm, global_grad_norm, reduce_step};
+use crate::gradients::{clip_grad_norm, global_grad_norm, reduce_step, sum_losses};
 use crate::groups::RankGroups;
 use crate::model::{cast_model, CpTrain, ShardInput, TrainModel};
 use crate::pipeline::{stage_passes, Pass, StageRun};
@@ -83,45 +83,15 @@ pub(crate) fn step_gradients_planned<
     }
     let tokens = batches.iter().map(|b| b.tokens.len()).sum();
     let sequences = StepSequences::new(batches);
-    groups.ensure(plan)?;
-    if config.pp > 1 {
-        check_stages_agree(&groups.mesh.pp, plan)?;
-    }
-    // The schedule's units are the plan's sub-steps: this rank's batch in each, if any.
-    let me = groups.world.rank();
-    let mut units: Vec<Option<&PlannedBatch>> = vec![None; plan.sub_step_ranges().len()];
-    for planned in plan.batches_of(me) {
-        units[planned.sub_step] = Some(planned);
-    }
-    let (accumulator, loss_sum) = if config.pp == 1 && config.recompute != Recompute::Block {
-        let mut run = SingleStage::<B, C, M> {
-            model,
-            groups,
-            sequences: &sequences,
-            global_labels,
-            device,
-            compute: config.precision.compute_dtype(),
-            accumulator: GradientsAccumulator::new(),
-            loss_sum: 0.0,
-            checkpointing: PhantomData,
-        };
-        for (unit, planned) in units.iter().enumerate() {
-            if let Some(planned) = planned {
-                run.forward_backward(unit, planned)?;
-            }
-        }
-        (run.accumulator, run.loss_sum)
-    } else {
-        run_stages::<B, C, M>(
-            model,
-            groups,
-            config,
-            &sequences,
-            global_labels,
-            &units,
-            device,
-        )?
-    };
+    let (accumulator, loss_sum) = run_plan::<B, C, M>(
+        model,
+        groups,
+        config,
+        (&sequences, global_labels),
+        plan,
+        device,
+        true,
+    )?;
     let reduced =
         reduce_step::<B, C, M>(model, groups, step, accumulator, loss_sum, global_labels)?;
     let grad_norm = global_grad_norm(model, &reduced.grads, groups)?;
@@ -139,15 +109,114 @@ pub(crate) fn step_gradients_planned<
     })
 }
 
-/// The pipeline's passes over this rank's `units` (pp > 1, or `Recompute::Block`, which runs
+/// This rank's passes over `plan` — forward and backward (`backward`; training) or forward only
+/// (validation) — in each planned batch's group: at pp 1 one micro-batch after the other, else
+/// through the pipeline's stages. Returns the accumulated gradients and the loss sum.
+fn run_plan<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
+    model: &M,
+    groups: &RankGroups,
+    config: &TrainConfig,
+    (sequences, global_labels): (&StepSequences<'_>, usize),
+    plan: &StepPlan,
+    device: &B::Device,
+    backward: bool,
+) -> Result<(GradientsAccumulator<M>, f64), CpError> {
+    groups.ensure(plan)?;
+    if config.pp > 1 {
+        check_stages_agree(&groups.mesh.pp, plan)?;
+    }
+    // The schedule's units are the plan's sub-steps: this rank's batch in each, if any.
+    let me = groups.world.rank();
+    let mut units: Vec<Option<&PlannedBatch>> = vec![None; plan.sub_step_ranges().len()];
+    for planned in plan.batches_of(me) {
+        units[planned.sub_step] = Some(planned);
+    }
+    if config.pp > 1 || config.recompute == Recompute::Block {
+        let passes = match backward {
+            true => stage_passes(
+                config.pp_schedule,
+                groups.mesh.pp.rank(),
+                config.pp,
+                units.len(),
+            ),
+            false => (0..units.len()).map(Pass::Forward).collect(),
+        };
+        return run_stages::<B, C, M>(
+            model,
+            groups,
+            config,
+            (sequences, global_labels),
+            &units,
+            &passes,
+            device,
+        );
+    }
+    let mut run = SingleStage::<B, C, M> {
+        model,
+        groups,
+        sequences,
+        global_labels,
+        device,
+        compute: config.precision.compute_dtype(),
+        accumulator: GradientsAccumulator::new(),
+        loss_sum: 0.0,
+        checkpointing: PhantomData,
+    };
+    for (unit, planned) in units.iter().enumerate() {
+        if let Some(planned) = planned {
+            run.forward_backward(unit, planned, backward)?;
+        }
+    }
+    Ok((run.accumulator, run.loss_sum))
+}
+
+/// The validation loss of `model` (after an update): the mean loss over every labelled token of
+/// the validation set's whole steps, each planned as a training step is and run forward only,
+/// so cp N computes cp 1's.
+pub(crate) fn validation_loss<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
+    model: &M,
+    groups: &RankGroups,
+    config: &TrainConfig,
+    validation: &TrainData,
+    device: &B::Device,
+) -> Result<f64, CpError> {
+    let _span =
+        burn_dcp::diagnostics::trace::span("validation", "compute", serde_json::Value::Null);
+    let (mut loss_sum, mut labels) = (0.0, 0);
+    for step in 1..=validation.whole_steps(config.micro_batches) {
+        let plan = plan_step(config, validation, step)?;
+        let batches = validation.step_batches(step, config.micro_batches);
+        let step_labels: usize = batches.iter().map(|b| b.label_count()).sum();
+        let sequences = StepSequences::new(batches);
+        let (_, sum) = run_plan::<B, C, M>(
+            model,
+            groups,
+            config,
+            (&sequences, step_labels),
+            &plan,
+            device,
+            false,
+        )?;
+        loss_sum += sum;
+        labels += step_labels;
+    }
+    if labels == 0 {
+        return Err(CpError::Input(
+            "the validation set holds no labelled token (--eval-tokens)".into(),
+        ));
+    }
+    Ok(sum_losses(groups, loss_sum)? / labels as f64)
+}
+
+/// The pipeline's `passes` over this rank's `units` (pp > 1, or `Recompute::Block`, which runs
 /// the model stage by stage); returns the accumulated gradients and the loss sum.
 fn run_stages<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
     model: &M,
     groups: &RankGroups,
     config: &TrainConfig,
-    sequences: &StepSequences<'_>,
-    global_labels: usize,
+    (sequences, global_labels): (&StepSequences<'_>, usize),
     units: &[Option<&PlannedBatch>],
+    passes: &[Pass],
     device: &B::Device,
 ) -> Result<(GradientsAccumulator<M>, f64), CpError> {
     let mut run = StageRun::<B, C, M>::new(
@@ -159,13 +228,7 @@ fn run_stages<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
         config.recompute,
         config.precision,
     );
-    let passes = stage_passes(
-        config.pp_schedule,
-        groups.mesh.pp.rank(),
-        config.pp,
-        units.len(),
-    );
-    for pass in passes {
+    for &pass in passes {
         match pass {
             Pass::Forward(unit) => {
                 if let Some(planned) = units[unit] {
@@ -201,10 +264,15 @@ struct SingleStage<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain
 }
 
 impl<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> SingleStage<'_, B, C, M> {
-    /// The forward of `planned` (sub-step `unit`) in its CP group, its loss, and the backward of
-    /// `loss / global_labels` into the accumulated gradients. Under a low precision the forward
+    /// The forward of `planned` (sub-step `unit`) in its CP group, its loss, and (`backward`) the
+    /// backward of `loss / global_labels` into the accumulated gradients. Under a low precision the forward
     /// runs a fresh copy of the model cast to it, whose gradients reach the f32 parameters.
-    fn forward_backward(&mut self, unit: usize, planned: &PlannedBatch) -> Result<(), CpError> {
+    fn forward_backward(
+        &mut self,
+        unit: usize,
+        planned: &PlannedBatch,
+        backward: bool,
+    ) -> Result<(), CpError> {
         let me = self.groups.world.rank();
         let loss = {
             let _span = micro_batch_span(unit, "forward", planned);
@@ -225,6 +293,9 @@ impl<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> SingleSta
             context.finish()?;
             loss
         };
+        if !backward {
+            return Ok(());
+        }
         let _span = micro_batch_span(unit, "backward", planned);
         let grads = (loss / self.global_labels as f64).backward();
         let grads = GradientsParams::from_grads(grads, self.model);
