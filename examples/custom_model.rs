@@ -29,9 +29,10 @@ use burn_dcp::comm::WorldConfig;
 use burn_dcp::nn::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
 use burn_dcp::StrategyKind;
 use burn_dcp_suite::train::launch::Ranks;
+use burn_dcp_suite::train::metrics::truncate_metrics;
 use burn_dcp_suite::train::{
-    CpTrain, InputRows, ModelShape, Precision, Progress, ShardInput, TpGroup, TrainConfig,
-    TrainData, TrainError, TrainMode, TrainModel, Trainer,
+    check_resume, CpTrain, InputRows, ModelShape, Precision, Progress, ShardInput, TpGroup,
+    TrainConfig, TrainData, TrainError, TrainMode, TrainModel, Trainer,
 };
 use clap::Parser;
 
@@ -85,9 +86,16 @@ struct Args {
     /// refused at the first micro-batch)
     #[arg(long)]
     burn_nn: bool,
-    /// Write metrics.jsonl here
+    /// Write metrics.jsonl and the checkpoint (after the last step) here
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Continue the run saved in DIR from its checkpoint (the flags must give the same model;
+    /// --steps is the new total; metrics are appended)
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Also save a checkpoint after every N-th step
+    #[arg(long)]
+    checkpoint_every: Option<usize>,
     /// Print the per-step losses as JSON on stdout
     #[arg(long)]
     json: bool,
@@ -227,6 +235,7 @@ fn config(args: &Args) -> Result<TrainConfig, TrainError> {
         steps: args.steps,
         seed: args.seed,
         corpus: args.corpus.clone(),
+        checkpoint_every: args.checkpoint_every,
         precision: Precision::parse(&args.precision)?,
         model_shape: Some(ModelShape {
             vocab_size: VOCAB,
@@ -279,21 +288,29 @@ fn train<M: TrainModel<B>>(
     )
     .map_err(TrainError::Launch)?;
     let leader = ranks.is_leader();
-    if let (true, Some(out)) = (leader, &args.out) {
+    // A resumed run writes where it was saved, unless --out names another directory.
+    let out = args.out.clone().or_else(|| args.resume.clone());
+    if let Some(dir) = &args.resume {
+        let saved_step = check_resume(dir, config)?;
+        if leader && out.as_deref() == Some(dir.as_path()) {
+            truncate_metrics(&dir.join("metrics.jsonl"), saved_step)?;
+        }
+    }
+    if let (true, Some(out)) = (leader, &out) {
         std::fs::create_dir_all(out).map_err(|e| TrainError::io("create", out, e))?;
     }
     let data = TrainData::load(config)?;
     let progress = Progress::new(
         format!("custom_model {}", config.mesh_shape()),
         config.steps,
-        args.out.as_deref().filter(|_| leader),
-        false,
+        out.as_deref().filter(|_| leader),
+        args.resume.is_some() && out == args.resume,
     )?;
     let trainer = Trainer {
         config,
         data: &data,
-        resume: None,
-        out: None,
+        resume: args.resume.as_deref(),
+        out: out.as_deref(),
         observer: &progress,
     };
     let result = ranks.run(|comm| {

@@ -13,6 +13,16 @@ use burn_dcp_suite::train::{
     RankGroups, TrainConfig, TrainData, TrainMode,
 };
 
+/// `--strategy auto` over every candidate, DCP planned with `block` and `stages`.
+fn every_candidate(block: usize, stages: usize) -> TrainMode {
+    TrainMode::Auto {
+        settings: burn_dcp_suite::train::AutoSettings {
+            candidates: burn_dcp::StrategyKind::ALL.to_vec(),
+        },
+        dcp: burn_dcp_suite::train::DcpSettings { block, stages },
+    }
+}
+
 /// Dynamic CP with `settings`, each group running the strategy and layout `config` has.
 fn with_dynamic(config: &mut TrainConfig, settings: DynamicSettings) {
     config.mode = TrainMode::Dynamic {
@@ -844,7 +854,7 @@ fn tensor_parallel_gpt_matches_the_full_model() {
 /// and TP rank 0's gradients of the replicated parameters (norms) equal cp 1's.
 #[test]
 fn tensor_parallel_steps_match_cp1() {
-    use burn_dcp_suite::train::{AutoSettings, CpSizes, DcpSettings, DynamicSettings};
+    use burn_dcp_suite::train::{CpSizes, DynamicSettings};
     let flex = burn::backend::flex::FlexDevice;
     let reference = one_step(&config(1, 1, Strategy::Ring, Layout::Zigzag, "mixed"));
     let tp_config = |tp: usize, cp: usize, dp: usize| {
@@ -868,15 +878,7 @@ fn tensor_parallel_steps_match_cp1() {
     );
     configs.push(("tp 2 dynamic pool 2", dynamic));
     let mut auto = tp_config(2, 2, 1);
-    auto.mode = TrainMode::Auto {
-        settings: AutoSettings {
-            candidates: burn_dcp::StrategyKind::ALL.to_vec(),
-        },
-        dcp: DcpSettings {
-            block: 16,
-            stages: 2,
-        },
-    };
+    auto.mode = every_candidate(16, 2);
     configs.push(("tp 2 auto", auto));
     for (what, config) in configs {
         config.validate().unwrap();
@@ -946,7 +948,7 @@ fn a_plain_gpt_checkpoint_loads_into_the_tp1_shard() {
 /// put together; the tied embedding's two copies summed).
 #[test]
 fn pipeline_steps_match_cp1() {
-    use burn_dcp_suite::train::{AutoSettings, CpSizes, DcpSettings, DynamicSettings, PpSchedule};
+    use burn_dcp_suite::train::{CpSizes, DcpSettings, DynamicSettings, PpSchedule};
     let base = |cp: usize, dp: usize| {
         let mut config = config(cp, dp, Strategy::Ring, Layout::Zigzag, "mixed");
         config.micro_batches = 4;
@@ -983,15 +985,7 @@ fn pipeline_steps_match_cp1() {
     });
     configs.push(("pp 2 dcp", dcp));
     let mut auto = pp_config(1, 2, 1);
-    auto.mode = TrainMode::Auto {
-        settings: AutoSettings {
-            candidates: burn_dcp::StrategyKind::ALL.to_vec(),
-        },
-        dcp: DcpSettings {
-            block: 16,
-            stages: 2,
-        },
-    };
+    auto.mode = every_candidate(16, 2);
     configs.push(("pp 2 auto", auto));
     for (what, config) in configs {
         config.validate().unwrap();

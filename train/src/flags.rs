@@ -144,7 +144,7 @@ pub struct TrainFlags {
     /// With --out: also save a checkpoint after every N-th step [default: only after the last]
     #[cfg_attr(feature = "cli", arg(long))]
     pub checkpoint_every: Option<usize>,
-    /// Checkpoints kept: the newest in checkpoint/, older ones in checkpoint-<step>/ [default: 1]
+    /// Checkpoints kept: the newest in `checkpoint/`, older ones in `checkpoint-STEP/` [default: 1]
     #[cfg_attr(feature = "cli", arg(long))]
     pub keep_checkpoints: Option<usize>,
     /// Clip the gradients' global norm (every parameter once, across TP, PP, DP and CP) to this

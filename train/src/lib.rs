@@ -5,7 +5,7 @@
 //! World: `tp × cp × dp × pp` ranks (threads; `burn_dcp::mesh`). Each optimizer step processes
 //! `micro_batches` packed micro-batches of `seq_len` tokens (the global batch). Every (TP rank,
 //! stage) position plans the same step over its DP × CP pool; TP shards the model inside each
-//! rank's work (`TpGpt`), PP runs the plan's sub-steps through the stages ([`pipeline`]). One path
+//! rank's work (`TpGpt`), PP runs the plan's sub-steps through the stages (`pipeline.rs`). One path
 //! for every strategy:
 //!
 //! ```text

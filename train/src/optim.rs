@@ -17,6 +17,25 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::TrainError;
 
+/// The one of `all` that `name` names, or an error naming `flag` and every name.
+fn parse_named<T: Copy>(
+    flag: &str,
+    name: &str,
+    all: &[T],
+    name_of: fn(T) -> &'static str,
+) -> Result<T, TrainError> {
+    all.iter()
+        .copied()
+        .find(|kind| name_of(*kind) == name)
+        .ok_or_else(|| {
+            let names: Vec<&str> = all.iter().map(|kind| name_of(*kind)).collect();
+            TrainError::Config(format!(
+                "unknown {flag} '{name}': expected {}",
+                names.join(", ")
+            ))
+        })
+}
+
 /// Which optimizer updates the weights (`--optimizer`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -42,14 +61,7 @@ impl OptimizerKind {
     }
 
     pub fn parse(name: &str) -> Result<Self, TrainError> {
-        Self::ALL
-            .into_iter()
-            .find(|kind| kind.name() == name)
-            .ok_or_else(|| {
-                TrainError::Config(format!(
-                    "unknown --optimizer '{name}': expected adamw, adam or sgd"
-                ))
-            })
+        parse_named("--optimizer", name, &Self::ALL, Self::name)
     }
 }
 
@@ -64,13 +76,13 @@ impl std::fmt::Display for OptimizerKind {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OptimizerSettings {
     pub kind: OptimizerKind,
-    /// `--weight-decay` [default: 1e-4 for adamw (burn's), 0 for adam and sgd].
+    /// `--weight-decay` (default 1e-4 for adamw, burn's; 0 for adam and sgd).
     pub weight_decay: f64,
-    /// Adam(W)'s `--adam-beta1` [0.9], `--adam-beta2` [0.999], `--adam-eps` [1e-5].
+    /// Adam(W)'s `--adam-beta1` (0.9), `--adam-beta2` (0.999), `--adam-eps` (1e-5).
     pub beta1: f64,
     pub beta2: f64,
     pub epsilon: f64,
-    /// SGD's `--sgd-momentum` [0.9] (0: none).
+    /// SGD's `--sgd-momentum` (0.9; 0: none).
     pub momentum: f64,
 }
 
@@ -185,14 +197,7 @@ impl LrScheduleKind {
     }
 
     pub fn parse(name: &str) -> Result<Self, TrainError> {
-        Self::ALL
-            .into_iter()
-            .find(|kind| kind.name() == name)
-            .ok_or_else(|| {
-                TrainError::Config(format!(
-                    "unknown --lr-schedule '{name}': expected constant, cosine or linear"
-                ))
-            })
+        parse_named("--lr-schedule", name, &Self::ALL, Self::name)
     }
 }
 
@@ -209,12 +214,12 @@ pub trait LrSchedule: Send + Sync {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LrScheduleSettings {
     pub kind: LrScheduleKind,
-    /// `--warmup-steps` [0].
+    /// `--warmup-steps` (default 0).
     pub warmup_steps: usize,
-    /// `--min-lr` [0]: where cosine and linear end.
+    /// `--min-lr` (default 0): where cosine and linear end.
     pub min_lr: f64,
-    /// `--lr-decay-steps`: the step at which the decay reaches `min_lr` [default: the run's
-    /// `steps`]. Give it when a run is continued past its first `--steps`, so the schedule does
+    /// `--lr-decay-steps`: the step at which the decay reaches `min_lr` (default: the run's
+    /// `steps`). Give it when a run is continued past its first `--steps`, so the schedule does
     /// not change under the resumed run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decay_steps: Option<usize>,

@@ -79,7 +79,7 @@ pub struct PlannedBatch {
     pub sub_step: usize,
     /// World ranks of the CP group (rank `ranks.start + r` is the group's rank `r`).
     pub ranks: Range<usize>,
-    /// Its sequences, as indices into the step's sequences ([`StepSequences`]), in packing order.
+    /// Its sequences, as indices into the step's sequences (`StepSequences`), in packing order.
     pub sequences: Vec<usize>,
     /// Where each of its tokens lives in the group.
     pub placement: Arc<Placement>,
@@ -139,7 +139,7 @@ impl PlannedBatch {
 pub struct StepPlan {
     pub step: usize,
     pub batches: Vec<PlannedBatch>,
-    /// Work estimate of every sequence of the step (see [`sequence_work`]).
+    /// Work estimate of every sequence of the step (see `sequence_work`).
     pub works: Vec<f64>,
     /// Time the planning took.
     pub plan_ms: f64,

@@ -26,7 +26,7 @@ use crate::planning::plan_step;
 
 /// Gradients of the global mean loss of step `step` (all-reduced over DP×CP; clipped to
 /// `config.clip_grad_norm`), the loss and the step's token count. The step is planned here, synchronously; training plans ahead on a
-/// background thread and calls [`step_gradients_planned`].
+/// background thread and calls `step_gradients_planned`.
 pub fn step_gradients<B: FlashOps, M: TrainModel<CpTrain<B>>>(
     model: &M,
     groups: &RankGroups,
