@@ -2,6 +2,7 @@
 //! run ([`TrainFlags::config`]) or to continue a saved one ([`TrainFlags::resume`], where every
 //! given flag must agree with the saved configuration).
 
+use std::fmt::Debug;
 use std::path::Path;
 
 use burn_dcp::{Layout, Strategy, StrategyKind};
@@ -450,6 +451,11 @@ fn optimizer_settings(args: &TrainFlags) -> Result<OptimizerSettings, TrainError
     })
 }
 
+/// `Some` of both shown (`{:?}`) when `given` and `saved` differ.
+fn differ<T: PartialEq + Debug>(given: &T, saved: &T) -> Option<(String, String)> {
+    (given != saved).then(|| (format!("{given:?}"), format!("{saved:?}")))
+}
+
 /// `--emulate-links` and `--link-scale`.
 fn emulated_links(args: &TrainFlags) -> Result<Option<EmulatedLinks>, TrainError> {
     if !args.emulate_links {
@@ -541,10 +547,19 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
         || args.min_cp_size.is_some()
         || args.cp_sizes.is_some()
         || (args.max_tokens_per_rank.is_some() && saved.mode.dynamic().is_some());
-    if (args.strategy.is_some() || dynamic_flags) && given.mode.dynamic() != saved.mode.dynamic() {
-        let show = |c: &TrainConfig| format!("{:?}", c.mode.dynamic());
-        return Err(settings("dynamic CP", show(&given), show(&saved)));
-    }
+    // Settings whose flags were given must equal the saved run's.
+    let agree = |what: &str, flags_given: bool, differ: Option<(String, String)>| match (
+        flags_given,
+        differ,
+    ) {
+        (true, Some((given, saved))) => Err(settings(what, given, saved)),
+        _ => Ok(()),
+    };
+    agree(
+        "dynamic CP",
+        args.strategy.is_some() || dynamic_flags,
+        differ(&given.mode.dynamic(), &saved.mode.dynamic()),
+    )?;
     if args.auto_candidates.is_some() && given.mode.auto() != saved.mode.auto() {
         let show = |c: &TrainConfig| match c.mode.auto() {
             Some(auto) => format!("candidates {}", StrategyKind::names(&auto.candidates)),
@@ -552,10 +567,32 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
         };
         return Err(settings("auto", show(&given), show(&saved)));
     }
-    if (args.block.is_some() || args.stages.is_some()) && given.mode.dcp() != saved.mode.dcp() {
-        let show = |c: &TrainConfig| format!("{:?}", c.mode.dcp());
-        return Err(settings("DCP", show(&given), show(&saved)));
-    }
+    agree(
+        "DCP",
+        args.block.is_some() || args.stages.is_some(),
+        differ(&given.mode.dcp(), &saved.mode.dcp()),
+    )?;
+    // The optimizer's state and the schedule continue from the checkpoint.
+    let optimizer_flags = args.optimizer.is_some()
+        || args.weight_decay.is_some()
+        || args.adam_beta1.is_some()
+        || args.adam_beta2.is_some()
+        || args.adam_eps.is_some()
+        || args.sgd_momentum.is_some();
+    agree(
+        "optimizer",
+        optimizer_flags,
+        differ(&given.optimizer, &saved.optimizer),
+    )?;
+    let schedule_flags = args.lr_schedule.is_some()
+        || args.warmup_steps.is_some()
+        || args.min_lr.is_some()
+        || args.lr_decay_steps.is_some();
+    agree(
+        "learning-rate schedule",
+        schedule_flags,
+        differ(&given.lr_schedule, &saved.lr_schedule),
+    )?;
     // The topology changes DCP's plans and the byte counts by link; given, it must agree.
     if (args.topology.is_some() && given.topology != saved.topology)
         || (args.nodes.is_some() && given.nodes != saved.nodes)
@@ -610,31 +647,6 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
                 value(&saved)
             )));
         }
-    }
-    // The optimizer's state and the schedule continue from the checkpoint: given, they agree.
-    let optimizer_given = args.optimizer.is_some()
-        || args.weight_decay.is_some()
-        || args.adam_beta1.is_some()
-        || args.adam_beta2.is_some()
-        || args.adam_eps.is_some()
-        || args.sgd_momentum.is_some();
-    if optimizer_given && given.optimizer != saved.optimizer {
-        return Err(settings(
-            "optimizer",
-            format!("{:?}", given.optimizer),
-            format!("{:?}", saved.optimizer),
-        ));
-    }
-    let schedule_given = args.lr_schedule.is_some()
-        || args.warmup_steps.is_some()
-        || args.min_lr.is_some()
-        || args.lr_decay_steps.is_some();
-    if schedule_given && given.lr_schedule != saved.lr_schedule {
-        return Err(settings(
-            "learning-rate schedule",
-            format!("{:?}", given.lr_schedule),
-            format!("{:?}", saved.lr_schedule),
-        ));
     }
     if args.clip_grad_norm.is_some() && given.clip_grad_norm != saved.clip_grad_norm {
         return Err(TrainError::Config(format!(
