@@ -59,8 +59,8 @@ fn cuda_source(pass: Pass, kind: FloatKind, dim: usize) -> (String, String) {
             builder.scope.register_type::<kernel::F>(storage);
             let [q, k, v] =
                 [(); 3].map(|_| <Tensor<kernel::F> as LaunchArg>::expand(&arg, &mut builder));
-            let [spans, offsets, runs] =
-                [(); 3].map(|_| <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder));
+            let [spans, offsets, runs, order] =
+                [(); 4].map(|_| <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder));
             let out = <Tensor<kernel::F> as LaunchArg>::expand_output(&arg, &mut builder);
             let lse = <Tensor<f32> as LaunchArg>::expand_output(&arg, &mut builder);
             let [scale, neg_inf] = [(); 2].map(|_| <f32 as LaunchArg>::expand(&(), &mut builder));
@@ -72,6 +72,7 @@ fn cuda_source(pass: Pass, kind: FloatKind, dim: usize) -> (String, String) {
                 spans,
                 offsets,
                 runs,
+                order,
                 out,
                 lse,
                 scale,
@@ -88,8 +89,8 @@ fn cuda_source(pass: Pass, kind: FloatKind, dim: usize) -> (String, String) {
                 [(); 4].map(|_| <Tensor<kernel::F> as LaunchArg>::expand(&arg, &mut builder));
             let [lse, delta] =
                 [(); 2].map(|_| <Tensor<f32> as LaunchArg>::expand(&arg, &mut builder));
-            let [spans, offsets, runs] =
-                [(); 3].map(|_| <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder));
+            let [spans, offsets, runs, order] =
+                [(); 4].map(|_| <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder));
             let dq = <Tensor<kernel::F> as LaunchArg>::expand_output(&arg, &mut builder);
             let scale = <f32 as LaunchArg>::expand(&(), &mut builder);
             kernel::expand::<kernel::F>(
@@ -103,6 +104,7 @@ fn cuda_source(pass: Pass, kind: FloatKind, dim: usize) -> (String, String) {
                 spans,
                 offsets,
                 runs,
+                order,
                 dq,
                 scale,
                 plan.dq,
@@ -117,8 +119,8 @@ fn cuda_source(pass: Pass, kind: FloatKind, dim: usize) -> (String, String) {
                 [(); 4].map(|_| <Tensor<kernel::F> as LaunchArg>::expand(&arg, &mut builder));
             let [lse, delta] =
                 [(); 2].map(|_| <Tensor<f32> as LaunchArg>::expand(&arg, &mut builder));
-            let [spans, offsets, runs] =
-                [(); 3].map(|_| <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder));
+            let [spans, offsets, runs, order] =
+                [(); 4].map(|_| <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder));
             let [dk, dv] = [(); 2]
                 .map(|_| <Tensor<kernel::F> as LaunchArg>::expand_output(&arg, &mut builder));
             let scale = <f32 as LaunchArg>::expand(&(), &mut builder);
@@ -133,6 +135,7 @@ fn cuda_source(pass: Pass, kind: FloatKind, dim: usize) -> (String, String) {
                 spans,
                 offsets,
                 runs,
+                order,
                 dk,
                 dv,
                 scale,

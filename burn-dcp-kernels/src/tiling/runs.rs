@@ -97,6 +97,18 @@ impl TileRuns {
             .map(|run| (run[0] as usize, run[1] as usize, run[2] == 1))
     }
 
+    /// The row tiles, heaviest first: by the number of column tiles listed, descending, ties
+    /// the later tile first. The flash kernels launch their cubes in this order (every head
+    /// group of the heaviest tile, then of the next), so the longest cubes start first and the
+    /// launch does not end on a few long ones (a causal mask's last query tiles, a varlen
+    /// batch's longest sequence) while the rest of the GPU idles.
+    pub fn heaviest_first(&self) -> Vec<u32> {
+        let weight = |row: usize| -> usize { self.runs(row).map(|(first, end, _)| end - first).sum() };
+        let mut order: Vec<usize> = (0..self.tiles()).rev().collect();
+        order.sort_by_key(|&row| std::cmp::Reverse(weight(row)));
+        order.into_iter().map(|row| row as u32).collect()
+    }
+
     /// Number of (row tile, column tile) pairs listed, and how many of them are full.
     pub fn pairs(&self) -> (usize, usize) {
         (0..self.tiles()).flat_map(|row| self.runs(row)).fold(
@@ -293,5 +305,24 @@ mod tests {
         assert_eq!(listed[0], vec![(0, 1, false)]);
         assert_eq!(listed[3], vec![(0, 3, true), (3, 4, false)]);
         assert_eq!(runs.pairs(), (10, 6));
+    }
+
+    #[test]
+    fn tiles_launch_heaviest_first_ties_later_first() {
+        // Causal: the last query tile is the heaviest.
+        let causal = VarlenAttention::packed(vec![256], vec![MaskSpec::Causal]);
+        let runs = TileRuns::by_query_tile(&DenseSpans::build(&causal).unwrap(), 64, 64);
+        assert_eq!(runs.heaviest_first(), vec![3, 2, 1, 0]);
+        // Two sequences, 192 causal then 64 full: tile 2 lists 3 key tiles, tile 3 lists 1 (its
+        // own sequence's), tile 1 lists 2, tile 0 lists 1; ties (0 and 3) the later first.
+        let varlen = VarlenAttention::packed(vec![192, 64], vec![MaskSpec::Causal, MaskSpec::Full]);
+        let runs = TileRuns::by_query_tile(&DenseSpans::build(&varlen).unwrap(), 64, 64);
+        assert_eq!(runs.heaviest_first(), vec![2, 1, 3, 0]);
+        // Every tile exactly once, on any mask.
+        let window = VarlenAttention::packed(vec![100], vec![MaskSpec::Sliding { window: 7 }]);
+        let runs = TileRuns::by_query_tile(&DenseSpans::build(&window).unwrap(), 16, 8);
+        let mut order = runs.heaviest_first();
+        order.sort_unstable();
+        assert_eq!(order, (0..runs.tiles() as u32).collect::<Vec<_>>());
     }
 }

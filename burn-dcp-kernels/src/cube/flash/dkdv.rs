@@ -164,10 +164,10 @@ fn dkdv_tile<F: Float>(
     );
 }
 
-/// Backward, key side: `dk [Tk, K, D]`, `dv [Tk, K, Dv]`. Cube `(x, y)` = (keys
-/// `16·planes·x..`, kv head `y`); tile lists per key tile (the transpose of query tiles of
-/// `block` queries against key tiles of `16 · planes` keys), walked once per query head of the
-/// group.
+/// Backward, key side: `dk [Tk, K, D]`, `dv [Tk, K, Dv]`. A cube: the `16·planes` keys of one
+/// key tile of one kv head, the tiles in `order` (heaviest first, [`launch_slot`]); tile lists
+/// per key tile (the transpose of query tiles of `block` queries against key tiles of
+/// `16 · planes` keys), walked once per query head of the group.
 #[cube(launch_unchecked, fast_math = fast_exp())]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_dkdv_kernel<F: Float>(
@@ -180,6 +180,7 @@ pub fn flash_dkdv_kernel<F: Float>(
     spans: &Tensor<u32>,
     tile_offsets: &Tensor<u32>,
     tile_runs: &Tensor<u32>,
+    order: &Tensor<u32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
     scale: f32,
@@ -194,8 +195,13 @@ pub fn flash_dkdv_kernel<F: Float>(
     let buffers = comptime!(config.buffers());
     let plane = UNIT_POS_Y as usize;
     let unit = UNIT_POS as usize;
-    let key_tile = CUBE_POS_X as usize;
-    let kv_head = CUBE_POS_Y as usize;
+    let slot = launch_slot();
+    let groups = k.shape(1);
+    if slot >= order.len() * groups {
+        terminate!();
+    }
+    let key_tile = order[slot / groups] as usize;
+    let kv_head = slot % groups;
     let group = q.shape(1) / k.shape(1);
     let kv_tokens = k.shape(0);
     let cube_keys = comptime!(16 * config.planes);

@@ -2,10 +2,6 @@
 //! `S = Q·Kᵀ` and `dP = dO·Vᵀ`, forms `P = exp(scale·S − lse)` and `dS = P ∘ (dP − delta)` in
 //! registers and adds `dS·K`; the end writes `scale · dQ`.
 
-// The kernels' builtins (`CUBE_COUNT_X`, `CUBE_POS_X`) are dummy constants in the Rust body
-// the macro keeps beside the expansion; `count - 1 - position` overflows there, never on a device.
-#![allow(arithmetic_overflow)]
-
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
@@ -86,7 +82,7 @@ struct RowValues {
     spans_at: Array<usize>,
 }
 
-/// Backward, query side: `dq [Tq, H, D]`. The forward's cubes and tile lists.
+/// Backward, query side: `dq [Tq, H, D]`. The forward's cubes, tile lists and launch order.
 #[cube(launch_unchecked, fast_math = fast_exp())]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_dq_kernel<F: Float>(
@@ -99,6 +95,7 @@ pub fn flash_dq_kernel<F: Float>(
     spans: &Tensor<u32>,
     tile_offsets: &Tensor<u32>,
     tile_runs: &Tensor<u32>,
+    order: &Tensor<u32>,
     dq: &mut Tensor<F>,
     scale: f32,
     #[comptime] config: FlashConfig,
@@ -114,11 +111,15 @@ pub fn flash_dq_kernel<F: Float>(
     let per_head = comptime!(config.planes / config.heads_per_cube);
     let (lane, g, _t) = lane_coords();
     let plane = UNIT_POS_Y as usize;
-    let head = CUBE_POS_Y as usize * config.heads_per_cube + plane / per_head;
+    let slot = launch_slot();
+    let groups = q.shape(1) / config.heads_per_cube;
+    if slot >= order.len() * groups {
+        terminate!();
+    }
+    let head = (slot % groups) * config.heads_per_cube + plane / per_head;
     let kv_head = head / (q.shape(1) / k.shape(1));
     let q_tokens = q.shape(0);
-    // The heaviest query tiles (the last, under a causal mask) first.
-    let q_tile_index = CUBE_COUNT_X as usize - 1 - CUBE_POS_X as usize;
+    let q_tile_index = order[slot / groups] as usize;
     let first_token = q_tile_index * tokens;
     let row0 = (plane % per_head) * 16;
     let first_row = first_token + row0;

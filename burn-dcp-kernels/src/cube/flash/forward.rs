@@ -1,16 +1,13 @@
 //! The forward: `out` and the f32 LSE, FlashAttention-2's loop on register fragments.
 //!
-//! Cube `(x, y)`: `T` tokens ([`FlashConfig::tokens_per_cube`]) of query heads
-//! `y·hc..(y + 1)·hc` (`hc` = `heads_per_cube`, all of one kv head); plane `p` owns `16·m` of
+//! A cube: `T` tokens ([`FlashConfig::tokens_per_cube`]) of query heads `g·hc..(g + 1)·hc`
+//! (`hc` = `heads_per_cube`, all of one kv head; the cube's place in the launch gives its query
+//! tile and group `g`, heaviest tiles first: [`launch_slot`]); plane `p` owns `16·m` of
 //! those tokens of one head (`m` = `row_tiles`). Its Q fragments are loaded once; per listed key tile (`block` keys,
 //! double-buffered) each plane computes `S = Q·Kᵀ` into f32 accumulators, masks it in registers
 //! if the tile is partial, runs the online softmax step on its rows (row max and sum across the
 //! four lanes of a row), rescales its output accumulators and adds `P·V` with `P` converted in
 //! registers. The end divides by the row sums and writes `out` and `lse`.
-
-// The kernels' builtins (`CUBE_COUNT_X`, `CUBE_POS_X`) are dummy constants in the Rust body
-// the macro keeps beside the expansion; `count - 1 - position` overflows there, never on a device.
-#![allow(arithmetic_overflow)]
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -265,8 +262,8 @@ pub fn softmax_step(
 
 /// Forward: `out [Tq, H, Dv]` (input dtype) and `lse [H, Tq]` (f32). Tiles from
 /// `tile_offsets` / `tile_runs` ([`crate::tiling::TileRuns`], query tiles of
-/// `tokens_per_cube` tokens against key tiles of `block` keys), the heaviest query tiles (the
-/// last, under a causal mask) launched first.
+/// `tokens_per_cube` tokens against key tiles of `block` keys); `order` lists the query tiles
+/// heaviest first ([`launch_slot`]).
 #[cube(launch_unchecked, fast_math = fast_exp())]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward_kernel<F: Float>(
@@ -276,6 +273,7 @@ pub fn flash_forward_kernel<F: Float>(
     spans: &Tensor<u32>,
     tile_offsets: &Tensor<u32>,
     tile_runs: &Tensor<u32>,
+    order: &Tensor<u32>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     scale: f32,
@@ -295,10 +293,15 @@ pub fn flash_forward_kernel<F: Float>(
     let per_head = comptime!(config.planes / config.heads_per_cube);
     let (lane, g, t) = lane_coords();
     let plane = UNIT_POS_Y as usize;
-    let head = CUBE_POS_Y as usize * config.heads_per_cube + plane / per_head;
+    let slot = launch_slot();
+    let groups = q.shape(1) / config.heads_per_cube;
+    if slot >= order.len() * groups {
+        terminate!();
+    }
+    let head = (slot % groups) * config.heads_per_cube + plane / per_head;
     let kv_head = head / (q.shape(1) / k.shape(1));
     let q_tokens = q.shape(0);
-    let q_tile_index = CUBE_COUNT_X as usize - 1 - CUBE_POS_X as usize;
+    let q_tile_index = order[slot / groups] as usize;
     let first_token = q_tile_index * tokens;
     // The plane's first row among the cube's tokens.
     let row0 = (plane % per_head) * rows;

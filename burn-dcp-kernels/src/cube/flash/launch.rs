@@ -295,6 +295,16 @@ fn cube_dim(config: &FlashConfig) -> CubeDim {
     CubeDim::new_2d(32, config.planes as u32)
 }
 
+/// Cubes per grid dimension at most: WebGPU's limit, and CUDA's for y.
+const GRID_DIM: usize = 65_535;
+
+/// The grid of a launch of `cubes` cubes, numbered x fastest ([`super::stage::launch_slot`]);
+/// the cubes past `cubes` in its last row return at once.
+fn grid(cubes: usize) -> CubeCount {
+    let x = cubes.min(GRID_DIM);
+    CubeCount::Static(x as u32, cubes.div_ceil(x.max(1)).max(1) as u32, 1)
+}
+
 /// The forward: `(out, lse)`.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_flash<R: CubeRuntime>(
@@ -315,15 +325,13 @@ pub fn forward_flash<R: CubeRuntime>(
     let lse = empty(&q, vec![s.heads, s.q_tokens], DType::F32);
     let client = q.client.clone();
     let upload = |values: &[u32]| upload_u32(&client, &q.device, values);
-    let (spans, offsets, runs) = (
+    let order = runs.heaviest_first();
+    let count = grid(order.len() * (s.heads / config.heads_per_cube));
+    let (spans, offsets, runs, order) = (
         upload(&dense.spans),
         upload(&runs.offsets),
         upload(&runs.runs),
-    );
-    let count = CubeCount::Static(
-        s.q_tokens.div_ceil(tokens) as u32,
-        (s.heads / config.heads_per_cube) as u32,
-        1,
+        upload(&order),
     );
     // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked
     // by the caller; shared memory was sized by `FlashPlan::new`; the copies' alignment by
@@ -339,6 +347,7 @@ pub fn forward_flash<R: CubeRuntime>(
             spans.into_tensor_arg(),
             offsets.into_tensor_arg(),
             runs.into_tensor_arg(),
+            order.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             problem.softmax_scale(s.head_dim) as f32,
@@ -378,7 +387,7 @@ pub fn backward_flash<R: CubeRuntime>(
     unsafe {
         backward::flash_dkdv_kernel::launch_unchecked::<R>(
             &client,
-            CubeCount::Static(key_tiles as u32, s.kv_heads as u32, 1),
+            grid(key_tiles * s.kv_heads),
             cube_dim(&c),
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
@@ -389,6 +398,7 @@ pub fn backward_flash<R: CubeRuntime>(
             spans.clone().into_tensor_arg(),
             upload(&by_key.offsets).into_tensor_arg(),
             upload(&by_key.runs).into_tensor_arg(),
+            upload(&by_key.heaviest_first()).into_tensor_arg(),
             dk.clone().into_tensor_arg(),
             dv.clone().into_tensor_arg(),
             scale,
@@ -400,15 +410,12 @@ pub fn backward_flash<R: CubeRuntime>(
     let c = plan.dq;
     let tokens = c.tokens_per_cube();
     let runs = TileRuns::by_query_tile(dense, tokens, c.block);
+    let order = runs.heaviest_first();
     // SAFETY: as in `forward_flash`.
     unsafe {
         backward::flash_dq_kernel::launch_unchecked::<R>(
             &client,
-            CubeCount::Static(
-                s.q_tokens.div_ceil(tokens) as u32,
-                (s.heads / c.heads_per_cube) as u32,
-                1,
-            ),
+            grid(order.len() * (s.heads / c.heads_per_cube)),
             cube_dim(&c),
             q.into_tensor_arg(),
             k.into_tensor_arg(),
@@ -419,6 +426,7 @@ pub fn backward_flash<R: CubeRuntime>(
             spans.into_tensor_arg(),
             upload(&runs.offsets).into_tensor_arg(),
             upload(&runs.runs).into_tensor_arg(),
+            upload(&order).into_tensor_arg(),
             dq.clone().into_tensor_arg(),
             scale,
             c,

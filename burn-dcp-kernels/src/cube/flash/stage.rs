@@ -188,6 +188,15 @@ impl Cursor {
     }
 }
 
+/// This cube's index in its launch, x fastest: the order CUDA starts cubes in. The host lays
+/// a launch's cubes out over x and y (`launch::grid`), one per (tile, head group), the groups
+/// fastest and the tiles in [`crate::tiling::TileRuns::heaviest_first`] order; cubes past the
+/// last return at once.
+#[cube]
+pub fn launch_slot() -> usize {
+    (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
+}
+
 /// The number of tiles in runs `first_run..end_run`.
 #[cube]
 pub fn count_tiles(runs: &Tensor<u32>, first_run: usize, end_run: usize) -> usize {
