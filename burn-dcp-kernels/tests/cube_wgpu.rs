@@ -935,6 +935,61 @@ mod flash_plain {
     }
 
     #[test]
+    fn cube_sizes_change_the_time_never_the_result() {
+        // The forward's cube size is measured and chosen at run time on tensor cores
+        // (`tuned_forward`): every size must give the same bits. Here 1 and 2 planes per cube
+        // (one and two query tiles of 32 rows), causal and per-sequence masks, GQA.
+        use burn_dcp_kernels::cube::flash::{forward_flash, FlashPlan};
+        use burn_dcp_kernels::tiling::DenseSpans;
+        let cases = [
+            long_case(vec![MaskSpec::Causal], 4, 2, (16, 16)),
+            long_case(long_mixed_masks(), 2, 1, (32, 16)),
+        ];
+        for (index, case) in cases.iter().enumerate() {
+            let mut rng = SmallRng::seed_from_u64(260 + index as u64);
+            let x = inputs(&mut rng, &case.shape);
+            let s = &case.shape;
+            let dense = DenseSpans::build(&case.problem).unwrap();
+            let results: Vec<(Vec<f32>, Vec<f32>)> = [1, 2]
+                .into_iter()
+                .map(|planes| {
+                    let plan = FlashPlan::sized_with_planes(
+                        32_768,
+                        DType::F32,
+                        s,
+                        dense.max_spans,
+                        false,
+                        planes,
+                    )
+                    .unwrap();
+                    assert_eq!(plan.forward.planes, planes);
+                    let tensor = |values: &[f32], tokens, heads, dim| {
+                        upload(values, [tokens, heads, dim], DType::F32)
+                            .into_primitive()
+                            .tensor()
+                    };
+                    let (out, lse) = forward_flash(
+                        tensor(&x.q, s.q_tokens, s.heads, s.head_dim),
+                        tensor(&x.k, s.kv_tokens, s.kv_heads, s.head_dim),
+                        tensor(&x.v, s.kv_tokens, s.kv_heads, s.value_dim),
+                        &case.problem,
+                        s,
+                        DType::F32,
+                        &dense,
+                        &plan,
+                    );
+                    (
+                        read(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out))),
+                        read(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse))),
+                    )
+                })
+                .collect();
+            assert!(results[0].0.iter().all(|x| x.is_finite()));
+            assert_eq!(results[0], results[1], "case {index}: 1 and 2 planes differ");
+        }
+    }
+
+    #[test]
     fn what_the_flash_kernels_cannot_run_is_refused_with_the_reason() {
         let case = long_case(vec![MaskSpec::Causal], 2, 1, (16, 16));
         let cores = AttentionKernel::Flash { tensor_cores: true };

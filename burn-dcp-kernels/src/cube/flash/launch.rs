@@ -86,6 +86,31 @@ impl FlashPlan {
         Self::sized(limit, dtype, shape, max_spans, tensor_cores)
     }
 
+    /// The forward configurations worth measuring against each other for this plan: on tensor
+    /// cores with [`PLANES_ENV`] unset, the forward of 4 and of 8 planes per cube where each
+    /// fits `limit` (neither wins on every shape: `docs/flash-kernels.md`, "Cube size");
+    /// otherwise only the plan's own. Every one computes the same rows in the same order.
+    pub fn forward_candidates(
+        &self,
+        limit: usize,
+        dtype: DType,
+        shape: &AttentionShape,
+    ) -> Result<Vec<FlashConfig>, KernelError> {
+        let f = self.forward;
+        if !f.tensor_cores || std::env::var_os(PLANES_ENV).is_some() {
+            return Ok(vec![f]);
+        }
+        let mut candidates = vec![f];
+        for most in [4, 8] {
+            let other =
+                Self::sized_with_planes(limit, dtype, shape, f.max_spans, true, most)?.forward;
+            if !candidates.contains(&other) {
+                candidates.push(other);
+            }
+        }
+        Ok(candidates)
+    }
+
     /// The plan for a device with `limit` bytes of shared memory per cube (the features
     /// unchecked: [`flash_fits`] checks them). Errors when even the smallest cubes do not fit.
     pub fn sized(
@@ -95,10 +120,27 @@ impl FlashPlan {
         max_spans: usize,
         tensor_cores: bool,
     ) -> Result<Self, KernelError> {
+        Self::sized_with_planes(limit, dtype, shape, max_spans, tensor_cores, planes()?)
+    }
+
+    /// [`Self::sized`] with at most `most` planes per cube (1, 2, 4 or 8) instead of
+    /// [`PLANES_ENV`]'s.
+    pub fn sized_with_planes(
+        limit: usize,
+        dtype: DType,
+        shape: &AttentionShape,
+        max_spans: usize,
+        tensor_cores: bool,
+        most: usize,
+    ) -> Result<Self, KernelError> {
+        if ![1, 2, 4, 8].contains(&most) {
+            return Err(KernelError::InvalidValue(format!(
+                "{most} planes per flash cube: expected 1, 2, 4 or 8"
+            )));
+        }
         let (head_dim, value_dim) = (shape.head_dim, shape.value_dim);
         let group = shape.heads / shape.kv_heads;
         // Query heads of one kv head share a cube's key and value tiles.
-        let most = planes()?;
         let heads_per_cube = [4, 2, 1]
             .into_iter()
             .find(|&h| h <= most && group.is_multiple_of(h) && most.is_multiple_of(h))
