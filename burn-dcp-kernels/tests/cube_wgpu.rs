@@ -936,10 +936,10 @@ mod flash_plain {
 
     #[test]
     fn cube_sizes_change_the_time_never_the_result() {
-        // The forward's cube size is measured and chosen at run time on tensor cores
-        // (`tuned_forward`): every size must give the same bits. Here 1 and 2 planes per cube
-        // (one and two query tiles of 32 rows), causal and per-sequence masks, GQA.
-        use burn_dcp_kernels::cube::flash::{forward_flash, FlashPlan};
+        // The forward's cube size differs by device and by BURN_DCP_FLASH_PLANES (8 planes on
+        // tensor cores, 4 elsewhere): every size must give the same bits. Here 1 and 2 planes
+        // per cube (one and two query tiles of 32 rows), causal and per-sequence masks, GQA.
+        use burn_dcp_kernels::cube::flash::{forward_flash, FlashPlan, Planes};
         use burn_dcp_kernels::tiling::DenseSpans;
         let cases = [
             long_case(vec![MaskSpec::Causal], 4, 2, (16, 16)),
@@ -959,7 +959,7 @@ mod flash_plain {
                         s,
                         dense.max_spans,
                         false,
-                        planes,
+                        Planes::both(planes),
                     )
                     .unwrap();
                     assert_eq!(plan.forward.planes, planes);
@@ -985,7 +985,10 @@ mod flash_plain {
                 })
                 .collect();
             assert!(results[0].0.iter().all(|x| x.is_finite()));
-            assert_eq!(results[0], results[1], "case {index}: 1 and 2 planes differ");
+            assert_eq!(
+                results[0], results[1],
+                "case {index}: 1 and 2 planes differ"
+            );
         }
     }
 

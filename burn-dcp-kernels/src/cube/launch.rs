@@ -5,7 +5,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
 
-use super::flash::{backward_flash, forward_flash, tuned_forward};
+use super::flash::{backward_flash, forward_flash};
 use super::kernels;
 use super::matrix_launch::{
     backward_on_tiles, choose, choose_flash, forward_on_tiles, AttentionKernel, TilesKernel,
@@ -47,8 +47,6 @@ pub fn forward_with<R: CubeRuntime>(
     let dense = DenseSpans::build(problem)?;
     let properties = q.client.properties();
     if let Some(plan) = choose_flash(kernel, properties, dtype, &s, dense.max_spans)? {
-        let limit = properties.hardware.max_shared_memory_size;
-        let plan = tuned_forward(&q, &k, &v, problem, &s, dtype, &dense, plan, limit)?;
         return Ok(forward_flash(q, k, v, problem, &s, dtype, &dense, &plan));
     }
     let kernels = TilesKernel::of_pass(false);

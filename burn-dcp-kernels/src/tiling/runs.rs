@@ -103,7 +103,8 @@ impl TileRuns {
     /// launch does not end on a few long ones (a causal mask's last query tiles, a varlen
     /// batch's longest sequence) while the rest of the GPU idles.
     pub fn heaviest_first(&self) -> Vec<u32> {
-        let weight = |row: usize| -> usize { self.runs(row).map(|(first, end, _)| end - first).sum() };
+        let weight =
+            |row: usize| -> usize { self.runs(row).map(|(first, end, _)| end - first).sum() };
         let mut order: Vec<usize> = (0..self.tiles()).rev().collect();
         order.sort_by_key(|&row| std::cmp::Reverse(weight(row)));
         order.into_iter().map(|row| row as u32).collect()

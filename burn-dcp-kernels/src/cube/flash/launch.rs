@@ -17,10 +17,16 @@ use crate::tiling::{DenseSpans, TileRuns};
 
 /// Largest head or value dim of these kernels (their accumulators live in registers).
 pub const FLASH_MAX_DIM: usize = 128;
-/// Planes per cube (each owns 16 rows) unless [`PLANES_ENV`] says otherwise.
+/// Planes per cube (each owns 16 rows) of the backward kernels and of the plain bodies unless
+/// [`PLANES_ENV`] says otherwise.
 const PLANES: usize = 4;
-/// A tuning knob, read once per process: the planes per cube of the flash kernels (1, 2, 4 or
-/// 8; default 4).
+/// Planes per cube of the forward on tensor cores unless [`PLANES_ENV`] says otherwise: on an
+/// H200 (bf16, dim 128, `docs/gpu-runs/2026-11-27-h200-tuned.json`) 8 planes ran 8192 causal
+/// tokens × 32 heads 17 % faster than 4 and the other shapes within the runs' noise; the
+/// backward kernels ran slower on 8.
+const FORWARD_PLANES: usize = 8;
+/// A tuning knob, read once per process: the planes per cube of all three flash kernels (1, 2,
+/// 4 or 8; default 8 for the forward on tensor cores, 4 otherwise).
 pub const PLANES_ENV: &str = "BURN_DCP_FLASH_PLANES";
 
 /// Row tiles per plane of the forward unless [`ROW_TILES_ENV`] says otherwise.
@@ -57,9 +63,42 @@ fn row_tiles() -> Result<usize, KernelError> {
     knob(&CELL, ROW_TILES_ENV, ROW_TILES, &[1, 2])
 }
 
-fn planes() -> Result<usize, KernelError> {
+/// The planes per cube [`PLANES_ENV`] pins for every kernel, if set.
+fn pinned_planes() -> Result<Option<usize>, KernelError> {
     static CELL: Knob = Knob::new();
-    knob(&CELL, PLANES_ENV, PLANES, &[1, 2, 4, 8])
+    if std::env::var_os(PLANES_ENV).is_none() {
+        return Ok(None);
+    }
+    knob(&CELL, PLANES_ENV, PLANES, &[1, 2, 4, 8]).map(Some)
+}
+
+/// The most planes per cube of the forward and of the backward kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Planes {
+    pub forward: usize,
+    pub backward: usize,
+}
+
+impl Planes {
+    /// [`PLANES_ENV`]'s for both, or the defaults: [`FORWARD_PLANES`] for the forward on
+    /// tensor cores, [`PLANES`] otherwise.
+    pub fn from_env(tensor_cores: bool) -> Result<Self, KernelError> {
+        Ok(match pinned_planes()? {
+            Some(planes) => Self::both(planes),
+            None => Self {
+                forward: if tensor_cores { FORWARD_PLANES } else { PLANES },
+                backward: PLANES,
+            },
+        })
+    }
+
+    /// `planes` for all three kernels.
+    pub fn both(planes: usize) -> Self {
+        Self {
+            forward: planes,
+            backward: planes,
+        }
+    }
 }
 
 /// The three kernels' comptime shapes for one problem on one device.
@@ -86,31 +125,6 @@ impl FlashPlan {
         Self::sized(limit, dtype, shape, max_spans, tensor_cores)
     }
 
-    /// The forward configurations worth measuring against each other for this plan: on tensor
-    /// cores with [`PLANES_ENV`] unset, the forward of 4 and of 8 planes per cube where each
-    /// fits `limit` (neither wins on every shape: `docs/flash-kernels.md`, "Cube size");
-    /// otherwise only the plan's own. Every one computes the same rows in the same order.
-    pub fn forward_candidates(
-        &self,
-        limit: usize,
-        dtype: DType,
-        shape: &AttentionShape,
-    ) -> Result<Vec<FlashConfig>, KernelError> {
-        let f = self.forward;
-        if !f.tensor_cores || std::env::var_os(PLANES_ENV).is_some() {
-            return Ok(vec![f]);
-        }
-        let mut candidates = vec![f];
-        for most in [4, 8] {
-            let other =
-                Self::sized_with_planes(limit, dtype, shape, f.max_spans, true, most)?.forward;
-            if !candidates.contains(&other) {
-                candidates.push(other);
-            }
-        }
-        Ok(candidates)
-    }
-
     /// The plan for a device with `limit` bytes of shared memory per cube (the features
     /// unchecked: [`flash_fits`] checks them). Errors when even the smallest cubes do not fit.
     pub fn sized(
@@ -120,31 +134,37 @@ impl FlashPlan {
         max_spans: usize,
         tensor_cores: bool,
     ) -> Result<Self, KernelError> {
-        Self::sized_with_planes(limit, dtype, shape, max_spans, tensor_cores, planes()?)
+        let planes = Planes::from_env(tensor_cores)?;
+        Self::sized_with_planes(limit, dtype, shape, max_spans, tensor_cores, planes)
     }
 
-    /// [`Self::sized`] with at most `most` planes per cube (1, 2, 4 or 8) instead of
-    /// [`PLANES_ENV`]'s.
+    /// [`Self::sized`] with at most `planes` planes per cube (1, 2, 4 or 8) instead of
+    /// [`PLANES_ENV`]'s or the defaults. The forward's cube size changes its speed, never its
+    /// result: every row sees the same key tiles in the same order.
     pub fn sized_with_planes(
         limit: usize,
         dtype: DType,
         shape: &AttentionShape,
         max_spans: usize,
         tensor_cores: bool,
-        most: usize,
+        planes: Planes,
     ) -> Result<Self, KernelError> {
-        if ![1, 2, 4, 8].contains(&most) {
-            return Err(KernelError::InvalidValue(format!(
-                "{most} planes per flash cube: expected 1, 2, 4 or 8"
-            )));
+        for most in [planes.forward, planes.backward] {
+            if ![1, 2, 4, 8].contains(&most) {
+                return Err(KernelError::InvalidValue(format!(
+                    "{most} planes per flash cube: expected 1, 2, 4 or 8"
+                )));
+            }
         }
         let (head_dim, value_dim) = (shape.head_dim, shape.value_dim);
         let group = shape.heads / shape.kv_heads;
         // Query heads of one kv head share a cube's key and value tiles.
-        let heads_per_cube = [4, 2, 1]
-            .into_iter()
-            .find(|&h| h <= most && group.is_multiple_of(h) && most.is_multiple_of(h))
-            .unwrap_or(1);
+        let heads_per_cube = |most: usize| {
+            [4, 2, 1]
+                .into_iter()
+                .find(|&h| h <= most && group.is_multiple_of(h) && most.is_multiple_of(h))
+                .unwrap_or(1)
+        };
         let widest = head_dim.max(value_dim);
         let config = |planes: usize, row_tiles: usize, block: usize, heads: usize| FlashConfig {
             head_dim,
@@ -163,7 +183,7 @@ impl FlashPlan {
         // the registers); query tiles of 32 in dk/dv (its dK and dV take the registers). Only
         // the forward takes two row tiles per plane.
         let dq_block = if widest > 64 { 32 } else { 64 };
-        let shapes = |block: usize, tiles: usize| {
+        let shapes = |most: usize, block: usize, tiles: usize| {
             [
                 (most, tiles, block),
                 ((most / 2).max(1), tiles, block),
@@ -175,11 +195,12 @@ impl FlashPlan {
             ]
         };
         let pick = |name: &str,
+                    most: usize,
                     block: usize,
                     tiles: usize,
                     heads: usize,
                     bytes: fn(&FlashConfig, DType) -> usize| {
-            shapes(block, tiles)
+            shapes(most, block, tiles)
                 .into_iter()
                 .filter(|&(planes, _, b)| planes <= most && b <= block)
                 .map(|(planes, tiles, block)| config(planes, tiles, block, heads))
@@ -200,13 +221,21 @@ impl FlashPlan {
         Ok(Self {
             forward: pick(
                 "forward",
+                planes.forward,
                 forward_block,
                 tiles,
-                heads_per_cube,
+                heads_per_cube(planes.forward),
                 forward_bytes,
             )?,
-            dq: pick("dq", dq_block, 1, heads_per_cube, dq_bytes)?,
-            dkdv: pick("dk/dv", 32, 1, 1, dkdv_bytes)?,
+            dq: pick(
+                "dq",
+                planes.backward,
+                dq_block,
+                1,
+                heads_per_cube(planes.backward),
+                dq_bytes,
+            )?,
+            dkdv: pick("dk/dv", planes.backward, 32, 1, 1, dkdv_bytes)?,
         })
     }
 }
@@ -495,22 +524,60 @@ mod tests {
 
     #[test]
     fn plans_fill_the_shared_memory_they_have() {
-        // An H100 (227 KiB), bf16, dim 128: the forward takes two row tiles per plane and key
-        // tiles of 32, dq key tiles of 32, dk/dv query tiles of 32; GQA groups of 4 share cubes.
+        // An H100 (227 KiB), bf16, dim 128: the forward takes 8 planes of two row tiles and
+        // key tiles of 32, dq 4 planes and key tiles of 32, dk/dv 4 planes and query tiles of
+        // 32; GQA groups of 4 share cubes. (This test runs with PLANES_ENV unset.)
         let h100 =
             FlashPlan::sized(232_448, DType::BF16, &shape(128, 128, 32, 8), 1, true).unwrap();
         let f = h100.forward;
         assert_eq!(
             (f.planes, f.row_tiles, f.block, f.heads_per_cube),
-            (4, 2, 32, 4)
+            (8, 2, 32, 4)
         );
         assert_eq!(
             (f.tokens_per_cube(), f.async_copy, f.shuffles),
-            (32, true, true)
+            (64, true, true)
         );
         assert_eq!(
-            (h100.dq.row_tiles, h100.dq.block, h100.dkdv.block),
-            (1, 32, 32)
+            (
+                h100.dq.planes,
+                h100.dq.row_tiles,
+                h100.dq.block,
+                h100.dq.heads_per_cube
+            ),
+            (4, 1, 32, 4)
+        );
+        assert_eq!((h100.dkdv.planes, h100.dkdv.block), (4, 32));
+        // An A100's 163 KiB still takes the forward's 8 planes; 4 planes everywhere when pinned.
+        let a100 =
+            FlashPlan::sized(166_912, DType::BF16, &shape(128, 128, 32, 32), 1, true).unwrap();
+        assert_eq!((a100.forward.planes, a100.forward.row_tiles), (8, 2));
+        let pinned = FlashPlan::sized_with_planes(
+            232_448,
+            DType::BF16,
+            &shape(128, 128, 32, 8),
+            1,
+            true,
+            Planes::both(4),
+        )
+        .unwrap();
+        assert_eq!(
+            (pinned.forward.planes, pinned.forward.tokens_per_cube()),
+            (4, 32)
+        );
+        let err = FlashPlan::sized_with_planes(
+            232_448,
+            DType::BF16,
+            &shape(128, 128, 32, 8),
+            1,
+            true,
+            Planes::both(3),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("3 planes") && err.contains("1, 2, 4 or 8"),
+            "{err}"
         );
         // Dim 64: key tiles of 64 everywhere.
         let d64 = FlashPlan::sized(232_448, DType::F16, &shape(64, 64, 8, 8), 1, true).unwrap();

@@ -17,10 +17,10 @@ pub mod forward;
 pub mod fragment;
 mod launch;
 pub mod stage;
-mod tune;
 
-pub use launch::{backward_flash, flash_fits, forward_flash, FlashPlan, FLASH_MAX_DIM};
-pub use tune::tuned_forward;
+pub use launch::{
+    backward_flash, flash_fits, forward_flash, FlashPlan, Planes, FLASH_MAX_DIM, PLANES_ENV,
+};
 
 use cubecl::prelude::*;
 
