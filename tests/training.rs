@@ -56,6 +56,7 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         eval_tokens: 4096,
         checkpoint_every: None,
         keep_checkpoints: 1,
+        checkpoint_chunk_bytes: 256 << 20,
         mask: mask.into(),
         corpus: "builtin".into(),
         tokenizer: "bytes".into(),
@@ -351,11 +352,69 @@ fn resuming_continues_the_loss_curve_exactly() {
     let mut tp = config(2, 1, Strategy::Ring, Layout::Zigzag, "causal");
     tp.tp = 2;
     resume_exactly(tp.clone(), "tp2-cp2");
-    // And per (TP rank, stage) under PP (model-tp{r}-pp{s}, …).
+    // And per (TP rank, stage) under PP (model-tp{r}-pp{s}, …), the shards sent to rank 0 in
+    // chunks of 1000 bytes.
     let mut pp = tp;
     pp.pp = 2;
     pp.micro_batches = 4;
+    pp.checkpoint_chunk_bytes = 1000;
     resume_exactly(pp, "tp2-pp2-cp2");
+}
+
+#[test]
+fn checkpoints_sent_in_small_chunks_equal_those_sent_whole() {
+    // tp 2 × pp 2 × cp 2: six of the eight ranks send their shard to rank 0. A run saved whole
+    // is resumed with no step left and saved again in chunks of 1000 bytes (tens of KiB per
+    // file: dozens of messages each). (Two separate runs would differ in their random parameter
+    // ids.) `resuming_continues_the_loss_curve_exactly` resumes from a chunked save.
+    let mut config = config(2, 1, Strategy::Ring, Layout::Zigzag, "causal");
+    (config.tp, config.pp, config.micro_batches, config.steps) = (2, 2, 4, 2);
+    let base = std::env::temp_dir().join(format!("burn-dcp-chunks-{}", std::process::id()));
+    let (whole, chunked) = (base.join("whole"), base.join("chunked"));
+    train(&config, None, Some(&whole));
+    config.checkpoint_chunk_bytes = 1000;
+    train(&config, Some(&whole), Some(&chunked));
+    let files = |out: &std::path::Path| {
+        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(out.join("checkpoint"))
+            .unwrap()
+            .map(|entry| {
+                let path = entry.unwrap().path();
+                let name = path.file_name().unwrap().to_string_lossy().into_owned();
+                (name, std::fs::read(&path).unwrap())
+            })
+            .filter(|(name, _)| name.ends_with(".mpk"))
+            .collect();
+        files.sort();
+        files
+    };
+    let (whole, chunked) = (files(&whole), files(&chunked));
+    std::fs::remove_dir_all(&base).ok();
+    let names: Vec<&str> = whole.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(names.len(), 8, "model and optimizer of 4 shards: {names:?}");
+    assert!(
+        whole.iter().all(|(_, bytes)| bytes.len() > 3 * 1000),
+        "every file needs several chunks"
+    );
+    assert_eq!(chunked.len(), whole.len());
+    // Model files byte for byte; optimizer files hold their state in a `HashMap`, whose order
+    // differs from save to save: their length here, their content through the exact resume.
+    for ((name, a), (_, b)) in whole.iter().zip(&chunked) {
+        if name.starts_with("model") {
+            assert!(a == b, "{name} differs between chunked and whole sends");
+        } else {
+            assert_eq!(a.len(), b.len(), "{name}");
+        }
+    }
+    // A chunk size outside 1..=i32::MAX is refused before training.
+    for bad in [0, burn_dcp_suite::train::MAX_CHUNK_BYTES + 1] {
+        let mut config = config.clone();
+        config.checkpoint_chunk_bytes = bad;
+        let err = config.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("--checkpoint-chunk-bytes") && err.contains(&bad.to_string()),
+            "{err}"
+        );
+    }
 }
 
 fn resume_exactly(mut config: TrainConfig, name: &str) {

@@ -1,5 +1,6 @@
 //! Checkpoints: sharded over TP and PP, written atomically by rank 0, resumed with checks.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use burn::module::AutodiffModule;
@@ -166,11 +167,16 @@ pub(crate) struct Checkpoint<'a, M, O> {
     pub(crate) files: &'a CheckpointFiles,
     /// Checkpoints kept (`--keep-checkpoints`).
     pub(crate) keep: usize,
+    /// The largest message (`--checkpoint-chunk-bytes`).
+    pub(crate) chunk_bytes: usize,
 }
 
 /// Saves the checkpoint atomically, sharded over TP and PP. The first rank of every (TP, PP)
 /// position's pool records its shard (model and optimizer) to bytes and sends them to world rank
-/// 0, which alone touches the file system (under MPI the ranks may be on other nodes): it writes
+/// 0, which alone touches the file system (under MPI the ranks may be on other nodes). No
+/// message is longer than `chunk_bytes` (`--checkpoint-chunk-bytes`): a file travels as a header
+/// (its length, its chunk count and its name) and then its chunks, which rank 0 appends to the
+/// file as they arrive, so it holds one chunk of another rank's shard at a time. Rank 0 writes
 /// every shard to `checkpoint.tmp/`, then `state.json`, renames the old `checkpoint/` to
 /// `checkpoint.old/`, `checkpoint.tmp/` to `checkpoint/`, and removes the old one. A run killed
 /// at any point leaves a complete checkpoint (the old or the new) behind.
@@ -192,102 +198,172 @@ pub(crate) fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optim
         shard.push((format!("{}.mpk", saved.files.optimizer), optimizer));
     }
     let owners = world.all_gather_control("checkpoint owners", vec![owner as u8])?;
-    let leader = world.rank() == 0;
-    // Owners send (name, bytes) pairs to rank 0: the name as one message, the bytes as another.
-    let mut sends = Vec::new();
-    if owner && !leader {
-        for (name, bytes) in shard.drain(..) {
-            let name = name.into_bytes();
-            let (name_len, len) = (name.len(), bytes.len());
-            sends.push(world.isend(0, TensorData::new(name, [name_len]).into())?);
-            sends.push(world.isend(0, TensorData::new(bytes, [len]).into())?);
-        }
-    }
-    if leader {
-        let mut receives = Vec::new();
-        for (rank, flag) in owners.iter().enumerate() {
-            if rank != 0 && flag.first() == Some(&1) {
-                for _ in 0..2 {
-                    receives.push((world.irecv(rank)?, world.irecv(rank)?));
-                }
+    let chunk = saved.chunk_bytes;
+    if world.rank() != 0 {
+        let mut sends = Vec::new();
+        for (name, bytes) in &shard {
+            let header = ChunkHeader::new(name, bytes.len(), chunk).encode();
+            let header_len = header.len();
+            sends.push(world.isend(0, TensorData::new(header, [header_len]).into())?);
+            for part in bytes.chunks(chunk) {
+                let part = part.to_vec();
+                let len = part.len();
+                sends.push(world.isend(0, TensorData::new(part, [len]).into())?);
             }
         }
-        for (name, bytes) in receives {
-            let name = name
-                .wait()?
-                .into_host()
-                .map_err(|e| TrainError::Malformed(e.to_string()))?
-                .into_vec::<u8>();
-            let bytes = bytes
-                .wait()?
-                .into_host()
-                .map_err(|e| TrainError::Malformed(e.to_string()))?
-                .into_vec::<u8>();
-            match (name.map(String::from_utf8), bytes) {
-                (Ok(Ok(name)), Ok(bytes)) => shard.push((name, bytes)),
-                _ => {
-                    return Err(TrainError::Malformed(
-                        "a malformed checkpoint shard message".into(),
-                    ))
-                }
+        for send in sends {
+            send.wait()?;
+        }
+        return Ok(world.barrier()?);
+    }
+    let writer = CheckpointWriter::begin(saved.out)?;
+    for (name, bytes) in &shard {
+        writer.write(name, bytes)?;
+    }
+    drop(shard);
+    for (rank, flag) in owners.iter().enumerate() {
+        if rank == 0 || flag.first() != Some(&1) {
+            continue;
+        }
+        for _ in 0..2 {
+            let header = ChunkHeader::decode(&received_bytes(world.irecv(rank)?.wait()?)?)?;
+            let mut file = writer.create(&header.name)?;
+            let mut written = 0;
+            for _ in 0..header.chunks {
+                let part = received_bytes(world.irecv(rank)?.wait()?)?;
+                written += part.len();
+                file.write_all(&part)
+                    .map_err(|e| TrainError::io("write", &writer.tmp.join(&header.name), e))?;
+            }
+            if written != header.len {
+                return Err(TrainError::Malformed(format!(
+                    "checkpoint file {} from rank {rank}: {written} bytes arrived, {} announced",
+                    header.name, header.len
+                )));
             }
         }
-        write_checkpoint(saved.out, &shard, saved.state, saved.keep)?;
     }
-    for send in sends {
-        send.wait()?;
-    }
+    writer.commit(saved.state, saved.keep)?;
     Ok(world.barrier()?)
 }
 
-/// Rank 0's part of [`save_checkpoint`]: the files into `checkpoint.tmp/`, then the atomic swap
-/// of directories (`checkpoint/` → `checkpoint.old/`, `checkpoint.tmp/` → `checkpoint/`); the
-/// old one kept as `checkpoint-<step>/` while fewer than `keep` exist, else removed. Every
-/// directory a resume or a user reads is complete: a directory is removed only after a rename
-/// to a `.removing` name.
-pub(crate) fn write_checkpoint(
-    out: &Path,
-    files: &[(String, Vec<u8>)],
-    state: &TrainState,
-    keep: usize,
-) -> Result<(), TrainError> {
-    let (dir, tmp, old) = (
-        checkpoint_dir(out),
-        out.join("checkpoint.tmp"),
-        out.join("checkpoint.old"),
-    );
-    let io = |what: &'static str, path: &Path, e: std::io::Error| TrainError::io(what, path, e);
-    remove_dir(&tmp)?;
-    std::fs::create_dir_all(&tmp).map_err(|e| io("create", &tmp, e))?;
-    for (name, bytes) in files {
-        let path = tmp.join(name);
-        std::fs::write(&path, bytes).map_err(|e| io("write", &path, e))?;
-    }
-    write_json(&tmp.join("state.json"), state)?;
-    if dir.exists() {
-        remove_dir(&old)?;
-        std::fs::rename(&dir, &old).map_err(|e| io("move aside", &dir, e))?;
-    }
-    std::fs::rename(&tmp, &dir).map_err(|e| io("move into place", &tmp, e))?;
-    if old.exists() {
-        if keep > 1 {
-            let previous: TrainState = read_json(&old.join("state.json"))?;
-            let archive = out.join(format!("checkpoint-{:08}", previous.step));
-            remove_dir(&archive)?;
-            std::fs::rename(&old, &archive).map_err(|e| io("keep", &old, e))?;
-        } else {
-            remove_dir(&old)?;
+/// The bytes of a received `u8` message.
+fn received_bytes(data: burn_dcp::comm::Payload) -> Result<Vec<u8>, TrainError> {
+    data.into_host()
+        .map_err(|e| TrainError::Malformed(e.to_string()))?
+        .into_vec::<u8>()
+        .map_err(|e| TrainError::Malformed(format!("a checkpoint message is not bytes: {e:?}")))
+}
+
+/// What precedes a checkpoint file's chunks: its length, its chunk count and its name.
+#[derive(Debug, PartialEq, Eq)]
+struct ChunkHeader {
+    len: usize,
+    chunks: usize,
+    name: String,
+}
+
+impl ChunkHeader {
+    fn new(name: &str, len: usize, chunk: usize) -> Self {
+        Self {
+            len,
+            chunks: len.div_ceil(chunk),
+            name: name.to_string(),
         }
     }
-    // The newest keep − 1 archives stay beside `checkpoint/`.
-    for (_, path) in archived_checkpoints(out)?
-        .iter()
-        .rev()
-        .skip(keep.saturating_sub(1))
-    {
-        remove_dir(path)?;
+
+    fn encode(&self) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(16 + self.name.len());
+        bytes.extend((self.len as u64).to_le_bytes());
+        bytes.extend((self.chunks as u64).to_le_bytes());
+        bytes.extend(self.name.as_bytes());
+        bytes
     }
-    Ok(())
+
+    fn decode(bytes: &[u8]) -> Result<Self, TrainError> {
+        let malformed = || {
+            TrainError::Malformed(format!(
+                "a malformed checkpoint file header of {} bytes",
+                bytes.len()
+            ))
+        };
+        if bytes.len() < 16 {
+            return Err(malformed());
+        }
+        let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+        let name = String::from_utf8(bytes[16..].to_vec()).map_err(|_| malformed())?;
+        // A file name of the checkpoint, never a path.
+        if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
+            return Err(malformed());
+        }
+        Ok(Self {
+            len: word(0),
+            chunks: word(8),
+            name,
+        })
+    }
+}
+
+/// Rank 0's side of [`save_checkpoint`]: files into `checkpoint.tmp/`, then [`Self::commit`].
+pub(crate) struct CheckpointWriter<'a> {
+    out: &'a Path,
+    tmp: PathBuf,
+}
+
+impl<'a> CheckpointWriter<'a> {
+    /// An empty `checkpoint.tmp/` under `out` (a leftover of a cut save removed first).
+    pub(crate) fn begin(out: &'a Path) -> Result<Self, TrainError> {
+        let tmp = out.join("checkpoint.tmp");
+        remove_dir(&tmp)?;
+        std::fs::create_dir_all(&tmp).map_err(|e| TrainError::io("create", &tmp, e))?;
+        Ok(Self { out, tmp })
+    }
+
+    /// A new file `name` to append to.
+    fn create(&self, name: &str) -> Result<std::fs::File, TrainError> {
+        let path = self.tmp.join(name);
+        std::fs::File::create(&path).map_err(|e| TrainError::io("create", &path, e))
+    }
+
+    pub(crate) fn write(&self, name: &str, bytes: &[u8]) -> Result<(), TrainError> {
+        let path = self.tmp.join(name);
+        std::fs::write(&path, bytes).map_err(|e| TrainError::io("write", &path, e))
+    }
+
+    /// `state.json`, then the atomic swap of directories (`checkpoint/` → `checkpoint.old/`,
+    /// `checkpoint.tmp/` → `checkpoint/`); the old one kept as `checkpoint-<step>/` while fewer
+    /// than `keep` exist, else removed. Every directory a resume or a user reads is complete: a
+    /// directory is removed only after a rename to a `.removing` name.
+    pub(crate) fn commit(self, state: &TrainState, keep: usize) -> Result<(), TrainError> {
+        let (out, tmp) = (self.out, &self.tmp);
+        let (dir, old) = (checkpoint_dir(out), out.join("checkpoint.old"));
+        let io = |what: &'static str, path: &Path, e: std::io::Error| TrainError::io(what, path, e);
+        write_json(&tmp.join("state.json"), state)?;
+        if dir.exists() {
+            remove_dir(&old)?;
+            std::fs::rename(&dir, &old).map_err(|e| io("move aside", &dir, e))?;
+        }
+        std::fs::rename(tmp, &dir).map_err(|e| io("move into place", tmp, e))?;
+        if old.exists() {
+            if keep > 1 {
+                let previous: TrainState = read_json(&old.join("state.json"))?;
+                let archive = out.join(format!("checkpoint-{:08}", previous.step));
+                remove_dir(&archive)?;
+                std::fs::rename(&old, &archive).map_err(|e| io("keep", &old, e))?;
+            } else {
+                remove_dir(&old)?;
+            }
+        }
+        // The newest keep − 1 archives stay beside `checkpoint/`.
+        for (_, path) in archived_checkpoints(out)?
+            .iter()
+            .rev()
+            .skip(keep.saturating_sub(1))
+        {
+            remove_dir(path)?;
+        }
+        Ok(())
+    }
 }
 
 /// The run's archived checkpoints (`checkpoint-<step>/`), by step.
@@ -343,4 +419,26 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), TrainErr
     let tmp = path.with_file_name(format!(".{name}.tmp"));
     std::fs::write(&tmp, bytes).map_err(|e| TrainError::io("write", &tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| TrainError::io("write", path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_headers_round_trip_and_refuse_paths() {
+        let header = ChunkHeader::new("model-tp1-pp0.mpk", 2500, 1000);
+        assert_eq!(header.chunks, 3);
+        assert_eq!(ChunkHeader::decode(&header.encode()).unwrap(), header);
+        assert_eq!(ChunkHeader::new("empty.mpk", 0, 1000).chunks, 0);
+        for name in ["../model.mpk", "a/b", ".hidden", ""] {
+            let bytes = ChunkHeader::new(name, 1, 1).encode();
+            let err = ChunkHeader::decode(&bytes).unwrap_err().to_string();
+            assert!(
+                err.contains("malformed checkpoint file header"),
+                "{name}: {err}"
+            );
+        }
+        assert!(ChunkHeader::decode(&[0; 15]).is_err());
+    }
 }

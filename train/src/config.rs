@@ -73,6 +73,11 @@ pub struct TrainConfig {
     /// `checkpoint-<step>/`), older ones removed.
     #[serde(default = "default_one")]
     pub keep_checkpoints: usize,
+    /// `--checkpoint-chunk-bytes B`: the largest message a checkpoint sends (a shard gathered
+    /// to rank 0 travels as chunks of at most B bytes), at most [`MAX_CHUNK_BYTES`] (MPI counts
+    /// a message's bytes in an `int`).
+    #[serde(default = "default_chunk_bytes")]
+    pub checkpoint_chunk_bytes: usize,
     /// Mask policy: `causal`, `lambda`, `blockwise`, `shared-question` (DCP defaults), `mixed`
     /// (one of those per sequence), `full`, or a spec such as `lambda:64,4096`.
     pub mask: String,
@@ -139,6 +144,7 @@ impl Default for TrainConfig {
             eval_tokens: default_eval_tokens(),
             checkpoint_every: None,
             keep_checkpoints: 1,
+            checkpoint_chunk_bytes: default_chunk_bytes(),
             mask: "causal".into(),
             corpus: "default".into(),
             tokenizer: "bytes".into(),
@@ -165,6 +171,14 @@ pub(crate) fn default_nodes() -> usize {
 
 pub(crate) fn default_eval_tokens() -> usize {
     4096
+}
+
+/// The largest checkpoint message: MPI's `int` count of bytes.
+pub const MAX_CHUNK_BYTES: usize = i32::MAX as usize;
+
+/// Checkpoint messages of 256 MiB by default.
+pub(crate) fn default_chunk_bytes() -> usize {
+    256 << 20
 }
 
 pub(crate) fn default_one() -> usize {
@@ -225,6 +239,13 @@ impl TrainConfig {
             return Err(TrainError::Config(format!(
                 "--checkpoint-every {:?} and --keep-checkpoints {} must be at least 1",
                 self.checkpoint_every, self.keep_checkpoints
+            )));
+        }
+        if !(1..=MAX_CHUNK_BYTES).contains(&self.checkpoint_chunk_bytes) {
+            return Err(TrainError::Config(format!(
+                "--checkpoint-chunk-bytes {} must be between 1 and {MAX_CHUNK_BYTES} (MPI's \
+                 largest message)",
+                self.checkpoint_chunk_bytes
             )));
         }
         if self.timeout_secs == 0 || self.timeout_secs > MAX_TIMEOUT.as_secs() {

@@ -148,6 +148,10 @@ pub struct TrainFlags {
     /// Checkpoints kept: the newest in `checkpoint/`, older ones in `checkpoint-STEP/` [default: 1]
     #[cfg_attr(feature = "cli", arg(long))]
     pub keep_checkpoints: Option<usize>,
+    /// The largest message of a checkpoint: shards travel to rank 0 in chunks of at most this
+    /// many bytes [default: 268435456]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub checkpoint_chunk_bytes: Option<usize>,
     /// Clip the gradients' global norm (every parameter once, across TP, PP, DP and CP) to this
     /// [default: no clipping]
     #[cfg_attr(feature = "cli", arg(long))]
@@ -353,6 +357,9 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
         eval_tokens: args.eval_tokens.unwrap_or(defaults.eval_tokens),
         checkpoint_every: args.checkpoint_every,
         keep_checkpoints: args.keep_checkpoints.unwrap_or(defaults.keep_checkpoints),
+        checkpoint_chunk_bytes: args
+            .checkpoint_chunk_bytes
+            .unwrap_or(defaults.checkpoint_chunk_bytes),
         mask: args.mask.clone().unwrap_or(defaults.mask.clone()),
         corpus: args.corpus.clone().unwrap_or(defaults.corpus.clone()),
         tokenizer: args.tokenizer.clone().unwrap_or(defaults.tokenizer.clone()),
@@ -518,12 +525,15 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
     let given = config_from_args(args)?;
     // Emulated links change when messages arrive, not what they hold: this run's flags decide.
     config.emulate_links = given.emulate_links;
-    // When checkpoints are written, and how many are kept, changes no result.
+    // When checkpoints are written, how many are kept and in what messages changes no result.
     if args.checkpoint_every.is_some() {
         config.checkpoint_every = given.checkpoint_every;
     }
     if args.keep_checkpoints.is_some() {
         config.keep_checkpoints = given.keep_checkpoints;
+    }
+    if args.checkpoint_chunk_bytes.is_some() {
+        config.checkpoint_chunk_bytes = given.checkpoint_chunk_bytes;
     }
     if args.pp_schedule.is_some() {
         config.pp_schedule = given.pp_schedule;

@@ -52,8 +52,8 @@ mod tensor_parallel;
 pub use checkpoint::{check_resume, saved_checkpoint, write_json, TrainState};
 pub use config::{
     AutoSettings, CpSizes, DcpSettings, DynamicSettings, EmulatedLinks, GroupStrategy, PpSchedule,
-    Precision, Recompute, TrainConfig, TrainMode, DEFAULT_PLAN_AHEAD, MAX_MICRO_BATCHES,
-    MAX_PLAN_AHEAD, MAX_SEQ_LEN,
+    Precision, Recompute, TrainConfig, TrainMode, DEFAULT_PLAN_AHEAD, MAX_CHUNK_BYTES,
+    MAX_MICRO_BATCHES, MAX_PLAN_AHEAD, MAX_SEQ_LEN,
 };
 pub use data::TrainData;
 pub use error::TrainError;

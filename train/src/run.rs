@@ -199,6 +199,7 @@ impl Trainer<'_> {
                 state: &state,
                 files: &files,
                 keep: config.keep_checkpoints,
+                chunk_bytes: config.checkpoint_chunk_bytes,
             };
             save_checkpoint(&groups, &saved)
                 .inspect_err(|e| groups.mesh.world.abort(&e.to_string()))
