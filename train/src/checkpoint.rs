@@ -233,7 +233,7 @@ pub(crate) fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optim
                 let part = received_bytes(world.irecv(rank)?.wait()?)?;
                 written += part.len();
                 file.write_all(&part)
-                    .map_err(|e| TrainError::io("write", &writer.tmp.join(&header.name), e))?;
+                    .map_err(|e| TrainError::io("write", writer.tmp.join(&header.name), e))?;
             }
             if written != header.len {
                 return Err(TrainError::Malformed(format!(

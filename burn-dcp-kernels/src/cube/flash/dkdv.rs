@@ -165,7 +165,7 @@ fn dkdv_tile<F: Float>(
 }
 
 /// Backward, key side: `dk [Tk, K, D]`, `dv [Tk, K, Dv]`. A cube: the `16·planes` keys of one
-/// key tile of one kv head, the tiles in `order` (heaviest first, [`launch_slot`]); tile lists
+/// key tile of one kv head, the tiles in `order` (heaviest first, [`launch_slot`](fn@launch_slot)); tile lists
 /// per key tile (the transpose of query tiles of `block` queries against key tiles of
 /// `16 · planes` keys), walked once per query head of the group.
 #[cube(launch_unchecked, fast_math = fast_exp())]

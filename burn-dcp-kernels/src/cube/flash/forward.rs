@@ -2,7 +2,7 @@
 //!
 //! A cube: `T` tokens ([`FlashConfig::tokens_per_cube`]) of query heads `g·hc..(g + 1)·hc`
 //! (`hc` = `heads_per_cube`, all of one kv head; the cube's place in the launch gives its query
-//! tile and group `g`, heaviest tiles first: [`launch_slot`]); plane `p` owns `16·m` of
+//! tile and group `g`, heaviest tiles first: [`launch_slot`](fn@launch_slot)); plane `p` owns `16·m` of
 //! those tokens of one head (`m` = `row_tiles`). Its Q fragments are loaded once; per listed key tile (`block` keys,
 //! double-buffered) each plane computes `S = Q·Kᵀ` into f32 accumulators, masks it in registers
 //! if the tile is partial, runs the online softmax step on its rows (row max and sum across the
@@ -263,7 +263,7 @@ pub fn softmax_step(
 /// Forward: `out [Tq, H, Dv]` (input dtype) and `lse [H, Tq]` (f32). Tiles from
 /// `tile_offsets` / `tile_runs` ([`crate::tiling::TileRuns`], query tiles of
 /// `tokens_per_cube` tokens against key tiles of `block` keys); `order` lists the query tiles
-/// heaviest first ([`launch_slot`]).
+/// heaviest first ([`launch_slot`](fn@launch_slot)).
 #[cube(launch_unchecked, fast_math = fast_exp())]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward_kernel<F: Float>(

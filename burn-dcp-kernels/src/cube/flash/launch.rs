@@ -80,8 +80,8 @@ pub struct Planes {
 }
 
 impl Planes {
-    /// [`PLANES_ENV`]'s for both, or the defaults: [`FORWARD_PLANES`] for the forward on
-    /// tensor cores, [`PLANES`] otherwise.
+    /// [`PLANES_ENV`]'s for both, or the defaults: 8 for the forward on tensor cores, 4
+    /// otherwise.
     pub fn from_env(tensor_cores: bool) -> Result<Self, KernelError> {
         Ok(match pinned_planes()? {
             Some(planes) => Self::both(planes),
@@ -369,7 +369,7 @@ fn cube_dim(config: &FlashConfig) -> CubeDim {
 /// Cubes per grid dimension at most: WebGPU's limit, and CUDA's for y.
 const GRID_DIM: usize = 65_535;
 
-/// The grid of a launch of `cubes` cubes, numbered x fastest ([`super::stage::launch_slot`]);
+/// The grid of a launch of `cubes` cubes, numbered x fastest ([`launch_slot`](fn@super::stage::launch_slot));
 /// the cubes past `cubes` in its last row return at once.
 fn grid(cubes: usize) -> CubeCount {
     let x = cubes.min(GRID_DIM);
