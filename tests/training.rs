@@ -57,6 +57,7 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         checkpoint_every: None,
         keep_checkpoints: 1,
         checkpoint_chunk_bytes: 256 << 20,
+        checkpoint_timeout_secs: 3600,
         mask: mask.into(),
         corpus: "builtin".into(),
         tokenizer: "bytes".into(),

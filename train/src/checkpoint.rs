@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::groups::RankGroups;
+use crate::heartbeat::{await_commit, leader_with_heartbeats};
 
 /// Where a run keeps its checkpoint.
 pub(crate) fn checkpoint_dir(out: &Path) -> PathBuf {
@@ -169,6 +170,10 @@ pub(crate) struct Checkpoint<'a, M, O> {
     pub(crate) keep: usize,
     /// The largest message (`--checkpoint-chunk-bytes`).
     pub(crate) chunk_bytes: usize,
+    /// How often rank 0 says it is still writing (within the communication timeout).
+    pub(crate) heartbeat: std::time::Duration,
+    /// How long the other ranks wait for the commit in all (`--checkpoint-timeout-secs`).
+    pub(crate) commit_limit: std::time::Duration,
 }
 
 /// Saves the checkpoint atomically, sharded over TP and PP. The first rank of every (TP, PP)
@@ -211,11 +216,26 @@ pub(crate) fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optim
                 sends.push(world.isend(0, TensorData::new(part, [len]).into())?);
             }
         }
+        // Rank 0 may write for longer than the communication timeout: it says so while it does.
+        await_commit(world, saved.commit_limit)?;
         for send in sends {
             send.wait()?;
         }
-        return Ok(world.barrier()?);
+        return Ok(());
     }
+    leader_with_heartbeats(world, saved.heartbeat, || {
+        gather_and_write(world, saved, shard, &owners)
+    })
+}
+
+/// Rank 0's part of [`save_checkpoint`]: its own shard and every other owner's, chunk by chunk,
+/// into `checkpoint.tmp/`, then the commit.
+fn gather_and_write<M, O>(
+    world: &burn_dcp::comm::Comm,
+    saved: &Checkpoint<'_, M, O>,
+    shard: Vec<(String, Vec<u8>)>,
+    owners: &[Vec<u8>],
+) -> Result<(), TrainError> {
     let writer = CheckpointWriter::begin(saved.out)?;
     for (name, bytes) in &shard {
         writer.write(name, bytes)?;
@@ -243,8 +263,7 @@ pub(crate) fn save_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>, O: Optim
             }
         }
     }
-    writer.commit(saved.state, saved.keep)?;
-    Ok(world.barrier()?)
+    writer.commit(saved.state, saved.keep)
 }
 
 /// The bytes of a received `u8` message.

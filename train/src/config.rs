@@ -78,6 +78,11 @@ pub struct TrainConfig {
     /// a message's bytes in an `int`).
     #[serde(default = "default_chunk_bytes")]
     pub checkpoint_chunk_bytes: usize,
+    /// `--checkpoint-timeout-secs S`: how long the other ranks wait, in all, for rank 0 to write a
+    /// checkpoint (each of its "still writing" messages arrives within the communication
+    /// timeout, `timeout_secs`).
+    #[serde(default = "default_checkpoint_timeout")]
+    pub checkpoint_timeout_secs: u64,
     /// Mask policy: `causal`, `lambda`, `blockwise`, `shared-question` (DCP defaults), `mixed`
     /// (one of those per sequence), `full`, or a spec such as `lambda:64,4096`.
     pub mask: String,
@@ -145,6 +150,7 @@ impl Default for TrainConfig {
             checkpoint_every: None,
             keep_checkpoints: 1,
             checkpoint_chunk_bytes: default_chunk_bytes(),
+            checkpoint_timeout_secs: default_checkpoint_timeout(),
             mask: "causal".into(),
             corpus: "default".into(),
             tokenizer: "bytes".into(),
@@ -179,6 +185,11 @@ pub const MAX_CHUNK_BYTES: usize = i32::MAX as usize;
 /// Checkpoint messages of 256 MiB by default.
 pub(crate) fn default_chunk_bytes() -> usize {
     256 << 20
+}
+
+/// An hour for a checkpoint by default.
+pub(crate) fn default_checkpoint_timeout() -> u64 {
+    3600
 }
 
 pub(crate) fn default_one() -> usize {
@@ -252,6 +263,14 @@ impl TrainConfig {
             return Err(TrainError::Config(format!(
                 "timeout {} s must be between 1 and {} s (a week)",
                 self.timeout_secs,
+                MAX_TIMEOUT.as_secs()
+            )));
+        }
+        if self.checkpoint_timeout_secs == 0 || self.checkpoint_timeout_secs > MAX_TIMEOUT.as_secs()
+        {
+            return Err(TrainError::Config(format!(
+                "--checkpoint-timeout-secs {} s must be between 1 and {} s (a week)",
+                self.checkpoint_timeout_secs,
                 MAX_TIMEOUT.as_secs()
             )));
         }

@@ -152,6 +152,10 @@ pub struct TrainFlags {
     /// many bytes [default: 268435456]
     #[cfg_attr(feature = "cli", arg(long))]
     pub checkpoint_chunk_bytes: Option<usize>,
+    /// How long the other ranks wait, in all, for rank 0 to write a checkpoint, seconds
+    /// [default: 3600]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub checkpoint_timeout_secs: Option<u64>,
     /// Clip the gradients' global norm (every parameter once, across TP, PP, DP and CP) to this
     /// [default: no clipping]
     #[cfg_attr(feature = "cli", arg(long))]
@@ -360,6 +364,9 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
         checkpoint_chunk_bytes: args
             .checkpoint_chunk_bytes
             .unwrap_or(defaults.checkpoint_chunk_bytes),
+        checkpoint_timeout_secs: args
+            .checkpoint_timeout_secs
+            .unwrap_or(defaults.checkpoint_timeout_secs),
         mask: args.mask.clone().unwrap_or(defaults.mask.clone()),
         corpus: args.corpus.clone().unwrap_or(defaults.corpus.clone()),
         tokenizer: args.tokenizer.clone().unwrap_or(defaults.tokenizer.clone()),
@@ -525,7 +532,8 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
     let given = config_from_args(args)?;
     // Emulated links change when messages arrive, not what they hold: this run's flags decide.
     config.emulate_links = given.emulate_links;
-    // When checkpoints are written, how many are kept and in what messages changes no result.
+    // When checkpoints are written, how many are kept, in what messages and how long their
+    // waits may take changes no result.
     if args.checkpoint_every.is_some() {
         config.checkpoint_every = given.checkpoint_every;
     }
@@ -534,6 +542,9 @@ fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainErr
     }
     if args.checkpoint_chunk_bytes.is_some() {
         config.checkpoint_chunk_bytes = given.checkpoint_chunk_bytes;
+    }
+    if args.checkpoint_timeout_secs.is_some() {
+        config.checkpoint_timeout_secs = given.checkpoint_timeout_secs;
     }
     if args.pp_schedule.is_some() {
         config.pp_schedule = given.pp_schedule;

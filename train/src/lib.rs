@@ -33,6 +33,7 @@ mod flags;
 mod gpt;
 mod gradients;
 mod groups;
+mod heartbeat;
 pub mod launch;
 pub mod links;
 pub mod metrics;

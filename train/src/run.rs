@@ -1,7 +1,7 @@
 //! A rank's training run: build the model, resume, plan ahead, train every step, save.
 
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
 use burn::optim::Optimizer;
@@ -200,6 +200,8 @@ impl Trainer<'_> {
                 files: &files,
                 keep: config.keep_checkpoints,
                 chunk_bytes: config.checkpoint_chunk_bytes,
+                heartbeat: Duration::from_secs(config.timeout_secs) / 4,
+                commit_limit: Duration::from_secs(config.checkpoint_timeout_secs),
             };
             save_checkpoint(&groups, &saved)
                 .inspect_err(|e| groups.mesh.world.abort(&e.to_string()))
