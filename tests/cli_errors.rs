@@ -905,11 +905,73 @@ fn metrics_losses(dir: &std::path::Path) -> Vec<(u64, String)> {
 /// run's losses, step for step, bit for bit; the kept checkpoints are complete.
 #[test]
 fn a_run_killed_at_random_moments_resumes_to_the_same_losses() {
+    killed_and_resumed(&[], "killed", 24);
+}
+
+/// The same under `mpirun -n 2` (one process per rank; the whole job killed: `mpirun`, then
+/// every rank), with checkpoint shards in chunks of 2 KiB. Skipped, saying so,
+/// where `mpirun` is missing (CI installs OpenMPI).
+#[test]
+fn a_job_killed_under_mpirun_resumes_to_the_same_losses() {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        eprintln!("mpirun not found: the MPI kill test did not run");
+        return;
+    }
+    let mpirun = [
+        "mpirun",
+        "--oversubscribe",
+        "--allow-run-as-root",
+        "-n",
+        "2",
+    ];
+    // More steps: each launch also starts MPI, and a kill is drawn over the whole run.
+    killed_and_resumed(&mpirun, "killed-mpi", 64);
+}
+
+/// OpenMPI starts each rank in a process group of its own: SIGKILL every process whose command
+/// line names `dir` (this run's ranks), and wait until none is left.
+fn kill_ranks(dir: &std::path::Path) {
+    let pattern = dir.to_str().unwrap();
+    for _ in 0..100 {
+        let _ = Command::new("pkill")
+            .args(["-KILL", "-f", pattern])
+            .status();
+        let left = Command::new("pgrep")
+            .args(["-f", pattern])
+            .output()
+            .unwrap();
+        if left.stdout.is_empty() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    panic!("ranks of {pattern} still running after SIGKILL");
+}
+
+/// Runs gpt_longctx (under `launcher`, or alone), kills it at random moments, resumes it, and
+/// checks the losses against an uninterrupted run.
+fn killed_and_resumed(launcher: &[&str], name: &str, steps: u64) {
+    let command = |args: &[String]| {
+        let mut command = match launcher.split_first() {
+            None => Command::new(example("gpt_longctx")),
+            Some((program, rest)) => {
+                let mut command = Command::new(program);
+                command.args(rest).arg(example("gpt_longctx"));
+                command
+            }
+        };
+        command.args(args);
+        // Its own process group: a kill reaches mpirun's ranks too.
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        command
+    };
+    let chunks = ["--checkpoint-chunk-bytes", "2048"];
+    let steps_flag = steps.to_string();
     let flags = [
         "--cp",
         "2",
         "--steps",
-        "24",
+        &steps_flag,
         "--checkpoint-every",
         "1",
         "--keep-checkpoints",
@@ -919,19 +981,21 @@ fn a_run_killed_at_random_moments_resumes_to_the_same_losses() {
     let with = |extra: &[&str]| -> Vec<String> {
         let mut args = base.clone();
         args.extend(extra.iter().map(|s| s.to_string()));
+        if !launcher.is_empty() {
+            args.extend(chunks.iter().map(|s| s.to_string()));
+        }
         args
     };
-    let reference = temp_dir("killed-reference");
+    let reference = temp_dir(&format!("{name}-reference"));
     let started = std::time::Instant::now();
-    let output = Command::new(example("gpt_longctx"))
-        .args(with(&["--out", reference.to_str().unwrap()]))
+    let output = command(&with(&["--out", reference.to_str().unwrap()]))
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", stderr(&output));
     let length = started.elapsed();
     let want = metrics_losses(&reference);
-    assert_eq!(want.len(), 24);
-    let dir = temp_dir("killed");
+    assert_eq!(want.len(), steps as usize);
+    let dir = temp_dir(name);
     let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
     let (mut attempts, mut killed_runs) = (0, 0);
     loop {
@@ -951,8 +1015,7 @@ fn a_run_killed_at_random_moments_resumes_to_the_same_losses() {
                 with(&["--out", dir.to_str().unwrap()])
             }
         };
-        let mut child = Command::new(example("gpt_longctx"))
-            .args(&args)
+        let mut child = command(&args)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -964,18 +1027,26 @@ fn a_run_killed_at_random_moments_resumes_to_the_same_losses() {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             let fraction = (seed >> 11) as f64 / (1u64 << 53) as f64;
-            let left = (24 - saved.unwrap_or(0)) as f64 / 24.0;
+            let left = (steps - saved.unwrap_or(0)) as f64 / steps as f64;
             std::thread::sleep(length.mul_f64(fraction * left));
             if child.try_wait().unwrap().is_none() {
-                child.kill().unwrap();
+                // SIGKILL to the whole process group.
+                let group = format!("-{}", child.id());
+                let killed = Command::new("kill").args(["-KILL", "--", &group]).status();
+                assert!(killed.unwrap().success(), "kill -KILL {group}");
                 child.wait().unwrap();
+                if !launcher.is_empty() {
+                    kill_ranks(&dir);
+                }
                 killed_runs += 1;
                 continue;
             }
         }
         let output = child.wait_with_output().unwrap();
         assert!(output.status.success(), "{}", stderr(&output));
-        if dir.join("checkpoint/state.json").exists() && metrics_losses(&dir).len() == 24 {
+        if dir.join("checkpoint/state.json").exists()
+            && metrics_losses(&dir).len() == steps as usize
+        {
             break;
         }
     }
@@ -986,7 +1057,8 @@ fn a_run_killed_at_random_moments_resumes_to_the_same_losses() {
     );
     assert_eq!(metrics_losses(&dir), want, "after {killed_runs} kills");
     // The checkpoint and the one archived beside it: the last two steps.
-    for (name, step) in [("checkpoint", 24), ("checkpoint-00000023", 23)] {
+    let archived = format!("checkpoint-{:08}", steps - 1);
+    for (name, step) in [("checkpoint", steps), (archived.as_str(), steps - 1)] {
         let state: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(dir.join(name).join("state.json")).unwrap(),
         )
