@@ -2,20 +2,20 @@
 //! run ([`TrainFlags::config`]) or to continue a saved one ([`TrainFlags::resume`], where every
 //! given flag must agree with the saved configuration).
 
+mod mode;
+mod resume;
+
 use std::fmt::Debug;
 use std::path::Path;
 
-use burn_dcp::{Layout, Strategy, StrategyKind};
+use burn_dcp::StrategyKind;
 
-use crate::checkpoint::read_json;
-use crate::config::{
-    AutoSettings, DcpSettings, GroupStrategy, PpSchedule, Precision, Recompute, TrainConfig,
-    TrainMode, MAX_SEQ_LEN,
-};
+use crate::config::{PpSchedule, Precision, Recompute, TrainConfig, TrainMode, MAX_SEQ_LEN};
 use crate::error::TrainError;
 use crate::optim::{LrScheduleKind, LrScheduleSettings, OptimizerKind, OptimizerSettings};
 use crate::settings::EmulatedLinks;
-use crate::settings::{CpSizes, DynamicSettings};
+use mode::mode_from_args;
+use resume::resumed_config;
 
 /// The training flags of the examples (`gpt_longctx`'s command line), each optional: what is
 /// not given takes [`TrainConfig::default`]'s value (the one home of the defaults), or on resume
@@ -196,114 +196,6 @@ impl TrainFlags {
     }
 }
 
-/// Strategy and layout from the flags (`ring-zigzag` is ring with the zigzag layout).
-fn strategy_and_layout(args: &TrainFlags, cp: usize) -> Result<(Strategy, Layout), TrainError> {
-    let name = args.strategy.as_deref().unwrap_or("ring");
-    if name == "auto" {
-        // Auto's static candidates run zigzag, the layout its cost model plans them with.
-        if let Some(layout) = args.layout.as_deref().filter(|l| *l != "zigzag") {
-            return Err(TrainError::Config(format!(
-                "--strategy auto places its static candidates zigzag (as its cost model plans them); --layout {layout} is not supported with it"
-            )));
-        }
-        if let Some(degree) = args.ulysses_degree {
-            return Err(TrainError::Config(format!(
-                "--ulysses-degree {degree} does not apply to --strategy auto: its usp candidate takes the largest degree that fits a node and the heads"
-            )));
-        }
-        return Ok((Strategy::Ring, Layout::Zigzag));
-    }
-    // `ring` takes its layout from --layout; `ring-zigzag` names it (then --layout must agree).
-    let kind = match name {
-        "ring" => None,
-        other => Some(other.parse::<StrategyKind>().map_err(|e| match other {
-            // A ring's layout: the layout's own error.
-            ring if ring.starts_with("ring-") => TrainError::from(e),
-            _ => TrainError::Config(format!("{e} (or ring, auto)")),
-        })?),
-    };
-    let implied_layout = kind.and_then(StrategyKind::layout);
-    let layout = match (&args.layout, implied_layout) {
-        (Some(given), Some(implied)) if given.parse::<Layout>()? != implied => {
-            return Err(TrainError::Config(format!(
-                "--strategy {} implies the {implied} layout but --layout is {given}",
-                args.strategy.as_deref().unwrap_or_default()
-            )))
-        }
-        (Some(given), _) => given
-            .parse()
-            .map_err(|e: burn_dcp::CpError| TrainError::from(e))?,
-        (None, Some(implied)) => implied,
-        (None, None) => Layout::Zigzag,
-    };
-    let strategy = kind
-        .unwrap_or(StrategyKind::Ring(layout))
-        .strategy(args.ulysses_degree, cp)?;
-    Ok((strategy, layout))
-}
-
-/// `--strategy dynamic`: the inner strategy and the scheduler settings; `None` for static CP (then
-/// the dynamic-only flags are an error).
-fn dynamic_settings(
-    args: &TrainFlags,
-    cp: usize,
-    seq_len: usize,
-) -> Result<Option<(Strategy, DynamicSettings)>, TrainError> {
-    if args.strategy.as_deref() != Some(StrategyKind::Dynamic.name()) {
-        let given = [
-            ("--inner-strategy", args.inner_strategy.is_some()),
-            ("--min-cp-size", args.min_cp_size.is_some()),
-            ("--cp-sizes", args.cp_sizes.is_some()),
-        ];
-        if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
-            return Err(TrainError::Config(format!(
-                "{flag} only applies to --strategy dynamic"
-            )));
-        }
-        return Ok(None);
-    }
-    let name = args.inner_strategy.as_deref().unwrap_or("ring");
-    // USP keeps its Ulysses degree; the ring degree follows each group's size.
-    let degree_cp = args.ulysses_degree.unwrap_or(1);
-    let inner = Strategy::parse(name, args.ulysses_degree, degree_cp)?;
-    let settings = DynamicSettings {
-        max_tokens_per_rank: args
-            .max_tokens_per_rank
-            .unwrap_or(seq_len.div_ceil(cp.max(1))),
-        min_cp_size: args.min_cp_size.unwrap_or(1),
-        cp_sizes: args
-            .cp_sizes
-            .as_deref()
-            .unwrap_or("pow2")
-            .parse::<CpSizes>()?,
-    };
-    Ok(Some((inner, settings)))
-}
-
-/// `--strategy dcp` and `auto`: the block plans' settings; `None` otherwise (then
-/// `--block`/`--stages` are an error).
-fn dcp_settings(args: &TrainFlags, strategy: Strategy) -> Result<Option<DcpSettings>, TrainError> {
-    let auto = args.strategy.as_deref() == Some("auto");
-    if strategy != Strategy::Dcp && !auto {
-        if let Some(flag) = [("--block", args.block), ("--stages", args.stages)]
-            .iter()
-            .find_map(|(flag, value)| value.map(|_| flag))
-        {
-            return Err(TrainError::Config(format!(
-                "{flag} only applies to --strategy dcp or auto"
-            )));
-        }
-        return Ok(None);
-    }
-    Ok(Some(DcpSettings {
-        // The default block never exceeds a micro-batch.
-        block: args
-            .block
-            .unwrap_or(128.min(args.seq_len.unwrap_or(128).max(1))),
-        stages: args.stages.unwrap_or(4),
-    }))
-}
-
 fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
     let defaults = TrainConfig::default();
     let cp = args.cp.unwrap_or(defaults.cp);
@@ -396,46 +288,6 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
     })
 }
 
-/// The mode the flags name: `--strategy` with its layout and settings (`--strategy dynamic`'s
-/// `--inner-strategy`, DCP's `--block`/`--stages`, auto's `--auto-candidates`); the flags of
-/// another mode are an error.
-fn mode_from_args(args: &TrainFlags, cp: usize, seq_len: usize) -> Result<TrainMode, TrainError> {
-    let auto = auto_settings(args)?;
-    if let Some((inner, settings)) = dynamic_settings(args, cp, seq_len)? {
-        let inner = match dcp_settings(args, inner)? {
-            Some(dcp) => {
-                no_layout(args, "--inner-strategy dcp")?;
-                GroupStrategy::Dcp(dcp)
-            }
-            None => GroupStrategy::Static {
-                strategy: inner,
-                layout: layout_flag(args)?,
-            },
-        };
-        return Ok(TrainMode::Dynamic { settings, inner });
-    }
-    let (strategy, layout) = strategy_and_layout(args, cp)?;
-    let dcp = dcp_settings(args, strategy)?;
-    Ok(match (auto, dcp) {
-        (Some(settings), Some(dcp)) => TrainMode::Auto { settings, dcp },
-        (None, Some(dcp)) => {
-            no_layout(args, "--strategy dcp")?;
-            TrainMode::Dcp(dcp)
-        }
-        _ => TrainMode::Static { strategy, layout },
-    })
-}
-
-/// DCP places tokens where its plan homes them: a `--layout` beside it would be ignored.
-fn no_layout(args: &TrainFlags, what: &str) -> Result<(), TrainError> {
-    match &args.layout {
-        Some(layout) => Err(TrainError::Config(format!(
-            "--layout {layout} does not apply to {what}: DCP places every token where its block plan homes it"
-        ))),
-        None => Ok(()),
-    }
-}
-
 /// `--optimizer` and its hyper-parameters (each flag only for the optimizers that have it).
 fn optimizer_settings(args: &TrainFlags) -> Result<OptimizerSettings, TrainError> {
     let kind = match &args.optimizer {
@@ -465,11 +317,6 @@ fn optimizer_settings(args: &TrainFlags) -> Result<OptimizerSettings, TrainError
     })
 }
 
-/// `Some` of both shown (`{:?}`) when `given` and `saved` differ.
-fn differ<T: PartialEq + Debug>(given: &T, saved: &T) -> Option<(String, String)> {
-    (given != saved).then(|| (format!("{given:?}"), format!("{saved:?}")))
-}
-
 /// `--emulate-links` and `--link-scale`.
 fn emulated_links(args: &TrainFlags) -> Result<Option<EmulatedLinks>, TrainError> {
     if !args.emulate_links {
@@ -488,198 +335,4 @@ fn emulated_links(args: &TrainFlags) -> Result<Option<EmulatedLinks>, TrainError
     Ok(Some(EmulatedLinks {
         scale: args.link_scale,
     }))
-}
-
-/// `--strategy auto`: the candidates; `None` otherwise (then `--auto-candidates` is an error).
-fn auto_settings(args: &TrainFlags) -> Result<Option<AutoSettings>, TrainError> {
-    if args.strategy.as_deref() != Some("auto") {
-        if args.auto_candidates.is_some() {
-            return Err(TrainError::Config(
-                "--auto-candidates only applies to --strategy auto".into(),
-            ));
-        }
-        return Ok(None);
-    }
-    let candidates = match &args.auto_candidates {
-        Some(text) => burn_dcp::planner::auto::parse_candidates(text)
-            .map_err(|e| TrainError::Config(format!("--auto-candidates {text}: {e}")))?,
-        None => burn_dcp::StrategyKind::ALL.to_vec(),
-    };
-    Ok(Some(AutoSettings { candidates }))
-}
-
-/// `--layout` alone (dynamic CP: the layout inside each group) [default: zigzag].
-fn layout_flag(args: &TrainFlags) -> Result<Layout, TrainError> {
-    args.layout
-        .as_deref()
-        .unwrap_or("zigzag")
-        .parse()
-        .map_err(|e: burn_dcp::CpError| TrainError::from(e))
-}
-
-/// On resume: the saved config, with `--steps` as the new total; any other flag must agree.
-fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainError> {
-    let saved: TrainConfig = read_json(&dir.join("config.json"))?;
-    let mut config = saved.clone();
-    if let Some(steps) = args.steps {
-        config.steps = steps;
-    }
-    // Planning ahead changes when plans are made, not what they are; the pipeline schedule the
-    // order of the passes, not their results.
-    if let Some(plan_ahead) = args.plan_ahead {
-        config.plan_ahead = plan_ahead;
-    }
-    let given = config_from_args(args)?;
-    // Emulated links change when messages arrive, not what they hold: this run's flags decide.
-    config.emulate_links = given.emulate_links;
-    // When checkpoints are written, how many are kept, in what messages and how long their
-    // waits may take changes no result.
-    if args.checkpoint_every.is_some() {
-        config.checkpoint_every = given.checkpoint_every;
-    }
-    if args.keep_checkpoints.is_some() {
-        config.keep_checkpoints = given.keep_checkpoints;
-    }
-    if args.checkpoint_chunk_bytes.is_some() {
-        config.checkpoint_chunk_bytes = given.checkpoint_chunk_bytes;
-    }
-    if args.checkpoint_timeout_secs.is_some() {
-        config.checkpoint_timeout_secs = given.checkpoint_timeout_secs;
-    }
-    if args.pp_schedule.is_some() {
-        config.pp_schedule = given.pp_schedule;
-    }
-    // What the backward recomputes changes memory and time, not results: this run's flag decides.
-    if args.recompute.is_some() {
-        config.recompute = given.recompute;
-    }
-    // The master weights and the optimizer's moments are f32 whatever the precision: a resumed
-    // run may compute in another one (this run's flag decides).
-    if args.precision.is_some() {
-        config.precision = given.precision;
-    }
-    let saved_in = format!("(saved in {})", dir.display());
-    let settings = |what: &str, given: String, saved: String| {
-        TrainError::Config(format!(
-            "the {what} settings {given} differ from the resumed run's {saved} {saved_in}"
-        ))
-    };
-    let dynamic_flags = args.inner_strategy.is_some()
-        || args.min_cp_size.is_some()
-        || args.cp_sizes.is_some()
-        || (args.max_tokens_per_rank.is_some() && saved.mode.dynamic().is_some());
-    // Settings whose flags were given must equal the saved run's.
-    let agree = |what: &str, flags_given: bool, differ: Option<(String, String)>| match (
-        flags_given,
-        differ,
-    ) {
-        (true, Some((given, saved))) => Err(settings(what, given, saved)),
-        _ => Ok(()),
-    };
-    agree(
-        "dynamic CP",
-        args.strategy.is_some() || dynamic_flags,
-        differ(&given.mode.dynamic(), &saved.mode.dynamic()),
-    )?;
-    if args.auto_candidates.is_some() && given.mode.auto() != saved.mode.auto() {
-        let show = |c: &TrainConfig| match c.mode.auto() {
-            Some(auto) => format!("candidates {}", StrategyKind::names(&auto.candidates)),
-            None => "none (not auto)".to_string(),
-        };
-        return Err(settings("auto", show(&given), show(&saved)));
-    }
-    agree(
-        "DCP",
-        args.block.is_some() || args.stages.is_some(),
-        differ(&given.mode.dcp(), &saved.mode.dcp()),
-    )?;
-    // The optimizer's state and the schedule continue from the checkpoint.
-    let optimizer_flags = args.optimizer.is_some()
-        || args.weight_decay.is_some()
-        || args.adam_beta1.is_some()
-        || args.adam_beta2.is_some()
-        || args.adam_eps.is_some()
-        || args.sgd_momentum.is_some();
-    agree(
-        "optimizer",
-        optimizer_flags,
-        differ(&given.optimizer, &saved.optimizer),
-    )?;
-    let schedule_flags = args.lr_schedule.is_some()
-        || args.warmup_steps.is_some()
-        || args.min_lr.is_some()
-        || args.lr_decay_steps.is_some();
-    agree(
-        "learning-rate schedule",
-        schedule_flags,
-        differ(&given.lr_schedule, &saved.lr_schedule),
-    )?;
-    // The topology changes DCP's plans and the byte counts by link; given, it must agree.
-    if (args.topology.is_some() && given.topology != saved.topology)
-        || (args.nodes.is_some() && given.nodes != saved.nodes)
-    {
-        return Err(TrainError::Config(format!(
-            "--topology {} --nodes {} differ from the resumed run's {} × {} nodes {saved_in}",
-            given.topology, given.nodes, saved.topology, saved.nodes
-        )));
-    }
-    // Every other flag that was given: (flag, given?, the value compared and shown).
-    type Value = fn(&TrainConfig) -> String;
-    let seq_len_given = args.seq_len.is_some()
-        || (args.max_tokens_per_rank.is_some() && saved.mode.dynamic().is_none());
-    let checks: [(&str, bool, Value); 14] = [
-        ("--corpus", args.corpus.is_some(), |c| c.corpus.clone()),
-        ("--lengths-from", args.lengths_from.is_some(), |c| {
-            c.lengths_from.clone().unwrap_or("none".into())
-        }),
-        ("--tokenizer", args.tokenizer.is_some(), |c| {
-            c.tokenizer.clone()
-        }),
-        ("--cp", args.cp.is_some(), |c| c.cp.to_string()),
-        ("--dp", args.dp.is_some(), |c| c.dp.to_string()),
-        ("--tp", args.tp.is_some(), |c| c.tp.to_string()),
-        ("--pp", args.pp.is_some(), |c| c.pp.to_string()),
-        ("--strategy", args.strategy.is_some(), |c| c.strategy_name()),
-        ("--layout", args.layout.is_some(), |c| {
-            c.mode.layout().to_string()
-        }),
-        ("--seq-len", seq_len_given, |c| c.seq_len.to_string()),
-        ("--micro-batches", args.micro_batches.is_some(), |c| {
-            c.micro_batches.to_string()
-        }),
-        ("--model-size", args.model_size.is_some(), |c| {
-            c.model_size.clone()
-        }),
-        ("--seed", args.seed.is_some(), |c| c.seed.to_string()),
-        ("--mask", args.mask.is_some(), |c| c.mask.clone()),
-    ];
-    // Strategies that print alike (USP of other degrees) still differ.
-    let strategy_differs = given.mode.group_strategy() != saved.mode.group_strategy()
-        || given.mode.auto().is_some() != saved.mode.auto().is_some();
-    for (flag, was_given, value) in checks {
-        let differs = match flag {
-            "--strategy" => strategy_differs,
-            _ => value(&given) != value(&saved),
-        };
-        if was_given && differs {
-            return Err(TrainError::Config(format!(
-                "{flag} {} differs from the resumed run's {} {saved_in}",
-                value(&given),
-                value(&saved)
-            )));
-        }
-    }
-    if args.clip_grad_norm.is_some() && given.clip_grad_norm != saved.clip_grad_norm {
-        return Err(TrainError::Config(format!(
-            "--clip-grad-norm differs from the resumed run's {:?} {saved_in}",
-            saved.clip_grad_norm
-        )));
-    }
-    if args.lr.is_some_and(|lr| lr != saved.learning_rate) {
-        return Err(TrainError::Config(format!(
-            "--lr differs from the resumed run's {}",
-            saved.learning_rate
-        )));
-    }
-    Ok(config)
 }

@@ -1,0 +1,183 @@
+//! On resume: the saved configuration, and every flag given checked against it.
+
+use std::fmt::Debug;
+use std::path::Path;
+
+use burn_dcp::StrategyKind;
+
+use super::{config_from_args, TrainFlags};
+use crate::checkpoint::read_json;
+use crate::config::TrainConfig;
+use crate::error::TrainError;
+
+/// On resume: the saved config, with `--steps` as the new total; any other flag must agree.
+pub(super) fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainError> {
+    let saved: TrainConfig = read_json(&dir.join("config.json"))?;
+    let mut config = saved.clone();
+    if let Some(steps) = args.steps {
+        config.steps = steps;
+    }
+    // Planning ahead changes when plans are made, not what they are; the pipeline schedule the
+    // order of the passes, not their results.
+    if let Some(plan_ahead) = args.plan_ahead {
+        config.plan_ahead = plan_ahead;
+    }
+    let given = config_from_args(args)?;
+    // Emulated links change when messages arrive, not what they hold: this run's flags decide.
+    config.emulate_links = given.emulate_links;
+    // When checkpoints are written, how many are kept, in what messages and how long their
+    // waits may take changes no result.
+    if args.checkpoint_every.is_some() {
+        config.checkpoint_every = given.checkpoint_every;
+    }
+    if args.keep_checkpoints.is_some() {
+        config.keep_checkpoints = given.keep_checkpoints;
+    }
+    if args.checkpoint_chunk_bytes.is_some() {
+        config.checkpoint_chunk_bytes = given.checkpoint_chunk_bytes;
+    }
+    if args.checkpoint_timeout_secs.is_some() {
+        config.checkpoint_timeout_secs = given.checkpoint_timeout_secs;
+    }
+    if args.pp_schedule.is_some() {
+        config.pp_schedule = given.pp_schedule;
+    }
+    // What the backward recomputes changes memory and time, not results: this run's flag decides.
+    if args.recompute.is_some() {
+        config.recompute = given.recompute;
+    }
+    // The master weights and the optimizer's moments are f32 whatever the precision: a resumed
+    // run may compute in another one (this run's flag decides).
+    if args.precision.is_some() {
+        config.precision = given.precision;
+    }
+    let saved_in = format!("(saved in {})", dir.display());
+    let settings = |what: &str, given: String, saved: String| {
+        TrainError::Config(format!(
+            "the {what} settings {given} differ from the resumed run's {saved} {saved_in}"
+        ))
+    };
+    let dynamic_flags = args.inner_strategy.is_some()
+        || args.min_cp_size.is_some()
+        || args.cp_sizes.is_some()
+        || (args.max_tokens_per_rank.is_some() && saved.mode.dynamic().is_some());
+    // Settings whose flags were given must equal the saved run's.
+    let agree = |what: &str, flags_given: bool, differ: Option<(String, String)>| match (
+        flags_given,
+        differ,
+    ) {
+        (true, Some((given, saved))) => Err(settings(what, given, saved)),
+        _ => Ok(()),
+    };
+    agree(
+        "dynamic CP",
+        args.strategy.is_some() || dynamic_flags,
+        differ(&given.mode.dynamic(), &saved.mode.dynamic()),
+    )?;
+    if args.auto_candidates.is_some() && given.mode.auto() != saved.mode.auto() {
+        let show = |c: &TrainConfig| match c.mode.auto() {
+            Some(auto) => format!("candidates {}", StrategyKind::names(&auto.candidates)),
+            None => "none (not auto)".to_string(),
+        };
+        return Err(settings("auto", show(&given), show(&saved)));
+    }
+    agree(
+        "DCP",
+        args.block.is_some() || args.stages.is_some(),
+        differ(&given.mode.dcp(), &saved.mode.dcp()),
+    )?;
+    // The optimizer's state and the schedule continue from the checkpoint.
+    let optimizer_flags = args.optimizer.is_some()
+        || args.weight_decay.is_some()
+        || args.adam_beta1.is_some()
+        || args.adam_beta2.is_some()
+        || args.adam_eps.is_some()
+        || args.sgd_momentum.is_some();
+    agree(
+        "optimizer",
+        optimizer_flags,
+        differ(&given.optimizer, &saved.optimizer),
+    )?;
+    let schedule_flags = args.lr_schedule.is_some()
+        || args.warmup_steps.is_some()
+        || args.min_lr.is_some()
+        || args.lr_decay_steps.is_some();
+    agree(
+        "learning-rate schedule",
+        schedule_flags,
+        differ(&given.lr_schedule, &saved.lr_schedule),
+    )?;
+    // The topology changes DCP's plans and the byte counts by link; given, it must agree.
+    if (args.topology.is_some() && given.topology != saved.topology)
+        || (args.nodes.is_some() && given.nodes != saved.nodes)
+    {
+        return Err(TrainError::Config(format!(
+            "--topology {} --nodes {} differ from the resumed run's {} × {} nodes {saved_in}",
+            given.topology, given.nodes, saved.topology, saved.nodes
+        )));
+    }
+    // Every other flag that was given: (flag, given?, the value compared and shown).
+    type Value = fn(&TrainConfig) -> String;
+    let seq_len_given = args.seq_len.is_some()
+        || (args.max_tokens_per_rank.is_some() && saved.mode.dynamic().is_none());
+    let checks: [(&str, bool, Value); 14] = [
+        ("--corpus", args.corpus.is_some(), |c| c.corpus.clone()),
+        ("--lengths-from", args.lengths_from.is_some(), |c| {
+            c.lengths_from.clone().unwrap_or("none".into())
+        }),
+        ("--tokenizer", args.tokenizer.is_some(), |c| {
+            c.tokenizer.clone()
+        }),
+        ("--cp", args.cp.is_some(), |c| c.cp.to_string()),
+        ("--dp", args.dp.is_some(), |c| c.dp.to_string()),
+        ("--tp", args.tp.is_some(), |c| c.tp.to_string()),
+        ("--pp", args.pp.is_some(), |c| c.pp.to_string()),
+        ("--strategy", args.strategy.is_some(), |c| c.strategy_name()),
+        ("--layout", args.layout.is_some(), |c| {
+            c.mode.layout().to_string()
+        }),
+        ("--seq-len", seq_len_given, |c| c.seq_len.to_string()),
+        ("--micro-batches", args.micro_batches.is_some(), |c| {
+            c.micro_batches.to_string()
+        }),
+        ("--model-size", args.model_size.is_some(), |c| {
+            c.model_size.clone()
+        }),
+        ("--seed", args.seed.is_some(), |c| c.seed.to_string()),
+        ("--mask", args.mask.is_some(), |c| c.mask.clone()),
+    ];
+    // Strategies that print alike (USP of other degrees) still differ.
+    let strategy_differs = given.mode.group_strategy() != saved.mode.group_strategy()
+        || given.mode.auto().is_some() != saved.mode.auto().is_some();
+    for (flag, was_given, value) in checks {
+        let differs = match flag {
+            "--strategy" => strategy_differs,
+            _ => value(&given) != value(&saved),
+        };
+        if was_given && differs {
+            return Err(TrainError::Config(format!(
+                "{flag} {} differs from the resumed run's {} {saved_in}",
+                value(&given),
+                value(&saved)
+            )));
+        }
+    }
+    if args.clip_grad_norm.is_some() && given.clip_grad_norm != saved.clip_grad_norm {
+        return Err(TrainError::Config(format!(
+            "--clip-grad-norm differs from the resumed run's {:?} {saved_in}",
+            saved.clip_grad_norm
+        )));
+    }
+    if args.lr.is_some_and(|lr| lr != saved.learning_rate) {
+        return Err(TrainError::Config(format!(
+            "--lr differs from the resumed run's {}",
+            saved.learning_rate
+        )));
+    }
+    Ok(config)
+}
+
+/// `Some` of both shown (`{:?}`) when `given` and `saved` differ.
+fn differ<T: PartialEq + Debug>(given: &T, saved: &T) -> Option<(String, String)> {
+    (given != saved).then(|| (format!("{given:?}"), format!("{saved:?}")))
+}
