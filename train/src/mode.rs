@@ -1,6 +1,6 @@
 //! How a run's CP ranks attend ([`TrainMode`]): one strategy and layout for every micro-batch,
 //! DCP's block plans, dynamic CP's groups, or auto's choice per micro-batch — each with its own
-//! settings. Flags become a mode at the flag boundary (`flags.rs`); planning matches on it
+//! settings. Flags become a mode at the flag boundary (`flags/mode.rs`); planning matches on it
 //! (`planning::plan_step`).
 //!
 //! In `config.json` a mode keeps the flat fields it has always had (`strategy`, `layout`,
