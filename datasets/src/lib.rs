@@ -15,6 +15,7 @@
 pub mod corpus;
 pub mod dataset;
 pub mod error;
+pub mod indexed;
 pub mod masks;
 pub mod packing;
 pub mod sampler;
@@ -23,6 +24,7 @@ pub mod tokenizer;
 
 pub use burn_dcp_kernels::MaskSpec;
 pub use error::DataError;
+pub use indexed::{IndexedDataset, IndexedWriter, TokenType};
 pub use masks::MaskPolicy;
 pub use packing::{
     micro_batch, pack_corpus, pack_corpus_pieces, MicroBatch, Packing, PackingConfig,

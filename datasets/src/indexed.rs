@@ -1,0 +1,497 @@
+//! Megatron-LM's indexed dataset (`PREFIX.bin` + `PREFIX.idx`), read memory-mapped and written.
+//!
+//! The layout, as Megatron-LM's `megatron/core/datasets/indexed_dataset.py` writes it (version
+//! 1, little-endian):
+//!
+//! | `.idx` field | bytes |
+//! |---|---|
+//! | magic `MMIDIDX\0\0` | 9 |
+//! | version (`u64`, 1) | 8 |
+//! | token dtype code (`u8`: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16) | 1 |
+//! | sequence count `S` (`u64`) | 8 |
+//! | document index count `D` (`u64`: documents + 1) | 8 |
+//! | sequence lengths (`i32` × S, in tokens) | 4·S |
+//! | sequence pointers (`i64` × S, byte offsets into `.bin`) | 8·S |
+//! | document indices (`i64` × D: the first sequence of each document, then S) | 8·D |
+//!
+//! `.bin` holds the tokens of every sequence back to back in the dtype. Reading maps both files
+//! and touches only the bytes asked for: a rank reads its own tokens, never the whole file.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::DataError;
+
+const MAGIC: &[u8; 9] = b"MMIDIDX\0\0";
+const HEADER: usize = 9 + 8 + 1 + 8 + 8;
+
+/// A token type of an indexed dataset (the integer codes of Megatron-LM's `DType`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenType {
+    U8,
+    I16,
+    I32,
+    I64,
+    U16,
+}
+
+impl TokenType {
+    /// Megatron's code of this type.
+    pub fn code(self) -> u8 {
+        match self {
+            Self::U8 => 1,
+            Self::I16 => 3,
+            Self::I32 => 4,
+            Self::I64 => 5,
+            Self::U16 => 8,
+        }
+    }
+
+    /// The type of Megatron's `code`; the float and int8 codes are no token types.
+    pub fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            1 => Self::U8,
+            3 => Self::I16,
+            4 => Self::I32,
+            5 => Self::I64,
+            8 => Self::U16,
+            _ => return None,
+        })
+    }
+
+    /// Bytes per token.
+    pub fn size(self) -> usize {
+        match self {
+            Self::U8 => 1,
+            Self::I16 | Self::U16 => 2,
+            Self::I32 => 4,
+            Self::I64 => 8,
+        }
+    }
+
+    /// The smallest type Megatron's tools choose for a vocabulary of `vocab` ids: uint16 below
+    /// 65 500, else int32.
+    pub fn for_vocab(vocab: usize) -> Self {
+        if vocab < 65_500 {
+            Self::U16
+        } else {
+            Self::I32
+        }
+    }
+
+    fn decode(self, bytes: &[u8]) -> i64 {
+        match self {
+            Self::U8 => bytes[0] as i64,
+            Self::I16 => i16::from_le_bytes([bytes[0], bytes[1]]) as i64,
+            Self::U16 => u16::from_le_bytes([bytes[0], bytes[1]]) as i64,
+            Self::I32 => i32::from_le_bytes(bytes.try_into().unwrap_or_default()) as i64,
+            Self::I64 => i64::from_le_bytes(bytes.try_into().unwrap_or_default()),
+        }
+    }
+
+    fn encode(self, token: u32, out: &mut Vec<u8>) -> bool {
+        match self {
+            Self::U8 => u8::try_from(token).map(|t| out.push(t)).is_ok(),
+            Self::I16 => i16::try_from(token)
+                .map(|t| out.extend(t.to_le_bytes()))
+                .is_ok(),
+            Self::U16 => u16::try_from(token)
+                .map(|t| out.extend(t.to_le_bytes()))
+                .is_ok(),
+            Self::I32 => i32::try_from(token)
+                .map(|t| out.extend(t.to_le_bytes()))
+                .is_ok(),
+            Self::I64 => {
+                out.extend((token as i64).to_le_bytes());
+                true
+            }
+        }
+    }
+}
+
+/// A Megatron-LM indexed dataset, memory-mapped: the index is checked once, tokens are read
+/// on demand.
+pub struct IndexedDataset {
+    idx: Mmap,
+    bin: Mmap,
+    idx_path: PathBuf,
+    bin_path: PathBuf,
+    dtype: TokenType,
+    sequences: usize,
+    documents: usize,
+}
+
+impl std::fmt::Debug for IndexedDataset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IndexedDataset")
+            .field("index", &self.idx_path)
+            .field("bin", &self.bin_path)
+            .field("dtype", &self.dtype)
+            .field("sequences", &self.sequences)
+            .field("documents", &self.documents())
+            .finish()
+    }
+}
+
+/// `PREFIX.idx` and `PREFIX.bin`.
+pub fn indexed_paths(prefix: &Path) -> (PathBuf, PathBuf) {
+    let with = |extension: &str| {
+        let mut path = prefix.as_os_str().to_owned();
+        path.push(extension);
+        PathBuf::from(path)
+    };
+    (with(".idx"), with(".bin"))
+}
+
+fn map(path: &Path) -> Result<Mmap, DataError> {
+    let file = File::open(path).map_err(|e| DataError::io(path, e))?;
+    // SAFETY: the map is read only; a file changed by another process while mapped would
+    // change what is read (the tokens), never memory safety of this process beyond that, as
+    // with any reader of a file that is being rewritten.
+    unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, format!("cannot map: {e}")))
+}
+
+impl IndexedDataset {
+    /// Opens `PREFIX.idx` and `PREFIX.bin`, checking the index: magic, version, dtype, that
+    /// the counts fit the file, every sequence inside `.bin`, document indices ascending up to
+    /// the sequence count. Errors name the file and the rule.
+    pub fn open(prefix: &Path) -> Result<Self, DataError> {
+        let (idx_path, bin_path) = indexed_paths(prefix);
+        let (idx, bin) = (map(&idx_path)?, map(&bin_path)?);
+        let bad = |reason: String| DataError::Malformed {
+            path: idx_path.clone(),
+            line: 0,
+            reason,
+        };
+        if idx.len() < HEADER || &idx[..9] != MAGIC {
+            return Err(bad(format!(
+                "not a Megatron indexed dataset index (magic MMIDIDX\\0\\0, {HEADER}-byte header; \
+                 {} bytes)",
+                idx.len()
+            )));
+        }
+        let word = |at: usize| u64::from_le_bytes(idx[at..at + 8].try_into().unwrap_or_default());
+        let version = word(9);
+        if version != 1 {
+            return Err(bad(format!("version {version}: only version 1 is read")));
+        }
+        let dtype = TokenType::from_code(idx[17]).ok_or_else(|| {
+            bad(format!(
+                "dtype code {}: token ids are uint8 (1), int16 (3), int32 (4), int64 (5) or \
+                 uint16 (8)",
+                idx[17]
+            ))
+        })?;
+        let (sequences, documents) = (word(18) as usize, word(26) as usize);
+        let need = sequences
+            .checked_mul(12)
+            .and_then(|s| documents.checked_mul(8).and_then(|d| s.checked_add(d)))
+            .and_then(|n| n.checked_add(HEADER));
+        if need.is_none_or(|need| need > idx.len()) {
+            return Err(bad(format!(
+                "{sequences} sequences and {documents} document indices need more than the \
+                 file's {} bytes",
+                idx.len()
+            )));
+        }
+        let data = Self {
+            idx,
+            bin,
+            idx_path: idx_path.clone(),
+            bin_path,
+            dtype,
+            sequences,
+            documents,
+        };
+        for i in 0..sequences {
+            let (len, pointer) = (data.raw_len(i), data.pointer(i));
+            let end = (len >= 0 && pointer >= 0)
+                .then(|| (pointer as u64).checked_add(len as u64 * dtype.size() as u64))
+                .flatten();
+            if end.is_none_or(|end| end > data.bin.len() as u64) {
+                return Err(bad(format!(
+                    "sequence {i} ({len} tokens at byte {pointer}) is not inside {} ({} bytes)",
+                    data.bin_path.display(),
+                    data.bin.len()
+                )));
+            }
+        }
+        let indices = data.document_indices();
+        let ordered = indices.first() == Some(&0)
+            && indices.last() == Some(&sequences)
+            && indices.windows(2).all(|w| w[0] <= w[1]);
+        if !ordered {
+            return Err(bad(format!(
+                "document indices must rise from 0 to the sequence count {sequences}"
+            )));
+        }
+        Ok(data)
+    }
+
+    fn raw_len(&self, i: usize) -> i32 {
+        let at = HEADER + 4 * i;
+        i32::from_le_bytes(self.idx[at..at + 4].try_into().unwrap_or_default())
+    }
+
+    fn pointer(&self, i: usize) -> i64 {
+        let at = HEADER + 4 * self.sequences + 8 * i;
+        i64::from_le_bytes(self.idx[at..at + 8].try_into().unwrap_or_default())
+    }
+
+    /// The token type of `.bin`.
+    pub fn dtype(&self) -> TokenType {
+        self.dtype
+    }
+
+    /// Number of sequences.
+    pub fn len(&self) -> usize {
+        self.sequences
+    }
+
+    /// Whether there is no sequence.
+    pub fn is_empty(&self) -> bool {
+        self.sequences == 0
+    }
+
+    /// Number of documents.
+    pub fn documents(&self) -> usize {
+        self.documents.saturating_sub(1)
+    }
+
+    /// Tokens of sequence `i` (checked by [`Self::open`]); from the index alone.
+    pub fn sequence_len(&self, i: usize) -> usize {
+        self.raw_len(i) as usize
+    }
+
+    /// The first sequence of each document, then the sequence count.
+    pub fn document_indices(&self) -> Vec<usize> {
+        let base = HEADER + 12 * self.sequences;
+        (0..self.documents)
+            .map(|d| {
+                let at = base + 8 * d;
+                i64::from_le_bytes(self.idx[at..at + 8].try_into().unwrap_or_default()) as usize
+            })
+            .collect()
+    }
+
+    /// Tokens `range` of sequence `i`, reading only their bytes. Errors name a range outside the
+    /// sequence or a token id outside `u32`.
+    pub fn tokens(&self, i: usize, range: std::ops::Range<usize>) -> Result<Vec<u32>, DataError> {
+        if i >= self.sequences || range.start > range.end || range.end > self.sequence_len(i) {
+            return Err(DataError::Invalid(format!(
+                "tokens {range:?} of sequence {i}: {} has {} sequences{}",
+                self.bin_path.display(),
+                self.sequences,
+                if i < self.sequences {
+                    format!(", that one {} tokens", self.sequence_len(i))
+                } else {
+                    String::new()
+                }
+            )));
+        }
+        let size = self.dtype.size();
+        let start = self.pointer(i) as usize + range.start * size;
+        self.bin[start..start + range.len() * size]
+            .chunks_exact(size)
+            .enumerate()
+            .map(|(k, bytes)| {
+                let token = self.dtype.decode(bytes);
+                u32::try_from(token).map_err(|_| DataError::Malformed {
+                    path: self.bin_path.clone(),
+                    line: 0,
+                    reason: format!(
+                        "token {} of sequence {i} is {token}: ids are 0 ..= {}",
+                        range.start + k,
+                        u32::MAX
+                    ),
+                })
+            })
+            .collect()
+    }
+}
+
+/// Writes a Megatron-LM indexed dataset: one sequence per document (as Megatron's
+/// `preprocess_data.py` writes unsplit documents), the index at [`Self::finish`].
+pub struct IndexedWriter {
+    bin: BufWriter<File>,
+    idx_path: PathBuf,
+    bin_path: PathBuf,
+    dtype: TokenType,
+    lengths: Vec<i32>,
+    pointers: Vec<i64>,
+    written: i64,
+    buffer: Vec<u8>,
+}
+
+impl IndexedWriter {
+    /// Creates `PREFIX.bin` (the index is written by [`Self::finish`]).
+    pub fn create(prefix: &Path, dtype: TokenType) -> Result<Self, DataError> {
+        let (idx_path, bin_path) = indexed_paths(prefix);
+        let file = File::create(&bin_path).map_err(|e| DataError::io(&bin_path, e))?;
+        Ok(Self {
+            bin: BufWriter::new(file),
+            idx_path,
+            bin_path,
+            dtype,
+            lengths: Vec::new(),
+            pointers: Vec::new(),
+            written: 0,
+            buffer: Vec::new(),
+        })
+    }
+
+    /// Appends one document. Errors name a token the type cannot hold, or a document longer
+    /// than the index's `i32` lengths.
+    pub fn add_document(&mut self, tokens: &[u32]) -> Result<(), DataError> {
+        let len = i32::try_from(tokens.len()).map_err(|_| {
+            DataError::Invalid(format!(
+                "a document of {} tokens: the index holds lengths up to {}",
+                tokens.len(),
+                i32::MAX
+            ))
+        })?;
+        self.buffer.clear();
+        for &token in tokens {
+            if !self.dtype.encode(token, &mut self.buffer) {
+                return Err(DataError::Invalid(format!(
+                    "token {token} does not fit {:?} (writing {})",
+                    self.dtype,
+                    self.bin_path.display()
+                )));
+            }
+        }
+        self.bin
+            .write_all(&self.buffer)
+            .map_err(|e| DataError::io(&self.bin_path, e))?;
+        self.lengths.push(len);
+        self.pointers.push(self.written);
+        self.written += self.buffer.len() as i64;
+        Ok(())
+    }
+
+    /// Flushes `.bin` and writes `.idx`.
+    pub fn finish(mut self) -> Result<(), DataError> {
+        self.bin
+            .flush()
+            .map_err(|e| DataError::io(&self.bin_path, e))?;
+        let sequences = self.lengths.len();
+        let mut idx = Vec::with_capacity(HEADER + 20 * sequences + 8);
+        idx.extend(MAGIC);
+        idx.extend(1u64.to_le_bytes());
+        idx.push(self.dtype.code());
+        idx.extend((sequences as u64).to_le_bytes());
+        idx.extend((sequences as u64 + 1).to_le_bytes());
+        for len in &self.lengths {
+            idx.extend(len.to_le_bytes());
+        }
+        for pointer in &self.pointers {
+            idx.extend(pointer.to_le_bytes());
+        }
+        for document in 0..=sequences as i64 {
+            idx.extend(document.to_le_bytes());
+        }
+        std::fs::write(&self.idx_path, idx).map_err(|e| DataError::io(&self.idx_path, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prefix(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("bdcp-indexed-{name}-{}", std::process::id()))
+    }
+
+    #[test]
+    fn written_documents_read_back_by_range() {
+        let documents: Vec<Vec<u32>> = vec![vec![1, 2, 3], vec![], vec![65_000, 7], vec![42]];
+        for dtype in [TokenType::U16, TokenType::I32, TokenType::I64] {
+            let prefix = prefix(&format!("{dtype:?}"));
+            let mut writer = IndexedWriter::create(&prefix, dtype).unwrap();
+            for document in &documents {
+                writer.add_document(document).unwrap();
+            }
+            writer.finish().unwrap();
+            let data = IndexedDataset::open(&prefix).unwrap();
+            assert_eq!((data.len(), data.documents(), data.dtype()), (4, 4, dtype));
+            assert_eq!(data.document_indices(), vec![0, 1, 2, 3, 4]);
+            for (i, document) in documents.iter().enumerate() {
+                assert_eq!(data.sequence_len(i), document.len());
+                assert_eq!(&data.tokens(i, 0..document.len()).unwrap(), document);
+            }
+            assert_eq!(data.tokens(0, 1..3).unwrap(), vec![2, 3]);
+            let err = data.tokens(0, 2..4).unwrap_err().to_string();
+            assert!(err.contains("2..4") && err.contains("3 tokens"), "{err}");
+            let (idx, bin) = indexed_paths(&prefix);
+            std::fs::remove_file(idx).ok();
+            std::fs::remove_file(bin).ok();
+        }
+        let mut writer = IndexedWriter::create(&prefix("u8"), TokenType::U8).unwrap();
+        let err = writer.add_document(&[300]).unwrap_err().to_string();
+        assert!(err.contains("300") && err.contains("U8"), "{err}");
+        let (idx, bin) = indexed_paths(&prefix("u8"));
+        std::fs::remove_file(idx).ok();
+        std::fs::remove_file(bin).ok();
+    }
+
+    /// An index laid out by hand as Megatron-LM writes it: two documents, the first of two
+    /// sequences (a document split into sentences), uint16 tokens.
+    #[test]
+    fn reads_a_hand_written_megatron_index() {
+        let prefix = prefix("megatron");
+        let (idx_path, bin_path) = indexed_paths(&prefix);
+        let tokens: [u16; 6] = [10, 11, 12, 20, 30, 31];
+        let bin: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        std::fs::write(&bin_path, bin).unwrap();
+        let mut idx = b"MMIDIDX\0\0".to_vec();
+        idx.extend(1u64.to_le_bytes());
+        idx.push(8); // uint16
+        idx.extend(3u64.to_le_bytes()); // sequences
+        idx.extend(3u64.to_le_bytes()); // documents + 1
+        for len in [3i32, 1, 2] {
+            idx.extend(len.to_le_bytes());
+        }
+        for pointer in [0i64, 6, 8] {
+            idx.extend(pointer.to_le_bytes());
+        }
+        for document in [0i64, 2, 3] {
+            idx.extend(document.to_le_bytes());
+        }
+        std::fs::write(&idx_path, &idx).unwrap();
+        let data = IndexedDataset::open(&prefix).unwrap();
+        assert_eq!((data.len(), data.documents()), (3, 2));
+        assert_eq!(data.document_indices(), vec![0, 2, 3]);
+        assert_eq!(data.tokens(1, 0..1).unwrap(), vec![20]);
+        assert_eq!(data.tokens(2, 0..2).unwrap(), vec![30, 31]);
+
+        // Broken indexes are refused, naming the rule.
+        let refused = |idx: &[u8], expect: &str| {
+            std::fs::write(&idx_path, idx).unwrap();
+            let err = IndexedDataset::open(&prefix).unwrap_err().to_string();
+            assert!(err.contains(expect), "{expect}: {err}");
+        };
+        let mut magic = idx.clone();
+        magic[0] = b'X';
+        refused(&magic, "magic");
+        let mut version = idx.clone();
+        version[9] = 2;
+        refused(&version, "version 2");
+        let mut float = idx.clone();
+        float[17] = 7;
+        refused(&float, "dtype code 7");
+        refused(&idx[..idx.len() - 1], "need more than");
+        let mut outside = idx.clone();
+        let pointer_at = HEADER + 12 + 16;
+        outside[pointer_at..pointer_at + 8].copy_from_slice(&100i64.to_le_bytes());
+        refused(&outside, "sequence 2 (2 tokens at byte 100)");
+        let mut unordered = idx.clone();
+        let docs_at = HEADER + 36 + 8;
+        unordered[docs_at..docs_at + 8].copy_from_slice(&5i64.to_le_bytes());
+        refused(&unordered, "document indices");
+        std::fs::remove_file(idx_path).ok();
+        std::fs::remove_file(bin_path).ok();
+    }
+}
