@@ -939,7 +939,7 @@ fn kill_ranks(dir: &std::path::Path) {
         let left = Command::new("pgrep")
             .args(["-f", pattern])
             .output()
-            .unwrap();
+            .expect("pgrep (procps) finds mpirun's ranks");
         if left.stdout.is_empty() {
             return;
         }
