@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::groups::RankGroups;
-use crate::heartbeat::{await_commit, leader_with_heartbeats};
+use crate::heartbeat::{await_commit, leader_with_heartbeats, received_bytes};
 
 /// Where a run keeps its checkpoint.
 pub(crate) fn checkpoint_dir(out: &Path) -> PathBuf {
@@ -264,14 +264,6 @@ fn gather_and_write<M, O>(
         }
     }
     writer.commit(saved.state, saved.keep)
-}
-
-/// The bytes of a received `u8` message.
-fn received_bytes(data: burn_dcp::comm::Payload) -> Result<Vec<u8>, TrainError> {
-    data.into_host()
-        .map_err(|e| TrainError::Malformed(e.to_string()))?
-        .into_vec::<u8>()
-        .map_err(|e| TrainError::Malformed(format!("a checkpoint message is not bytes: {e:?}")))
 }
 
 /// What precedes a checkpoint file's chunks: its length, its chunk count and its name.

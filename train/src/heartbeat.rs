@@ -64,13 +64,7 @@ pub(crate) fn leader_with_heartbeats<T>(
 pub(crate) fn await_commit(world: &Comm, limit: Duration) -> Result<(), TrainError> {
     let started = Instant::now();
     loop {
-        let bytes = world
-            .irecv(0)?
-            .wait()?
-            .into_host()
-            .map_err(|e| TrainError::Malformed(e.to_string()))?
-            .into_vec::<u8>()
-            .map_err(|e| TrainError::Malformed(format!("a checkpoint message: {e:?}")))?;
+        let bytes = received_bytes(world.irecv(0)?.wait()?)?;
         match bytes.first() {
             Some(&COMMITTED) => return Ok(()),
             Some(&FAILED) => {
@@ -96,6 +90,14 @@ pub(crate) fn await_commit(world: &Comm, limit: Duration) -> Result<(), TrainErr
             }
         }
     }
+}
+
+/// The bytes of a received `u8` message (a checkpoint's status, header or chunk).
+pub(crate) fn received_bytes(data: burn_dcp::comm::Payload) -> Result<Vec<u8>, TrainError> {
+    data.into_host()
+        .map_err(|e| TrainError::Malformed(e.to_string()))?
+        .into_vec::<u8>()
+        .map_err(|e| TrainError::Malformed(format!("a checkpoint message is not bytes: {e:?}")))
 }
 
 fn message(kind: u8, text: &str) -> burn_dcp::comm::Payload {

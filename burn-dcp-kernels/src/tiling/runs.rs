@@ -106,7 +106,7 @@ impl TileRuns {
         let weight =
             |row: usize| -> usize { self.runs(row).map(|(first, end, _)| end - first).sum() };
         let mut order: Vec<usize> = (0..self.tiles()).rev().collect();
-        order.sort_by_key(|&row| std::cmp::Reverse(weight(row)));
+        order.sort_by_cached_key(|&row| std::cmp::Reverse(weight(row)));
         order.into_iter().map(|row| row as u32).collect()
     }
 

@@ -64,20 +64,16 @@ impl TrainConfig {
                 self.checkpoint_chunk_bytes
             )));
         }
-        if self.timeout_secs == 0 || self.timeout_secs > MAX_TIMEOUT.as_secs() {
-            return Err(TrainError::Config(format!(
-                "timeout {} s must be between 1 and {} s (a week)",
-                self.timeout_secs,
-                MAX_TIMEOUT.as_secs()
-            )));
-        }
-        if self.checkpoint_timeout_secs == 0 || self.checkpoint_timeout_secs > MAX_TIMEOUT.as_secs()
-        {
-            return Err(TrainError::Config(format!(
-                "--checkpoint-timeout-secs {} s must be between 1 and {} s (a week)",
-                self.checkpoint_timeout_secs,
-                MAX_TIMEOUT.as_secs()
-            )));
+        for (name, secs) in [
+            ("timeout", self.timeout_secs),
+            ("--checkpoint-timeout-secs", self.checkpoint_timeout_secs),
+        ] {
+            if secs == 0 || secs > MAX_TIMEOUT.as_secs() {
+                return Err(TrainError::Config(format!(
+                    "{name} {secs} s must be between 1 and {} s (a week)",
+                    MAX_TIMEOUT.as_secs()
+                )));
+            }
         }
         if self.steps == 0 || self.steps.checked_mul(self.micro_batches).is_none() {
             return Err(TrainError::Config(format!(

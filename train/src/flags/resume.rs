@@ -17,40 +17,35 @@ pub(super) fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfi
     if let Some(steps) = args.steps {
         config.steps = steps;
     }
-    // Planning ahead changes when plans are made, not what they are; the pipeline schedule the
-    // order of the passes, not their results.
+    // Planning ahead changes when plans are made, not what they are.
     if let Some(plan_ahead) = args.plan_ahead {
         config.plan_ahead = plan_ahead;
     }
     let given = config_from_args(args)?;
     // Emulated links change when messages arrive, not what they hold: this run's flags decide.
     config.emulate_links = given.emulate_links;
+    // Settings a given flag takes from this run, the saved value otherwise.
+    macro_rules! this_run_decides {
+        ($($field:ident),*) => {$(
+            if args.$field.is_some() {
+                config.$field = given.$field;
+            }
+        )*};
+    }
     // When checkpoints are written, how many are kept, in what messages and how long their
-    // waits may take changes no result.
-    if args.checkpoint_every.is_some() {
-        config.checkpoint_every = given.checkpoint_every;
-    }
-    if args.keep_checkpoints.is_some() {
-        config.keep_checkpoints = given.keep_checkpoints;
-    }
-    if args.checkpoint_chunk_bytes.is_some() {
-        config.checkpoint_chunk_bytes = given.checkpoint_chunk_bytes;
-    }
-    if args.checkpoint_timeout_secs.is_some() {
-        config.checkpoint_timeout_secs = given.checkpoint_timeout_secs;
-    }
-    if args.pp_schedule.is_some() {
-        config.pp_schedule = given.pp_schedule;
-    }
-    // What the backward recomputes changes memory and time, not results: this run's flag decides.
-    if args.recompute.is_some() {
-        config.recompute = given.recompute;
-    }
-    // The master weights and the optimizer's moments are f32 whatever the precision: a resumed
-    // run may compute in another one (this run's flag decides).
-    if args.precision.is_some() {
-        config.precision = given.precision;
-    }
+    // waits may take changes no result; the pipeline schedule the order of the passes, not
+    // their results.
+    this_run_decides!(
+        checkpoint_every,
+        keep_checkpoints,
+        checkpoint_chunk_bytes,
+        checkpoint_timeout_secs,
+        pp_schedule
+    );
+    // What the backward recomputes changes memory and time, not results; the master weights
+    // and the optimizer's moments are f32 whatever the precision: a resumed run may compute in
+    // another one.
+    this_run_decides!(recompute, precision);
     let saved_in = format!("(saved in {})", dir.display());
     let settings = |what: &str, given: String, saved: String| {
         TrainError::Config(format!(

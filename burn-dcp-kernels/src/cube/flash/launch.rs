@@ -552,29 +552,23 @@ mod tests {
         let a100 =
             FlashPlan::sized(166_912, DType::BF16, &shape(128, 128, 32, 32), 1, true).unwrap();
         assert_eq!((a100.forward.planes, a100.forward.row_tiles), (8, 2));
-        let pinned = FlashPlan::sized_with_planes(
-            232_448,
-            DType::BF16,
-            &shape(128, 128, 32, 8),
-            1,
-            true,
-            Planes::both(4),
-        )
-        .unwrap();
+        let pinned = |planes| {
+            let shape = shape(128, 128, 32, 8);
+            FlashPlan::sized_with_planes(
+                232_448,
+                DType::BF16,
+                &shape,
+                1,
+                true,
+                Planes::both(planes),
+            )
+        };
+        let four = pinned(4).unwrap();
         assert_eq!(
-            (pinned.forward.planes, pinned.forward.tokens_per_cube()),
+            (four.forward.planes, four.forward.tokens_per_cube()),
             (4, 32)
         );
-        let err = FlashPlan::sized_with_planes(
-            232_448,
-            DType::BF16,
-            &shape(128, 128, 32, 8),
-            1,
-            true,
-            Planes::both(3),
-        )
-        .unwrap_err()
-        .to_string();
+        let err = pinned(3).unwrap_err().to_string();
         assert!(
             err.contains("3 planes") && err.contains("1, 2, 4 or 8"),
             "{err}"
