@@ -65,11 +65,17 @@ fn row_tiles() -> Result<usize, KernelError> {
 
 /// The planes per cube [`PLANES_ENV`] pins for every kernel, if set.
 fn pinned_planes() -> Result<Option<usize>, KernelError> {
-    static CELL: Knob = Knob::new();
-    if std::env::var_os(PLANES_ENV).is_none() {
-        return Ok(None);
-    }
-    knob(&CELL, PLANES_ENV, PLANES, &[1, 2, 4, 8]).map(Some)
+    static PINNED: std::sync::OnceLock<Result<Option<usize>, KernelError>> =
+        std::sync::OnceLock::new();
+    PINNED
+        .get_or_init(|| match std::env::var_os(PLANES_ENV) {
+            None => Ok(None),
+            Some(_) => {
+                static CELL: Knob = Knob::new();
+                knob(&CELL, PLANES_ENV, PLANES, &[1, 2, 4, 8]).map(Some)
+            }
+        })
+        .clone()
 }
 
 /// The most planes per cube of the forward and of the backward kernels.
