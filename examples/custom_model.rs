@@ -75,6 +75,16 @@ struct Args {
     /// Training text: default | builtin | a directory | a .jsonl file
     #[arg(long, default_value = "default")]
     corpus: String,
+    /// Pre-tokenized byte tokens in place of --corpus: a Megatron PREFIX (.bin/.idx), a flat
+    /// token file (with --eod-token), or a blend of weight/path pairs (as gpt_longctx's)
+    #[arg(long, num_args = 1..)]
+    data_path: Vec<String>,
+    /// The end-of-document id of a flat token file
+    #[arg(long)]
+    eod_token: Option<u32>,
+    /// The ids of a flat token file: uint16 | uint32
+    #[arg(long, default_value = "uint16")]
+    token_dtype: String,
     /// Seed of the weights and the data
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -235,6 +245,9 @@ fn config(args: &Args) -> Result<TrainConfig, TrainError> {
         steps: args.steps,
         seed: args.seed,
         corpus: args.corpus.clone(),
+        data_path: args.data_path.clone(),
+        eod_token: args.eod_token,
+        token_dtype: args.token_dtype.clone(),
         checkpoint_every: args.checkpoint_every,
         precision: Precision::parse(&args.precision)?,
         model_shape: Some(ModelShape {

@@ -8,7 +8,7 @@
 //! `ContextParallel<Autodiff<Flex>>` and the per-rank CP context the training loop sets.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use burn_dcp::comm::WorldConfig;
 #[cfg(feature = "wgpu")]
@@ -225,14 +225,16 @@ fn train(
             config.model_size, config.world_size(), config.mesh_shape(), config.mode.layout(), ranks.describe(), config.seq_len, config.micro_batches, config.mask
         );
     }
+    let loading = Instant::now();
     let data = TrainData::load(config)?;
     if leader {
         eprintln!(
-            "data: corpus {} ({} tokenizer) packed into {} micro-batches of at most {} tokens",
-            config.corpus,
-            config.tokenizer,
+            "data: {} ({} tokenizer): {} micro-batches of at most {} tokens per pass (ready in {:.2} s)",
+            config.data_name(),
+            config.tokenizer()?.name(),
             data.len(),
-            config.seq_len
+            config.seq_len,
+            loading.elapsed().as_secs_f64()
         );
     }
     let resume = args.resume.as_deref();
@@ -477,6 +479,9 @@ fn summarize(
             .map(|m| m.predicted_attention_ms)
             .sum::<Option<f64>>(),
         "plan_wait_ms": metrics.iter().filter_map(|m| m.plan_wait_ms).fold(0.0, |a, b| a + b),
+        // This process's peak resident memory (MiB; VmHWM: heap and mapped file pages alike).
+        "process_peak_rss_mb": burn_dcp::kernels::memory::process_peak_bytes()
+            .map(|bytes| bytes as f64 / (1u64 << 20) as f64),
         "wall_seconds": wall,
         "out": out.map(|p| p.display().to_string()),
     });

@@ -1124,3 +1124,59 @@ fn custom_model_checkpoints_and_resumes_exactly() {
     std::fs::remove_dir_all(&whole).ok();
     std::fs::remove_dir_all(&parts).ok();
 }
+
+#[test]
+fn gpt_longctx_refuses_bad_data_flags_with_the_rule() {
+    refused_gpt(
+        &["--eod-token", "0"],
+        "--eod-token 0 ends the documents of a flat token file: it needs --data-path",
+    );
+    refused(
+        "gpt_longctx",
+        &["--data-path", "/nonexistent/prefix"],
+        "neither a Megatron prefix",
+    );
+    refused(
+        "gpt_longctx",
+        &["--data-path", "0.5", "a", "0.5"],
+        "one path, or weight and path pairs",
+    );
+    refused(
+        "gpt_longctx",
+        &["--data-path", "0", "a", "1", "b"],
+        "weight 0 of a must be a positive number",
+    );
+    refused_gpt(&["--data-path", "x"], "give one source of training data");
+    refused_gpt(&["--token-dtype", "int8"], "uint16 or uint32");
+    refused_gpt(
+        &["--tokenizer-file", "/nonexistent/tokenizer.json"],
+        "/nonexistent/tokenizer.json",
+    );
+    // A flat token file needs its end-of-document id; ids past the vocabulary are refused.
+    let dir = std::env::temp_dir().join(format!("bdcp-cli-data-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let flat = dir.join("tokens.bin");
+    let ids: Vec<u8> = (0..4096u16).flat_map(|i| (i % 300).to_le_bytes()).collect();
+    std::fs::write(&flat, ids).unwrap();
+    let flat = flat.to_str().unwrap();
+    refused(
+        "gpt_longctx",
+        &["--data-path", flat],
+        "--eod-token must say which id",
+    );
+    refused(
+        "gpt_longctx",
+        &[
+            "--data-path",
+            flat,
+            "--eod-token",
+            "7",
+            "--steps",
+            "1",
+            "--seq-len",
+            "256",
+        ],
+        "outside the vocabulary of 256 ids",
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -61,6 +61,10 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         mask: mask.into(),
         corpus: "builtin".into(),
         tokenizer: "bytes".into(),
+        tokenizer_file: None,
+        data_path: Vec::new(),
+        eod_token: None,
+        token_dtype: "uint16".into(),
         lengths_from: None,
         timeout_secs: 60,
         plan_ahead: 2,
@@ -585,6 +589,7 @@ fn step_with_short_and_long(data: &TrainData, micro_batches: usize, long: usize)
         .find(|&step| {
             let lengths: Vec<usize> = data
                 .step_batches(step, micro_batches)
+                .unwrap()
                 .iter()
                 .flat_map(|b| b.seq_lens())
                 .collect();
@@ -1139,6 +1144,7 @@ fn cp_bytes_of_a_step_are_the_analytic_volume_with_the_real_kv_heads() {
     };
     let analytic = |kv_heads| -> u64 {
         data.step_batches(1, config.micro_batches)
+            .unwrap()
             .iter()
             .map(|batch| {
                 let placement =
@@ -1249,3 +1255,6 @@ mod optimizers;
 
 #[path = "training/precision.rs"]
 mod precision;
+
+#[path = "training/token_data.rs"]
+mod token_data;

@@ -6,8 +6,9 @@
 //!   Publication License v1.0 with no options exercised (Debian: DFSG-free; see
 //!   `/usr/share/doc/vim-runtime/copyright`).
 //! - [`text_directory`]: every regular file of a directory (sorted by name), one document each.
-//! - [`jsonl_documents`]: JSON lines `{"text": …}` or chat `{"messages": [{"role", "content"}, …]}`
-//!   (LongAlign's format); a chat becomes `role: content` paragraphs.
+//! - [`jsonl_documents`]: JSON lines `{"text": …}`, fine-tuning pairs `{"prompt": …,
+//!   "completion": …}` (the prompt is no training target), or chat `{"messages": [{"role",
+//!   "content"}, …]}` (LongAlign's format); a chat becomes `role: content` paragraphs.
 //!
 //! Malformed input is an error naming the file and the line.
 
@@ -23,6 +24,9 @@ pub struct Document {
     /// Where it came from (`file` or `file:line`).
     pub name: String,
     pub text: String,
+    /// A prompt before `text` that is no training target (jsonl `{"prompt", "completion"}`:
+    /// the completion is `text`).
+    pub prompt: Option<String>,
 }
 
 /// Where the default corpus lives.
@@ -99,6 +103,7 @@ pub fn read_text_file(path: &Path) -> Result<Document, DataError> {
     Ok(Document {
         name: path.display().to_string(),
         text,
+        prompt: None,
     })
 }
 
@@ -128,28 +133,41 @@ pub fn jsonl_documents(
             Some(
                 parse_jsonl_line(&line)
                     .map_err(malformed)
-                    .map(|text| Document {
+                    .map(|(prompt, text)| Document {
                         name: format!("{}:{line_number}", path.display()),
                         text,
+                        prompt,
                     }),
             )
         }))
 }
 
-/// `{"text": "…"}` or `{"messages": [{"role": "…", "content": "…"}, …]}` → the document's text.
-fn parse_jsonl_line(line: &str) -> Result<String, String> {
+/// `{"text": "…"}`, `{"prompt": "…", "completion": "…"}` or `{"messages": [{"role": "…",
+/// "content": "…"}, …]}` → the document's prompt (no training target) and text.
+fn parse_jsonl_line(line: &str) -> Result<(Option<String>, String), String> {
     let value: serde_json::Value =
         serde_json::from_str(line).map_err(|e| format!("not valid JSON: {e}"))?;
     let object = value.as_object().ok_or("expected a JSON object per line")?;
     if let Some(text) = object.get("text") {
         return text
             .as_str()
-            .map(str::to_string)
+            .map(|text| (None, text.to_string()))
             .ok_or_else(|| "\"text\" must be a string".to_string());
+    }
+    if object.contains_key("prompt") || object.contains_key("completion") {
+        let field = |name: &str| {
+            object.get(name).and_then(|v| v.as_str()).ok_or_else(|| {
+                format!("a prompt/completion line needs string fields \"prompt\" and \"completion\" (\"{name}\" is missing or not a string)")
+            })
+        };
+        return Ok((
+            Some(field("prompt")?.to_string()),
+            field("completion")?.to_string(),
+        ));
     }
     let messages = object
         .get("messages")
-        .ok_or("expected a \"text\" string or a \"messages\" array")?
+        .ok_or("expected a \"text\" string, \"prompt\" and \"completion\" strings, or a \"messages\" array")?
         .as_array()
         .ok_or("\"messages\" must be an array")?;
     let mut text = String::new();
@@ -167,7 +185,7 @@ fn parse_jsonl_line(line: &str) -> Result<String, String> {
         text.push_str(": ");
         text.push_str(content);
     }
-    Ok(text)
+    Ok((None, text))
 }
 
 /// Documents from `spec`: `default`, a directory of text files, or a `.jsonl` file.

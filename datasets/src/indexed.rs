@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
+use crate::tokens::map;
 use crate::DataError;
 
 const MAGIC: &[u8; 9] = b"MMIDIDX\0\0";
@@ -36,17 +37,31 @@ pub enum TokenType {
     I32,
     I64,
     U16,
+    /// Flat token files only: Megatron's index has no code for it.
+    U32,
 }
 
 impl TokenType {
-    /// Megatron's code of this type.
-    pub fn code(self) -> u8 {
+    /// Megatron's code of this type (none for `U32`).
+    pub fn code(self) -> Option<u8> {
         match self {
-            Self::U8 => 1,
-            Self::I16 => 3,
-            Self::I32 => 4,
-            Self::I64 => 5,
-            Self::U16 => 8,
+            Self::U8 => Some(1),
+            Self::I16 => Some(3),
+            Self::I32 => Some(4),
+            Self::I64 => Some(5),
+            Self::U16 => Some(8),
+            Self::U32 => None,
+        }
+    }
+
+    /// `uint16` or `uint32`: the token types of a flat token file (`--token-dtype`).
+    pub fn parse_flat(name: &str) -> Result<Self, DataError> {
+        match name {
+            "uint16" => Ok(Self::U16),
+            "uint32" => Ok(Self::U32),
+            other => Err(DataError::Invalid(format!(
+                "token dtype '{other}': a flat token file holds uint16 or uint32 tokens"
+            ))),
         }
     }
 
@@ -67,7 +82,7 @@ impl TokenType {
         match self {
             Self::U8 => 1,
             Self::I16 | Self::U16 => 2,
-            Self::I32 => 4,
+            Self::I32 | Self::U32 => 4,
             Self::I64 => 8,
         }
     }
@@ -87,6 +102,7 @@ impl TokenType {
             Self::U8 => bytes[0] as i64,
             Self::I16 => i16::from_le_bytes([bytes[0], bytes[1]]) as i64,
             Self::U16 => u16::from_le_bytes([bytes[0], bytes[1]]) as i64,
+            Self::U32 => u32::from_le_bytes(bytes.try_into().unwrap_or_default()) as i64,
             Self::I32 => i32::from_le_bytes(bytes.try_into().unwrap_or_default()) as i64,
             Self::I64 => i64::from_le_bytes(bytes.try_into().unwrap_or_default()),
         }
@@ -104,6 +120,10 @@ impl TokenType {
             Self::I32 => i32::try_from(token)
                 .map(|t| out.extend(t.to_le_bytes()))
                 .is_ok(),
+            Self::U32 => {
+                out.extend(token.to_le_bytes());
+                true
+            }
             Self::I64 => {
                 out.extend((token as i64).to_le_bytes());
                 true
@@ -144,14 +164,6 @@ pub fn indexed_paths(prefix: &Path) -> (PathBuf, PathBuf) {
         PathBuf::from(path)
     };
     (with(".idx"), with(".bin"))
-}
-
-fn map(path: &Path) -> Result<Mmap, DataError> {
-    let file = File::open(path).map_err(|e| DataError::io(path, e))?;
-    // SAFETY: the map is read only; a file changed by another process while mapped would
-    // change what is read (the tokens), never memory safety of this process beyond that, as
-    // with any reader of a file that is being rewritten.
-    unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, format!("cannot map: {e}")))
 }
 
 impl IndexedDataset {
@@ -206,29 +218,46 @@ impl IndexedDataset {
             sequences,
             documents,
         };
-        for i in 0..sequences {
-            let (len, pointer) = (data.raw_len(i), data.pointer(i));
-            let end = (len >= 0 && pointer >= 0)
-                .then(|| (pointer as u64).checked_add(len as u64 * dtype.size() as u64))
-                .flatten();
-            if end.is_none_or(|end| end > data.bin.len() as u64) {
+        // Megatron writes the sequences back to back: the last one ends where `.bin` ends.
+        // Sequences are checked one by one when read, so opening touches no per-sequence page
+        // (the index of a large data set is never read whole).
+        if sequences > 0 {
+            let last = sequences - 1;
+            let end = (data.raw_len(last) as i64)
+                .checked_mul(dtype.size() as i64)
+                .and_then(|bytes| data.pointer(last).checked_add(bytes));
+            if end != Some(data.bin.len() as i64) {
                 return Err(bad(format!(
-                    "sequence {i} ({len} tokens at byte {pointer}) is not inside {} ({} bytes)",
+                    "the last sequence ({} tokens at byte {}) does not end where {} ends ({} bytes)",
+                    data.raw_len(last),
+                    data.pointer(last),
                     data.bin_path.display(),
                     data.bin.len()
                 )));
             }
         }
-        let indices = data.document_indices();
-        let ordered = indices.first() == Some(&0)
-            && indices.last() == Some(&sequences)
-            && indices.windows(2).all(|w| w[0] <= w[1]);
-        if !ordered {
-            return Err(bad(format!(
-                "document indices must rise from 0 to the sequence count {sequences}"
-            )));
-        }
         Ok(data)
+    }
+
+    /// Sequence `i`'s length and byte offset, checked: both non-negative and the tokens inside
+    /// `.bin`.
+    fn checked(&self, i: usize) -> Result<(usize, usize), DataError> {
+        let (len, pointer) = (self.raw_len(i), self.pointer(i));
+        let end = (len >= 0 && pointer >= 0)
+            .then(|| (pointer as u64).checked_add(len as u64 * self.dtype.size() as u64))
+            .flatten();
+        if end.is_none_or(|end| end > self.bin.len() as u64) {
+            return Err(DataError::Malformed {
+                path: self.idx_path.clone(),
+                line: 0,
+                reason: format!(
+                    "sequence {i} ({len} tokens at byte {pointer}) is not inside {} ({} bytes)",
+                    self.bin_path.display(),
+                    self.bin.len()
+                ),
+            });
+        }
+        Ok((len as usize, pointer as usize))
     }
 
     fn raw_len(&self, i: usize) -> i32 {
@@ -239,6 +268,11 @@ impl IndexedDataset {
     fn pointer(&self, i: usize) -> i64 {
         let at = HEADER + 4 * self.sequences + 8 * i;
         i64::from_le_bytes(self.idx[at..at + 8].try_into().unwrap_or_default())
+    }
+
+    /// The `.bin` file.
+    pub fn bin_path(&self) -> &Path {
+        &self.bin_path
     }
 
     /// The token type of `.bin`.
@@ -261,56 +295,170 @@ impl IndexedDataset {
         self.documents.saturating_sub(1)
     }
 
-    /// Tokens of sequence `i` (checked by [`Self::open`]); from the index alone.
-    pub fn sequence_len(&self, i: usize) -> usize {
-        self.raw_len(i) as usize
+    /// Tokens of sequence `i < len()`, from the index alone; an error names a sequence that
+    /// does not lie inside `.bin`.
+    pub fn sequence_len(&self, i: usize) -> Result<usize, DataError> {
+        self.in_range(i)?;
+        Ok(self.checked(i)?.0)
     }
 
-    /// The first sequence of each document, then the sequence count.
-    pub fn document_indices(&self) -> Vec<usize> {
+    /// Tokens in `.bin` (every sequence's, back to back).
+    pub fn total_tokens(&self) -> usize {
+        self.bin.len() / self.dtype.size()
+    }
+
+    fn in_range(&self, i: usize) -> Result<(), DataError> {
+        if i >= self.sequences {
+            return Err(DataError::Invalid(format!(
+                "sequence {i}: {} has {} sequences",
+                self.idx_path.display(),
+                self.sequences
+            )));
+        }
+        Ok(())
+    }
+
+    /// The first sequence of each document, then the sequence count; an error when they do not
+    /// rise from 0 to the sequence count.
+    pub fn document_indices(&self) -> Result<Vec<usize>, DataError> {
         let base = HEADER + 12 * self.sequences;
-        (0..self.documents)
+        let indices: Vec<i64> = (0..self.documents)
             .map(|d| {
                 let at = base + 8 * d;
-                i64::from_le_bytes(self.idx[at..at + 8].try_into().unwrap_or_default()) as usize
+                i64::from_le_bytes(self.idx[at..at + 8].try_into().unwrap_or_default())
             })
-            .collect()
+            .collect();
+        let ordered = indices.first() == Some(&0)
+            && indices.last() == Some(&(self.sequences as i64))
+            && indices.windows(2).all(|w| w[0] <= w[1]);
+        if !ordered {
+            return Err(DataError::Malformed {
+                path: self.idx_path.clone(),
+                line: 0,
+                reason: format!(
+                    "document indices must rise from 0 to the sequence count {}",
+                    self.sequences
+                ),
+            });
+        }
+        Ok(indices.into_iter().map(|i| i as usize).collect())
+    }
+
+    /// The sequences holding tokens `range` of the concatenation of every sequence (in `.bin`
+    /// order), as `(sequence, range within it)`, empty sequences left out. Finds the first one by
+    /// bisection over the byte pointers and checks each sequence it reads: in `.bin`, and
+    /// directly after the one before (Megatron's layout), so a disordered index is an error,
+    /// never a wrong read. Touches `O(log S + sequences in range)` entries of the index.
+    pub fn locate(
+        &self,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<(usize, std::ops::Range<usize>)>, DataError> {
+        let size = self.dtype.size();
+        if range.start > range.end || range.end > self.total_tokens() {
+            return Err(DataError::Invalid(format!(
+                "tokens {range:?} of {}: it holds {} tokens",
+                self.bin_path.display(),
+                self.total_tokens()
+            )));
+        }
+        let mut parts = Vec::new();
+        if range.is_empty() {
+            return Ok(parts);
+        }
+        // The last sequence starting at or before the first byte asked for.
+        let (mut low, mut high) = (0, self.sequences);
+        while high - low > 1 {
+            let middle = (low + high) / 2;
+            if self.checked(middle)?.1 <= range.start * size {
+                low = middle;
+            } else {
+                high = middle;
+            }
+        }
+        let (mut sequence, mut at) = (low, range.start);
+        let (mut len, mut pointer) = self.checked(sequence)?;
+        let disordered = |reason: String| DataError::Malformed {
+            path: self.idx_path.clone(),
+            line: 0,
+            reason: format!(
+                "{reason}: sequences must lie back to back in .bin, as Megatron writes them"
+            ),
+        };
+        loop {
+            let first = pointer / size;
+            if pointer % size != 0 || (len > 0 && !(first..first + len).contains(&at)) {
+                return Err(disordered(format!(
+                    "token {at} is not in sequence {sequence} ({len} tokens at byte {pointer})"
+                )));
+            }
+            if len > 0 {
+                let upto = (first + len).min(range.end);
+                parts.push((sequence, at - first..upto - first));
+                at = upto;
+            }
+            if at == range.end {
+                break;
+            }
+            let next = sequence + 1;
+            if next >= self.sequences {
+                return Err(disordered(format!(
+                    "token {at} lies past the last sequence"
+                )));
+            }
+            let following = self.checked(next)?;
+            if following.1 != pointer + len * size {
+                return Err(disordered(format!(
+                    "sequence {next} does not start where sequence {sequence} ends (byte {})",
+                    pointer + len * size
+                )));
+            }
+            (sequence, (len, pointer)) = (next, following);
+        }
+        Ok(parts)
     }
 
     /// Tokens `range` of sequence `i`, reading only their bytes. Errors name a range outside the
     /// sequence or a token id outside `u32`.
     pub fn tokens(&self, i: usize, range: std::ops::Range<usize>) -> Result<Vec<u32>, DataError> {
-        if i >= self.sequences || range.start > range.end || range.end > self.sequence_len(i) {
+        self.in_range(i)?;
+        let (len, pointer) = self.checked(i)?;
+        if range.start > range.end || range.end > len {
             return Err(DataError::Invalid(format!(
-                "tokens {range:?} of sequence {i}: {} has {} sequences{}",
+                "tokens {range:?} of sequence {i}: {} has {} sequences, that one {len} tokens",
                 self.bin_path.display(),
                 self.sequences,
-                if i < self.sequences {
-                    format!(", that one {} tokens", self.sequence_len(i))
-                } else {
-                    String::new()
-                }
             )));
         }
         let size = self.dtype.size();
-        let start = self.pointer(i) as usize + range.start * size;
-        self.bin[start..start + range.len() * size]
-            .chunks_exact(size)
-            .enumerate()
-            .map(|(k, bytes)| {
-                let token = self.dtype.decode(bytes);
-                u32::try_from(token).map_err(|_| DataError::Malformed {
-                    path: self.bin_path.clone(),
-                    line: 0,
-                    reason: format!(
-                        "token {} of sequence {i} is {token}: ids are 0 ..= {}",
-                        range.start + k,
-                        u32::MAX
-                    ),
-                })
-            })
-            .collect()
+        decode_tokens(
+            &self.bin[pointer + range.start * size..pointer + range.end * size],
+            self.dtype,
+            &self.bin_path,
+            |k| format!("token {} of sequence {i}", range.start + k),
+        )
     }
+}
+
+/// `bytes` decoded as `dtype` tokens; an error names the file and the token (`which(k)` for
+/// the `k`-th) whose id is outside `u32`.
+pub(crate) fn decode_tokens(
+    bytes: &[u8],
+    dtype: TokenType,
+    path: &Path,
+    which: impl Fn(usize) -> String,
+) -> Result<Vec<u32>, DataError> {
+    bytes
+        .chunks_exact(dtype.size())
+        .enumerate()
+        .map(|(k, bytes)| {
+            let token = dtype.decode(bytes);
+            u32::try_from(token).map_err(|_| DataError::Malformed {
+                path: path.to_path_buf(),
+                line: 0,
+                reason: format!("{} is {token}: ids are 0 ..= {}", which(k), u32::MAX),
+            })
+        })
+        .collect()
 }
 
 /// Writes a Megatron-LM indexed dataset: one sequence per document (as Megatron's
@@ -330,6 +478,11 @@ impl IndexedWriter {
     /// Creates `PREFIX.bin` (the index is written by [`Self::finish`]).
     pub fn create(prefix: &Path, dtype: TokenType) -> Result<Self, DataError> {
         let (idx_path, bin_path) = indexed_paths(prefix);
+        if dtype.code().is_none() {
+            return Err(DataError::Invalid(format!(
+                "{dtype:?}: Megatron's index has no code for it (int32 holds every id below 2^31)"
+            )));
+        }
         let file = File::create(&bin_path).map_err(|e| DataError::io(&bin_path, e))?;
         Ok(Self {
             bin: BufWriter::new(file),
@@ -381,7 +534,7 @@ impl IndexedWriter {
         let mut idx = Vec::with_capacity(HEADER + 20 * sequences + 8);
         idx.extend(MAGIC);
         idx.extend(1u64.to_le_bytes());
-        idx.push(self.dtype.code());
+        idx.push(self.dtype.code().unwrap_or_default());
         idx.extend((sequences as u64).to_le_bytes());
         idx.extend((sequences as u64 + 1).to_le_bytes());
         for len in &self.lengths {
@@ -417,9 +570,9 @@ mod tests {
             writer.finish().unwrap();
             let data = IndexedDataset::open(&prefix).unwrap();
             assert_eq!((data.len(), data.documents(), data.dtype()), (4, 4, dtype));
-            assert_eq!(data.document_indices(), vec![0, 1, 2, 3, 4]);
+            assert_eq!(data.document_indices().unwrap(), vec![0, 1, 2, 3, 4]);
             for (i, document) in documents.iter().enumerate() {
-                assert_eq!(data.sequence_len(i), document.len());
+                assert_eq!(data.sequence_len(i).unwrap(), document.len());
                 assert_eq!(&data.tokens(i, 0..document.len()).unwrap(), document);
             }
             assert_eq!(data.tokens(0, 1..3).unwrap(), vec![2, 3]);
@@ -463,9 +616,26 @@ mod tests {
         std::fs::write(&idx_path, &idx).unwrap();
         let data = IndexedDataset::open(&prefix).unwrap();
         assert_eq!((data.len(), data.documents()), (3, 2));
-        assert_eq!(data.document_indices(), vec![0, 2, 3]);
+        assert_eq!(data.document_indices().unwrap(), vec![0, 2, 3]);
         assert_eq!(data.tokens(1, 0..1).unwrap(), vec![20]);
         assert_eq!(data.tokens(2, 0..2).unwrap(), vec![30, 31]);
+        // The concatenation of the sequences, located by token range.
+        assert_eq!(data.total_tokens(), 6);
+        assert_eq!(
+            data.locate(0..6).unwrap(),
+            vec![(0, 0..3), (1, 0..1), (2, 0..2)]
+        );
+        assert_eq!(
+            data.locate(2..5).unwrap(),
+            vec![(0, 2..3), (1, 0..1), (2, 0..1)]
+        );
+        assert_eq!(data.locate(3..4).unwrap(), vec![(1, 0..1)]);
+        assert_eq!(data.locate(4..4).unwrap(), vec![]);
+        assert!(data
+            .locate(5..7)
+            .unwrap_err()
+            .to_string()
+            .contains("holds 6 tokens"));
 
         // Broken indexes are refused, naming the rule.
         let refused = |idx: &[u8], expect: &str| {
@@ -486,11 +656,36 @@ mod tests {
         let mut outside = idx.clone();
         let pointer_at = HEADER + 12 + 16;
         outside[pointer_at..pointer_at + 8].copy_from_slice(&100i64.to_le_bytes());
-        refused(&outside, "sequence 2 (2 tokens at byte 100)");
+        refused(
+            &outside,
+            "the last sequence (2 tokens at byte 100) does not end",
+        );
+        // Per-sequence rules are checked where a sequence is read (opening reads no entry).
+        let opened_then_refused =
+            |idx: &[u8], read: &dyn Fn(&IndexedDataset) -> Result<(), DataError>, expect: &str| {
+                std::fs::write(&idx_path, idx).unwrap();
+                let data = IndexedDataset::open(&prefix).unwrap();
+                let err = read(&data).unwrap_err().to_string();
+                assert!(err.contains(expect), "{expect}: {err}");
+            };
+        let mut middle = idx.clone();
+        let pointer_at = HEADER + 12 + 8;
+        middle[pointer_at..pointer_at + 8].copy_from_slice(&100i64.to_le_bytes());
+        let expect = "sequence 1 (1 tokens at byte 100) is not inside";
+        opened_then_refused(&middle, &|d| d.tokens(1, 0..1).map(drop), expect);
+        opened_then_refused(&middle, &|d| d.locate(0..6).map(drop), expect);
+        let mut apart = idx.clone();
+        apart[pointer_at..pointer_at + 8].copy_from_slice(&8i64.to_le_bytes());
+        let expect = "sequence 1 does not start where sequence 0 ends (byte 6)";
+        opened_then_refused(&apart, &|d| d.locate(0..6).map(drop), expect);
         let mut unordered = idx.clone();
         let docs_at = HEADER + 36 + 8;
         unordered[docs_at..docs_at + 8].copy_from_slice(&5i64.to_le_bytes());
-        refused(&unordered, "document indices");
+        opened_then_refused(
+            &unordered,
+            &|d| d.document_indices().map(drop),
+            "document indices",
+        );
         std::fs::remove_file(idx_path).ok();
         std::fs::remove_file(bin_path).ok();
     }

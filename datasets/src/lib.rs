@@ -10,6 +10,10 @@
 //! sampler    length samplers: longalign-like, ldc-like, with DCP's scale factors and a cap
 //! dataset    burn Dataset of packed micro-batches, background prefetch
 //! stats      percentiles and histograms
+//! indexed    Megatron-LM's .bin/.idx, memory-mapped reader and writer
+//! prepare    text or jsonl → an indexed or flat token file (+ loss mask), for prepare_data
+//! tokens     token files (indexed or flat with an end-of-document id), loss masks beside them
+//! stream     --data-path: windows of token files, seeded order, blends, held-out windows
 //! ```
 
 pub mod corpus;
@@ -18,9 +22,12 @@ pub mod error;
 pub mod indexed;
 pub mod masks;
 pub mod packing;
+pub mod prepare;
 pub mod sampler;
 pub mod stats;
+pub mod stream;
 pub mod tokenizer;
+pub mod tokens;
 
 pub use burn_dcp_kernels::MaskSpec;
 pub use error::DataError;
@@ -30,4 +37,6 @@ pub use packing::{
     micro_batch, pack_corpus, pack_corpus_pieces, MicroBatch, Packing, PackingConfig,
 };
 pub use sampler::{LengthMix, LengthSampler};
+pub use stream::{DataPath, DataState, StreamOptions, TokenData};
 pub use tokenizer::{TokenizedCorpus, Tokenizer};
+pub use tokens::{FlatFormat, TokenFile};

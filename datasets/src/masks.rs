@@ -12,8 +12,6 @@
 //! A policy gives every sequence the same mask, or (`mixed`) draws one of the four sparse/causal
 //! kinds per sequence from the seed and the sequence's identity.
 
-use std::hash::{Hash, Hasher};
-
 use burn_dcp_kernels::MaskSpec;
 
 use crate::error::DataError;
@@ -74,9 +72,9 @@ impl MaskPolicy {
         match self {
             Self::Same(spec) => spec.clone(),
             Self::Mixed => {
-                let mut hasher = std::collections::hash_map::DefaultHasher::new();
-                (seed, piece).hash(&mut hasher);
-                match hasher.finish() % 4 {
+                let words = [seed, piece.doc as u64, piece.start as u64, piece.len as u64];
+                let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+                match crate::tokenizer::stable_hash(&bytes) % 4 {
                     0 => MaskSpec::Causal,
                     1 => lambda_default(),
                     2 => blockwise_default(),

@@ -117,7 +117,12 @@ pub fn micro_batch(
     let mut batch = MicroBatch::empty();
     for piece in pieces {
         let tokens = &corpus.documents[piece.doc][piece.start..piece.start + piece.len];
+        let first_label = batch.labels.len();
         batch.push_sequence(tokens, masks.mask_for(piece, seed), piece);
+        // A prompt's tokens are no targets: label j predicts document token start + j + 1.
+        let prompt = corpus.prompt_len(piece.doc);
+        let unlabelled = (prompt.saturating_sub(piece.start + 1)).min(piece.len);
+        batch.labels[first_label..first_label + unlabelled].fill(-1);
     }
     batch
 }

@@ -247,6 +247,7 @@ mod tests {
         let corpus = TokenizedCorpus {
             names: vec!["a".into(), "b".into()],
             documents: vec![(0..30_000).collect(), (30_000..50_000).collect()],
+            prompts: Vec::new(),
         };
         for mix in [LengthMix::LongAlignLike, LengthMix::LdcLike] {
             let sampler = LengthSampler::fitted(mix, 2048).unwrap();

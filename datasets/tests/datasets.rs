@@ -19,6 +19,7 @@ fn corpus(lengths: &[usize]) -> TokenizedCorpus {
             .enumerate()
             .map(|(d, &len)| (0..len).map(|p| (d * 100_000 + p) as u32).collect())
             .collect(),
+        prompts: Vec::new(),
     }
 }
 
@@ -132,6 +133,19 @@ fn jsonl_loader_reads_text_and_chat_and_names_bad_lines() {
         .collect();
     assert_eq!(docs[0].text, "hello");
     assert_eq!(docs[1].text, "user: hi\n\nassistant: yo");
+    let pair = temp(
+        "pair.jsonl",
+        b"{\"prompt\": \"Q: 2+2?\", \"completion\": \" A: 4\"}\n",
+    );
+    let pair: Vec<_> = jsonl_documents(&pair)
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        (pair[0].prompt.as_deref(), pair[0].text.as_str()),
+        (Some("Q: 2+2?"), " A: 4")
+    );
+    assert_eq!(docs[0].prompt, None);
     for (content, reason) in [
         (
             "{\"text\": \"ok\"}\n{\"text\": 3}\n",
@@ -140,7 +154,11 @@ fn jsonl_loader_reads_text_and_chat_and_names_bad_lines() {
         ("{\"text\": \"ok\"}\nnot json\n", "not valid JSON"),
         (
             "{\"text\": \"ok\"}\n{\"other\": 1}\n",
-            "expected a \"text\" string or a \"messages\" array",
+            "expected a \"text\" string, \"prompt\" and \"completion\" strings, or a \"messages\" array",
+        ),
+        (
+            "{\"text\": \"ok\"}\n{\"prompt\": \"q\"}\n",
+            "needs string fields \"prompt\" and \"completion\" (\"completion\" is missing",
         ),
         (
             "{\"text\": \"ok\"}\n{\"messages\": [{\"role\": \"user\"}]}\n",
@@ -182,7 +200,7 @@ fn the_default_corpus_is_long_tailed_and_packs_efficiently() {
     use burn_dcp_datasets::Tokenizer;
 
     let documents = default_corpus().unwrap_or_else(|e| panic!("{e}"));
-    let corpus = TokenizedCorpus::tokenize(documents, Tokenizer::Bytes).unwrap();
+    let corpus = TokenizedCorpus::tokenize(documents, &Tokenizer::Bytes).unwrap();
     let lengths = corpus.lengths();
     let stats = LengthStats::of(&lengths);
     assert!(stats.documents >= 100, "{stats:?}");

@@ -427,3 +427,72 @@ fn cp_attention_emulated_links_report_measured_and_predicted_time() {
         "--link-scale 10 only applies with --emulate-links",
     );
 }
+
+#[test]
+fn prepare_data_refuses_bad_flags_and_dataset_stats_reads_its_files() {
+    refused(
+        "prepare_data",
+        &["--input", "builtin-missing", "--output-prefix", "/tmp/x"],
+        "builtin-missing",
+    );
+    let dir = std::env::temp_dir().join(format!("bdcp-prepare-cli-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("text")).unwrap();
+    std::fs::write(dir.join("text/a.txt"), "first document").unwrap();
+    std::fs::write(dir.join("text/b.txt"), "the second one").unwrap();
+    let input = dir.join("text");
+    let input = input.to_str().unwrap();
+    let prefix = dir.join("out");
+    let prefix = prefix.to_str().unwrap();
+    refused(
+        "prepare_data",
+        &[
+            "--input",
+            input,
+            "--output-prefix",
+            prefix,
+            "--format",
+            "tar",
+        ],
+        "--format tar: indexed or flat",
+    );
+    refused(
+        "prepare_data",
+        &[
+            "--input",
+            input,
+            "--output-prefix",
+            prefix,
+            "--format",
+            "flat",
+            "--tokenizer",
+            "bytes",
+        ],
+        "--eod-token: which id ends a document with the bytes tokenizer?",
+    );
+    let written = succeeded(
+        "prepare_data",
+        &[
+            "--input",
+            input,
+            "--output-prefix",
+            prefix,
+            "--tokenizer",
+            "bytes",
+            "--append-eod",
+            "--eod-token",
+            "0",
+        ],
+    );
+    let written: serde_json::Value = serde_json::from_str(&written).unwrap();
+    assert_eq!(
+        (written["documents"].as_u64(), written["tokens"].as_u64()),
+        (Some(2), Some(30))
+    );
+    let stats = succeeded("dataset_stats", &["--data-path", prefix, "--json"]);
+    let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(
+        (stats["documents"].as_u64(), stats["max"].as_u64()),
+        (Some(2), Some(15))
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

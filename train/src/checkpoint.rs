@@ -31,6 +31,30 @@ pub struct TrainState {
     /// The model's configuration ([`TrainConfig::model_identity`]).
     #[serde(default)]
     pub model: Option<serde_json::Value>,
+    /// Where the run stands in its token files (`--data-path`): a resumed run checks that it
+    /// reads the same files in the same order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<burn_dcp_datasets::DataState>,
+}
+
+/// A resumed run reads the same data as the saved one: the same files with the same sizes and
+/// windows, each having given as many micro-batches at the saved step.
+pub(crate) fn check_data_state(
+    saved: Option<&burn_dcp_datasets::DataState>,
+    now: Option<&burn_dcp_datasets::DataState>,
+    checkpoint: &Path,
+) -> Result<(), TrainError> {
+    match (saved, now) {
+        (Some(saved), Some(now)) if saved != now => Err(TrainError::Checkpoint(format!(
+            "the training data differ from those of the checkpoint in {}: it read {}, this run \
+             reads {} (a token file changed size, or --seq-len, --eval-tokens or the blend \
+             changed)",
+            checkpoint.display(),
+            serde_json::to_string(saved).unwrap_or_default(),
+            serde_json::to_string(now).unwrap_or_default()
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// The checkpoint to load from the run directory `dir`: `checkpoint/`, or `checkpoint.old/` when

@@ -1,14 +1,17 @@
-//! The training data: the corpus tokenized and packed once; step `s` takes its micro-batches,
-//! built the first time a step asks for them.
+//! The training data: a corpus tokenized and packed once, or token files read window by window;
+//! step `s` takes its micro-batches, built the first time a step asks for them.
 
-use std::sync::OnceLock;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use burn_dcp::kernels::{MicroBatch, Piece};
 use burn_dcp_datasets::corpus::{open_documents, Document};
+use burn_dcp_datasets::indexed::TokenType;
 use burn_dcp_datasets::sampler::recut;
 use burn_dcp_datasets::tokenizer::{cache_dir, default_tokenized, files_identity, tokenize_cached};
 use burn_dcp_datasets::{
-    micro_batch, pack_corpus_pieces, MaskPolicy, PackingConfig, TokenizedCorpus,
+    micro_batch, pack_corpus_pieces, DataError, DataPath, DataState, FlatFormat, MaskPolicy,
+    PackingConfig, StreamOptions, TokenData, TokenizedCorpus,
 };
 
 use crate::config::TrainConfig;
@@ -30,43 +33,73 @@ pub(crate) fn builtin_documents() -> Vec<Document> {
     .map(|(name, text)| Document {
         name: name.to_string(),
         text: text.to_string(),
+        prompt: None,
     })
     .collect()
 }
 
-/// The training data: the corpus tokenized (with `--lengths-from`, recut into documents of a
-/// long-tailed dataset's lengths, each at most `seq_len`) and packed once into micro-batches of
-/// at most `seq_len` tokens (long documents split; see `burn_dcp_datasets::packing`). Step `s` uses
-/// micro-batches `(s−1)·n .. s·n` (cyclically), `n` = micro-batches per step, so any cp/dp split
-/// and a resumed run see the same data.
+/// The training data: micro-batches of a text corpus ([`TrainData::load`] with `corpus`) or of
+/// pre-tokenized files (`data_path`: `burn_dcp_datasets::stream`, read window by window). Step
+/// `s` uses micro-batches `(s−1)·n .. s·n`, `n` = micro-batches per step, so any cp/dp split and
+/// a resumed run see the same data.
 pub struct TrainData {
-    /// `--eval-every`: the held-out documents' micro-batches (never trained on).
+    /// `--eval-every`: the held-out micro-batches (never trained on).
     validation: Option<Box<TrainData>>,
-    corpus: TokenizedCorpus,
-    /// The pieces of every micro-batch (cheap); a micro-batch is built from its pieces when a
-    /// step first uses it, so a run holds only its steps' micro-batches (the packed corpus would
-    /// take ~20 bytes per token in every process).
-    pieces: Vec<Vec<Piece>>,
-    built: Vec<OnceLock<MicroBatch>>,
-    masks: MaskPolicy,
-    seed: u64,
+    source: Source,
 }
+
+enum Source {
+    /// The corpus tokenized (with `--lengths-from`, recut into documents of a long-tailed
+    /// dataset's lengths, each at most `seq_len`) and packed once into micro-batches of at most
+    /// `seq_len` tokens (long documents split; see `burn_dcp_datasets::packing`), cyclically.
+    Corpus {
+        corpus: TokenizedCorpus,
+        /// The pieces of every micro-batch (cheap); a micro-batch is built from its pieces when
+        /// a step first uses it, so a run holds only its steps' micro-batches (the packed corpus
+        /// would take ~20 bytes per token in every process).
+        pieces: Vec<Vec<Piece>>,
+        built: Vec<OnceLock<Arc<MicroBatch>>>,
+        masks: MaskPolicy,
+        seed: u64,
+    },
+    /// Token files, memory-mapped: a micro-batch is read when asked for and kept only among
+    /// the last few (memory does not grow with the data set, nor with the steps).
+    Tokens {
+        data: Arc<TokenData>,
+        held_out: bool,
+        recent: Mutex<VecDeque<(usize, Arc<MicroBatch>)>>,
+    },
+}
+
+/// Micro-batches of token files kept after use (planning, prediction and the step ask for the
+/// same ones).
+const RECENT: usize = 16;
 
 impl TrainData {
     pub fn load(config: &TrainConfig) -> Result<Self, TrainError> {
+        if !config.data_path.is_empty() {
+            return Self::load_tokens(config);
+        }
         let tokenizer = config.tokenizer()?;
         let corpus = match config.corpus.as_str() {
             "builtin" => {
-                TokenizedCorpus::tokenize(builtin_documents().into_iter().map(Ok), tokenizer)
+                TokenizedCorpus::tokenize(builtin_documents().into_iter().map(Ok), &tokenizer)
             }
-            "default" => default_tokenized(tokenizer),
+            "default" => default_tokenized(&tokenizer),
             path => {
                 let identity = format!("{path}:{}", files_identity(&[path.into()]));
-                tokenize_cached(&identity, || open_documents(path), tokenizer, &cache_dir())
+                tokenize_cached(&identity, || open_documents(path), &tokenizer, &cache_dir())
             }
         }
         .map_err(|e| TrainError::Data(e.to_string()))?;
         let corpus = match config.length_sampler()? {
+            Some(_) if !corpus.prompts.is_empty() => {
+                return Err(TrainError::Config(format!(
+                    "--lengths-from recuts documents, which would lose the prompts of corpus '{}' \
+                     (prompt/completion lines)",
+                    config.corpus
+                )))
+            }
             Some(sampler) => recut(&corpus, &sampler, config.seed),
             None => corpus,
         };
@@ -80,18 +113,60 @@ impl TrainData {
         let mut data = Self::packed(corpus, config)?;
         if let Some(held_out) = held_out {
             let validation = Self::packed(held_out, config)?;
-            if validation.len() < config.micro_batches {
-                return Err(TrainError::Data(format!(
-                    "--eval-tokens {} pack into {} micro-batches of at most {} tokens, fewer than one step's {} (--micro-batches): hold out more",
+            data.validation = Some(Box::new(validation));
+        }
+        data.check_validation(config)?;
+        Ok(data)
+    }
+
+    /// `--data-path`: the token files opened (headers and sizes only).
+    fn load_tokens(config: &TrainConfig) -> Result<Self, TrainError> {
+        let data_error = |e: DataError| TrainError::Data(e.to_string());
+        let path = DataPath::parse(&config.data_path).map_err(data_error)?;
+        let flat = FlatFormat {
+            dtype: TokenType::parse_flat(&config.token_dtype).map_err(data_error)?,
+            eod: config.eod_token,
+        };
+        let options = StreamOptions {
+            seq_len: config.seq_len,
+            seed: config.seed,
+            vocab: config.vocab_size()?,
+            held_out_tokens: config.eval_every.map_or(0, |_| config.eval_tokens),
+            masks: config.mask_policy()?,
+        };
+        let data = Arc::new(TokenData::open(&path, flat, options).map_err(data_error)?);
+        let tokens = |held_out| Source::Tokens {
+            data: data.clone(),
+            held_out,
+            recent: Mutex::new(VecDeque::new()),
+        };
+        let data = Self {
+            validation: config.eval_every.map(|_| {
+                Box::new(Self {
+                    validation: None,
+                    source: tokens(true),
+                })
+            }),
+            source: tokens(false),
+        };
+        data.check_validation(config)?;
+        Ok(data)
+    }
+
+    /// The validation set holds at least one step.
+    fn check_validation(&self, config: &TrainConfig) -> Result<(), TrainError> {
+        match &self.validation {
+            Some(validation) if validation.len() < config.micro_batches => {
+                Err(TrainError::Data(format!(
+                    "--eval-tokens {} make {} micro-batches of at most {} tokens, fewer than one step's {} (--micro-batches): hold out more",
                     config.eval_tokens,
                     validation.len(),
                     config.seq_len,
                     config.micro_batches
-                )));
+                )))
             }
-            data.validation = Some(Box::new(validation));
+            _ => Ok(()),
         }
-        Ok(data)
     }
 
     /// `corpus` packed into micro-batches of at most `seq_len` tokens.
@@ -119,32 +194,108 @@ impl TrainData {
         }
         Ok(Self {
             validation: None,
-            corpus,
-            built: (0..pieces.len()).map(|_| OnceLock::new()).collect(),
-            pieces,
-            masks: config.mask_policy()?,
-            seed: config.seed,
+            source: Source::Corpus {
+                corpus,
+                built: (0..pieces.len()).map(|_| OnceLock::new()).collect(),
+                pieces,
+                masks: config.mask_policy()?,
+                seed: config.seed,
+            },
         })
     }
 
-    /// The micro-batches of optimizer step `step` (1-based).
-    pub fn step_batches(&self, step: usize, count: usize) -> Vec<&MicroBatch> {
+    /// The micro-batches of optimizer step `step` (1-based); an error names a token file's
+    /// bad bytes (read when a step first asks for them).
+    pub fn step_batches(
+        &self,
+        step: usize,
+        count: usize,
+    ) -> Result<Vec<Arc<MicroBatch>>, TrainError> {
         (0..count)
             .map(|i| self.batch((step - 1) * count + i))
             .collect()
     }
 
-    /// Micro-batch `index` (cyclically), built on first use.
-    fn batch(&self, index: usize) -> &MicroBatch {
-        let index = index % self.pieces.len();
-        self.built[index].get_or_init(|| {
-            let pieces = self.pieces[index].clone();
-            micro_batch(&self.corpus, pieces, &self.masks, self.seed)
-        })
+    /// [`Self::step_batches`] for the attention's callers (a data error as `CpError::Input`).
+    pub(crate) fn cp_step_batches(
+        &self,
+        step: usize,
+        count: usize,
+    ) -> Result<Vec<Arc<MicroBatch>>, burn_dcp::CpError> {
+        self.step_batches(step, count)
+            .map_err(|e| burn_dcp::CpError::Input(e.to_string()))
     }
 
+    /// Micro-batch `index`: of a corpus cyclically, built on first use; of token files read
+    /// (training: any index, epoch after epoch; held out: cyclically).
+    fn batch(&self, index: usize) -> Result<Arc<MicroBatch>, TrainError> {
+        match &self.source {
+            Source::Corpus {
+                corpus,
+                pieces,
+                built,
+                masks,
+                seed,
+            } => {
+                let index = index % pieces.len();
+                Ok(built[index]
+                    .get_or_init(|| {
+                        Arc::new(micro_batch(corpus, pieces[index].clone(), masks, *seed))
+                    })
+                    .clone())
+            }
+            Source::Tokens {
+                data,
+                held_out,
+                recent,
+            } => {
+                let index = match held_out {
+                    true => index % data.validation_len(),
+                    false => index,
+                };
+                let mut kept = recent.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some((_, batch)) = kept.iter().find(|(i, _)| *i == index) {
+                    return Ok(batch.clone());
+                }
+                drop(kept);
+                let batch = match held_out {
+                    true => data.validation_batch(index),
+                    false => data.batch(index),
+                }
+                .map(Arc::new)
+                .map_err(|e| TrainError::Data(e.to_string()))?;
+                kept = recent.lock().unwrap_or_else(|e| e.into_inner());
+                if kept.len() == RECENT {
+                    kept.pop_front();
+                }
+                kept.push_back((index, batch.clone()));
+                Ok(batch)
+            }
+        }
+    }
+
+    /// Micro-batches of one pass: a corpus's packing, or the training windows of every token
+    /// file (one epoch each), or the held-out ones.
     pub fn len(&self) -> usize {
-        self.pieces.len()
+        match &self.source {
+            Source::Corpus { pieces, .. } => pieces.len(),
+            Source::Tokens {
+                data,
+                held_out: true,
+                ..
+            } => data.validation_len(),
+            Source::Tokens { data, .. } => data.train_windows(),
+        }
+    }
+
+    /// Where the data stand after `step` steps of `per_step` micro-batches: for token files,
+    /// each source's size and the micro-batches it gave (a checkpoint records it; a resumed run
+    /// must find the same); `None` for a corpus (its order is a function of the configuration).
+    pub fn state(&self, step: usize, per_step: usize) -> Option<DataState> {
+        match &self.source {
+            Source::Tokens { data, .. } => Some(data.state(step * per_step)),
+            Source::Corpus { .. } => None,
+        }
     }
 
     /// The validation set (`--eval-every`): the held-out documents packed alike; its "step"
@@ -160,7 +311,7 @@ impl TrainData {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.pieces.is_empty()
+        self.len() == 0
     }
 }
 
@@ -193,10 +344,16 @@ fn hold_out(
         )));
     }
     let (mut train, mut validation) = (TokenizedCorpus::default(), TokenizedCorpus::default());
-    for ((name, document), held) in corpus.names.into_iter().zip(corpus.documents).zip(held) {
+    let prompts: Vec<usize> = (0..held.len()).map(|d| corpus.prompt_len(d)).collect();
+    let with_prompts = !corpus.prompts.is_empty();
+    let documents = corpus.names.into_iter().zip(corpus.documents);
+    for (((name, document), held), prompt) in documents.zip(held).zip(prompts) {
         let part = if held { &mut validation } else { &mut train };
         part.names.push(name);
         part.documents.push(document);
+        if with_prompts {
+            part.prompts.push(prompt);
+        }
     }
     Ok((train, validation))
 }
@@ -209,6 +366,7 @@ mod tests {
         TokenizedCorpus {
             names: (0..lengths.len()).map(|i| format!("doc{i}")).collect(),
             documents: lengths.iter().map(|&n| vec![7; n]).collect(),
+            prompts: Vec::new(),
         }
     }
 

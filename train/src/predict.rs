@@ -127,7 +127,8 @@ pub(crate) fn plan_step_predicted(
 ) -> Result<StepPlan, CpError> {
     let mut plan = plan_step(config, data, step)?;
     if let Some(predictor) = predictor {
-        let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
+        let batches = data.cp_step_batches(step, config.micro_batches)?;
+        let sequences = StepSequences::new(batches.iter().map(|b| &**b).collect());
         let model = config
             .model_shape()
             .map_err(|e| CpError::Config(e.to_string()))?;

@@ -14,8 +14,8 @@ use burn_dcp::kernels::FlashOps;
 use burn_dcp::CpError;
 
 use crate::checkpoint::{
-    load_model, read_json, save_checkpoint, saved_checkpoint, Checkpoint, CheckpointFiles,
-    Recorder_, TrainState,
+    check_data_state, load_model, read_json, save_checkpoint, saved_checkpoint, Checkpoint,
+    CheckpointFiles, Recorder_, TrainState,
 };
 use crate::config::{Precision, Recompute, TrainConfig};
 use crate::data::TrainData;
@@ -164,6 +164,8 @@ impl Trainer<'_> {
                 })?;
             optimizer = optimizer.load_record(record);
             let state: TrainState = read_json(&checkpoint.join("state.json"))?;
+            let now = self.data.state(state.step, config.micro_batches);
+            check_data_state(state.data.as_ref(), now.as_ref(), &checkpoint)?;
             first_step = state.step + 1;
         }
         let run = StepLoop {
@@ -191,6 +193,7 @@ impl Trainer<'_> {
                 step,
                 config: Some(config.clone()),
                 model: Some(config.model_identity()?),
+                data: self.data.state(step, config.micro_batches),
             };
             let saved = Checkpoint {
                 out,

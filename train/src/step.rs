@@ -73,7 +73,7 @@ pub(crate) fn step_gradients_planned<
     device: &B::Device,
 ) -> Result<StepResult, CpError> {
     let step = plan.step;
-    let batches = data.step_batches(step, config.micro_batches);
+    let batches = data.cp_step_batches(step, config.micro_batches)?;
     let global_labels: usize = batches.iter().map(|b| b.label_count()).sum();
     if global_labels == 0 {
         return Err(CpError::Input(format!(
@@ -82,7 +82,7 @@ pub(crate) fn step_gradients_planned<
         )));
     }
     let tokens = batches.iter().map(|b| b.tokens.len()).sum();
-    let sequences = StepSequences::new(batches);
+    let sequences = StepSequences::new(batches.iter().map(|b| &**b).collect());
     let (accumulator, loss_sum) = run_plan::<B, C, M>(
         model,
         groups,
@@ -185,9 +185,9 @@ pub(crate) fn validation_loss<B: FlashOps, C: CheckpointStrategy, M: TrainModel<
     let (mut loss_sum, mut labels) = (0.0, 0);
     for step in 1..=validation.whole_steps(config.micro_batches) {
         let plan = plan_step(config, validation, step)?;
-        let batches = validation.step_batches(step, config.micro_batches);
+        let batches = validation.cp_step_batches(step, config.micro_batches)?;
         let step_labels: usize = batches.iter().map(|b| b.label_count()).sum();
-        let sequences = StepSequences::new(batches);
+        let sequences = StepSequences::new(batches.iter().map(|b| &**b).collect());
         let (_, sum) = run_plan::<B, C, M>(
             model,
             groups,

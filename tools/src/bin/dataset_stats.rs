@@ -4,14 +4,18 @@
 //! ```text
 //! cargo run --release -p burn-dcp-tools --bin dataset_stats -- --corpus default --json
 //! cargo run --release -p burn-dcp-tools --bin dataset_stats -- --corpus ldc-like --samples 20000 --svg ldc.svg
+//! cargo run --release -p burn-dcp-tools --bin dataset_stats -- --data-path data/train --json
 //! ```
 
 use std::path::PathBuf;
 
+use burn_dcp_datasets::indexed::TokenType;
 use burn_dcp_datasets::packing::packing_efficiency;
 use burn_dcp_datasets::stats::{histogram_svg, histogram_text, log2_histogram, LengthStats};
 use burn_dcp_datasets::tokenizer::{cache_dir, files_identity, tokenize_cached};
-use burn_dcp_datasets::{corpus, LengthMix, LengthSampler, PackingConfig, Tokenizer};
+use burn_dcp_datasets::{
+    corpus, FlatFormat, LengthMix, LengthSampler, PackingConfig, TokenFile, Tokenizer,
+};
 use clap::Parser;
 use serde_json::json;
 
@@ -24,6 +28,19 @@ struct Args {
     /// gpt2 (r50k BPE) | bytes
     #[arg(long, default_value = "gpt2")]
     tokenizer: String,
+    /// A Hugging Face tokenizer.json (in place of --tokenizer)
+    #[arg(long)]
+    tokenizer_file: Option<PathBuf>,
+    /// A token file in place of --corpus: a Megatron PREFIX (.bin/.idx; its sequences are the
+    /// documents) or a flat token file (documents end with --eod-token)
+    #[arg(long)]
+    data_path: Option<String>,
+    /// The end-of-document id of a flat token file
+    #[arg(long)]
+    eod_token: Option<u32>,
+    /// The ids of a flat token file: uint16 | uint32
+    #[arg(long, default_value = "uint16")]
+    token_dtype: String,
     /// Tokens per rank of the packing budget.
     #[arg(long, default_value_t = 16384)]
     max_tokens_per_rank: usize,
@@ -61,6 +78,20 @@ fn main() {
 const MAX_SAMPLES: usize = 10_000_000;
 
 fn lengths(args: &Args) -> Result<Vec<usize>, String> {
+    if let Some(path) = &args.data_path {
+        if args.corpus != "default" {
+            return Err(format!(
+                "--corpus {} and --data-path {path}: give one source",
+                args.corpus
+            ));
+        }
+        let flat = FlatFormat {
+            dtype: TokenType::parse_flat(&args.token_dtype).map_err(|e| e.to_string())?,
+            eod: args.eod_token,
+        };
+        let file = TokenFile::open(path, flat).map_err(|e| e.to_string())?;
+        return file.document_lengths().map_err(|e| e.to_string());
+    }
     if let Ok(mix) = args.corpus.parse::<LengthMix>() {
         let samples = args.samples.unwrap_or(10_000);
         if samples == 0 || samples > MAX_SAMPLES {
@@ -83,7 +114,11 @@ fn lengths(args: &Args) -> Result<Vec<usize>, String> {
             args.corpus
         ));
     }
-    let tokenizer = Tokenizer::from_name(&args.tokenizer).map_err(|e| e.to_string())?;
+    let tokenizer = match &args.tokenizer_file {
+        Some(path) => Tokenizer::from_file(path),
+        None => Tokenizer::from_name(&args.tokenizer),
+    }
+    .map_err(|e| e.to_string())?;
     let identity = if args.corpus == "default" {
         files_identity(&corpus::default_corpus_files().map_err(|e| e.to_string())?)
     } else {
@@ -104,7 +139,7 @@ fn lengths(args: &Args) -> Result<Vec<usize>, String> {
     let corpus = tokenize_cached(
         &identity,
         || corpus::open_documents(&args.corpus),
-        tokenizer,
+        &tokenizer,
         &cache_dir(),
     )
     .map_err(|e| e.to_string())?;
@@ -128,8 +163,9 @@ fn run(args: &Args) -> Result<(), String> {
         ));
     }
     let lengths = lengths(args)?;
+    let name = args.data_path.as_deref().unwrap_or(&args.corpus);
     if lengths.iter().all(|&len| len == 0) {
-        return Err(format!("corpus '{}' holds no tokens", args.corpus));
+        return Err(format!("corpus '{}' holds no tokens", name));
     }
     let stats = LengthStats::of(&lengths);
     let (efficiency, micro_batches) =
@@ -138,15 +174,15 @@ fn run(args: &Args) -> Result<(), String> {
     if let Some(path) = &args.svg {
         let title = format!(
             "{} — {} documents, {} tokens",
-            args.corpus, stats.documents, stats.tokens
+            name, stats.documents, stats.tokens
         );
         std::fs::write(path, histogram_svg(&histogram, &title))
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
     if args.json {
         let summary = json!({
-            "corpus": args.corpus,
-            "tokenizer": if args.corpus.parse::<LengthMix>().is_ok() { "none (sampled lengths)" } else { &args.tokenizer },
+            "corpus": name,
+            "tokenizer": if args.corpus.parse::<LengthMix>().is_ok() { "none (sampled lengths)" } else if args.data_path.is_some() { "none (token file)" } else { &args.tokenizer },
             "documents": stats.documents,
             "tokens": stats.tokens,
             "p50": stats.p50,
@@ -164,7 +200,7 @@ fn run(args: &Args) -> Result<(), String> {
         );
         return Ok(());
     }
-    println!("corpus {} ({} tokenizer)", args.corpus, args.tokenizer);
+    println!("corpus {} ({} tokenizer)", name, args.tokenizer);
     println!("documents {}  tokens {}", stats.documents, stats.tokens);
     println!(
         "length percentiles: p50 {}  p90 {}  p99 {}  max {}",

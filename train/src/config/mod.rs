@@ -91,6 +91,19 @@ pub struct TrainConfig {
     pub corpus: String,
     /// `gpt2` (r50k BPE) or `bytes`.
     pub tokenizer: String,
+    /// `--tokenizer-file`: a Hugging Face `tokenizer.json` (in place of `tokenizer`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer_file: Option<String>,
+    /// `--data-path`: pre-tokenized data in place of `corpus`: a Megatron `.bin/.idx` prefix or
+    /// a flat token file, or weight/path pairs of a blend (`burn_dcp_datasets::stream`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub data_path: Vec<String>,
+    /// `--eod-token`: the end-of-document id of a flat token file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eod_token: Option<u32>,
+    /// `--token-dtype`: `uint16` or `uint32`, the ids of a flat token file.
+    #[serde(default = "default_token_dtype")]
+    pub token_dtype: String,
     /// `--lengths-from longalign-like|ldc-like`: the corpus's tokens recut into documents of
     /// lengths drawn from that dataset's sampler fitted to `seq_len`
     /// (`burn_dcp_datasets::sampler::recut`); `None`: the corpus's own documents.
@@ -154,6 +167,10 @@ impl Default for TrainConfig {
             mask: "causal".into(),
             corpus: "default".into(),
             tokenizer: "bytes".into(),
+            tokenizer_file: None,
+            data_path: Vec::new(),
+            eod_token: None,
+            token_dtype: default_token_dtype(),
             lengths_from: None,
             timeout_secs: 60,
             plan_ahead: DEFAULT_PLAN_AHEAD,
@@ -165,6 +182,10 @@ impl Default for TrainConfig {
             precision: Precision::F32,
         }
     }
+}
+
+pub(crate) fn default_token_dtype() -> String {
+    "uint16".into()
 }
 
 pub(crate) fn default_topology() -> String {
@@ -256,8 +277,29 @@ impl TrainConfig {
             .map_err(|e| TrainError::Config(e.to_string()))
     }
 
+    /// `tokenizer_file`'s tokenizer, else `tokenizer`'s.
     pub fn tokenizer(&self) -> Result<Tokenizer, TrainError> {
-        Tokenizer::from_name(&self.tokenizer).map_err(|e| TrainError::Config(e.to_string()))
+        match &self.tokenizer_file {
+            Some(path) => Tokenizer::from_file(std::path::Path::new(path)),
+            None => Tokenizer::from_name(&self.tokenizer),
+        }
+        .map_err(|e| TrainError::Config(e.to_string()))
+    }
+
+    /// The ids the model embeds: `model_shape`'s vocabulary, else the tokenizer's.
+    pub fn vocab_size(&self) -> Result<usize, TrainError> {
+        match &self.model_shape {
+            Some(shape) => Ok(shape.vocab_size),
+            None => Ok(self.tokenizer()?.vocab_size()),
+        }
+    }
+
+    /// What the training data are called in messages: `--data-path`'s words or the corpus.
+    pub fn data_name(&self) -> String {
+        match self.data_path.is_empty() {
+            true => format!("corpus {}", self.corpus),
+            false => format!("--data-path {}", self.data_path.join(" ")),
+        }
     }
 
     /// tp × cp × dp × pp ranks.

@@ -26,7 +26,36 @@ impl TrainConfig {
         }
         self.group_topology()?;
         self.validate_dcp()?;
+        self.validate_data()?;
         self.validate_mask()
+    }
+
+    /// `--data-path` and what goes with it (the files themselves are read when the data load).
+    fn validate_data(&self) -> Result<(), TrainError> {
+        use burn_dcp_datasets::{indexed::TokenType, DataPath};
+        TokenType::parse_flat(&self.token_dtype).map_err(|e| TrainError::Config(e.to_string()))?;
+        if self.data_path.is_empty() {
+            if let Some(eod) = self.eod_token {
+                return Err(TrainError::Config(format!(
+                    "--eod-token {eod} ends the documents of a flat token file: it needs --data-path"
+                )));
+            }
+            return Ok(());
+        }
+        DataPath::parse(&self.data_path).map_err(|e| TrainError::Config(e.to_string()))?;
+        if let Some(recut) = &self.lengths_from {
+            return Err(TrainError::Config(format!(
+                "--lengths-from {recut} recuts a text corpus; --data-path reads its documents as                  written"
+            )));
+        }
+        if self.corpus != "default" {
+            return Err(TrainError::Config(format!(
+                "--corpus {} and --data-path {}: give one source of training data",
+                self.corpus,
+                self.data_path.join(" ")
+            )));
+        }
+        Ok(())
     }
 
     /// Learning rate, timeout, steps, sequence length and the global batch.

@@ -172,6 +172,18 @@ pub struct TrainFlags {
     /// bytes | gpt2 (r50k BPE; its 50257-token LM head makes CPU steps ~8x slower) [default: bytes]
     #[cfg_attr(feature = "cli", arg(long))]
     pub tokenizer: Option<String>,
+    /// A Hugging Face tokenizer.json: tokenizes the corpus, and its vocabulary sizes the model (in place of --tokenizer)
+    #[cfg_attr(feature = "cli", arg(long, value_name = "TOKENIZER_JSON"))]
+    pub tokenizer_file: Option<String>,
+    /// Pre-tokenized training data in place of --corpus, as Megatron-LM names it: a PREFIX of PREFIX.bin + PREFIX.idx (Megatron's indexed dataset), or a flat token file (nanoGPT's; needs --eod-token); a blend as weight/path pairs: --data-path 0.3 A 0.7 B. A loss mask beside a token file (TOKENS.mask, one byte per token) takes its 0 tokens out of the loss
+    #[cfg_attr(feature = "cli", arg(long, num_args = 1.., value_name = "PATH"))]
+    pub data_path: Option<Vec<String>>,
+    /// The end-of-document id of a flat token file (GPT-2's: 50256); each document ends with it
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub eod_token: Option<u32>,
+    /// The ids of a flat token file: uint16 (nanoGPT) | uint32 [default: uint16]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub token_dtype: Option<String>,
     /// What the backward recomputes instead of keeping it: none | attention (burn's BalancedCheckpointing: memory-bound activations and the CP attention's output, which communicates once more) | block (every transformer block from its input) [default: none]
     #[cfg_attr(feature = "cli", arg(long))]
     pub recompute: Option<String>,
@@ -262,6 +274,13 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
         mask: args.mask.clone().unwrap_or(defaults.mask.clone()),
         corpus: args.corpus.clone().unwrap_or(defaults.corpus.clone()),
         tokenizer: args.tokenizer.clone().unwrap_or(defaults.tokenizer.clone()),
+        tokenizer_file: args.tokenizer_file.clone(),
+        data_path: args.data_path.clone().unwrap_or_default(),
+        eod_token: args.eod_token,
+        token_dtype: args
+            .token_dtype
+            .clone()
+            .unwrap_or(defaults.token_dtype.clone()),
         lengths_from: args.lengths_from.clone().or(defaults.lengths_from.clone()),
         timeout_secs: args.timeout_secs.unwrap_or(defaults.timeout_secs),
         plan_ahead: args.plan_ahead.unwrap_or(defaults.plan_ahead),

@@ -115,8 +115,20 @@ pub(super) fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfi
     type Value = fn(&TrainConfig) -> String;
     let seq_len_given = args.seq_len.is_some()
         || (args.max_tokens_per_rank.is_some() && saved.mode.dynamic().is_none());
-    let checks: [(&str, bool, Value); 14] = [
+    let checks: [(&str, bool, Value); 18] = [
         ("--corpus", args.corpus.is_some(), |c| c.corpus.clone()),
+        ("--data-path", args.data_path.is_some(), |c| {
+            c.data_path.join(" ")
+        }),
+        ("--eod-token", args.eod_token.is_some(), |c| {
+            c.eod_token.map_or("none".into(), |id| id.to_string())
+        }),
+        ("--token-dtype", args.token_dtype.is_some(), |c| {
+            c.token_dtype.clone()
+        }),
+        ("--tokenizer-file", args.tokenizer_file.is_some(), |c| {
+            c.tokenizer_file.clone().unwrap_or("none".into())
+        }),
         ("--lengths-from", args.lengths_from.is_some(), |c| {
             c.lengths_from.clone().unwrap_or("none".into())
         }),

@@ -21,7 +21,8 @@ use crate::plan::{sequence_works, StepPlan, StepSequences};
 /// and the strategy name of every micro-batch.
 pub fn plan_step(config: &TrainConfig, data: &TrainData, step: usize) -> Result<StepPlan, CpError> {
     let started = Instant::now();
-    let sequences = StepSequences::new(data.step_batches(step, config.micro_batches));
+    let batches = data.cp_step_batches(step, config.micro_batches)?;
+    let sequences = StepSequences::new(batches.iter().map(|b| &**b).collect());
     let model = config
         .model_shape()
         .map_err(|e| CpError::Config(e.to_string()))?;
