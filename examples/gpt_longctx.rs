@@ -465,6 +465,8 @@ fn summarize(
         "attention_ms": metrics.iter().filter_map(|m| m.attention_ms).sum::<f64>(),
         "comm_wait_ms": metrics.iter().filter_map(|m| m.comm_wait_ms).sum::<f64>(),
         "optimizer_ms": metrics.iter().filter_map(|m| m.optimizer_ms).sum::<f64>(),
+        // With a pipeline: the ranks' mean wait for other stages, summed over the steps.
+        "pipeline_bubble_ms": metrics.iter().map(|m| m.pipeline_bubble_ms).sum::<Option<f64>>(),
         // The largest of every rank's peak (MiB), or null when the ranks cannot tell.
         "peak_memory_mb": metrics
             .iter()

@@ -1180,3 +1180,29 @@ fn gpt_longctx_refuses_bad_data_flags_with_the_rule() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn gpt_longctx_refuses_what_vpp_cannot_run() {
+    refused_gpt(
+        &["--vpp", "2"],
+        "--vpp 2 interleaves the chunks of a pipeline: it needs --pp 2 or more",
+    );
+    refused_gpt(
+        &["--vpp", "2", "--pp", "2"],
+        "--vpp 2 splits the 2 layers into --pp 2 × --vpp 2 = 4 chunks: they must divide",
+    );
+    refused_gpt(
+        &[
+            "--vpp",
+            "2",
+            "--pp",
+            "2",
+            "--model-size",
+            "small",
+            "--pp-schedule",
+            "gpipe",
+        ],
+        "--pp-schedule gpipe has no virtual stages",
+    );
+    refused_gpt(&["--vpp", "0"], "--vpp 0 must be at least 1");
+}

@@ -41,6 +41,7 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         tp: 1,
         pp: 1,
         pp_schedule: Default::default(),
+        vpp: 1,
         // Strategy dcp: the test gives its settings (`TrainMode::Dcp`).
         mode: TrainMode::Static { strategy, layout },
         seq_len: 150,
@@ -1258,3 +1259,6 @@ mod precision;
 
 #[path = "training/token_data.rs"]
 mod token_data;
+
+#[path = "training/pipeline_vpp.rs"]
+mod pipeline_vpp;

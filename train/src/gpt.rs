@@ -8,7 +8,7 @@ use std::path::Path;
 use burn::backend::autodiff::checkpoint::strategy::{
     BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
 };
-use burn::module::ParamId;
+use burn::module::{Module, ParamId};
 use burn::prelude::{Backend, Int, Tensor};
 use burn_dcp::comm::Comm;
 use burn_dcp::kernels::FlashOps;
@@ -22,9 +22,17 @@ use crate::model::{CpTrain, ModelShape, PipelineStage, ShardInput, TrainModel};
 use crate::run::{RankOutcome, Trainer};
 use crate::tensor_parallel::TpGroup;
 
-/// The model one rank trains: its TP shard of the GPT (the whole GPT at tp 1), on [`CpTrain`]
-/// with checkpoint strategy `C`.
-pub type TrainGpt<B, C = NoCheckpointing> = TpGpt<CpTrain<B, C>>;
+/// The model one rank trains: its TP shard of each of its pipeline chunks of the GPT (one chunk,
+/// the whole GPT, at tp 1, pp 1), on [`CpTrain`] with checkpoint strategy `C`.
+pub type TrainGpt<B, C = NoCheckpointing> = GptChunks<CpTrain<B, C>>;
+
+/// The chunks of the GPT one pipeline rank holds: `vpp` stages of `TpGpt::stage` over
+/// `pp × vpp` virtual stages, chunk `v` of pipeline rank `r` being virtual stage `v · pp + r`
+/// (Megatron-LM's interleaved assignment); one chunk without `--vpp`.
+#[derive(Module, Debug)]
+pub struct GptChunks<B: Backend> {
+    pub chunks: Vec<TpGpt<B>>,
+}
 
 /// TP rank `tp_rank`'s shard of pipeline stage `pp_rank` of the model at initialisation: every
 /// rank cuts its shard from the same full initialisation (seed `config.seed`), so any mesh starts
@@ -49,8 +57,15 @@ fn init_gpt<B: FlashOps, C: CheckpointStrategy>(
     let full = model_config
         .init::<CpTrain<B, C>>(config.seed, device)
         .map_err(TrainError::from)?;
-    TpGpt::stage(&full, &model_config, tp_rank, config.tp, pp_rank, config.pp)
-        .map_err(TrainError::from)
+    let stages = config.pp * config.vpp;
+    let chunks = (0..config.vpp)
+        .map(|v| {
+            let stage = v * config.pp + pp_rank;
+            TpGpt::stage(&full, &model_config, tp_rank, config.tp, stage, stages)
+                .map_err(TrainError::from)
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(GptChunks { chunks })
 }
 
 /// Trains the GPT of `config.model_size` on one rank ([`Trainer::train_rank`] with
@@ -104,6 +119,56 @@ impl From<&GptConfig> for ModelShape {
 fn packed<B: Backend, K: burn::tensor::BasicOps<B>>(t: Tensor<B, 2, K>) -> Tensor<B, 1, K> {
     let tokens = t.dims()[1];
     burn_dcp_models::gpt::reshape(t, [tokens])
+}
+
+/// The chunks of one pipeline rank: every hook, through its chunks.
+impl<B: FlashOps, C: CheckpointStrategy> TrainModel<CpTrain<B, C>> for GptChunks<CpTrain<B, C>> {
+    fn loss_sum(
+        &self,
+        input: ShardInput<CpTrain<B, C>>,
+        tp: &TpGroup,
+    ) -> Result<Tensor<CpTrain<B, C>, 1>, TrainError> {
+        match self.chunks.as_slice() {
+            [whole] => TrainModel::loss_sum(whole, input, tp),
+            chunks => Err(TrainError::Model(format!(
+                "a model of {} pipeline chunks runs stage by stage, never whole",
+                chunks.len()
+            ))),
+        }
+    }
+
+    fn tensor_parallel(&self) -> bool {
+        true
+    }
+
+    fn stages(&self) -> Option<&dyn PipelineStage<CpTrain<B, C>>> {
+        self.chunk(0)
+    }
+
+    fn chunks(&self) -> usize {
+        self.chunks.len()
+    }
+
+    fn chunk(&self, v: usize) -> Option<&dyn PipelineStage<CpTrain<B, C>>> {
+        self.chunks
+            .get(v)
+            .map(|chunk| chunk as &dyn PipelineStage<CpTrain<B, C>>)
+    }
+
+    fn kv_param_ids(&self) -> Vec<ParamId> {
+        self.chunks.iter().flat_map(TpGpt::kv_param_ids).collect()
+    }
+
+    fn tied_embedding_id(&self) -> Option<ParamId> {
+        self.chunks.iter().find_map(TpGpt::tied_embedding_id)
+    }
+
+    fn tp_replicated_ids(&self) -> Vec<ParamId> {
+        self.chunks
+            .iter()
+            .flat_map(TpGpt::replicated_param_ids)
+            .collect()
+    }
 }
 
 /// The GPT (a TP shard of a pipeline stage, `TpGpt::stage`): every hook.

@@ -92,6 +92,11 @@ pub struct StepMetrics {
     /// The slowest rank's optimizer update of the step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer_ms: Option<f64>,
+    /// With a pipeline (pp > 1): the pipeline's bubble, each rank's time in the step waiting for
+    /// an activation or a gradient from another stage (the same clock as `--trace`'s spans),
+    /// averaged over the ranks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline_bubble_ms: Option<f64>,
     /// `auto` only: every micro-batch's choice, its sequences and every candidate's estimate.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub auto_choices: Vec<AutoRecord>,

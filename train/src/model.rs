@@ -153,6 +153,20 @@ pub trait TrainModel<B: AutodiffBackend>: AutodiffModule<B> {
         None
     }
 
+    /// Model chunks this pipeline rank holds (`--vpp`: chunk `v` of pipeline rank `r` is
+    /// virtual stage `v · pp + r` of `pp · vpp`); 1: the one stage of [`Self::stages`].
+    fn chunks(&self) -> usize {
+        1
+    }
+
+    /// Chunk `v` of [`Self::chunks`] (default: chunk 0 is [`Self::stages`]).
+    fn chunk(&self, v: usize) -> Option<&dyn PipelineStage<B>> {
+        match v {
+            0 => self.stages(),
+            _ => None,
+        }
+    }
+
     /// Parameters whose gradients are partial over the TP ranks that replicate them (the GPT's
     /// k/v projections when tp > kv heads): summed over those ranks too.
     fn kv_param_ids(&self) -> Vec<ParamId> {

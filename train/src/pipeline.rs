@@ -20,6 +20,7 @@
 //! attention's autodiff node, so its backward runs on its own group however the passes interleave.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::optim::{GradientsAccumulator, GradientsParams};
@@ -48,22 +49,31 @@ fn no_stages() -> CpError {
     ))
 }
 
-/// A forward or backward pass of one schedule unit (a sub-step of the plan).
+/// A forward or backward pass of one schedule unit (a sub-step of the plan) on one model chunk,
+/// named by its virtual id `unit · chunks + chunk` (the unit itself with one chunk per rank).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Pass {
     Forward(usize),
     Backward(usize),
 }
 
-/// The passes stage `stage` of `stages` runs over `units` schedule units, in order. Backward
-/// passes come in the forwards' order on every schedule, so a stage receives gradients in the
-/// order it sent activations.
+/// The passes stage `stage` of `stages` runs over `units` schedule units of its `chunks` model
+/// chunks, in order. One chunk: 1F1B or GPipe, backward passes in the forwards' order, so a stage
+/// receives gradients in the order it sent activations. Several chunks (`--vpp`; `units` a
+/// multiple of `stages`): Megatron-LM's interleaved 1F1B — forward `k` runs chunk
+/// `(k mod stages·chunks) / stages` of unit `(k / (stages·chunks))·stages + k mod stages`
+/// (backward: the chunks in reverse), after `2·(stages − stage − 1) + (chunks − 1)·stages`
+/// warm-up forwards; messages are tagged, since one pair of ranks may carry both directions.
 pub(crate) fn stage_passes(
     schedule: PpSchedule,
     stage: usize,
     stages: usize,
+    chunks: usize,
     units: usize,
 ) -> Vec<Pass> {
+    if chunks > 1 {
+        return interleaved_passes(stage, stages, chunks, units);
+    }
     let warmup = match schedule {
         PpSchedule::OneFOneB => (stages - stage - 1).min(units),
         PpSchedule::Gpipe => units,
@@ -75,6 +85,44 @@ pub(crate) fn stage_passes(
     }
     passes.extend((units - warmup..units).map(Pass::Backward));
     passes
+}
+
+/// Megatron-LM's interleaved 1F1B (see [`stage_passes`]), over virtual ids.
+fn interleaved_passes(stage: usize, stages: usize, chunks: usize, units: usize) -> Vec<Pass> {
+    let total = units * chunks;
+    let round = stages * chunks;
+    let id = |k: usize, forward: bool| {
+        let (group, within) = (k / round, k % round);
+        let chunk = match forward {
+            true => within / stages,
+            false => chunks - 1 - within / stages,
+        };
+        (group * stages + within % stages) * chunks + chunk
+    };
+    let warmup = (2 * (stages - stage - 1) + (chunks - 1) * stages).min(total);
+    let mut passes: Vec<Pass> = (0..warmup).map(|k| Pass::Forward(id(k, true))).collect();
+    for k in 0..total - warmup {
+        passes.push(Pass::Forward(id(warmup + k, true)));
+        passes.push(Pass::Backward(id(k, false)));
+    }
+    passes.extend((total - warmup..total).map(|k| Pass::Backward(id(k, false))));
+    passes
+}
+
+/// What a pipeline message carries: activations forward, their gradients backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Carried {
+    Activations,
+    Gradients,
+}
+
+impl Carried {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Activations => "activations",
+            Self::Gradients => "gradients",
+        }
+    }
 }
 
 /// What a forward pass leaves for its backward pass.
@@ -137,6 +185,12 @@ pub(super) struct StageRun<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel
     /// for it (under a rendezvous transport such as MPI or NCCL, 1F1B's warm-up forward sends
     /// complete only once the next stage posts their receives, after it sent a gradient back).
     sends: Vec<PendingSend>,
+    /// Model chunks of this rank (`--vpp`; 1 without).
+    chunks: usize,
+    /// Tagged messages (several chunks) received before the pass that takes them.
+    stash: HashMap<(Carried, usize), Payload>,
+    /// Time spent waiting for a message from another stage: the pipeline's bubble on this rank.
+    idle: Duration,
 }
 
 impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> StageRun<'a, B, C, M> {
@@ -161,6 +215,9 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
             recompute,
             compute: precision.compute_dtype(),
             sends: Vec::new(),
+            chunks: model.chunks(),
+            stash: HashMap::new(),
+            idle: Duration::ZERO,
         }
     }
 
@@ -180,12 +237,98 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         }
     }
 
-    /// Waits for this rank's sends; returns its accumulated gradients and its loss sum.
-    pub(crate) fn finish(self) -> Result<(GradientsAccumulator<M>, f64), CpError> {
+    /// Waits for this rank's sends; returns its accumulated gradients, its loss sum and the time
+    /// it waited for other stages.
+    pub(crate) fn finish(self) -> Result<(GradientsAccumulator<M>, f64, Duration), CpError> {
         for send in self.sends {
             send.wait()?;
         }
-        Ok((self.accumulator, self.loss_sum))
+        Ok((self.accumulator, self.loss_sum, self.idle))
+    }
+
+    /// The stage and virtual id that feed pass `id` (none on the first virtual stage): the
+    /// previous pipeline rank's same chunk, or after the last rank the next chunk on rank 0.
+    fn previous(&self, id: usize) -> Option<(usize, usize)> {
+        let (rank, chunk) = (self.pp().rank(), id % self.chunks);
+        match (rank, chunk) {
+            (0, 0) => None,
+            (0, _) => Some((self.pp().size() - 1, id - 1)),
+            _ => Some((rank - 1, id)),
+        }
+    }
+
+    /// The stage and virtual id pass `id` feeds (none on the last virtual stage).
+    fn next(&self, id: usize) -> Option<(usize, usize)> {
+        let (rank, chunk) = (self.pp().rank(), id % self.chunks);
+        if rank + 1 < self.pp().size() {
+            Some((rank + 1, id))
+        } else if chunk + 1 < self.chunks {
+            Some((0, id + 1))
+        } else {
+            None
+        }
+    }
+
+    fn no_peer(&self, id: usize, which: &str) -> CpError {
+        CpError::Config(format!(
+            "pipeline stage {}: pass {id} has no {which} stage",
+            self.pp().rank()
+        ))
+    }
+
+    /// Sends `payload` of virtual id `id` (the receiver's) to stage `peer`; with several chunks
+    /// a header `[what, id]` goes first (one pair of ranks may carry activations and gradients).
+    fn send(
+        &mut self,
+        (peer, id): (usize, usize),
+        carried: Carried,
+        payload: Payload,
+    ) -> Result<(), CpError> {
+        if self.chunks > 1 {
+            let header = TensorData::new(vec![carried as i64, id as i64], [2]);
+            self.sends
+                .push(self.pp().isend(peer, Payload::Host(header))?);
+        }
+        self.sends.push(self.pp().isend(peer, payload)?);
+        Ok(())
+    }
+
+    /// The next message of stage `peer` that is `carried` for pass `id`: with several chunks, read
+    /// by its header, others kept for their own passes.
+    fn receive_payload(
+        &mut self,
+        peer: usize,
+        id: usize,
+        carried: Carried,
+    ) -> Result<Payload, CpError> {
+        if self.chunks == 1 {
+            return Ok(self.pp().irecv(peer)?.wait()?);
+        }
+        if let Some(payload) = self.stash.remove(&(carried, id)) {
+            return Ok(payload);
+        }
+        loop {
+            let header = self.pp().irecv(peer)?.wait()?;
+            let payload = self.pp().irecv(peer)?.wait()?;
+            let words = match header {
+                Payload::Host(data) => data.to_vec::<i64>().unwrap_or_default(),
+                Payload::Device(_) => Vec::new(),
+            };
+            let key = match words.as_slice() {
+                [0, tagged] => (Carried::Activations, *tagged as usize),
+                [1, tagged] => (Carried::Gradients, *tagged as usize),
+                _ => {
+                    return Err(CpError::Input(format!(
+                        "pipeline stage {}: a message from stage {peer} without its [what, pass] header (got {words:?})",
+                        self.pp().rank()
+                    )))
+                }
+            };
+            if key == (carried, id) {
+                return Ok(payload);
+            }
+            self.stash.insert(key, payload);
+        }
     }
 
     fn pp(&self) -> &Comm {
@@ -195,13 +338,16 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
     /// Receives a `[1, tokens, d]` tensor of unit `unit` from stage `peer` (`what`: activations
     /// or gradients), checking its shape.
     fn receive(
-        &self,
+        &mut self,
         peer: usize,
         unit: usize,
         tokens: usize,
-        what: &str,
+        carried: Carried,
     ) -> Result<Hidden<B, C>, CpError> {
-        let data = self.pp().irecv(peer)?.wait()?;
+        let what = carried.name();
+        let waiting = Instant::now();
+        let data = self.receive_payload(peer, unit, carried)?;
+        self.idle += waiting.elapsed();
         let d_model = self.model.stages().map_or(0, |stage| stage.hidden_size());
         if data.shape() != [1, tokens, d_model] {
             return Err(CpError::Input(format!(
@@ -240,7 +386,9 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         let blocks = self.recompute == Recompute::Block;
         let copy = self.cast_copy();
         let model: &M = copy.as_ref().unwrap_or(self.model);
-        let stage = model.stages().filter(|_| self.pp().size() > 1 || blocks);
+        let stage = model
+            .chunk(unit % self.chunks)
+            .filter(|_| self.pp().size() > 1 || blocks);
         let kept_batch = blocks.then(|| batch.clone());
         let input = match stage {
             None => Some(ShardInput::new(
@@ -305,13 +453,13 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         let output = model
             .forward_hidden(x, positions, &self.groups.tp)
             .map_err(failed)?;
-        Ok((input, self.stage_output(model, shard, output)?))
+        Ok((input, self.stage_output(model, unit, shard, output)?))
     }
 
     /// What a stage's layers start from: the embedding of the shard's tokens (first stage) or
     /// the activations received from the previous stage.
     fn stage_input(
-        &self,
+        &mut self,
         model: &dyn PipelineStage<CpTrain<B, C>>,
         unit: usize,
         shard: &RankShard,
@@ -322,8 +470,10 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
                 model.embed(tokens, &self.groups.tp).map_err(failed)
             }
             false => {
-                let previous = self.pp().rank() - 1;
-                self.receive(previous, unit, shard.tokens.len(), "activations")
+                let (previous, _) = self
+                    .previous(unit)
+                    .ok_or_else(|| self.no_peer(unit, "previous"))?;
+                self.receive(previous, unit, shard.tokens.len(), Carried::Activations)
             }
         }
     }
@@ -333,6 +483,7 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
     fn stage_output(
         &mut self,
         model: &dyn PipelineStage<CpTrain<B, C>>,
+        unit: usize,
         shard: &RankShard,
         x: Hidden<B, C>,
     ) -> Result<Output<B, C>, CpError> {
@@ -344,9 +495,12 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
             self.loss_sum += loss.clone().into_scalar().to_f64();
             return Ok(Output::Loss(loss));
         }
-        let next = self.pp().rank() + 1;
-        let sent = Payload::device(x.clone().detach());
-        self.sends.push(self.pp().isend(next, sent)?);
+        let next = self.next(unit).ok_or_else(|| self.no_peer(unit, "next"))?;
+        self.send(
+            next,
+            Carried::Activations,
+            Payload::device(x.clone().detach()),
+        )?;
         Ok(Output::Hidden(x))
     }
 
@@ -373,7 +527,8 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
             }
             Output::Hidden(output) => {
                 let tokens = output.dims()[1];
-                let grad = self.receive(stage + 1, unit, tokens, "gradients")?;
+                let (next, _) = self.next(unit).ok_or_else(|| self.no_peer(unit, "next"))?;
+                let grad = self.receive(next, unit, tokens, Carried::Gradients)?;
                 self.enter_backward(&group)?;
                 (output * grad).sum().backward()
             }
@@ -385,7 +540,10 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
                 // dtype.
                 None => Payload::device(input.zeros_like().inner()),
             };
-            self.sends.push(self.pp().isend(stage - 1, grad)?);
+            let previous = self
+                .previous(unit)
+                .ok_or_else(|| self.no_peer(unit, "previous"))?;
+            self.send(previous, Carried::Gradients, grad)?;
         }
         self.accumulate(grads);
         Ok(())
@@ -412,7 +570,7 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         let mut x = x.detach();
         let positions = int_tensor(&shard.positions, self.device);
         let frozen = self.in_compute_dtype(self.model.clone().no_grad());
-        let frozen = frozen.stages().ok_or_else(no_stages)?;
+        let frozen = frozen.chunk(unit % self.chunks).ok_or_else(no_stages)?;
         let mut inputs = Vec::with_capacity(frozen.layers());
         for layer in 0..frozen.layers() {
             inputs.push(x.clone());
@@ -423,7 +581,7 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         // The loss is computed from the last layer's output as a leaf, whose gradient the
         // backward takes into the layers.
         let last = model.is_last_stage().then(|| x.clone().require_grad());
-        let output = self.stage_output(model, shard, last.clone().unwrap_or(x))?;
+        let output = self.stage_output(model, unit, shard, last.clone().unwrap_or(x))?;
         let layers = KeptLayers {
             inputs,
             embedded,
@@ -447,13 +605,13 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         kept: KeptLayers<B, C>,
         group: CpGroup,
     ) -> Result<(), CpError> {
-        let stage = self.pp().rank();
-        let tp = &self.groups.tp;
+        let groups = self.groups;
+        let tp = &groups.tp;
         let copy = self.cast_copy();
         let model = copy
             .as_ref()
             .unwrap_or(self.model)
-            .stages()
+            .chunk(unit % self.chunks)
             .ok_or_else(no_stages)?;
         let mut grad = match output {
             Output::Loss(loss) => {
@@ -465,7 +623,8 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
                 grad
             }
             Output::Hidden(output) => {
-                self.receive(stage + 1, unit, output.dims()[1], "gradients")?
+                let (next, _) = self.next(unit).ok_or_else(|| self.no_peer(unit, "next"))?;
+                self.receive(next, unit, output.dims()[1], Carried::Gradients)?
             }
         };
         for (layer, x) in kept.inputs.into_iter().enumerate().rev() {
@@ -490,8 +649,10 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
                 self.accumulate(grads);
             }
             None => {
-                self.sends
-                    .push(self.pp().isend(stage - 1, Payload::device(grad))?);
+                let previous = self
+                    .previous(unit)
+                    .ok_or_else(|| self.no_peer(unit, "previous"))?;
+                self.send(previous, Carried::Gradients, Payload::device(grad))?;
             }
         }
         Ok(())
@@ -524,28 +685,28 @@ mod tests {
         use Pass::{Backward as B, Forward as F};
         // Stage 0 of 3 over 4 units: two warm-up forwards.
         assert_eq!(
-            stage_passes(PpSchedule::OneFOneB, 0, 3, 4),
+            stage_passes(PpSchedule::OneFOneB, 0, 3, 1, 4),
             vec![F(0), F(1), F(2), B(0), F(3), B(1), B(2), B(3)]
         );
         // The last stage alternates from the start.
         assert_eq!(
-            stage_passes(PpSchedule::OneFOneB, 2, 3, 2),
+            stage_passes(PpSchedule::OneFOneB, 2, 3, 1, 2),
             vec![F(0), B(0), F(1), B(1)]
         );
         // Fewer units than warm-up forwards.
         assert_eq!(
-            stage_passes(PpSchedule::OneFOneB, 0, 4, 2),
+            stage_passes(PpSchedule::OneFOneB, 0, 4, 1, 2),
             vec![F(0), F(1), B(0), B(1)]
         );
         assert_eq!(
-            stage_passes(PpSchedule::Gpipe, 1, 3, 3),
+            stage_passes(PpSchedule::Gpipe, 1, 3, 1, 3),
             vec![F(0), F(1), F(2), B(0), B(1), B(2)]
         );
         for schedule in [PpSchedule::OneFOneB, PpSchedule::Gpipe] {
             for stages in 1..5 {
                 for stage in 0..stages {
                     for units in 0..6 {
-                        let passes = stage_passes(schedule, stage, stages, units);
+                        let passes = stage_passes(schedule, stage, stages, 1, units);
                         let (forwards, backwards): (Vec<Pass>, Vec<Pass>) =
                             passes.iter().partition(|p| matches!(p, Pass::Forward(_)));
                         let unit = |p: &Pass| match p {
@@ -569,5 +730,79 @@ mod tests {
         let error = PpSchedule::parse("zb").unwrap_err();
         assert!(matches!(error, TrainError::Config(_)), "{error:?}");
         assert!(error.to_string().contains("expected 1f1b or gpipe"));
+    }
+
+    /// Interleaved 1F1B runs every pass once, each backward after its forward, and the whole
+    /// pipeline completes when each rank takes its passes in order and waits only for the
+    /// message a pass needs (simulated: activations from the previous virtual stage, gradients
+    /// from the next).
+    #[test]
+    fn interleaved_one_f_one_b_completes_for_every_shape() {
+        use Pass::{Backward as B, Forward as F};
+        // Megatron's order on 2 stages × 2 chunks × 2 units (virtual id = unit · 2 + chunk):
+        // stage 0 warms up with 2·1 + 1·2 = 4 forwards.
+        assert_eq!(
+            stage_passes(PpSchedule::OneFOneB, 0, 2, 2, 2),
+            vec![F(0), F(2), F(1), F(3), B(1), B(3), B(0), B(2)]
+        );
+        for stages in 2..5 {
+            for chunks in 2..4 {
+                for units in (stages..=3 * stages).step_by(stages) {
+                    let plans: Vec<Vec<Pass>> = (0..stages)
+                        .map(|s| stage_passes(PpSchedule::OneFOneB, s, stages, chunks, units))
+                        .collect();
+                    let total = units * chunks;
+                    // Virtual stage of (rank, id): chunk · stages + rank.
+                    let virtual_stage = |rank: usize, id: usize| (id % chunks) * stages + rank;
+                    let last = stages * chunks - 1;
+                    let mut done_forward = vec![vec![false; stages * chunks]; units];
+                    let mut done_backward = vec![vec![false; stages * chunks]; units];
+                    let mut next = vec![0; stages];
+                    loop {
+                        let mut progressed = false;
+                        for rank in 0..stages {
+                            while let Some(&pass) = plans[rank].get(next[rank]) {
+                                let ready = match pass {
+                                    F(id) => {
+                                        let v = virtual_stage(rank, id);
+                                        v == 0 || done_forward[id / chunks][v - 1]
+                                    }
+                                    B(id) => {
+                                        let v = virtual_stage(rank, id);
+                                        done_forward[id / chunks][v]
+                                            && (v == last || done_backward[id / chunks][v + 1])
+                                    }
+                                };
+                                if !ready {
+                                    break;
+                                }
+                                match pass {
+                                    F(id) => {
+                                        done_forward[id / chunks][virtual_stage(rank, id)] = true
+                                    }
+                                    B(id) => {
+                                        done_backward[id / chunks][virtual_stage(rank, id)] = true
+                                    }
+                                }
+                                next[rank] += 1;
+                                progressed = true;
+                            }
+                        }
+                        if !progressed {
+                            break;
+                        }
+                    }
+                    for (rank, plan) in plans.iter().enumerate() {
+                        assert_eq!(plan.len(), 2 * total, "{stages}×{chunks}, {units} units");
+                        assert_eq!(
+                            next[rank],
+                            plan.len(),
+                            "{stages} stages × {chunks} chunks, {units} units: rank {rank} stuck at {:?}",
+                            plan.get(next[rank])
+                        );
+                    }
+                }
+            }
+        }
     }
 }

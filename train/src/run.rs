@@ -282,6 +282,14 @@ pub(crate) fn check_model_support<B: AutodiffBackend, M: TrainModel<B>>(
             config.pp
         )));
     }
+    if config.vpp > 1 && model.chunks() != config.vpp {
+        return Err(TrainError::Config(format!(
+            "--vpp {} needs a model of {} chunks per pipeline rank (TrainModel::chunks); this one has {}",
+            config.vpp,
+            config.vpp,
+            model.chunks()
+        )));
+    }
     if config.recompute == Recompute::Block && model.stages().is_none() {
         return Err(TrainError::Config(
             "recompute block recomputes the model's layers one by one: the model must expose them (TrainModel::stages, PipelineStage::layers); this one does not".into(),
@@ -392,6 +400,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
             bytes.attention_ms = (attention_time() - attention_before).as_secs_f64() * 1e3;
             bytes.comm_wait_ms = (comm_wait_time() - wait_before).as_secs_f64() * 1e3;
             bytes.optimizer_ms = optimizer_ms;
+            bytes.pipeline_idle_ms = result.pipeline_idle_ms;
             bytes.peak_memory_mb = rank_peak_memory_mb(world.rank());
             // After the step's time and byte counts: validation is not the step's.
             let step_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -447,6 +456,8 @@ impl<B: FlashOps> StepLoop<'_, B> {
                     peak_memory_mb: bytes.peak_memory_per_rank.iter().copied().collect(),
                     comm_wait_ms: Some(bytes.comm_wait_ms),
                     optimizer_ms: Some(bytes.optimizer_ms),
+                    pipeline_bubble_ms: (self.config.pp > 1)
+                        .then(|| bytes.pipeline_idle_ms / world.size() as f64),
                 };
                 self.observer.on_step(&step_metrics);
                 metrics.push(step_metrics);

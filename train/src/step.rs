@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
+use std::time::Duration;
 
 use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
 use burn::optim::{GradientsAccumulator, GradientsParams};
@@ -54,6 +55,8 @@ pub(crate) struct StepResult {
     /// Time of the gradient all-reduces over the pool (after the backward passes: not
     /// overlapped with them, see `gradients.rs`).
     pub grad_sync_ms: f64,
+    /// This rank's time waiting for other pipeline stages (0 without a pipeline).
+    pub pipeline_idle_ms: f64,
 }
 
 /// Runs step `plan.step` by its plan: this rank's shard of every planned batch it is in, in the
@@ -83,7 +86,7 @@ pub(crate) fn step_gradients_planned<
     }
     let tokens = batches.iter().map(|b| b.tokens.len()).sum();
     let sequences = StepSequences::new(batches.iter().map(|b| &**b).collect());
-    let (accumulator, loss_sum) = run_plan::<B, C, M>(
+    let (accumulator, loss_sum, idle) = run_plan::<B, C, M>(
         model,
         groups,
         config,
@@ -106,12 +109,14 @@ pub(crate) fn step_gradients_planned<
         tokens,
         stats: plan.stats(groups.world.size()),
         grad_sync_ms: reduced.grad_sync_ms,
+        pipeline_idle_ms: idle.as_secs_f64() * 1e3,
     })
 }
 
 /// This rank's passes over `plan` — forward and backward (`backward`; training) or forward only
 /// (validation) — in each planned batch's group: at pp 1 one micro-batch after the other, else
-/// through the pipeline's stages. Returns the accumulated gradients and the loss sum.
+/// through the pipeline's stages. Returns the accumulated gradients, the loss sum and the time
+/// this rank waited for other stages.
 fn run_plan<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
     model: &M,
     groups: &RankGroups,
@@ -120,7 +125,7 @@ fn run_plan<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
     plan: &StepPlan,
     device: &B::Device,
     backward: bool,
-) -> Result<(GradientsAccumulator<M>, f64), CpError> {
+) -> Result<(GradientsAccumulator<M>, f64, Duration), CpError> {
     groups.ensure(plan)?;
     if config.pp > 1 {
         check_stages_agree(&groups.mesh.pp, plan)?;
@@ -132,14 +137,25 @@ fn run_plan<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
         units[planned.sub_step] = Some(planned);
     }
     if config.pp > 1 || config.recompute == Recompute::Block {
+        let chunks = model.chunks();
+        if chunks > 1 {
+            // The interleaved schedule takes whole rounds of pp units. A plan whose sub-steps
+            // vary (dynamic CP, DCP, auto) is padded with units no rank holds: every stage skips
+            // them alike, which removes the same passes from every rank's schedule and keeps
+            // the order of the rest (static plans have whole rounds: `--vpp`'s rule).
+            units.resize(units.len().next_multiple_of(config.pp), None);
+        }
         let passes = match backward {
             true => stage_passes(
                 config.pp_schedule,
                 groups.mesh.pp.rank(),
                 config.pp,
+                chunks,
                 units.len(),
             ),
-            false => (0..units.len()).map(Pass::Forward).collect(),
+            // Forward only: every unit's chunks in order, which each stage receives in the
+            // order the one before sent them.
+            false => (0..units.len() * chunks).map(Pass::Forward).collect(),
         };
         return run_stages::<B, C, M>(
             model,
@@ -167,7 +183,7 @@ fn run_plan<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
             run.forward_backward(unit, planned, backward)?;
         }
     }
-    Ok((run.accumulator, run.loss_sum))
+    Ok((run.accumulator, run.loss_sum, Duration::ZERO))
 }
 
 /// The validation loss of `model` (after an update): the mean loss over every labelled token of
@@ -188,7 +204,7 @@ pub(crate) fn validation_loss<B: FlashOps, C: CheckpointStrategy, M: TrainModel<
         let batches = validation.cp_step_batches(step, config.micro_batches)?;
         let step_labels: usize = batches.iter().map(|b| b.label_count()).sum();
         let sequences = StepSequences::new(batches.iter().map(|b| &**b).collect());
-        let (_, sum) = run_plan::<B, C, M>(
+        let (_, sum, _) = run_plan::<B, C, M>(
             model,
             groups,
             config,
@@ -218,7 +234,7 @@ fn run_stages<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
     units: &[Option<&PlannedBatch>],
     passes: &[Pass],
     device: &B::Device,
-) -> Result<(GradientsAccumulator<M>, f64), CpError> {
+) -> Result<(GradientsAccumulator<M>, f64, Duration), CpError> {
     let mut run = StageRun::<B, C, M>::new(
         model,
         groups,
@@ -228,18 +244,20 @@ fn run_stages<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
         config.recompute,
         config.precision,
     );
+    // A pass's virtual id is `unit · chunks + chunk`.
+    let chunks = model.chunks();
     for &pass in passes {
         match pass {
-            Pass::Forward(unit) => {
-                if let Some(planned) = units[unit] {
-                    let _span = micro_batch_span(unit, "forward", planned);
-                    run.forward(unit, planned)?;
+            Pass::Forward(id) => {
+                if let Some(planned) = units[id / chunks] {
+                    let _span = micro_batch_span(id / chunks, "forward", planned);
+                    run.forward(id, planned)?;
                 }
             }
-            Pass::Backward(unit) => {
-                if let Some(planned) = units[unit] {
-                    let _span = micro_batch_span(unit, "backward", planned);
-                    run.backward(unit)?;
+            Pass::Backward(id) => {
+                if let Some(planned) = units[id / chunks] {
+                    let _span = micro_batch_span(id / chunks, "backward", planned);
+                    run.backward(id)?;
                 }
             }
         }
@@ -370,6 +388,9 @@ pub(crate) struct StepBytes {
     /// The rank's optimizer update; [`summed`](Self::summed) keeps the max.
     #[serde(default)]
     pub(crate) optimizer_ms: f64,
+    /// The rank's wait for other pipeline stages; [`summed`](Self::summed) sums every rank's.
+    #[serde(default)]
+    pub(crate) pipeline_idle_ms: f64,
 }
 
 /// This rank's peak memory so far, in MiB (2²⁰ bytes). Ranks that are processes (MPI, TCP):
@@ -411,6 +432,7 @@ impl StepBytes {
             peak_memory_per_rank: Vec::new(),
             comm_wait_ms: 0.0,
             optimizer_ms: 0.0,
+            pipeline_idle_ms: 0.0,
         }
     }
 
@@ -430,6 +452,7 @@ impl StepBytes {
             sum.peak_memory_per_rank.push(rank.peak_memory_mb);
             sum.comm_wait_ms = sum.comm_wait_ms.max(rank.comm_wait_ms);
             sum.optimizer_ms = sum.optimizer_ms.max(rank.optimizer_ms);
+            sum.pipeline_idle_ms += rank.pipeline_idle_ms;
             sum.links.intra_node += rank.links.intra_node;
             sum.links.inter_node += rank.links.inter_node;
             for (label, bytes) in rank.labels {

@@ -33,6 +33,11 @@ pub struct TrainConfig {
     /// The pipeline's schedule (`--pp-schedule`).
     #[serde(default)]
     pub pp_schedule: PpSchedule,
+    /// Virtual pipeline stages per pipeline rank (`--vpp`): each rank holds `vpp` model chunks,
+    /// layers assigned round robin over `pp × vpp` chunks, on the interleaved 1F1B schedule
+    /// (Megatron-LM's); 1: one contiguous block of layers per rank.
+    #[serde(default = "default_one")]
+    pub vpp: usize,
     /// How the CP ranks attend: the strategy and layout, DCP, dynamic CP or auto, each with its
     /// settings (in `config.json` the flat fields `strategy`, `layout`, `dynamic`, `dcp`, `auto`).
     #[serde(flatten)]
@@ -148,6 +153,7 @@ impl Default for TrainConfig {
             tp: 1,
             pp: 1,
             pp_schedule: PpSchedule::default(),
+            vpp: 1,
             mode: TrainMode::default(),
             seq_len: 4096,
             micro_batches: 2,

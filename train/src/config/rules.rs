@@ -149,6 +149,7 @@ impl TrainConfig {
                     }
                 })
             })?;
+        self.validate_vpp(model.n_layers)?;
         match &self.mode {
             TrainMode::Static { strategy, .. } => {
                 static_strategy(*strategy)?;
@@ -164,6 +165,39 @@ impl TrainConfig {
             TrainMode::Dcp(_) | TrainMode::Dynamic { .. } => {}
         }
         Ok(())
+    }
+
+    /// `--vpp`: chunks of whole layers, on the interleaved 1F1B schedule of a real pipeline,
+    /// over units that come in whole rounds of `pp` (Megatron-LM's rule; a plan whose step has
+    /// another count of units is refused at that step).
+    fn validate_vpp(&self, layers: usize) -> Result<(), TrainError> {
+        if self.vpp == 1 {
+            return Ok(());
+        }
+        let chunks = self.pp.saturating_mul(self.vpp);
+        let rule = if self.vpp == 0 {
+            "must be at least 1".to_string()
+        } else if self.pp < 2 {
+            "interleaves the chunks of a pipeline: it needs --pp 2 or more".to_string()
+        } else if self.pp_schedule == PpSchedule::Gpipe {
+            "runs the interleaved 1F1B schedule: --pp-schedule gpipe has no virtual stages".into()
+        } else if !layers.is_multiple_of(chunks) {
+            format!(
+                "splits the {layers} layers into --pp {} × --vpp {} = {chunks} chunks: they must divide",
+                self.pp, self.vpp
+            )
+        } else if !(self.micro_batches / self.dp).is_multiple_of(self.pp) {
+            format!(
+                "interleaves rounds of --pp {} micro-batches: the {} micro-batches of each of the \
+                 --dp {} replicas must be a multiple of it (Megatron-LM's rule)",
+                self.pp,
+                self.micro_batches / self.dp,
+                self.dp
+            )
+        } else {
+            return Ok(());
+        };
+        Err(TrainError::Config(format!("--vpp {} {rule}", self.vpp)))
     }
 
     /// Auto's candidates (with the `heads` of one TP rank), and no other strategy setting.

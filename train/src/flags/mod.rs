@@ -38,6 +38,9 @@ pub struct TrainFlags {
     /// Pipeline schedule over each step's micro-batches, 1f1b | gpipe [default: 1f1b]
     #[cfg_attr(feature = "cli", arg(long))]
     pub pp_schedule: Option<String>,
+    /// Virtual pipeline stages per pipeline rank: model chunks assigned round robin over pp × vpp, on Megatron's interleaved 1F1B schedule (the layers must divide by pp × vpp; the schedule's units per step by pp) [default: 1]
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub vpp: Option<usize>,
     /// ulysses | ring | all-gather | usp | dcp, or ring-zigzag | ring-contiguous | ring-stripe, or dynamic (Megatron-style dynamic CP over the dp × cp pool), or auto (per micro-batch the strategy with the lowest estimated attention time) [default: ring]
     #[cfg_attr(feature = "cli", arg(long))]
     pub strategy: Option<String>,
@@ -234,6 +237,7 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
         dp: args.dp.unwrap_or(defaults.dp),
         tp: args.tp.unwrap_or(defaults.tp),
         pp: args.pp.unwrap_or(defaults.pp),
+        vpp: args.vpp.unwrap_or(defaults.vpp),
         pp_schedule: args
             .pp_schedule
             .as_deref()

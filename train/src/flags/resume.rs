@@ -115,7 +115,7 @@ pub(super) fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfi
     type Value = fn(&TrainConfig) -> String;
     let seq_len_given = args.seq_len.is_some()
         || (args.max_tokens_per_rank.is_some() && saved.mode.dynamic().is_none());
-    let checks: [(&str, bool, Value); 18] = [
+    let checks: [(&str, bool, Value); 19] = [
         ("--corpus", args.corpus.is_some(), |c| c.corpus.clone()),
         ("--data-path", args.data_path.is_some(), |c| {
             c.data_path.join(" ")
@@ -139,6 +139,7 @@ pub(super) fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfi
         ("--dp", args.dp.is_some(), |c| c.dp.to_string()),
         ("--tp", args.tp.is_some(), |c| c.tp.to_string()),
         ("--pp", args.pp.is_some(), |c| c.pp.to_string()),
+        ("--vpp", args.vpp.is_some(), |c| c.vpp.to_string()),
         ("--strategy", args.strategy.is_some(), |c| c.strategy_name()),
         ("--layout", args.layout.is_some(), |c| {
             c.mode.layout().to_string()
