@@ -4,7 +4,9 @@
 Every method of every op trait (required and defaulted, so the inner backend's fast paths survive)
 becomes `fn m(args) -> R { B::m(args) }`. Types generic over the backend (not plain associated
 types) get converted by helpers in `burn-dcp/src/backend/convert.rs`. `ModuleOps::attention` is
-routed to the hand-written interception in `burn-dcp/src/backend/attention.rs`.
+routed to the hand-written interception in `burn-dcp/src/backend/attention.rs`, and
+`FloatTensorOps::float_matmul` through `crate::backend::context::matmul`, which watches for
+attention scores computed on a shard before it forwards.
 
 Usage: python3 scripts/gen_forwarding.py [--check] [PATH_TO_burn-backend-0.21.0/src]
 Rerun after changing it; the output is committed (burn-dcp/src/backend/ops/*.rs), formatted by
@@ -55,7 +57,11 @@ CONVERSIONS = {
     "DeformConv2dBackward<Self>": (None, "convert::deform_conv2d_backward_out"),
 }
 
-INTERCEPTED = {"attention": "crate::backend::attention::attention::<B>"}
+INTERCEPTED = {
+    ("ModuleOps", "attention"): "crate::backend::attention::attention::<B>",
+    # Watched for attention scores computed on a shard (a partly bypassed model).
+    ("FloatTensorOps", "float_matmul"): "crate::backend::context::matmul::<B>",
+}
 
 
 def find_trait_body(text, trait):
@@ -177,8 +183,8 @@ def render(trait, signature):
         args.append(f"{conv}({pname})" if conv else pname)
     ret = to_self(ret)
     call = f"B::{name}({', '.join(args)})"
-    if name in INTERCEPTED and trait == "ModuleOps":
-        call = f"{INTERCEPTED[name]}({', '.join(args)})"
+    if (trait, name) in INTERCEPTED:
+        call = f"{INTERCEPTED[(trait, name)]}({', '.join(args)})"
     for ty, (_, out) in CONVERSIONS.items():
         if out and ret == ty:
             call = f"{out}({call})"
@@ -225,6 +231,8 @@ def generate(out):
         extra = ""
         if trait == "ModuleOps":
             extra = "\n//! Except `attention`, which `crate::backend::attention` intercepts for context parallelism."
+        if trait == "FloatTensorOps":
+            extra = "\n//! `float_matmul` goes through `crate::backend::context::matmul`, which watches for a shard's attention scores."
         names.append(output)
         with open(os.path.join(out, output), "w") as f:
             f.write(HEADER.format(trait=trait, extra=extra))

@@ -480,6 +480,15 @@ fn check_trial(trial: &Trial, outcome: &Outcome, want: &[Vec<f32>], timeout: Dur
         );
         assert!(reason.contains("injected fault"), "{trial:?}: {reason}");
     }
+    // A rank that stalls past the timeout is named first, not the first rank to time out
+    // waiting (directly or through a chain of waiting ranks) for it.
+    if matches!(trial.fault.kind, FaultKind::Delay(_)) {
+        assert_eq!(
+            *first, trial.fault.rank,
+            "{trial:?}: blamed {first}, not the stalled rank: {reason}"
+        );
+        assert!(reason.contains("made no progress"), "{trial:?}: {reason}");
+    }
     for (rank, error) in &failed {
         if rank != first && !(trial.fault.kind == FaultKind::Exit && *rank == trial.fault.rank) {
             assert!(

@@ -880,6 +880,96 @@ fn burn_nns_attention_under_a_context_fails_finish() {
     }
 }
 
+/// A model only partly ported — a drop-in layer beside attention computed on the shard — is
+/// refused by `finish()` in three shapes (burn-nn's `MultiHeadAttention`, a burn-nn
+/// `TransformerEncoder`, a hand-written `[B, H, L, d]` softmax(QKᵀ)V), naming what it saw; an MLP
+/// whose width equals the local length (burn-nn `Linear`, a hand-written rank-3 matmul, a weight
+/// broadcast over a rank-4 input) is not.
+#[test]
+fn a_partly_ported_model_is_refused_and_an_mlp_of_the_local_width_is_not() {
+    let width = 3; // every rank's local row width under `under_context`
+    let drop_in = |x: Tensor<Cp, 3>| {
+        let mha = MultiHeadAttentionConfig::new(8, 2)
+            .with_dropout(0.0)
+            .init::<Cp>(&Default::default());
+        mha.forward(MhaInput::self_attn(x).causal()).context
+    };
+    let cases: Vec<(&str, RankCall, bool)> = vec![
+        (
+            "burn-nn MultiHeadAttention beside a drop-in",
+            Box::new(move |_| {
+                let x = drop_in(input::<Cp>(2, width, 8, 1));
+                let mha = burn::nn::attention::MultiHeadAttentionConfig::new(8, 2)
+                    .with_dropout(0.0)
+                    .init::<Cp>(&Default::default());
+                let _ = mha.forward(burn::nn::attention::MhaInput::self_attn(x));
+            }),
+            true,
+        ),
+        (
+            "a burn-nn TransformerEncoder beside a drop-in",
+            Box::new(move |_| {
+                let x = drop_in(input::<Cp>(2, width, 8, 1));
+                let encoder = burn::nn::transformer::TransformerEncoderConfig::new(8, 16, 2, 1)
+                    .with_dropout(0.0)
+                    .init::<Cp>(&Default::default());
+                let _ = encoder.forward(burn::nn::transformer::TransformerEncoderInput::new(x));
+            }),
+            true,
+        ),
+        (
+            "a hand-written attention beside a drop-in",
+            Box::new(move |_| {
+                let x = drop_in(input::<Cp>(2, width, 8, 1));
+                let heads = x.reshape([2, width, 2, 4]).swap_dims(1, 2);
+                let scores = heads
+                    .clone()
+                    .matmul(heads.clone().transpose())
+                    .div_scalar(2.0);
+                let _ = burn::tensor::activation::softmax(scores, 3).matmul(heads);
+            }),
+            true,
+        ),
+        (
+            "an MLP of the local width (Linear, rank-3 matmul, broadcast weight)",
+            Box::new(move |_| {
+                let x = drop_in(input::<Cp>(2, width, 8, 1));
+                let linear = burn::nn::LinearConfig::new(8, width).init::<Cp>(&Default::default());
+                let _ = linear.forward(x.clone());
+                let weight = input::<Cp>(1, 8, width, 2);
+                let _ = x.clone().matmul(weight.clone());
+                let _ = x.unsqueeze_dim::<4>(1).matmul(weight.unsqueeze_dim::<4>(0));
+            }),
+            false,
+        ),
+    ];
+    for (what, case, refused) in &cases {
+        let results = under_context(|rank, guard| {
+            case(rank);
+            Ok(guard.finish().map_err(|e| e.to_string()))
+        });
+        for result in results {
+            match (result.unwrap(), refused) {
+                (Err(error), true) => {
+                    for needle in [
+                        "computed attention scores over its own shard",
+                        "beside 1 intercepted attention call",
+                        "burn_dcp::nn",
+                        ", 3, 3]",
+                    ] {
+                        assert!(
+                            error.contains(needle),
+                            "{what}: {needle:?} missing from: {error}"
+                        );
+                    }
+                }
+                (Ok(calls), false) => assert_eq!(calls, 1, "{what}"),
+                (other, _) => panic!("{what}: {other:?}"),
+            }
+        }
+    }
+}
+
 /// One rank's call of a module under the context.
 type RankCall = Box<dyn Fn(usize) + Sync>;
 

@@ -242,12 +242,23 @@ impl Received for Waiter {
         let key = (self.group.clone(), sender, me, self.channel);
         let started = Instant::now();
         let mut state = self.world.lock();
+        let what = format!(
+            "{} message #{} of group '{}'",
+            self.op, self.seq, self.group
+        );
+        state.waiting.insert(me, (sender, what.clone()));
         loop {
             let arrived = state
                 .mailboxes
                 .get_mut(&key)
                 .and_then(|m| m.messages.remove(&self.seq));
+            if arrived.is_some() || state.first_failure().is_some() {
+                state.waiting.remove(&me);
+            }
             if let Some(envelope) = arrived {
+                state
+                    .progress
+                    .insert(me, format!("{what} from global rank {sender}"));
                 let ready_at = envelope.ready_at;
                 let data = self.open(envelope, &mut state)?;
                 drop(state);
@@ -272,6 +283,7 @@ impl Received for Waiter {
                 return Err(error);
             }
             if state.has_left(&self.group, sender) {
+                state.waiting.remove(&me);
                 let reason = format!(
                     "global rank {sender} left group '{}' (its task returned or its handle was dropped) without sending {} message #{} that global rank {me} waits for",
                     self.group, self.op, self.seq
@@ -284,6 +296,7 @@ impl Received for Waiter {
             }
             let waited = started.elapsed();
             if waited >= self.world.config.timeout {
+                state.waiting.remove(&me);
                 let error = CommError::Timeout {
                     group: self.group.clone(),
                     rank: self.rank,
@@ -292,9 +305,37 @@ impl Received for Waiter {
                     op: self.op.clone(),
                     waited: self.world.config.timeout,
                 };
-                state.record_failure(me, format!("rank {me}: {error}"), false);
+                // Name the rank that stopped making progress first, not the first to time out.
+                match state.stalled(me, sender) {
+                    Ok(stalled) if stalled != me => {
+                        let after = match state.progress.get(&stalled) {
+                            Some(last) => format!("after it received {last}"),
+                            None => "before it received any message".to_string(),
+                        };
+                        let reason = format!(
+                            "global rank {stalled} made no progress for {:?} ({after}; it is not \
+                             waiting for any message: stalled outside communication, or stopped \
+                             sending); global rank {me} timed out waiting for {what} from global \
+                             rank {sender} ({error})",
+                            self.world.config.timeout
+                        );
+                        state.record_failure(stalled, reason, false);
+                    }
+                    Ok(_) => state.record_failure(me, format!("rank {me}: {error}"), false),
+                    Err(cycle) => {
+                        let cycle: Vec<String> = cycle.iter().map(|r| r.to_string()).collect();
+                        let reason = format!(
+                            "global ranks {} wait for one another (each for the next; a protocol \
+                             mismatch): rank {me}: {error}",
+                            cycle.join(" → ")
+                        );
+                        state.record_failure(me, reason, false);
+                    }
+                }
                 self.world.wake_all();
-                return Err(error);
+                return Err(state
+                    .peer_failed(&self.group, self.rank, &self.op)
+                    .unwrap_or(error));
             }
             state = self.world.wake[me]
                 .wait_timeout(state, self.world.config.timeout - waited)

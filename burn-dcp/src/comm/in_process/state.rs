@@ -107,6 +107,10 @@ pub(super) struct WorldState {
     pub(super) message_faults: HashMap<usize, FaultKind>,
     /// Emulated links ([`InProcessWorld::emulate_links`]), if any.
     pub(super) clock: Option<LinkClock>,
+    /// The ranks blocked in a receive now: global rank → the global rank it waits for and what.
+    pub(super) waiting: HashMap<usize, (usize, String)>,
+    /// Each rank's last message received: what it completed before it stopped, if it stops.
+    pub(super) progress: HashMap<usize, String>,
 }
 
 impl WorldState {
@@ -149,6 +153,24 @@ impl WorldState {
                 reason: failure.reason.clone(),
                 op: op.to_string(),
             })
+    }
+
+    /// Who made no progress when `me` timed out waiting for `sender`: follow who each blocked
+    /// rank waits for from `sender` on, to the first rank that is not blocked in a receive (it
+    /// stalled outside communication, or stopped sending); `None` when the waits form a cycle
+    /// (the ranks wait for one another: a protocol mismatch, named by the cycle).
+    pub(super) fn stalled(&self, me: usize, sender: usize) -> Result<usize, Vec<usize>> {
+        let mut chain = vec![me];
+        let mut current = sender;
+        while let Some((next, _)) = self.waiting.get(&current) {
+            if chain.contains(&current) {
+                chain.push(current);
+                return Err(chain);
+            }
+            chain.push(current);
+            current = *next;
+        }
+        Ok(current)
     }
 
     pub(super) fn has_left(&self, group: &str, global_rank: usize) -> bool {
