@@ -7,10 +7,16 @@ With `--launcher mpi` (default) the job runs under `mpirun`; with `--launcher tc
 scripts/launch_tcp.py (the TCP world), whose ranks must all exit by themselves (the launcher
 only kills leftovers after a grace period far beyond the timeout, which fails this check).
 
-Usage: python3 scripts/check_mpi_fault.py [BIN] [--rank R] [--launcher mpi|tcp]
+With `--stall` (TCP only) the rank is stopped (SIGSTOP) instead: it holds its sockets open and
+answers nothing, so its peers time out; they must name it first ("global rank R made no
+progress"), not the first rank to time out, and exit by themselves; the stopped rank is killed
+once they have.
+
+Usage: python3 scripts/check_mpi_fault.py [BIN] [--rank R] [--launcher mpi|tcp] [--stall]
   BIN: gpt_longctx (built with `--features mpi` for MPI; default target/release/examples/gpt_longctx)
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +27,11 @@ binary = args[0] if args and not args[0].startswith("--") else "target/release/e
 victim = int(args[args.index("--rank") + 1]) if "--rank" in args else 2
 timeout = 20
 launcher = args[args.index("--launcher") + 1] if "--launcher" in args else "mpi"
+stall = "--stall" in args
+if stall and launcher != "tcp":
+    sys.exit("--stall names the stopped rank in the TCP world only (see docs/failures.md)")
+if stall:
+    timeout = 5
 env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
 if launcher == "tcp":
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_tcp.py")
@@ -69,14 +80,43 @@ pids = {rank: pid for pid, rank in ranks_of(name).items()}
 if victim not in pids:
     job.kill()
     sys.exit(f"rank {victim} not found among {pids}")
-os.kill(pids[victim], signal.SIGKILL)
+os.kill(pids[victim], signal.SIGSTOP if stall else signal.SIGKILL)
 killed_at = time.time()
+if stall:
+    # The other ranks must end by themselves; then the stopped one is killed.
+    while any(rank != victim for rank in ranks_of(name).values()):
+        if time.time() - killed_at > timeout + 30:
+            os.kill(pids[victim], signal.SIGKILL)
+            job.kill()
+            sys.exit(f"the other ranks still run {timeout + 30} s after rank {victim} stopped")
+        time.sleep(0.2)
+    ended_at = time.time()
+    os.kill(pids[victim], signal.SIGKILL)
+    os.kill(pids[victim], signal.SIGCONT)
 try:
     rest, _ = job.communicate(timeout=timeout + 30)
 except subprocess.TimeoutExpired:
     job.kill()
     sys.exit(f"the job still runs {timeout + 30} s after rank {victim} was killed")
 output += rest
+if stall:
+    print(output[-2000:])
+    elapsed = ended_at - killed_at
+    print(f"tcp: stopped rank {victim}; the other ranks exited after {elapsed:.1f} s")
+    if job.returncode == 0:
+        sys.exit("the job exited 0 after a rank stopped")
+    # Each rank names the stopped one: as the peer it timed out on, or as the rank that made no
+    # progress (when it waited for another waiting rank); no rank blames any other.
+    named = [f"global rank {victim} made no progress", f"(global rank {victim}) and timed out"]
+    if not any(text in output for text in named):
+        sys.exit(f"the output does not name the stopped rank ({named})")
+    blamed = {int(r) for r in re.findall(r"global rank (\d+) (?:failed|made no progress)", output)}
+    if blamed - {victim}:
+        sys.exit(f"ranks {sorted(blamed - {victim})} were blamed, not the stopped rank {victim}")
+    if elapsed > timeout + 10:
+        sys.exit(f"the ranks took {elapsed:.1f} s to end, more than the {timeout} s timeout")
+    print("stall check passed")
+    sys.exit(0)
 elapsed = time.time() - killed_at
 left = ranks_of(name)
 print(output[-2000:])

@@ -134,13 +134,19 @@ pub struct Segment {
 }
 
 impl TokenFile {
-    /// `spec` as `--data-path` names it: a prefix with `PREFIX.bin` and `PREFIX.idx`, else a
-    /// flat token file (which needs `flat.eod`).
+    /// `spec` as `--data-path` names it: a prefix with `PREFIX.bin` and `PREFIX.idx` (or the
+    /// `.bin` of such a pair), else a flat token file (which needs `flat.eod`).
     pub fn open(spec: &str, flat: FlatFormat) -> Result<Self, DataError> {
         let prefix = Path::new(spec);
         let (idx, bin) = indexed_paths(prefix);
         if idx.is_file() && bin.is_file() {
             return IndexedDataset::open(prefix).map(Self::Indexed);
+        }
+        // `PREFIX.bin` given for the pair: Megatron names the prefix, but the intent is clear.
+        if let Some(stem) = spec.strip_suffix(".bin") {
+            if indexed_paths(Path::new(stem)).0.is_file() {
+                return IndexedDataset::open(Path::new(stem)).map(Self::Indexed);
+            }
         }
         if prefix.is_file() {
             let eod = flat.eod.ok_or_else(|| {
@@ -373,6 +379,10 @@ mod tests {
         writer.finish().unwrap();
         let file = TokenFile::open(prefix.to_str().unwrap(), FlatFormat::default()).unwrap();
         assert_eq!(file.total_tokens(), 9);
+        // The pair's `.bin` names it too.
+        let by_bin = format!("{}.bin", prefix.to_str().unwrap());
+        let by_bin = TokenFile::open(&by_bin, FlatFormat::default()).unwrap();
+        assert!(matches!(by_bin, TokenFile::Indexed(_)));
         let segments = file.window(2..7).unwrap();
         let parts: Vec<(usize, usize, usize, Vec<u32>)> = segments
             .into_iter()

@@ -333,6 +333,10 @@ impl Received for Waiter {
                     }
                 }
                 self.world.wake_all();
+                // The peer it waited for is the stalled rank: the timeout names it already.
+                if state.first_failure().map(|(rank, _)| rank) == Some(sender) {
+                    return Err(error);
+                }
                 return Err(state
                     .peer_failed(&self.group, self.rank, &self.op)
                     .unwrap_or(error));

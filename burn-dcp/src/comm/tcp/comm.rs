@@ -44,10 +44,17 @@ impl Received for RecvHandle {
         let shared = &self.shared;
         let started = Instant::now();
         let peer_global = self.key.2;
+        let what = format!(
+            "{} message #{} of group '{}'",
+            self.op, self.arrival, self.key.0
+        );
         let mut state = shared.state();
+        state.status.waiting = Some((peer_global, what.clone()));
         loop {
             let inbox = state.inboxes.get_mut(&self.key);
             if let Some(message) = inbox.and_then(|inbox| inbox.messages.remove(&self.arrival)) {
+                state.status.waiting = None;
+                state.status.last = Some(format!("{what} from global rank {peer_global}"));
                 return self.open(message);
             }
             if let Some(failure) = &state.failure {
@@ -61,14 +68,17 @@ impl Received for RecvHandle {
             }
             let waited = started.elapsed();
             if waited >= shared.config.timeout {
-                return Err(CommError::Timeout {
+                state.status.waiting = None;
+                drop(state);
+                let timeout = CommError::Timeout {
                     group: self.key.0.clone(),
                     rank: self.rank,
                     peer: self.peer,
                     peer_global,
                     op: self.op.clone(),
                     waited: shared.config.timeout,
-                });
+                };
+                return Err(self.name_the_stalled(timeout, &what));
             }
             let remaining = shared.config.timeout - waited;
             state = shared
@@ -81,6 +91,58 @@ impl Received for RecvHandle {
 }
 
 impl RecvHandle {
+    /// After a timeout: the rank that made no progress (asked of every rank, see
+    /// `Shared::stalled`), recorded and told to every peer as the first failure, so every
+    /// rank's error names it first. Returned: the timeout itself when the peer waited for is
+    /// that rank (it names it) or when this rank ends the chain, else the stalled rank's failure.
+    fn name_the_stalled(&self, timeout: CommError, what: &str) -> CommError {
+        let shared = &self.shared;
+        let (me, sender) = (shared.rank, self.key.2);
+        let answer = shared.config.timeout.min(std::time::Duration::from_secs(2));
+        let reason = match shared.stalled(sender, answer) {
+            Ok((stalled, last, answered)) if stalled != me => {
+                let after = match (last, answered) {
+                    (Some(last), _) => format!("after it received {last}"),
+                    (None, true) => "before it received any message".into(),
+                    (None, false) => "what it last received is unknown".into(),
+                };
+                let how = match answered {
+                    true => "it is not waiting for any message: stalled outside communication, or stopped sending",
+                    false => "it does not answer: the process is stopped or hung",
+                };
+                Failure {
+                    rank: stalled,
+                    reason: format!(
+                        "global rank {stalled} made no progress for {:?} ({after}; {how}); global rank {me} timed out waiting for {what} from global rank {sender} ({timeout})",
+                        shared.config.timeout
+                    ),
+                }
+            }
+            Ok(_) => return timeout,
+            Err(cycle) => {
+                let cycle: Vec<String> = cycle.iter().map(|r| r.to_string()).collect();
+                Failure {
+                    rank: me,
+                    reason: format!(
+                        "global ranks {} wait for one another (each for the next; a protocol mismatch): {timeout}",
+                        cycle.join(" → ")
+                    ),
+                }
+            }
+        };
+        let direct = reason.rank == sender;
+        shared.fail(reason.clone());
+        if let Ok(body) = serde_json::to_vec(&reason) {
+            shared.tell_all(Kind::Abort, &body);
+        }
+        // The peer it waited for is the stalled rank: the timeout names it already.
+        if direct {
+            return timeout;
+        }
+        let known = shared.state().failure.clone().unwrap_or(reason);
+        self.peer_failed(known)
+    }
+
     fn peer_failed(&self, failure: Failure) -> CommError {
         CommError::PeerFailed {
             group: self.key.0.clone(),

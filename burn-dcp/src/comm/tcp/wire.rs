@@ -33,6 +33,11 @@ pub(super) enum Kind {
     Table = 5,
     /// Rendezvous: rank 0 refuses the connecting process; the body says why.
     Refuse = 6,
+    /// A rank timed out: what is the receiver waiting for? (empty body; answered by the
+    /// receiver's reader thread, so a rank stalled outside communication answers too)
+    Query = 7,
+    /// The answer to a [`Kind::Query`]: a JSON [`Status`].
+    Status = 8,
 }
 
 impl Kind {
@@ -44,6 +49,8 @@ impl Kind {
             Kind::Hello,
             Kind::Table,
             Kind::Refuse,
+            Kind::Query,
+            Kind::Status,
         ]
         .into_iter()
         .find(|kind| *kind as u8 == byte)
@@ -55,6 +62,15 @@ impl Kind {
 pub(super) struct Failure {
     pub(super) rank: usize,
     pub(super) reason: String,
+}
+
+/// What a rank is doing, as it answers a [`Kind::Query`].
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug, Default)]
+pub(super) struct Status {
+    /// The global rank it is blocked receiving from, and what, if it is.
+    pub(super) waiting: Option<(usize, String)>,
+    /// The last message it received.
+    pub(super) last: Option<String>,
 }
 
 /// The header of a data message.
@@ -108,6 +124,10 @@ pub(super) struct State {
     pub(super) left: Vec<bool>,
     /// Peers whose link this rank has read to its end (or given up on).
     pub(super) ended: Vec<bool>,
+    /// This rank's own status (what it waits for, what it last received), told on a query.
+    pub(super) status: Status,
+    /// The peers' answers to this rank's last query.
+    pub(super) statuses: HashMap<usize, Status>,
 }
 
 /// What every communicator of the process shares: this process is one rank.
@@ -185,6 +205,16 @@ impl Shared {
                     self.state().left[peer] = true;
                     self.arrived.notify_all();
                 }
+                Ok((Kind::Query, _)) => {
+                    let status = self.state().status.clone();
+                    let body = serde_json::to_vec(&status).unwrap_or_default();
+                    let _ = self.send_frame(peer, Kind::Status, &body);
+                }
+                Ok((Kind::Status, body)) => {
+                    let status = serde_json::from_slice(&body).unwrap_or_default();
+                    self.state().statuses.insert(peer, status);
+                    self.arrived.notify_all();
+                }
                 Ok((kind, _)) => {
                     return self.fail(Failure {
                         rank: peer,
@@ -225,9 +255,19 @@ impl Shared {
             let stream = link.lock().unwrap_or_else(|p| p.into_inner());
             let _ = stream.shutdown(std::net::Shutdown::Write);
         }
-        let deadline = Instant::now() + linger;
+        drop(self.wait_until(Instant::now() + linger, |state| {
+            (0..self.size).all(|peer| peer == self.rank || state.ended[peer])
+        }));
+    }
+
+    /// The state once `done` holds of it, or at `deadline`, whichever comes first.
+    fn wait_until(
+        &self,
+        deadline: Instant,
+        done: impl Fn(&State) -> bool,
+    ) -> MutexGuard<'_, State> {
         let mut state = self.state();
-        while (0..self.size).any(|peer| peer != self.rank && !state.ended[peer]) {
+        while !done(&state) {
             let now = Instant::now();
             if now >= deadline {
                 break;
@@ -237,6 +277,41 @@ impl Shared {
                 .wait_timeout(state, deadline - now)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+        }
+        state
+    }
+
+    /// Who made no progress when this rank timed out waiting for `sender`: asks every peer what
+    /// it waits for (its reader thread answers, whatever its main thread does), waits at most
+    /// `answer` for the answers, then follows the waits from `sender` to the first rank that
+    /// waits for nothing, or does not answer (a stopped process). `Err` with the chain when
+    /// the waits form a cycle.
+    pub(super) fn stalled(
+        &self,
+        sender: usize,
+        answer: Duration,
+    ) -> Result<(usize, Option<String>, bool), Vec<usize>> {
+        self.state().statuses.clear();
+        self.tell_all(Kind::Query, &[]);
+        let state = self.wait_until(Instant::now() + answer, |state| {
+            state.statuses.len() + 1 >= self.size
+        });
+        let mut chain = vec![self.rank];
+        let mut current = sender;
+        loop {
+            if chain.contains(&current) {
+                chain.push(current);
+                return Err(chain);
+            }
+            chain.push(current);
+            match state.statuses.get(&current) {
+                None => return Ok((current, None, false)),
+                Some(Status {
+                    waiting: Some((next, _)),
+                    ..
+                }) => current = *next,
+                Some(status) => return Ok((current, status.last.clone(), true)),
+            }
         }
     }
 
