@@ -1206,3 +1206,24 @@ fn gpt_longctx_refuses_what_vpp_cannot_run() {
     );
     refused_gpt(&["--vpp", "0"], "--vpp 0 must be at least 1");
 }
+
+/// Inside a Slurm allocation (an `sbatch` script or `salloc` shell: `SLURM_NTASKS` and
+/// `SLURM_PROCID` set, no MPI launcher's variables) a run is threads, not an MPI job: Slurm's
+/// own variables never make a process think an MPI launcher started it.
+#[test]
+fn a_run_inside_a_slurm_allocation_is_not_taken_for_mpi() {
+    let output = Command::new(example("gpt_longctx"))
+        .args(gpt(&["--steps", "1", "--cp", "2", "--json"]))
+        .envs([
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_JOB_ID", "7"),
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(summary["steps_run"], 1, "{summary}");
+    assert!(stderr(&output).contains("threads"), "{}", stderr(&output));
+}

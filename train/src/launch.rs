@@ -53,7 +53,10 @@ fn launcher_size() -> usize {
         .unwrap_or(1)
 }
 
-/// Whether this process is one of several an MPI launcher started.
+/// Whether this process is one of several an MPI launcher started: a variable only MPI
+/// launchers set ([`burn_dcp::comm::MPI_LAUNCHER_VARIABLES`]: mpirun, `srun --mpi=pmix|pmi2`,
+/// hydra). Slurm's own `SLURM_NTASKS` is not one: it is set in every step of an allocation, also
+/// around a threads run or a TCP launch (torchrun's variables), which must not be taken for MPI.
 pub fn launched_by_mpi() -> bool {
     #[cfg(feature = "mpi")]
     {
@@ -61,7 +64,10 @@ pub fn launched_by_mpi() -> bool {
     }
     #[cfg(not(feature = "mpi"))]
     {
-        launcher_size() > 1
+        burn_dcp::comm::MPI_LAUNCHER_VARIABLES
+            .iter()
+            .any(|v| std::env::var_os(v).is_some())
+            && launcher_size() > 1
     }
 }
 

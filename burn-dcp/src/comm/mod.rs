@@ -36,6 +36,18 @@ pub use in_process::{
     InProcessWorld, RankFailure, RankFailureKind, WorldConfig, MAX_IN_PROCESS_RANKS, MAX_TIMEOUT,
 };
 pub use links::LinkEmulation;
+
+/// Environment variables set by MPI launchers for each rank they start (known to every build,
+/// so that one without `mpi` can tell it was started by one): OpenMPI's `mpirun`,
+/// PMIx (`srun --mpi=pmix`, OpenMPI 5), PMI-1/2 (MPICH's hydra, `srun --mpi=pmi2`), MVAPICH.
+pub const MPI_LAUNCHER_VARIABLES: [&str; 5] = [
+    "OMPI_COMM_WORLD_SIZE",
+    "PMIX_RANK",
+    "PMI_SIZE",
+    "PMI_RANK",
+    "MV2_COMM_WORLD_SIZE",
+];
+
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiWorld};
 #[cfg(feature = "cuda")]

@@ -14,15 +14,7 @@ use crate::comm::common::check_timeout;
 use crate::comm::transport::{Channel, Group};
 use crate::comm::{Comm, CommError, CommStats, WorldConfig};
 
-/// Environment variables set by MPI launchers for each rank they start: OpenMPI's `mpirun`,
-/// PMIx (`srun --mpi=pmix`, OpenMPI 5), PMI-1/2 (MPICH's hydra, `srun --mpi=pmi2`), MVAPICH.
-pub const LAUNCHER_VARIABLES: [&str; 5] = [
-    "OMPI_COMM_WORLD_SIZE",
-    "PMIX_RANK",
-    "PMI_SIZE",
-    "PMI_RANK",
-    "MV2_COMM_WORLD_SIZE",
-];
+pub use crate::comm::MPI_LAUNCHER_VARIABLES as LAUNCHER_VARIABLES;
 
 /// This process's rank of an MPI job: initialises MPI, gives the world communicator, and
 /// finalises MPI when dropped.
