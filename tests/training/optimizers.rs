@@ -115,6 +115,12 @@ fn each_optimizer_resumes_exactly() {
             min_lr: 1e-4,
             decay_steps: Some(6),
         };
+        // Plain SGD needs a larger step than Adam's 1e-3 to move the loss in six steps (its
+        // update is the raw gradient; the builtin corpus is this crate's own sources, so the
+        // data change with them).
+        if kind == OptimizerKind::Sgd {
+            config.learning_rate = 0.1;
+        }
         let losses = train(
             &TrainConfig {
                 steps: 6,
