@@ -94,12 +94,7 @@ pub fn write_token_file(
     let mut bytes = Vec::new();
     for document in documents {
         let document = document?;
-        let mut tokens = match &document.prompt {
-            Some(prompt) => tokenizer.encode(prompt)?,
-            None => Vec::new(),
-        };
-        let prompt = tokens.len();
-        tokens.extend(tokenizer.encode(&document.text)?);
+        let (mut tokens, prompt) = tokenizer.encode_document(&document)?;
         if let Some(eod) = eod {
             tokens.push(eod);
         }

@@ -116,6 +116,17 @@ impl Tokenizer {
         }
     }
 
+    /// A document's ids: its prompt's, then its text's; and how many are the prompt's.
+    pub fn encode_document(&self, document: &Document) -> Result<(Vec<u32>, usize), DataError> {
+        let mut tokens = match &document.prompt {
+            Some(prompt) => self.encode(prompt)?,
+            None => Vec::new(),
+        };
+        let prompt = tokens.len();
+        tokens.extend(self.encode(&document.text)?);
+        Ok((tokens, prompt))
+    }
+
     pub fn decode(&self, tokens: &[u32]) -> String {
         match self {
             Self::Gpt2 => tiktoken_rs::r50k_base_singleton()
@@ -155,12 +166,7 @@ impl TokenizedCorpus {
         let mut corpus = Self::default();
         for document in documents {
             let document = document?;
-            let mut tokens = match &document.prompt {
-                Some(prompt) => tokenizer.encode(prompt)?,
-                None => Vec::new(),
-            };
-            let prompt = tokens.len();
-            tokens.extend(tokenizer.encode(&document.text)?);
+            let (tokens, prompt) = tokenizer.encode_document(&document)?;
             corpus.documents.push(tokens);
             corpus.names.push(document.name);
             if prompt > 0 && corpus.prompts.is_empty() {
