@@ -15,7 +15,8 @@ use crate::comm::{Comm, CommStats, InProcessWorld, LinkEmulation, WorldConfig};
 use crate::error::CpError;
 use crate::strategy::block_plan::BlockSchedule;
 use crate::strategy::{
-    cp_attention_backward, cp_attention_forward, BackwardInputs, CpBatch, CpGroup, Strategy,
+    cp_attention_backward_with, cp_attention_forward_with, with_strategy, AttentionStrategy,
+    BackwardInputs, CpBatch, CpGroup, Strategy, WithStrategy,
 };
 
 /// A packed micro-batch's attention inputs, token-major f32:
@@ -193,6 +194,46 @@ pub fn run_context_parallel_with_links<B: FlashOps>(
     links: Option<LinkEmulation>,
 ) -> Result<RunReport, CpError> {
     let batch = prepare(inputs, spec)?;
+    run_ranks(inputs, spec, links, |comm| {
+        let rank = RankRun::<B> {
+            device,
+            inputs,
+            batch: &batch,
+            comm,
+            spec,
+        };
+        with_strategy(spec.strategy, rank)
+    })
+}
+
+/// [`run_context_parallel`] with `strategy` (any [`AttentionStrategy`], one defined outside
+/// this crate too) instead of `spec.strategy`, which still builds the group (its mesh).
+pub fn run_context_parallel_of<B: FlashOps, S: AttentionStrategy + Sync>(
+    device: &B::Device,
+    inputs: &PackedInputs,
+    spec: &RunSpec,
+    strategy: &S,
+) -> Result<RunReport, CpError> {
+    let batch = prepare(inputs, spec)?;
+    run_ranks(inputs, spec, None, |comm| {
+        let rank = RankRun::<B> {
+            device,
+            inputs,
+            batch: &batch,
+            comm,
+            spec,
+        };
+        rank.apply(strategy)
+    })
+}
+
+/// `rank` on each of `spec.cp` in-process ranks, its results assembled.
+fn run_ranks(
+    inputs: &PackedInputs,
+    spec: &RunSpec,
+    links: Option<LinkEmulation>,
+    rank: impl Fn(Comm) -> Result<RankResult, CpError> + Sync,
+) -> Result<RunReport, CpError> {
     let world = InProcessWorld::new(
         spec.cp,
         WorldConfig {
@@ -203,11 +244,11 @@ pub fn run_context_parallel_with_links<B: FlashOps>(
     if let Some(links) = links {
         world.emulate_links(links)?;
     }
-    let results = world.run(|comm| run_rank::<B>(device, inputs, &batch, comm, spec));
+    let results = world.run(rank);
     if let Some(summary) = world.failure_summary(&results) {
         return Err(CpError::RunFailed(summary));
     }
-    let ranks = results.into_iter().flatten().collect();
+    let ranks: Vec<RankResult> = results.into_iter().flatten().collect();
     Ok(assemble(inputs, ranks, world.stats()))
 }
 
@@ -228,7 +269,14 @@ pub fn run_context_parallel_on<B: FlashOps>(
         )));
     }
     let batch = prepare(inputs, spec)?;
-    let mine = run_rank::<B>(device, inputs, &batch, comm.clone(), spec)?;
+    let rank = RankRun::<B> {
+        device,
+        inputs,
+        batch: &batch,
+        comm: comm.clone(),
+        spec,
+    };
+    let mine = with_strategy(spec.strategy, rank)?;
     let stats = serde_json::to_vec(&comm.stats()).map_err(|e| CpError::Config(e.to_string()))?;
     let messages = |r: RankResult| {
         let floats = |v: Vec<f32>| {
@@ -324,61 +372,75 @@ fn prepare(inputs: &PackedInputs, spec: &RunSpec) -> Result<CpBatch, CpError> {
     Ok(batch)
 }
 
-fn run_rank<B: FlashOps>(
-    device: &B::Device,
-    x: &PackedInputs,
-    batch: &CpBatch,
-    comm: crate::comm::Comm,
-    spec: &RunSpec,
-) -> Result<RankResult, CpError> {
-    let strategy = spec.strategy;
-    let rank = comm.rank();
-    let indices = batch.placement.packed_indices(rank);
-    let n = indices.len();
-    let local = |data: &[f32], heads: usize, dim: usize| {
-        tensor::<B, 3>(
-            gather_rows(data, heads * dim, &indices),
-            [n, heads, dim],
+/// One rank's forward and backward of a run.
+struct RankRun<'a, B: FlashOps> {
+    device: &'a B::Device,
+    inputs: &'a PackedInputs,
+    batch: &'a CpBatch,
+    comm: Comm,
+    spec: &'a RunSpec,
+}
+
+impl<B: FlashOps> WithStrategy for RankRun<'_, B> {
+    type Output = Result<RankResult, CpError>;
+
+    fn apply<S: AttentionStrategy>(self, strategy: &S) -> Self::Output {
+        let Self {
             device,
-        )
-        .cast(spec.dtype)
-    };
-    let (q, k, v) = (
-        local(&x.q, x.heads, x.head_dim),
-        local(&x.k, x.kv_heads, x.head_dim),
-        local(&x.v, x.kv_heads, x.value_dim),
-    );
-    let dout = local(&x.dout, x.heads, x.value_dim);
-    let group = CpGroup::new(comm.clone(), strategy)?;
-    // Every rank starts its clock together (a thread that started late cannot hide its wait).
-    comm.barrier()?;
-    let start_bytes = comm.stats().total_bytes();
-    let started = Instant::now();
-    let fwd = cp_attention_forward(&group, batch, q.clone(), k.clone(), v.clone())?;
-    let forward_ms = started.elapsed().as_secs_f64() * 1e3;
-    let mid_bytes = comm.stats().total_bytes();
-    let started = Instant::now();
-    let inputs = BackwardInputs {
-        q,
-        k,
-        v,
-        out: fwd.out.clone(),
-        lse: fwd.lse.clone(),
-        dout,
-    };
-    let grads = cp_attention_backward(&group, batch, inputs)?;
-    let backward_ms = started.elapsed().as_secs_f64() * 1e3;
-    let end_bytes = comm.stats().total_bytes();
-    Ok(RankResult {
-        indices,
-        out: host(fwd.out),
-        lse: host(fwd.lse),
-        dq: host(grads.dq),
-        dk: host(grads.dk),
-        dv: host(grads.dv),
-        bytes: (mid_bytes - start_bytes, end_bytes - mid_bytes),
-        times: (forward_ms, backward_ms),
-    })
+            inputs: x,
+            batch,
+            comm,
+            spec,
+        } = self;
+        let rank = comm.rank();
+        let indices = batch.placement.packed_indices(rank);
+        let n = indices.len();
+        let local = |data: &[f32], heads: usize, dim: usize| {
+            tensor::<B, 3>(
+                gather_rows(data, heads * dim, &indices),
+                [n, heads, dim],
+                device,
+            )
+            .cast(spec.dtype)
+        };
+        let (q, k, v) = (
+            local(&x.q, x.heads, x.head_dim),
+            local(&x.k, x.kv_heads, x.head_dim),
+            local(&x.v, x.kv_heads, x.value_dim),
+        );
+        let dout = local(&x.dout, x.heads, x.value_dim);
+        let group = CpGroup::new(comm.clone(), spec.strategy)?;
+        // Every rank starts its clock together (a thread that started late cannot hide its wait).
+        comm.barrier()?;
+        let start_bytes = comm.stats().total_bytes();
+        let started = Instant::now();
+        let fwd =
+            cp_attention_forward_with(strategy, &group, batch, q.clone(), k.clone(), v.clone())?;
+        let forward_ms = started.elapsed().as_secs_f64() * 1e3;
+        let mid_bytes = comm.stats().total_bytes();
+        let started = Instant::now();
+        let inputs = BackwardInputs {
+            q,
+            k,
+            v,
+            out: fwd.out.clone(),
+            lse: fwd.lse.clone(),
+            dout,
+        };
+        let grads = cp_attention_backward_with(strategy, &group, batch, inputs)?;
+        let backward_ms = started.elapsed().as_secs_f64() * 1e3;
+        let end_bytes = comm.stats().total_bytes();
+        Ok(RankResult {
+            indices,
+            out: host(fwd.out),
+            lse: host(fwd.lse),
+            dq: host(grads.dq),
+            dk: host(grads.dk),
+            dv: host(grads.dv),
+            bytes: (mid_bytes - start_bytes, end_bytes - mid_bytes),
+            times: (forward_ms, backward_ms),
+        })
+    }
 }
 
 fn assemble(x: &PackedInputs, ranks: Vec<RankResult>, stats: Vec<CommStats>) -> RunReport {

@@ -27,7 +27,7 @@ use crate::batch::placement::Placement;
 pub use crate::planner::bytes::RankVolume;
 use crate::planner::bytes::{Pass, Side, TokenBytes};
 use crate::strategy::ulysses::HeadSplit;
-use crate::strategy::Strategy;
+use crate::strategy::{with_strategy, AttentionStrategy, Strategy, WithStrategy};
 
 /// Tensor sizes entering the volume formulas.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,29 +40,44 @@ pub struct VolumeShape {
     pub element_bytes: usize,
 }
 
-/// Analytic bytes per rank (index = CP rank) for `strategy` on `placement`. Strategy dcp moves
-/// what its plan says: use `BlockSchedule::predicted_volume` (here: an empty list).
+/// Analytic bytes per rank (index = CP rank) for `strategy` on `placement`: its
+/// [`AttentionStrategy::volume`]. Strategy dcp moves what its plan says: use
+/// `BlockSchedule::predicted_volume` (here: an empty list).
 pub fn analytic_volume(
     strategy: Strategy,
     placement: &Placement,
     shape: &VolumeShape,
 ) -> Vec<RankVolume> {
-    let tokens: Vec<u64> = (0..placement.cp())
-        .map(|r| placement.tokens(r) as u64)
-        .collect();
-    match strategy {
-        Strategy::Ulysses => ulysses(&tokens, shape, shape.heads, placement.cp()),
-        Strategy::Ring => ring(&tokens, shape, shape.kv_heads as u64),
-        Strategy::AllGather => all_gather(&tokens, shape),
-        Strategy::Usp {
-            ulysses_degree,
-            ring_degree,
-        } => usp(&tokens, shape, ulysses_degree, ring_degree),
-        Strategy::Dcp => Vec::new(),
+    with_strategy(strategy, Volume { placement, shape })
+}
+
+/// A strategy's [`AttentionStrategy::volume`] through the registry.
+struct Volume<'a> {
+    placement: &'a Placement,
+    shape: &'a VolumeShape,
+}
+
+impl WithStrategy for Volume<'_> {
+    type Output = Vec<RankVolume>;
+
+    fn apply<S: AttentionStrategy>(self, strategy: &S) -> Self::Output {
+        strategy.volume(self.placement, self.shape)
     }
 }
 
-fn ulysses(tokens: &[u64], s: &VolumeShape, heads: usize, degree: usize) -> Vec<RankVolume> {
+/// The tokens each rank of `placement` holds.
+pub(crate) fn rank_tokens(placement: &Placement) -> Vec<u64> {
+    (0..placement.cp())
+        .map(|r| placement.tokens(r) as u64)
+        .collect()
+}
+
+pub(crate) fn ulysses(
+    tokens: &[u64],
+    s: &VolumeShape,
+    heads: usize,
+    degree: usize,
+) -> Vec<RankVolume> {
     let split = HeadSplit {
         heads,
         kv_heads: s.kv_heads,
@@ -104,7 +119,7 @@ fn kv_bytes(s: &VolumeShape, kv_heads: usize) -> TokenBytes<u64> {
     TokenBytes::exact(0, kv_heads, s.head_dim, s.value_dim, s.element_bytes)
 }
 
-fn ring(tokens: &[u64], s: &VolumeShape, kv_heads: u64) -> Vec<RankVolume> {
+pub(crate) fn ring(tokens: &[u64], s: &VolumeShape, kv_heads: u64) -> Vec<RankVolume> {
     let size = tokens.len();
     let kv = kv_bytes(s, kv_heads as usize);
     let (forward_kv, _) = kv.hop(Side::KeyValue, Pass::Forward);
@@ -126,7 +141,7 @@ fn ring(tokens: &[u64], s: &VolumeShape, kv_heads: u64) -> Vec<RankVolume> {
         .collect()
 }
 
-fn all_gather(tokens: &[u64], s: &VolumeShape) -> Vec<RankVolume> {
+pub(crate) fn all_gather(tokens: &[u64], s: &VolumeShape) -> Vec<RankVolume> {
     let peers = tokens.len() as u64 - 1;
     let kv = kv_bytes(s, s.kv_heads);
     let (forward_kv, _) = kv.hop(Side::KeyValue, Pass::Forward);
@@ -142,7 +157,7 @@ fn all_gather(tokens: &[u64], s: &VolumeShape) -> Vec<RankVolume> {
         .collect()
 }
 
-fn usp(
+pub(crate) fn usp(
     tokens: &[u64],
     s: &VolumeShape,
     ulysses_degree: usize,

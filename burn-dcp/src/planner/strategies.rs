@@ -27,13 +27,16 @@ use crate::batch::layout::Layout;
 use crate::error::CpError;
 use crate::heads::HeadParts;
 use crate::planner::cost::{AttentionDims, Pass, Ready, RoutedPlan, Transfer, UnitSizes, POST};
-use crate::planner::dcp::{dcp_plan, DcpConfig};
+use crate::planner::dcp::DcpConfig;
 use crate::planner::dynamic::{schedule_with, DynamicCpConfig, DynamicCpSchedule};
 use crate::planner::plan::{
     tile_grids, BlockProblem, ComputeBlock, MeshStats, Plan, PlanStats, TileGrid,
 };
 use crate::planner::topology::Topology;
-use crate::strategy::{Strategy, StrategyKind};
+use crate::strategy::usp::Usp;
+use crate::strategy::{
+    plan_with, with_strategy, AttentionStrategy, Strategy, StrategyKind, WithStrategy,
+};
 
 /// Most (q, kv) block pairs (full-mask count) a static strategy's plan may have.
 pub const STATIC_TILE_BUDGET: usize = 1 << 21;
@@ -101,41 +104,27 @@ impl PlanInput {
     }
 }
 
-/// Plans `strategy` (one of [`StrategyKind::ALL`]) for `input`.
+/// Plans `strategy` (one of [`StrategyKind::ALL`]) for `input`: a static strategy's
+/// [`AttentionStrategy::plan`] (USP with [`usp_ulysses_degree`]), or the dynamic CP schedule, whose
+/// groups each run ring-zigzag.
 pub fn plan_strategy(
     strategy: impl Into<StrategyKind>,
     input: &PlanInput,
 ) -> Result<RoutedPlan, CpError> {
     input.validate()?;
-    match strategy.into() {
-        StrategyKind::Ring(Layout::Zigzag) => ring_zigzag(input),
-        StrategyKind::Ring(layout) => Err(CpError::Config(format!(
-            "the planner places ring's tokens zigzag: it has no plan of ring-{layout}"
-        ))),
-        StrategyKind::Ulysses => {
-            let ranks = input.topology.ranks();
-            let heads = input.dims.head_pair()?;
-            if heads.split_queries(HeadParts::Ulysses(ranks)).is_err() {
-                // `Heads`' rule, in the words plan_sim's reports have always used.
-                return Err(CpError::Config(format!(
-                    "ulysses over {ranks} ranks needs the query heads ({}) to be a multiple of {ranks}",
-                    heads.heads()
-                )));
-            }
-            usp(input, ranks, StrategyKind::Ulysses)
+    let kind = strategy.into();
+    let ulysses_degree = match kind {
+        StrategyKind::Ring(layout) if layout != Layout::Zigzag => {
+            return Err(CpError::Config(format!(
+                "the planner places ring's tokens zigzag: it has no plan of ring-{layout}"
+            )))
         }
-        StrategyKind::Usp => {
-            let degree = usp_ulysses_degree(input)?;
-            usp(input, degree, StrategyKind::Usp)
-        }
-        StrategyKind::AllGather => all_gather(input),
-        StrategyKind::Dynamic => megatron_dynamic(input),
-        StrategyKind::Dcp => {
-            let problem = input.problem(input.dims.kv_heads);
-            let grids = tile_grids(&problem);
-            dcp_plan(&problem, grids, &input.dims, &input.topology, &input.dcp)
-        }
-    }
+        StrategyKind::Dynamic => return megatron_dynamic(input),
+        StrategyKind::Usp => Some(usp_ulysses_degree(input)?),
+        _ => None,
+    };
+    let strategy = kind.strategy(ulysses_degree, input.topology.ranks())?;
+    with_strategy(strategy, Planned(input))
 }
 
 /// The cost model's plan of a static strategy as the executor runs it: ring and all-gather with
@@ -146,31 +135,39 @@ pub fn executed_plan(
     layout: Layout,
     input: &PlanInput,
 ) -> Result<Option<RoutedPlan>, CpError> {
-    let plan = match (strategy, layout) {
-        (Strategy::Ring, Layout::Zigzag) => plan_strategy(StrategyKind::RING_ZIGZAG, input)?,
-        (Strategy::AllGather, Layout::Zigzag) => plan_strategy(StrategyKind::AllGather, input)?,
-        (Strategy::Ulysses, _) => plan_strategy(StrategyKind::Ulysses, input)?,
-        (Strategy::Usp { ulysses_degree, .. }, _) => plan_usp(input, ulysses_degree)?,
-        _ => return Ok(None),
-    };
-    Ok(Some(plan))
+    match (strategy, layout) {
+        (Strategy::Dcp, _) => Ok(None),
+        (Strategy::Ring | Strategy::AllGather, layout) if layout != Layout::Zigzag => Ok(None),
+        _ => {
+            input.validate()?;
+            with_strategy(strategy, Planned(input)).map(Some)
+        }
+    }
 }
 
 /// USP with a given Ulysses degree (Ulysses inside groups of `ulysses_degree` consecutive ranks,
 /// a ring of `ranks / ulysses_degree` across them), as `--strategy usp --ulysses-degree` runs it.
 pub fn plan_usp(input: &PlanInput, ulysses_degree: usize) -> Result<RoutedPlan, CpError> {
-    input.validate()?;
-    let heads = input.dims.head_pair()?;
-    if heads
-        .split_queries(HeadParts::Ulysses(ulysses_degree))
-        .is_err()
-    {
-        return Err(CpError::Config(format!(
-            "usp: Ulysses degree {ulysses_degree} must divide the {} query heads",
-            heads.heads()
-        )));
+    let usp = Usp {
+        ulysses_degree,
+        ring_degree: input
+            .topology
+            .ranks()
+            .checked_div(ulysses_degree)
+            .unwrap_or(0),
+    };
+    plan_with(&usp, input)
+}
+
+/// A strategy's [`AttentionStrategy::plan`] through the registry.
+struct Planned<'a>(&'a PlanInput);
+
+impl WithStrategy for Planned<'_> {
+    type Output = Result<RoutedPlan, CpError>;
+
+    fn apply<S: AttentionStrategy>(self, strategy: &S) -> Self::Output {
+        strategy.plan(self.0)
     }
-    usp(input, ulysses_degree, StrategyKind::Usp)
 }
 
 /// USP's Ulysses degree: the largest divisor of the devices per node that also divides the query
@@ -345,7 +342,7 @@ fn ring_over(
     ring_hops(ring, &kv_bytes_at, offset, transfers);
 }
 
-fn ring_zigzag(input: &PlanInput) -> Result<RoutedPlan, CpError> {
+pub(crate) fn ring_zigzag(input: &PlanInput) -> Result<RoutedPlan, CpError> {
     let problem = input.static_problem(input.dims.kv_heads, input.topology.ranks());
     let sizes = input.dims.unit_sizes(problem.head_groups)?;
     let grids = tile_grids(&problem);
@@ -418,7 +415,7 @@ pub fn megatron_schedule(input: &PlanInput) -> Result<DynamicCpSchedule, CpError
     )
 }
 
-fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
+pub(crate) fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
     let problem = input.static_problem(input.dims.kv_heads, input.topology.ranks());
     let sizes = input.dims.unit_sizes(problem.head_groups)?;
     let grids = tile_grids(&problem);
@@ -464,7 +461,7 @@ fn megatron_dynamic(input: &PlanInput) -> Result<RoutedPlan, CpError> {
 }
 
 /// All-gather KV over every rank (see the module docs).
-fn all_gather(input: &PlanInput) -> Result<RoutedPlan, CpError> {
+pub(crate) fn all_gather(input: &PlanInput) -> Result<RoutedPlan, CpError> {
     let ranks = input.topology.ranks();
     let problem = input.static_problem(input.dims.kv_heads, ranks);
     let sizes = input.dims.unit_sizes(problem.head_groups)?;
@@ -604,7 +601,11 @@ fn all_to_all(home: usize, rank: usize, tokens: f64, sizes: &UnitSizes, out: &mu
 
 /// USP with Ulysses degree `degree`; `strategy` (ulysses: `degree` is every rank, or usp) names
 /// the plan.
-fn usp(input: &PlanInput, degree: usize, strategy: StrategyKind) -> Result<RoutedPlan, CpError> {
+pub(crate) fn usp(
+    input: &PlanInput,
+    degree: usize,
+    strategy: StrategyKind,
+) -> Result<RoutedPlan, CpError> {
     let name = strategy.plan_name();
     let ranks = input.topology.ranks();
     if degree == 0 || !ranks.is_multiple_of(degree) {

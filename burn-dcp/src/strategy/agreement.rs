@@ -25,9 +25,11 @@ pub(crate) struct CallConfig {
 }
 
 impl CallConfig {
-    /// The configuration of a call with tensors of `dims` (`q`, `k`, `v`) and `dtype`.
+    /// The configuration of a call of the strategy named `strategy` with tensors of `dims` (`q`,
+    /// `k`, `v`) and `dtype`.
     pub(crate) fn new(
         pass: &str,
+        strategy: &str,
         group: &CpGroup,
         batch: &CpBatch,
         [q, k, v]: [[usize; 3]; 3],
@@ -35,7 +37,7 @@ impl CallConfig {
     ) -> Self {
         let fields = vec![
             ("pass", pass.to_string()),
-            ("strategy", group.strategy.to_string()),
+            ("strategy", strategy.to_string()),
             ("cp size", group.cp().to_string()),
             ("placement", batch.placement.to_string()),
             (

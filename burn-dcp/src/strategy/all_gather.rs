@@ -8,8 +8,11 @@
 use burn::prelude::Tensor;
 use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, VarlenAttention};
 
+use crate::batch::placement::Placement;
 use crate::comm::Payload;
+use crate::diagnostics::volume::{self, RankVolume, VolumeShape};
 use crate::error::CpError;
+use crate::planner::{strategies, PlanInput, RoutedPlan};
 use crate::strategy::exchange::{
     all_gather, cat_tokens, checked_tensor, concat_segments, split_sizes,
 };
@@ -30,6 +33,19 @@ impl AllGatherKv {
 }
 
 impl AttentionStrategy for AllGatherKv {
+    fn name(&self) -> String {
+        "all-gather".into()
+    }
+
+    /// All-gather KV with the tokens in the zigzag layout.
+    fn plan(&self, input: &PlanInput) -> Result<RoutedPlan, CpError> {
+        strategies::all_gather(input)
+    }
+
+    fn volume(&self, placement: &Placement, shape: &VolumeShape) -> Vec<RankVolume> {
+        volume::all_gather(&volume::rank_tokens(placement), shape)
+    }
+
     fn forward<B: FlashOps>(
         &self,
         CpCall { group, batch }: CpCall<'_>,

@@ -81,12 +81,9 @@ impl CpBatch {
         burn_dcp_kernels::mask_of(&self.masks, seq)
     }
 
-    /// The kernel problem: queries `q_segments` against keys `kv_segments`.
-    pub(crate) fn problem(
-        &self,
-        q_segments: Vec<Segment>,
-        kv_segments: Vec<Segment>,
-    ) -> VarlenAttention {
+    /// The kernel problem: queries `q_segments` against keys `kv_segments` (a strategy's
+    /// kernel calls; see [`Placement::segments`](crate::batch::placement::Placement::segments)).
+    pub fn problem(&self, q_segments: Vec<Segment>, kv_segments: Vec<Segment>) -> VarlenAttention {
         VarlenAttention {
             seq_lens: self.placement.seq_lens.clone(),
             masks: self.masks.clone(),

@@ -28,10 +28,15 @@ use burn_dcp_kernels::{
     AttentionShape, FlashGradients, FlashOps, FlashOutput, Segment, VarlenAttention,
 };
 
+use crate::batch::placement::Placement;
 use crate::comm::{Comm, CommError, Payload, PendingSend};
+use crate::diagnostics::volume::{RankVolume, VolumeShape};
 use crate::error::CpError;
 use crate::heads::HeadParts;
 use crate::planner::cost::{Pass, Side};
+use crate::planner::dcp::dcp_plan;
+use crate::planner::plan::tile_grids;
+use crate::planner::{PlanInput, RoutedPlan};
 use crate::strategy::block_plan::{BlockId, BlockSchedule, Instruction};
 use crate::strategy::exchange::{
     accumulator_dtype, cat_tokens, filled, narrow, split_sizes, widened,
@@ -127,9 +132,28 @@ struct Run<'a, B: FlashOps> {
 pub struct Dcp;
 
 impl AttentionStrategy for Dcp {
+    fn name(&self) -> String {
+        "dcp".into()
+    }
+
+    /// DCP's planner over the kv heads as head units (`plan_sim`'s plan). The executor runs
+    /// whatever plan the batch carries ([`CpBatch::from_blocks`]), such as
+    /// [`crate::planner::auto::executable_dcp_plan`]'s.
+    fn plan(&self, input: &PlanInput) -> Result<RoutedPlan, CpError> {
+        let problem = input.problem(input.dims.kv_heads);
+        let grids = tile_grids(&problem);
+        dcp_plan(&problem, grids, &input.dims, &input.topology, &input.dcp)
+    }
+
+    /// Empty: DCP moves what its plan says ([`BlockSchedule::predicted_volume`]).
+    fn volume(&self, _placement: &Placement, _shape: &VolumeShape) -> Vec<RankVolume> {
+        Vec::new()
+    }
+
     /// The block plan covers this group and places the tokens as the batch says; one dim for
     /// values and heads (the plan's byte model has one).
-    fn validate_call(&self, batch: &CpBatch, shape: AttentionShape) -> Result<(), CpError> {
+    fn validate_call(&self, call: CpCall<'_>, shape: AttentionShape) -> Result<(), CpError> {
+        let batch = call.batch;
         let schedule = batch.schedule()?;
         if schedule.placement() != &*batch.placement {
             return Err(CpError::Config(format!(

@@ -6,7 +6,10 @@ use burn_dcp_kernels::{AttentionShape, FlashGradients, FlashOps, FlashOutput};
 
 use super::agreement::{self, CallConfig};
 use super::{all_gather, dcp, ring, ulysses, usp, BackwardInputs, CpBatch, CpGroup, Strategy};
+use crate::batch::placement::Placement;
+use crate::diagnostics::volume::{RankVolume, VolumeShape};
 use crate::error::CpError;
+use crate::planner::{PlanInput, RoutedPlan};
 
 /// One call of a CP attention strategy: the group it runs on and the batch it computes.
 #[derive(Clone, Copy, Debug)]
@@ -18,13 +21,35 @@ pub struct CpCall<'a> {
 /// `q`, `k` and `v` of this rank's tokens: `[T, H, D]`, `[T, K, D]`, `[T, K, Dv]`.
 pub type Qkv<B> = [Tensor<B, 3>; 3];
 
-/// A CP attention algorithm: the rules of a call it adds to every strategy's (its own file's),
-/// and forward and backward over this rank's shard. [`with_strategy`] is where a [`Strategy`]
-/// finds its implementation.
+/// A CP attention algorithm, whole: its name, its planning — the block plan of a micro-batch as it
+/// runs (where every tile is computed and what moves between which ranks, which the cost model
+/// prices), its bytes per rank in closed form — and its execution, forward and backward over this
+/// rank's shard, with the rules a call must meet beyond every strategy's.
+///
+/// The built-in strategies implement it in their own files ([`ring::Ring`], [`ulysses::Ulysses`],
+/// [`usp::Usp`], [`all_gather::AllGatherKv`], [`dcp::Dcp`]); [`with_strategy`] is the registry
+/// that finds a [`Strategy`]'s implementation, one line per strategy. A strategy of your own needs
+/// no registry line: [`cp_attention_forward_with`], [`cp_attention_backward_with`] and
+/// [`plan_with`] run and plan any implementation (the crate's `tests/custom_strategy.rs` defines
+/// one in a test).
 pub trait AttentionStrategy {
-    /// Checks a call beyond the rules every strategy shares (the group, placement, heads, masks
-    /// and dtypes); run on every rank before the ranks agree, so an error fails them all.
-    fn validate_call(&self, _batch: &CpBatch, _shape: AttentionShape) -> Result<(), CpError> {
+    /// The name in messages and in the ranks' agreement on a call (`ring`, `usp(2x2)`, …: a
+    /// [`Strategy`]'s `Display`).
+    fn name(&self) -> String;
+
+    /// The block plan of `input` as this strategy runs it (tokens in the zigzag layout), with its
+    /// transfers: the planner's and the cost model's view ([`crate::planner::evaluate`]).
+    /// `input` has been validated ([`plan_with`] does).
+    fn plan(&self, input: &PlanInput) -> Result<RoutedPlan, CpError>;
+
+    /// The bytes each rank of `placement` sends in forward and backward, in closed form
+    /// ([`crate::diagnostics::volume`]'s byte model). Empty when the strategy moves what a plan
+    /// says rather than what a formula does (DCP: its schedule predicts its bytes).
+    fn volume(&self, placement: &Placement, shape: &VolumeShape) -> Vec<RankVolume>;
+
+    /// Checks a call beyond the rules every strategy shares (the group, placement, masks and
+    /// dtypes); run on every rank before the ranks agree, so an error fails them all.
+    fn validate_call(&self, _call: CpCall<'_>, _shape: AttentionShape) -> Result<(), CpError> {
         Ok(())
     }
 
@@ -55,19 +80,14 @@ pub fn cp_attention_forward<B: FlashOps>(
     k: Tensor<B, 3>,
     v: Tensor<B, 3>,
 ) -> Result<FlashOutput<B>, CpError> {
-    let local = validate_inputs(group, batch, &q, &k, &v);
-    let dims = [q.dims(), k.dims(), v.dims()];
-    let config = CallConfig::new("forward", group, batch, dims, q.dtype());
-    agreement::agree(group, &config, local)?;
     let call = CpCall { group, batch };
-    let result = with_strategy(
+    with_strategy(
         group.strategy,
         Forward {
             call,
             qkv: [q, k, v],
         },
-    );
-    fail_fast(group, result)
+    )
 }
 
 /// Context-parallel attention backward on this rank's shard (see [`BackwardInputs`]); a
@@ -77,13 +97,61 @@ pub fn cp_attention_backward<B: FlashOps>(
     batch: &CpBatch,
     inputs: BackwardInputs<B>,
 ) -> Result<FlashGradients<B>, CpError> {
-    let local = validate_backward_inputs(group, batch, &inputs);
-    let dims = [inputs.q.dims(), inputs.k.dims(), inputs.v.dims()];
-    let config = CallConfig::new("backward", group, batch, dims, inputs.q.dtype());
-    agreement::agree(group, &config, local)?;
     let call = CpCall { group, batch };
-    let result = with_strategy(group.strategy, Backward { call, inputs });
+    with_strategy(group.strategy, Backward { call, inputs })
+}
+
+/// [`cp_attention_forward`] with `strategy` instead of the group's own: the same checks,
+/// agreement and failure handling around any [`AttentionStrategy`]. The group's
+/// [`Strategy`] still sets its mesh (USP's sub-groups).
+pub fn cp_attention_forward_with<B: FlashOps, S: AttentionStrategy + ?Sized>(
+    strategy: &S,
+    group: &CpGroup,
+    batch: &CpBatch,
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+) -> Result<FlashOutput<B>, CpError> {
+    let call = CpCall { group, batch };
+    let local = validate_inputs(strategy, call, &q, &k, &v);
+    let dims = [q.dims(), k.dims(), v.dims()];
+    let config = CallConfig::new("forward", &strategy.name(), group, batch, dims, q.dtype());
+    agreement::agree(group, &config, local)?;
+    let result = strategy.forward(call, [q, k, v]);
     fail_fast(group, result)
+}
+
+/// [`cp_attention_backward`] with `strategy` instead of the group's own (see
+/// [`cp_attention_forward_with`]).
+pub fn cp_attention_backward_with<B: FlashOps, S: AttentionStrategy + ?Sized>(
+    strategy: &S,
+    group: &CpGroup,
+    batch: &CpBatch,
+    inputs: BackwardInputs<B>,
+) -> Result<FlashGradients<B>, CpError> {
+    let call = CpCall { group, batch };
+    let local = validate_backward_inputs(strategy, call, &inputs);
+    let dims = [inputs.q.dims(), inputs.k.dims(), inputs.v.dims()];
+    let config = CallConfig::new(
+        "backward",
+        &strategy.name(),
+        group,
+        batch,
+        dims,
+        inputs.q.dtype(),
+    );
+    agreement::agree(group, &config, local)?;
+    let result = strategy.backward(call, inputs);
+    fail_fast(group, result)
+}
+
+/// `strategy`'s block plan of `input`, after checking `input`.
+pub fn plan_with<S: AttentionStrategy + ?Sized>(
+    strategy: &S,
+    input: &PlanInput,
+) -> Result<RoutedPlan, CpError> {
+    input.validate()?;
+    strategy.plan(input)
 }
 
 /// What a call does with a strategy's implementation (see [`with_strategy`]).
@@ -98,7 +166,13 @@ pub fn with_strategy<Op: WithStrategy>(strategy: Strategy, op: Op) -> Op::Output
         Strategy::Ulysses => op.apply(&ulysses::Ulysses),
         Strategy::Ring => op.apply(&ring::Ring),
         Strategy::AllGather => op.apply(&all_gather::AllGatherKv),
-        Strategy::Usp { .. } => op.apply(&usp::Usp),
+        Strategy::Usp {
+            ulysses_degree,
+            ring_degree,
+        } => op.apply(&usp::Usp {
+            ulysses_degree,
+            ring_degree,
+        }),
         Strategy::Dcp => op.apply(&dcp::Dcp),
     }
 }
@@ -113,7 +187,8 @@ impl<B: FlashOps> WithStrategy for Forward<'_, B> {
     type Output = Result<FlashOutput<B>, CpError>;
 
     fn apply<S: AttentionStrategy>(self, strategy: &S) -> Self::Output {
-        strategy.forward(self.call, self.qkv)
+        let [q, k, v] = self.qkv;
+        cp_attention_forward_with(strategy, self.call.group, self.call.batch, q, k, v)
     }
 }
 
@@ -127,21 +202,7 @@ impl<B: FlashOps> WithStrategy for Backward<'_, B> {
     type Output = Result<FlashGradients<B>, CpError>;
 
     fn apply<S: AttentionStrategy>(self, strategy: &S) -> Self::Output {
-        strategy.backward(self.call, self.inputs)
-    }
-}
-
-/// A strategy's own rules of a call ([`AttentionStrategy::validate_call`]).
-struct ValidateCall<'a> {
-    batch: &'a CpBatch,
-    shape: AttentionShape,
-}
-
-impl WithStrategy for ValidateCall<'_> {
-    type Output = Result<(), CpError>;
-
-    fn apply<S: AttentionStrategy>(self, strategy: &S) -> Self::Output {
-        strategy.validate_call(self.batch, self.shape)
+        cp_attention_backward_with(strategy, self.call.group, self.call.batch, self.inputs)
     }
 }
 
@@ -157,12 +218,12 @@ fn fail_fast<T>(group: &CpGroup, result: Result<T, CpError>) -> Result<T, CpErro
     result
 }
 
-fn validate_backward_inputs<B: FlashOps>(
-    group: &CpGroup,
-    batch: &CpBatch,
+fn validate_backward_inputs<B: FlashOps, S: AttentionStrategy + ?Sized>(
+    strategy: &S,
+    call: CpCall<'_>,
     inputs: &BackwardInputs<B>,
 ) -> Result<(), CpError> {
-    validate_inputs(group, batch, &inputs.q, &inputs.k, &inputs.v)?;
+    validate_inputs(strategy, call, &inputs.q, &inputs.k, &inputs.v)?;
     let tokens = inputs.q.dims()[0];
     let [heads, value_dim] = [inputs.q.dims()[1], inputs.v.dims()[2]];
     let expected = [tokens, heads, value_dim];
@@ -181,13 +242,14 @@ fn validate_backward_inputs<B: FlashOps>(
     Ok(())
 }
 
-fn validate_inputs<B: FlashOps>(
-    group: &CpGroup,
-    batch: &CpBatch,
+fn validate_inputs<B: FlashOps, S: AttentionStrategy + ?Sized>(
+    strategy: &S,
+    call: CpCall<'_>,
     q: &Tensor<B, 3>,
     k: &Tensor<B, 3>,
     v: &Tensor<B, 3>,
 ) -> Result<(), CpError> {
+    let CpCall { group, batch } = call;
     let cp = group.cp();
     if batch.placement.cp() != cp {
         return Err(CpError::Config(format!(
@@ -197,9 +259,6 @@ fn validate_inputs<B: FlashOps>(
     }
     group.strategy.validate_mesh(cp)?;
     let shape = burn_dcp_kernels::AttentionShape::from_dims(&q.dims(), &k.dims(), &v.dims())?;
-    group
-        .strategy
-        .validate_heads(shape.heads, shape.kv_heads, cp)?;
     burn_dcp_kernels::ops::common_float_dtype(&[
         ("q", q.dtype()),
         ("k", k.dtype()),
@@ -214,7 +273,7 @@ fn validate_inputs<B: FlashOps>(
         )));
     }
     burn_dcp_kernels::validate_masks(&batch.masks, &batch.placement.seq_lens)?;
-    with_strategy(group.strategy, ValidateCall { batch, shape })?;
+    strategy.validate_call(call, shape)?;
     if let Some(scale) = batch.scale {
         burn_dcp_kernels::validate_scale(scale)?;
     }

@@ -14,11 +14,15 @@
 //! whatever the placement. The placement decides balance (zigzag balances causal work), not
 //! correctness.
 //!
-//! `kind.rs` ([`StrategyKind`]: every strategy's name, parsed and printed there only), `spec.rs` (the [`Strategy`] and its [`CpGroup`]), `batch.rs` ([`CpBatch`], [`BackwardInputs`]) and
-//! `dispatch.rs` (the [`AttentionStrategy`] trait, which every strategy file implements — DCP's
-//! too —, [`with_strategy`], the one line per strategy that finds its implementation, and the
-//! entry points [`cp_attention_forward`] / [`cp_attention_backward`]) are the base every strategy
-//! file builds on.
+//! `kind.rs` ([`StrategyKind`]: every strategy's name, parsed and printed there only), `spec.rs`
+//! (the [`Strategy`] and its [`CpGroup`]), `batch.rs` ([`CpBatch`], [`BackwardInputs`]) and
+//! `dispatch.rs` are the base every strategy file builds on. `dispatch.rs` holds the
+//! [`AttentionStrategy`] trait — a strategy whole: name, plan, closed-form bytes, call rules,
+//! forward and backward — which every strategy file implements (DCP's too), [`with_strategy`],
+//! the registry (one line per [`Strategy`]), and the entry points [`cp_attention_forward`] /
+//! [`cp_attention_backward`] (the group's strategy) and [`cp_attention_forward_with`] /
+//! [`cp_attention_backward_with`] / [`plan_with`] (any implementation, one written outside this
+//! crate too).
 
 pub(crate) mod agreement;
 pub mod all_gather;
@@ -35,7 +39,8 @@ pub mod usp;
 
 pub use batch::{BackwardInputs, CpBatch};
 pub use dispatch::{
-    cp_attention_backward, cp_attention_forward, with_strategy, AttentionStrategy, CpCall, Qkv,
+    cp_attention_backward, cp_attention_backward_with, cp_attention_forward,
+    cp_attention_forward_with, plan_with, with_strategy, AttentionStrategy, CpCall, Qkv,
     WithStrategy,
 };
 pub use kind::StrategyKind;

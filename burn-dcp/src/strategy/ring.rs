@@ -20,8 +20,11 @@ use burn::tensor::DType;
 use burn_dcp_kernels::definition::packing::token_count;
 use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment};
 
+use crate::batch::placement::Placement;
 use crate::comm::{Comm, Payload, PendingRecv, PendingSend};
+use crate::diagnostics::volume::{self, RankVolume, VolumeShape};
 use crate::error::CpError;
+use crate::planner::{strategies, PlanInput, RoutedPlan};
 use crate::strategy::exchange::{checked_tensor, filled, widened};
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv};
 
@@ -250,6 +253,23 @@ impl Ring {
 }
 
 impl AttentionStrategy for Ring {
+    fn name(&self) -> String {
+        "ring".into()
+    }
+
+    /// Ring in the zigzag layout (the planner places ring's tokens zigzag).
+    fn plan(&self, input: &PlanInput) -> Result<RoutedPlan, CpError> {
+        strategies::ring_zigzag(input)
+    }
+
+    fn volume(&self, placement: &Placement, shape: &VolumeShape) -> Vec<RankVolume> {
+        volume::ring(
+            &volume::rank_tokens(placement),
+            shape,
+            shape.kv_heads as u64,
+        )
+    }
+
     fn forward<B: FlashOps>(
         &self,
         CpCall { group, batch }: CpCall<'_>,

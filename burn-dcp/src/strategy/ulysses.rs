@@ -14,10 +14,14 @@ use std::ops::Range;
 
 use burn::prelude::{Backend, Int, Tensor};
 use burn::tensor::IndexingUpdateOp;
-use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput};
+use burn_dcp_kernels::{AttentionShape, FlashGradients, FlashOps, FlashOutput};
 
+use crate::batch::placement::Placement;
 use crate::comm::Comm;
+use crate::diagnostics::volume::{self, RankVolume, VolumeShape};
 use crate::error::CpError;
+use crate::heads::{HeadParts, Heads};
+use crate::planner::{strategies, PlanInput, RoutedPlan};
 use crate::strategy::exchange::{
     accumulator_dtype, all_to_all, cat_tokens, concat_segments, filled, narrow, split_sizes,
     widened,
@@ -415,6 +419,36 @@ impl Ulysses {
 }
 
 impl AttentionStrategy for Ulysses {
+    fn name(&self) -> String {
+        "ulysses".into()
+    }
+
+    /// Ulysses over every rank of the topology.
+    fn plan(&self, input: &PlanInput) -> Result<RoutedPlan, CpError> {
+        let ranks = input.topology.ranks();
+        let heads = input.dims.head_pair()?;
+        if heads.split_queries(HeadParts::Ulysses(ranks)).is_err() {
+            // `Heads`' rule, in the words plan_sim's reports have always used.
+            return Err(CpError::Config(format!(
+                "ulysses over {ranks} ranks needs the query heads ({}) to be a multiple of {ranks}",
+                heads.heads()
+            )));
+        }
+        strategies::usp(input, ranks, crate::StrategyKind::Ulysses)
+    }
+
+    fn volume(&self, placement: &Placement, shape: &VolumeShape) -> Vec<RankVolume> {
+        let tokens = volume::rank_tokens(placement);
+        volume::ulysses(&tokens, shape, shape.heads, placement.cp())
+    }
+
+    /// The query heads split evenly over the group ([`crate::heads`]' rule).
+    fn validate_call(&self, call: CpCall<'_>, shape: AttentionShape) -> Result<(), CpError> {
+        let heads = Heads::new(shape.heads, shape.kv_heads)?;
+        heads.split_queries(HeadParts::Ulysses(call.group.cp()))?;
+        Ok(())
+    }
+
     fn forward<B: FlashOps>(
         &self,
         CpCall { group, batch }: CpCall<'_>,

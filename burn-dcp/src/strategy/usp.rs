@@ -11,16 +11,24 @@
 //! Backward mirrors it: all-to-all of q, k, v, out, dout and lse to heads, ring backward, dq and
 //! dk/dv back to sequence shards.
 
-use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput};
+use burn_dcp_kernels::{AttentionShape, FlashGradients, FlashOps, FlashOutput};
 
+use crate::batch::placement::Placement;
+use crate::diagnostics::volume::{self, RankVolume, VolumeShape};
 use crate::error::CpError;
+use crate::heads::{HeadParts, Heads};
+use crate::planner::{strategies, PlanInput, RoutedPlan};
 use crate::strategy::exchange::concat_segments;
 use crate::strategy::ring::RingPass;
 use crate::strategy::ulysses::{HeadSplit, UlyssesStage};
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv, Strategy};
 
-/// Ulysses inside, ring outside.
-pub struct Usp;
+/// Ulysses inside groups of `ulysses_degree` ranks, ring across `ring_degree` such groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Usp {
+    pub ulysses_degree: usize,
+    pub ring_degree: usize,
+}
 
 struct Mesh<'a> {
     stage: UlyssesStage<'a>,
@@ -29,21 +37,26 @@ struct Mesh<'a> {
 
 impl Usp {
     fn mesh<'a>(
+        &self,
         group: &'a CpGroup,
         batch: &'a CpBatch,
         heads: usize,
         kv_heads: usize,
     ) -> Result<Mesh<'a>, CpError> {
-        let Strategy::Usp {
+        let Self {
             ulysses_degree,
             ring_degree,
-        } = group.strategy
-        else {
+        } = *self;
+        let mine = Strategy::Usp {
+            ulysses_degree,
+            ring_degree,
+        };
+        if group.strategy != mine {
             return Err(CpError::Config(format!(
-                "USP called with strategy {}",
+                "{mine} called on a group built for strategy {} (its sub-groups are that mesh's)",
                 group.strategy
             )));
-        };
+        }
         let (ulysses, ring) = group.usp_groups.as_ref().ok_or_else(|| {
             CpError::Config(
                 "USP needs its Ulysses and ring sub-groups; build the group with CpGroup::new"
@@ -77,12 +90,46 @@ impl Usp {
 }
 
 impl AttentionStrategy for Usp {
+    fn name(&self) -> String {
+        Strategy::Usp {
+            ulysses_degree: self.ulysses_degree,
+            ring_degree: self.ring_degree,
+        }
+        .to_string()
+    }
+
+    /// USP of this Ulysses degree over the topology's ranks (Ulysses inside groups of
+    /// `ulysses_degree` consecutive ranks, a ring across them).
+    fn plan(&self, input: &PlanInput) -> Result<RoutedPlan, CpError> {
+        let degree = self.ulysses_degree;
+        let heads = input.dims.head_pair()?;
+        if heads.split_queries(HeadParts::Ulysses(degree)).is_err() {
+            return Err(CpError::Config(format!(
+                "usp: Ulysses degree {degree} must divide the {} query heads",
+                heads.heads()
+            )));
+        }
+        strategies::usp(input, degree, crate::StrategyKind::Usp)
+    }
+
+    fn volume(&self, placement: &Placement, shape: &VolumeShape) -> Vec<RankVolume> {
+        let tokens = volume::rank_tokens(placement);
+        volume::usp(&tokens, shape, self.ulysses_degree, self.ring_degree)
+    }
+
+    /// The query heads split evenly over a Ulysses group ([`crate::heads`]' rule).
+    fn validate_call(&self, _call: CpCall<'_>, shape: AttentionShape) -> Result<(), CpError> {
+        let heads = Heads::new(shape.heads, shape.kv_heads)?;
+        heads.split_queries(HeadParts::Ulysses(self.ulysses_degree))?;
+        Ok(())
+    }
+
     fn forward<B: FlashOps>(
         &self,
         CpCall { group, batch }: CpCall<'_>,
         [q, k, v]: Qkv<B>,
     ) -> Result<FlashOutput<B>, CpError> {
-        let Mesh { stage, ring } = Self::mesh(group, batch, q.dims()[1], k.dims()[1])?;
+        let Mesh { stage, ring } = self.mesh(group, batch, q.dims()[1], k.dims()[1])?;
         let [q, k, v] = stage.inputs_to_heads([q, k, v])?;
         stage.output_to_sequence(ring.forward(q, k, v)?)
     }
@@ -92,7 +139,7 @@ impl AttentionStrategy for Usp {
         CpCall { group, batch }: CpCall<'_>,
         x: BackwardInputs<B>,
     ) -> Result<FlashGradients<B>, CpError> {
-        let Mesh { stage, ring } = Self::mesh(group, batch, x.q.dims()[1], x.k.dims()[1])?;
+        let Mesh { stage, ring } = self.mesh(group, batch, x.q.dims()[1], x.k.dims()[1])?;
         let grads = ring.backward(stage.backward_inputs_to_heads(x)?)?;
         stage.gradients_to_sequence(grads)
     }
