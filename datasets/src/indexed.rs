@@ -23,7 +23,6 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::tokens::map;
 use crate::DataError;
 
 const MAGIC: &[u8; 9] = b"MMIDIDX\0\0";
@@ -548,6 +547,15 @@ impl IndexedWriter {
         }
         std::fs::write(&self.idx_path, idx).map_err(|e| DataError::io(&self.idx_path, e))
     }
+}
+
+/// `path` memory-mapped, read only.
+pub(crate) fn map(path: &Path) -> Result<Mmap, DataError> {
+    let file = File::open(path).map_err(|e| DataError::io(path, e))?;
+    // SAFETY: the map is read only; a file changed by another process while mapped would
+    // change what is read (the tokens), never memory safety of this process beyond that, as
+    // with any reader of a file that is being rewritten.
+    unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, format!("cannot map: {e}")))
 }
 
 #[cfg(test)]

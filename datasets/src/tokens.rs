@@ -14,13 +14,12 @@
 //! (predicted from the tokens before it), `0` when it is not (a prompt's tokens in fine-tuning).
 //! `prepare_data` writes it from jsonl `{"prompt", "completion"}` lines.
 
-use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::indexed::{decode_tokens, indexed_paths, IndexedDataset, TokenType};
+use crate::indexed::{decode_tokens, indexed_paths, map, IndexedDataset, TokenType};
 use crate::DataError;
 
 /// How a flat token file is read: its token type and end-of-document id.
@@ -39,14 +38,6 @@ impl Default for FlatFormat {
             eod: None,
         }
     }
-}
-
-pub(crate) fn map(path: &Path) -> Result<Mmap, DataError> {
-    let file = File::open(path).map_err(|e| DataError::io(path, e))?;
-    // SAFETY: the map is read only; a file changed by another process while mapped would
-    // change what is read (the tokens), never memory safety of this process beyond that, as
-    // with any reader of a file that is being rewritten.
-    unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, format!("cannot map: {e}")))
 }
 
 /// A flat token file, memory-mapped.

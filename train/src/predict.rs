@@ -3,7 +3,7 @@
 //! `attention_ms`.
 //!
 //! Every planned batch of the step is planned again as the cost model's strategy of what it runs
-//! (`planner::strategies::executed_plan`: ring and all-gather with the zigzag layout, Ulysses,
+//! (`planner::executed_plan`: ring and all-gather with the zigzag layout, Ulysses,
 //! USP of its degree; dcp: the same executable plan, planned again from the same input and seed) on its CP group's nodes, and
 //! evaluated on the emulated machine ([`crate::links::emulated_topology`]: the preset's links
 //! slowed by the run's time scale, this machine's kernels as [`crate::links::cpu_compute`]
@@ -14,7 +14,7 @@
 
 use burn_dcp::planner::auto::executable_dcp_plan;
 use burn_dcp::planner::cost::{evaluate_with, RoutedPlan};
-use burn_dcp::planner::strategies::executed_plan;
+use burn_dcp::planner::executed_plan;
 use burn_dcp::planner::topology::Topology;
 use burn_dcp::{CpError, Strategy};
 

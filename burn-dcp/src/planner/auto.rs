@@ -24,10 +24,11 @@
 use serde::Serialize;
 
 use crate::error::CpError;
+use crate::planner::by_strategy::plan_strategy;
 use crate::planner::cost::{evaluate, RoutedPlan, StrategyReport};
 use crate::planner::dcp::dcp_execution_plan;
 use crate::planner::plan::{tile_grids, validate_plan};
-use crate::planner::strategies::{plan_strategy, PlanInput};
+use crate::planner::strategies::PlanInput;
 use crate::strategy::StrategyKind;
 
 /// Plans candidate `kind` (one of [`StrategyKind::ALL`]) for `input` as it runs: DCP's

@@ -1,7 +1,7 @@
 //! The one byte model: what one copy of a block costs per token, by side (the query/output side or
 //! the key/value side of a tile) and pass. The planner's cost model (`f64` per head unit,
 //! [`crate::planner::cost`]), the DCP executor's predictions ([`crate::strategy::block_plan`]) and
-//! the analytic per-rank volumes of the static strategies (`volume`, feature `harness`; exact
+//! the analytic per-rank volumes of the static strategies (each strategy's `volume`; exact
 //! `u64`) are all written with [`TokenBytes::hop`].
 //!
 //! | pass     | to the compute rank            | back to the home rank |
@@ -107,6 +107,29 @@ impl RankVolume {
             Pass::Backward => &mut self.backward,
         }
     }
+}
+
+/// Tensor sizes entering the volume formulas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VolumeShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    /// Bytes per element of q, k, v, out and their gradients.
+    pub element_bytes: usize,
+}
+
+/// The tokens each rank of `placement` holds.
+pub(crate) fn rank_tokens(placement: &crate::batch::placement::Placement) -> Vec<u64> {
+    (0..placement.cp())
+        .map(|r| placement.tokens(r) as u64)
+        .collect()
+}
+
+/// Key/value bytes per token of `kv_heads` heads.
+pub(crate) fn kv_bytes(s: &VolumeShape, kv_heads: usize) -> TokenBytes<u64> {
+    TokenBytes::exact(0, kv_heads, s.head_dim, s.value_dim, s.element_bytes)
 }
 
 #[cfg(test)]

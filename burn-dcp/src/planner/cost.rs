@@ -790,8 +790,9 @@ pub fn route_transfers(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::planner::by_strategy::plan_strategy;
     use crate::planner::dcp::DcpConfig;
-    use crate::planner::strategies::{plan_strategy, PlanInput};
+    use crate::planner::strategies::PlanInput;
     use burn_dcp_kernels::MaskSpec;
 
     /// Links of (almost) unlimited bandwidth, 0.1 s inside a node and 1 s between nodes, and

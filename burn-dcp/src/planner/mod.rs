@@ -9,8 +9,9 @@
 //!   `initial` (partition), `refine` (rebalance, greedy moves, FM).
 //! - `dcp`: the DCP block planner: `graph` (hypergraph construction), `place` (hierarchical
 //!   placement), `stages` (stage schedule).
-//! - `strategies`: ring-zigzag, Ulysses, USP, all-gather, Megatron-dynamic and DCP as block plans
-//!   with their communication.
+//! - `strategies`: ring-zigzag, Ulysses, USP, all-gather and Megatron-dynamic as block plans
+//!   with their communication (the builders each strategy's `plan` uses); `by_strategy`: the
+//!   plan of a strategy named by its kind (`plan_strategy`) or given by value (`executed_plan`).
 //! - `cost`: the byte model of `crate::planner::bytes` per head unit (`hop_bytes`), routing (`routes`), bytes per link class, balance and
 //!   estimated attention time of a plan.
 //! - `auto`: the per-micro-batch choice of `--strategy auto` (lowest estimated time).
@@ -19,6 +20,7 @@
 //! strategies' plans describe what the static strategies do.
 
 pub mod auto;
+pub mod by_strategy;
 pub mod bytes;
 pub mod cost;
 pub mod dcp;
@@ -29,8 +31,9 @@ pub mod strategies;
 pub mod topology;
 
 pub use auto::{choose_strategy, parse_candidates, plan_candidate, AutoChoice, AutoEstimate};
+pub use by_strategy::{executed_plan, plan_strategy, plan_usp};
 pub use cost::{evaluate, AttentionDims, RoutedPlan, StrategyReport};
 pub use dcp::{dcp_plan, DcpConfig};
 pub use plan::{validate_plan, BlockProblem, Plan, MAX_PLAN_TILES};
-pub use strategies::{plan_strategy, plan_usp, PlanInput};
+pub use strategies::PlanInput;
 pub use topology::{attention_flops, LinkClass, Topology, MAX_PLAN_RANKS};

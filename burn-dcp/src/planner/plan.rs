@@ -601,7 +601,7 @@ mod tests {
     fn every_plan_is_tagged_with_its_kinds_plan_name() {
         let input = plan_input(vec![1000, 300], MaskSpec::Causal, 8);
         for kind in StrategyKind::ALL {
-            let routed = crate::planner::strategies::plan_strategy(kind, &input).unwrap();
+            let routed = crate::planner::by_strategy::plan_strategy(kind, &input).unwrap();
             assert_eq!(routed.name, kind.plan_name());
             assert_eq!(routed.plan.stats.kind(), Some(kind));
             assert_eq!(routed.plan.stats.strategy(), kind.plan_name());
@@ -620,9 +620,11 @@ mod tests {
             "shared-question:0.2,4",
         ] {
             let input = plan_input(vec![1000, 300, 2049], mask.parse().unwrap(), 4);
-            let routed =
-                crate::planner::strategies::plan_strategy(crate::StrategyKind::RING_ZIGZAG, &input)
-                    .unwrap();
+            let routed = crate::planner::by_strategy::plan_strategy(
+                crate::StrategyKind::RING_ZIGZAG,
+                &input,
+            )
+            .unwrap();
             let (plan, p) = (routed.plan, routed.problem);
             validate_plan(&plan, &p).unwrap();
             let json = serde_json::to_string(&plan).unwrap();

@@ -20,6 +20,9 @@
 //!   sequence on a group of its size; each group runs ring-zigzag on its own sequences; micro-
 //!   batches the schedule needs run one after the other (their stages follow each other).
 //! - **dcp**: see [`crate::planner::dcp`].
+//!
+//! These are the builders the strategies' [`plan`](crate::strategy::AttentionStrategy::plan)s
+//! compose; [`crate::planner::by_strategy`] plans a strategy by kind or value.
 
 use burn_dcp_kernels::{mask_of, MaskSpec};
 
@@ -33,10 +36,7 @@ use crate::planner::plan::{
     tile_grids, BlockProblem, ComputeBlock, MeshStats, Plan, PlanStats, TileGrid,
 };
 use crate::planner::topology::Topology;
-use crate::strategy::usp::Usp;
-use crate::strategy::{
-    plan_with, with_strategy, AttentionStrategy, Strategy, StrategyKind, WithStrategy,
-};
+use crate::strategy::StrategyKind;
 
 /// Most (q, kv) block pairs (full-mask count) a static strategy's plan may have.
 pub const STATIC_TILE_BUDGET: usize = 1 << 21;
@@ -101,72 +101,6 @@ impl PlanInput {
             problem.block /= 2;
         }
         problem
-    }
-}
-
-/// Plans `strategy` (one of [`StrategyKind::ALL`]) for `input`: a static strategy's
-/// [`AttentionStrategy::plan`] (USP with [`usp_ulysses_degree`]), or the dynamic CP schedule, whose
-/// groups each run ring-zigzag.
-pub fn plan_strategy(
-    strategy: impl Into<StrategyKind>,
-    input: &PlanInput,
-) -> Result<RoutedPlan, CpError> {
-    input.validate()?;
-    let kind = strategy.into();
-    let ulysses_degree = match kind {
-        StrategyKind::Ring(layout) if layout != Layout::Zigzag => {
-            return Err(CpError::Config(format!(
-                "the planner places ring's tokens zigzag: it has no plan of ring-{layout}"
-            )))
-        }
-        StrategyKind::Dynamic => return megatron_dynamic(input),
-        StrategyKind::Usp => Some(usp_ulysses_degree(input)?),
-        _ => None,
-    };
-    let strategy = kind.strategy(ulysses_degree, input.topology.ranks())?;
-    with_strategy(strategy, Planned(input))
-}
-
-/// The cost model's plan of a static strategy as the executor runs it: ring and all-gather with
-/// the zigzag layout, Ulysses, USP of its Ulysses degree. `None` for what it has no plan of: ring
-/// or all-gather with another layout, and dcp (whose executed plan is its own).
-pub fn executed_plan(
-    strategy: Strategy,
-    layout: Layout,
-    input: &PlanInput,
-) -> Result<Option<RoutedPlan>, CpError> {
-    match (strategy, layout) {
-        (Strategy::Dcp, _) => Ok(None),
-        (Strategy::Ring | Strategy::AllGather, layout) if layout != Layout::Zigzag => Ok(None),
-        _ => {
-            input.validate()?;
-            with_strategy(strategy, Planned(input)).map(Some)
-        }
-    }
-}
-
-/// USP with a given Ulysses degree (Ulysses inside groups of `ulysses_degree` consecutive ranks,
-/// a ring of `ranks / ulysses_degree` across them), as `--strategy usp --ulysses-degree` runs it.
-pub fn plan_usp(input: &PlanInput, ulysses_degree: usize) -> Result<RoutedPlan, CpError> {
-    let usp = Usp {
-        ulysses_degree,
-        ring_degree: input
-            .topology
-            .ranks()
-            .checked_div(ulysses_degree)
-            .unwrap_or(0),
-    };
-    plan_with(&usp, input)
-}
-
-/// A strategy's [`AttentionStrategy::plan`] through the registry.
-struct Planned<'a>(&'a PlanInput);
-
-impl WithStrategy for Planned<'_> {
-    type Output = Result<RoutedPlan, CpError>;
-
-    fn apply<S: AttentionStrategy>(self, strategy: &S) -> Self::Output {
-        strategy.plan(self.0)
     }
 }
 

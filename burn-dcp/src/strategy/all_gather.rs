@@ -10,8 +10,8 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, VarlenAttention};
 
 use crate::batch::placement::Placement;
 use crate::comm::Payload;
-use crate::diagnostics::volume::{self, RankVolume, VolumeShape};
 use crate::error::CpError;
+use crate::planner::bytes::{kv_bytes, rank_tokens, Pass, RankVolume, Side, VolumeShape};
 use crate::planner::{strategies, PlanInput, RoutedPlan};
 use crate::strategy::exchange::{
     all_gather, cat_tokens, checked_tensor, concat_segments, split_sizes,
@@ -43,7 +43,7 @@ impl AttentionStrategy for AllGatherKv {
     }
 
     fn volume(&self, placement: &Placement, shape: &VolumeShape) -> Vec<RankVolume> {
-        volume::all_gather(&volume::rank_tokens(placement), shape)
+        all_gather_volume(&rank_tokens(placement), shape)
     }
 
     fn forward<B: FlashOps>(
@@ -115,4 +115,21 @@ fn gather_tokens<B: FlashOps>(
     let expected = |p: usize| [batch.placement.tokens(p), heads, dim];
     let pieces = all_gather(&group.comm, x, expected, &format!("{what} all-gather"))?;
     Ok(cat_tokens(pieces, 0))
+}
+
+/// All-gather's bytes per rank ([`crate::diagnostics::volume`]'s formula).
+fn all_gather_volume(tokens: &[u64], s: &VolumeShape) -> Vec<RankVolume> {
+    let peers = tokens.len() as u64 - 1;
+    let kv = kv_bytes(s, s.kv_heads);
+    let (forward_kv, _) = kv.hop(Side::KeyValue, Pass::Forward);
+    let (backward_kv, partials) = kv.hop(Side::KeyValue, Pass::Backward);
+    let total: u64 = tokens.iter().sum();
+    tokens
+        .iter()
+        .map(|&t| RankVolume {
+            // my KV to every peer; backward again, and every peer's partial dK/dV of its tokens
+            forward: peers * t * forward_kv,
+            backward: peers * t * backward_kv + (total - t) * partials,
+        })
+        .collect()
 }

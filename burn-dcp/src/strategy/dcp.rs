@@ -30,9 +30,9 @@ use burn_dcp_kernels::{
 
 use crate::batch::placement::Placement;
 use crate::comm::{Comm, CommError, Payload, PendingSend};
-use crate::diagnostics::volume::{RankVolume, VolumeShape};
 use crate::error::CpError;
 use crate::heads::HeadParts;
+use crate::planner::bytes::{RankVolume, VolumeShape};
 use crate::planner::cost::{Pass, Side};
 use crate::planner::dcp::dcp_plan;
 use crate::planner::plan::tile_grids;

@@ -32,6 +32,7 @@ pub mod dcp;
 mod dispatch;
 pub mod exchange;
 mod kind;
+pub mod registry;
 pub mod ring;
 mod spec;
 pub mod ulysses;
@@ -39,9 +40,9 @@ pub mod usp;
 
 pub use batch::{BackwardInputs, CpBatch};
 pub use dispatch::{
-    cp_attention_backward, cp_attention_backward_with, cp_attention_forward,
-    cp_attention_forward_with, plan_with, with_strategy, AttentionStrategy, CpCall, Qkv,
-    WithStrategy,
+    cp_attention_backward_with, cp_attention_forward_with, plan_with, AttentionStrategy, CpCall,
+    Qkv,
 };
 pub use kind::StrategyKind;
+pub use registry::{cp_attention_backward, cp_attention_forward, with_strategy, WithStrategy};
 pub use spec::{CpGroup, Strategy};

@@ -22,8 +22,8 @@ use burn_dcp_kernels::{FlashGradients, FlashOps, FlashOutput, Segment};
 
 use crate::batch::placement::Placement;
 use crate::comm::{Comm, Payload, PendingRecv, PendingSend};
-use crate::diagnostics::volume::{self, RankVolume, VolumeShape};
 use crate::error::CpError;
+use crate::planner::bytes::{kv_bytes, rank_tokens, Pass, RankVolume, Side, VolumeShape};
 use crate::planner::{strategies, PlanInput, RoutedPlan};
 use crate::strategy::exchange::{checked_tensor, filled, widened};
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv};
@@ -263,11 +263,7 @@ impl AttentionStrategy for Ring {
     }
 
     fn volume(&self, placement: &Placement, shape: &VolumeShape) -> Vec<RankVolume> {
-        volume::ring(
-            &volume::rank_tokens(placement),
-            shape,
-            shape.kv_heads as u64,
-        )
+        ring_volume(&rank_tokens(placement), shape, shape.kv_heads as u64)
     }
 
     fn forward<B: FlashOps>(
@@ -285,4 +281,28 @@ impl AttentionStrategy for Ring {
     ) -> Result<FlashGradients<B>, CpError> {
         Self::pass(group, batch).backward(inputs)
     }
+}
+
+/// Ring's bytes per rank ([`crate::diagnostics::volume`]'s formula) of a ring holding `tokens`
+/// per member, `kv_heads` kv heads travelling.
+pub(crate) fn ring_volume(tokens: &[u64], s: &VolumeShape, kv_heads: u64) -> Vec<RankVolume> {
+    let size = tokens.len();
+    let kv = kv_bytes(s, kv_heads as usize);
+    let (forward_kv, _) = kv.hop(Side::KeyValue, Pass::Forward);
+    let (backward_kv, accumulators) = kv.hop(Side::KeyValue, Pass::Backward);
+    let owner_tokens = |r: usize, step: usize| tokens[(r + size - step) % size];
+    (0..size)
+        .map(|r| {
+            if size == 1 {
+                return RankVolume::default();
+            }
+            // KV passes on at steps 0..P−1; backward the dK/dV accumulators at every step
+            let passes: u64 = (0..size - 1).map(|step| owner_tokens(r, step)).sum();
+            let every: u64 = (0..size).map(|step| owner_tokens(r, step)).sum();
+            RankVolume {
+                forward: passes * forward_kv,
+                backward: passes * backward_kv + every * accumulators,
+            }
+        })
+        .collect()
 }

@@ -18,15 +18,17 @@ use burn_dcp_kernels::{AttentionShape, FlashGradients, FlashOps, FlashOutput};
 
 use crate::batch::placement::Placement;
 use crate::comm::Comm;
-use crate::diagnostics::volume::{self, RankVolume, VolumeShape};
 use crate::error::CpError;
 use crate::heads::{HeadParts, Heads};
+use crate::planner::bytes::{rank_tokens, Pass, RankVolume, TokenBytes, VolumeShape};
 use crate::planner::{strategies, PlanInput, RoutedPlan};
 use crate::strategy::exchange::{
     accumulator_dtype, all_to_all, cat_tokens, concat_segments, filled, narrow, split_sizes,
     widened,
 };
-use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv};
+use crate::strategy::{
+    AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv, StrategyKind,
+};
 
 /// Which heads each rank of a Ulysses group computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -434,12 +436,12 @@ impl AttentionStrategy for Ulysses {
                 heads.heads()
             )));
         }
-        strategies::usp(input, ranks, crate::StrategyKind::Ulysses)
+        strategies::usp(input, ranks, StrategyKind::Ulysses)
     }
 
     fn volume(&self, placement: &Placement, shape: &VolumeShape) -> Vec<RankVolume> {
-        let tokens = volume::rank_tokens(placement);
-        volume::ulysses(&tokens, shape, shape.heads, placement.cp())
+        let tokens = rank_tokens(placement);
+        ulysses_volume(&tokens, shape, shape.heads, placement.cp())
     }
 
     /// The query heads split evenly over the group ([`crate::heads`]' rule).
@@ -510,4 +512,48 @@ mod tests {
             }
         }
     }
+}
+
+/// Ulysses' bytes per rank ([`crate::diagnostics::volume`]'s formula) of a group holding
+/// `tokens` per rank, `heads` query heads split over `degree` ranks.
+pub(crate) fn ulysses_volume(
+    tokens: &[u64],
+    s: &VolumeShape,
+    heads: usize,
+    degree: usize,
+) -> Vec<RankVolume> {
+    let split = HeadSplit {
+        heads,
+        kv_heads: s.kv_heads,
+        degree,
+    };
+    // per rank, the bytes per token of the heads it computes
+    let computed_by: Vec<TokenBytes<u64>> = (0..degree)
+        .map(|p| {
+            let kv_heads = split.kv_heads(p).len();
+            TokenBytes::exact(
+                heads / degree,
+                kv_heads,
+                s.head_dim,
+                s.value_dim,
+                s.element_bytes,
+            )
+        })
+        .collect();
+    (0..degree)
+        .map(|r| {
+            let mut volume = RankVolume::default();
+            for p in (0..degree).filter(|&p| p != r) {
+                let (mine, theirs) = (tokens[r], tokens[p]);
+                // my tokens' q, k, v (backward: also out, lse, dout) to p's heads; the results
+                // of my heads for p's tokens back to p
+                for pass in [Pass::Forward, Pass::Backward] {
+                    let (out, _) = computed_by[p].both_sides(pass);
+                    let (_, back) = computed_by[r].both_sides(pass);
+                    *volume.pass_mut(pass) += mine * out + theirs * back;
+                }
+            }
+            volume
+        })
+        .collect()
 }

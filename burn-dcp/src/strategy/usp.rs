@@ -14,14 +14,16 @@
 use burn_dcp_kernels::{AttentionShape, FlashGradients, FlashOps, FlashOutput};
 
 use crate::batch::placement::Placement;
-use crate::diagnostics::volume::{self, RankVolume, VolumeShape};
 use crate::error::CpError;
 use crate::heads::{HeadParts, Heads};
+use crate::planner::bytes::{rank_tokens, RankVolume, VolumeShape};
 use crate::planner::{strategies, PlanInput, RoutedPlan};
 use crate::strategy::exchange::concat_segments;
-use crate::strategy::ring::RingPass;
-use crate::strategy::ulysses::{HeadSplit, UlyssesStage};
-use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv, Strategy};
+use crate::strategy::ring::{ring_volume, RingPass};
+use crate::strategy::ulysses::{ulysses_volume, HeadSplit, UlyssesStage};
+use crate::strategy::{
+    AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv, Strategy, StrategyKind,
+};
 
 /// Ulysses inside groups of `ulysses_degree` ranks, ring across `ring_degree` such groups.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,12 +111,12 @@ impl AttentionStrategy for Usp {
                 heads.heads()
             )));
         }
-        strategies::usp(input, degree, crate::StrategyKind::Usp)
+        strategies::usp(input, degree, StrategyKind::Usp)
     }
 
     fn volume(&self, placement: &Placement, shape: &VolumeShape) -> Vec<RankVolume> {
-        let tokens = volume::rank_tokens(placement);
-        volume::usp(&tokens, shape, self.ulysses_degree, self.ring_degree)
+        let tokens = rank_tokens(placement);
+        usp_volume(&tokens, shape, self.ulysses_degree, self.ring_degree)
     }
 
     /// The query heads split evenly over a Ulysses group ([`crate::heads`]' rule).
@@ -143,4 +145,38 @@ impl AttentionStrategy for Usp {
         let grads = ring.backward(stage.backward_inputs_to_heads(x)?)?;
         stage.gradients_to_sequence(grads)
     }
+}
+
+/// USP's bytes per rank ([`crate::diagnostics::volume`]'s formula): Ulysses inside each group,
+/// ring across them.
+fn usp_volume(
+    tokens: &[u64],
+    s: &VolumeShape,
+    ulysses_degree: usize,
+    ring_degree: usize,
+) -> Vec<RankVolume> {
+    let split = HeadSplit {
+        heads: s.heads,
+        kv_heads: s.kv_heads,
+        degree: ulysses_degree,
+    };
+    let group_tokens = |g: usize| &tokens[g * ulysses_degree..(g + 1) * ulysses_degree];
+    let ring_tokens: Vec<u64> = (0..ring_degree)
+        .map(|g| group_tokens(g).iter().sum())
+        .collect();
+    let ring_shape = VolumeShape {
+        heads: s.heads / ulysses_degree,
+        ..*s
+    };
+    (0..tokens.len())
+        .map(|r| {
+            let (g, u) = (r / ulysses_degree, r % ulysses_degree);
+            let inner = ulysses_volume(group_tokens(g), s, s.heads, ulysses_degree)[u];
+            let outer = ring_volume(&ring_tokens, &ring_shape, split.kv_heads(u).len() as u64)[g];
+            RankVolume {
+                forward: inner.forward + outer.forward,
+                backward: inner.backward + outer.backward,
+            }
+        })
+        .collect()
 }

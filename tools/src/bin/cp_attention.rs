@@ -44,8 +44,8 @@ use burn_dcp::kernels::{validate_cu_seqlens, validate_scale, MaskSpec};
 use burn_dcp::planner::cost::{evaluate_with, AttentionDims, Pass, RoutedPlan};
 use burn_dcp::planner::dcp::{dcp_execution_plan, DcpConfig};
 use burn_dcp::planner::plan::{tile_grids, BlockProblem};
-use burn_dcp::planner::strategies::{executed_plan, PlanInput};
 use burn_dcp::planner::topology::Topology;
+use burn_dcp::planner::{executed_plan, PlanInput};
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::{CpError, Layout, Placement, Strategy};
 #[cfg(feature = "wgpu")]
