@@ -5,7 +5,7 @@
 //! sent to *other* ranks count. `kv(p) = T_p·K·(D + Dv)·b` is rank `p`'s key/value block.
 //!
 //! - **Ulysses** (`Hs = H/P`, `K_p` = kv heads rank `p` computes, see
-//!   [`HeadSplit::kv_heads`]): forward sends, for every peer `p ≠ r`,
+//!   [`HeadSplit::kv_heads`](crate::strategy::ulysses::HeadSplit::kv_heads)): forward sends, for every peer `p ≠ r`,
 //!   `T_r·(Hs·D + K_p·(D+Dv))·b` (q, k, v to heads) and `T_p·Hs·(Dv·b + 4)` (out and lse back).
 //!   Backward: `T_r·(Hs·(D + 2·Dv)·b + Hs·4 + K_p·(D+Dv)·b)` (q, out, dout, lse, k, v to heads)
 //!   plus `T_p·(Hs·D + K_r·(D+Dv))·b` (dq, dk, dv back).

@@ -26,15 +26,15 @@ pub type Qkv<B> = [Tensor<B, 3>; 3];
 /// prices), its bytes per rank in closed form — and its execution, forward and backward over this
 /// rank's shard, with the rules a call must meet beyond every strategy's.
 ///
-/// The built-in strategies implement it in their own files ([`ring::Ring`], [`ulysses::Ulysses`],
-/// [`usp::Usp`], [`all_gather::AllGatherKv`], [`dcp::Dcp`]); [`with_strategy`] is the registry
-/// that finds a [`Strategy`]'s implementation, one line per strategy. A strategy of your own needs
+/// The built-in strategies implement it in their own files ([`ring::Ring`](super::ring::Ring), [`ulysses::Ulysses`](super::ulysses::Ulysses),
+/// [`usp::Usp`](super::usp::Usp), [`all_gather::AllGatherKv`](super::all_gather::AllGatherKv), [`dcp::Dcp`](super::dcp::Dcp)); [`with_strategy`](super::with_strategy) is the registry
+/// that finds a [`Strategy`](super::Strategy)'s implementation, one line per strategy. A strategy of your own needs
 /// no registry line: [`cp_attention_forward_with`], [`cp_attention_backward_with`] and
 /// [`plan_with`] run and plan any implementation (the crate's `tests/custom_strategy.rs` defines
 /// one in a test).
 pub trait AttentionStrategy {
     /// The name in messages and in the ranks' agreement on a call (`ring`, `usp(2x2)`, …: a
-    /// [`Strategy`]'s `Display`).
+    /// [`Strategy`](super::Strategy)'s `Display`).
     fn name(&self) -> String;
 
     /// The block plan of `input` as this strategy runs it (tokens in the zigzag layout), with its
@@ -66,9 +66,9 @@ pub trait AttentionStrategy {
     ) -> Result<FlashGradients<B>, CpError>;
 }
 
-/// [`cp_attention_forward`] with `strategy` instead of the group's own: the same checks,
+/// [`cp_attention_forward`](super::cp_attention_forward) with `strategy` instead of the group's own: the same checks,
 /// agreement and failure handling around any [`AttentionStrategy`]. The group's
-/// [`Strategy`] still sets its mesh (USP's sub-groups).
+/// [`Strategy`](super::Strategy) still sets its mesh (USP's sub-groups).
 pub fn cp_attention_forward_with<B: FlashOps, S: AttentionStrategy + ?Sized>(
     strategy: &S,
     group: &CpGroup,
@@ -86,7 +86,7 @@ pub fn cp_attention_forward_with<B: FlashOps, S: AttentionStrategy + ?Sized>(
     fail_fast(group, result)
 }
 
-/// [`cp_attention_backward`] with `strategy` instead of the group's own (see
+/// [`cp_attention_backward`](super::cp_attention_backward) with `strategy` instead of the group's own (see
 /// [`cp_attention_forward_with`]).
 pub fn cp_attention_backward_with<B: FlashOps, S: AttentionStrategy + ?Sized>(
     strategy: &S,

@@ -474,46 +474,6 @@ impl AttentionStrategy for Ulysses {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_query_head_finds_its_kv_head_locally() {
-        for (heads, kv_heads) in [
-            (8, 8),
-            (8, 4),
-            (8, 2),
-            (8, 1),
-            (12, 3),
-            (12, 4),
-            (6, 2),
-            (16, 4),
-        ] {
-            for degree in (1..=heads).filter(|d| heads % d == 0) {
-                let split = HeadSplit {
-                    heads,
-                    kv_heads,
-                    degree,
-                };
-                for slice in 0..degree {
-                    let kv = split.kv_heads(slice);
-                    let q: Vec<usize> = split.q_heads(slice).collect();
-                    assert_eq!(q.len() % kv.len(), 0, "H{heads} K{kv_heads} P{degree}");
-                    let local_group = q.len() / kv.len();
-                    for (local, &h) in q.iter().enumerate() {
-                        assert_eq!(
-                            kv[local / local_group],
-                            h / (heads / kv_heads),
-                            "H{heads} K{kv_heads} P{degree} slice {slice}"
-                        );
-                    }
-                }
-            }
-        }
-    }
-}
-
 /// Ulysses' bytes per rank ([`crate::diagnostics::volume`]'s formula) of a group holding
 /// `tokens` per rank, `heads` query heads split over `degree` ranks.
 pub(crate) fn ulysses_volume(
@@ -556,4 +516,44 @@ pub(crate) fn ulysses_volume(
             volume
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_query_head_finds_its_kv_head_locally() {
+        for (heads, kv_heads) in [
+            (8, 8),
+            (8, 4),
+            (8, 2),
+            (8, 1),
+            (12, 3),
+            (12, 4),
+            (6, 2),
+            (16, 4),
+        ] {
+            for degree in (1..=heads).filter(|d| heads % d == 0) {
+                let split = HeadSplit {
+                    heads,
+                    kv_heads,
+                    degree,
+                };
+                for slice in 0..degree {
+                    let kv = split.kv_heads(slice);
+                    let q: Vec<usize> = split.q_heads(slice).collect();
+                    assert_eq!(q.len() % kv.len(), 0, "H{heads} K{kv_heads} P{degree}");
+                    let local_group = q.len() / kv.len();
+                    for (local, &h) in q.iter().enumerate() {
+                        assert_eq!(
+                            kv[local / local_group],
+                            h / (heads / kv_heads),
+                            "H{heads} K{kv_heads} P{degree} slice {slice}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
