@@ -23,6 +23,7 @@ pub mod nccl;
 pub mod nodes;
 pub mod payload;
 mod pending;
+mod stall;
 mod stats;
 pub mod tcp;
 mod transport;

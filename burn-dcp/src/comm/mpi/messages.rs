@@ -4,13 +4,14 @@
 use std::ffi::c_int;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, TensorData};
 use mpi::ffi;
 
 use super::state::{mpi_lock, Backoff, Posted, Shared};
 use crate::comm::common::{check_envelope, frame, host_data, unframe, WireError};
+use crate::comm::stall::stall_reason;
 use crate::comm::transport::Received;
 use crate::comm::{CommError, Payload};
 
@@ -58,6 +59,7 @@ impl SendHandle {
     pub(super) fn wait(mut self) -> Result<(), CommError> {
         let started = Instant::now();
         let mut backoff = Backoff(0);
+        let mut waiting = false;
         loop {
             if self.shared.closed.load(Ordering::SeqCst) {
                 return Err(self.closed());
@@ -76,7 +78,16 @@ impl SendHandle {
             }
             if done {
                 self.buffer = None;
+                if waiting {
+                    self.shared.set_waiting(None);
+                }
                 return Ok(());
+            }
+            if !waiting {
+                // Not done at once: blocked on the peer's receive (a rendezvous send).
+                let what = format!("its receive of {} (our send)", self.op);
+                self.shared.set_waiting(Some((self.peer_global, what)));
+                waiting = true;
             }
             self.shared.progress();
             if started.elapsed() >= self.shared.config.timeout {
@@ -133,27 +144,39 @@ impl Received for RecvHandle {
     fn wait(self) -> Result<Payload, CommError> {
         let started = Instant::now();
         let mut backoff = Backoff(0);
+        let what = format!(
+            "{} message #{} of group '{}'",
+            self.op, self.index, self.group
+        );
+        self.shared
+            .set_waiting(Some((self.peer_global, what.clone())));
         loop {
             if let Some(message) = self.posted.take() {
-                return self.open(message);
+                return self.arrived(message, what);
             }
             if self.shared.closed.load(Ordering::SeqCst) {
+                self.shared.set_waiting(None);
                 return Err(self.protocol("the MPI job is shutting down".into()));
             }
             self.shared.progress();
             if let Some(message) = self.posted.take() {
-                return self.open(message);
+                return self.arrived(message, what);
             }
             if started.elapsed() >= self.shared.config.timeout {
                 self.shared.unpost(&self.posted);
-                return Err(CommError::Timeout {
+                let timeout = CommError::Timeout {
                     group: self.group.clone(),
                     rank: self.rank,
                     peer: self.peer,
                     peer_global: self.peer_global,
                     op: self.op.clone(),
                     waited: self.shared.config.timeout,
-                });
+                };
+                // Still recorded as waiting while it asks: a peer asking it meanwhile must see
+                // that it waits, not take it for the stalled rank.
+                let error = self.name_the_stalled(timeout, &what);
+                self.shared.set_waiting(None);
+                return Err(error);
             }
             backoff.pause();
         }
@@ -161,6 +184,38 @@ impl Received for RecvHandle {
 }
 
 impl RecvHandle {
+    fn arrived(
+        &self,
+        message: Result<Vec<u8>, WireError>,
+        what: String,
+    ) -> Result<Payload, CommError> {
+        self.shared
+            .received(format!("{what} from global rank {}", self.peer_global));
+        self.open(message)
+    }
+
+    /// After a timeout: the rank that made no progress (the end of the chain of waits from the
+    /// peer waited for, asked rank by rank: `Shared::stalled`). The timeout itself when that is
+    /// the peer (the timeout names it) or this rank; else a failure naming the stalled rank
+    /// first, which the program's abort prints for the whole job.
+    fn name_the_stalled(&self, timeout: CommError, what: &str) -> CommError {
+        let shared = &self.shared;
+        let (me, sender) = (shared.rank, self.peer_global);
+        let waited = shared.config.timeout;
+        let answer = waited.min(Duration::from_secs(2));
+        let found = shared.stalled(sender, answer);
+        match stall_reason(found, me, sender, what, &timeout, waited) {
+            Some((stalled, reason)) if stalled != sender => CommError::PeerFailed {
+                group: self.group.clone(),
+                rank: self.rank,
+                failed_global: stalled,
+                reason,
+                op: self.op.clone(),
+            },
+            _ => timeout,
+        }
+    }
+
     fn protocol(&self, message: String) -> CommError {
         CommError::Protocol {
             group: self.group.clone(),

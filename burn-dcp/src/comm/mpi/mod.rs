@@ -12,8 +12,11 @@
 //!
 //! **Nothing waits forever.** Only non-blocking MPI calls are used (`MPI_Isend`, `MPI_Improbe`,
 //! `MPI_Test`), polled against the world's timeout. A wait that times out fails with
-//! [`CommError::Timeout`](crate::comm::CommError::Timeout) naming the peer; the program then aborts the job (`MPI_Abort`, see
-//! [`MpiWorld::abort`]), which makes the launcher kill every rank.
+//! [`CommError::Timeout`](crate::comm::CommError::Timeout) naming the peer — or, when that peer
+//! was itself waiting, the rank at the end of the chain of waits, which made no progress
+//! (`stall.rs`: ranks answer "what are you waiting for?" whenever they poll) —; the program then
+//! aborts the job (`MPI_Abort`, see [`MpiWorld::abort`]), which makes the launcher kill every
+//! rank.
 //!
 //! **Receives are posted, sends may be rendezvous.** A message's size is not known before it
 //! arrives, so a posted receive is a registered (source, tag) that the process matches with
@@ -30,10 +33,12 @@
 //! **Threads.** MPI is initialised with `MPI_THREAD_MULTIPLE` when the library offers it (at
 //! least `MPI_THREAD_SERIALIZED` is required); every MPI call of the process is made under one
 //! lock, and no call blocks while holding it except `MPI_Comm_split`, made only after every
-//! member has been seen to arrive (a control exchange with a deadline).
+//! member has been seen to arrive (a control exchange with a deadline), and the stall queries'
+//! few-byte `MPI_Send`s (eager in every MPI; their receiver is polling for them).
 
 mod comm;
 mod messages;
+mod stall;
 mod state;
 mod world;
 

@@ -3,7 +3,7 @@
 //! job.
 
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -11,6 +11,7 @@ use mpi::ffi;
 
 use crate::comm::common::WireError;
 use crate::comm::nodes::NodeMap;
+use crate::comm::stall::Status;
 use crate::comm::{CommStats, WorldConfig};
 
 /// Every MPI call of the process is made under this lock (see the module docs).
@@ -44,17 +45,25 @@ pub(super) struct Shared {
     pub(super) seq_bound: u64,
     /// Set once the job is being aborted or MPI finalised: no further MPI calls.
     pub(super) closed: AtomicBool,
+    /// The world duplicated for stall queries and their answers (`stall.rs`).
+    pub(super) status_comm: RawComm,
+    /// What this rank waits for and last received, as it answers a stall query.
+    pub(super) status: Mutex<Status>,
+    /// This rank's stall queries so far (each answer names its query).
+    pub(super) queries: AtomicU64,
 }
 
 impl Shared {
-    /// Matches every posted receive whose message has arrived (`MPI_Improbe` + `MPI_Mrecv`).
+    /// Matches every posted receive whose message has arrived (`MPI_Improbe` + `MPI_Mrecv`)
+    /// and answers the stall queries that have (see `stall.rs`).
     pub(super) fn progress(&self) {
         let mut posted = self.posted.lock().unwrap_or_else(|p| p.into_inner());
-        if posted.is_empty() || self.closed.load(Ordering::SeqCst) {
+        if self.closed.load(Ordering::SeqCst) {
             return;
         }
         let _mpi = mpi_lock();
         posted.retain(|p| !p.try_match());
+        self.answer_queries();
     }
 
     pub(super) fn unpost(&self, which: &Arc<Posted>) {

@@ -3,7 +3,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use mpi::ffi;
@@ -58,7 +58,7 @@ impl MpiWorld {
         let _mpi = mpi_lock();
         // SAFETY: MPI's initialisation and queries, under `MPI_LOCK`, once per process (checked
         // above); the out-parameters are locals that outlive the calls.
-        let (rank, size, seq_bound) = unsafe {
+        let (rank, size, seq_bound, status_comm) = unsafe {
             let mut initialized: c_int = 0;
             ffi::MPI_Initialized(&mut initialized);
             if initialized != 0 {
@@ -88,6 +88,15 @@ impl MpiWorld {
             // Errors come back as codes (turned into CommErrors) instead of killing the job
             // with MPI's own message.
             ffi::MPI_Comm_set_errhandler(ffi::RSMPI_COMM_WORLD, ffi::RSMPI_ERRORS_RETURN);
+            // The stall queries' own communicator (MPI_Comm_dup keeps the error handler).
+            let mut status_comm: ffi::MPI_Comm = std::mem::zeroed();
+            let code = ffi::MPI_Comm_dup(ffi::RSMPI_COMM_WORLD, &mut status_comm);
+            if code != 0 {
+                ffi::MPI_Finalize();
+                return Err(invalid(format!(
+                    "MPI_Comm_dup failed with error code {code}"
+                )));
+            }
             let (mut rank, mut size): (c_int, c_int) = (0, 0);
             ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut rank);
             ffi::MPI_Comm_size(ffi::RSMPI_COMM_WORLD, &mut size);
@@ -109,6 +118,7 @@ impl MpiWorld {
                 rank as usize,
                 size as usize,
                 (tag_ub as u64 + 1) / Channel::COUNT as u64,
+                RawComm(status_comm),
             )
         };
         let nodes = match config.nodes(size) {
@@ -128,6 +138,9 @@ impl MpiWorld {
             posted: Mutex::new(Vec::new()),
             seq_bound,
             closed: AtomicBool::new(false),
+            status_comm,
+            status: Mutex::new(Default::default()),
+            queries: AtomicU64::new(0),
         });
         let _ = SHARED.set(shared.clone());
         let group = Group::new("world".into(), Arc::from(""), (0..size).collect(), rank);

@@ -8,6 +8,7 @@ use std::time::Instant;
 use super::wire::{Failure, Kind, Shared, WireHeader};
 use crate::comm::collectives::agree_split;
 use crate::comm::common::{check_envelope, frame, host_data};
+use crate::comm::stall::stall_reason;
 use crate::comm::transport::{Channel, Group, LinkCounters, Received, Traffic, Transport};
 use crate::comm::{Comm, CommError, CommStats, Payload, PendingSend};
 
@@ -68,7 +69,6 @@ impl Received for RecvHandle {
             }
             let waited = started.elapsed();
             if waited >= shared.config.timeout {
-                state.status.waiting = None;
                 drop(state);
                 let timeout = CommError::Timeout {
                     group: self.key.0.clone(),
@@ -78,7 +78,11 @@ impl Received for RecvHandle {
                     op: self.op.clone(),
                     waited: shared.config.timeout,
                 };
-                return Err(self.name_the_stalled(timeout, &what));
+                // Still recorded as waiting while it asks: a peer asking it meanwhile must see
+                // that it waits, not take it for the stalled rank.
+                let error = self.name_the_stalled(timeout, &what);
+                shared.state().status.waiting = None;
+                return Err(error);
             }
             let remaining = shared.config.timeout - waited;
             state = shared
@@ -99,37 +103,12 @@ impl RecvHandle {
         let shared = &self.shared;
         let (me, sender) = (shared.rank, self.key.2);
         let answer = shared.config.timeout.min(std::time::Duration::from_secs(2));
-        let reason = match shared.stalled(sender, answer) {
-            Ok((stalled, last, answered)) if stalled != me => {
-                let after = match (last, answered) {
-                    (Some(last), _) => format!("after it received {last}"),
-                    (None, true) => "before it received any message".into(),
-                    (None, false) => "what it last received is unknown".into(),
-                };
-                let how = match answered {
-                    true => "it is not waiting for any message: stalled outside communication, or stopped sending",
-                    false => "it does not answer: the process is stopped or hung",
-                };
-                Failure {
-                    rank: stalled,
-                    reason: format!(
-                        "global rank {stalled} made no progress for {:?} ({after}; {how}); global rank {me} timed out waiting for {what} from global rank {sender} ({timeout})",
-                        shared.config.timeout
-                    ),
-                }
-            }
-            Ok(_) => return timeout,
-            Err(cycle) => {
-                let cycle: Vec<String> = cycle.iter().map(|r| r.to_string()).collect();
-                Failure {
-                    rank: me,
-                    reason: format!(
-                        "global ranks {} wait for one another (each for the next; a protocol mismatch): {timeout}",
-                        cycle.join(" → ")
-                    ),
-                }
-            }
+        let found = shared.stalled(sender, answer);
+        let waited = shared.config.timeout;
+        let Some((rank, reason)) = stall_reason(found, me, sender, what, &timeout, waited) else {
+            return timeout;
         };
+        let reason = Failure { rank, reason };
         let direct = reason.rank == sender;
         shared.fail(reason.clone());
         if let Ok(body) = serde_json::to_vec(&reason) {

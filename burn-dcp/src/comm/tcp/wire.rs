@@ -13,6 +13,7 @@ use burn::tensor::DType;
 
 use crate::comm::common::unframe;
 use crate::comm::nodes::NodeMap;
+use crate::comm::stall::{follow_waits, Status};
 use crate::comm::{CommStats, WorldConfig};
 
 /// No frame is larger than this (a corrupt length must not allocate the machine's memory).
@@ -62,15 +63,6 @@ impl Kind {
 pub(super) struct Failure {
     pub(super) rank: usize,
     pub(super) reason: String,
-}
-
-/// What a rank is doing, as it answers a [`Kind::Query`].
-#[derive(serde::Serialize, serde::Deserialize, Clone, Debug, Default)]
-pub(super) struct Status {
-    /// The global rank it is blocked receiving from, and what, if it is.
-    pub(super) waiting: Option<(usize, String)>,
-    /// The last message it received.
-    pub(super) last: Option<String>,
 }
 
 /// The header of a data message.
@@ -296,23 +288,7 @@ impl Shared {
         let state = self.wait_until(Instant::now() + answer, |state| {
             state.statuses.len() + 1 >= self.size
         });
-        let mut chain = vec![self.rank];
-        let mut current = sender;
-        loop {
-            if chain.contains(&current) {
-                chain.push(current);
-                return Err(chain);
-            }
-            chain.push(current);
-            match state.statuses.get(&current) {
-                None => return Ok((current, None, false)),
-                Some(Status {
-                    waiting: Some((next, _)),
-                    ..
-                }) => current = *next,
-                Some(status) => return Ok((current, status.last.clone(), true)),
-            }
-        }
+        follow_waits(self.rank, sender, |rank| state.statuses.get(&rank).cloned())
     }
 
     /// Tells every peer `kind` (best effort: a peer that is gone is skipped).
