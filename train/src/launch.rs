@@ -8,6 +8,8 @@
 //! prints and writes files, and a rank that fails ends the job with a message naming it (MPI:
 //! `MPI_Abort`; TCP: it tells every peer, whose operations then fail naming it, and exits).
 
+use std::io::Write;
+
 use burn_dcp::comm::{Comm, InProcessWorld, Rendezvous, TcpWorld, WorldConfig};
 
 /// Launcher variables giving this process's rank, in the order they are trusted.
@@ -236,43 +238,41 @@ fn unwound<T, E: std::fmt::Display>(
     })
 }
 
-/// Messages of the libraries (`log` facade: a rank aborting a job, a launch failing) on stderr,
-/// as `burn-dcp: …`, for programs without a logger of their own (the examples call it first).
-/// `BURN_DCP_LOG` sets the level (`error`, `warn` (default), `info`, `debug`, `trace`, `off`). A
-/// program that installed another logger keeps it.
+/// The `log` facade's logger for programs without one of their own (the examples and tools call
+/// it first): `env_logger` on stderr, its level and filters from `RUST_LOG` (default `warn`:
+/// errors such as a rank aborting a job, and warnings), each line prefixed with the rank that
+/// wrote it — `[rank 2] ERROR burn_dcp::…: …` — from the thread's name for in-process ranks
+/// (`rank-N`) or the launcher's variables for one process per rank (MPI, Slurm, TCP). A program
+/// that installed another logger keeps it.
 pub fn init_logging() {
-    let level = match std::env::var("BURN_DCP_LOG").as_deref() {
-        Ok("off") => log::LevelFilter::Off,
-        Ok("error") => log::LevelFilter::Error,
-        Ok("info") => log::LevelFilter::Info,
-        Ok("debug") => log::LevelFilter::Debug,
-        Ok("trace") => log::LevelFilter::Trace,
-        _ => log::LevelFilter::Warn,
-    };
-    if log::set_logger(&STDERR_LOGGER).is_ok() {
-        log::set_max_level(level);
-    }
+    let process_rank = PROCESS_RANK_VARIABLES
+        .iter()
+        .find_map(|name| std::env::var(name).ok());
+    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format(move |out, record| {
+            let thread = std::thread::current();
+            let rank = thread
+                .name()
+                .and_then(|name| name.strip_prefix("rank-"))
+                .or(process_rank.as_deref());
+            let prefix = rank.map(|r| format!("[rank {r}] ")).unwrap_or_default();
+            writeln!(
+                out,
+                "{prefix}{} {}: {}",
+                record.level(),
+                record.target(),
+                record.args()
+            )
+        })
+        .try_init();
 }
 
-/// The logger of [`init_logging`].
-struct StderrLogger;
-
-static STDERR_LOGGER: StderrLogger = StderrLogger;
-
-impl log::Log for StderrLogger {
-    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
-        metadata.level() <= log::max_level()
-    }
-
-    fn log(&self, record: &log::Record<'_>) {
-        if !self.enabled(record.metadata()) {
-            return;
-        }
-        match record.level() {
-            log::Level::Error => eprintln!("burn-dcp: {}", record.args()),
-            level => eprintln!("burn-dcp ({level}): {}", record.args()),
-        }
-    }
-
-    fn flush(&self) {}
-}
+/// Where a launcher puts this process's rank: OpenMPI, PMIx (`srun --mpi=pmix`), PMI
+/// (`srun --mpi=pmi2`, MPICH's hydra), Slurm, torchrun (the TCP world).
+const PROCESS_RANK_VARIABLES: [&str; 5] = [
+    "OMPI_COMM_WORLD_RANK",
+    "PMIX_RANK",
+    "PMI_RANK",
+    "SLURM_PROCID",
+    "RANK",
+];

@@ -9,6 +9,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use burn_dcp::comm::LinkBytes;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::write_atomically;
@@ -107,16 +108,20 @@ pub trait StepObserver: Sync {
     fn on_step(&self, metrics: &StepMetrics);
 }
 
-/// Rank 0's report of a run: a progress line on stderr (redrawn in place on a terminal; one plain
-/// line per step otherwise, so mpirun and Slurm logs stay readable) and, with an output
-/// directory, `metrics.jsonl` (one [`StepMetrics`] per line).
+/// Rank 0's report of a run: on a terminal an [`indicatif`] progress bar on stderr (steps, loss,
+/// tokens/s, bytes sent, elapsed time and ETA); otherwise one plain line per step (`step 3/30 |
+/// … | loss … | … tok/s | … MB sent | eta …s`), so mpirun and Slurm logs stay readable. With an
+/// output directory, `metrics.jsonl` (one [`StepMetrics`] per line).
 pub struct Progress {
-    /// The program's name and the mesh, at the start of each line.
+    /// The program's name and the mesh, in each line.
     label: String,
     steps: usize,
     metrics_file: Option<Mutex<std::fs::File>>,
-    terminal: bool,
+    /// The bar, on a terminal only.
+    bar: Option<ProgressBar>,
     started: Instant,
+    /// The first step this report saw (a resumed run starts past 1) and when.
+    first: Mutex<Option<(usize, Instant)>>,
     error: Mutex<Option<TrainError>>,
 }
 
@@ -130,12 +135,24 @@ impl Progress {
         append: bool,
     ) -> Result<Self, TrainError> {
         let metrics_file = out.map(|out| open_metrics(out, append)).transpose()?;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar =
+                ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stderr());
+            let style = ProgressStyle::with_template(
+                "[{bar:30}] step {pos}/{len} | {msg} | {elapsed} elapsed, eta {eta}",
+            )
+            .expect("a valid template")
+            .progress_chars("#>.");
+            bar.set_style(style);
+            bar
+        });
         Ok(Self {
             label: label.into(),
             steps,
             metrics_file: metrics_file.map(Mutex::new),
-            terminal: std::io::stderr().is_terminal(),
+            bar,
             started: Instant::now(),
+            first: Mutex::new(None),
             error: Mutex::new(None),
         })
     }
@@ -145,15 +162,24 @@ impl Progress {
         self.started.elapsed().as_secs_f64()
     }
 
-    /// Ends the progress line; returns the first error writing `metrics.jsonl`, if any.
+    /// Ends the progress bar; returns the first error writing `metrics.jsonl`, if any.
     pub fn finish(&self) -> Result<(), TrainError> {
-        if self.terminal {
-            eprintln!();
+        if let Some(bar) = &self.bar {
+            bar.finish();
         }
         match self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
             Some(error) => Err(error),
             None => Ok(()),
         }
+    }
+
+    /// Seconds left at the pace since the first step this report saw (`None` before a second).
+    fn eta_seconds(&self, step: usize) -> Option<f64> {
+        let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
+        let (first_step, at) = *first.get_or_insert((step, Instant::now()));
+        let done = step.checked_sub(first_step).filter(|&done| done > 0)?;
+        let per_step = at.elapsed().as_secs_f64() / done as f64;
+        Some(per_step * self.steps.saturating_sub(step) as f64)
     }
 }
 
@@ -165,24 +191,22 @@ impl StepObserver for Progress {
             .map(|loss| format!(" | val loss {loss:.4}"))
             .unwrap_or_default();
         let numbers = format!(
-            "step {}/{} | {} | loss {:.4}{validation} | {:.0} tok/s | {:.1} MB sent",
-            m.step,
-            self.steps,
+            "{} | loss {:.4}{validation} | {:.0} tok/s | {:.1} MB sent",
             self.label,
             m.loss,
             tokens_per_second,
             m.bytes_communicated as f64 / 1e6
         );
-        if self.terminal {
-            let width = 30;
-            let done = m.step * width / self.steps.max(1);
-            eprint!(
-                "\r[{}{}] {numbers} ",
-                "#".repeat(done),
-                ".".repeat(width - done)
-            );
-        } else {
-            eprintln!("{numbers}");
+        let eta = self.eta_seconds(m.step);
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(m.step as u64);
+                bar.set_message(numbers);
+            }
+            None => {
+                let eta = eta.map(|s| format!(" | eta {s:.0}s")).unwrap_or_default();
+                eprintln!("step {}/{} | {numbers}{eta}", m.step, self.steps);
+            }
         }
         if let Some(file) = &self.metrics_file {
             let line = serde_json::to_string(m).expect("metrics serialize");
