@@ -1,12 +1,16 @@
 //! The command-line tools of burn-dcp (`src/bin`): `cp_attention` (CP attention on in-process
 //! ranks against one device; Mode 2 on a user's tensors), `plan_sim` (the planners on synthetic
-//! or sampled batches, without running attention) and `dataset_stats` (a corpus's document
-//! lengths and packing). This library holds what they share with the examples: the `--backend`
-//! flag's check, and how a tool ends on an error ([`exit_on_error`]).
+//! or sampled batches, without running attention; `--svg`/`--png`: a picture of the plans),
+//! `dataset_stats` (a corpus's document lengths and packing), `prepare_data` (token files) and
+//! `plot_metrics` (runs' curves). This library holds what they share with the examples: the
+//! `--backend` flag's check, how a tool ends on an error ([`exit_on_error`]) and the pictures
+//! ([`pictures`]).
 //!
 //! ```text
 //! cargo run --release -p burn-dcp-tools --bin cp_attention -- --strategy ring --cp 4 --json
 //! ```
+
+pub mod pictures;
 
 /// Checks a `--backend` flag of a program (`program`: how cargo names it, e.g. `--example
 /// gpt_longctx` or `-p burn-dcp-tools --bin cp_attention`): `flex` always runs; `wgpu`/`cuda` run

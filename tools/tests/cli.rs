@@ -496,3 +496,92 @@ fn prepare_data_refuses_bad_flags_and_dataset_stats_reads_its_files() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn pictures_of_runs_and_plans_are_drawn_and_bad_inputs_refused() {
+    let dir = temp_dir("pictures");
+    let run = |name: &str, losses: &[f64]| {
+        let lines: Vec<String> = losses
+            .iter()
+            .enumerate()
+            .map(|(i, loss)| {
+                format!(
+                    r#"{{"step":{},"loss":{loss},"tokens":1000,"step_ms":500.0,"peak_memory_mb":[10.0,12.5]}}"#,
+                    i + 1
+                )
+            })
+            .collect();
+        let path = dir.join(name);
+        std::fs::create_dir_all(&path).unwrap();
+        std::fs::write(path.join("metrics.jsonl"), lines.join("\n")).unwrap();
+        path
+    };
+    let (a, b) = (run("a", &[5.0, 4.0, 3.5]), run("b", &[5.0, 4.1, 3.4]));
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    for extension in ["svg", "png"] {
+        let out = dir.join(format!("runs.{extension}"));
+        let out = out.to_str().unwrap();
+        succeeded(
+            "plot_metrics",
+            &[a, b, "--out", out, "--label", "cp 1", "--label", "cp 4"],
+        );
+        let bytes = std::fs::read(out).unwrap();
+        match extension {
+            "svg" => {
+                let svg = String::from_utf8(bytes).unwrap();
+                assert!(svg.contains("<svg") && svg.contains("cp 4") && svg.contains("tokens/s"));
+            }
+            _ => assert_eq!(&bytes[1..4], b"PNG"),
+        }
+    }
+    let out = dir.join("runs.pdf");
+    refused(
+        "plot_metrics",
+        &[a, "--out", out.to_str().unwrap()],
+        "must end in .svg or .png",
+    );
+    refused(
+        "plot_metrics",
+        &[a, b, "--out", "x.svg", "--label", "one"],
+        "--label given 1 times for 2 runs",
+    );
+    let missing = dir.join("missing");
+    refused(
+        "plot_metrics",
+        &[missing.to_str().unwrap(), "--out", "x.svg"],
+        "no such run (give a run's --out directory or its metrics.jsonl)",
+    );
+    let plan = dir.join("plan.svg");
+    let plan = plan.to_str().unwrap();
+    succeeded(
+        "plan_sim",
+        &[
+            "--lengths",
+            "3000,500",
+            "--nodes",
+            "1",
+            "--devices-per-node",
+            "4",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "4",
+            "--block",
+            "256",
+            "--strategies",
+            "ring-zigzag,dcp,auto",
+            "--svg",
+            plan,
+        ],
+    );
+    let svg = std::fs::read_to_string(plan).unwrap();
+    for text in [
+        "ring-zigzag: tiles",
+        "dcp: tiles",
+        "auto (",
+        "MB sent per rank",
+        "stages)",
+    ] {
+        assert!(svg.contains(text), "{text} not in the plan's picture");
+    }
+}

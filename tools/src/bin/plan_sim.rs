@@ -18,11 +18,12 @@ use std::time::Instant;
 
 use burn_dcp::planner::{
     choose_strategy, evaluate, parse_candidates, plan_strategy, plan_usp, validate_plan,
-    AttentionDims, AutoChoice, DcpConfig, Plan, PlanInput, StrategyReport, Topology,
+    AttentionDims, AutoChoice, DcpConfig, Plan, PlanInput, RoutedPlan, StrategyReport, Topology,
 };
 use burn_dcp::StrategyKind;
 use burn_dcp_datasets::{LengthMix, LengthSampler};
 use burn_dcp_kernels::MaskSpec;
+use burn_dcp_tools::pictures::plot_plans;
 use clap::Parser;
 use serde_json::json;
 
@@ -107,6 +108,13 @@ struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Draw every plan (each strategy's, and auto's winner): tiles by computing rank, compute
+    /// blocks per rank and stage, bytes each rank sends within and across nodes
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// As --svg, as a PNG
+    #[arg(long)]
+    png: Option<PathBuf>,
 }
 
 fn main() {
@@ -143,6 +151,8 @@ struct Outcome {
     skipped: Vec<serde_json::Value>,
     choice: Option<(AutoChoice, f64)>,
     last_plan: Option<Plan>,
+    /// Every plan made (the pictures' input).
+    plans: Vec<RoutedPlan>,
 }
 
 fn run(args: &Args) -> Result<(), String> {
@@ -177,6 +187,11 @@ fn run(args: &Args) -> Result<(), String> {
         let planning_ms = started.elapsed().as_secs_f64() * 1e3;
         // --plan-out writes the plan of the last strategy: auto's winner comes last.
         outcome.last_plan = Some(choice.plan.plan.clone());
+        if args.svg.is_some() || args.png.is_some() {
+            let mut winner = choice.plan.clone();
+            winner.name = format!("auto ({})", winner.name);
+            outcome.plans.push(winner);
+        }
         outcome.choice = Some((choice, planning_ms));
     }
     if outcome.reports.is_empty() && outcome.choice.is_none() {
@@ -193,6 +208,9 @@ fn run(args: &Args) -> Result<(), String> {
     if let (Some(path), Some(plan)) = (&args.plan_out, &outcome.last_plan) {
         let text = serde_json::to_string(plan).map_err(|e| e.to_string())?;
         std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    for path in [&args.svg, &args.png].into_iter().flatten() {
+        plot_plans(path, &outcome.plans, &input.topology)?;
     }
     if args.json {
         print_json(&outcome);
@@ -266,6 +284,7 @@ fn plan_each(
         skipped: Vec::new(),
         choice: None,
         last_plan: None,
+        plans: Vec::new(),
     };
     for &strategy in strategies {
         let mut times = Vec::new();
@@ -295,7 +314,10 @@ fn plan_each(
         let mut report = evaluate(&routed, &input.topology).map_err(|e| e.to_string())?;
         report.planning_ms = planning_ms;
         outcome.reports.push(report);
-        outcome.last_plan = Some(routed.plan);
+        outcome.last_plan = Some(routed.plan.clone());
+        if args.svg.is_some() || args.png.is_some() {
+            outcome.plans.push(routed);
+        }
     }
     Ok(outcome)
 }
