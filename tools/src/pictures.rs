@@ -179,7 +179,7 @@ fn draw_runs<DB: DrawingBackend>(
     runs: &[RunCurves],
 ) -> Result<(), String> {
     let panels = root.split_evenly((2, 2));
-    let curves: [(&str, fn(&RunCurves) -> &Vec<(f64, f64)>); 4] = [
+    let curves: [(&str, Curve); 4] = [
         ("loss", |r| &r.loss),
         ("validation loss", |r| &r.val_loss),
         ("tokens/s", |r| &r.tokens_per_second),
@@ -233,6 +233,9 @@ fn draw_runs<DB: DrawingBackend>(
     }
     Ok(())
 }
+
+/// One curve of a run: (step, value) points.
+type Curve = fn(&RunCurves) -> &Vec<(f64, f64)>;
 
 /// The smallest ranges that hold `points` (widened where flat).
 fn bounds(points: &[(f64, f64)]) -> ((f64, f64), (f64, f64)) {
