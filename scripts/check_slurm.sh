@@ -22,11 +22,12 @@ if ! pgrep -x munged >/dev/null; then
   chmod 400 /etc/munge/munge.key
   runuser -u munge -- /usr/sbin/munged
 fi
-# slurm: one node of 4 task slots (more than the cores: config_overrides), no cgroups
+# slurm: one node of 4 task slots (more than the cores: config_overrides), no cgroups; its
+# addresses are the loopback's (a container's hostname may not resolve)
 mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
 cat >/etc/slurm/slurm.conf <<CONF
 ClusterName=burn-dcp
-SlurmctldHost=$host
+SlurmctldHost=$host(127.0.0.1)
 AuthType=auth/munge
 SlurmUser=root
 StateSaveLocation=/var/spool/slurmctld
@@ -43,7 +44,7 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
 MpiDefault=none
-NodeName=$host CPUs=4 State=UNKNOWN
+NodeName=$host NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
 if ! pgrep -x slurmctld >/dev/null; then slurmctld; fi
@@ -63,7 +64,7 @@ srun --mpi=list 2>&1 | grep -q pmix || mpi_plugin=pmi2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 mpi=$(srun -n 4 --mpi=$mpi_plugin "$binary" "${flags[@]}" 2>/tmp/slurm_mpi.err | losses) || { cat /tmp/slurm_mpi.err; exit 1; }
 echo "srun -n 4 --mpi=$mpi_plugin: $mpi"
-tcp=$(srun -n 4 --mpi=none bash -c 'MASTER_ADDR='"$host"' MASTER_PORT=29517 RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID exec "$0" "$@"' "$binary" "${flags[@]}" 2>/tmp/slurm_tcp.err | losses) || { cat /tmp/slurm_tcp.err; exit 1; }
+tcp=$(srun -n 4 --mpi=none bash -c 'MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID exec "$0" "$@"' "$binary" "${flags[@]}" 2>/tmp/slurm_tcp.err | losses) || { cat /tmp/slurm_tcp.err; exit 1; }
 echo "srun -n 4 (TCP world): $tcp"
 if [ "$mpi" != "$threads" ] || [ "$tcp" != "$threads" ]; then
   echo "the losses differ" >&2
