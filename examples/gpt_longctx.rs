@@ -31,8 +31,8 @@ struct Args {
     /// flex (CPU) | wgpu | cuda
     #[arg(long, default_value = "flex")]
     backend: String,
-    /// With --backend wgpu: burn's plain CubeBackend instead of the default Fusion<CubeBackend>
-    /// (the type burn's default features make burn::backend::Wgpu)
+    /// With --backend wgpu or cuda: burn's plain CubeBackend instead of the default Fusion<CubeBackend>
+    /// (the type burn's default features make burn::backend::Wgpu and Cuda)
     #[arg(long)]
     no_fusion: bool,
     /// Write config.json, metrics.jsonl and a checkpoint here
@@ -249,6 +249,13 @@ fn train(
             train_world::<WgpuFusion>(ranks, config, &data, resume, &out, &reporter, &tracing)
         }
         #[cfg(feature = "cuda")]
+        "cuda" if !args.no_fusion => match ranks.local_rank() {
+            None => train_world::<burn_dcp::kernels::backends::CudaFusion>(
+                ranks, config, &data, resume, &out, &reporter, &tracing,
+            ),
+            Some(_) => Err("--backend cuda with one process per rank moves tensors with NCCL, which reads the plain backend's device memory: add --no-fusion (burn-fusion's tensors at NCCL's collectives are not supported yet)".to_string()),
+        },
+        #[cfg(feature = "cuda")]
         "cuda" => train_world_cuda(ranks, config, &data, resume, &out, &reporter, &tracing),
         _ => train_world::<burn::backend::Flex>(
             ranks, config, &data, resume, &out, &reporter, &tracing,
@@ -357,7 +364,7 @@ fn train_world<B: FlashOps>(
     })
 }
 
-/// [`train_world`] on burn-cuda. With one process per rank (MPI or TCP launch) each rank uses
+/// [`train_world`] on burn-cuda's plain backend (`--no-fusion`). With one process per rank (MPI or TCP launch) each rank uses
 /// the GPU of its local rank and moves tensors with NCCL, the launch's world carrying NCCL's
 /// unique id and the message headers; threads share the default GPU and the in-process world.
 #[cfg(feature = "cuda")]
@@ -370,7 +377,7 @@ fn train_world_cuda(
     reporter: &Progress,
     tracing: &Option<Tracing>,
 ) -> Result<Option<RankOutcome>, String> {
-    type Cuda = burn::backend::Cuda;
+    type Cuda = burn_dcp::kernels::backends::CudaPlain;
     let Some(local_rank) = ranks.local_rank() else {
         return train_world::<Cuda>(ranks, config, data, resume, out, reporter, tracing);
     };
@@ -443,10 +450,12 @@ fn summarize(
         "config": config,
         "backend": burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "--example gpt_longctx")
             .map_err(TrainError::Config)?,
+        "parameters": config.model_config().ok().map(|m| m.parameter_count()),
         "steps_run": metrics.len(),
         "first_step": metrics.first().map(|m| m.step),
         "last_step": metrics.last().map(|m| m.step),
         "losses": metrics.iter().map(|m| m.loss).collect::<Vec<_>>(),
+        "step_ms": metrics.iter().map(|m| m.step_ms).collect::<Vec<_>>(),
         "final_loss": metrics.last().map(|m| m.loss),
         "tokens": tokens,
         "tokens_per_second": if train_seconds > 0.0 { tokens as f64 / train_seconds } else { 0.0 },
@@ -471,6 +480,13 @@ fn summarize(
         "peak_memory_mb": metrics
             .iter()
             .filter_map(|m| m.peak_memory_mb.as_ref())
+            .flatten()
+            .copied()
+            .reduce(f64::max),
+        // The largest of every rank's device memory (MiB; CUDA, wgpu), or null on the CPU.
+        "peak_gpu_memory_mb": metrics
+            .iter()
+            .filter_map(|m| m.peak_gpu_memory_mb.as_ref())
             .flatten()
             .copied()
             .reduce(f64::max),

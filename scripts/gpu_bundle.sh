@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the GPU checks here (no GPU needed) and packs them for a machine with an NVIDIA GPU:
 # the kernels' CUDA tests (tests/cube_cuda.rs), the NCCL tests (burn-dcp/tests/nccl.rs), the
-# tool cp_attention, the examples gpt_longctx and attention_tflops and the benchmark, release profile, feature `cuda` only
+# tools cp_attention and step_batches, the examples gpt_longctx and attention_tflops and the benchmark, release profile, feature `cuda` only
 # (no MPI: the GPU machine has no OpenMPI), stripped. Then `scripts/gpu_check.sh DIR` there.
 #
 # Usage: scripts/gpu_bundle.sh [DIR]   (default .gpu, which .gitignore ignores: carry it to the GPU)
@@ -16,7 +16,7 @@ tests=(cargo test --release -p burn-dcp-suite -p burn-dcp-kernels -p burn-dcp
   --features cuda --test cube_cuda --test nccl --no-run)
 # The examples as programs (`cargo test --example` would build their test harness).
 programs=(cargo build --release -p burn-dcp-suite -p burn-dcp-tools --features cuda
-  --bin cp_attention --example gpt_longctx --example attention_tflops --bench attention)
+  --bin cp_attention --bin step_batches --example gpt_longctx --example attention_tflops --bench attention)
 "${tests[@]}"
 "${programs[@]}"
 rm -rf "$dir" && mkdir -p "$dir/bin"
@@ -32,6 +32,7 @@ for line in sys.stdin:
         shutil.copy(exe, f"{dest}/{name}")
         print(name, exe)
 ' "$dir/bin"
-cp scripts/gpu_check.sh scripts/check_wgpu.py scripts/gpu_attention.py "$dir/"
+cp scripts/gpu_check.sh scripts/check_wgpu.py scripts/gpu_attention.py scripts/gpu_training.py \
+  scripts/torch_train.py "$dir/"
 tar -C "$dir" -cJf "$dir/bins.tar.xz" bin && rm -rf "$dir/bin"
 du -sh "$dir"

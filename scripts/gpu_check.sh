@@ -14,7 +14,11 @@
 #      flash attention, bf16, TFLOP/s (scripts/gpu_attention.py: $OUT/<date>-<gpu>.json);
 #   8. bf16 training on CUDA: gpt_longctx --precision bf16 (the flash kernels) at cp 1
 #      against f32 (relative loss <= 2e-2) and cp 4 (ring zigzag, ulysses, dcp) against bf16 cp 1
-#      (<= 2.5e-2, TransformerEngine's bf16 bound); tokens/s, peak memory and CP bytes of each.
+#      (<= 2.5e-2, TransformerEngine's bf16 bound); tokens/s, peak memory and CP bytes of each;
+#   9. training side by side (scripts/gpu_training.py): llama-125m and llama-1b at 8192 tokens,
+#      bf16, burn-dcp (fused, plain, cp 4 on threads) against transformers' LlamaForCausalLM
+#      (sdpa, bf16 autocast, fused AdamW) from the same initial weights on the same tokens:
+#      tokens/s, MFU, peak GPU memory, losses ($OUT/training.json).
 # Each step has its own time limit; the log goes to $OUT/gpu_check.log (or /tmp) as it runs.
 #
 # Usage: scripts/gpu_check.sh [DIR] [STEP...]   (DIR default .gpu; steps default 1 2 3 4 5 8)
@@ -119,6 +123,8 @@ for name in ("ring-zigzag", "ulysses", "dcp"):
 sys.exit("failed: " + ", ".join(failures) if failures else 0)
 PY
        ;;
+    9) step "training side by side" ${TRAIN_LIMIT:-480} python3 "$dir/gpu_training.py" "$bin" "$out" \
+         ${TRAIN_ARGS:-} ;;
     7) step "flash side by side" ${SIDE_LIMIT:-480} python3 "$dir/gpu_attention.py" "$bin" "$out" --reps ${REPS:-10} ;;
   esac
 done

@@ -33,6 +33,10 @@ type Handles<B> =
 impl<B: FusionBackend + FlashOps> FlashOps for Fusion<B> {
     const LIMITS: KernelLimits = B::LIMITS;
 
+    fn device_memory(device: &Self::Device) -> Option<crate::DeviceMemory> {
+        B::device_memory(device)
+    }
+
     fn check_kernels(
         device: &Self::Device,
         shape: &crate::AttentionShape,

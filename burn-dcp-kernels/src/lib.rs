@@ -33,8 +33,8 @@ pub use definition::{
     MAX_SOFTMAX_SCALE,
 };
 pub use ops::{
-    check_backward, check_forward, check_merge, filled, FlashGradients, FlashOps, FlashOutput,
-    KernelLimits, Operand,
+    check_backward, check_forward, check_merge, filled, DeviceMemory, FlashGradients, FlashOps,
+    FlashOutput, KernelLimits, Operand,
 };
 
 /// burn's GPU backends spelled out, whichever of them burn's own `fusion` feature makes

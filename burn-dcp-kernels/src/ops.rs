@@ -26,6 +26,16 @@ pub fn filled<B: Backend, const D: usize>(
     }
 }
 
+/// A device's memory as its allocator sees it, in bytes: what live tensors use, and what the
+/// allocator holds from the device (the pools' pages; the analogue of torch's
+/// `memory_reserved`). cubecl's pools keep their pages, so `reserved` sampled after a step is the
+/// step's high-water mark.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub in_use: u64,
+    pub reserved: u64,
+}
+
 /// Forward result: `out [q_tokens, heads, value_dim]` (input dtype), `lse [heads, q_tokens]` (f32).
 #[derive(Clone, Debug)]
 pub struct FlashOutput<B: Backend> {
@@ -61,6 +71,13 @@ pub trait FlashOps: Backend {
         _backward: bool,
     ) -> Result<(), KernelError> {
         Ok(())
+    }
+
+    /// This device's memory, where the backend allocates on a device of its own (`None`: host
+    /// memory, which `burn_dcp::kernels::memory` accounts for). Reads the allocator's counts;
+    /// waits for no kernel.
+    fn device_memory(_device: &Self::Device) -> Option<DeviceMemory> {
+        None
     }
 
     /// `softmax(scale·q·kᵀ + mask)·v` and the natural-log LSE of every (head, query).

@@ -13,6 +13,8 @@ pub enum ModelError {
     Stage(String),
     /// A tensor-parallel collective of the model's TP group failed.
     Collective(String),
+    /// A Hugging Face checkpoint could not be read or written (the file, the tensor, the shapes).
+    Checkpoint(String),
 }
 
 impl fmt::Display for ModelError {
@@ -20,7 +22,8 @@ impl fmt::Display for ModelError {
         match self {
             ModelError::Config(message)
             | ModelError::Stage(message)
-            | ModelError::Collective(message) => f.write_str(message),
+            | ModelError::Collective(message)
+            | ModelError::Checkpoint(message) => f.write_str(message),
         }
     }
 }

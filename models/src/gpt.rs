@@ -11,18 +11,33 @@
 //! holds non-contiguous tokens), `labels [T]` with `-1` where there is no next token.
 
 use crate::error::ModelError;
+use crate::presets::preset;
+use crate::rope::{Rope, RopeScaling, RopeSettings};
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
 use burn::prelude::{Backend, Config, Int, Shape, Tensor, TensorData};
-use burn::tensor::activation::{gelu, log_softmax};
+use burn::tensor::activation::{gelu, log_softmax, silu};
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{BasicOps, FloatDType};
 use burn_dcp::heads::Heads;
 use burn_dcp::nn::grouped_attention;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
 
-/// Model hyper-parameters.
+/// The feed-forward network of a block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mlp {
+    /// `down(gelu(up(x)))`: the GPT's.
+    Gelu,
+    /// `down(silu(gate(x)) · up(x))`: the Llama family's (Hugging Face's `LlamaMLP`, `hidden_act`
+    /// `silu`).
+    Swiglu,
+}
+
+/// Model hyper-parameters: the GPT of this crate and the Llama family (Llama, Mistral, Qwen2) of
+/// Hugging Face transformers, which differ only in the fields below.
 #[derive(Config, Debug, PartialEq)]
 pub struct GptConfig {
     pub vocab_size: usize,
@@ -37,29 +52,34 @@ pub struct GptConfig {
     /// Share the LM head with the token embedding.
     #[config(default = true)]
     pub tied_embeddings: bool,
+    /// The MLP (GELU for the GPT, SwiGLU for the Llama family).
+    #[config(default = "Mlp::Gelu")]
+    pub mlp: Mlp,
+    /// RMSNorm's ε (`rms_norm_eps`).
+    #[config(default = 1e-5)]
+    pub rms_norm_eps: f64,
+    /// The width of one head when it is not `d_model / n_heads` (Hugging Face's `head_dim`).
+    #[config(default = "None")]
+    pub head_dim: Option<usize>,
+    /// Biases on the q, k and v projections (`attention_bias`; Qwen2 has them).
+    #[config(default = false)]
+    pub attention_bias: bool,
+    /// RoPE's rescaling for a longer context (`rope_scaling`).
+    #[config(default = "None")]
+    pub rope_scaling: Option<RopeScaling>,
+    /// Weights drawn as transformers draws them, normal with this standard deviation
+    /// (`initializer_range`); `None`: the GPT's own (uniform, `1/√d_in` for projections, 0.02 for
+    /// the embedding).
+    #[config(default = "None")]
+    pub initializer_range: Option<f64>,
 }
 
 impl GptConfig {
-    /// Named sizes: `tiny`, `small`, `base`.
+    /// Named sizes: `tiny`, `small`, `base` (the GPT, the tokenizer's `vocab_size`) and
+    /// `llama-125m`, `llama-350m`, `llama-1b` (Llama-shaped, their own vocabulary, which must hold
+    /// the tokenizer's); see [`crate::presets`].
     pub fn sized(name: &str, vocab_size: usize) -> Result<Self, ModelError> {
-        let (d_model, n_layers, n_heads, n_kv_heads) = match name {
-            "tiny" => (64, 2, 4, 2),
-            "small" => (128, 4, 8, 4),
-            "base" => (256, 6, 8, 4),
-            other => {
-                return Err(ModelError::Config(format!(
-                    "unknown model size '{other}': expected tiny, small or base"
-                )))
-            }
-        };
-        Ok(Self::new(
-            vocab_size,
-            d_model,
-            n_layers,
-            n_heads,
-            n_kv_heads,
-            4 * d_model,
-        ))
+        preset(name, vocab_size)
     }
 
     /// The query and kv heads ([`Heads`]' rules: kv heads divide the query heads).
@@ -69,24 +89,89 @@ impl GptConfig {
 
     /// Checks the shape rules, naming the values.
     pub fn validate(&self) -> Result<(), ModelError> {
-        if self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) {
-            return Err(ModelError::Config(format!(
-                "d_model {} must be a multiple of n_heads {}",
-                self.d_model, self.n_heads
-            )));
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("d_model", self.d_model),
+            ("n_layers", self.n_layers),
+            ("d_ff", self.d_ff),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, value)| *value == 0) {
+            return Err(ModelError::Config(format!("{name} must be positive, not 0")));
+        }
+        match self.head_dim {
+            Some(0) => return Err(ModelError::Config("head_dim must be positive, not 0".into())),
+            None if self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) => {
+                return Err(ModelError::Config(format!(
+                    "d_model {} must be a multiple of n_heads {} (or head_dim given)",
+                    self.d_model, self.n_heads
+                )))
+            }
+            _ => {}
         }
         self.heads()?;
-        if !(self.d_model / self.n_heads).is_multiple_of(2) {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(ModelError::Config(format!(
                 "the head dim {} must be even for RoPE",
-                self.d_model / self.n_heads
+                self.head_dim()
             )));
         }
-        Ok(())
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(ModelError::Config(format!(
+                "rms_norm_eps {} must be a positive number",
+                self.rms_norm_eps
+            )));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(ModelError::Config(format!(
+                "rope_theta {} must be a positive number",
+                self.rope_theta
+            )));
+        }
+        if let Some(scaling) = &self.rope_scaling {
+            scaling.validate()?;
+        }
+        match self.initializer_range {
+            Some(std) if !(std.is_finite() && std > 0.0) => Err(ModelError::Config(format!(
+                "initializer_range {std} must be a positive number"
+            ))),
+            _ => Ok(()),
+        }
     }
 
+    /// The width of one head: `head_dim`, or `d_model / n_heads`.
     pub fn head_dim(&self) -> usize {
-        self.d_model / self.n_heads
+        self.head_dim
+            .unwrap_or(self.d_model / self.n_heads.max(1))
+    }
+
+    /// RoPE's base and rescaling.
+    pub fn rope(&self) -> RopeSettings {
+        RopeSettings {
+            theta: self.rope_theta,
+            scaling: self.rope_scaling.clone(),
+        }
+    }
+
+    /// The parameters of the whole model (what transformers' `num_parameters()` counts for the
+    /// same configuration: the tied head once).
+    pub fn parameter_count(&self) -> usize {
+        let (d, ff) = (self.d_model, self.d_ff);
+        let q = self.n_heads * self.head_dim();
+        let kv = self.n_kv_heads * self.head_dim();
+        let bias = match self.attention_bias {
+            true => q + 2 * kv,
+            false => 0,
+        };
+        let mlp = match self.mlp {
+            Mlp::Gelu => 2 * d * ff,
+            Mlp::Swiglu => 3 * d * ff,
+        };
+        let block = 2 * d + d * (2 * q + 2 * kv) + bias + mlp;
+        let head = match self.tied_embeddings {
+            true => 0,
+            false => self.vocab_size * d,
+        };
+        self.vocab_size * d + self.n_layers * block + d + head
     }
 
     /// Builds the model with weights drawn from a generator seeded with `seed` (not from the
@@ -96,31 +181,43 @@ impl GptConfig {
         let mut init = Init {
             rng: SmallRng::seed_from_u64(seed),
             device: device.clone(),
+            std: self.initializer_range,
         };
+        let d = self.d_model;
+        let q_dim = self.n_heads * self.head_dim();
         let kv_dim = self.n_kv_heads * self.head_dim();
+        let bias = self.attention_bias;
+        let norm = || {
+            RmsNormConfig::new(d)
+                .with_epsilon(self.rms_norm_eps)
+                .init(device)
+        };
         let blocks = (0..self.n_layers)
             .map(|_| Block {
-                attn_norm: RmsNormConfig::new(self.d_model).init(device),
-                q: init.linear(self.d_model, self.d_model),
-                k: init.linear(self.d_model, kv_dim),
-                v: init.linear(self.d_model, kv_dim),
-                o: init.linear(self.d_model, self.d_model),
-                mlp_norm: RmsNormConfig::new(self.d_model).init(device),
-                up: init.linear(self.d_model, self.d_ff),
-                down: init.linear(self.d_ff, self.d_model),
+                attn_norm: norm(),
+                q: init.linear(d, q_dim, bias),
+                k: init.linear(d, kv_dim, bias),
+                v: init.linear(d, kv_dim, bias),
+                o: init.linear(q_dim, d, false),
+                mlp_norm: norm(),
+                gate: (self.mlp == Mlp::Swiglu).then(|| init.linear(d, self.d_ff, false)),
+                up: init.linear(d, self.d_ff, false),
+                down: init.linear(self.d_ff, d, false),
             })
             .collect();
-        let mut embedding = EmbeddingConfig::new(self.vocab_size, self.d_model).init(device);
-        embedding.weight = init.param([self.vocab_size, self.d_model], 0.02);
-        let head = (!self.tied_embeddings).then(|| init.linear(self.d_model, self.vocab_size));
+        let mut embedding = EmbeddingConfig::new(self.vocab_size, d).init(device);
+        embedding.weight = init.param([self.vocab_size, d], 0.02);
+        let head = (!self.tied_embeddings).then(|| init.linear(d, self.vocab_size, false));
         Ok(Gpt {
             embedding,
             blocks,
-            norm: RmsNormConfig::new(self.d_model).init(device),
+            norm: norm(),
             head,
             n_heads: self.n_heads,
             n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim(),
             rope_theta: self.rope_theta,
+            rope_scaling: self.rope_scaling.clone(),
         })
     }
 }
@@ -128,29 +225,78 @@ impl GptConfig {
 struct Init<B: Backend> {
     rng: SmallRng,
     device: B::Device,
+    /// transformers' normal init with this deviation, for every matrix; `None`: the GPT's.
+    std: Option<f64>,
 }
 
 impl<B: Backend> Init<B> {
-    /// Uniform in `[-std·√3, std·√3]` (variance `std²`).
+    /// Normal with deviation `initializer_range` when given (transformers' `_init_weights`),
+    /// else uniform in `[-std·√3, std·√3]` (variance `std²`).
     fn param(&mut self, dims: [usize; 2], std: f64) -> Param<Tensor<B, 2>> {
-        let bound = (std * 3f64.sqrt()) as f32;
-        let values: Vec<f32> = (0..dims[0] * dims[1])
-            .map(|_| self.rng.random_range(-bound..bound))
-            .collect();
+        let count = dims[0] * dims[1];
+        let values: Vec<f32> = match self.std {
+            Some(std) => normal_values(self.rng.random(), count, std),
+            None => {
+                let bound = (std * 3f64.sqrt()) as f32;
+                (0..count)
+                    .map(|_| self.rng.random_range(-bound..bound))
+                    .collect()
+            }
+        };
         Param::from_tensor(Tensor::from_data(
             TensorData::new(values, dims),
             &self.device,
         ))
     }
 
-    fn linear(&mut self, d_in: usize, d_out: usize) -> Linear<B> {
+    /// A projection `[d_in, d_out]` (burn's layout: `x · W`), with a zero bias if `bias`.
+    fn linear(&mut self, d_in: usize, d_out: usize, bias: bool) -> Linear<B> {
         let mut linear = LinearConfig::new(d_in, d_out)
-            .with_bias(false)
+            .with_bias(bias)
             .init(&self.device);
         linear.weight = self.param([d_in, d_out], (1.0 / d_in as f64).sqrt());
+        linear.bias = bias.then(|| Param::from_tensor(Tensor::zeros([d_out], &self.device)));
         linear
     }
 }
+
+/// `count` draws of a normal with deviation `std`, from generators seeded by `seed` and the
+/// index of each chunk of [`NORMAL_CHUNK`] values (Box–Muller, both outputs of each pair): the
+/// same values whatever the number of threads, drawn on all of them (a 1 B-parameter model's
+/// weights in seconds).
+fn normal_values(seed: u64, count: usize, std: f64) -> Vec<f32> {
+    let mut values = vec![0f32; count];
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let chunks: Vec<(usize, &mut [f32])> = values.chunks_mut(NORMAL_CHUNK).enumerate().collect();
+    let per_thread = chunks.len().div_ceil(threads).max(1);
+    let mut chunks = chunks.into_iter();
+    std::thread::scope(|scope| loop {
+        let batch: Vec<_> = chunks.by_ref().take(per_thread).collect();
+        if batch.is_empty() {
+            break;
+        }
+        scope.spawn(move || {
+            for (index, chunk) in batch {
+                let mut rng = SmallRng::seed_from_u64(
+                    seed ^ (index as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                );
+                for pair in chunk.chunks_mut(2) {
+                    let u: f64 = 1.0 - rng.random::<f64>();
+                    let angle = 2.0 * std::f64::consts::PI * rng.random::<f64>();
+                    let radius = std * (-2.0 * u.ln()).sqrt();
+                    pair[0] = (radius * angle.cos()) as f32;
+                    if let Some(second) = pair.get_mut(1) {
+                        *second = (radius * angle.sin()) as f32;
+                    }
+                }
+            }
+        });
+    });
+    values
+}
+
+/// Values per independently seeded chunk of [`normal_values`].
+const NORMAL_CHUNK: usize = 1 << 16;
 
 /// One pre-norm transformer block.
 #[derive(Module, Debug)]
@@ -161,11 +307,13 @@ pub struct Block<B: Backend> {
     pub(crate) v: Linear<B>,
     pub(crate) o: Linear<B>,
     pub(crate) mlp_norm: RmsNorm<B>,
+    /// SwiGLU's gate projection (`None`: a GELU MLP).
+    pub(crate) gate: Option<Linear<B>>,
     pub(crate) up: Linear<B>,
     pub(crate) down: Linear<B>,
 }
 
-/// The GPT.
+/// The GPT (or a Llama-family model: see [`GptConfig`]).
 #[derive(Module, Debug)]
 pub struct Gpt<B: Backend> {
     pub(crate) embedding: Embedding<B>,
@@ -174,7 +322,9 @@ pub struct Gpt<B: Backend> {
     pub(crate) head: Option<Linear<B>>,
     pub(crate) n_heads: usize,
     pub(crate) n_kv_heads: usize,
+    pub(crate) head_dim: usize,
     pub(crate) rope_theta: f64,
+    pub(crate) rope_scaling: Option<RopeScaling>,
 }
 
 /// `tensor.reshape(dims)` that also works when a dim of `dims` is 0 (a CP rank holding no token):
@@ -195,51 +345,6 @@ pub fn reshape<B: Backend, const D1: usize, const D2: usize, K: BasicOps<B>>(
     Tensor::from_primitive(K::reshape(tensor.into_primitive(), Shape::from(dims)))
 }
 
-/// RoPE rotation tables for given positions: `cos`, `sin` of shape `[1, 1, T, head_dim/2]`.
-pub(crate) struct Rope<B: Backend> {
-    cos: Tensor<B, 4>,
-    sin: Tensor<B, 4>,
-}
-
-impl<B: Backend> Rope<B> {
-    pub(crate) fn new(positions: &Tensor<B, 1, Int>, head_dim: usize, theta: f64) -> Self {
-        let half = head_dim / 2;
-        let device = positions.device();
-        let inverse_frequencies: Vec<f32> = (0..half)
-            .map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32)
-            .collect();
-        let frequencies =
-            Tensor::<B, 1>::from_data(TensorData::new(inverse_frequencies, [half]), &device);
-        let tokens = positions.dims()[0];
-        // angle[t, i] = position[t] · θ^(−2i/D)
-        let angles =
-            reshape(positions.clone().float(), [tokens, 1]) * frequencies.reshape([1, half]);
-        Self {
-            cos: reshape(angles.clone().cos(), [1, 1, tokens, half]),
-            sin: reshape(angles.sin(), [1, 1, tokens, half]),
-        }
-    }
-
-    /// Rotates `x [1, heads, T, head_dim]` (half-split convention). The tables are computed in
-    /// f32 and rounded to `x`'s dtype (bf16 training rotates bf16 queries and keys).
-    pub(crate) fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [_, _, _, dim] = x.dims();
-        let half = dim / 2;
-        let dtype = x.dtype();
-        let (cos, sin) = (self.cos.clone().cast(dtype), self.sin.clone().cast(dtype));
-        // Nothing to rotate on a rank without tokens (and burn-flex 0.21 narrows an empty bf16
-        // tensor into an empty f32 one).
-        if x.shape().num_elements() == 0 {
-            return x;
-        }
-        let x1 = x.clone().narrow(3, 0, half);
-        let x2 = x.narrow(3, half, half);
-        let rotated_1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
-        let rotated_2 = x1 * sin + x2 * cos;
-        Tensor::cat(vec![rotated_1, rotated_2], 3)
-    }
-}
-
 impl<B: Backend> Block<B> {
     fn forward(
         &self,
@@ -248,7 +353,7 @@ impl<B: Backend> Block<B> {
         n_heads: usize,
         n_kv_heads: usize,
     ) -> Tensor<B, 3> {
-        let head_dim = x.dims()[2] / n_heads;
+        let head_dim = self.q.weight.dims()[1] / n_heads;
         let h = self.attn_norm.forward(x.clone());
         let merged = self_attention(
             [&self.q, &self.k, &self.v],
@@ -260,8 +365,23 @@ impl<B: Backend> Block<B> {
         );
         let x = x + self.o.forward(merged);
         let h = self.mlp_norm.forward(x.clone());
-        x.clone() + self.down.forward(gelu(self.up.forward(h)))
+        x.clone() + mlp(self.gate.as_ref(), &self.up, &self.down, h)
     }
+}
+
+/// The feed-forward network on the normalised input `h`: `down(silu(gate(h)) · up(h))` with a
+/// gate (SwiGLU), else `down(gelu(up(h)))`. Shared by the plain block and its TP shard.
+pub(crate) fn mlp<B: Backend>(
+    gate: Option<&Linear<B>>,
+    up: &Linear<B>,
+    down: &Linear<B>,
+    h: Tensor<B, 3>,
+) -> Tensor<B, 3> {
+    let hidden = match gate {
+        Some(gate) => silu(gate.forward(h.clone())) * up.forward(h),
+        None => gelu(up.forward(h)),
+    };
+    down.forward(hidden)
 }
 
 /// The attention of a block on its normalised input `h [1, T, d]`: Q/K/V projections of
@@ -297,7 +417,11 @@ impl<B: Backend> Gpt<B> {
     /// Logits `[T, vocab]` of `tokens [T]` at `positions [T]`.
     pub fn forward(&self, tokens: Tensor<B, 1, Int>, positions: Tensor<B, 1, Int>) -> Tensor<B, 2> {
         let count = tokens.dims()[0];
-        let rope = Rope::new(&positions, self.head_dim(), self.rope_theta);
+        let settings = RopeSettings {
+            theta: self.rope_theta,
+            scaling: self.rope_scaling.clone(),
+        };
+        let rope = Rope::new(&positions, self.head_dim, &settings);
         let mut x = self.embedding.forward(reshape(tokens, [1, count]));
         for block in &self.blocks {
             x = block.forward(x, &rope, self.n_heads, self.n_kv_heads);
@@ -331,9 +455,5 @@ impl<B: Backend> Gpt<B> {
 
     fn d_model(&self) -> usize {
         self.embedding.weight.dims()[1]
-    }
-
-    fn head_dim(&self) -> usize {
-        self.d_model() / self.n_heads
     }
 }

@@ -3,9 +3,13 @@
 
 pub mod error;
 pub mod gpt;
-
-pub use error::ModelError;
-pub use gpt::{Gpt, GptConfig};
+pub mod hf;
+pub mod presets;
+pub mod rope;
 pub mod tensor_parallel;
 
+pub use error::ModelError;
+pub use gpt::{Gpt, GptConfig, Mlp};
+pub use presets::{preset, PRESETS};
+pub use rope::RopeScaling;
 pub use tensor_parallel::{TensorParallel, TpGpt};

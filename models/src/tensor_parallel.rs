@@ -8,7 +8,7 @@
 //! | token embedding | vocab-parallel: rank `r` owns rows `⌊rV/tp⌋ .. ⌊(r+1)V/tp⌋` | `g` (sum of the looked-up rows) |
 //! | Q / K / V | column-parallel: whole query heads; kv heads split, or replicated when tp > kv heads | `f` before |
 //! | attention output | row-parallel | `g` after |
-//! | MLP up / down | column- then row-parallel (`d_ff / tp` each) | `f` before, `g` after |
+//! | MLP gate, up / down | column- then row-parallel (`d_ff / tp` each; SwiGLU's gate as its up) | `f` before, `g` after |
 //! | LM head (tied or not) | vocab-parallel columns | `f` before |
 //! | cross-entropy | vocab-parallel: max and Σexp and the target logit all-reduced | `max` (no gradient), `g` |
 //!
@@ -21,13 +21,13 @@
 use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::prelude::{Backend, Bool, Int, Tensor};
-use burn::tensor::activation::gelu;
 use burn::tensor::module::embedding;
 use burn::tensor::FloatDType;
 use burn_dcp::heads::{HeadParts, Heads};
 
 use crate::error::ModelError;
-use crate::gpt::{reshape, self_attention, Gpt, GptConfig, Rope};
+use crate::gpt::{mlp, reshape, self_attention, Gpt, GptConfig};
+use crate::rope::{Rope, RopeSettings};
 
 /// The TP group's communication, as the model needs it. Every TP rank calls the same ops in the
 /// same order (collectives).
@@ -107,6 +107,7 @@ pub struct TpBlock<B: Backend> {
     v: Linear<B>,
     o: Linear<B>,
     mlp_norm: RmsNorm<B>,
+    gate: Option<Linear<B>>,
     up: Linear<B>,
     down: Linear<B>,
 }
@@ -133,23 +134,28 @@ pub struct TpGpt<B: Backend> {
     d_model: usize,
     vocab_start: usize,
     rope_theta: f64,
+    rope_scaling: Option<crate::rope::RopeScaling>,
     /// Whether this is the first / last pipeline stage, and how many there are.
     first_stage: bool,
     last_stage: bool,
     stages: usize,
 }
 
-/// `linear` with only the columns `columns` of its weight (`[d_in, d_out]`).
+/// `linear` with only the columns `columns` of its weight (`[d_in, d_out]`) and of its bias.
 fn columns<B: Backend>(linear: &Linear<B>, columns: std::ops::Range<usize>) -> Linear<B> {
     let weight = linear.weight.val();
     let rows = weight.dims()[0];
     Linear {
-        weight: Param::from_tensor(weight.slice([0..rows, columns]).detach()),
-        bias: None,
+        weight: Param::from_tensor(weight.slice([0..rows, columns.clone()]).detach()),
+        bias: linear
+            .bias
+            .as_ref()
+            .map(|bias| Param::from_tensor(bias.val().slice([columns]).detach())),
     }
 }
 
-/// `linear` with only the rows `rows` of its weight.
+/// `linear` with only the rows `rows` of its weight (a row-parallel projection: its bias, if
+/// any, would be added after the sum, and no model here has one).
 fn rows<B: Backend>(linear: &Linear<B>, rows: std::ops::Range<usize>) -> Linear<B> {
     let weight = linear.weight.val();
     let columns = weight.dims()[1];
@@ -222,6 +228,7 @@ impl<B: Backend> TpGpt<B> {
                 v: columns(&b.v, kv_cols.clone()),
                 o: rows(&b.o, q_cols.clone()),
                 mlp_norm: own_norm(&b.mlp_norm),
+                gate: b.gate.as_ref().map(|gate| columns(gate, ff_range.clone())),
                 up: columns(&b.up, ff_range.clone()),
                 down: rows(&b.down, ff_range.clone()),
             })
@@ -248,10 +255,18 @@ impl<B: Backend> TpGpt<B> {
             d_model,
             vocab_start: vocab.start,
             rope_theta: full.rope_theta,
+            rope_scaling: full.rope_scaling.clone(),
             first_stage: first,
             last_stage: last,
             stages,
         })
+    }
+
+    fn rope(&self) -> RopeSettings {
+        RopeSettings {
+            theta: self.rope_theta,
+            scaling: self.rope_scaling.clone(),
+        }
     }
 
     /// The model width (of the hidden states that cross pipeline stages).
@@ -304,12 +319,18 @@ impl<B: Backend> TpGpt<B> {
         (first..first + replicas).collect()
     }
 
-    /// The k and v projection weights of every block: under replicated kv heads (tp > kv heads)
+    /// The k and v projection weights (and biases) of every block: under replicated kv heads (tp > kv heads)
     /// their gradients are partial and are summed over [`Self::kv_replicas`].
     pub fn kv_param_ids(&self) -> Vec<ParamId> {
+        let bias_ids = |linear: &Linear<B>| linear.bias.as_ref().map(|bias| bias.id);
         self.blocks
             .iter()
-            .flat_map(|b| [b.k.weight.id, b.v.weight.id])
+            .flat_map(|b| {
+                [b.k.weight.id, b.v.weight.id]
+                    .into_iter()
+                    .chain(bias_ids(&b.k))
+                    .chain(bias_ids(&b.v))
+            })
             .collect()
     }
 
@@ -344,7 +365,7 @@ impl<B: Backend> TpGpt<B> {
         positions: Tensor<B, 1, Int>,
         tp: &T,
     ) -> Result<Tensor<B, 3>, ModelError> {
-        let rope = Rope::new(&positions, self.head_dim, self.rope_theta);
+        let rope = Rope::new(&positions, self.head_dim, &self.rope());
         for block in &self.blocks {
             x = block.forward(x, &rope, self.heads, self.kv_heads, self.head_dim, tp)?;
         }
@@ -370,7 +391,7 @@ impl<B: Backend> TpGpt<B> {
                 self.blocks.len()
             )));
         };
-        let rope = Rope::new(&positions, self.head_dim, self.rope_theta);
+        let rope = Rope::new(&positions, self.head_dim, &self.rope());
         block.forward(x, &rope, self.heads, self.kv_heads, self.head_dim, tp)
     }
 
@@ -455,7 +476,7 @@ impl<B: Backend> TpBlock<B> {
         );
         let x = x + tp.reduce(self.o.forward(merged))?;
         let h = tp.copy(self.mlp_norm.forward(x.clone()))?;
-        Ok(x + tp.reduce(self.down.forward(gelu(self.up.forward(h))))?)
+        Ok(x + tp.reduce(mlp(self.gate.as_ref(), &self.up, &self.down, h))?)
     }
 }
 

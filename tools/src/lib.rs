@@ -38,17 +38,19 @@ pub fn check_backend(backend: &str, program: &str) -> Result<(), String> {
 /// The backend type a program runs for `--backend` (checked with [`check_backend`]) and
 /// `--no-fusion`, as recorded in its outputs: `flex`; `wgpu-fusion` (burn-fusion's
 /// `Fusion<CubeBackend<WgpuRuntime>>`, the type burn's default features make
-/// `burn::backend::Wgpu`) or `wgpu` (the plain `CubeBackend`, `--no-fusion`); `cuda` (the plain
-/// `CubeBackend<CudaRuntime>`: NCCL reads its tensors' device memory).
+/// `burn::backend::Wgpu`) or `wgpu` (the plain `CubeBackend`, `--no-fusion`); `cuda-fusion`
+/// (`Fusion<CubeBackend<CudaRuntime>>`, burn's default `Cuda`) or `cuda` (the plain
+/// `CubeBackend<CudaRuntime>`, `--no-fusion`: what NCCL's one process per rank runs).
 pub fn backend_type(backend: &str, no_fusion: bool, program: &str) -> Result<&'static str, String> {
     check_backend(backend, program)?;
     match (backend, no_fusion) {
         ("wgpu", false) => Ok("wgpu-fusion"),
         ("wgpu", true) => Ok("wgpu"),
+        ("cuda", false) => Ok("cuda-fusion"),
+        ("cuda", true) => Ok("cuda"),
         (other, true) => Err(format!(
-            "--no-fusion applies to --backend wgpu only, not {other} (flex has no fusion layer; cuda runs burn's plain CubeBackend already)"
+            "--no-fusion applies to --backend wgpu and cuda, not {other} (flex has no fusion layer)"
         )),
-        ("cuda", false) => Ok("cuda"),
         _ => Ok("flex"),
     }
 }

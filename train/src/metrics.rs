@@ -85,6 +85,11 @@ pub struct StepMetrics {
     /// ([`crate::rank_peak_memory_mb`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_memory_mb: Option<Vec<f64>>,
+    /// Every rank's device memory at its most so far, in MiB, in world rank order, on a backend
+    /// with a device of its own (CUDA, wgpu: what the allocator holds on the device,
+    /// [`crate::rank_peak_gpu_memory_mb`]); absent on the CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_gpu_memory_mb: Option<Vec<f64>>,
     /// The slowest rank's wall time in communication calls and waits during the step (sends,
     /// receives, collectives — in attention, the gradient all-reduce and the engine's own
     /// agreements; overlaps `attention_ms`), `burn_dcp::diagnostics::trace::comm_wait_time`.

@@ -27,7 +27,10 @@ use crate::optim::{LrSchedule, OptimizerKind};
 use crate::plan::StepPlan;
 use crate::predict::plan_step_predicted;
 use crate::predict::Predictor;
-use crate::step::{rank_peak_memory_mb, step_gradients_planned, validation_loss, StepBytes, AXES};
+use crate::step::{
+    rank_peak_gpu_memory_mb, rank_peak_memory_mb, step_gradients_planned, validation_loss,
+    StepBytes, AXES,
+};
 
 /// The default training backend: [`CpTrain`] over burn Flex (CPU).
 pub type TrainBackend = CpTrain<burn::backend::Flex>;
@@ -366,6 +369,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
     {
         let world = &self.groups.mesh.world;
         let mut metrics = Vec::new();
+        let mut gpu_peak = None;
         for step in first..=self.config.steps {
             let step_trace = burn_dcp::diagnostics::trace::StepTrace::open(step);
             let started = Instant::now();
@@ -402,6 +406,8 @@ impl<B: FlashOps> StepLoop<'_, B> {
             bytes.optimizer_ms = optimizer_ms;
             bytes.pipeline_idle_ms = result.pipeline_idle_ms;
             bytes.peak_memory_mb = rank_peak_memory_mb(world.rank());
+            gpu_peak = rank_peak_gpu_memory_mb::<B>(self.device, gpu_peak);
+            bytes.peak_gpu_memory_mb = gpu_peak;
             // After the step's time and byte counts: validation is not the step's.
             let step_ms = started.elapsed().as_secs_f64() * 1e3;
             let val_loss = match (self.config.eval_every, self.data.validation()) {
@@ -454,6 +460,7 @@ impl<B: FlashOps> StepLoop<'_, B> {
                     attention_ms: Some(bytes.attention_ms),
                     predicted_attention_ms: plan.predicted_attention_ms,
                     peak_memory_mb: bytes.peak_memory_per_rank.iter().copied().collect(),
+                    peak_gpu_memory_mb: bytes.peak_gpu_memory_per_rank.iter().copied().collect(),
                     comm_wait_ms: Some(bytes.comm_wait_ms),
                     optimizer_ms: Some(bytes.optimizer_ms),
                     pipeline_bubble_ms: (self.config.pp > 1)

@@ -381,6 +381,13 @@ pub(crate) struct StepBytes {
     /// After [`summed`](Self::summed): every rank's, in world order.
     #[serde(default)]
     pub(crate) peak_memory_per_rank: Vec<Option<f64>>,
+    /// This rank's device memory at its most so far ([`rank_peak_gpu_memory_mb`]); `None` on a
+    /// backend without a device of its own.
+    #[serde(default)]
+    pub(crate) peak_gpu_memory_mb: Option<f64>,
+    /// After [`summed`](Self::summed): every rank's, in world order.
+    #[serde(default)]
+    pub(crate) peak_gpu_memory_per_rank: Vec<Option<f64>>,
     /// The rank's time in communication calls and waits ([`burn_dcp::diagnostics::trace::comm_wait_time`]);
     /// [`summed`](Self::summed) keeps the max.
     #[serde(default)]
@@ -410,6 +417,19 @@ pub fn rank_peak_memory_mb(rank: usize) -> Option<f64> {
     Some(bytes as f64 / (1u64 << 20) as f64)
 }
 
+/// This rank's device memory in MiB: what `B`'s allocator holds on `device` (reserved: cubecl's
+/// pools keep their pages, so this is the high-water mark so far; torch's
+/// `max_memory_reserved` is its analogue), the larger of it and `so_far`. `None` where `B`
+/// allocates in host memory ([`FlashOps::device_memory`]). Ranks that are threads on one GPU
+/// each have their own stream and pools: each counts its own.
+pub fn rank_peak_gpu_memory_mb<B: FlashOps>(device: &B::Device, so_far: Option<f64>) -> Option<f64> {
+    let now = B::device_memory(device).map(|m| m.reserved as f64 / (1u64 << 20) as f64);
+    match (now, so_far) {
+        (Some(now), Some(before)) => Some(now.max(before)),
+        (now, before) => now.or(before),
+    }
+}
+
 impl StepBytes {
     pub(crate) fn between(before: &CommStats, after: &CommStats) -> Self {
         let labels = after
@@ -430,6 +450,8 @@ impl StepBytes {
             attention_ms: 0.0,
             peak_memory_mb: None,
             peak_memory_per_rank: Vec::new(),
+            peak_gpu_memory_mb: None,
+            peak_gpu_memory_per_rank: Vec::new(),
             comm_wait_ms: 0.0,
             optimizer_ms: 0.0,
             pipeline_idle_ms: 0.0,
@@ -450,6 +472,7 @@ impl StepBytes {
             sum.total += rank.total;
             sum.attention_ms = sum.attention_ms.max(rank.attention_ms);
             sum.peak_memory_per_rank.push(rank.peak_memory_mb);
+            sum.peak_gpu_memory_per_rank.push(rank.peak_gpu_memory_mb);
             sum.comm_wait_ms = sum.comm_wait_ms.max(rank.comm_wait_ms);
             sum.optimizer_ms = sum.optimizer_ms.max(rank.optimizer_ms);
             sum.pipeline_idle_ms += rank.pipeline_idle_ms;

@@ -10,12 +10,20 @@ use super::support::{primitive, tensor, LIMITS};
 use crate::definition::{AttentionShape, KernelError, VarlenAttention};
 use crate::ops::KernelLimits;
 use crate::tiling::DenseSpans;
-use crate::{FlashGradients, FlashOps, FlashOutput};
+use crate::{DeviceMemory, FlashGradients, FlashOps, FlashOutput};
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FlashOps
     for CubeBackend<R, F, I, BT>
 {
     const LIMITS: KernelLimits = LIMITS;
+
+    fn device_memory(device: &Self::Device) -> Option<DeviceMemory> {
+        let usage = R::client(device).memory_usage().ok()?;
+        Some(DeviceMemory {
+            in_use: usage.bytes_in_use,
+            reserved: usage.bytes_reserved,
+        })
+    }
 
     fn check_kernels(
         device: &Self::Device,

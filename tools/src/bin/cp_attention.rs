@@ -50,6 +50,8 @@ use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::{CpError, Layout, Placement, Strategy};
 #[cfg(feature = "wgpu")]
 use burn_dcp_kernels::backends::{WgpuFusion, WgpuPlain};
+#[cfg(feature = "cuda")]
+use burn_dcp_kernels::backends::{CudaFusion, CudaPlain};
 use burn_dcp_train::launch::Ranks;
 use burn_dcp_train::links::{cpu_compute, emulated_topology, time_scale, EmulatedLinks};
 use clap::Parser;
@@ -282,7 +284,11 @@ fn run(args: &Args) -> Result<(), String> {
             links,
         ),
         #[cfg(feature = "cuda")]
-        "cuda" => run_context_parallel_with_links::<burn::backend::Cuda>(
+        "cuda" if args.no_fusion => {
+            run_context_parallel_with_links::<CudaPlain>(&Default::default(), &inputs, &spec, links)
+        }
+        #[cfg(feature = "cuda")]
+        "cuda" => run_context_parallel_with_links::<CudaFusion>(
             &Default::default(),
             &inputs,
             &spec,
@@ -378,12 +384,13 @@ fn run_distributed(
                 run_context_parallel_on::<WgpuFusion>(comm, &Default::default(), inputs, spec)
             }
             #[cfg(feature = "cuda")]
-            "cuda" => run_context_parallel_on::<burn::backend::Cuda>(
-                comm,
-                &Default::default(),
-                inputs,
-                spec,
-            ),
+            "cuda" if args.no_fusion => {
+                run_context_parallel_on::<CudaPlain>(comm, &Default::default(), inputs, spec)
+            }
+            #[cfg(feature = "cuda")]
+            "cuda" => {
+                run_context_parallel_on::<CudaFusion>(comm, &Default::default(), inputs, spec)
+            }
             _ => run_context_parallel_on::<Flex>(comm, &device, inputs, spec),
         }
         .map_err(|e| e.to_string())
