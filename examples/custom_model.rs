@@ -257,6 +257,7 @@ fn config(args: &Args) -> Result<TrainConfig, TrainError> {
             n_heads: args.heads,
             n_kv_heads: args.kv_heads,
             d_ff: 4 * args.d_model,
+            head_dim: None,
             tied_embeddings: false,
         }),
         ..TrainConfig::default()

@@ -15,10 +15,11 @@ use burn_dcp::comm::WorldConfig;
 use burn_dcp::kernels::backends::{WgpuFusion, WgpuPlain};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp_suite::launch::Ranks;
+use burn_dcp_suite::train::hf::{ExportFlags, Exporting, HfExport};
 use burn_dcp_suite::train::metrics::truncate_metrics;
 use burn_dcp_suite::train::{
     check_resume, train_rank, write_json, Progress, RankOutcome, Recompute, StepMetrics,
-    TrainConfig, TrainData, TrainError, TrainFlags, TrainMode,
+    StepObserver, TrainConfig, TrainData, TrainError, TrainFlags, TrainMode,
 };
 use clap::Parser;
 use serde_json::json;
@@ -28,6 +29,8 @@ use serde_json::json;
 struct Args {
     #[command(flatten)]
     train: TrainFlags,
+    #[command(flatten)]
+    export: ExportFlags,
     /// flex (CPU) | wgpu | cuda
     #[arg(long, default_value = "flex")]
     backend: String,
@@ -103,10 +106,11 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 fn run(args: &Args) -> Result<(), TrainError> {
     burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "--example gpt_longctx")
         .map_err(TrainError::Config)?;
-    let config = match &args.resume {
+    let mut config = match &args.resume {
         Some(dir) => args.train.resume(dir)?,
         None => args.train.config()?,
     };
+    let export = args.export.plan(&mut config)?;
     config.validate()?;
     let saved_step = match &args.resume {
         Some(dir) => Some(check_resume(dir, &config)?),
@@ -125,7 +129,7 @@ fn run(args: &Args) -> Result<(), TrainError> {
     }
     let ranks =
         Ranks::new(config.world_size(), world_config(&config)?).map_err(TrainError::Launch)?;
-    let result = train(args, &config, &ranks, saved_step);
+    let result = train(args, &config, &ranks, saved_step, export.as_ref());
     if let Err(message) = &result {
         // With several processes a rank's own failure ends the job, naming this rank, so its
         // peers do not take it for a rank that finished.
@@ -149,6 +153,7 @@ fn train(
     config: &TrainConfig,
     ranks: &Ranks,
     saved_step: Option<usize>,
+    export: Option<&HfExport>,
 ) -> Result<(), TrainError> {
     // With several processes only rank 0 prints and writes files (the checkpoint's shards reach
     // it as messages); every rank trains.
@@ -166,7 +171,16 @@ fn train(
             config.topology, config.nodes
         );
     }
-    let out = args.out.clone().or_else(|| args.resume.clone());
+    // --export-hf converts the run's checkpoints: without --out they go to DIR.run/ (removed
+    // after the last export).
+    let scratch = export
+        .filter(|_| args.out.is_none() && args.resume.is_none())
+        .map(|e| e.dir.with_extension("run"));
+    let out = args
+        .out
+        .clone()
+        .or_else(|| args.resume.clone())
+        .or(scratch.clone());
     if let (true, Some(out)) = (leader, &out) {
         refuse_overwrite(out, args.resume.as_deref())?;
         std::fs::create_dir_all(out).map_err(|e| TrainError::io("create", out, e))?;
@@ -239,26 +253,34 @@ fn train(
     }
     let resume = args.resume.as_deref();
     let tracing = args.trace.clone().map(Tracing::new);
+    let exporting = export.map(|export| Exporting {
+        inner: &reporter,
+        export,
+    });
+    let observer: &dyn StepObserver = match &exporting {
+        Some(exporting) => exporting,
+        None => &reporter,
+    };
     let results = match args.backend.as_str() {
         #[cfg(feature = "wgpu")]
         "wgpu" if args.no_fusion => {
-            train_world::<WgpuPlain>(ranks, config, &data, resume, &out, &reporter, &tracing)
+            train_world::<WgpuPlain>(ranks, config, &data, resume, &out, observer, &tracing)
         }
         #[cfg(feature = "wgpu")]
         "wgpu" => {
-            train_world::<WgpuFusion>(ranks, config, &data, resume, &out, &reporter, &tracing)
+            train_world::<WgpuFusion>(ranks, config, &data, resume, &out, observer, &tracing)
         }
         #[cfg(feature = "cuda")]
         "cuda" if !args.no_fusion => match ranks.local_rank() {
             None => train_world::<burn_dcp::kernels::backends::CudaFusion>(
-                ranks, config, &data, resume, &out, &reporter, &tracing,
+                ranks, config, &data, resume, &out, observer, &tracing,
             ),
             Some(_) => Err("--backend cuda with one process per rank moves tensors with NCCL, which reads the plain backend's device memory: add --no-fusion (burn-fusion's tensors at NCCL's collectives are not supported yet)".to_string()),
         },
         #[cfg(feature = "cuda")]
-        "cuda" => train_world_cuda(ranks, config, &data, resume, &out, &reporter, &tracing),
+        "cuda" => train_world_cuda(ranks, config, &data, resume, &out, observer, &tracing),
         _ => train_world::<burn::backend::Flex>(
-            ranks, config, &data, resume, &out, &reporter, &tracing,
+            ranks, config, &data, resume, &out, observer, &tracing,
         ),
     };
     if let Some(tracing) = &tracing {
@@ -273,12 +295,15 @@ fn train(
         return Ok(());
     };
     let metrics = outcome.metrics;
+    if let (true, Some(scratch)) = (leader, &scratch) {
+        std::fs::remove_dir_all(scratch).map_err(|e| TrainError::io("remove", scratch, e))?;
+    }
     summarize(
         args,
         config,
         &metrics,
         reporter.elapsed_seconds(),
-        out.as_deref(),
+        out.as_deref().filter(|_| scratch.is_none()),
     )
 }
 
@@ -340,7 +365,7 @@ fn train_world<B: FlashOps>(
     data: &TrainData,
     resume: Option<&Path>,
     out: &Option<PathBuf>,
-    reporter: &Progress,
+    reporter: &dyn StepObserver,
     tracing: &Option<Tracing>,
 ) -> Result<Option<RankOutcome>, String> {
     let device = B::Device::default();
@@ -374,7 +399,7 @@ fn train_world_cuda(
     data: &TrainData,
     resume: Option<&Path>,
     out: &Option<PathBuf>,
-    reporter: &Progress,
+    reporter: &dyn StepObserver,
     tracing: &Option<Tracing>,
 ) -> Result<Option<RankOutcome>, String> {
     type Cuda = burn_dcp::kernels::backends::CudaPlain;
@@ -474,6 +499,16 @@ fn summarize(
         "attention_ms": metrics.iter().filter_map(|m| m.attention_ms).sum::<f64>(),
         "comm_wait_ms": metrics.iter().filter_map(|m| m.comm_wait_ms).sum::<f64>(),
         "optimizer_ms": metrics.iter().filter_map(|m| m.optimizer_ms).sum::<f64>(),
+        // pp 1: the forwards and the backwards (device time with --sync-phases), summed over
+        // the steps.
+        "forward_ms": metrics.iter().map(|m| m.forward_ms).sum::<Option<f64>>(),
+        "backward_ms": metrics.iter().map(|m| m.backward_ms).sum::<Option<f64>>(),
+        "grad_sync_ms": metrics.iter().filter_map(|m| m.grad_sync_ms).sum::<f64>(),
+        // Each step's phases (device time with --sync-phases), for the steps after the first.
+        "phases_ms": metrics.iter().map(|m| json!({
+            "forward": m.forward_ms, "backward": m.backward_ms, "grad_sync": m.grad_sync_ms,
+            "optimizer": m.optimizer_ms, "attention": m.attention_ms, "step": m.step_ms,
+        })).collect::<Vec<_>>(),
         // With a pipeline: the ranks' mean wait for other stages, summed over the steps.
         "pipeline_bubble_ms": metrics.iter().map(|m| m.pipeline_bubble_ms).sum::<Option<f64>>(),
         // The largest of every rank's peak (MiB), or null when the ranks cannot tell.
@@ -502,6 +537,7 @@ fn summarize(
             .map(|bytes| bytes as f64 / (1u64 << 20) as f64),
         "wall_seconds": wall,
         "out": out.map(|p| p.display().to_string()),
+        "export_hf": args.export.export_hf,
     });
     if args.json {
         println!(

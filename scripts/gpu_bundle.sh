@@ -11,12 +11,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.gpu}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/gpu}
+# FEATURES=cuda,autotune builds with burn-cubecl's autotune (burn-dcp's feature `autotune`).
+features=${FEATURES:-cuda}
 export CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=true
 tests=(cargo test --release -p burn-dcp-suite -p burn-dcp-kernels -p burn-dcp
-  --features cuda --test cube_cuda --test nccl --no-run)
+  --features "$features" --test cube_cuda --test nccl --no-run)
 # The examples as programs (`cargo test --example` would build their test harness).
-programs=(cargo build --release -p burn-dcp-suite -p burn-dcp-tools --features cuda
-  --bin cp_attention --bin step_batches --example gpt_longctx --example attention_tflops --bench attention)
+programs=(cargo build --release -p burn-dcp-suite -p burn-dcp-tools --features "$features"
+  --bin cp_attention --bin step_batches --bin op_times --example gpt_longctx --example attention_tflops --bench attention)
 "${tests[@]}"
 "${programs[@]}"
 rm -rf "$dir" && mkdir -p "$dir/bin"
@@ -33,6 +35,6 @@ for line in sys.stdin:
         print(name, exe)
 ' "$dir/bin"
 cp scripts/gpu_check.sh scripts/check_wgpu.py scripts/gpu_attention.py scripts/gpu_training.py \
-  scripts/torch_train.py "$dir/"
+  scripts/torch_train.py scripts/torch_ops.py scripts/gpu_breakdown.py "$dir/"
 tar -C "$dir" -cJf "$dir/bins.tar.xz" bin && rm -rf "$dir/bin"
 du -sh "$dir"

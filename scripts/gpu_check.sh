@@ -18,7 +18,9 @@
 #   9. training side by side (scripts/gpu_training.py): llama-125m and llama-1b at 8192 tokens,
 #      bf16, burn-dcp (fused, plain, cp 4 on threads) against transformers' LlamaForCausalLM
 #      (sdpa, bf16 autocast, fused AdamW) from the same initial weights on the same tokens:
-#      tokens/s, MFU, peak GPU memory, losses ($OUT/training.json).
+#      tokens/s, MFU, peak GPU memory, losses ($OUT/training.json);
+#  10. where a step's time goes (scripts/gpu_breakdown.py): op_times and torch_ops.py time the
+#      step's operations at the models' shapes; gpt_longctx --sync-phases ($OUT/breakdown.json).
 # Each step has its own time limit; the log goes to $OUT/gpu_check.log (or /tmp) as it runs.
 #
 # Usage: scripts/gpu_check.sh [DIR] [STEP...]   (DIR default .gpu; steps default 1 2 3 4 5 8)
@@ -125,6 +127,8 @@ PY
        ;;
     9) step "training side by side" ${TRAIN_LIMIT:-480} python3 "$dir/gpu_training.py" "$bin" "$out" \
          ${TRAIN_ARGS:-} ;;
+    10) step "where a step's time goes" ${BREAKDOWN_LIMIT:-300} python3 "$dir/gpu_breakdown.py" "$bin" \
+         "$out" ${BREAKDOWN_ARGS:-} ;;
     7) step "flash side by side" ${SIDE_LIMIT:-480} python3 "$dir/gpu_attention.py" "$bin" "$out" --reps ${REPS:-10} ;;
   esac
 done

@@ -64,6 +64,38 @@ def mfu(tokens_per_s, parameters, model, seq_len):
     return tokens_per_s * per_token / PEAK_BF16
 
 
+def write(out, rows):
+    with open(os.path.join(out, "training.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def row_of(model, args, ours, torch_run):
+    row = {"model": model, "seq_len": args.seq_len, "precision": "bf16",
+           "device": (torch_run or {}).get("device"), "lr": args.lr}
+    parameters = (ours or {}).get("parameters") or (torch_run or {}).get("parameters")
+    row["parameters"] = parameters
+    if ours and "step_ms" in ours:
+        row["ours_tokens_per_s"] = steady(ours["step_ms"], args.seq_len, args.warmup)
+        row["ours_mfu"] = mfu(row["ours_tokens_per_s"], parameters, model, args.seq_len)
+        row["ours_peak_gpu_gib"] = (ours.get("peak_gpu_memory_mb") or 0) / 1024
+        row["ours_losses"] = ours["losses"]
+        row["ours_step_ms"] = ours["step_ms"]
+        row["ours_backend"] = ours.get("backend")
+        row["ours_phases_ms"] = ours.get("phases_ms")
+    if torch_run and "losses" in torch_run:
+        row["torch_tokens_per_s"] = torch_run["tokens_per_second"]
+        row["torch_mfu"] = mfu(row["torch_tokens_per_s"], parameters, model, args.seq_len)
+        row["torch_peak_gpu_gib"] = torch_run["peak_gpu_reserved_gib"]
+        row["torch_peak_gpu_allocated_gib"] = torch_run["peak_gpu_allocated_gib"]
+        row["torch_losses"] = torch_run["losses"]
+        row["torch_step_ms"] = torch_run["step_ms"]
+    if "ours_losses" in row and "torch_losses" in row:
+        row["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["ours_losses"], row["torch_losses"]))
+        row["tokens_per_s_ratio"] = row["ours_tokens_per_s"] / row["torch_tokens_per_s"]
+        row["peak_gpu_ratio"] = row["ours_peak_gpu_gib"] / row["torch_peak_gpu_gib"]
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("bin")
@@ -72,8 +104,10 @@ def main():
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--limit", type=int, default=150, help="seconds per run")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--limit", type=int, default=200, help="seconds per run")
+    parser.add_argument("--extras", nargs="*", default=["cp4", "no-fusion"],
+                        help="runs after every model's pair, on the first model: cp4, no-fusion")
     parser.add_argument("--corpus", default="/tmp/gpu_training_corpus")
     args = parser.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
@@ -96,7 +130,8 @@ def main():
               "--weight-decay", "1e-4"]
     rows = []
     fusion = True  # off for the later models once a fused run failed
-    for index, model in enumerate(args.models):
+    runs = {}
+    for model in args.models:
         work = f"/tmp/gpu_training_{model}"
         batches = f"{work}.json"
         made = run([f"{args.bin}/step_batches", "--model-size", model, *common, "--out", batches,
@@ -113,43 +148,28 @@ def main():
         torch_run = run([sys.executable, f"{here}/torch_train.py", "--checkpoint", work, "--batches",
                          batches, "--lr", str(args.lr), "--eps", "1e-5", "--weight-decay", "1e-4",
                          "--warmup", str(args.warmup)], args.limit, log)
-        plain = run([*gpt, "--cp", "1", "--no-fusion"], args.limit, log) if index == 0 and fusion else None
-        cp4 = run([*gpt, "--cp", "4", "--strategy", "ring-zigzag", *([] if fusion else ["--no-fusion"])],
-                  args.limit, log) if index == 0 else None
-        row = {"model": model, "seq_len": args.seq_len, "precision": "bf16",
-               "device": (torch_run or {}).get("device")}
-        parameters = (ours or {}).get("parameters") or (torch_run or {}).get("parameters")
-        row["parameters"] = parameters
-        if ours and "step_ms" in ours:
-            row["ours_tokens_per_s"] = steady(ours["step_ms"], args.seq_len, args.warmup)
-            row["ours_mfu"] = mfu(row["ours_tokens_per_s"], parameters, model, args.seq_len)
-            row["ours_peak_gpu_gib"] = (ours.get("peak_gpu_memory_mb") or 0) / 1024
-            row["ours_losses"] = ours["losses"]
-            row["ours_step_ms"] = ours["step_ms"]
-            row["ours_backend"] = ours.get("backend")
-        if torch_run and "losses" in torch_run:
-            row["torch_tokens_per_s"] = torch_run["tokens_per_second"]
-            row["torch_mfu"] = mfu(row["torch_tokens_per_s"], parameters, model, args.seq_len)
-            row["torch_peak_gpu_gib"] = torch_run["peak_gpu_reserved_gib"]
-            row["torch_peak_gpu_allocated_gib"] = torch_run["peak_gpu_allocated_gib"]
-            row["torch_losses"] = torch_run["losses"]
-            row["torch_step_ms"] = torch_run["step_ms"]
-        if "ours_losses" in row and "torch_losses" in row:
-            row["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["ours_losses"], row["torch_losses"]))
-            row["tokens_per_s_ratio"] = row["ours_tokens_per_s"] / row["torch_tokens_per_s"]
-            row["peak_gpu_ratio"] = row["ours_peak_gpu_gib"] / row["torch_peak_gpu_gib"]
-        if plain and "step_ms" in plain:
-            row["ours_no_fusion_tokens_per_s"] = steady(plain["step_ms"], args.seq_len, args.warmup)
-            row["ours_no_fusion_peak_gpu_gib"] = (plain.get("peak_gpu_memory_mb") or 0) / 1024
-            row["ours_no_fusion_losses"] = plain["losses"]
-        if cp4 and "step_ms" in cp4:
-            row["ours_cp4_tokens_per_s"] = steady(cp4["step_ms"], args.seq_len, args.warmup)
-            row["ours_cp4_losses"] = cp4["losses"]
-            if "ours_losses" in row:
-                row["cp4_vs_cp1_max_rel"] = max(abs(a - b) / abs(b) for a, b in zip(cp4["losses"], row["ours_losses"]))
-        rows.append(row)
-        with open(os.path.join(args.out, "training.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        runs[model] = (gpt, ours, torch_run)
+        rows.append(row_of(model, args, ours, torch_run))
+        write(args.out, rows)
+    first = args.models[0]
+    if first in runs and runs[first][1]:
+        gpt, ours, _ = runs[first]
+        row = rows[0]
+        if "cp4" in args.extras:
+            cp4 = run([*gpt, "--cp", "4", "--strategy", "ring-zigzag", *([] if fusion else ["--no-fusion"])],
+                      args.limit, log)
+            if cp4 and "step_ms" in cp4:
+                row["ours_cp4_tokens_per_s"] = steady(cp4["step_ms"], args.seq_len, args.warmup)
+                row["ours_cp4_losses"] = cp4["losses"]
+                row["cp4_vs_cp1_max_rel"] = max(abs(a - b) / abs(b) for a, b in zip(cp4["losses"], ours["losses"]))
+                write(args.out, rows)
+        if "no-fusion" in args.extras and fusion:
+            plain = run([*gpt, "--cp", "1", "--no-fusion"], args.limit, log)
+            if plain and "step_ms" in plain:
+                row["ours_no_fusion_tokens_per_s"] = steady(plain["step_ms"], args.seq_len, args.warmup)
+                row["ours_no_fusion_peak_gpu_gib"] = (plain.get("peak_gpu_memory_mb") or 0) / 1024
+                row["ours_no_fusion_losses"] = plain["losses"]
+                write(args.out, rows)
     print("\nmodel | params | seq | ours tok/s | torch tok/s | ratio | ours MFU | torch MFU | ours GiB | torch GiB | loss rel diff")
     for r in rows:
         get = lambda k, fmt="{:.3g}": fmt.format(r[k]) if isinstance(r.get(k), (int, float)) else "-"

@@ -75,6 +75,11 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         model_shape: None,
         recompute: Default::default(),
         precision: Default::default(),
+        sync_phases: false,
+        architecture: None,
+        hf_checkpoint: None,
+        rope_theta: None,
+        rope_scaling: None,
     }
 }
 

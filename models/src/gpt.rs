@@ -96,10 +96,16 @@ impl GptConfig {
             ("d_ff", self.d_ff),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, value)| *value == 0) {
-            return Err(ModelError::Config(format!("{name} must be positive, not 0")));
+            return Err(ModelError::Config(format!(
+                "{name} must be positive, not 0"
+            )));
         }
         match self.head_dim {
-            Some(0) => return Err(ModelError::Config("head_dim must be positive, not 0".into())),
+            Some(0) => {
+                return Err(ModelError::Config(
+                    "head_dim must be positive, not 0".into(),
+                ))
+            }
             None if self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) => {
                 return Err(ModelError::Config(format!(
                     "d_model {} must be a multiple of n_heads {} (or head_dim given)",
@@ -140,8 +146,7 @@ impl GptConfig {
 
     /// The width of one head: `head_dim`, or `d_model / n_heads`.
     pub fn head_dim(&self) -> usize {
-        self.head_dim
-            .unwrap_or(self.d_model / self.n_heads.max(1))
+        self.head_dim.unwrap_or(self.d_model / self.n_heads.max(1))
     }
 
     /// RoPE's base and rescaling.
@@ -213,6 +218,53 @@ impl GptConfig {
             blocks,
             norm: norm(),
             head,
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim(),
+            rope_theta: self.rope_theta,
+            rope_scaling: self.rope_scaling.clone(),
+        })
+    }
+}
+
+impl GptConfig {
+    /// The model with every weight zero (norm gains one): the shape to load a record into,
+    /// built without drawing a weight.
+    pub fn skeleton<B: Backend>(&self, device: &B::Device) -> Result<Gpt<B>, ModelError> {
+        self.validate()?;
+        let d = self.d_model;
+        let q_dim = self.n_heads * self.head_dim();
+        let kv_dim = self.n_kv_heads * self.head_dim();
+        let linear = |d_in: usize, d_out: usize, bias: bool| Linear {
+            weight: Param::from_tensor(Tensor::zeros([d_in, d_out], device)),
+            bias: bias.then(|| Param::from_tensor(Tensor::zeros([d_out], device))),
+        };
+        let norm = || {
+            RmsNormConfig::new(d)
+                .with_epsilon(self.rms_norm_eps)
+                .init(device)
+        };
+        let bias = self.attention_bias;
+        let blocks = (0..self.n_layers)
+            .map(|_| Block {
+                attn_norm: norm(),
+                q: linear(d, q_dim, bias),
+                k: linear(d, kv_dim, bias),
+                v: linear(d, kv_dim, bias),
+                o: linear(q_dim, d, false),
+                mlp_norm: norm(),
+                gate: (self.mlp == Mlp::Swiglu).then(|| linear(d, self.d_ff, false)),
+                up: linear(d, self.d_ff, false),
+                down: linear(self.d_ff, d, false),
+            })
+            .collect();
+        Ok(Gpt {
+            embedding: Embedding {
+                weight: Param::from_tensor(Tensor::zeros([self.vocab_size, d], device)),
+            },
+            blocks,
+            norm: norm(),
+            head: (!self.tied_embeddings).then(|| linear(d, self.vocab_size, false)),
             n_heads: self.n_heads,
             n_kv_heads: self.n_kv_heads,
             head_dim: self.head_dim(),
@@ -414,6 +466,14 @@ pub(crate) fn self_attention<B: Backend>(
 }
 
 impl<B: Backend> Gpt<B> {
+    /// The model with RoPE's base and scaling replaced (`--rope-theta`, `--rope-scaling` over a
+    /// checkpoint's).
+    pub fn with_rope(mut self, settings: RopeSettings) -> Self {
+        self.rope_theta = settings.theta;
+        self.rope_scaling = settings.scaling;
+        self
+    }
+
     /// Logits `[T, vocab]` of `tokens [T]` at `positions [T]`.
     pub fn forward(&self, tokens: Tensor<B, 1, Int>, positions: Tensor<B, 1, Int>) -> Tensor<B, 2> {
         let count = tokens.dims()[0];

@@ -2,6 +2,7 @@
 //! from the backend type (`ContextParallel<Autodiff<B>>`) and the per-rank CP context.
 
 pub mod error;
+pub mod gather;
 pub mod gpt;
 pub mod hf;
 pub mod presets;

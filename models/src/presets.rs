@@ -89,8 +89,14 @@ mod tests {
         assert_eq!(count("llama-350m"), 348_701_696);
         assert_eq!(count("llama-1b"), 1_235_814_400);
         let error = preset("llama-125m", 50257).unwrap_err().to_string();
-        assert!(error.contains("32000 token ids, fewer than the tokenizer's 50257"), "{error}");
+        assert!(
+            error.contains("32000 token ids, fewer than the tokenizer's 50257"),
+            "{error}"
+        );
         let error = preset("huge", 256).unwrap_err().to_string();
-        assert!(error.contains("'huge'") && error.contains("llama-1b"), "{error}");
+        assert!(
+            error.contains("'huge'") && error.contains("llama-1b"),
+            "{error}"
+        );
     }
 }

@@ -101,15 +101,15 @@ pub fn validate_stages(config: &GptConfig, stages: usize) -> Result<(), ModelErr
 /// One TP rank's transformer block.
 #[derive(Module, Debug)]
 pub struct TpBlock<B: Backend> {
-    attn_norm: RmsNorm<B>,
-    q: Linear<B>,
-    k: Linear<B>,
-    v: Linear<B>,
-    o: Linear<B>,
-    mlp_norm: RmsNorm<B>,
-    gate: Option<Linear<B>>,
-    up: Linear<B>,
-    down: Linear<B>,
+    pub(crate) attn_norm: RmsNorm<B>,
+    pub(crate) q: Linear<B>,
+    pub(crate) k: Linear<B>,
+    pub(crate) v: Linear<B>,
+    pub(crate) o: Linear<B>,
+    pub(crate) mlp_norm: RmsNorm<B>,
+    pub(crate) gate: Option<Linear<B>>,
+    pub(crate) up: Linear<B>,
+    pub(crate) down: Linear<B>,
 }
 
 /// One TP rank's shard of one pipeline stage of the GPT (the whole depth when there is one
@@ -121,24 +121,24 @@ pub struct TpGpt<B: Backend> {
     /// Rows `vocab_start ..` of the embedding: the lookup on the first stage, the tied LM head on
     /// the last. A burn `Embedding` like the plain GPT's, so that at tp 1, pp 1 the two save the
     /// same record (an `Option` that is `Some` records as its value).
-    embedding: Option<Embedding<B>>,
-    blocks: Vec<TpBlock<B>>,
+    pub(crate) embedding: Option<Embedding<B>>,
+    pub(crate) blocks: Vec<TpBlock<B>>,
     /// Final norm (last stage).
-    norm: Option<RmsNorm<B>>,
+    pub(crate) norm: Option<RmsNorm<B>>,
     /// Untied LM head: this rank's vocabulary columns (last stage).
-    head: Option<Linear<B>>,
+    pub(crate) head: Option<Linear<B>>,
     /// Query and kv heads on this rank.
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    d_model: usize,
-    vocab_start: usize,
-    rope_theta: f64,
-    rope_scaling: Option<crate::rope::RopeScaling>,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) d_model: usize,
+    pub(crate) vocab_start: usize,
+    pub(crate) rope_theta: f64,
+    pub(crate) rope_scaling: Option<crate::rope::RopeScaling>,
     /// Whether this is the first / last pipeline stage, and how many there are.
-    first_stage: bool,
-    last_stage: bool,
-    stages: usize,
+    pub(crate) first_stage: bool,
+    pub(crate) last_stage: bool,
+    pub(crate) stages: usize,
 }
 
 /// `linear` with only the columns `columns` of its weight (`[d_in, d_out]`) and of its bias.

@@ -198,6 +198,8 @@ pub(crate) struct Checkpoint<'a, M, O> {
     pub(crate) heartbeat: std::time::Duration,
     /// How long the other ranks wait for the commit in all (`--checkpoint-timeout-secs`).
     pub(crate) commit_limit: std::time::Duration,
+    /// Told of the committed checkpoint (rank 0).
+    pub(crate) observer: &'a dyn crate::metrics::StepObserver,
 }
 
 /// Saves the checkpoint atomically, sharded over TP and PP. The first rank of every (TP, PP)
@@ -287,7 +289,10 @@ fn gather_and_write<M, O>(
             }
         }
     }
-    writer.commit(saved.state, saved.keep)
+    writer.commit(saved.state, saved.keep)?;
+    saved
+        .observer
+        .on_checkpoint(saved.state.step, &checkpoint_dir(saved.out))
 }
 
 /// What precedes a checkpoint file's chunks: its length, its chunk count and its name.

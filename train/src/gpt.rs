@@ -35,8 +35,8 @@ pub struct GptChunks<B: Backend> {
 }
 
 /// TP rank `tp_rank`'s shard of pipeline stage `pp_rank` of the model at initialisation: every
-/// rank cuts its shard from the same full initialisation (seed `config.seed`), so any mesh starts
-/// from tp 1, pp 1's weights.
+/// rank cuts its shard from the same full initialisation (seed `config.seed`, or the weights of
+/// `--hf-checkpoint`), so any mesh starts from tp 1, pp 1's weights.
 pub fn init_model<B: FlashOps>(
     config: &TrainConfig,
     tp_rank: usize,
@@ -54,9 +54,12 @@ fn init_gpt<B: FlashOps, C: CheckpointStrategy>(
     device: &B::Device,
 ) -> Result<TrainGpt<B, C>, TrainError> {
     let model_config = config.model_config()?;
-    let full = model_config
-        .init::<CpTrain<B, C>>(config.seed, device)
-        .map_err(TrainError::from)?;
+    let full = match &config.hf_checkpoint {
+        Some(dir) => crate::hf::load_initial::<CpTrain<B, C>>(config, Path::new(dir), device)?,
+        None => model_config
+            .init::<CpTrain<B, C>>(config.seed, device)
+            .map_err(TrainError::from)?,
+    };
     let stages = config.pp * config.vpp;
     let chunks = (0..config.vpp)
         .map(|v| {
@@ -110,6 +113,7 @@ impl From<&GptConfig> for ModelShape {
             n_heads: config.n_heads,
             n_kv_heads: config.n_kv_heads,
             d_ff: config.d_ff,
+            head_dim: config.head_dim,
             tied_embeddings: config.tied_embeddings,
         }
     }

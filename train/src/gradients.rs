@@ -69,7 +69,12 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Register<B> {
 /// are also summed over another group (`extra`: the replicated kv projections over their TP
 /// replicas when tp > kv heads, the tied embedding over the first and last stage) one by one.
 /// Summing a bucket adds every element in rank order, as one all-reduce per parameter did, so
-/// the result is bit for bit the same with fewer collectives.
+/// the result is bit for bit the same with fewer collectives. A pool of one rank with no other
+/// group sums nothing: the gradients stay as they are, uncopied.
+///
+/// Whether each bucket (each parameter, for a pool of one) was finite before the sum is one flag
+/// on the device; the flags are read back together, once, after every bucket is queued (the
+/// parameters of a non-finite bucket are then checked one by one, to name them).
 ///
 /// Not overlapped with the backward pass: burn 0.21's gradient-sync hooks (`DistributedBackend`,
 /// feature `distributed`) are keyed by device and run burn's own collective server, which fits
@@ -85,27 +90,24 @@ fn all_reduce_gradients<B: AutodiffBackend>(
         message: format!("gradient all-reduce: {message}"),
     };
     let mut summed = HashMap::with_capacity(flat.len());
-    let mut non_finite = Vec::new();
+    // Each checked group of gradients (their indices and local values) and its finite flag.
+    let mut checks: Checks<B::InnerBackend> = Vec::new();
+    let alone = pool.size() == 1;
     let mut bucket: Vec<(usize, FlatGradient<B>)> = Vec::new();
     let mut bucket_bytes = 0;
     let flush = |bucket: &mut Vec<(usize, FlatGradient<B>)>,
                  summed: &mut Summed<B>,
-                 non_finite: &mut Vec<usize>|
+                 checks: &mut Checks<B::InnerBackend>|
      -> Result<(), CommError> {
         if bucket.is_empty() {
             return Ok(());
         }
         let parts = std::mem::take(bucket);
         let values = Tensor::cat(parts.iter().map(|(_, g)| g.values.clone()).collect(), 0);
-        // One flag read back per bucket; per parameter only to name a non-finite one.
-        if !all_finite(&values) {
-            non_finite.extend(
-                parts
-                    .iter()
-                    .filter(|(_, g)| !all_finite(&g.values))
-                    .map(|(index, _)| *index),
-            );
-        }
+        checks.push((
+            parts.iter().map(|(i, g)| (*i, g.values.clone())).collect(),
+            finite_flag(&values),
+        ));
         let device = values.device();
         let total = pool
             .all_reduce(Payload::device(values))?
@@ -125,11 +127,16 @@ fn all_reduce_gradients<B: AutodiffBackend>(
             .filter(|(ids, _)| ids.contains(&gradient.id))
             .map(|(_, comm)| *comm)
             .collect();
+        if alone && groups.is_empty() {
+            let flag = finite_flag(&gradient.values);
+            checks.push((vec![(index, gradient.values.clone())], flag));
+            summed.insert(gradient.id, gradient.values);
+            continue;
+        }
         if !groups.is_empty() {
             // Summed over the pool, then over each of its groups, on its own.
-            if !all_finite(&gradient.values) {
-                non_finite.push(index);
-            }
+            let flag = finite_flag(&gradient.values);
+            checks.push((vec![(index, gradient.values.clone())], flag));
             let device = gradient.values.device();
             let mut total = pool.all_reduce(Payload::device(gradient.values))?;
             for comm in groups {
@@ -143,15 +150,49 @@ fn all_reduce_gradients<B: AutodiffBackend>(
         }
         let bytes = gradient.values.dims()[0] * gradient.values.dtype().size();
         if bucket_bytes + bytes > GRADIENT_BUCKET_BYTES {
-            flush(&mut bucket, &mut summed, &mut non_finite)?;
+            flush(&mut bucket, &mut summed, &mut checks)?;
             bucket_bytes = 0;
         }
         bucket_bytes += bytes;
         bucket.push((index, gradient));
     }
-    flush(&mut bucket, &mut summed, &mut non_finite)?;
+    flush(&mut bucket, &mut summed, &mut checks)?;
+    Ok((summed, non_finite_indices(checks)))
+}
+
+/// Groups of gradients (index in the model's order, local values) with their finite flag.
+type Checks<I> = Vec<(
+    Vec<(usize, Tensor<I, 1>)>,
+    Tensor<I, 1, burn::prelude::Bool>,
+)>;
+
+/// `[1]`: whether every value is finite, on the device (nothing read back).
+fn finite_flag<B: burn::prelude::Backend>(
+    values: &Tensor<B, 1>,
+) -> Tensor<B, 1, burn::prelude::Bool> {
+    values.clone().is_finite().all()
+}
+
+/// The indices of the non-finite gradients: every group's flag read back at once, then the
+/// gradients of a group that is not finite one by one.
+fn non_finite_indices<I: burn::prelude::Backend>(checks: Checks<I>) -> Vec<usize> {
+    if checks.is_empty() {
+        return Vec::new();
+    }
+    let flags = Tensor::cat(checks.iter().map(|(_, flag)| flag.clone()).collect(), 0)
+        .into_data()
+        .iter::<bool>()
+        .collect::<Vec<_>>();
+    let mut non_finite: Vec<usize> = checks
+        .into_iter()
+        .zip(flags)
+        .filter(|(_, finite)| !finite)
+        .flat_map(|((parts, _), _)| parts)
+        .filter(|(_, values)| !all_finite(values))
+        .map(|(index, _)| index)
+        .collect();
     non_finite.sort_unstable();
-    Ok((summed, non_finite))
+    non_finite
 }
 
 /// Sums any model's gradients over `pool` (every rank of it calls this with the same model):

@@ -34,6 +34,7 @@ mod gpt;
 mod gradients;
 mod groups;
 mod heartbeat;
+pub mod hf;
 pub mod launch;
 pub mod links;
 pub mod metrics;

@@ -95,9 +95,18 @@ pub struct StepMetrics {
     /// agreements; overlaps `attention_ms`), `burn_dcp::diagnostics::trace::comm_wait_time`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_wait_ms: Option<f64>,
-    /// The slowest rank's optimizer update of the step.
+    /// The slowest rank's optimizer update of the step (device time with `--sync-phases`, else
+    /// the time to queue it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer_ms: Option<f64>,
+    /// The slowest rank's forwards of the step (device time with `--sync-phases`, else the time
+    /// to queue them; pp 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forward_ms: Option<f64>,
+    /// The slowest rank's backwards of the step (device time with `--sync-phases`, else the
+    /// time to queue them; pp 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backward_ms: Option<f64>,
     /// With a pipeline (pp > 1): the pipeline's bubble, each rank's time in the step waiting for
     /// an activation or a gradient from another stage (the same clock as `--trace`'s spans),
     /// averaged over the ranks.
@@ -111,6 +120,13 @@ pub struct StepMetrics {
 /// Hooks of rank 0: called after each step with its metrics (progress, metrics.jsonl).
 pub trait StepObserver: Sync {
     fn on_step(&self, metrics: &StepMetrics);
+
+    /// World rank 0, after the checkpoint of `step` is committed in `checkpoint` (while every
+    /// other rank waits for it, as for the write): `--export-hf` converts it here. An error
+    /// stops the run on every rank.
+    fn on_checkpoint(&self, _step: usize, _checkpoint: &std::path::Path) -> Result<(), TrainError> {
+        Ok(())
+    }
 }
 
 /// Rank 0's report of a run: on a terminal an [`indicatif`] progress bar on stderr (steps, loss,

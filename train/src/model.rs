@@ -33,6 +33,9 @@ pub struct ModelShape {
     pub n_kv_heads: usize,
     /// Width of the feed-forward network.
     pub d_ff: usize,
+    /// The width of one head when it is not `d_model / n_heads`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
     /// The LM head shares the embedding (under PP, the first and last stage sum its gradients).
     #[serde(default)]
     pub tied_embeddings: bool,
@@ -40,7 +43,7 @@ pub struct ModelShape {
 
 impl ModelShape {
     pub fn head_dim(&self) -> usize {
-        self.d_model / self.n_heads.max(1)
+        self.head_dim.unwrap_or(self.d_model / self.n_heads.max(1))
     }
 
     /// The query and kv heads ([`Heads`]' rules).
@@ -50,9 +53,11 @@ impl ModelShape {
 
     /// Checks the head rules, naming the values.
     pub fn validate(&self) -> Result<(), String> {
-        if self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) {
+        if self.n_heads == 0
+            || (self.head_dim.is_none() && !self.d_model.is_multiple_of(self.n_heads))
+        {
             return Err(format!(
-                "d_model {} must be a multiple of n_heads {}",
+                "d_model {} must be a multiple of n_heads {} (or head_dim given)",
                 self.d_model, self.n_heads
             ));
         }

@@ -208,6 +208,7 @@ impl Trainer<'_> {
                 chunk_bytes: config.checkpoint_chunk_bytes,
                 heartbeat: Duration::from_secs(config.timeout_secs) / 4,
                 commit_limit: Duration::from_secs(config.checkpoint_timeout_secs),
+                observer: self.observer,
             };
             save_checkpoint(&groups, &saved)
                 .inspect_err(|e| groups.mesh.world.abort(&e.to_string()))
@@ -398,6 +399,9 @@ impl<B: FlashOps> StepLoop<'_, B> {
             );
             let lr = self.schedule.lr(step);
             model = optimizer.step(lr, model, result.grads);
+            if self.config.sync_phases {
+                crate::step::device_sync::<B>(self.device)?;
+            }
             drop(span);
             let optimizer_ms = optimizer_started.elapsed().as_secs_f64() * 1e3;
             let mut bytes = StepBytes::between(&stats_before, &world.stats());
@@ -405,6 +409,8 @@ impl<B: FlashOps> StepLoop<'_, B> {
             bytes.comm_wait_ms = (comm_wait_time() - wait_before).as_secs_f64() * 1e3;
             bytes.optimizer_ms = optimizer_ms;
             bytes.pipeline_idle_ms = result.pipeline_idle_ms;
+            bytes.forward_ms = result.phases.map(|p| p.forward.as_secs_f64() * 1e3);
+            bytes.backward_ms = result.phases.map(|p| p.backward.as_secs_f64() * 1e3);
             bytes.peak_memory_mb = rank_peak_memory_mb(world.rank());
             gpu_peak = rank_peak_gpu_memory_mb::<B>(self.device, gpu_peak);
             bytes.peak_gpu_memory_mb = gpu_peak;
@@ -463,6 +469,8 @@ impl<B: FlashOps> StepLoop<'_, B> {
                     peak_gpu_memory_mb: bytes.peak_gpu_memory_per_rank.iter().copied().collect(),
                     comm_wait_ms: Some(bytes.comm_wait_ms),
                     optimizer_ms: Some(bytes.optimizer_ms),
+                    forward_ms: bytes.forward_ms,
+                    backward_ms: bytes.backward_ms,
                     pipeline_bubble_ms: (self.config.pp > 1)
                         .then(|| bytes.pipeline_idle_ms / world.size() as f64),
                 };

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::prelude::ToElement;
 use burn::tensor::FloatDType;
 use burn_dcp::backend::{set_context, CpContext};
 use burn_dcp::comm::{Comm, CommStats, LinkBytes};
@@ -57,6 +56,16 @@ pub(crate) struct StepResult {
     pub grad_sync_ms: f64,
     /// This rank's time waiting for other pipeline stages (0 without a pipeline).
     pub pipeline_idle_ms: f64,
+    /// Forward and backward times of the micro-batches (pp 1; see [`StepBytes::forward_ms`]).
+    pub phases: Option<Phases>,
+}
+
+/// Where a step's compute went, at pp 1: the forwards and the backwards (device time with
+/// `--sync-phases`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Phases {
+    pub forward: Duration,
+    pub backward: Duration,
 }
 
 /// Runs step `plan.step` by its plan: this rank's shard of every planned batch it is in, in the
@@ -86,7 +95,7 @@ pub(crate) fn step_gradients_planned<
     }
     let tokens = batches.iter().map(|b| b.tokens.len()).sum();
     let sequences = StepSequences::new(batches.iter().map(|b| &**b).collect());
-    let (accumulator, loss_sum, idle) = run_plan::<B, C, M>(
+    let (accumulator, loss_sum, idle, phases) = run_plan::<B, C, M>(
         model,
         groups,
         config,
@@ -95,8 +104,13 @@ pub(crate) fn step_gradients_planned<
         device,
         true,
     )?;
-    let reduced =
+    let reduce_started = std::time::Instant::now();
+    let mut reduced =
         reduce_step::<B, C, M>(model, groups, step, accumulator, loss_sum, global_labels)?;
+    if config.sync_phases {
+        device_sync::<B>(device)?;
+        reduced.grad_sync_ms = reduce_started.elapsed().as_secs_f64() * 1e3;
+    }
     let grad_norm = global_grad_norm(model, &reduced.grads, groups)?;
     let grads = match config.clip_grad_norm {
         Some(max_norm) => clip_grad_norm(model, reduced.grads, grad_norm, max_norm),
@@ -110,7 +124,13 @@ pub(crate) fn step_gradients_planned<
         stats: plan.stats(groups.world.size()),
         grad_sync_ms: reduced.grad_sync_ms,
         pipeline_idle_ms: idle.as_secs_f64() * 1e3,
+        phases,
     })
+}
+
+/// Waits for the work queued on `device` (`--sync-phases`).
+pub(crate) fn device_sync<B: FlashOps>(device: &B::Device) -> Result<(), CpError> {
+    B::sync(device).map_err(|e| CpError::RunFailed(format!("waiting for the device: {e:?}")))
 }
 
 /// This rank's passes over `plan` — forward and backward (`backward`; training) or forward only
@@ -125,7 +145,7 @@ fn run_plan<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
     plan: &StepPlan,
     device: &B::Device,
     backward: bool,
-) -> Result<(GradientsAccumulator<M>, f64, Duration), CpError> {
+) -> Result<(GradientsAccumulator<M>, f64, Duration, Option<Phases>), CpError> {
     groups.ensure(plan)?;
     if config.pp > 1 {
         check_stages_agree(&groups.mesh.pp, plan)?;
@@ -157,7 +177,7 @@ fn run_plan<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
             // order the one before sent them.
             false => (0..units.len() * chunks).map(Pass::Forward).collect(),
         };
-        return run_stages::<B, C, M>(
+        let (accumulator, loss, idle) = run_stages::<B, C, M>(
             model,
             groups,
             config,
@@ -165,7 +185,8 @@ fn run_plan<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
             &units,
             &passes,
             device,
-        );
+        )?;
+        return Ok((accumulator, loss, idle, None));
     }
     let mut run = SingleStage::<B, C, M> {
         model,
@@ -175,7 +196,9 @@ fn run_plan<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
         device,
         compute: config.precision.compute_dtype(),
         accumulator: GradientsAccumulator::new(),
-        loss_sum: 0.0,
+        losses: Vec::new(),
+        sync: config.sync_phases,
+        phases: Phases::default(),
         checkpointing: PhantomData,
     };
     for (unit, planned) in units.iter().enumerate() {
@@ -183,7 +206,8 @@ fn run_plan<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
             run.forward_backward(unit, planned, backward)?;
         }
     }
-    Ok((run.accumulator, run.loss_sum, Duration::ZERO))
+    let loss_sum = run.loss_sum()?;
+    Ok((run.accumulator, loss_sum, Duration::ZERO, Some(run.phases)))
 }
 
 /// The validation loss of `model` (after an update): the mean loss over every labelled token of
@@ -204,7 +228,7 @@ pub(crate) fn validation_loss<B: FlashOps, C: CheckpointStrategy, M: TrainModel<
         let batches = validation.cp_step_batches(step, config.micro_batches)?;
         let step_labels: usize = batches.iter().map(|b| b.label_count()).sum();
         let sequences = StepSequences::new(batches.iter().map(|b| &**b).collect());
-        let (_, sum, _) = run_plan::<B, C, M>(
+        let (_, sum, _, _) = run_plan::<B, C, M>(
             model,
             groups,
             config,
@@ -275,13 +299,32 @@ struct SingleStage<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain
     /// The dtype each forward's copy of the model is cast to (`None`: f32, the model itself).
     compute: Option<FloatDType>,
     accumulator: GradientsAccumulator<M>,
-    /// Sum of the unscaled losses.
-    loss_sum: f64,
+    /// The unscaled losses of the micro-batches, on the device (read back once, after the last
+    /// backward: the step queues its backward passes without waiting for its forwards).
+    losses: Vec<burn::prelude::Tensor<CpTrain<B, C>, 1>>,
+    /// `--sync-phases`: wait for the device after each backward.
+    sync: bool,
+    /// The micro-batches' forward and backward times.
+    phases: Phases,
     /// The checkpointing the model's backend runs.
     checkpointing: PhantomData<C>,
 }
 
 impl<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> SingleStage<'_, B, C, M> {
+    /// The micro-batches' losses summed: the step's one read-back (0 without a micro-batch).
+    fn loss_sum(&self) -> Result<f64, CpError> {
+        if self.losses.is_empty() {
+            return Ok(0.0);
+        }
+        // Each loss as f32, added in f64 in micro-batch order (as when each was read alone).
+        let losses = burn::prelude::Tensor::cat(self.losses.clone(), 0)
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .map_err(|e| CpError::Input(format!("reading the step's losses: {e:?}")))?;
+        Ok(losses.into_iter().map(f64::from).sum())
+    }
+
     /// The forward of `planned` (sub-step `unit`) in its CP group, its loss, and (`backward`) the
     /// backward of `loss / global_labels` into the accumulated gradients. Under a low precision the forward
     /// runs a fresh copy of the model cast to it, whose gradients reach the f32 parameters.
@@ -292,6 +335,7 @@ impl<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> SingleSta
         backward: bool,
     ) -> Result<(), CpError> {
         let me = self.groups.world.rank();
+        let started = std::time::Instant::now();
         let loss = {
             let _span = micro_batch_span(unit, "forward", planned);
             let (shard, batch) = planned.rank_input(self.sequences, me, M::INPUT_ROWS)?;
@@ -305,12 +349,17 @@ impl<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> SingleSta
             let loss = model
                 .loss_sum(input, &self.groups.tp)
                 .map_err(forward_failed)?;
-            self.loss_sum += loss.clone().into_scalar().to_f64();
+            self.losses.push(loss.clone().detach());
             // Never silent: a model whose attention bypassed the op fails at its first
             // micro-batch.
             context.finish()?;
             loss
         };
+        if self.sync {
+            device_sync::<B>(self.device)?;
+        }
+        let forward_done = std::time::Instant::now();
+        self.phases.forward += forward_done - started;
         if !backward {
             return Ok(());
         }
@@ -318,6 +367,10 @@ impl<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> SingleSta
         let grads = (loss / self.global_labels as f64).backward();
         let grads = GradientsParams::from_grads(grads, self.model);
         self.accumulator.accumulate(self.model, grads);
+        if self.sync {
+            device_sync::<B>(self.device)?;
+        }
+        self.phases.backward += forward_done.elapsed();
         Ok(())
     }
 }
@@ -398,6 +451,13 @@ pub(crate) struct StepBytes {
     /// The rank's wait for other pipeline stages; [`summed`](Self::summed) sums every rank's.
     #[serde(default)]
     pub(crate) pipeline_idle_ms: f64,
+    /// The rank's forwards and backwards (device time with `--sync-phases`, else the time to
+    /// queue them); pp 1 only.
+    /// [`summed`](Self::summed) keeps the max.
+    #[serde(default)]
+    pub(crate) forward_ms: Option<f64>,
+    #[serde(default)]
+    pub(crate) backward_ms: Option<f64>,
 }
 
 /// This rank's peak memory so far, in MiB (2²⁰ bytes). Ranks that are processes (MPI, TCP):
@@ -422,7 +482,10 @@ pub fn rank_peak_memory_mb(rank: usize) -> Option<f64> {
 /// `max_memory_reserved` is its analogue), the larger of it and `so_far`. `None` where `B`
 /// allocates in host memory ([`FlashOps::device_memory`]). Ranks that are threads on one GPU
 /// each have their own stream and pools: each counts its own.
-pub fn rank_peak_gpu_memory_mb<B: FlashOps>(device: &B::Device, so_far: Option<f64>) -> Option<f64> {
+pub fn rank_peak_gpu_memory_mb<B: FlashOps>(
+    device: &B::Device,
+    so_far: Option<f64>,
+) -> Option<f64> {
     let now = B::device_memory(device).map(|m| m.reserved as f64 / (1u64 << 20) as f64);
     match (now, so_far) {
         (Some(now), Some(before)) => Some(now.max(before)),
@@ -455,6 +518,8 @@ impl StepBytes {
             comm_wait_ms: 0.0,
             optimizer_ms: 0.0,
             pipeline_idle_ms: 0.0,
+            forward_ms: None,
+            backward_ms: None,
         }
     }
 
@@ -476,6 +541,12 @@ impl StepBytes {
             sum.comm_wait_ms = sum.comm_wait_ms.max(rank.comm_wait_ms);
             sum.optimizer_ms = sum.optimizer_ms.max(rank.optimizer_ms);
             sum.pipeline_idle_ms += rank.pipeline_idle_ms;
+            let max = |a: Option<f64>, b: Option<f64>| match (a, b) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            };
+            sum.forward_ms = max(sum.forward_ms, rank.forward_ms);
+            sum.backward_ms = max(sum.backward_ms, rank.backward_ms);
             sum.links.intra_node += rank.links.intra_node;
             sum.links.inter_node += rank.links.inter_node;
             for (label, bytes) in rank.labels {

@@ -52,6 +52,7 @@ impl<B: Backend> TinyLm<B> {
             n_heads: 8,
             n_kv_heads: 2,
             d_ff: 64,
+            head_dim: None,
             tied_embeddings: false,
         }
     }

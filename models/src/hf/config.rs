@@ -86,8 +86,7 @@ fn count(json: &Map<String, Value>, key: &str) -> Result<Option<usize>, ModelErr
 }
 
 fn required(json: &Map<String, Value>, key: &str) -> Result<usize, ModelError> {
-    count(json, key)?
-        .ok_or_else(|| ModelError::Config(format!("config.json: {key} is missing")))
+    count(json, key)?.ok_or_else(|| ModelError::Config(format!("config.json: {key} is missing")))
 }
 
 fn number(json: &Map<String, Value>, key: &str, default: f64) -> Result<f64, ModelError> {
@@ -112,7 +111,11 @@ fn flag(json: &Map<String, Value>, key: &str, default: bool) -> Result<bool, Mod
 fn rope(json: &Map<String, Value>) -> Result<(f64, Option<RopeScaling>), ModelError> {
     let (theta, scaling) = match get(json, "rope_parameters").and_then(Value::as_object) {
         Some(parameters) => (
-            number(parameters, "rope_theta", number(json, "rope_theta", 10000.0)?)?,
+            number(
+                parameters,
+                "rope_theta",
+                number(json, "rope_theta", 10000.0)?,
+            )?,
             Some(parameters),
         ),
         None => (
@@ -280,6 +283,7 @@ impl HfConfig {
             "tie_word_embeddings": m.tied_embeddings,
             "initializer_range": m.initializer_range.unwrap_or(0.02),
             "torch_dtype": dtype,
+            "dtype": dtype,
         });
         for (key, value) in values.as_object().into_iter().flatten() {
             json.insert(key.clone(), value.clone());
@@ -341,9 +345,15 @@ mod tests {
             assert!(error.contains(wanted), "{error} lacks {wanted}");
         };
         refused(&|j| j["model_type"] = json!("gemma"), "model_type 'gemma'");
-        refused(&|j| j["rope_scaling"]["rope_type"] = json!("yarn"), "'yarn'");
+        refused(
+            &|j| j["rope_scaling"]["rope_type"] = json!("yarn"),
+            "'yarn'",
+        );
         refused(&|j| j["hidden_act"] = json!("gelu"), "hidden_act 'gelu'");
-        refused(&|j| j["attention_bias"] = json!(true), "attention_bias true");
+        refused(
+            &|j| j["attention_bias"] = json!(true),
+            "attention_bias true",
+        );
         refused(&|j| j["num_key_value_heads"] = json!(5), "kv heads");
         refused(
             &|j| {

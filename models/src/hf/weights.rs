@@ -138,7 +138,10 @@ fn named_tensors<B: Backend>(model: &Gpt<B>) -> Result<Vec<Named>, ModelError> {
             }
         }
     }
-    matrix("model.norm.weight".into(), model.norm.gamma.val().unsqueeze())?;
+    matrix(
+        "model.norm.weight".into(),
+        model.norm.gamma.val().unsqueeze(),
+    )?;
     if let Some(head) = &model.head {
         matrix("lm_head.weight".into(), head.weight.val().transpose())?;
     }
@@ -307,13 +310,18 @@ impl Files {
 
 fn to_f32(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, ModelError> {
     let data = view.data();
-    let halves = || data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let halves = || {
+        data.chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+    };
     Ok(match view.dtype() {
         Dtype::F32 => data
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect(),
-        Dtype::BF16 => halves().map(|h| f32::from_bits(u32::from(h) << 16)).collect(),
+        Dtype::BF16 => halves()
+            .map(|h| f32::from_bits(u32::from(h) << 16))
+            .collect(),
         Dtype::F16 => halves().map(f16_to_f32).collect(),
         other => {
             return Err(ModelError::Checkpoint(format!(
@@ -364,7 +372,10 @@ impl<B: Backend> Loader<'_, B> {
 
     fn vector(&mut self, name: &str, len: usize) -> Result<Tensor<B, 1>, ModelError> {
         let values = self.take(name, &[len])?;
-        Ok(Tensor::from_data(TensorData::new(values, [len]), &self.device))
+        Ok(Tensor::from_data(
+            TensorData::new(values, [len]),
+            &self.device,
+        ))
     }
 
     fn norm(&mut self, name: &str, d: usize, epsilon: f64) -> Result<RmsNorm<B>, ModelError> {
@@ -392,14 +403,18 @@ impl<B: Backend> Loader<'_, B> {
             false => None,
         };
         Ok(Linear {
-            weight: Param::from_tensor(weight.transpose()),
+            // A leaf of its own: on an autodiff backend a parameter is no operation's output.
+            weight: Param::from_tensor(weight.transpose().detach()),
             bias,
         })
     }
 }
 
 /// Reads the checkpoint in `dir` (`config.json` and the safetensors) into a [`Gpt`] on `device`.
-pub fn load_hf<B: Backend>(dir: &Path, device: &B::Device) -> Result<(Gpt<B>, HfConfig), ModelError> {
+pub fn load_hf<B: Backend>(
+    dir: &Path,
+    device: &B::Device,
+) -> Result<(Gpt<B>, HfConfig), ModelError> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| io("read", &path, e))?;
     let json: Value = serde_json::from_str(&text).map_err(|e| io("parse", &path, e))?;

@@ -48,10 +48,10 @@ use burn_dcp::planner::topology::Topology;
 use burn_dcp::planner::{executed_plan, PlanInput};
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::{CpError, Layout, Placement, Strategy};
-#[cfg(feature = "wgpu")]
-use burn_dcp_kernels::backends::{WgpuFusion, WgpuPlain};
 #[cfg(feature = "cuda")]
 use burn_dcp_kernels::backends::{CudaFusion, CudaPlain};
+#[cfg(feature = "wgpu")]
+use burn_dcp_kernels::backends::{WgpuFusion, WgpuPlain};
 use burn_dcp_train::launch::Ranks;
 use burn_dcp_train::links::{cpu_compute, emulated_topology, time_scale, EmulatedLinks};
 use clap::Parser;

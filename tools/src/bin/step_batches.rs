@@ -76,7 +76,9 @@ fn run(args: Args) -> Result<(), String> {
     }))
     .map_err(|e| e.to_string())?;
     match &args.out {
-        Some(path) => std::fs::write(path, text).map_err(|e| format!("write {}: {e}", path.display())),
+        Some(path) => {
+            std::fs::write(path, text).map_err(|e| format!("write {}: {e}", path.display()))
+        }
         None => {
             println!("{text}");
             Ok(())

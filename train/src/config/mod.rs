@@ -133,6 +133,24 @@ pub struct TrainConfig {
     /// `None`: the GPT's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_shape: Option<ModelShape>,
+    /// The architecture of `--model-config` / `--hf-checkpoint` (a Hugging Face `config.json`),
+    /// in place of the preset `model_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<GptConfig>,
+    /// `--hf-checkpoint`: the directory the initial weights are read from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hf_checkpoint: Option<String>,
+    /// `--rope-theta`: RoPE's base over the architecture's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// `--rope-scaling`: `none`, `linear:F` or `llama3:F,LOW,HIGH,ORIGINAL` over the
+    /// architecture's (`crate::hf::parse_rope_scaling`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<String>,
+    /// `--sync-phases`: the device is waited for at the end of each phase of a step, so the
+    /// phases' times in the metrics are device time.
+    #[serde(default)]
+    pub sync_phases: bool,
     /// What the backward recomputes (`--recompute`): memory for compute, same results.
     #[serde(default)]
     pub recompute: Recompute,
@@ -186,6 +204,11 @@ impl Default for TrainConfig {
             model_shape: None,
             recompute: Recompute::None,
             precision: Precision::F32,
+            sync_phases: false,
+            architecture: None,
+            hf_checkpoint: None,
+            rope_theta: None,
+            rope_scaling: None,
         }
     }
 }
@@ -239,10 +262,11 @@ impl TrainConfig {
         self.mode.name()
     }
 
-    /// The GPT of `model_size` (with the tokenizer's vocabulary).
+    /// The model trained: the architecture of `--model-config` / `--hf-checkpoint`, or the
+    /// preset `model_size` (the GPT's with the tokenizer's vocabulary), with `--rope-theta` and
+    /// `--rope-scaling` over it.
     pub fn model_config(&self) -> Result<GptConfig, TrainError> {
-        GptConfig::sized(&self.model_size, self.tokenizer()?.vocab_size())
-            .map_err(|e| TrainError::Config(e.to_string()))
+        crate::hf::model_config(self)
     }
 
     /// The shape of the model trained: `model_shape`, or the GPT's of `model_size`.
@@ -292,11 +316,11 @@ impl TrainConfig {
         .map_err(|e| TrainError::Config(e.to_string()))
     }
 
-    /// The ids the model embeds: `model_shape`'s vocabulary, else the tokenizer's.
+    /// The ids the model embeds: `model_shape`'s vocabulary, else the trained model's.
     pub fn vocab_size(&self) -> Result<usize, TrainError> {
         match &self.model_shape {
             Some(shape) => Ok(shape.vocab_size),
-            None => Ok(self.tokenizer()?.vocab_size()),
+            None => Ok(self.model_config()?.vocab_size),
         }
     }
 
@@ -409,6 +433,7 @@ pub(crate) fn gpt_of_shape(shape: &ModelShape) -> GptConfig {
         shape.d_ff,
     )
     .with_tied_embeddings(shape.tied_embeddings)
+    .with_head_dim(shape.head_dim)
 }
 
 /// The most micro-batches one optimizer step may take.

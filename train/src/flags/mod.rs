@@ -97,9 +97,25 @@ pub struct TrainFlags {
     /// Micro-batches per optimizer step over all replicas (the global batch; a multiple of dp) [default: 2]
     #[cfg_attr(feature = "cli", arg(long))]
     pub micro_batches: Option<usize>,
-    /// tiny | small | base [default: tiny]
+    /// tiny | small | base (the GPT) | llama-125m | llama-350m | llama-1b (Llama-shaped; see
+    /// burn_dcp_models::presets) [default: tiny]
     #[cfg_attr(feature = "cli", arg(long))]
     pub model_size: Option<String>,
+    /// A Hugging Face config.json (Llama, Mistral, Qwen2): the architecture, weights drawn as
+    /// transformers draws them (in place of --model-size)
+    #[cfg_attr(feature = "cli", arg(long, value_name = "CONFIG_JSON"))]
+    pub model_config: Option<String>,
+    /// A Hugging Face checkpoint directory (config.json, model.safetensors or its shards with
+    /// the index; tokenizer.json, used unless --tokenizer-file or --tokenizer is given): the
+    /// architecture and the initial weights (in place of --model-size)
+    #[cfg_attr(feature = "cli", arg(long, value_name = "DIR"))]
+    pub hf_checkpoint: Option<String>,
+    /// RoPE's base θ over the architecture's (extending a checkpoint's context)
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub rope_theta: Option<f64>,
+    /// RoPE's scaling over the architecture's: none | linear:FACTOR | llama3:FACTOR,LOW,HIGH,ORIGINAL
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub rope_scaling: Option<String>,
     /// Seed of the weights and the data [default: 0]
     #[cfg_attr(feature = "cli", arg(long))]
     pub seed: Option<u64>,
@@ -193,6 +209,11 @@ pub struct TrainFlags {
     /// The dtype the forward and backward compute in: f32 | bf16 | f16 (parameters, gradients, optimizer moments and checkpoints stay f32; attention accumulates in f32; CP messages travel in this dtype) [default: f32]
     #[cfg_attr(feature = "cli", arg(long))]
     pub precision: Option<String>,
+    /// Wait for the device at the end of each phase of a step (forward, backward, gradient
+    /// reduction, optimizer), so that forward_ms, backward_ms, grad_sync_ms and optimizer_ms are
+    /// device time, not the time to queue the work (slower: the host stops running ahead)
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub sync_phases: bool,
     /// Timeout of every communication wait, seconds [default: 60]
     #[cfg_attr(feature = "cli", arg(long))]
     pub timeout_secs: Option<u64>,
@@ -287,6 +308,11 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
             .unwrap_or(defaults.token_dtype.clone()),
         lengths_from: args.lengths_from.clone().or(defaults.lengths_from.clone()),
         timeout_secs: args.timeout_secs.unwrap_or(defaults.timeout_secs),
+        sync_phases: args.sync_phases,
+        architecture: None,
+        hf_checkpoint: None,
+        rope_theta: args.rope_theta,
+        rope_scaling: args.rope_scaling.clone(),
         plan_ahead: args.plan_ahead.unwrap_or(defaults.plan_ahead),
         topology: args.topology.clone().unwrap_or(defaults.topology.clone()),
         nodes: args.nodes.unwrap_or(defaults.nodes),
@@ -307,8 +333,44 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
     })
     .and_then(|mut config| {
         config.mode = mode_from_args(args, cp, config.seq_len)?;
+        hf_architecture(args, &mut config)?;
         Ok(config)
     })
+}
+
+/// `--model-config` or `--hf-checkpoint`: the architecture of a Hugging Face `config.json` (and
+/// from a checkpoint its tokenizer, and Mistral's sliding window as the mask), unless a flag says
+/// otherwise.
+fn hf_architecture(args: &TrainFlags, config: &mut TrainConfig) -> Result<(), TrainError> {
+    let file = match (&args.model_config, &args.hf_checkpoint, &args.model_size) {
+        (None, None, _) => return Ok(()),
+        (Some(_), Some(_), _) => {
+            return Err(TrainError::Config(
+                "give --model-config (an architecture, random weights) or --hf-checkpoint (an architecture and its weights), not both".into(),
+            ))
+        }
+        (_, _, Some(size)) => {
+            return Err(TrainError::Config(format!(
+                "--model-size {size} names a preset, --model-config and --hf-checkpoint an architecture of their own: give one"
+            )))
+        }
+        (Some(file), None, None) => Path::new(file).to_path_buf(),
+        (None, Some(dir), None) => Path::new(dir).join("config.json"),
+    };
+    let hf = crate::hf::read_hf_config(&file)?;
+    if let Some(dir) = &args.hf_checkpoint {
+        let tokenizer = Path::new(dir).join("tokenizer.json");
+        if args.tokenizer_file.is_none() && args.tokenizer.is_none() && tokenizer.exists() {
+            config.tokenizer_file = Some(tokenizer.display().to_string());
+        }
+        config.hf_checkpoint = Some(dir.clone());
+    }
+    if let (Some(window), None) = (hf.sliding_window, &args.mask) {
+        config.mask = format!("sliding:{window}");
+    }
+    config.model_size = hf.architecture.class().to_string();
+    config.architecture = Some(hf.model);
+    Ok(())
 }
 
 /// `--optimizer` and its hyper-parameters (each flag only for the optimizers that have it).

@@ -17,6 +17,8 @@ pub(super) fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfi
     if let Some(steps) = args.steps {
         config.steps = steps;
     }
+    // Waiting for the device at each phase changes when work runs, not what it computes.
+    config.sync_phases = args.sync_phases;
     // Planning ahead changes when plans are made, not what they are.
     if let Some(plan_ahead) = args.plan_ahead {
         config.plan_ahead = plan_ahead;
@@ -115,7 +117,7 @@ pub(super) fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfi
     type Value = fn(&TrainConfig) -> String;
     let seq_len_given = args.seq_len.is_some()
         || (args.max_tokens_per_rank.is_some() && saved.mode.dynamic().is_none());
-    let checks: [(&str, bool, Value); 19] = [
+    let checks: [(&str, bool, Value); 22] = [
         ("--corpus", args.corpus.is_some(), |c| c.corpus.clone()),
         ("--data-path", args.data_path.is_some(), |c| {
             c.data_path.join(" ")
@@ -150,6 +152,17 @@ pub(super) fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfi
         }),
         ("--model-size", args.model_size.is_some(), |c| {
             c.model_size.clone()
+        }),
+        (
+            "--model-config / --hf-checkpoint",
+            args.model_config.is_some() || args.hf_checkpoint.is_some(),
+            |c| format!("{:?}", c.architecture),
+        ),
+        ("--rope-theta", args.rope_theta.is_some(), |c| {
+            format!("{:?}", c.rope_theta)
+        }),
+        ("--rope-scaling", args.rope_scaling.is_some(), |c| {
+            format!("{:?}", c.rope_scaling)
         }),
         ("--seed", args.seed.is_some(), |c| c.seed.to_string()),
         ("--mask", args.mask.is_some(), |c| c.mask.clone()),
