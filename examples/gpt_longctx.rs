@@ -125,7 +125,7 @@ fn run(args: &Args) -> Result<(), TrainError> {
             args.resume.as_deref().unwrap_or(Path::new("")).display(),
             config.steps
         );
-        return summarize(args, &config, &[], 0.0, args.resume.as_deref());
+        return summarize(args, &config, (&[], None), 0.0, args.resume.as_deref());
     }
     let ranks =
         Ranks::new(config.world_size(), world_config(&config)?).map_err(TrainError::Launch)?;
@@ -240,7 +240,10 @@ fn train(
         );
     }
     let loading = Instant::now();
-    let data = TrainData::load(config)?;
+    let data = match config.eval_only {
+        true => TrainData::eval_windows(config)?,
+        false => TrainData::load(config)?,
+    };
     if leader {
         eprintln!(
             "data: {} ({} tokenizer): {} micro-batches of at most {} tokens per pass (ready in {:.2} s)",
@@ -294,14 +297,14 @@ fn train(
         // Not rank 0 of a multi-process job: rank 0 reports.
         return Ok(());
     };
-    let metrics = outcome.metrics;
+    let (metrics, eval_loss) = (outcome.metrics, outcome.eval_loss);
     if let (true, Some(scratch)) = (leader, &scratch) {
         std::fs::remove_dir_all(scratch).map_err(|e| TrainError::io("remove", scratch, e))?;
     }
     summarize(
         args,
         config,
-        &metrics,
+        (&metrics, eval_loss),
         reporter.elapsed_seconds(),
         out.as_deref().filter(|_| scratch.is_none()),
     )
@@ -464,7 +467,7 @@ fn mean(values: impl Iterator<Item = f64>) -> f64 {
 fn summarize(
     args: &Args,
     config: &TrainConfig,
-    metrics: &[StepMetrics],
+    (metrics, eval_loss): (&[StepMetrics], Option<f64>),
     wall: f64,
     out: Option<&Path>,
 ) -> Result<(), TrainError> {
@@ -538,12 +541,20 @@ fn summarize(
         "wall_seconds": wall,
         "out": out.map(|p| p.display().to_string()),
         "export_hf": args.export.export_hf,
+        // --eval-only: the loss over the first eval_tokens tokens in file order.
+        "val_loss": eval_loss,
+        "eval_tokens": config.eval_only.then_some(config.eval_tokens),
     });
     if args.json {
         println!(
             "{}",
             serde_json::to_string_pretty(&summary)
                 .map_err(|e| TrainError::Malformed(format!("the summary: {e}")))?
+        );
+    } else if let Some(loss) = eval_loss {
+        println!(
+            "val_loss {loss:.6} over the first {} tokens in windows of {}",
+            config.eval_tokens, config.seq_len
         );
     } else if metrics.is_empty() {
         println!("done: 0 steps (nothing to train)");

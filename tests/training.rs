@@ -76,6 +76,7 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         recompute: Default::default(),
         precision: Default::default(),
         sync_phases: false,
+        eval_only: false,
         architecture: None,
         hf_checkpoint: None,
         rope_theta: None,

@@ -275,6 +275,25 @@ impl TokenData {
         self.window_batch(d, window)
     }
 
+    /// Window `window` of the stream in file order (tokens `window·seq_len ..`; whole windows,
+    /// not held out or permuted): `--eval-only`'s micro-batches. A blend has no file order: one
+    /// source only.
+    pub fn in_order_batch(&self, window: usize) -> Result<MicroBatch, DataError> {
+        match self.sources.len() {
+            1 => self.window_batch(0, window),
+            n => Err(DataError::Invalid(format!(
+                "a blend of {n} token files has no file order: evaluate one file"
+            ))),
+        }
+    }
+
+    /// Whole windows of `seq_len` tokens of the first source, in file order.
+    pub fn in_order_windows(&self) -> usize {
+        self.sources
+            .first()
+            .map_or(0, |s| s.file.total_tokens() / self.options.seq_len)
+    }
+
     /// Held-out micro-batch `index < validation_len()`.
     pub fn validation_batch(&self, mut index: usize) -> Result<MicroBatch, DataError> {
         for (d, source) in self.sources.iter().enumerate() {

@@ -67,6 +67,9 @@ enum Source {
     Tokens {
         data: Arc<TokenData>,
         held_out: bool,
+        /// `--eval-only`: the first windows in file order (`TokenData::in_order_batch`), this
+        /// many of them.
+        in_order: Option<usize>,
         recent: Mutex<VecDeque<(usize, Arc<MicroBatch>)>>,
     },
 }
@@ -80,18 +83,7 @@ impl TrainData {
         if !config.data_path.is_empty() {
             return Self::load_tokens(config);
         }
-        let tokenizer = config.tokenizer()?;
-        let corpus = match config.corpus.as_str() {
-            "builtin" => {
-                TokenizedCorpus::tokenize(builtin_documents().into_iter().map(Ok), &tokenizer)
-            }
-            "default" => default_tokenized(&tokenizer),
-            path => {
-                let identity = format!("{path}:{}", files_identity(&[path.into()]));
-                tokenize_cached(&identity, || open_documents(path), &tokenizer, &cache_dir())
-            }
-        }
-        .map_err(|e| TrainError::Data(e.to_string()))?;
+        let corpus = tokenized(config)?;
         let corpus = match config.length_sampler()? {
             Some(_) if !corpus.prompts.is_empty() => {
                 return Err(TrainError::Config(format!(
@@ -119,6 +111,75 @@ impl TrainData {
         Ok(data)
     }
 
+    /// `--eval-only`'s data: the first `eval_tokens` tokens in file order (a token file's
+    /// stream, or the corpus's documents one after the other), cut into windows of `seq_len`
+    /// tokens, each holding the parts of the documents in it; window `k` is micro-batch `k`.
+    pub fn eval_windows(config: &TrainConfig) -> Result<Self, TrainError> {
+        let windows = config.eval_tokens.div_ceil(config.seq_len.max(1));
+        let too_few = |available: usize| {
+            TrainError::Data(format!(
+                "--eval-tokens {} takes {windows} windows of {} tokens (--seq-len), more than the {available} whole windows of {}",
+                config.eval_tokens,
+                config.seq_len,
+                config.data_name()
+            ))
+        };
+        if !config.data_path.is_empty() {
+            let Self { source, .. } = Self::load_tokens(&TrainConfig {
+                eval_every: None,
+                ..config.clone()
+            })?;
+            let Source::Tokens { data, .. } = source else {
+                unreachable!("load_tokens reads token files")
+            };
+            let available = data.in_order_windows();
+            if windows > available {
+                return Err(too_few(available));
+            }
+            return Ok(Self {
+                validation: None,
+                source: Source::Tokens {
+                    data,
+                    held_out: false,
+                    in_order: Some(windows),
+                    recent: Mutex::new(VecDeque::new()),
+                },
+            });
+        }
+        let corpus = tokenized(config)?;
+        let mut pieces: Vec<Vec<Piece>> = vec![Vec::new()];
+        let mut room = config.seq_len;
+        for (doc, tokens) in corpus.documents.iter().enumerate() {
+            let mut start = 0;
+            while start < tokens.len() {
+                if room == 0 {
+                    pieces.push(Vec::new());
+                    room = config.seq_len;
+                }
+                let len = room.min(tokens.len() - start);
+                pieces.last_mut().unwrap().push(Piece { doc, start, len });
+                (start, room) = (start + len, room - len);
+            }
+        }
+        if room > 0 {
+            pieces.pop(); // a last window that is not whole
+        }
+        if windows > pieces.len() {
+            return Err(too_few(pieces.len()));
+        }
+        pieces.truncate(windows);
+        Ok(Self {
+            validation: None,
+            source: Source::Corpus {
+                corpus,
+                built: (0..pieces.len()).map(|_| OnceLock::new()).collect(),
+                pieces,
+                masks: config.mask_policy()?,
+                seed: config.seed,
+            },
+        })
+    }
+
     /// `--data-path`: the token files opened (headers and sizes only).
     fn load_tokens(config: &TrainConfig) -> Result<Self, TrainError> {
         let data_error = |e: DataError| TrainError::Data(e.to_string());
@@ -138,6 +199,7 @@ impl TrainData {
         let tokens = |held_out| Source::Tokens {
             data: data.clone(),
             held_out,
+            in_order: None,
             recent: Mutex::new(VecDeque::new()),
         };
         let data = Self {
@@ -247,8 +309,15 @@ impl TrainData {
             Source::Tokens {
                 data,
                 held_out,
+                in_order,
                 recent,
             } => {
+                if let Some(windows) = in_order {
+                    return data
+                        .in_order_batch(index % windows)
+                        .map(Arc::new)
+                        .map_err(|e| TrainError::Data(e.to_string()));
+                }
                 let index = match held_out {
                     true => index % data.validation_len(),
                     false => index,
@@ -279,6 +348,10 @@ impl TrainData {
     pub fn len(&self) -> usize {
         match &self.source {
             Source::Corpus { pieces, .. } => pieces.len(),
+            Source::Tokens {
+                in_order: Some(windows),
+                ..
+            } => *windows,
             Source::Tokens {
                 data,
                 held_out: true,
@@ -313,6 +386,20 @@ impl TrainData {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// The corpus of `config`, tokenized (cached for a directory or file of text).
+fn tokenized(config: &TrainConfig) -> Result<TokenizedCorpus, TrainError> {
+    let tokenizer = config.tokenizer()?;
+    match config.corpus.as_str() {
+        "builtin" => TokenizedCorpus::tokenize(builtin_documents().into_iter().map(Ok), &tokenizer),
+        "default" => default_tokenized(&tokenizer),
+        path => {
+            let identity = format!("{path}:{}", files_identity(&[path.into()]));
+            tokenize_cached(&identity, || open_documents(path), &tokenizer, &cache_dir())
+        }
+    }
+    .map_err(|e| TrainError::Data(e.to_string()))
 }
 
 /// Splits off documents never trained on, at least `tokens` tokens of them: drawn in a seeded

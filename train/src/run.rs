@@ -38,6 +38,8 @@ pub type TrainBackend = CpTrain<burn::backend::Flex>;
 /// The result of one rank's training.
 pub struct RankOutcome {
     pub metrics: Vec<StepMetrics>,
+    /// `--eval-only`: the model's loss over the data (every rank's, the same value).
+    pub eval_loss: Option<f64>,
 }
 
 /// What a rank's model is built from: the run's configuration, the rank's TP rank and pipeline
@@ -171,6 +173,18 @@ impl Trainer<'_> {
             check_data_state(state.data.as_ref(), now.as_ref(), &checkpoint)?;
             first_step = state.step + 1;
         }
+        if config.eval_only {
+            // Every micro-batch of the data is one "step" of the evaluation.
+            let per_window = TrainConfig {
+                micro_batches: 1,
+                ..config.clone()
+            };
+            let loss = validation_loss::<B, C, M>(&model, &groups, &per_window, self.data, device)?;
+            return Ok(RankOutcome {
+                metrics: Vec::new(),
+                eval_loss: Some(loss),
+            });
+        }
         let run = StepLoop {
             groups: &groups,
             config,
@@ -218,7 +232,10 @@ impl Trainer<'_> {
             run.steps(model, &mut optimizer, first_step, &plans, &save)
         })?;
         save(&model, &optimizer, config.steps)?;
-        Ok(RankOutcome { metrics })
+        Ok(RankOutcome {
+            metrics,
+            eval_loss: None,
+        })
     }
 }
 

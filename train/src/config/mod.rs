@@ -147,6 +147,10 @@ pub struct TrainConfig {
     /// architecture's (`crate::hf::parse_rope_scaling`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<String>,
+    /// `--eval-only`: no training, the validation loss of the model over the first
+    /// `eval_tokens` tokens of the data in file order (`TrainData::eval_windows`).
+    #[serde(default)]
+    pub eval_only: bool,
     /// `--sync-phases`: the device is waited for at the end of each phase of a step, so the
     /// phases' times in the metrics are device time.
     #[serde(default)]
@@ -205,6 +209,7 @@ impl Default for TrainConfig {
             recompute: Recompute::None,
             precision: Precision::F32,
             sync_phases: false,
+            eval_only: false,
             architecture: None,
             hf_checkpoint: None,
             rope_theta: None,

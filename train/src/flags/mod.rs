@@ -209,6 +209,11 @@ pub struct TrainFlags {
     /// The dtype the forward and backward compute in: f32 | bf16 | f16 (parameters, gradients, optimizer moments and checkpoints stay f32; attention accumulates in f32; CP messages travel in this dtype) [default: f32]
     #[cfg_attr(feature = "cli", arg(long))]
     pub precision: Option<String>,
+    /// No training: the validation loss of the model (its initial weights, a --hf-checkpoint's,
+    /// or --resume's) over the first --eval-tokens tokens of the data in file order, in windows
+    /// of --seq-len tokens (what transformers computes with labels=input_ids on each window)
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub eval_only: bool,
     /// Wait for the device at the end of each phase of a step (forward, backward, gradient
     /// reduction, optimizer), so that forward_ms, backward_ms, grad_sync_ms and optimizer_ms are
     /// device time, not the time to queue the work (slower: the host stops running ahead)
@@ -309,6 +314,7 @@ fn config_from_args(args: &TrainFlags) -> Result<TrainConfig, TrainError> {
         lengths_from: args.lengths_from.clone().or(defaults.lengths_from.clone()),
         timeout_secs: args.timeout_secs.unwrap_or(defaults.timeout_secs),
         sync_phases: args.sync_phases,
+        eval_only: args.eval_only,
         architecture: None,
         hf_checkpoint: None,
         rope_theta: args.rope_theta,

@@ -19,6 +19,8 @@ pub(super) fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfi
     }
     // Waiting for the device at each phase changes when work runs, not what it computes.
     config.sync_phases = args.sync_phases;
+    // Evaluating a saved run trains nothing.
+    config.eval_only = args.eval_only;
     // Planning ahead changes when plans are made, not what they are.
     if let Some(plan_ahead) = args.plan_ahead {
         config.plan_ahead = plan_ahead;
