@@ -8,7 +8,7 @@ gpt_longctx run: what a user would pick instead of burn-dcp, for a side-by-side 
 
 The model is `AutoModelForCausalLM.from_pretrained(checkpoint)` with `attn_implementation="sdpa"`
 (torch's flash attention for causal masks), f32 master weights, bf16 autocast, fused
-`torch.optim.AdamW` (decay on every parameter, as gpt_longctx's AdamW). Each step sums the
+`torch.optim.AdamW` (decay on matrices only, as gpt_longctx's AdamW). Each step sums the
 next-token cross-entropy over the labels >= 0 of its micro-batches, in f32, divided by the step's
 label count (gpt_longctx's loss). A micro-batch of several sequences runs them one by one (each
 its own causal attention, as the packed varlen kernels do); `--recompute` turns on transformers'
@@ -60,8 +60,10 @@ def main():
         model.config.use_cache = False
     parameters = sum(p.numel() for p in model.parameters())
     forward = torch.compile(model) if args.compile else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas),
-                                  eps=args.eps, weight_decay=args.weight_decay, fused=cuda)
+    # Decay on matrices only, as gpt_longctx (and Megatron-LM, nanoGPT, transformers' Trainer).
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=tuple(args.betas), eps=args.eps, fused=cuda)
     with open(args.batches) as f:
         data = json.load(f)
     steps = data["steps"][: args.steps] if args.steps else data["steps"]

@@ -9,10 +9,13 @@
 
 use std::sync::Mutex;
 
+use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::lr_scheduler::LrScheduler;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{AdamConfig, AdamWConfig, SgdConfig};
+use burn::optim::{AdamConfig, AdamWConfig, SgdConfig, SimpleOptimizer};
+use burn::prelude::{Backend, Tensor};
+use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
 use crate::error::TrainError;
@@ -140,6 +143,36 @@ impl OptimizerSettings {
         rule("--adam-eps", self.epsilon, self.epsilon > 0.0, "(0, ∞)")
     }
 
+    /// The run's optimizer over `M` with weight decay on matrices only ([`MatrixDecay`]).
+    pub(crate) fn adamw_matrices<B: AutodiffBackend, M: burn::module::AutodiffModule<B>>(
+        &self,
+    ) -> OptimizerAdaptor<MatrixDecay<burn::optim::AdamW>, M, B> {
+        OptimizerAdaptor::from(MatrixDecay {
+            matrices: self.adamw().build(),
+            vectors: self.adamw().with_weight_decay(0.0).build(),
+        })
+    }
+
+    /// Adam (L2 decay) with decay on matrices only.
+    pub(crate) fn adam_matrices<B: AutodiffBackend, M: burn::module::AutodiffModule<B>>(
+        &self,
+    ) -> OptimizerAdaptor<MatrixDecay<burn::optim::Adam>, M, B> {
+        OptimizerAdaptor::from(MatrixDecay {
+            matrices: self.adam().build(),
+            vectors: self.adam().with_weight_decay(None).build(),
+        })
+    }
+
+    /// SGD (L2 decay) with decay on matrices only.
+    pub(crate) fn sgd_matrices<B: AutodiffBackend, M: burn::module::AutodiffModule<B>>(
+        &self,
+    ) -> OptimizerAdaptor<MatrixDecay<burn::optim::Sgd<B::InnerBackend>>, M, B> {
+        OptimizerAdaptor::from(MatrixDecay {
+            matrices: self.sgd().build(),
+            vectors: self.sgd().with_weight_decay(None).build(),
+        })
+    }
+
     pub(crate) fn adamw(&self) -> AdamWConfig {
         AdamWConfig::new()
             .with_beta_1(self.beta1 as f32)
@@ -169,6 +202,39 @@ impl OptimizerSettings {
 
     fn decay(&self) -> Option<WeightDecayConfig> {
         (self.weight_decay > 0.0).then(|| WeightDecayConfig::new(self.weight_decay as f32))
+    }
+}
+
+/// A burn optimizer whose weight decay applies to matrices only: every parameter of two or more
+/// dimensions (projections, the embedding, the LM head) is updated by `matrices`, every vector
+/// (norm gains, biases) by `vectors`, the same optimizer without decay — as Megatron-LM
+/// (`no_weight_decay_cond`: biases and norms), nanoGPT (`p.dim() >= 2`) and transformers'
+/// `Trainer` (no decay for biases and norm weights) do. The state is the inner optimizer's, so
+/// a checkpoint's optimizer record is unchanged.
+#[derive(Clone)]
+pub struct MatrixDecay<O> {
+    pub matrices: O,
+    pub vectors: O,
+}
+
+impl<B: Backend, O: SimpleOptimizer<B>> SimpleOptimizer<B> for MatrixDecay<O> {
+    type State<const D: usize> = O::State<D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: burn::optim::LearningRate,
+        tensor: Tensor<B, D>,
+        grad: Tensor<B, D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        match D {
+            0 | 1 => self.vectors.step(lr, tensor, grad, state),
+            _ => self.matrices.step(lr, tensor, grad, state),
+        }
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, device: &B::Device) -> Self::State<D> {
+        O::to_device(state, device)
     }
 }
 

@@ -107,15 +107,15 @@ impl Trainer<'_> {
         let settings = &config.optimizer;
         match settings.kind {
             OptimizerKind::AdamW => {
-                let optimizer = settings.adamw().init::<CpTrain<B, C>, M>();
+                let optimizer = settings.adamw_matrices::<CpTrain<B, C>, M>();
                 self.train_rank_with(world, device, init, optimizer, &schedule)
             }
             OptimizerKind::Adam => {
-                let optimizer = settings.adam().init::<CpTrain<B, C>, M>();
+                let optimizer = settings.adam_matrices::<CpTrain<B, C>, M>();
                 self.train_rank_with(world, device, init, optimizer, &schedule)
             }
             OptimizerKind::Sgd => {
-                let optimizer = settings.sgd().init::<CpTrain<B, C>, M>();
+                let optimizer = settings.sgd_matrices::<CpTrain<B, C>, M>();
                 self.train_rank_with(world, device, init, optimizer, &schedule)
             }
         }

@@ -6,8 +6,10 @@
 //!
 //! [`Gpt`]: crate::Gpt
 
+pub mod check;
 pub mod config;
 pub mod weights;
 
+pub use check::{check_hf, expected_tensors};
 pub use config::{HfArchitecture, HfConfig};
 pub use weights::{load_hf, save_hf, ExportDtype};

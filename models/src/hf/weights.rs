@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 
 use crate::error::ModelError;
 use crate::gpt::{Block, Gpt};
+use crate::hf::check::safetensors_files;
 use crate::hf::config::HfConfig;
 
 /// The largest shard written (transformers' default `max_shard_size`, 5 GB).
@@ -72,7 +73,7 @@ fn f32_to_bf16(value: f32) -> u16 {
     (bits.wrapping_add(rounding) >> 16) as u16
 }
 
-fn io(action: &str, path: &Path, error: impl std::fmt::Display) -> ModelError {
+pub(crate) fn io(action: &str, path: &Path, error: impl std::fmt::Display) -> ModelError {
     ModelError::Checkpoint(format!("{action} {}: {error}", path.display()))
 }
 
@@ -262,26 +263,7 @@ struct Files {
 
 impl Files {
     fn open(dir: &Path) -> Result<Self, ModelError> {
-        let single = dir.join("model.safetensors");
-        let index = dir.join("model.safetensors.index.json");
-        let paths = if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(|e| io("read", &index, e))?;
-            let json: Value = serde_json::from_str(&text).map_err(|e| io("parse", &index, e))?;
-            let Some(map) = json["weight_map"].as_object() else {
-                return Err(io("read", &index, "it has no weight_map object"));
-            };
-            let mut files: Vec<&str> = map.values().filter_map(Value::as_str).collect();
-            files.sort_unstable();
-            files.dedup();
-            files.into_iter().map(|f| dir.join(f)).collect()
-        } else if single.exists() {
-            vec![single]
-        } else {
-            return Err(ModelError::Checkpoint(format!(
-                "{} holds neither model.safetensors nor model.safetensors.index.json",
-                dir.display()
-            )));
-        };
+        let paths = safetensors_files(dir)?;
         let files = paths
             .into_iter()
             .map(|path| {

@@ -365,6 +365,10 @@ fn hf_architecture(args: &TrainFlags, config: &mut TrainConfig) -> Result<(), Tr
     };
     let hf = crate::hf::read_hf_config(&file)?;
     if let Some(dir) = &args.hf_checkpoint {
+        // Every tensor there with its shape, no file truncated: checked before anything is
+        // written or allocated.
+        burn_dcp_models::hf::check_hf(Path::new(dir), &hf.model)
+            .map_err(|e| TrainError::Checkpoint(format!("--hf-checkpoint: {e}")))?;
         let tokenizer = Path::new(dir).join("tokenizer.json");
         if args.tokenizer_file.is_none() && args.tokenizer.is_none() && tokenizer.exists() {
             config.tokenizer_file = Some(tokenizer.display().to_string());
