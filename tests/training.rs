@@ -1268,3 +1268,6 @@ mod token_data;
 
 #[path = "training/pipeline_vpp.rs"]
 mod pipeline_vpp;
+
+#[path = "training/hf.rs"]
+mod hf;
