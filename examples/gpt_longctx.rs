@@ -129,6 +129,14 @@ fn run(args: &Args) -> Result<(), TrainError> {
     }
     let ranks =
         Ranks::new(config.world_size(), world_config(&config)?).map_err(TrainError::Launch)?;
+    if args.backend == "flex" {
+        let here = if ranks.is_distributed() {
+            1
+        } else {
+            config.world_size()
+        };
+        burn_dcp_suite::train::host_memory::check_host_memory(&config, here)?;
+    }
     let result = train(args, &config, &ranks, saved_step, export.as_ref());
     if let Err(message) = &result {
         // With several processes a rank's own failure ends the job, naming this rank, so its

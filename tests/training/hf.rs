@@ -65,7 +65,10 @@ fn checkpoints_written_by_transformers_give_its_logits() {
             let vocab = hf.model.vocab_size;
             let checked = hf.sliding_window.unwrap_or(count).min(count) * vocab;
             let error = relative(&ours[..checked], &theirs[..checked]);
-            assert!(error <= 1e-4, "{model} sequence {i}: logits differ by {error:.2e}");
+            assert!(
+                error <= 1e-4,
+                "{model} sequence {i}: logits differ by {error:.2e}"
+            );
         }
     }
 }
@@ -125,7 +128,9 @@ fn eval_loss(config: &TrainConfig, resume: Option<&Path>) -> f64 {
 fn eval_only_equals_transformers_loss_under_every_strategy() {
     let manifest = expected();
     for model in ["llama", "mistral", "qwen2"] {
-        let theirs = manifest["models"][model]["mean_window_loss"].as_f64().unwrap();
+        let theirs = manifest["models"][model]["mean_window_loss"]
+            .as_f64()
+            .unwrap();
         for mesh in [
             &[][..],
             &["cp", "4", "strategy", "ring-zigzag"][..],
@@ -141,7 +146,10 @@ fn eval_only_equals_transformers_loss_under_every_strategy() {
             }
             let ours = eval_loss(&config, None);
             let error = (ours - theirs).abs() / theirs;
-            assert!(error <= 1e-4, "{model} {mesh:?}: {ours} vs transformers' {theirs} ({error:.2e})");
+            assert!(
+                error <= 1e-4,
+                "{model} {mesh:?}: {ours} vs transformers' {theirs} ({error:.2e})"
+            );
         }
     }
 }
@@ -185,10 +193,9 @@ fn a_trained_model_exports_and_reloads_with_the_same_loss() {
     }) {
         result.unwrap();
     }
-    let written: Value = serde_json::from_str(
-        &std::fs::read_to_string(export_dir.join("config.json")).unwrap(),
-    )
-    .unwrap();
+    let written: Value =
+        serde_json::from_str(&std::fs::read_to_string(export_dir.join("config.json")).unwrap())
+            .unwrap();
     assert_eq!(written["architectures"][0], "Qwen2ForCausalLM");
     assert_eq!(written["torch_dtype"], "float32");
     // The trained run, evaluated from its checkpoint…
@@ -202,10 +209,15 @@ fn a_trained_model_exports_and_reloads_with_the_same_loss() {
     reload.eval_only = true;
     reload.eval_tokens = Some(72);
     let from_export = eval_loss(&reload.config().unwrap(), None);
-    let untrained = expected()["models"]["qwen2"]["mean_window_loss"].as_f64().unwrap();
+    let untrained = expected()["models"]["qwen2"]["mean_window_loss"]
+        .as_f64()
+        .unwrap();
     assert!(from_checkpoint < untrained, "three steps lowered the loss");
     let error = (from_export - from_checkpoint).abs() / from_checkpoint;
-    assert!(error <= 1e-5, "export {from_export} vs checkpoint {from_checkpoint}");
+    assert!(
+        error <= 1e-5,
+        "export {from_export} vs checkpoint {from_checkpoint}"
+    );
     std::fs::remove_dir_all(&scratch).unwrap();
 }
 
@@ -299,7 +311,11 @@ fn an_export_loads_in_transformers_with_the_same_logits() {
             .arg(list)
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let theirs: Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(theirs["class"], hf.architecture.class());
         let theirs: Vec<f32> = theirs["logits"]
@@ -310,14 +326,22 @@ fn an_export_loads_in_transformers_with_the_same_logits() {
             .collect();
         let (reloaded, _) = load_hf::<Flex>(&dir, &device).unwrap();
         let count = ids.len();
-        let tokens = Tensor::<Flex, 1, Int>::from_data(TensorData::new(ids.clone(), [count]), &device);
+        let tokens =
+            Tensor::<Flex, 1, Int>::from_data(TensorData::new(ids.clone(), [count]), &device);
         let positions = Tensor::<Flex, 1, Int>::arange(0..count as i64, &device);
-        let ours: Vec<f32> = reloaded.forward(tokens, positions).into_data().to_vec().unwrap();
+        let ours: Vec<f32> = reloaded
+            .forward(tokens, positions)
+            .into_data()
+            .to_vec()
+            .unwrap();
         // Mistral's window (8) is wider than nothing here but shorter than 12 tokens: compare
         // the positions it does not cut.
         let checked = hf.sliding_window.unwrap_or(count).min(count) * hf.model.vocab_size;
         let error = relative(&ours[..checked], &theirs[..checked]);
-        assert!(error <= 1e-4, "{model}: transformers' logits of the export differ by {error:.2e}");
+        assert!(
+            error <= 1e-4,
+            "{model}: transformers' logits of the export differ by {error:.2e}"
+        );
     }
     std::fs::remove_dir_all(&scratch).unwrap();
 }

@@ -35,6 +35,7 @@ mod gradients;
 mod groups;
 mod heartbeat;
 pub mod hf;
+pub mod host_memory;
 pub mod launch;
 pub mod links;
 pub mod metrics;
