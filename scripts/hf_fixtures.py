@@ -50,6 +50,35 @@ def tokenizer(out):
     return tok
 
 
+# TRAIN's steps: every window in each step (so the order of windows in a step does not matter),
+# the loss summed over their labels and divided by their count (gpt_longctx's loss), AdamW with
+# decay on matrices only (gpt_longctx's, Megatron-LM's, nanoGPT's).
+TRAIN = dict(steps=3, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def train(model, ids):
+    model = model.train()
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": TRAIN["weight_decay"]},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=TRAIN["lr"], betas=TRAIN["betas"], eps=TRAIN["eps"])
+    windows = [torch.tensor([ids[w * WINDOW:(w + 1) * WINDOW]]) for w in range(WINDOWS)]
+    losses = []
+    for _ in range(TRAIN["steps"]):
+        total = 0.0
+        labels = WINDOWS * (WINDOW - 1)
+        for window in windows:
+            logits = model(input_ids=window).logits[0, :-1].float()
+            loss = torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum") / labels
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="tests/fixtures/hf")
@@ -66,6 +95,7 @@ def main():
     sequences = [ids[:WINDOW], ids[WINDOW:WINDOW + 17]]
     manifest = {"transformers": transformers.__version__, "torch": torch.__version__,
                 "window": WINDOW, "windows": WINDOWS, "eod_token": eod, "vocab_size": vocab,
+                "train": TRAIN,
                 "models": {}}
     for index, (name, (cls, extra)) in enumerate(MODELS.items()):
         torch.manual_seed(1000 + index)
@@ -94,7 +124,8 @@ def main():
         manifest["models"][name] = {"class": model.__class__.__name__,
                                     "parameters": model.num_parameters(),
                                     "window_losses": losses,
-                                    "mean_window_loss": sum(losses) / len(losses)}
+                                    "mean_window_loss": sum(losses) / len(losses),
+                                    "train_losses": train(model, ids)}
     with open(os.path.join(args.out, "expected.json"), "w") as f:
         json.dump(manifest, f, indent=1)
         f.write("\n")

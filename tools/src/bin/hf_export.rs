@@ -27,8 +27,7 @@ struct Args {
 
 fn run(args: Args) -> Result<(), String> {
     let dtype = ExportDtype::parse(&args.dtype)?;
-    let parameters =
-        burn_dcp_train::hf::export_checkpoint(&args.checkpoint, &args.out, dtype)?;
+    let parameters = burn_dcp_train::hf::export_checkpoint(&args.checkpoint, &args.out, dtype)?;
     eprintln!(
         "hf_export: {parameters} parameters of {} in {}",
         args.checkpoint.display(),
