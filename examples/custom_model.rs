@@ -299,8 +299,7 @@ fn train<M: TrainModel<B>>(
             timeout: Duration::from_secs(config.timeout_secs),
             ranks_per_node: None,
         },
-    )
-    .map_err(TrainError::Launch)?;
+    )?;
     let leader = ranks.is_leader();
     // A resumed run writes where it was saved, unless --out names another directory.
     let out = args.out.clone().or_else(|| args.resume.clone());
@@ -333,7 +332,7 @@ fn train<M: TrainModel<B>>(
     if leader {
         progress.finish()?;
     }
-    let outcome = result.map_err(TrainError::RankFailed)?;
+    let outcome = result?;
     if let (Some(outcome), true) = (outcome, args.json) {
         let losses: Vec<f64> = outcome.metrics.iter().map(|m| m.loss).collect();
         println!("{}", serde_json::json!({ "losses": losses }));

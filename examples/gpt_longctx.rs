@@ -14,11 +14,11 @@ use burn_dcp::comm::WorldConfig;
 #[cfg(feature = "wgpu")]
 use burn_dcp::kernels::backends::{WgpuFusion, WgpuPlain};
 use burn_dcp::kernels::FlashOps;
-use burn_dcp_suite::launch::Ranks;
+use burn_dcp_suite::launch::{Ranks, Tracing};
 use burn_dcp_suite::train::hf::{ExportFlags, Exporting, HfExport};
 use burn_dcp_suite::train::metrics::truncate_metrics;
 use burn_dcp_suite::train::{
-    check_resume, train_rank, write_json, Progress, RankOutcome, Recompute, StepMetrics,
+    check_resume, refuse_overwrite, run_summary, same_dir, train_rank, write_json, Progress, RankOutcome, Recompute, StepMetrics,
     StepObserver, TrainConfig, TrainData, TrainError, TrainFlags, TrainMode,
 };
 use clap::Parser;
@@ -74,38 +74,8 @@ fn main() {
     }
 }
 
-/// `--out DIR` must not overwrite another run: a directory holding a run's files (config.json,
-/// metrics.jsonl, a checkpoint) is only written to when it is the run being resumed.
-fn refuse_overwrite(out: &Path, resume: Option<&Path>) -> Result<(), TrainError> {
-    if resume.is_some_and(|dir| same_dir(dir, out)) {
-        return Ok(());
-    }
-    let files = [
-        "config.json",
-        "metrics.jsonl",
-        "checkpoint",
-        "checkpoint.old",
-    ];
-    if let Some(found) = files.iter().find(|name| out.join(name).exists()) {
-        return Err(TrainError::Config(format!(
-            "--out {} already holds a run ({found} exists): use --resume {} to continue it, or choose another --out",
-            out.display(),
-            out.display()
-        )));
-    }
-    Ok(())
-}
-
-fn same_dir(a: &Path, b: &Path) -> bool {
-    match (a.canonicalize(), b.canonicalize()) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => a == b,
-    }
-}
-
 fn run(args: &Args) -> Result<(), TrainError> {
-    burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "--example gpt_longctx")
-        .map_err(TrainError::Config)?;
+    backend_type(args)?;
     let mut config = match &args.resume {
         Some(dir) => args.train.resume(dir)?,
         None => args.train.config()?,
@@ -128,7 +98,7 @@ fn run(args: &Args) -> Result<(), TrainError> {
         return summarize(args, &config, (&[], None), 0.0, args.resume.as_deref());
     }
     let ranks =
-        Ranks::new(config.world_size(), world_config(&config)?).map_err(TrainError::Launch)?;
+        Ranks::new(config.world_size(), world_config(&config)?)?;
     if args.backend == "flex" {
         let here = if ranks.is_distributed() {
             1
@@ -152,6 +122,8 @@ fn run(args: &Args) -> Result<(), TrainError> {
 struct SavedConfig<'a> {
     #[serde(flatten)]
     config: &'a TrainConfig,
+    /// The model's parameter count (as transformers counts it, tied embeddings once).
+    parameters: Option<usize>,
     backend: &'static str,
 }
 
@@ -196,12 +168,8 @@ fn train(
             &out.join("config.json"),
             &SavedConfig {
                 config,
-                backend: burn_dcp_suite::backend_type(
-                    &args.backend,
-                    args.no_fusion,
-                    "--example gpt_longctx",
-                )
-                .map_err(TrainError::Config)?,
+                parameters: config.model_config().ok().map(|m| m.parameter_count()),
+                backend: backend_type(args)?,
             },
         )?;
     }
@@ -286,7 +254,7 @@ fn train(
             None => train_world::<burn_dcp::kernels::backends::CudaFusion>(
                 ranks, config, &data, resume, &out, observer, &tracing,
             ),
-            Some(_) => Err("--backend cuda with one process per rank moves tensors with NCCL, which reads the plain backend's device memory: add --no-fusion (burn-fusion's tensors at NCCL's collectives are not supported yet)".to_string()),
+            Some(_) => Err(TrainError::Config("--backend cuda with one process per rank moves tensors with NCCL, which reads the plain backend's device memory: add --no-fusion (burn-fusion's tensors at NCCL's collectives are not supported yet)".to_string())),
         },
         #[cfg(feature = "cuda")]
         "cuda" => train_world_cuda(ranks, config, &data, resume, &out, observer, &tracing),
@@ -300,7 +268,7 @@ fn train(
     if leader {
         reporter.finish()?;
     }
-    let outcome = results.map_err(TrainError::RankFailed)?;
+    let outcome = results?;
     let Some(outcome) = outcome else {
         // Not rank 0 of a multi-process job: rank 0 reports.
         return Ok(());
@@ -318,57 +286,6 @@ fn train(
     )
 }
 
-/// `--trace FILE`: the run's tracer and where it goes.
-struct Tracing {
-    path: PathBuf,
-    tracer: std::sync::Arc<burn_dcp::diagnostics::trace::Tracer>,
-}
-
-impl Tracing {
-    fn new(path: PathBuf) -> Self {
-        Self {
-            path,
-            tracer: burn_dcp::diagnostics::trace::Tracer::new(),
-        }
-    }
-
-    /// Records the calling rank thread's steps on the track of `rank`.
-    fn enter(&self, rank: usize) -> burn_dcp::diagnostics::trace::RankTrace {
-        burn_dcp::diagnostics::trace::RankTrace::enter(&self.tracer, rank)
-    }
-
-    /// The file of `rank` when ranks are processes: FILE with `.rank<r>` before its extension.
-    fn rank_path(&self, rank: usize) -> PathBuf {
-        let stem = self.path.file_stem().unwrap_or_default().to_string_lossy();
-        let name = match self.path.extension() {
-            Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
-            None => format!("{stem}.rank{rank}"),
-        };
-        self.path.with_file_name(name)
-    }
-
-    /// Ranks that are processes write their own file when they finish.
-    fn write_rank(&self, ranks_are_processes: bool, rank: usize) -> Result<(), TrainError> {
-        if !ranks_are_processes {
-            return Ok(());
-        }
-        let path = self.rank_path(rank);
-        self.tracer
-            .write(&path)
-            .map_err(|e| TrainError::Config(format!("--trace {}: {e}", path.display())))
-    }
-
-    /// Ranks that are threads share one file, written once they all finished.
-    fn write_threads(&self, ranks: &Ranks) -> Result<(), TrainError> {
-        if ranks.is_distributed() {
-            return Ok(());
-        }
-        self.tracer
-            .write(&self.path)
-            .map_err(|e| TrainError::Config(format!("--trace {}: {e}", self.path.display())))
-    }
-}
-
 /// Runs every rank's training on `ContextParallel<Autodiff<B>>` (`B`'s default device).
 fn train_world<B: FlashOps>(
     ranks: &Ranks,
@@ -378,7 +295,7 @@ fn train_world<B: FlashOps>(
     out: &Option<PathBuf>,
     reporter: &dyn StepObserver,
     tracing: &Option<Tracing>,
-) -> Result<Option<RankOutcome>, String> {
+) -> Result<Option<RankOutcome>, TrainError> {
     let device = B::Device::default();
     let processes = ranks.is_distributed();
     ranks.run(|comm| {
@@ -412,7 +329,7 @@ fn train_world_cuda(
     out: &Option<PathBuf>,
     reporter: &dyn StepObserver,
     tracing: &Option<Tracing>,
-) -> Result<Option<RankOutcome>, String> {
+) -> Result<Option<RankOutcome>, TrainError> {
     type Cuda = burn_dcp::kernels::backends::CudaPlain;
     let Some(local_rank) = ranks.local_rank() else {
         return train_world::<Cuda>(ranks, config, data, resume, out, reporter, tracing);
@@ -449,27 +366,11 @@ fn world_config(config: &TrainConfig) -> Result<WorldConfig, TrainError> {
     })
 }
 
-/// A per-step map (group sizes, strategy counts, bytes by axis) summed over the steps, starting
-/// from `keys` at zero.
-fn totals<'a, V: Copy + Default + std::ops::AddAssign + 'a>(
-    keys: &[&str],
-    maps: impl Iterator<Item = &'a std::collections::BTreeMap<String, V>>,
-) -> std::collections::BTreeMap<String, V> {
-    let mut totals: std::collections::BTreeMap<String, V> =
-        keys.iter().map(|k| (k.to_string(), V::default())).collect();
-    for (key, value) in maps.flatten() {
-        *totals.entry(key.clone()).or_default() += *value;
-    }
-    totals
-}
-
-fn mean(values: impl Iterator<Item = f64>) -> f64 {
-    let (sum, count) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
-    if count == 0 {
-        0.0
-    } else {
-        sum / count as f64
-    }
+/// The backend type `--backend` and `--no-fusion` name (config.json's and the summary's
+/// `"backend"`).
+fn backend_type(args: &Args) -> Result<&'static str, TrainError> {
+    burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "--example gpt_longctx")
+        .map_err(TrainError::Config)
 }
 
 fn summarize(
@@ -479,80 +380,9 @@ fn summarize(
     wall: f64,
     out: Option<&Path>,
 ) -> Result<(), TrainError> {
-    let tokens: usize = metrics.iter().map(|m| m.tokens).sum();
-    let bytes: u64 = metrics.iter().map(|m| m.bytes_communicated).sum();
-    let train_seconds: f64 = metrics.iter().map(|m| m.step_ms).sum::<f64>() / 1e3;
-    let summary = json!({
-        "config": config,
-        "backend": burn_dcp_suite::backend_type(&args.backend, args.no_fusion, "--example gpt_longctx")
-            .map_err(TrainError::Config)?,
-        "parameters": config.model_config().ok().map(|m| m.parameter_count()),
-        "steps_run": metrics.len(),
-        "first_step": metrics.first().map(|m| m.step),
-        "last_step": metrics.last().map(|m| m.step),
-        "losses": metrics.iter().map(|m| m.loss).collect::<Vec<_>>(),
-        "step_ms": metrics.iter().map(|m| m.step_ms).collect::<Vec<_>>(),
-        "final_loss": metrics.last().map(|m| m.loss),
-        "tokens": tokens,
-        "tokens_per_second": if train_seconds > 0.0 { tokens as f64 / train_seconds } else { 0.0 },
-        "bytes_communicated": bytes,
-        "bytes_by_link": {
-            "intra_node": metrics.iter().map(|m| m.bytes_by_link.intra_node).sum::<u64>(),
-            "inter_node": metrics.iter().map(|m| m.bytes_by_link.inter_node).sum::<u64>(),
-        },
-        "bytes_by_axis": totals(
-            &burn_dcp_suite::train::AXES,
-            metrics.iter().map(|m| &m.bytes_by_axis)
-        ),
-        "cp_group_sizes": totals(&[], metrics.iter().map(|m| &m.cp_group_sizes)),
-        "strategy_counts": totals(&[], metrics.iter().map(|m| &m.strategy_counts)),
-        "rank_workload_imbalance": mean(metrics.iter().map(|m| m.rank_workload_imbalance)),
-        "attention_ms": metrics.iter().filter_map(|m| m.attention_ms).sum::<f64>(),
-        "comm_wait_ms": metrics.iter().filter_map(|m| m.comm_wait_ms).sum::<f64>(),
-        "optimizer_ms": metrics.iter().filter_map(|m| m.optimizer_ms).sum::<f64>(),
-        // pp 1: the forwards and the backwards (device time with --sync-phases), summed over
-        // the steps.
-        "forward_ms": metrics.iter().map(|m| m.forward_ms).sum::<Option<f64>>(),
-        "backward_ms": metrics.iter().map(|m| m.backward_ms).sum::<Option<f64>>(),
-        "grad_sync_ms": metrics.iter().filter_map(|m| m.grad_sync_ms).sum::<f64>(),
-        // Each step's phases (device time with --sync-phases), for the steps after the first.
-        "phases_ms": metrics.iter().map(|m| json!({
-            "forward": m.forward_ms, "backward": m.backward_ms, "grad_sync": m.grad_sync_ms,
-            "optimizer": m.optimizer_ms, "attention": m.attention_ms, "step": m.step_ms,
-        })).collect::<Vec<_>>(),
-        // With a pipeline: the ranks' mean wait for other stages, summed over the steps.
-        "pipeline_bubble_ms": metrics.iter().map(|m| m.pipeline_bubble_ms).sum::<Option<f64>>(),
-        // The largest of every rank's peak (MiB), or null when the ranks cannot tell.
-        "peak_memory_mb": metrics
-            .iter()
-            .filter_map(|m| m.peak_memory_mb.as_ref())
-            .flatten()
-            .copied()
-            .reduce(f64::max),
-        // The largest of every rank's device memory (MiB; CUDA, wgpu), or null on the CPU.
-        "peak_gpu_memory_mb": metrics
-            .iter()
-            .filter_map(|m| m.peak_gpu_memory_mb.as_ref())
-            .flatten()
-            .copied()
-            .reduce(f64::max),
-        // The cost model's time of the same steps on the emulated machine (--emulate-links;
-        // null without it, or where a step's strategy has no plan in the cost model).
-        "predicted_attention_ms": metrics
-            .iter()
-            .map(|m| m.predicted_attention_ms)
-            .sum::<Option<f64>>(),
-        "plan_wait_ms": metrics.iter().filter_map(|m| m.plan_wait_ms).fold(0.0, |a, b| a + b),
-        // This process's peak resident memory (MiB; VmHWM: heap and mapped file pages alike).
-        "process_peak_rss_mb": burn_dcp::kernels::memory::process_peak_bytes()
-            .map(|bytes| bytes as f64 / (1u64 << 20) as f64),
-        "wall_seconds": wall,
-        "out": out.map(|p| p.display().to_string()),
-        "export_hf": args.export.export_hf,
-        // --eval-only: the loss over the first eval_tokens tokens in file order.
-        "val_loss": eval_loss,
-        "eval_tokens": config.eval_only.then_some(config.eval_tokens),
-    });
+    let mut summary = run_summary(config, (metrics, eval_loss), wall, out);
+    summary["backend"] = json!(backend_type(args)?);
+    summary["export_hf"] = json!(args.export.export_hf);
     if args.json {
         println!(
             "{}",
@@ -570,10 +400,11 @@ fn summarize(
         let first = metrics.first().map_or(f64::NAN, |m| m.loss);
         let last = metrics.last().map_or(f64::NAN, |m| m.loss);
         println!(
-            "done: {} steps, loss {first:.4} → {last:.4}, {tokens} tokens at {:.0} tok/s, {:.1} MB communicated, {wall:.1} s{}",
+            "done: {} steps, loss {first:.4} → {last:.4}, {} tokens at {:.0} tok/s, {:.1} MB communicated, {wall:.1} s{}",
             metrics.len(),
+            summary["tokens"],
             summary["tokens_per_second"].as_f64().unwrap_or(0.0),
-            bytes as f64 / 1e6,
+            summary["bytes_communicated"].as_f64().unwrap_or(0.0) / 1e6,
             out.map(|p| format!(", saved to {}", p.display())).unwrap_or_default()
         );
     }

@@ -76,6 +76,7 @@ pub mod mesh;
 pub mod nn;
 pub mod planner;
 pub mod strategy;
+mod tensors;
 
 pub use backend::{set_context, ContextParallel, CpContext, CpContextGuard};
 pub use batch::layout::Layout;

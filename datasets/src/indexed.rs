@@ -18,118 +18,21 @@
 //! and touches only the bytes asked for: a rank reads its own tokens, never the whole file.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
 use crate::DataError;
 
+mod token_type;
+mod writer;
+
+pub use token_type::TokenType;
+pub use writer::IndexedWriter;
+
 const MAGIC: &[u8; 9] = b"MMIDIDX\0\0";
 const HEADER: usize = 9 + 8 + 1 + 8 + 8;
-
-/// A token type of an indexed dataset (the integer codes of Megatron-LM's `DType`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TokenType {
-    U8,
-    I16,
-    I32,
-    I64,
-    U16,
-    /// Flat token files only: Megatron's index has no code for it.
-    U32,
-}
-
-impl TokenType {
-    /// Megatron's code of this type (none for `U32`).
-    pub fn code(self) -> Option<u8> {
-        match self {
-            Self::U8 => Some(1),
-            Self::I16 => Some(3),
-            Self::I32 => Some(4),
-            Self::I64 => Some(5),
-            Self::U16 => Some(8),
-            Self::U32 => None,
-        }
-    }
-
-    /// `uint16` or `uint32`: the token types of a flat token file (`--token-dtype`).
-    pub fn parse_flat(name: &str) -> Result<Self, DataError> {
-        match name {
-            "uint16" => Ok(Self::U16),
-            "uint32" => Ok(Self::U32),
-            other => Err(DataError::Invalid(format!(
-                "token dtype '{other}': a flat token file holds uint16 or uint32 tokens"
-            ))),
-        }
-    }
-
-    /// The type of Megatron's `code`; the float and int8 codes are no token types.
-    pub fn from_code(code: u8) -> Option<Self> {
-        Some(match code {
-            1 => Self::U8,
-            3 => Self::I16,
-            4 => Self::I32,
-            5 => Self::I64,
-            8 => Self::U16,
-            _ => return None,
-        })
-    }
-
-    /// Bytes per token.
-    pub fn size(self) -> usize {
-        match self {
-            Self::U8 => 1,
-            Self::I16 | Self::U16 => 2,
-            Self::I32 | Self::U32 => 4,
-            Self::I64 => 8,
-        }
-    }
-
-    /// The smallest type Megatron's tools choose for a vocabulary of `vocab` ids: uint16 below
-    /// 65 500, else int32.
-    pub fn for_vocab(vocab: usize) -> Self {
-        if vocab < 65_500 {
-            Self::U16
-        } else {
-            Self::I32
-        }
-    }
-
-    fn decode(self, bytes: &[u8]) -> i64 {
-        match self {
-            Self::U8 => bytes[0] as i64,
-            Self::I16 => i16::from_le_bytes([bytes[0], bytes[1]]) as i64,
-            Self::U16 => u16::from_le_bytes([bytes[0], bytes[1]]) as i64,
-            Self::U32 => u32::from_le_bytes(bytes.try_into().unwrap_or_default()) as i64,
-            Self::I32 => i32::from_le_bytes(bytes.try_into().unwrap_or_default()) as i64,
-            Self::I64 => i64::from_le_bytes(bytes.try_into().unwrap_or_default()),
-        }
-    }
-
-    fn encode(self, token: u32, out: &mut Vec<u8>) -> bool {
-        match self {
-            Self::U8 => u8::try_from(token).map(|t| out.push(t)).is_ok(),
-            Self::I16 => i16::try_from(token)
-                .map(|t| out.extend(t.to_le_bytes()))
-                .is_ok(),
-            Self::U16 => u16::try_from(token)
-                .map(|t| out.extend(t.to_le_bytes()))
-                .is_ok(),
-            Self::I32 => i32::try_from(token)
-                .map(|t| out.extend(t.to_le_bytes()))
-                .is_ok(),
-            Self::U32 => {
-                out.extend(token.to_le_bytes());
-                true
-            }
-            Self::I64 => {
-                out.extend((token as i64).to_le_bytes());
-                true
-            }
-        }
-    }
-}
 
 /// A Megatron-LM indexed dataset, memory-mapped: the index is checked once, tokens are read
 /// on demand.
@@ -458,95 +361,6 @@ pub(crate) fn decode_tokens(
             })
         })
         .collect()
-}
-
-/// Writes a Megatron-LM indexed dataset: one sequence per document (as Megatron's
-/// `preprocess_data.py` writes unsplit documents), the index at [`Self::finish`].
-pub struct IndexedWriter {
-    bin: BufWriter<File>,
-    idx_path: PathBuf,
-    bin_path: PathBuf,
-    dtype: TokenType,
-    lengths: Vec<i32>,
-    pointers: Vec<i64>,
-    written: i64,
-    buffer: Vec<u8>,
-}
-
-impl IndexedWriter {
-    /// Creates `PREFIX.bin` (the index is written by [`Self::finish`]).
-    pub fn create(prefix: &Path, dtype: TokenType) -> Result<Self, DataError> {
-        let (idx_path, bin_path) = indexed_paths(prefix);
-        if dtype.code().is_none() {
-            return Err(DataError::Invalid(format!(
-                "{dtype:?}: Megatron's index has no code for it (int32 holds every id below 2^31)"
-            )));
-        }
-        let file = File::create(&bin_path).map_err(|e| DataError::io(&bin_path, e))?;
-        Ok(Self {
-            bin: BufWriter::new(file),
-            idx_path,
-            bin_path,
-            dtype,
-            lengths: Vec::new(),
-            pointers: Vec::new(),
-            written: 0,
-            buffer: Vec::new(),
-        })
-    }
-
-    /// Appends one document. Errors name a token the type cannot hold, or a document longer
-    /// than the index's `i32` lengths.
-    pub fn add_document(&mut self, tokens: &[u32]) -> Result<(), DataError> {
-        let len = i32::try_from(tokens.len()).map_err(|_| {
-            DataError::Invalid(format!(
-                "a document of {} tokens: the index holds lengths up to {}",
-                tokens.len(),
-                i32::MAX
-            ))
-        })?;
-        self.buffer.clear();
-        for &token in tokens {
-            if !self.dtype.encode(token, &mut self.buffer) {
-                return Err(DataError::Invalid(format!(
-                    "token {token} does not fit {:?} (writing {})",
-                    self.dtype,
-                    self.bin_path.display()
-                )));
-            }
-        }
-        self.bin
-            .write_all(&self.buffer)
-            .map_err(|e| DataError::io(&self.bin_path, e))?;
-        self.lengths.push(len);
-        self.pointers.push(self.written);
-        self.written += self.buffer.len() as i64;
-        Ok(())
-    }
-
-    /// Flushes `.bin` and writes `.idx`.
-    pub fn finish(mut self) -> Result<(), DataError> {
-        self.bin
-            .flush()
-            .map_err(|e| DataError::io(&self.bin_path, e))?;
-        let sequences = self.lengths.len();
-        let mut idx = Vec::with_capacity(HEADER + 20 * sequences + 8);
-        idx.extend(MAGIC);
-        idx.extend(1u64.to_le_bytes());
-        idx.push(self.dtype.code().unwrap_or_default());
-        idx.extend((sequences as u64).to_le_bytes());
-        idx.extend((sequences as u64 + 1).to_le_bytes());
-        for len in &self.lengths {
-            idx.extend(len.to_le_bytes());
-        }
-        for pointer in &self.pointers {
-            idx.extend(pointer.to_le_bytes());
-        }
-        for document in 0..=sequences as i64 {
-            idx.extend(document.to_le_bytes());
-        }
-        std::fs::write(&self.idx_path, idx).map_err(|e| DataError::io(&self.idx_path, e))
-    }
 }
 
 /// `path` memory-mapped, read only.

@@ -5,15 +5,26 @@
 //! strategy; a trained model exports and reloads with the same loss; bad checkpoints are named.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use burn::backend::Flex;
+use burn::backend::{Autodiff, Flex};
 use burn::prelude::{Int, Tensor, TensorData};
+use burn_dcp::backend::{set_context, ContextParallel, CpContext};
 use burn_dcp::comm::{InProcessWorld, WorldConfig};
+use burn_dcp::kernels::MaskSpec;
+use burn_dcp::planner::cost::AttentionDims;
+use burn_dcp::planner::dcp::{dcp_plan, DcpConfig};
+use burn_dcp::planner::plan::{tile_grids, BlockProblem};
+use burn_dcp::planner::topology::Topology;
+use burn_dcp::strategy::block_plan::BlockSchedule;
+use burn_dcp::{CpBatch, CpGroup, Layout, Placement, Strategy};
 use burn_dcp_models::hf::load_hf;
 use burn_dcp_suite::train::hf::{ExportFlags, Exporting};
 use burn_dcp_suite::train::{TrainConfig, TrainData, TrainFlags};
 use safetensors::SafeTensors;
 use serde_json::Value;
+
+type Cp = ContextParallel<Autodiff<Flex>>;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf")
@@ -73,6 +84,138 @@ fn checkpoints_written_by_transformers_give_its_logits() {
     }
 }
 
+/// The fixture's sequences (token ids) and transformers' logits of each.
+fn expected_logits(model: &str) -> Vec<(Vec<i64>, Vec<f32>)> {
+    let bytes = std::fs::read(fixtures().join(model).join("expected.safetensors")).unwrap();
+    let expected = SafeTensors::deserialize(&bytes).unwrap();
+    (0..2)
+        .map(|i| {
+            let ids = expected.tensor(&format!("input_ids_{i}")).unwrap();
+            let logits = expected.tensor(&format!("logits_{i}")).unwrap();
+            (
+                ids.data()
+                    .chunks_exact(8)
+                    .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+                    .collect(),
+                logits
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+/// DCP's block plan of `seq_lens` over `cp` ranks of one node (blocks of 4 tokens).
+fn dcp_schedule(seq_lens: &[usize], mask: &MaskSpec, cp: usize) -> BlockSchedule {
+    let problem = BlockProblem {
+        seq_lens: seq_lens.to_vec(),
+        masks: vec![mask.clone()],
+        head_groups: 1,
+        block: 4,
+    };
+    let dims = AttentionDims {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 8,
+        element_bytes: 4,
+    };
+    let topology = Topology {
+        devices_per_node: cp,
+        ..Topology::a100_p4d(1)
+    };
+    let grids = tile_grids(&problem);
+    let routed = dcp_plan(&problem, grids, &dims, &topology, &DcpConfig::default()).unwrap();
+    BlockSchedule::new(&routed.plan, &problem, &topology).unwrap()
+}
+
+/// The logits of the fixture's two sequences packed in one micro-batch, computed by `cp` ranks
+/// (threads) of `ContextParallel<Autodiff<Flex>>` under `strategy`, each rank holding its shard
+/// of the tokens at their positions; scattered back into the packed order.
+fn cp_logits(model: &str, sequences: &[Vec<i64>], strategy: Strategy, cp: usize) -> Vec<f32> {
+    let dir = fixtures().join(model);
+    let (_, hf) = load_hf::<Flex>(&dir, &Default::default()).unwrap();
+    let mask = match hf.sliding_window {
+        Some(window) => MaskSpec::Sliding { window },
+        None => MaskSpec::Causal,
+    };
+    let lens: Vec<usize> = sequences.iter().map(Vec::len).collect();
+    let ids: Vec<i64> = sequences.concat();
+    let positions: Vec<i64> = lens.iter().flat_map(|&l| 0..l as i64).collect();
+    let batch = if strategy == Strategy::Dcp {
+        let schedule = Arc::new(dcp_schedule(&lens, &mask, cp));
+        let mut batch = CpBatch::new(schedule.placement().clone(), vec![mask]);
+        batch.blocks = Some(schedule);
+        batch
+    } else {
+        let layout = match strategy {
+            Strategy::Ring => Layout::Zigzag,
+            _ => Layout::Contiguous,
+        };
+        CpBatch::new(Placement::of_layout(&lens, cp, layout).unwrap(), vec![mask])
+    };
+    let vocab = hf.model.vocab_size;
+    let world = InProcessWorld::new(cp, WorldConfig::default()).unwrap();
+    let ranks = world.run(|comm| -> Result<(Vec<usize>, Vec<f32>), burn_dcp::CpError> {
+        let device = Default::default();
+        let (gpt, _) = load_hf::<Cp>(&dir, &device).unwrap();
+        let indices = batch.placement.packed_indices(comm.rank());
+        let pick = |values: &[i64]| -> Tensor<Cp, 1, Int> {
+            let local: Vec<i64> = indices.iter().map(|&i| values[i]).collect();
+            Tensor::from_data(TensorData::new(local, [indices.len()]), &device)
+        };
+        let context = set_context(CpContext {
+            group: CpGroup::new(comm.clone(), strategy)?,
+            batch: batch.clone(),
+        });
+        let logits = gpt.forward(pick(&ids), pick(&positions));
+        context.finish()?;
+        Ok((indices, logits.into_data().to_vec().unwrap()))
+    });
+    let mut packed = vec![f32::NAN; ids.len() * vocab];
+    for rank in ranks {
+        let (indices, logits) = rank.unwrap();
+        for (slot, &index) in indices.iter().enumerate() {
+            packed[index * vocab..(index + 1) * vocab]
+                .copy_from_slice(&logits[slot * vocab..(slot + 1) * vocab]);
+        }
+    }
+    packed
+}
+
+/// At cp 4 (ring zigzag, Ulysses, USP, DCP; all-gather at cp 2) the logits of both sequences
+/// packed in one micro-batch equal transformers' at every position (f32, ≤ 1e-4 relative),
+/// Mistral's beyond its window too (there the batch's mask is the window).
+#[test]
+fn logits_under_context_parallelism_equal_transformers() {
+    for model in ["llama", "mistral", "qwen2"] {
+        let expected = expected_logits(model);
+        let sequences: Vec<Vec<i64>> = expected.iter().map(|(ids, _)| ids.clone()).collect();
+        let theirs: Vec<f32> = expected.iter().flat_map(|(_, l)| l.clone()).collect();
+        for (strategy, cp) in [
+            (Strategy::Ring, 4),
+            (Strategy::Ulysses, 4),
+            (
+                Strategy::Usp {
+                    ulysses_degree: 2,
+                    ring_degree: 2,
+                },
+                4,
+            ),
+            (Strategy::AllGather, 2),
+            (Strategy::Dcp, 4),
+        ] {
+            let ours = cp_logits(model, &sequences, strategy, cp);
+            let error = relative(&ours, &theirs);
+            assert!(
+                error <= 1e-4,
+                "{model} {strategy:?} cp {cp}: logits differ by {error:.2e}"
+            );
+        }
+    }
+}
+
 /// The flags of a run on the fixture's token file (windows of 24 tokens, one document).
 fn flags(model: &str, mesh: &[&str]) -> TrainFlags {
     let manifest = expected();
@@ -91,6 +234,7 @@ fn flags(model: &str, mesh: &[&str]) -> TrainFlags {
             ["tp", n] => flags.tp = n.parse().ok(),
             ["strategy", s] => flags.strategy = Some(s.to_string()),
             ["block", n] => flags.block = n.parse().ok(),
+            ["ulysses-degree", n] => flags.ulysses_degree = n.parse().ok(),
             other => panic!("unknown flag {other:?}"),
         }
     }
@@ -347,7 +491,8 @@ fn an_export_loads_in_transformers_with_the_same_logits() {
 }
 
 /// Three AdamW steps (decay on matrices only) on every window equal transformers' own three
-/// steps from the same checkpoint (f32, ≤ 1e-5 relative), at cp 1 and cp 2 (ring zigzag).
+/// steps from the same checkpoint (f32, ≤ 1e-5 relative), at cp 1 and under every CP strategy
+/// (ring in its three layouts, Ulysses, all-gather, USP, DCP).
 #[test]
 fn training_steps_equal_transformers_steps() {
     let manifest = expected();
@@ -359,7 +504,16 @@ fn training_steps_equal_transformers_steps() {
             .iter()
             .map(|v| v.as_f64().unwrap())
             .collect();
-        for mesh in [&[][..], &["cp", "2", "strategy", "ring-zigzag"][..]] {
+        for mesh in [
+            &[][..],
+            &["cp", "2", "strategy", "ring-zigzag"][..],
+            &["cp", "4", "strategy", "ring-contiguous"][..],
+            &["cp", "2", "strategy", "ring-stripe"][..],
+            &["cp", "2", "strategy", "ulysses"][..],
+            &["cp", "2", "strategy", "all-gather"][..],
+            &["cp", "4", "strategy", "usp", "ulysses-degree", "2"][..],
+            &["cp", "4", "strategy", "dcp", "block", "8"][..],
+        ] {
             let mut run = flags(model, mesh);
             run.micro_batches = Some(manifest["windows"].as_u64().unwrap() as usize);
             run.steps = Some(train["steps"].as_u64().unwrap() as usize);

@@ -48,35 +48,36 @@ fn load_font() -> Result<(), String> {
         .clone()
 }
 
-/// Draws `draw` on an SVG or a PNG (by `path`'s extension) of `size` pixels.
-fn with_canvas(
-    path: &Path,
-    size: (u32, u32),
-    draw: impl Fn(&DrawingArea<SVGBackend<'_>, Shift>) -> Result<(), String>,
-    draw_png: impl Fn(&DrawingArea<BitMapBackend<'_>, Shift>) -> Result<(), String>,
-) -> Result<(), String> {
+/// A picture that draws itself on any plotters backend (the SVG and the PNG one alike).
+trait Picture {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<(), String>;
+}
+
+/// Draws `picture` on an SVG or a PNG (by `path`'s extension) of `size` pixels.
+fn with_canvas(path: &Path, size: (u32, u32), picture: &impl Picture) -> Result<(), String> {
     load_font()?;
     let extension = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-    match extension {
-        "svg" => {
-            let root = SVGBackend::new(path, size).into_drawing_area();
-            root.fill(&WHITE).map_err(text)?;
-            draw(&root)?;
-            root.present()
-                .map_err(|e| format!("{}: {e}", path.display()))
+    let presented = match extension {
+        "svg" => present(SVGBackend::new(path, size).into_drawing_area(), picture)?,
+        "png" => present(BitMapBackend::new(path, size).into_drawing_area(), picture)?,
+        _ => {
+            return Err(format!(
+                "{}: the picture's file must end in .svg or .png",
+                path.display()
+            ))
         }
-        "png" => {
-            let root = BitMapBackend::new(path, size).into_drawing_area();
-            root.fill(&WHITE).map_err(text)?;
-            draw_png(&root)?;
-            root.present()
-                .map_err(|e| format!("{}: {e}", path.display()))
-        }
-        _ => Err(format!(
-            "{}: the picture's file must end in .svg or .png",
-            path.display()
-        )),
-    }
+    };
+    presented.map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// `picture` on a white `root`, then written out (the write's own error apart, for its path).
+fn present<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    picture: &impl Picture,
+) -> Result<Result<(), String>, String> {
+    root.fill(&WHITE).map_err(text)?;
+    picture.draw(&root)?;
+    Ok(root.present().map_err(text))
 }
 
 fn text(error: impl std::fmt::Display) -> String {
@@ -166,12 +167,16 @@ pub fn plot_runs(path: &Path, runs: &[RunCurves]) -> Result<(), String> {
     if runs.is_empty() {
         return Err("no run to plot".into());
     }
-    with_canvas(
-        path,
-        (1200, 800),
-        |root| draw_runs(root, runs),
-        |root| draw_runs(root, runs),
-    )
+    with_canvas(path, (1200, 800), &Runs(runs))
+}
+
+/// The runs' curves (`plot_runs`).
+struct Runs<'a>(&'a [RunCurves]);
+
+impl Picture for Runs<'_> {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<(), String> {
+        draw_runs(root, self.0)
+    }
 }
 
 fn draw_runs<DB: DrawingBackend>(
@@ -263,12 +268,19 @@ pub fn plot_plans(path: &Path, plans: &[RoutedPlan], topology: &Topology) -> Res
         return Err("no plan to draw".into());
     }
     let height = 420 * plans.len() as u32;
-    with_canvas(
-        path,
-        (1500, height),
-        |root| draw_plans(root, plans, topology),
-        |root| draw_plans(root, plans, topology),
-    )
+    with_canvas(path, (1500, height), &Plans { plans, topology })
+}
+
+/// The plans on their topology (`plot_plans`).
+struct Plans<'a> {
+    plans: &'a [RoutedPlan],
+    topology: &'a Topology,
+}
+
+impl Picture for Plans<'_> {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<(), String> {
+        draw_plans(root, self.plans, self.topology)
+    }
 }
 
 fn draw_plans<DB: DrawingBackend>(

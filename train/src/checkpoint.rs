@@ -461,6 +461,36 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), TrainErr
     std::fs::rename(&tmp, path).map_err(|e| TrainError::io("write", path, e))
 }
 
+/// `--out DIR` must not overwrite another run: a directory holding a run's files (config.json,
+/// metrics.jsonl, a checkpoint) is only written to when it is the run being resumed.
+pub fn refuse_overwrite(out: &Path, resume: Option<&Path>) -> Result<(), TrainError> {
+    if resume.is_some_and(|dir| same_dir(dir, out)) {
+        return Ok(());
+    }
+    let files = [
+        "config.json",
+        "metrics.jsonl",
+        "checkpoint",
+        "checkpoint.old",
+    ];
+    if let Some(found) = files.iter().find(|name| out.join(name).exists()) {
+        return Err(TrainError::Config(format!(
+            "--out {} already holds a run ({found} exists): use --resume {} to continue it, or choose another --out",
+            out.display(),
+            out.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `a` and `b` name the same directory (as written, where either does not exist).
+pub fn same_dir(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,8 +9,11 @@
 //! `MPI_Abort`; TCP: it tells every peer, whose operations then fail naming it, and exits).
 
 use std::io::Write;
+use std::path::PathBuf;
 
 use burn_dcp::comm::{Comm, InProcessWorld, Rendezvous, TcpWorld, WorldConfig};
+
+use crate::error::TrainError;
 
 /// Launcher variables giving this process's rank, in the order they are trusted.
 const RANK_VARIABLES: [&str; 5] = [
@@ -88,7 +91,11 @@ impl Ranks {
     /// `size` ranks: threads, or this process's rank of the MPI job that started it, which must
     /// have exactly `size` processes. The MPI check is the same on every rank, so a wrong `-n`
     /// fails everywhere with the same message.
-    pub fn new(size: usize, config: WorldConfig) -> Result<Ranks, String> {
+    pub fn new(size: usize, config: WorldConfig) -> Result<Ranks, TrainError> {
+        Self::start(size, config).map_err(TrainError::Launch)
+    }
+
+    fn start(size: usize, config: WorldConfig) -> Result<Ranks, String> {
         if launched_by_mpi() {
             #[cfg(not(feature = "mpi"))]
             return Err(format!(
@@ -200,12 +207,12 @@ impl Ranks {
     pub fn run<T: Send, E: std::fmt::Display>(
         &self,
         task: impl Fn(Comm) -> Result<T, E> + Sync,
-    ) -> Result<Option<T>, String> {
+    ) -> Result<Option<T>, TrainError> {
         match self {
             Ranks::InProcess(world) => {
                 let results = world.run(task);
                 if let Some(summary) = world.failure_summary(&results) {
-                    return Err(summary);
+                    return Err(TrainError::RankFailed(summary));
                 }
                 Ok(results.into_iter().next().and_then(Result::ok))
             }
@@ -276,3 +283,55 @@ const PROCESS_RANK_VARIABLES: [&str; 5] = [
     "SLURM_PROCID",
     "RANK",
 ];
+
+/// `--trace FILE`: the run's tracer and where it goes (one track per rank).
+pub struct Tracing {
+    path: PathBuf,
+    tracer: std::sync::Arc<burn_dcp::diagnostics::trace::Tracer>,
+}
+
+impl Tracing {
+    /// A tracer whose trace goes to `path`.
+    pub fn new(path: PathBuf) -> Self {
+        Self {
+            path,
+            tracer: burn_dcp::diagnostics::trace::Tracer::new(),
+        }
+    }
+
+    /// Records the calling rank thread's steps on the track of `rank`.
+    pub fn enter(&self, rank: usize) -> burn_dcp::diagnostics::trace::RankTrace {
+        burn_dcp::diagnostics::trace::RankTrace::enter(&self.tracer, rank)
+    }
+
+    /// The file of `rank` when ranks are processes: FILE with `.rank<r>` before its extension.
+    fn rank_path(&self, rank: usize) -> PathBuf {
+        let stem = self.path.file_stem().unwrap_or_default().to_string_lossy();
+        let name = match self.path.extension() {
+            Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+            None => format!("{stem}.rank{rank}"),
+        };
+        self.path.with_file_name(name)
+    }
+
+    /// Ranks that are processes write their own file when they finish.
+    pub fn write_rank(&self, ranks_are_processes: bool, rank: usize) -> Result<(), TrainError> {
+        if !ranks_are_processes {
+            return Ok(());
+        }
+        let path = self.rank_path(rank);
+        self.tracer
+            .write(&path)
+            .map_err(|e| TrainError::Config(format!("--trace {}: {e}", path.display())))
+    }
+
+    /// Ranks that are threads share one file, written once they all finished.
+    pub fn write_threads(&self, ranks: &Ranks) -> Result<(), TrainError> {
+        if ranks.is_distributed() {
+            return Ok(());
+        }
+        self.tracer
+            .write(&self.path)
+            .map_err(|e| TrainError::Config(format!("--trace {}: {e}", self.path.display())))
+    }
+}

@@ -49,10 +49,13 @@ mod predict;
 mod run;
 mod settings;
 mod step;
+mod summary;
 mod tensor_parallel;
 
 // What users of the engine use; everything else is the engine's own (`pub(crate)`).
-pub use checkpoint::{check_resume, saved_checkpoint, write_json, TrainState};
+pub use checkpoint::{
+    check_resume, refuse_overwrite, same_dir, saved_checkpoint, write_json, TrainState,
+};
 pub use config::{
     AutoSettings, CpSizes, DcpSettings, DynamicSettings, EmulatedLinks, GroupStrategy, PpSchedule,
     Precision, Recompute, TrainConfig, TrainMode, DEFAULT_PLAN_AHEAD, MAX_CHUNK_BYTES,
@@ -75,5 +78,6 @@ pub use optim::{
 pub use plan::{AutoRecord, PlannedBatch, StepPlan};
 pub use planning::plan_step;
 pub use run::{ModelInit, RankOutcome, TrainBackend, Trainer};
+pub use summary::run_summary;
 pub use step::{rank_peak_gpu_memory_mb, rank_peak_memory_mb, step_gradients, AXES};
 pub use tensor_parallel::TpGroup;

@@ -10,6 +10,7 @@
 use burn_dcp::{Layout, Strategy, StrategyKind};
 use serde::{Deserialize, Serialize};
 
+use crate::error::TrainError;
 use crate::settings::DynamicSettings;
 use crate::settings::{AutoSettings, DcpSettings};
 
@@ -166,11 +167,11 @@ impl From<TrainMode> for ModeRecord {
 }
 
 impl TryFrom<ModeRecord> for TrainMode {
-    type Error = String;
+    type Error = TrainError;
 
     /// The mode a record names: DCP settings exactly where the mode plans blocks, auto with
     /// nothing but its ring-zigzag split.
-    fn try_from(record: ModeRecord) -> Result<Self, String> {
+    fn try_from(record: ModeRecord) -> Result<Self, TrainError> {
         let ModeRecord {
             strategy,
             layout,
@@ -195,9 +196,9 @@ impl TryFrom<ModeRecord> for TrainMode {
                 settings,
                 inner: inner(dcp),
             }),
-            (dynamic, auto, dcp) => Err(format!(
+            (dynamic, auto, dcp) => Err(TrainError::Config(format!(
                 "strategy {strategy} (layout {layout}) with dynamic settings {dynamic:?}, DCP settings {dcp:?} and auto settings {auto:?} names no mode: strategies dcp and auto need DCP settings and the others none; auto runs its ring-zigzag split and no dynamic CP"
-            )),
+            ))),
         }
     }
 }

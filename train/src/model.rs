@@ -47,23 +47,25 @@ impl ModelShape {
     }
 
     /// The query and kv heads ([`Heads`]' rules).
-    pub fn heads(&self) -> Result<Heads, String> {
-        Ok(Heads::new(self.n_heads, self.n_kv_heads)?)
+    pub fn heads(&self) -> Result<Heads, TrainError> {
+        Heads::new(self.n_heads, self.n_kv_heads).map_err(|e| TrainError::Config(e.to_string()))
     }
 
     /// Checks the head rules, naming the values.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), TrainError> {
         if self.n_heads == 0
             || (self.head_dim.is_none() && !self.d_model.is_multiple_of(self.n_heads))
         {
-            return Err(format!(
+            return Err(TrainError::Config(format!(
                 "d_model {} must be a multiple of n_heads {} (or head_dim given)",
                 self.d_model, self.n_heads
-            ));
+            )));
         }
         self.heads()?;
         if self.n_layers == 0 {
-            return Err("a model needs at least one layer".into());
+            return Err(TrainError::Config(
+                "a model needs at least one layer".into(),
+            ));
         }
         Ok(())
     }

@@ -29,15 +29,20 @@ use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::{set_context, CpContext};
 use burn_dcp::comm::{Comm, Payload, PendingSend};
 use burn_dcp::kernels::FlashOps;
-use burn_dcp::{CpBatch, CpError, CpGroup};
-
 use burn_dcp::batch::shard::RankShard;
+use burn_dcp::{CpError, CpGroup};
 
-use crate::config::{PpSchedule, Precision, Recompute};
+use crate::config::{Precision, Recompute};
 use crate::error::{forward_failed as failed, TrainError};
 use crate::groups::RankGroups;
 use crate::model::{cast_model, CpTrain, PipelineStage, ShardInput, TrainModel};
 use crate::plan::{PlannedBatch, StepSequences};
+
+mod recompute;
+mod schedule;
+
+use recompute::KeptLayers;
+pub(crate) use schedule::{stage_passes, Pass};
 
 /// Hidden states between pipeline stages (and, under `Recompute::Block`, between layers).
 type Hidden<B, C> = Tensor<CpTrain<B, C>, 3>;
@@ -47,66 +52,6 @@ fn no_stages() -> CpError {
     failed(TrainError::Model(
         "the model has no stages to recompute".into(),
     ))
-}
-
-/// A forward or backward pass of one schedule unit (a sub-step of the plan) on one model chunk,
-/// named by its virtual id `unit · chunks + chunk` (the unit itself with one chunk per rank).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Pass {
-    Forward(usize),
-    Backward(usize),
-}
-
-/// The passes stage `stage` of `stages` runs over `units` schedule units of its `chunks` model
-/// chunks, in order. One chunk: 1F1B or GPipe, backward passes in the forwards' order, so a stage
-/// receives gradients in the order it sent activations. Several chunks (`--vpp`; `units` a
-/// multiple of `stages`): Megatron-LM's interleaved 1F1B — forward `k` runs chunk
-/// `(k mod stages·chunks) / stages` of unit `(k / (stages·chunks))·stages + k mod stages`
-/// (backward: the chunks in reverse), after `2·(stages − stage − 1) + (chunks − 1)·stages`
-/// warm-up forwards; messages are tagged, since one pair of ranks may carry both directions.
-pub(crate) fn stage_passes(
-    schedule: PpSchedule,
-    stage: usize,
-    stages: usize,
-    chunks: usize,
-    units: usize,
-) -> Vec<Pass> {
-    if chunks > 1 {
-        return interleaved_passes(stage, stages, chunks, units);
-    }
-    let warmup = match schedule {
-        PpSchedule::OneFOneB => (stages - stage - 1).min(units),
-        PpSchedule::Gpipe => units,
-    };
-    let mut passes: Vec<Pass> = (0..warmup).map(Pass::Forward).collect();
-    for unit in 0..units - warmup {
-        passes.push(Pass::Forward(warmup + unit));
-        passes.push(Pass::Backward(unit));
-    }
-    passes.extend((units - warmup..units).map(Pass::Backward));
-    passes
-}
-
-/// Megatron-LM's interleaved 1F1B (see [`stage_passes`]), over virtual ids.
-fn interleaved_passes(stage: usize, stages: usize, chunks: usize, units: usize) -> Vec<Pass> {
-    let total = units * chunks;
-    let round = stages * chunks;
-    let id = |k: usize, forward: bool| {
-        let (group, within) = (k / round, k % round);
-        let chunk = match forward {
-            true => within / stages,
-            false => chunks - 1 - within / stages,
-        };
-        (group * stages + within % stages) * chunks + chunk
-    };
-    let warmup = (2 * (stages - stage - 1) + (chunks - 1) * stages).min(total);
-    let mut passes: Vec<Pass> = (0..warmup).map(|k| Pass::Forward(id(k, true))).collect();
-    for k in 0..total - warmup {
-        passes.push(Pass::Forward(id(warmup + k, true)));
-        passes.push(Pass::Backward(id(k, false)));
-    }
-    passes.extend((total - warmup..total).map(|k| Pass::Backward(id(k, false))));
-    passes
 }
 
 /// What a pipeline message carries: activations forward, their gradients backward.
@@ -146,23 +91,6 @@ enum Output<B: FlashOps, C: CheckpointStrategy> {
 
 /// A stage's forward: the input received (kept for its gradient) and the output.
 type StageForward<B, C> = (Option<Hidden<B, C>>, Output<B, C>);
-
-/// A stage's forward under [`Recompute::Block`]: the output and what it kept.
-type KeptForward<B, C> = (Output<B, C>, KeptLayers<B, C>);
-
-/// What a stage's forward keeps under [`Recompute::Block`]: each layer's input, computed without
-/// an autodiff graph, and the ends around the layers that keep theirs (the embedding, the loss).
-struct KeptLayers<B: FlashOps, C: CheckpointStrategy> {
-    /// The input of every layer, in order (no graph).
-    inputs: Vec<Hidden<B, C>>,
-    /// First stage: the embedding's output, with its graph (its backward takes `∂L/∂x₀`).
-    embedded: Option<Hidden<B, C>>,
-    /// Last stage: the last layer's output as the leaf the loss was computed from.
-    last: Option<Hidden<B, C>>,
-    positions: Tensor<CpTrain<B, C>, 1, Int>,
-    /// The micro-batch's CP batch, set again as the context of each layer's recompute.
-    batch: CpBatch,
-}
 
 /// One rank's passes over a step at pp > 1 (or under `Recompute::Block`, which runs the model
 /// stage by stage, layer by layer): its stage of the model, and what is in flight. At pp 1 a step
@@ -553,110 +481,6 @@ impl<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> Stage
         let grads = GradientsParams::from_grads(grads, self.model);
         self.accumulator.accumulate(self.model, grads);
     }
-
-    /// A stage's forward under [`Recompute::Block`]: the embedding (first stage) or the previous
-    /// stage's activations, then every layer without an autodiff graph (a copy of the model that
-    /// requires no gradient), keeping each layer's input; then the loss (last stage, from the
-    /// last layer's output as a leaf) or a send onwards.
-    fn stage_forward_kept(
-        &mut self,
-        model: &dyn PipelineStage<CpTrain<B, C>>,
-        unit: usize,
-        shard: &RankShard,
-        batch: CpBatch,
-    ) -> Result<KeptForward<B, C>, CpError> {
-        let x = self.stage_input(model, unit, shard)?;
-        let embedded = model.is_first_stage().then(|| x.clone());
-        let mut x = x.detach();
-        let positions = int_tensor(&shard.positions, self.device);
-        let frozen = self.in_compute_dtype(self.model.clone().no_grad());
-        let frozen = frozen.chunk(unit % self.chunks).ok_or_else(no_stages)?;
-        let mut inputs = Vec::with_capacity(frozen.layers());
-        for layer in 0..frozen.layers() {
-            inputs.push(x.clone());
-            x = frozen
-                .forward_layer(layer, x, positions.clone(), &self.groups.tp)
-                .map_err(failed)?;
-        }
-        // The loss is computed from the last layer's output as a leaf, whose gradient the
-        // backward takes into the layers.
-        let last = model.is_last_stage().then(|| x.clone().require_grad());
-        let output = self.stage_output(model, unit, shard, last.clone().unwrap_or(x))?;
-        let layers = KeptLayers {
-            inputs,
-            embedded,
-            last,
-            positions,
-            batch,
-        };
-        Ok((output, layers))
-    }
-
-    /// The backward of a unit under [`Recompute::Block`]: `∂L/∂x` of the last layer's output
-    /// (from the loss, or received from the next stage), then layer by layer from the last: its
-    /// forward again from its kept input with autodiff (under the micro-batch's CP context: its
-    /// attention communicates once more), the backward of `Σ y ⊙ ∂L/∂y`, which gives the
-    /// layer's parameter gradients and `∂L/∂x` of its input; last the embedding's backward
-    /// (first stage) or a send of `∂L/∂x₀` to the previous stage.
-    fn backward_kept(
-        &mut self,
-        unit: usize,
-        output: Output<B, C>,
-        kept: KeptLayers<B, C>,
-        group: CpGroup,
-    ) -> Result<(), CpError> {
-        let groups = self.groups;
-        let tp = &groups.tp;
-        let copy = self.cast_copy();
-        let model = copy
-            .as_ref()
-            .unwrap_or(self.model)
-            .chunk(unit % self.chunks)
-            .ok_or_else(no_stages)?;
-        let mut grad = match output {
-            Output::Loss(loss) => {
-                self.enter_backward(&group)?;
-                let grads = (loss / self.global_labels as f64).backward();
-                let last = kept.last.as_ref().expect("the last stage keeps its leaf");
-                let grad = gradient_of(last, &grads);
-                self.accumulate(grads);
-                grad
-            }
-            Output::Hidden(output) => {
-                let (next, _) = self.next(unit).ok_or_else(|| self.no_peer(unit, "next"))?;
-                self.receive(next, unit, output.dims()[1], Carried::Gradients)?
-            }
-        };
-        for (layer, x) in kept.inputs.into_iter().enumerate().rev() {
-            let x = x.require_grad();
-            let context = set_context(CpContext {
-                group: group.clone(),
-                batch: kept.batch.clone(),
-            });
-            let y = model
-                .forward_layer(layer, x.clone(), kept.positions.clone(), tp)
-                .map_err(failed)?;
-            drop(context);
-            self.enter_backward(&group)?;
-            let grads = (y * grad).sum().backward();
-            grad = gradient_of(&x, &grads);
-            self.accumulate(grads);
-        }
-        match kept.embedded {
-            Some(embedded) => {
-                self.enter_backward(&group)?;
-                let grads = (embedded * grad).sum().backward();
-                self.accumulate(grads);
-            }
-            None => {
-                let previous = self
-                    .previous(unit)
-                    .ok_or_else(|| self.no_peer(unit, "previous"))?;
-                self.send(previous, Carried::Gradients, Payload::device(grad))?;
-            }
-        }
-        Ok(())
-    }
 }
 
 /// `∂L/∂x` of a leaf `x` from the gradients of a backward (zeros of its shape for an input no
@@ -673,136 +497,4 @@ fn gradient_of<B: FlashOps, C: CheckpointStrategy>(
 
 fn int_tensor<B: burn::prelude::Backend>(values: &[i64], device: &B::Device) -> Tensor<B, 1, Int> {
     Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::error::TrainError;
-
-    #[test]
-    fn one_f_one_b_warms_up_alternates_and_drains() {
-        use Pass::{Backward as B, Forward as F};
-        // Stage 0 of 3 over 4 units: two warm-up forwards.
-        assert_eq!(
-            stage_passes(PpSchedule::OneFOneB, 0, 3, 1, 4),
-            vec![F(0), F(1), F(2), B(0), F(3), B(1), B(2), B(3)]
-        );
-        // The last stage alternates from the start.
-        assert_eq!(
-            stage_passes(PpSchedule::OneFOneB, 2, 3, 1, 2),
-            vec![F(0), B(0), F(1), B(1)]
-        );
-        // Fewer units than warm-up forwards.
-        assert_eq!(
-            stage_passes(PpSchedule::OneFOneB, 0, 4, 1, 2),
-            vec![F(0), F(1), B(0), B(1)]
-        );
-        assert_eq!(
-            stage_passes(PpSchedule::Gpipe, 1, 3, 1, 3),
-            vec![F(0), F(1), F(2), B(0), B(1), B(2)]
-        );
-        for schedule in [PpSchedule::OneFOneB, PpSchedule::Gpipe] {
-            for stages in 1..5 {
-                for stage in 0..stages {
-                    for units in 0..6 {
-                        let passes = stage_passes(schedule, stage, stages, 1, units);
-                        let (forwards, backwards): (Vec<Pass>, Vec<Pass>) =
-                            passes.iter().partition(|p| matches!(p, Pass::Forward(_)));
-                        let unit = |p: &Pass| match p {
-                            Pass::Forward(u) | Pass::Backward(u) => *u,
-                        };
-                        let forwards: Vec<usize> = forwards.iter().map(unit).collect();
-                        let backwards: Vec<usize> = backwards.iter().map(unit).collect();
-                        assert_eq!(forwards, (0..units).collect::<Vec<_>>());
-                        assert_eq!(backwards, forwards);
-                        // Every backward comes after its forward.
-                        for unit in 0..units {
-                            let f = passes.iter().position(|p| *p == Pass::Forward(unit));
-                            let b = passes.iter().position(|p| *p == Pass::Backward(unit));
-                            assert!(f < b);
-                        }
-                    }
-                }
-            }
-        }
-        assert_eq!(PpSchedule::parse("gpipe").unwrap(), PpSchedule::Gpipe);
-        let error = PpSchedule::parse("zb").unwrap_err();
-        assert!(matches!(error, TrainError::Config(_)), "{error:?}");
-        assert!(error.to_string().contains("expected 1f1b or gpipe"));
-    }
-
-    /// Interleaved 1F1B runs every pass once, each backward after its forward, and the whole
-    /// pipeline completes when each rank takes its passes in order and waits only for the
-    /// message a pass needs (simulated: activations from the previous virtual stage, gradients
-    /// from the next).
-    #[test]
-    fn interleaved_one_f_one_b_completes_for_every_shape() {
-        use Pass::{Backward as B, Forward as F};
-        // Megatron's order on 2 stages × 2 chunks × 2 units (virtual id = unit · 2 + chunk):
-        // stage 0 warms up with 2·1 + 1·2 = 4 forwards.
-        assert_eq!(
-            stage_passes(PpSchedule::OneFOneB, 0, 2, 2, 2),
-            vec![F(0), F(2), F(1), F(3), B(1), B(3), B(0), B(2)]
-        );
-        for stages in 2..5 {
-            for chunks in 2..4 {
-                for units in (stages..=3 * stages).step_by(stages) {
-                    let plans: Vec<Vec<Pass>> = (0..stages)
-                        .map(|s| stage_passes(PpSchedule::OneFOneB, s, stages, chunks, units))
-                        .collect();
-                    let total = units * chunks;
-                    // Virtual stage of (rank, id): chunk · stages + rank.
-                    let virtual_stage = |rank: usize, id: usize| (id % chunks) * stages + rank;
-                    let last = stages * chunks - 1;
-                    let mut done_forward = vec![vec![false; stages * chunks]; units];
-                    let mut done_backward = vec![vec![false; stages * chunks]; units];
-                    let mut next = vec![0; stages];
-                    loop {
-                        let mut progressed = false;
-                        for rank in 0..stages {
-                            while let Some(&pass) = plans[rank].get(next[rank]) {
-                                let ready = match pass {
-                                    F(id) => {
-                                        let v = virtual_stage(rank, id);
-                                        v == 0 || done_forward[id / chunks][v - 1]
-                                    }
-                                    B(id) => {
-                                        let v = virtual_stage(rank, id);
-                                        done_forward[id / chunks][v]
-                                            && (v == last || done_backward[id / chunks][v + 1])
-                                    }
-                                };
-                                if !ready {
-                                    break;
-                                }
-                                match pass {
-                                    F(id) => {
-                                        done_forward[id / chunks][virtual_stage(rank, id)] = true
-                                    }
-                                    B(id) => {
-                                        done_backward[id / chunks][virtual_stage(rank, id)] = true
-                                    }
-                                }
-                                next[rank] += 1;
-                                progressed = true;
-                            }
-                        }
-                        if !progressed {
-                            break;
-                        }
-                    }
-                    for (rank, plan) in plans.iter().enumerate() {
-                        assert_eq!(plan.len(), 2 * total, "{stages}×{chunks}, {units} units");
-                        assert_eq!(
-                            next[rank],
-                            plan.len(),
-                            "{stages} stages × {chunks} chunks, {units} units: rank {rank} stuck at {:?}",
-                            plan.get(next[rank])
-                        );
-                    }
-                }
-            }
-        }
-    }
 }

@@ -33,7 +33,7 @@ use crate::backend::context::{intercept, CpContext};
 use crate::backend::timing::timed;
 use crate::batch::rows::LocalRows;
 use crate::error::CpError;
-use crate::nn::exact_reshape;
+use crate::tensors::{exact_reshape, repeat_kv_heads};
 use crate::strategy::{cp_attention_backward, cp_attention_forward, BackwardInputs};
 
 /// Backends `ContextParallel` can wrap: they know how to run CP attention on their primitives.
@@ -348,7 +348,7 @@ fn without_context<B: CpInner>(
         return B::attention(query, key, value, mask, attn_bias, options);
     }
     let tensor = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
-    let (key, value) = crate::nn::repeat_kv_heads(tensor(key), tensor(value), heads)
+    let (key, value) = repeat_kv_heads(tensor(key), tensor(value), heads)
         .unwrap_or_else(|message| panic!("ContextParallel attention: {message}"));
     let primitive = |t: Tensor<B, 4>| t.into_primitive().tensor();
     B::attention(
@@ -423,7 +423,7 @@ fn check_call(
             "CP attention is self-attention over this rank's tokens: q {q:?}, k {k:?} and v {v:?} must share batch and sequence dims"
         )));
     }
-    crate::heads::Heads::of_tensors(q[1], k[1], v[1])
+    burn_dcp_kernels::heads::Heads::of_tensors(q[1], k[1], v[1])
         .map_err(|e| CpError::Input(format!("q {q:?}, k {k:?} and v {v:?}: {e}")))?;
     let rank = context.group.comm.rank();
     let rows = context.batch.local_rows(rank)?;

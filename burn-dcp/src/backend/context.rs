@@ -250,8 +250,10 @@ impl std::fmt::Debug for CpContextGuard {
 mod tests {
     use super::*;
     use crate::comm::{InProcessWorld, WorldConfig};
-    use crate::kernels::MaskSpec;
-    use crate::{Layout, Placement, Strategy};
+    use burn_dcp_kernels::MaskSpec;
+    use crate::batch::layout::Layout;
+    use crate::batch::placement::Placement;
+    use crate::strategy::Strategy;
 
     static LOGGED: Mutex<Vec<String>> = Mutex::new(Vec::new());
 

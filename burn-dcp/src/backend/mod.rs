@@ -23,12 +23,12 @@ pub mod context;
 pub mod convert;
 mod decorator;
 mod ops;
+pub mod tensor_parallel;
 pub mod timing;
 
 pub use attention::{recomputes, CpInner};
 pub use context::{clear_context, current_context, set_context, CpContext, CpContextGuard};
-// TP's autodiff ops (`crate::mesh::tensor_parallel`), re-exported beside the decorator they extend.
-pub use crate::mesh::tensor_parallel::{tp_copy, tp_reduce, TpInner};
+pub use tensor_parallel::{tp_copy, tp_reduce, TpInner};
 pub use timing::attention_time;
 
 pub use decorator::{is_context_parallel, ContextParallel};

@@ -118,7 +118,7 @@ struct LocalToken {
 }
 
 /// A rank's rows of a batch (see the module docs): built by [`BatchRows::local`] or
-/// [`CpBatch::local_rows`](crate::CpBatch::local_rows).
+/// [`CpBatch::local_rows`](crate::strategy::CpBatch::local_rows).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LocalRows {
     /// Per row, its local tokens in local column order.

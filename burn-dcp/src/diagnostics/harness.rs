@@ -193,16 +193,9 @@ pub fn run_context_parallel_with_links<B: FlashOps>(
     spec: &RunSpec,
     links: Option<LinkEmulation>,
 ) -> Result<RunReport, CpError> {
-    let batch = prepare(inputs, spec)?;
+    let run = RunParts::<B>::new(device, inputs, spec)?;
     run_ranks(inputs, spec, links, |comm| {
-        let rank = RankRun::<B> {
-            device,
-            inputs,
-            batch: &batch,
-            comm,
-            spec,
-        };
-        with_strategy(spec.strategy, rank)
+        with_strategy(spec.strategy, run.rank(comm))
     })
 }
 
@@ -214,17 +207,8 @@ pub fn run_context_parallel_of<B: FlashOps, S: AttentionStrategy + Sync>(
     spec: &RunSpec,
     strategy: &S,
 ) -> Result<RunReport, CpError> {
-    let batch = prepare(inputs, spec)?;
-    run_ranks(inputs, spec, None, |comm| {
-        let rank = RankRun::<B> {
-            device,
-            inputs,
-            batch: &batch,
-            comm,
-            spec,
-        };
-        rank.apply(strategy)
-    })
+    let run = RunParts::<B>::new(device, inputs, spec)?;
+    run_ranks(inputs, spec, None, |comm| run.rank(comm).apply(strategy))
 }
 
 /// `rank` on each of `spec.cp` in-process ranks, its results assembled.
@@ -268,15 +252,8 @@ pub fn run_context_parallel_on<B: FlashOps>(
             spec.cp
         )));
     }
-    let batch = prepare(inputs, spec)?;
-    let rank = RankRun::<B> {
-        device,
-        inputs,
-        batch: &batch,
-        comm: comm.clone(),
-        spec,
-    };
-    let mine = with_strategy(spec.strategy, rank)?;
+    let run = RunParts::<B>::new(device, inputs, spec)?;
+    let mine = with_strategy(spec.strategy, run.rank(comm.clone()))?;
     let stats = serde_json::to_vec(&comm.stats()).map_err(|e| CpError::Config(e.to_string()))?;
     let messages = |r: RankResult| {
         let floats = |v: Vec<f32>| {
@@ -370,6 +347,36 @@ fn prepare(inputs: &PackedInputs, spec: &RunSpec) -> Result<CpBatch, CpError> {
     };
     batch.scale = spec.scale;
     Ok(batch)
+}
+
+/// What every rank of a run shares: the device, the inputs, their batch and the spec.
+struct RunParts<'a, B: FlashOps> {
+    device: &'a B::Device,
+    inputs: &'a PackedInputs,
+    batch: CpBatch,
+    spec: &'a RunSpec,
+}
+
+impl<'a, B: FlashOps> RunParts<'a, B> {
+    fn new(device: &'a B::Device, inputs: &'a PackedInputs, spec: &'a RunSpec) -> Result<Self, CpError> {
+        Ok(Self {
+            device,
+            inputs,
+            batch: prepare(inputs, spec)?,
+            spec,
+        })
+    }
+
+    /// The run of the rank `comm` is.
+    fn rank(&self, comm: Comm) -> RankRun<'_, B> {
+        RankRun {
+            device: self.device,
+            inputs: self.inputs,
+            batch: &self.batch,
+            comm,
+            spec: self.spec,
+        }
+    }
 }
 
 /// One rank's forward and backward of a run.

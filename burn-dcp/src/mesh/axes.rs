@@ -20,7 +20,7 @@ use std::fmt;
 
 use crate::comm::Comm;
 use crate::error::CpError;
-use crate::heads::{HeadParts, HeadSplitError, Heads};
+use burn_dcp_kernels::heads::{HeadParts, HeadSplitError, Heads};
 
 /// A pipeline rule broken: the values, and the rule's text ([`PipelineError::naming_stages`]
 /// lets a command line name its flag).

@@ -4,9 +4,8 @@ use burn::prelude::{Backend, Bool, Tensor};
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 
-use super::HeadError;
 use crate::backend::is_context_parallel;
-use crate::heads::Heads;
+use crate::tensors::repeat_kv_heads;
 
 /// burn's [`attention`] op with `key`/`value` of fewer heads than `query` (`[B, K, S, D]`,
 /// `H % K == 0`, kv head `h / (H/K)` serving query head `h`).
@@ -30,31 +29,4 @@ pub fn grouped_attention<B: Backend>(
         repeat_kv_heads(key, value, heads).unwrap_or_else(|message| panic!("{message}"))
     };
     attention(query, key, value, mask, attn_bias, options)
-}
-
-/// `key`/`value` `[B, K, S, D]` → `[B, H, S, D]`, each kv head repeated for its `H/K` query
-/// heads (in place: heads `g·H/K .. (g+1)·H/K` read kv head `g`).
-pub fn repeat_kv_heads<B: Backend>(
-    key: Tensor<B, 4>,
-    value: Tensor<B, 4>,
-    heads: usize,
-) -> Result<(Tensor<B, 4>, Tensor<B, 4>), HeadError> {
-    let (kv_heads, value_heads) = (key.dims()[1], value.dims()[1]);
-    let group = Heads::of_tensors(heads, kv_heads, value_heads)
-        .map_err(|_| HeadError::KeyValue {
-            heads,
-            key: kv_heads,
-            value: value_heads,
-        })?
-        .group_size();
-    Ok((repeat(key, group), repeat(value, group)))
-}
-
-fn repeat<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
-    if group == 1 {
-        return x;
-    }
-    let [batch, heads, tokens, dim] = x.dims();
-    let repeated = crate::nn::exact_reshape(x, [batch, heads, 1, tokens, dim]).repeat_dim(2, group);
-    crate::nn::exact_reshape(repeated, [batch, heads * group, tokens, dim])
 }

@@ -7,10 +7,11 @@ use burn::prelude::{Backend, Bool, Tensor};
 use burn::tensor::activation::{quiet_softmax, softmax};
 use burn::tensor::ops::AttentionModuleOptions;
 
-use super::attention::{grouped_attention, repeat_kv_heads};
-use super::{bool_values, exact_reshape, HeadError};
+use super::attention::grouped_attention;
+use crate::error::HeadError;
+use crate::tensors::{bool_values, exact_reshape, repeat_kv_heads};
 use crate::backend::{current_context, is_context_parallel, CpContext};
-use crate::heads::Heads;
+use burn_dcp_kernels::heads::Heads;
 
 /// Configuration of a [`MultiHeadAttention`]: burn-nn 0.21's `MultiHeadAttentionConfig` (same
 /// fields, defaults and builders) plus `n_kv_heads` (grouped-query attention).

@@ -22,21 +22,19 @@
 
 mod attention;
 mod encoder;
-mod heads;
 mod mha;
 mod pos_encoding;
 mod positions;
 mod rope;
-mod tensors;
 
-pub use attention::{grouped_attention, repeat_kv_heads};
+pub use attention::grouped_attention;
 pub use encoder::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput, TransformerEncoderLayer,
 };
-pub use heads::HeadError;
+pub use crate::error::HeadError;
 pub use mha::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
 pub use pos_encoding::{PositionalEncoding, PositionalEncodingConfig};
 pub(crate) use positions::context_positions;
 pub use positions::lengths_from_mask_pad;
 pub use rope::{RotaryEncoding, RotaryEncodingConfig};
-pub(crate) use tensors::{bool_values, exact_reshape};
+pub use crate::tensors::repeat_kv_heads;

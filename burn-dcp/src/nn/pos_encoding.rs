@@ -4,7 +4,8 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::prelude::{Backend, Int, Tensor, TensorData};
 
-use super::{context_positions, exact_reshape};
+use super::context_positions;
+use crate::tensors::exact_reshape;
 
 /// Configuration of a [`PositionalEncoding`]: burn-nn 0.21's `PositionalEncodingConfig` (same
 /// fields, defaults and builders).

@@ -5,7 +5,7 @@ use burn::prelude::{Backend, Bool, Tensor};
 
 use crate::backend::current_context;
 use crate::error::CpError;
-use crate::nn::tensors::bool_values;
+use crate::tensors::bool_values;
 
 /// Sequence lengths of a burn-nn padding mask (`[B, S]`, `true` at padding): the real tokens of
 /// each row. Padding must come after a row's tokens (right padding, as burn-nn's

@@ -5,7 +5,8 @@ use burn::module::Module;
 use burn::prelude::{Backend, Int, Tensor};
 use std::ops::Range;
 
-use super::{context_positions, exact_reshape};
+use super::context_positions;
+use crate::tensors::exact_reshape;
 
 /// Configuration of a [`RotaryEncoding`]: burn-nn 0.21's `RotaryEncodingConfig` (same fields,
 /// defaults and builders).

@@ -277,7 +277,7 @@ mod tests {
         let names: Vec<_> = only.estimates.iter().map(|e| e.strategy).collect();
         assert_eq!(names, ["all-gather", "dcp"]);
         assert!(StrategyKind::from_candidate_name("ring").is_err());
-        let stripe = StrategyKind::Ring(crate::Layout::Stripe);
+        let stripe = StrategyKind::Ring(crate::batch::layout::Layout::Stripe);
         let err = choose_strategy(&good, &[stripe]).unwrap_err().to_string();
         assert!(
             err.contains("unknown auto candidate 'ring-stripe'"),

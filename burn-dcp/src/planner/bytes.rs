@@ -11,6 +11,10 @@
 
 use std::ops::Add;
 
+use crate::error::CpError;
+use burn_dcp_kernels::heads::{HeadParts, HeadSplitError, Heads};
+use crate::planner::topology::attention_flops;
+
 /// Bytes of the LSE per query head and token (always f32).
 pub const LSE_BYTES: u64 = 4;
 
@@ -130,6 +134,122 @@ pub(crate) fn rank_tokens(placement: &crate::batch::placement::Placement) -> Vec
 /// Key/value bytes per token of `kv_heads` heads.
 pub(crate) fn kv_bytes(s: &VolumeShape, kv_heads: usize) -> TokenBytes<u64> {
     TokenBytes::exact(0, kv_heads, s.head_dim, s.value_dim, s.element_bytes)
+}
+
+/// Attention dimensions of the planned layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionDims {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Bytes per element of Q, K, V, O and their gradients (2 for bf16).
+    pub element_bytes: usize,
+}
+
+/// Per-token, per-head-unit sizes of a plan whose problem has `units` head units.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UnitSizes {
+    pub q: f64,
+    pub kv: f64,
+    pub o: f64,
+    /// dO (the planner's dims have the value dim equal to the head dim: as many bytes as Q).
+    pub dout: f64,
+    /// Forward FLOPs per unmasked (query, key) pair of one unit.
+    pub forward_flops_per_pair: f64,
+}
+
+impl AttentionDims {
+    pub fn validate(&self) -> Result<(), CpError> {
+        if self.heads == 0 || self.kv_heads == 0 || self.head_dim == 0 || self.element_bytes == 0 {
+            return Err(CpError::Config(format!(
+                "heads ({}), kv heads ({}), head dim ({}) and element bytes ({}) must be at least 1",
+                self.heads, self.kv_heads, self.head_dim, self.element_bytes
+            )));
+        }
+        let token_bytes = [self.heads, self.head_dim, self.element_bytes]
+            .iter()
+            .try_fold(1usize, |product, &x| product.checked_mul(x));
+        if token_bytes.is_none_or(|bytes| bytes > 1 << 32) {
+            return Err(CpError::Config(format!(
+                "heads ({}) × head dim ({}) × element bytes ({}) exceed 4 GiB per token",
+                self.heads, self.head_dim, self.element_bytes
+            )));
+        }
+        self.head_pair()?;
+        Ok(())
+    }
+
+    /// The query and kv heads ([`Heads`]: kv heads divide the query heads). The planner's
+    /// refusals keep the words plan_sim has always reported (its JSON is compared byte for byte
+    /// across changes); the rules are `Heads`'.
+    pub fn head_pair(&self) -> Result<Heads, CpError> {
+        Heads::new(self.heads, self.kv_heads).map_err(|_| {
+            CpError::Config(format!(
+                "heads ({}) must be a multiple of kv heads ({})",
+                self.heads, self.kv_heads
+            ))
+        })
+    }
+
+    /// Sizes for `units` head units. A unit holds `heads / units` query heads and, when there are
+    /// more units than kv heads, a replica of its kv head (as Ulysses does past the kv head count).
+    pub fn unit_sizes(&self, units: usize) -> Result<UnitSizes, CpError> {
+        self.validate()?;
+        let unit = self
+            .head_pair()?
+            .split(HeadParts::Units(units))
+            .map_err(|e| {
+                CpError::Config(match e {
+                    HeadSplitError::KeyValues { .. } => format!(
+                        "{units} head units and {} kv heads: one must divide the other",
+                        self.kv_heads
+                    ),
+                    _ => format!(
+                        "{units} head units do not divide {} query heads",
+                        self.heads
+                    ),
+                })
+            })?;
+        let q_heads = unit.heads();
+        let kv_heads = unit.kv_heads() as f64;
+        let d = self.head_dim as f64;
+        let e = self.element_bytes as f64;
+        Ok(UnitSizes {
+            q: q_heads as f64 * d * e,
+            kv: 2.0 * kv_heads * d * e,
+            o: q_heads as f64 * (d * e + 4.0),
+            dout: q_heads as f64 * d * e,
+            forward_flops_per_pair: attention_flops(1, q_heads, self.head_dim).0,
+        })
+    }
+}
+
+impl UnitSizes {
+    /// Bytes of the (query, output) side of one token on the way to a compute rank and back,
+    /// forward plus backward: the weight of a q/o hyperedge per token.
+    pub fn qo_traffic(&self) -> f64 {
+        self.token_bytes().round_trips(Side::QueryOutput)
+    }
+
+    /// Bytes of the kv side of one token, forward plus backward.
+    pub fn kv_traffic(&self) -> f64 {
+        self.token_bytes().round_trips(Side::KeyValue)
+    }
+
+    /// The sizes as the byte model's per-token bytes.
+    pub fn token_bytes(&self) -> TokenBytes<f64> {
+        TokenBytes {
+            q: self.q,
+            kv: self.kv,
+            o: self.o,
+            dout: self.dout,
+        }
+    }
+
+    /// Memory one token's Q, KV and O occupy on their home.
+    pub fn resident(&self) -> f64 {
+        self.q + self.kv + self.o
+    }
 }
 
 #[cfg(test)]

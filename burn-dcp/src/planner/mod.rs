@@ -12,8 +12,10 @@
 //! - `strategies`: ring-zigzag, Ulysses, USP, all-gather and Megatron-dynamic as block plans
 //!   with their communication (the builders each strategy's `plan` uses); `by_strategy`: the
 //!   plan of a strategy named by its kind (`plan_strategy`) or given by value (`executed_plan`).
-//! - `cost`: the byte model of `crate::planner::bytes` per head unit (`hop_bytes`), routing (`routes`), bytes per link class, balance and
-//!   estimated attention time of a plan.
+//! - `bytes`: the one byte model, and the sizes of a head unit (`AttentionDims`, `UnitSizes`).
+//! - `routes`: the copies of every data block from its home to the ranks that compute with it,
+//!   and their transfers (`hop_bytes`, `routes`).
+//! - `cost`: bytes per link class, balance and estimated attention time of a plan.
 //! - `auto`: the per-micro-batch choice of `--strategy auto` (lowest estimated time).
 //!
 //! The planners produce and measure plans; DCP plans are executed by `strategy::dcp`, the other
@@ -27,6 +29,7 @@ pub mod dcp;
 pub mod dynamic;
 pub mod hypergraph;
 pub mod plan;
+pub mod routes;
 pub mod strategies;
 pub mod topology;
 

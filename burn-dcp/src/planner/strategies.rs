@@ -28,7 +28,7 @@ use burn_dcp_kernels::{mask_of, MaskSpec};
 
 use crate::batch::layout::Layout;
 use crate::error::CpError;
-use crate::heads::HeadParts;
+use burn_dcp_kernels::heads::HeadParts;
 use crate::planner::cost::{AttentionDims, Pass, Ready, RoutedPlan, Transfer, UnitSizes, POST};
 use crate::planner::dcp::DcpConfig;
 use crate::planner::dynamic::{schedule_with, DynamicCpConfig, DynamicCpSchedule};

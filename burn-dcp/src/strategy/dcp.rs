@@ -31,7 +31,7 @@ use burn_dcp_kernels::{
 use crate::batch::placement::Placement;
 use crate::comm::{Comm, CommError, Payload, PendingSend};
 use crate::error::CpError;
-use crate::heads::HeadParts;
+use burn_dcp_kernels::heads::HeadParts;
 use crate::planner::bytes::{RankVolume, VolumeShape};
 use crate::planner::cost::{Pass, Side};
 use crate::planner::dcp::dcp_plan;
@@ -43,22 +43,27 @@ use crate::strategy::exchange::{
 };
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, Qkv};
 
+mod attend;
+mod blocks;
+
+use blocks::{add_into, add_pair_into};
+
 /// Dims of a pass's tensors: query and kv heads, head dim, and the head units they are cut
 /// into.
 #[derive(Clone, Copy, Debug)]
 struct Heads {
-    whole: crate::heads::Heads,
+    whole: burn_dcp_kernels::heads::Heads,
     dim: usize,
     units: usize,
     /// One unit's query and kv heads.
-    unit: crate::heads::Heads,
+    unit: burn_dcp_kernels::heads::Heads,
 }
 
 impl Heads {
     /// `units` head units of `heads` query and `kv_heads` kv heads
-    /// ([`crate::heads::Heads::split`]'s rule, the plan's).
+    /// ([`burn_dcp_kernels::heads::Heads::split`]'s rule, the plan's).
     fn new(heads: usize, kv_heads: usize, dim: usize, units: usize) -> Result<Self, CpError> {
-        let (whole, unit) = crate::heads::Heads::new(heads, kv_heads)
+        let (whole, unit) = burn_dcp_kernels::heads::Heads::new(heads, kv_heads)
             .and_then(|whole| Ok((whole, whole.split(HeadParts::Units(units))?)))
             .map_err(|e| CpError::Config(format!("DCP plan: {e}")))?;
         Ok(Self {
@@ -365,22 +370,11 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     self.merge_result(side, (block, unit), parts, backward)?;
                 }
                 Instruction::SendUnit { block, unit, to } => {
-                    let key = (block, unit);
-                    let mut parts = self.copy_of(Side::QueryOutput, key, backward)?;
-                    parts.extend(self.copy_of(Side::KeyValue, key, backward)?);
-                    // It is the unit's home's now; a copy comes back if this rank computes with it.
-                    self.blocks.queries.remove(&key);
-                    self.blocks.keys.remove(&key);
+                    let parts = self.give_unit((block, unit), backward)?;
                     self.send(to, parts, &mut sends)?;
                 }
                 Instruction::ReceiveUnit { block, unit, from } => {
-                    let mut shapes = self.copy_shapes(Side::QueryOutput, block, backward);
-                    let queries = shapes.len();
-                    shapes.extend(self.copy_shapes(Side::KeyValue, block, backward));
-                    let mut parts = self.receive(from, &shapes, "a head unit")?;
-                    let keys = parts.split_off(queries);
-                    self.store_copy(Side::QueryOutput, (block, unit), parts)?;
-                    self.store_copy(Side::KeyValue, (block, unit), keys)?;
+                    self.receive_unit((block, unit), from, backward)?
                 }
                 Instruction::SendUnitResult { block, unit, to } => {
                     let parts = self.unit_result((block, unit), backward);
@@ -448,443 +442,5 @@ impl<'a, B: FlashOps> Run<'a, B> {
         Ok(parts)
     }
 
-    fn tokens(&self, block: BlockId) -> usize {
-        self.schedule.block_tokens(block).len()
-    }
-
-    fn copy_shapes(&self, side: Side, block: BlockId, backward: bool) -> Vec<Vec<usize>> {
-        let t = self.tokens(block);
-        let (h, kv, d) = self.heads.unit_dims();
-        match (side, backward) {
-            (Side::QueryOutput, false) => vec![vec![t, h, d]],
-            (Side::QueryOutput, true) => {
-                vec![vec![t, h, d], vec![t, h, d], vec![h, t], vec![t, h, d]]
-            }
-            (Side::KeyValue, _) => vec![vec![t, kv, d]; 2],
-        }
-    }
-
-    fn result_shapes(&self, side: Side, block: BlockId, backward: bool) -> Vec<Vec<usize>> {
-        let t = self.tokens(block);
-        let (h, kv, d) = self.heads.unit_dims();
-        match (side, backward) {
-            (Side::QueryOutput, false) => vec![vec![t, h, d], vec![h, t]],
-            (Side::QueryOutput, true) => vec![vec![t, h, d]],
-            (Side::KeyValue, _) => vec![vec![t, kv, d]; 2],
-        }
-    }
-
-    fn missing(&self, what: &str, (block, unit): Key) -> CpError {
-        CpError::Config(format!(
-            "DCP rank {}: the program uses {what} of block {} of sequence {} (head unit {unit}), which it does not hold (an inconsistent plan)",
-            self.comm.rank(),
-            block.block,
-            block.seq
-        ))
-    }
-
-    fn copy_of(&self, side: Side, key: Key, backward: bool) -> Result<Vec<Payload>, CpError> {
-        match side {
-            Side::QueryOutput => {
-                let query = self
-                    .blocks
-                    .queries
-                    .get(&key)
-                    .ok_or_else(|| self.missing("the queries", key))?;
-                let mut parts = vec![Payload::device(query.q.clone())];
-                if backward {
-                    let (out, lse, dout) = query
-                        .grads
-                        .clone()
-                        .ok_or_else(|| self.missing("the output", key))?;
-                    parts.extend([
-                        Payload::device(out),
-                        Payload::device(lse),
-                        Payload::device(dout),
-                    ]);
-                }
-                Ok(parts)
-            }
-            Side::KeyValue => {
-                let (k, v) = self
-                    .blocks
-                    .keys
-                    .get(&key)
-                    .cloned()
-                    .ok_or_else(|| self.missing("the keys", key))?;
-                Ok(vec![Payload::device(k), Payload::device(v)])
-            }
-        }
-    }
-
-    fn store_copy(&mut self, side: Side, key: Key, parts: Vec<Payload>) -> Result<(), CpError> {
-        let mut parts = parts.into_iter();
-        match side {
-            Side::QueryOutput => {
-                let q = self.take::<3>(&mut parts)?;
-                let grads = match parts.len() == 3 {
-                    true => Some((
-                        self.take::<3>(&mut parts)?,
-                        self.take::<2>(&mut parts)?,
-                        self.take::<3>(&mut parts)?,
-                    )),
-                    false => None,
-                };
-                self.blocks.queries.insert(key, QuerySide { q, grads });
-            }
-            Side::KeyValue => {
-                let k = self.take::<3>(&mut parts)?;
-                let v = self.take::<3>(&mut parts)?;
-                self.blocks.keys.insert(key, (k, v));
-            }
-        }
-        Ok(())
-    }
-
-    /// The next received part (checked by [`Self::receive`]) as a tensor on this rank's device.
-    fn take<const D: usize>(
-        &self,
-        parts: &mut impl Iterator<Item = Payload>,
-    ) -> Result<Tensor<B, D>, CpError> {
-        let invalid = |message: String| {
-            CpError::Comm(CommError::Invalid {
-                group: self.comm.name().to_string(),
-                message: format!("DCP: a received block {message}"),
-            })
-        };
-        let part = parts
-            .next()
-            .ok_or_else(|| invalid("has too few parts".into()))?;
-        part.into_tensor(&self.device)
-            .map_err(|e| invalid(e.to_string()))
-    }
-
-    /// The kernel problem of query block `q` against key blocks `kv` of its sequence.
-    fn problem(&self, q: BlockId, kv: &[usize]) -> VarlenAttention {
-        let segment = |block: BlockId| {
-            let tokens = self.schedule.block_tokens(block);
-            Segment::contiguous(block.seq, tokens.start, tokens.len())
-        };
-        let kv_segments = kv
-            .iter()
-            .map(|&block| segment(BlockId { seq: q.seq, block }))
-            .collect();
-        VarlenAttention {
-            seq_lens: self.schedule.seq_lens.clone(),
-            masks: self.batch.masks.clone(),
-            q_segments: vec![segment(q)],
-            kv_segments,
-            scale: self.batch.scale,
-        }
-    }
-
-    /// The concatenated keys and values of blocks `kv` of sequence `seq`, head unit `unit`.
-    fn keys_of(
-        &self,
-        seq: usize,
-        unit: usize,
-        kv: &[usize],
-    ) -> Result<(Tensor<B, 3>, Tensor<B, 3>), CpError> {
-        let mut ks = Vec::with_capacity(kv.len());
-        let mut vs = Vec::with_capacity(kv.len());
-        for &block in kv {
-            let key = (BlockId { seq, block }, unit);
-            let (k, v) = self
-                .blocks
-                .keys
-                .get(&key)
-                .cloned()
-                .ok_or_else(|| self.missing("the keys", key))?;
-            ks.push(k);
-            vs.push(v);
-        }
-        Ok((cat_tokens(ks, 0), cat_tokens(vs, 0)))
-    }
-
-    fn attend_forward(&mut self, key: Key, kv: &[usize]) -> Result<(), CpError> {
-        let (q, unit) = key;
-        let query = self
-            .blocks
-            .queries
-            .get(&key)
-            .ok_or_else(|| self.missing("the queries", key))?
-            .q
-            .clone();
-        let (k, v) = self.keys_of(q.seq, unit, kv)?;
-        let partial = B::flash_forward(query, k, v, &self.problem(q, kv))?;
-        self.merge_output(key, partial)
-    }
-
-    /// Merges a partial output into the unit's, kept in the accumulator dtype (f32 for half
-    /// inputs: one rounding, when the result is sent or returned).
-    fn merge_output(&mut self, key: Key, partial: FlashOutput<B>) -> Result<(), CpError> {
-        let partial = FlashOutput {
-            out: widened(partial.out),
-            lse: partial.lse,
-        };
-        let merged = match self.blocks.outputs.remove(&key) {
-            Some(previous) => B::flash_merge(previous, partial)?,
-            None => partial,
-        };
-        self.blocks.outputs.insert(key, merged);
-        Ok(())
-    }
-
-    fn attend_backward(&mut self, key: Key, kv: &[usize]) -> Result<(), CpError> {
-        let (q, unit) = key;
-        let query = self
-            .blocks
-            .queries
-            .get(&key)
-            .cloned()
-            .ok_or_else(|| self.missing("the queries", key))?;
-        let (out, lse, dout) = query.grads.ok_or_else(|| self.missing("the output", key))?;
-        let (k, v) = self.keys_of(q.seq, unit, kv)?;
-        let grads = B::flash_backward(query.q, k, v, out, lse, dout, &self.problem(q, kv))?;
-        add_into(&mut self.blocks.dq, key, grads.dq);
-        let sizes: Vec<usize> = kv
-            .iter()
-            .map(|&block| self.tokens(BlockId { seq: q.seq, block }))
-            .collect();
-        let dks = split_sizes(grads.dk, 0, &sizes);
-        let dvs = split_sizes(grads.dv, 0, &sizes);
-        for ((&block, dk), dv) in kv.iter().zip(dks).zip(dvs) {
-            let key = (BlockId { seq: q.seq, block }, unit);
-            add_pair_into(&mut self.blocks.dkv, key, dk, dv);
-        }
-        Ok(())
-    }
-
-    fn result_of(&self, side: Side, key: Key, backward: bool) -> Result<Vec<Payload>, CpError> {
-        match (side, backward) {
-            (Side::QueryOutput, false) => {
-                let output = self
-                    .blocks
-                    .outputs
-                    .get(&key)
-                    .ok_or_else(|| self.missing("the partial output", key))?;
-                Ok(vec![
-                    self.sent(output.out.clone()),
-                    Payload::device(output.lse.clone()),
-                ])
-            }
-            (Side::QueryOutput, true) => {
-                let dq = self
-                    .blocks
-                    .dq
-                    .get(&key)
-                    .ok_or_else(|| self.missing("the dq", key))?;
-                Ok(vec![self.sent(dq.clone())])
-            }
-            (Side::KeyValue, _) => {
-                let (dk, dv) = self
-                    .blocks
-                    .dkv
-                    .get(&key)
-                    .cloned()
-                    .ok_or_else(|| self.missing("the dk/dv", key))?;
-                Ok(vec![self.sent(dk), self.sent(dv)])
-            }
-        }
-    }
-
-    fn merge_result(
-        &mut self,
-        side: Side,
-        key: Key,
-        parts: Vec<Payload>,
-        backward: bool,
-    ) -> Result<(), CpError> {
-        let mut parts = parts.into_iter();
-        match (side, backward) {
-            (Side::QueryOutput, false) => {
-                let out = self.take::<3>(&mut parts)?;
-                let lse = self.take::<2>(&mut parts)?;
-                self.merge_output(key, FlashOutput { out, lse })?;
-            }
-            (Side::QueryOutput, true) => {
-                let dq = self.take::<3>(&mut parts)?;
-                add_into(&mut self.blocks.dq, key, dq)
-            }
-            (Side::KeyValue, _) => {
-                let dk = self.take::<3>(&mut parts)?;
-                let dv = self.take::<3>(&mut parts)?;
-                add_pair_into(&mut self.blocks.dkv, key, dk, dv);
-            }
-        }
-        Ok(())
-    }
-
-    /// The final results of a head unit homed here, for its token home: `[out, lse]` forward,
-    /// `[dq, dk, dv]` backward (a block no tile read: `out` 0, `lse` −∞, gradients 0).
-    fn unit_result(&mut self, key: Key, backward: bool) -> Vec<Payload> {
-        let t = self.tokens(key.0);
-        match backward {
-            false => {
-                let output = self
-                    .blocks
-                    .outputs
-                    .remove(&key)
-                    .unwrap_or_else(|| self.empty_output(t));
-                vec![self.sent(output.out), Payload::device(output.lse)]
-            }
-            true => {
-                let dq = self.blocks.dq.remove(&key);
-                let dq =
-                    dq.unwrap_or_else(|| self.zeros([t, self.heads.unit_heads(), self.heads.dim]));
-                let (dk, dv) = self
-                    .blocks
-                    .dkv
-                    .remove(&key)
-                    .unwrap_or_else(|| self.zero_kv(t));
-                vec![self.sent(dq), self.sent(dk), self.sent(dv)]
-            }
-        }
-    }
-
-    /// Stores a head unit's final results received from its home, replacing this rank's
-    /// partial of them (which it sent there).
-    fn replace_results(
-        &mut self,
-        key: Key,
-        parts: Vec<Payload>,
-        backward: bool,
-    ) -> Result<(), CpError> {
-        let mut parts = parts.into_iter();
-        match backward {
-            false => {
-                let out = widened(self.take::<3>(&mut parts)?);
-                let lse = self.take::<2>(&mut parts)?;
-                self.blocks.outputs.insert(key, FlashOutput { out, lse });
-            }
-            true => {
-                let dq = widened(self.take::<3>(&mut parts)?);
-                let dk = widened(self.take::<3>(&mut parts)?);
-                let dv = widened(self.take::<3>(&mut parts)?);
-                self.blocks.dq.insert(key, dq);
-                self.blocks.dkv.insert(key, (dk, dv));
-            }
-        }
-        Ok(())
-    }
-
-    /// Zeros in the accumulator dtype (the results' before they are sent or returned).
-    fn zeros(&self, dims: [usize; 3]) -> Tensor<B, 3> {
-        let dtype = accumulator_dtype(self.dtype);
-        let options = TensorCreationOptions::new(self.device.clone()).with_dtype(dtype);
-        filled(dims, 0.0, options)
-    }
-
-    /// An accumulated result as a message: in the inputs' dtype.
-    fn sent(&self, t: Tensor<B, 3>) -> Payload {
-        Payload::device(t.cast(self.dtype))
-    }
-
-    /// A unit's output of `t` tokens no tile read: `out` 0, `lse` −∞.
-    fn empty_output(&self, t: usize) -> FlashOutput<B> {
-        let h = self.heads.unit_heads();
-        let out = self.zeros([t, h, self.heads.dim]);
-        let options = TensorCreationOptions::new(self.device.clone()).with_dtype(DType::F32);
-        let lse = filled([h, t], f32::NEG_INFINITY, options);
-        FlashOutput { out, lse }
-    }
-
-    /// A unit's zero `dk`, `dv` of `t` tokens.
-    fn zero_kv(&self, t: usize) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let dims = [t, self.heads.unit_kv_heads(), self.heads.dim];
-        (self.zeros(dims), self.zeros(dims))
-    }
-
-    /// The merged output of every token block of this rank, its units' along the heads.
-    fn home_outputs(mut self) -> FlashOutput<B> {
-        let mut outs = Vec::new();
-        let mut lses = Vec::new();
-        for (block, range) in self.home_ranges() {
-            let (mut unit_outs, mut unit_lses) = (Vec::new(), Vec::new());
-            for unit in 0..self.heads.units {
-                let output = self.blocks.outputs.remove(&(block, unit));
-                let output = output.unwrap_or_else(|| self.empty_output(range.len()));
-                unit_outs.push(output.out);
-                unit_lses.push(output.lse);
-            }
-            outs.push(Tensor::cat(unit_outs, 1));
-            lses.push(Tensor::cat(unit_lses, 0));
-        }
-        let h = self.heads;
-        outs.push(self.zeros([0, h.whole.heads(), h.dim]));
-        let options = TensorCreationOptions::new(self.device.clone()).with_dtype(DType::F32);
-        lses.push(Tensor::empty([h.whole.heads(), 0], options));
-        FlashOutput {
-            out: cat_tokens(outs, 0).cast(self.dtype),
-            lse: cat_tokens(lses, 1),
-        }
-    }
-
-    /// The gradients of every token block of this rank: its units' along the heads, the kv
-    /// gradients of units sharing a kv head summed.
-    fn home_gradients(mut self) -> FlashGradients<B> {
-        let h = self.heads;
-        let (mut dqs, mut dks, mut dvs) = (Vec::new(), Vec::new(), Vec::new());
-        for (block, range) in self.home_ranges() {
-            let t = range.len();
-            let mut unit_dq = Vec::new();
-            let mut unit_dk: Vec<Tensor<B, 3>> = Vec::new();
-            let mut unit_dv: Vec<Tensor<B, 3>> = Vec::new();
-            for unit in 0..h.units {
-                let dq = self.blocks.dq.remove(&(block, unit));
-                unit_dq.push(dq.unwrap_or_else(|| self.zeros([t, h.unit_heads(), h.dim])));
-                let (dk, dv) = match self.blocks.dkv.remove(&(block, unit)) {
-                    Some(pair) => pair,
-                    None => self.zero_kv(t),
-                };
-                // Units sharing a kv head (more units than kv heads) add into it.
-                match h.first_kv_head(unit) < unit_dk.len() {
-                    true => {
-                        let last = unit_dk.len() - 1;
-                        unit_dk[last] = unit_dk[last].clone() + dk;
-                        unit_dv[last] = unit_dv[last].clone() + dv;
-                    }
-                    false => {
-                        unit_dk.push(dk);
-                        unit_dv.push(dv);
-                    }
-                }
-            }
-            dqs.push(Tensor::cat(unit_dq, 1));
-            dks.push(Tensor::cat(unit_dk, 1));
-            dvs.push(Tensor::cat(unit_dv, 1));
-        }
-        dqs.push(self.zeros([0, h.whole.heads(), h.dim]));
-        dks.push(self.zeros([0, h.whole.kv_heads(), h.dim]));
-        dvs.push(self.zeros([0, h.whole.kv_heads(), h.dim]));
-        FlashGradients {
-            dq: cat_tokens(dqs, 0).cast(self.dtype),
-            dk: cat_tokens(dks, 0).cast(self.dtype),
-            dv: cat_tokens(dvs, 0).cast(self.dtype),
-        }
-    }
 }
 
-/// Adds `value` into the map's accumulator of `key` (kept in the accumulator dtype).
-fn add_into<B: FlashOps>(map: &mut HashMap<Key, Tensor<B, 3>>, key: Key, value: Tensor<B, 3>) {
-    let value = widened(value);
-    let sum = match map.remove(&key) {
-        Some(previous) => previous + value,
-        None => value,
-    };
-    map.insert(key, sum);
-}
-
-fn add_pair_into<B: FlashOps>(
-    map: &mut HashMap<Key, (Tensor<B, 3>, Tensor<B, 3>)>,
-    key: Key,
-    dk: Tensor<B, 3>,
-    dv: Tensor<B, 3>,
-) {
-    let (dk, dv) = (widened(dk), widened(dv));
-    let sum = match map.remove(&key) {
-        Some((k, v)) => (k + dk, v + dv),
-        None => (dk, dv),
-    };
-    map.insert(key, sum);
-}

@@ -5,7 +5,7 @@ use std::fmt;
 use crate::batch::layout::Layout;
 use crate::comm::Comm;
 use crate::error::CpError;
-use crate::heads::{HeadParts, Heads};
+use burn_dcp_kernels::heads::{HeadParts, Heads};
 use crate::strategy::StrategyKind;
 
 /// Which algorithm computes attention across the CP group.
@@ -71,7 +71,7 @@ impl Strategy {
         Ok(())
     }
 
-    /// Checks the head counts against the strategy ([`crate::heads`]'s rules): grouped-query
+    /// Checks the head counts against the strategy ([`burn_dcp_kernels::heads`]'s rules): grouped-query
     /// heads, and Ulysses' degree (all of `cp`, or USP's) dividing the query heads.
     pub fn validate_heads(&self, heads: usize, kv_heads: usize, cp: usize) -> Result<(), CpError> {
         let heads = Heads::new(heads, kv_heads)?;

@@ -19,7 +19,7 @@ use burn_dcp_kernels::{AttentionShape, FlashGradients, FlashOps, FlashOutput};
 use crate::batch::placement::Placement;
 use crate::comm::Comm;
 use crate::error::CpError;
-use crate::heads::{HeadParts, Heads};
+use burn_dcp_kernels::heads::HeadParts;
 use crate::planner::bytes::{rank_tokens, Pass, RankVolume, TokenBytes, VolumeShape};
 use crate::planner::{strategies, PlanInput, RoutedPlan};
 use crate::strategy::exchange::{
@@ -444,11 +444,9 @@ impl AttentionStrategy for Ulysses {
         ulysses_volume(&tokens, shape, shape.heads, placement.cp())
     }
 
-    /// The query heads split evenly over the group ([`crate::heads`]' rule).
+    /// The query heads split evenly over the group ([`burn_dcp_kernels::heads`]' rule).
     fn validate_call(&self, call: CpCall<'_>, shape: AttentionShape) -> Result<(), CpError> {
-        let heads = Heads::new(shape.heads, shape.kv_heads)?;
-        heads.split_queries(HeadParts::Ulysses(call.group.cp()))?;
-        Ok(())
+        crate::strategy::Strategy::Ulysses.validate_heads(shape.heads, shape.kv_heads, call.group.cp())
     }
 
     fn forward<B: FlashOps>(

@@ -15,7 +15,7 @@ use burn_dcp_kernels::{AttentionShape, FlashGradients, FlashOps, FlashOutput};
 
 use crate::batch::placement::Placement;
 use crate::error::CpError;
-use crate::heads::{HeadParts, Heads};
+use burn_dcp_kernels::heads::HeadParts;
 use crate::planner::bytes::{rank_tokens, RankVolume, VolumeShape};
 use crate::planner::{strategies, PlanInput, RoutedPlan};
 use crate::strategy::exchange::concat_segments;
@@ -119,11 +119,13 @@ impl AttentionStrategy for Usp {
         usp_volume(&tokens, shape, self.ulysses_degree, self.ring_degree)
     }
 
-    /// The query heads split evenly over a Ulysses group ([`crate::heads`]' rule).
-    fn validate_call(&self, _call: CpCall<'_>, shape: AttentionShape) -> Result<(), CpError> {
-        let heads = Heads::new(shape.heads, shape.kv_heads)?;
-        heads.split_queries(HeadParts::Ulysses(self.ulysses_degree))?;
-        Ok(())
+    /// The query heads split evenly over a Ulysses group ([`burn_dcp_kernels::heads`]' rule).
+    fn validate_call(&self, call: CpCall<'_>, shape: AttentionShape) -> Result<(), CpError> {
+        let strategy = Strategy::Usp {
+            ulysses_degree: self.ulysses_degree,
+            ring_degree: self.ring_degree,
+        };
+        strategy.validate_heads(shape.heads, shape.kv_heads, call.group.cp())
     }
 
     fn forward<B: FlashOps>(

@@ -5,7 +5,8 @@ use std::path::Path;
 
 use burn_dcp::StrategyKind;
 
-use super::{config_from_args, TrainFlags};
+use super::build::config_from_args;
+use super::TrainFlags;
 use crate::checkpoint::read_json;
 use crate::config::TrainConfig;
 use crate::error::TrainError;

@@ -7,7 +7,7 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::backward::{mask_columns, probabilities_and_ds, scores_in_registers, write_rows};
-use super::forward::{add_product, load_rows_as_a, scale_scores};
+use super::forward::{add_product, scale_scores};
 use super::fragment::*;
 use super::stage::*;
 use super::{fast_exp, FlashConfig};

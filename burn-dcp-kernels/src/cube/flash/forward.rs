@@ -503,44 +503,6 @@ pub struct ForwardTiles<F: Float> {
     reduce: SharedMemory<f32>,
 }
 
-/// The plane's 16 staged rows at `at` of `tile` (`padded(dim)` columns) as `dim / 16` A
-/// fragments, into `frags`.
-#[cube]
-pub fn load_rows_into<F: Float>(
-    tile: &SharedMemory<F>,
-    at: usize,
-    frags: &mut Array<Pair<F>>,
-    #[comptime] dim: usize,
-    #[comptime] tensor_cores: bool,
-) {
-    let stride = comptime!(padded(dim));
-    #[unroll(tensor_cores)]
-    for kk in 0..dim / 16 {
-        load_a::<F>(
-            tile,
-            at / stride,
-            16 * kk,
-            frags,
-            4 * kk,
-            stride,
-            tensor_cores,
-        );
-    }
-}
-
-/// The plane's 16 staged rows at `at` of `tile` as `dim / 16` A fragments.
-#[cube]
-pub fn load_rows_as_a<F: Float>(
-    tile: &SharedMemory<F>,
-    at: usize,
-    #[comptime] dim: usize,
-    #[comptime] tensor_cores: bool,
-) -> Array<Pair<F>> {
-    let mut frags = Array::<Pair<F>>::new(dim / 4);
-    load_rows_into::<F>(tile, at, &mut frags, dim, tensor_cores);
-    frags
-}
-
 /// One key tile of the forward for the plane's rows: scores, mask (partial tiles), softmax
 /// step, `acc += P·V`.
 #[cube]

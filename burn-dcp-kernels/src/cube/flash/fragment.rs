@@ -24,6 +24,8 @@
 
 use cubecl::prelude::*;
 
+use super::stage::padded;
+
 /// Pairs of adjacent elements: one 32-bit register of f16/bf16, two of f32. Fragments live in
 /// flat arrays of pairs: A fragment `j` is pairs `4j..4j + 4`, accumulator fragment `n` pairs
 /// `2n..2n + 2`, so that loops over them may stay rolled on devices without tensor cores
@@ -289,4 +291,42 @@ pub fn row_sum(
         sync_cube();
         result
     }
+}
+
+/// The plane's 16 staged rows at `at` of `tile` (`padded(dim)` columns) as `dim / 16` A
+/// fragments, into `frags`.
+#[cube]
+pub fn load_rows_into<F: Float>(
+    tile: &SharedMemory<F>,
+    at: usize,
+    frags: &mut Array<Pair<F>>,
+    #[comptime] dim: usize,
+    #[comptime] tensor_cores: bool,
+) {
+    let stride = comptime!(padded(dim));
+    #[unroll(tensor_cores)]
+    for kk in 0..dim / 16 {
+        load_a::<F>(
+            tile,
+            at / stride,
+            16 * kk,
+            frags,
+            4 * kk,
+            stride,
+            tensor_cores,
+        );
+    }
+}
+
+/// The plane's 16 staged rows at `at` of `tile` as `dim / 16` A fragments.
+#[cube]
+pub fn load_rows_as_a<F: Float>(
+    tile: &SharedMemory<F>,
+    at: usize,
+    #[comptime] dim: usize,
+    #[comptime] tensor_cores: bool,
+) -> Array<Pair<F>> {
+    let mut frags = Array::<Pair<F>>::new(dim / 4);
+    load_rows_into::<F>(tile, at, &mut frags, dim, tensor_cores);
+    frags
 }

@@ -16,11 +16,11 @@ mod dq;
 pub mod forward;
 pub mod fragment;
 mod launch;
+mod plan;
 pub mod stage;
 
-pub use launch::{
-    backward_flash, flash_fits, forward_flash, FlashPlan, Planes, FLASH_MAX_DIM, PLANES_ENV,
-};
+pub use launch::{backward_flash, forward_flash};
+pub use plan::{flash_fits, FlashConfig, FlashPlan, Planes, FLASH_MAX_DIM, PLANES_ENV};
 
 use cubecl::prelude::*;
 
@@ -30,54 +30,4 @@ use cubecl::prelude::*;
 /// devices ignore them.
 pub fn fast_exp() -> cubecl::ir::features::EnumSet<FastMath> {
     FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
-}
-
-/// The comptime shape of one launch.
-#[derive(CubeType, Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct FlashConfig {
-    /// Head dim of q and k, a multiple of 16.
-    pub head_dim: usize,
-    /// Head dim of v, a multiple of 16.
-    pub value_dim: usize,
-    /// Planes (warps of 32 units) per cube, each owning `16 · row_tiles` rows.
-    pub planes: usize,
-    /// Row tiles of 16 per plane (forward: 1 or 2; the backward kernels: 1). Two halve the
-    /// shared-memory reads per product (each K and V fragment serves both) at the price of
-    /// reading Q from shared memory per tile.
-    pub row_tiles: usize,
-    /// Query heads of one kv head per cube (forward and dq): the planes split over them, and
-    /// the cube's key and value tiles serve all of them.
-    pub heads_per_cube: usize,
-    /// Rows of the other side per staged tile (keys, or queries in the dk/dv kernel): a
-    /// multiple of 16.
-    pub block: usize,
-    /// Span slots per query of the launch tables.
-    pub max_spans: usize,
-    /// `ldmatrix` and `mma.sync` (CUDA, sm_80+), or the plain bodies.
-    pub tensor_cores: bool,
-    /// Double-buffered `cp.async` copies (CUDA, sm_80+), or plain loads.
-    pub async_copy: bool,
-    /// Row reductions by plane shuffles, or through shared memory.
-    pub shuffles: bool,
-}
-
-impl FlashConfig {
-    /// Units per cube.
-    pub fn units(&self) -> usize {
-        32 * self.planes
-    }
-
-    /// Tokens per cube on the 16-row side (each of its `heads_per_cube` heads has them all).
-    pub fn tokens_per_cube(&self) -> usize {
-        16 * self.row_tiles * self.planes / self.heads_per_cube
-    }
-
-    /// Buffers per staged tile: two when copies overlap the products.
-    pub fn buffers(&self) -> usize {
-        if self.async_copy {
-            2
-        } else {
-            1
-        }
-    }
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
-use super::state::{mpi_lock, Backoff, Shared};
+use super::state::{mpi_lock, receive_arrived, Backoff, Shared};
 use crate::comm::stall::{follow_waits, Status};
 
 /// A query: "what are you doing?" (its body: the asker's query number, 8 bytes).
@@ -23,45 +23,23 @@ impl Shared {
     /// Under `MPI_LOCK`: answers every query that has arrived with this rank's status.
     pub(super) fn answer_queries(&self) {
         let comm = self.status_comm.0;
-        loop {
-            let mut flag: c_int = 0;
-            // SAFETY: plain MPI calls on the live status communicator, under MPI_LOCK; the
-            // buffers are locals that outlive the calls (MPI_Send returns once its buffer may
-            // be reused).
+        // SAFETY: reading MPI's constant for "any source".
+        let any = unsafe { ffi::RSMPI_ANY_SOURCE };
+        while let Some(Ok((source, query))) = receive_arrived(comm, any, QUERY_TAG) {
+            let Ok(query) = <[u8; 8]>::try_from(query.as_slice()) else {
+                continue;
+            };
+            let mine = self
+                .status
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            let Ok(answer) = serde_json::to_vec(&(u64::from_le_bytes(query), mine)) else {
+                return;
+            };
+            // SAFETY: a send of a local buffer on the live status communicator, under
+            // MPI_LOCK (MPI_Send returns once its buffer may be reused).
             unsafe {
-                let mut status: ffi::MPI_Status = std::mem::zeroed();
-                let code = ffi::MPI_Iprobe(
-                    ffi::RSMPI_ANY_SOURCE,
-                    QUERY_TAG,
-                    comm,
-                    &mut flag,
-                    &mut status,
-                );
-                if code != 0 || flag == 0 {
-                    return;
-                }
-                let source = status.MPI_SOURCE;
-                let mut query = [0u8; 8];
-                let code = ffi::MPI_Recv(
-                    query.as_mut_ptr() as *mut c_void,
-                    8,
-                    ffi::RSMPI_UINT8_T,
-                    source,
-                    QUERY_TAG,
-                    comm,
-                    ffi::RSMPI_STATUS_IGNORE,
-                );
-                if code != 0 {
-                    return;
-                }
-                let mine = self
-                    .status
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone();
-                let Ok(answer) = serde_json::to_vec(&(u64::from_le_bytes(query), mine)) else {
-                    return;
-                };
                 ffi::MPI_Send(
                     answer.as_ptr() as *const c_void,
                     answer.len() as c_int,
@@ -119,31 +97,7 @@ impl Shared {
     fn take_answer(&self, peer: usize, query: [u8; 8]) -> Option<Status> {
         let comm = self.status_comm.0;
         loop {
-            let mut flag: c_int = 0;
-            // SAFETY: as in `answer_queries`; the receive buffer has the probed size.
-            let answer = unsafe {
-                let mut status: ffi::MPI_Status = std::mem::zeroed();
-                let code = ffi::MPI_Iprobe(peer as c_int, ANSWER_TAG, comm, &mut flag, &mut status);
-                if code != 0 || flag == 0 {
-                    return None;
-                }
-                let mut count: c_int = 0;
-                ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut count);
-                let mut buffer = vec![0u8; count.max(0) as usize];
-                let code = ffi::MPI_Recv(
-                    buffer.as_mut_ptr() as *mut c_void,
-                    count,
-                    ffi::RSMPI_UINT8_T,
-                    peer as c_int,
-                    ANSWER_TAG,
-                    comm,
-                    ffi::RSMPI_STATUS_IGNORE,
-                );
-                if code != 0 {
-                    return None;
-                }
-                buffer
-            };
+            let (_, answer) = receive_arrived(comm, peer as c_int, ANSWER_TAG)?.ok()?;
             if let Ok((number, status)) = serde_json::from_slice::<(u64, Status)>(&answer) {
                 if number == u64::from_le_bytes(query) {
                     return Some(status);

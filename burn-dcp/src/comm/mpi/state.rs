@@ -83,56 +83,60 @@ pub(super) struct Posted {
 impl Posted {
     /// Under `MPI_LOCK`: takes the message in if it has arrived; whether it did.
     fn try_match(&self) -> bool {
-        let mut flag: c_int = 0;
-        // SAFETY: plain MPI calls on a live communicator, under MPI_LOCK; the status and message
-        // are written by MPI.
-        unsafe {
-            let mut message: ffi::MPI_Message = ffi::RSMPI_MESSAGE_NULL;
-            let mut status: ffi::MPI_Status = std::mem::zeroed();
-            let code = ffi::MPI_Improbe(
-                self.source,
-                self.tag,
-                self.comm.0,
-                &mut flag,
-                &mut message,
-                &mut status,
-            );
-            let result = if code != 0 {
-                Some(Err(WireError::Receive(format!(
-                    "MPI_Improbe failed with error code {code}"
-                ))))
-            } else if flag == 0 {
-                None
-            } else {
-                let mut count: c_int = 0;
-                ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut count);
-                let mut buffer = vec![0u8; count.max(0) as usize];
-                let code = ffi::MPI_Mrecv(
-                    buffer.as_mut_ptr() as *mut c_void,
-                    count,
-                    ffi::RSMPI_UINT8_T,
-                    &mut message,
-                    ffi::RSMPI_STATUS_IGNORE,
-                );
-                Some(match code {
-                    0 => Ok(buffer),
-                    _ => Err(WireError::Receive(format!(
-                        "MPI_Mrecv failed with error code {code}"
-                    ))),
-                })
-            };
-            match result {
-                Some(result) => {
-                    *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
-                    true
-                }
-                None => false,
+        match receive_arrived(self.comm.0, self.source, self.tag) {
+            Some(result) => {
+                let message = result.map(|(_, bytes)| bytes);
+                *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(message);
+                true
             }
+            None => false,
         }
     }
 
     pub(super) fn take(&self) -> Option<Result<Vec<u8>, WireError>> {
         self.slot.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// Under `MPI_LOCK`: the next message from `source` (or `RSMPI_ANY_SOURCE`) with `tag` on
+/// `comm` if one has arrived, with its sender: a matched probe and the receive of what it
+/// matched, so no other probe can take the message in between. `None` when none has arrived.
+pub(super) fn receive_arrived(
+    comm: ffi::MPI_Comm,
+    source: c_int,
+    tag: c_int,
+) -> Option<Result<(c_int, Vec<u8>), WireError>> {
+    let mut flag: c_int = 0;
+    // SAFETY: plain MPI calls on a live communicator, under MPI_LOCK; the status and message are
+    // written by MPI, and the receive buffer has the probed size.
+    unsafe {
+        let mut message: ffi::MPI_Message = ffi::RSMPI_MESSAGE_NULL;
+        let mut status: ffi::MPI_Status = std::mem::zeroed();
+        let code = ffi::MPI_Improbe(source, tag, comm, &mut flag, &mut message, &mut status);
+        if code != 0 {
+            return Some(Err(WireError::Receive(format!(
+                "MPI_Improbe failed with error code {code}"
+            ))));
+        }
+        if flag == 0 {
+            return None;
+        }
+        let mut count: c_int = 0;
+        ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut count);
+        let mut buffer = vec![0u8; count.max(0) as usize];
+        let code = ffi::MPI_Mrecv(
+            buffer.as_mut_ptr() as *mut c_void,
+            count,
+            ffi::RSMPI_UINT8_T,
+            &mut message,
+            ffi::RSMPI_STATUS_IGNORE,
+        );
+        Some(match code {
+            0 => Ok((status.MPI_SOURCE, buffer)),
+            _ => Err(WireError::Receive(format!(
+                "MPI_Mrecv failed with error code {code}"
+            ))),
+        })
     }
 }
 

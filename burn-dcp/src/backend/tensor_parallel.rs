@@ -25,7 +25,7 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::Backend;
 use burn_dcp_kernels::FlashOps;
 
-use crate::backend::{ContextParallel, CpInner};
+use super::{ContextParallel, CpInner};
 use crate::comm::{Comm, CommError, Payload};
 use crate::error::CpError;
 

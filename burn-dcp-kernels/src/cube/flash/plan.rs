@@ -1,0 +1,484 @@
+//! Whether a device and a problem can run the flash kernels, and their comptime shapes: planes
+//! and row tiles per cube (the environment's pins, `BURN_DCP_FLASH_PLANES` and
+//! `BURN_DCP_FLASH_ROW_TILES`, checked), shared-memory budgets.
+
+use burn::tensor::DType;
+use cubecl::features::{MmaConfig, Plane};
+use cubecl::ir::{DeviceProperties, ElemType, FloatKind, StorageType};
+
+use cubecl::prelude::CubeType;
+
+use super::stage::padded;
+use crate::definition::{AttentionShape, KernelError};
+
+/// The comptime shape of one launch.
+#[derive(CubeType, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FlashConfig {
+    /// Head dim of q and k, a multiple of 16.
+    pub head_dim: usize,
+    /// Head dim of v, a multiple of 16.
+    pub value_dim: usize,
+    /// Planes (warps of 32 units) per cube, each owning `16 · row_tiles` rows.
+    pub planes: usize,
+    /// Row tiles of 16 per plane (forward: 1 or 2; the backward kernels: 1). Two halve the
+    /// shared-memory reads per product (each K and V fragment serves both) at the price of
+    /// reading Q from shared memory per tile.
+    pub row_tiles: usize,
+    /// Query heads of one kv head per cube (forward and dq): the planes split over them, and
+    /// the cube's key and value tiles serve all of them.
+    pub heads_per_cube: usize,
+    /// Rows of the other side per staged tile (keys, or queries in the dk/dv kernel): a
+    /// multiple of 16.
+    pub block: usize,
+    /// Span slots per query of the launch tables.
+    pub max_spans: usize,
+    /// `ldmatrix` and `mma.sync` (CUDA, sm_80+), or the plain bodies.
+    pub tensor_cores: bool,
+    /// Double-buffered `cp.async` copies (CUDA, sm_80+), or plain loads.
+    pub async_copy: bool,
+    /// Row reductions by plane shuffles, or through shared memory.
+    pub shuffles: bool,
+}
+
+impl FlashConfig {
+    /// Units per cube.
+    pub fn units(&self) -> usize {
+        32 * self.planes
+    }
+
+    /// Tokens per cube on the 16-row side (each of its `heads_per_cube` heads has them all).
+    pub fn tokens_per_cube(&self) -> usize {
+        16 * self.row_tiles * self.planes / self.heads_per_cube
+    }
+
+    /// Buffers per staged tile: two when copies overlap the products.
+    pub fn buffers(&self) -> usize {
+        if self.async_copy {
+            2
+        } else {
+            1
+        }
+    }
+}
+
+/// Largest head or value dim of these kernels (their accumulators live in registers).
+pub const FLASH_MAX_DIM: usize = 128;
+/// Planes per cube (each owns 16 rows) of the backward kernels and of the plain bodies unless
+/// [`PLANES_ENV`] says otherwise.
+const PLANES: usize = 4;
+/// Planes per cube of the forward on tensor cores unless [`PLANES_ENV`] says otherwise: on an
+/// H200 (bf16, dim 128, `docs/gpu-runs/2026-11-27-h200-tuned.json`) 8 planes ran 8192 causal
+/// tokens × 32 heads 17 % faster than 4 and the other shapes within the runs' noise; the
+/// backward kernels ran slower on 8.
+const FORWARD_PLANES: usize = 8;
+/// A tuning knob, read once per process: the planes per cube of all three flash kernels (1, 2,
+/// 4 or 8; default 8 for the forward on tensor cores, 4 otherwise).
+pub const PLANES_ENV: &str = "BURN_DCP_FLASH_PLANES";
+
+/// Row tiles per plane of the forward unless [`ROW_TILES_ENV`] says otherwise.
+const ROW_TILES: usize = 2;
+/// A tuning knob, read once per process: the forward's row tiles of 16 per plane (1 or 2;
+/// default 2).
+pub const ROW_TILES_ENV: &str = "BURN_DCP_FLASH_ROW_TILES";
+
+type Knob = std::sync::OnceLock<Result<usize, KernelError>>;
+
+/// A tuning knob read once per process into `cell`: the value of the variable `name`, one of
+/// `allowed`, or `default` when unset.
+fn knob(
+    cell: &'static Knob,
+    name: &str,
+    default: usize,
+    allowed: &[usize],
+) -> Result<usize, KernelError> {
+    cell.get_or_init(|| match std::env::var(name) {
+        Err(_) => Ok(default),
+        Ok(value) => value
+            .parse::<usize>()
+            .ok()
+            .filter(|v| allowed.contains(v))
+            .ok_or_else(|| {
+                KernelError::InvalidValue(format!("{name}={value:?}: expected one of {allowed:?}"))
+            }),
+    })
+    .clone()
+}
+
+fn row_tiles() -> Result<usize, KernelError> {
+    static CELL: Knob = Knob::new();
+    knob(&CELL, ROW_TILES_ENV, ROW_TILES, &[1, 2])
+}
+
+/// The planes per cube [`PLANES_ENV`] pins for every kernel, if set.
+fn pinned_planes() -> Result<Option<usize>, KernelError> {
+    static PINNED: std::sync::OnceLock<Result<Option<usize>, KernelError>> =
+        std::sync::OnceLock::new();
+    PINNED
+        .get_or_init(|| match std::env::var_os(PLANES_ENV) {
+            None => Ok(None),
+            Some(_) => {
+                static CELL: Knob = Knob::new();
+                knob(&CELL, PLANES_ENV, PLANES, &[1, 2, 4, 8]).map(Some)
+            }
+        })
+        .clone()
+}
+
+/// The most planes per cube of the forward and of the backward kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Planes {
+    pub forward: usize,
+    pub backward: usize,
+}
+
+impl Planes {
+    /// [`PLANES_ENV`]'s for both, or the defaults: 8 for the forward on tensor cores, 4
+    /// otherwise.
+    pub fn from_env(tensor_cores: bool) -> Result<Self, KernelError> {
+        Ok(match pinned_planes()? {
+            Some(planes) => Self::both(planes),
+            None => Self {
+                forward: if tensor_cores { FORWARD_PLANES } else { PLANES },
+                backward: PLANES,
+            },
+        })
+    }
+
+    /// `planes` for all three kernels.
+    pub fn both(planes: usize) -> Self {
+        Self {
+            forward: planes,
+            backward: planes,
+        }
+    }
+}
+
+/// The three kernels' comptime shapes for one problem on one device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashPlan {
+    pub forward: FlashConfig,
+    pub dq: FlashConfig,
+    pub dkdv: FlashConfig,
+}
+
+impl FlashPlan {
+    /// The plan for `shape` in `dtype` with `max_spans` span slots, on tensor cores
+    /// (`ldmatrix`, `mma.sync`, `cp.async`, plane shuffles: CUDA sm_80+) or, with
+    /// `tensor_cores: false`, on the plain bodies (any device). Errors name what is missing.
+    pub fn new(
+        properties: &DeviceProperties,
+        dtype: DType,
+        shape: &AttentionShape,
+        max_spans: usize,
+        tensor_cores: bool,
+    ) -> Result<Self, KernelError> {
+        flash_fits(properties, dtype, shape, tensor_cores)?;
+        let limit = properties.hardware.max_shared_memory_size;
+        Self::sized(limit, dtype, shape, max_spans, tensor_cores)
+    }
+
+    /// The plan for a device with `limit` bytes of shared memory per cube (the features
+    /// unchecked: [`flash_fits`] checks them). Errors when even the smallest cubes do not fit.
+    pub fn sized(
+        limit: usize,
+        dtype: DType,
+        shape: &AttentionShape,
+        max_spans: usize,
+        tensor_cores: bool,
+    ) -> Result<Self, KernelError> {
+        let planes = Planes::from_env(tensor_cores)?;
+        Self::sized_with_planes(limit, dtype, shape, max_spans, tensor_cores, planes)
+    }
+
+    /// [`Self::sized`] with at most `planes` planes per cube (1, 2, 4 or 8) instead of
+    /// [`PLANES_ENV`]'s or the defaults. The forward's cube size changes its speed, never its
+    /// result: every row sees the same key tiles in the same order.
+    pub fn sized_with_planes(
+        limit: usize,
+        dtype: DType,
+        shape: &AttentionShape,
+        max_spans: usize,
+        tensor_cores: bool,
+        planes: Planes,
+    ) -> Result<Self, KernelError> {
+        for most in [planes.forward, planes.backward] {
+            if ![1, 2, 4, 8].contains(&most) {
+                return Err(KernelError::InvalidValue(format!(
+                    "{most} planes per flash cube: expected 1, 2, 4 or 8"
+                )));
+            }
+        }
+        let (head_dim, value_dim) = (shape.head_dim, shape.value_dim);
+        let group = shape.heads / shape.kv_heads;
+        // Query heads of one kv head share a cube's key and value tiles.
+        let heads_per_cube = |most: usize| {
+            [4, 2, 1]
+                .into_iter()
+                .find(|&h| h <= most && group.is_multiple_of(h) && most.is_multiple_of(h))
+                .unwrap_or(1)
+        };
+        let widest = head_dim.max(value_dim);
+        let config = |planes: usize, row_tiles: usize, block: usize, heads: usize| FlashConfig {
+            head_dim,
+            value_dim,
+            planes,
+            row_tiles,
+            heads_per_cube: heads.min(planes),
+            block,
+            max_spans,
+            tensor_cores,
+            async_copy: tensor_cores,
+            shuffles: tensor_cores,
+        };
+        // Planes, row tiles and tiles, largest first, until the cube fits the device's shared
+        // memory: key tiles of 64 in the forward; 32 in dq above dim 64 (its S, dP and dQ share
+        // the registers); query tiles of 32 in dk/dv (its dK and dV take the registers). Only
+        // the forward takes two row tiles per plane.
+        let dq_block = if widest > 64 { 32 } else { 64 };
+        let shapes = |most: usize, block: usize, tiles: usize| {
+            [
+                (most, tiles, block),
+                ((most / 2).max(1), tiles, block),
+                (most, 1, block),
+                (most, 1, 32),
+                (2, 1, 32),
+                (2, 1, 16),
+                (1, 1, 16),
+            ]
+        };
+        let pick = |name: &str,
+                    most: usize,
+                    block: usize,
+                    tiles: usize,
+                    heads: usize,
+                    bytes: fn(&FlashConfig, DType) -> usize| {
+            shapes(most, block, tiles)
+                .into_iter()
+                .filter(|&(planes, _, b)| planes <= most && b <= block)
+                .map(|(planes, tiles, block)| config(planes, tiles, block, heads))
+                .find(|c| bytes(c, dtype) <= limit)
+                .ok_or_else(|| {
+                    let smallest = config(1, 1, 16, 1);
+                    KernelError::Unsupported(format!(
+                        "the flash {name} kernel at head dim {head_dim} and value dim \
+                         {value_dim} ({dtype:?}, {max_spans} span slots) needs {} bytes of \
+                         shared memory per cube at least; this device has {limit}",
+                        bytes(&smallest, dtype)
+                    ))
+                })
+        };
+        // Two row tiles per plane above dim 64 hold twice the accumulators: key tiles of 32.
+        let tiles = row_tiles()?;
+        let forward_block = if tiles > 1 && widest > 64 { 32 } else { 64 };
+        Ok(Self {
+            forward: pick(
+                "forward",
+                planes.forward,
+                forward_block,
+                tiles,
+                heads_per_cube(planes.forward),
+                forward_bytes,
+            )?,
+            dq: pick(
+                "dq",
+                planes.backward,
+                dq_block,
+                1,
+                heads_per_cube(planes.backward),
+                dq_bytes,
+            )?,
+            dkdv: pick("dk/dv", planes.backward, 32, 1, 1, dkdv_bytes)?,
+        })
+    }
+}
+
+/// Bytes of shared memory of one forward cube.
+fn forward_bytes(c: &FlashConfig, dtype: DType) -> usize {
+    let rows = 16 * c.row_tiles * c.planes;
+    let inputs = rows * padded(c.head_dim)
+        + c.buffers() * c.block * (padded(c.head_dim) + padded(c.value_dim));
+    dtype.size() * inputs + 4 * (c.tokens_per_cube() * 2 * c.max_spans) + scratch(c, dtype)
+}
+
+/// Bytes of shared memory of one dq cube.
+fn dq_bytes(c: &FlashConfig, dtype: DType) -> usize {
+    let rows = 16 * c.planes;
+    let inputs = rows * (padded(c.head_dim) + padded(c.value_dim))
+        + c.buffers() * c.block * (padded(c.head_dim) + padded(c.value_dim));
+    dtype.size() * inputs + 4 * (c.tokens_per_cube() * 2 * c.max_spans) + scratch(c, dtype)
+}
+
+/// Bytes of shared memory of one dk/dv cube.
+fn dkdv_bytes(c: &FlashConfig, dtype: DType) -> usize {
+    let rows = 16 * c.planes;
+    let per_row = padded(c.head_dim) + padded(c.value_dim);
+    let inputs = rows * per_row + c.buffers() * c.block * per_row;
+    let values = c.buffers() * c.block * (2 + 2 * c.max_spans);
+    dtype.size() * inputs + 4 * values + scratch(c, dtype)
+}
+/// Bytes of the plain bodies' scratch, the barriers and alignment.
+fn scratch(config: &FlashConfig, dtype: DType) -> usize {
+    let product = if config.tensor_cores {
+        0
+    } else {
+        config.planes * super::fragment::PRODUCT_SCRATCH * dtype.size()
+    };
+    let reduce = if config.shuffles {
+        0
+    } else {
+        config.planes * super::fragment::REDUCE_SCRATCH * 4
+    };
+    product + reduce + 8 * 64
+}
+
+/// Whether the flash kernels take `shape` in `dtype` on this device: head and value dims
+/// multiples of 16 up to [`FLASH_MAX_DIM`]; with tensor cores f16/bf16 on a device with the
+/// `m16n8k16` product into f32, `ldmatrix`, `cp.async` and plane shuffles on planes of 32.
+pub fn flash_fits(
+    properties: &DeviceProperties,
+    dtype: DType,
+    shape: &AttentionShape,
+    tensor_cores: bool,
+) -> Result<(), KernelError> {
+    for (name, dim) in [("head", shape.head_dim), ("value", shape.value_dim)] {
+        if dim % 16 != 0 || dim > FLASH_MAX_DIM {
+            return Err(KernelError::Unsupported(format!(
+                "the flash kernels take {name} dims that are multiples of 16 up to \
+                 {FLASH_MAX_DIM}, not {dim}"
+            )));
+        }
+    }
+    if !tensor_cores {
+        return Ok(());
+    }
+    let kind = match dtype {
+        DType::F16 => FloatKind::F16,
+        DType::BF16 => FloatKind::BF16,
+        other => {
+            return Err(KernelError::Unsupported(format!(
+                "the flash kernels' tensor cores take f16 or bf16 inputs, not {other:?}"
+            )))
+        }
+    };
+    let input: StorageType = ElemType::Float(kind).into();
+    let features = &properties.features;
+    let mma = MmaConfig {
+        a_type: input,
+        b_type: input,
+        cd_type: ElemType::Float(FloatKind::F32).into(),
+        m: 16,
+        n: 8,
+        k: 16,
+    };
+    let plane = (
+        properties.hardware.plane_size_min,
+        properties.hardware.plane_size_max,
+    );
+    let missing = [
+        (
+            !features.matmul.mma.contains(&mma),
+            "the m16n8k16 mma.sync product into f32",
+        ),
+        (!features.matmul.ldmatrix.contains(&input), "ldmatrix"),
+        (!features.copy_async, "cp.async copies"),
+        (!features.plane.contains(Plane::Ops), "plane shuffles"),
+        (plane != (32, 32), "planes of 32 units"),
+    ];
+    match missing.iter().find(|(lacks, _)| *lacks) {
+        Some((_, what)) => Err(KernelError::Unsupported(format!(
+            "the flash kernels need {what} for {dtype:?} on this device (CUDA, sm_80 or newer)"
+        ))),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(dim: usize, value_dim: usize, heads: usize, kv_heads: usize) -> AttentionShape {
+        AttentionShape {
+            q_tokens: 1000,
+            kv_tokens: 1000,
+            heads,
+            kv_heads,
+            head_dim: dim,
+            value_dim,
+        }
+    }
+
+    #[test]
+    fn plans_fill_the_shared_memory_they_have() {
+        // An H100 (227 KiB), bf16, dim 128: the forward takes 8 planes of two row tiles and
+        // key tiles of 32, dq 4 planes and key tiles of 32, dk/dv 4 planes and query tiles of
+        // 32; GQA groups of 4 share cubes. (This test runs with PLANES_ENV unset.)
+        let h100 =
+            FlashPlan::sized(232_448, DType::BF16, &shape(128, 128, 32, 8), 1, true).unwrap();
+        let f = h100.forward;
+        assert_eq!(
+            (f.planes, f.row_tiles, f.block, f.heads_per_cube),
+            (8, 2, 32, 4)
+        );
+        assert_eq!(
+            (f.tokens_per_cube(), f.async_copy, f.shuffles),
+            (64, true, true)
+        );
+        assert_eq!(
+            (
+                h100.dq.planes,
+                h100.dq.row_tiles,
+                h100.dq.block,
+                h100.dq.heads_per_cube
+            ),
+            (4, 1, 32, 4)
+        );
+        assert_eq!((h100.dkdv.planes, h100.dkdv.block), (4, 32));
+        // An A100's 163 KiB still takes the forward's 8 planes; 4 planes everywhere when pinned.
+        let a100 =
+            FlashPlan::sized(166_912, DType::BF16, &shape(128, 128, 32, 32), 1, true).unwrap();
+        assert_eq!((a100.forward.planes, a100.forward.row_tiles), (8, 2));
+        let pinned = |planes| {
+            let shape = shape(128, 128, 32, 8);
+            FlashPlan::sized_with_planes(
+                232_448,
+                DType::BF16,
+                &shape,
+                1,
+                true,
+                Planes::both(planes),
+            )
+        };
+        let four = pinned(4).unwrap();
+        assert_eq!(
+            (four.forward.planes, four.forward.tokens_per_cube()),
+            (4, 32)
+        );
+        let err = pinned(3).unwrap_err().to_string();
+        assert!(
+            err.contains("3 planes") && err.contains("1, 2, 4 or 8"),
+            "{err}"
+        );
+        // Dim 64: key tiles of 64 everywhere.
+        let d64 = FlashPlan::sized(232_448, DType::F16, &shape(64, 64, 8, 8), 1, true).unwrap();
+        assert_eq!(
+            (d64.forward.block, d64.dq.block, d64.forward.row_tiles),
+            (64, 64, 2)
+        );
+        // lavapipe's 32 KiB in f32 (the plain bodies CI runs): two row tiles on two planes.
+        let small = FlashPlan::sized(32_768, DType::F32, &shape(16, 32, 3, 1), 1, false).unwrap();
+        let f = small.forward;
+        assert_eq!(
+            (f.planes, f.row_tiles, f.block, f.heads_per_cube),
+            (2, 2, 64, 1)
+        );
+        assert!(!f.async_copy && !f.tensor_cores && !f.shuffles);
+        // Nothing fits: the error says how much the smallest cube needs.
+        let err = FlashPlan::sized(1_000, DType::F32, &shape(128, 128, 1, 1), 1, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("flash forward") && err.contains("1000"),
+            "{err}"
+        );
+    }
+}

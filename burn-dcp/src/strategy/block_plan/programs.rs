@@ -1,0 +1,204 @@
+//! Each rank's instruction list for a pass, built from the plan's routes and every rank's tiles:
+//! head units moved to their homes, then stage by stage the copies sent and received and the
+//! tiles attended, then the results sent home (and the moved units' results back).
+
+use std::collections::BTreeMap;
+
+use super::{id, BlockId, Instruction, Tile};
+use crate::planner::cost::{Hop, Route, Side};
+
+/// What a rank's programs are built from: the plan's routes and every rank's tiles.
+pub(super) struct ProgramBuilder<'a> {
+    pub(super) routes: &'a [Route],
+    pub(super) tiles: &'a [Vec<Tile>],
+    pub(super) last_stage: usize,
+    /// Token homes, `homes[seq][block]`.
+    pub(super) homes: &'a [Vec<usize>],
+    /// Head units' homes, `unit_homes[seq][block][unit]`.
+    pub(super) unit_homes: &'a [Vec<Vec<usize>>],
+}
+
+impl ProgramBuilder<'_> {
+    /// The program of `rank` for a pass whose results go home for the sides in `results` (the
+    /// forward pass returns only query-side results, the backward pass both).
+    pub(super) fn program(&self, rank: usize, results: &[Side]) -> Vec<Instruction> {
+        let mut program = Vec::new();
+        self.unit_moves(rank, false, &mut program);
+        self.copies(rank, 0, &mut program);
+        for stage in 1..=self.last_stage {
+            self.sends(rank, stage, true, &mut program);
+            self.attend(rank, stage - 1, &mut program);
+            self.receives(rank, stage, true, &mut program);
+            self.sends(rank, stage, false, &mut program);
+            self.receives(rank, stage, false, &mut program);
+        }
+        self.attend(rank, self.last_stage, &mut program);
+        self.results(rank, results, &mut program);
+        self.unit_moves(rank, true, &mut program);
+        program
+    }
+
+    /// Every head unit homed away from its token home, in (sequence, block, unit) order: `(block,
+    /// unit, token home, unit home)`.
+    fn moved_units(&self) -> impl Iterator<Item = (BlockId, usize, usize, usize)> + '_ {
+        self.unit_homes
+            .iter()
+            .enumerate()
+            .flat_map(move |(seq, blocks)| {
+                blocks.iter().enumerate().flat_map(move |(block, units)| {
+                    let token_home = self.homes[seq][block];
+                    units
+                        .iter()
+                        .enumerate()
+                        .filter(move |(_, &home)| home != token_home)
+                        .map(move |(unit, &home)| (BlockId { seq, block }, unit, token_home, home))
+                })
+            })
+    }
+
+    /// The moves of head units homed away from their token homes: to their homes before the
+    /// pass, or (`results`) their results back after it; sends first, then receives.
+    fn unit_moves(&self, rank: usize, results: bool, program: &mut Vec<Instruction>) {
+        for (block, unit, token_home, home) in self.moved_units() {
+            match results {
+                false if token_home == rank => program.push(Instruction::SendUnit {
+                    block,
+                    unit,
+                    to: home,
+                }),
+                true if home == rank => program.push(Instruction::SendUnitResult {
+                    block,
+                    unit,
+                    to: token_home,
+                }),
+                _ => {}
+            }
+        }
+        for (block, unit, token_home, home) in self.moved_units() {
+            match results {
+                false if home == rank => program.push(Instruction::ReceiveUnit {
+                    block,
+                    unit,
+                    from: token_home,
+                }),
+                true if token_home == rank => program.push(Instruction::ReceiveUnitResult {
+                    block,
+                    unit,
+                    from: home,
+                }),
+                _ => {}
+            }
+        }
+    }
+
+    fn copies(&self, rank: usize, stage: usize, program: &mut Vec<Instruction>) {
+        self.sends(rank, stage, true, program);
+        self.receives(rank, stage, true, program);
+        self.sends(rank, stage, false, program);
+        self.receives(rank, stage, false, program);
+    }
+
+    /// Hops of `stage`, from the home (`direct`) or from a relay, in route order.
+    fn hops(&self, stage: usize, direct: bool) -> impl Iterator<Item = (&Route, &Hop)> {
+        self.routes.iter().flat_map(move |route| {
+            route
+                .hops
+                .iter()
+                .filter(move |h| h.stage == stage && (h.from == route.home) == direct)
+                .map(move |h| (route, h))
+        })
+    }
+
+    fn sends(&self, rank: usize, stage: usize, direct: bool, program: &mut Vec<Instruction>) {
+        for (route, hop) in self.hops(stage, direct).filter(|(_, h)| h.from == rank) {
+            program.push(Instruction::Send {
+                side: route.side,
+                block: id(route),
+                unit: route.head,
+                to: hop.to,
+            });
+        }
+    }
+
+    fn receives(&self, rank: usize, stage: usize, direct: bool, program: &mut Vec<Instruction>) {
+        for (route, hop) in self.hops(stage, direct).filter(|(_, h)| h.to == rank) {
+            program.push(Instruction::Receive {
+                side: route.side,
+                block: id(route),
+                unit: route.head,
+                from: hop.from,
+            });
+        }
+    }
+
+    /// One attention per query block and head unit of the rank's tiles of `stage`.
+    fn attend(&self, rank: usize, stage: usize, program: &mut Vec<Instruction>) {
+        let mut by_query: BTreeMap<(BlockId, usize), Vec<usize>> = BTreeMap::new();
+        for tile in self.tiles[rank].iter().filter(|t| t.stage == stage) {
+            by_query
+                .entry((tile.q, tile.unit))
+                .or_default()
+                .push(tile.kv_block);
+        }
+        for ((q, unit), kv) in by_query {
+            program.push(Instruction::Attend { q, unit, kv });
+        }
+    }
+
+    /// Results back home (see the module docs): leaves first (to relays, then to homes), then
+    /// relays, then homes (from leaves, then from relays).
+    fn results(&self, rank: usize, sides: &[Side], program: &mut Vec<Instruction>) {
+        let routes: Vec<&Route> = self
+            .routes
+            .iter()
+            .filter(|r| sides.contains(&r.side))
+            .collect();
+        let relays =
+            |route: &Route, r: usize| route.hops.iter().any(|h| h.from == r) && r != route.home;
+        let parent = |route: &Route| route.hops.iter().find(|h| h.to == rank).map(|h| h.from);
+        for to_relay in [true, false] {
+            for route in &routes {
+                if let Some(from) = parent(route) {
+                    if !relays(route, rank) && (from != route.home) == to_relay {
+                        program.push(Instruction::SendResult {
+                            side: route.side,
+                            block: id(route),
+                            unit: route.head,
+                            to: from,
+                        });
+                    }
+                }
+            }
+        }
+        for route in routes.iter().filter(|r| relays(r, rank)) {
+            for hop in route.hops.iter().filter(|h| h.from == rank) {
+                program.push(Instruction::ReceiveResult {
+                    side: route.side,
+                    block: id(route),
+                    unit: route.head,
+                    from: hop.to,
+                });
+            }
+            program.push(Instruction::SendResult {
+                side: route.side,
+                block: id(route),
+                unit: route.head,
+                to: route.home,
+            });
+        }
+        for from_relay in [false, true] {
+            for route in routes.iter().filter(|r| r.home == rank) {
+                for hop in route.hops.iter().filter(|h| h.from == rank) {
+                    if relays(route, hop.to) == from_relay {
+                        program.push(Instruction::ReceiveResult {
+                            side: route.side,
+                            block: id(route),
+                            unit: route.head,
+                            from: hop.to,
+                        });
+                    }
+                }
+            }
+        }
+    }
+}
