@@ -18,8 +18,9 @@ use burn_dcp_suite::launch::{Ranks, Tracing};
 use burn_dcp_suite::train::hf::{ExportFlags, Exporting, HfExport};
 use burn_dcp_suite::train::metrics::truncate_metrics;
 use burn_dcp_suite::train::{
-    check_resume, refuse_overwrite, run_summary, same_dir, train_rank, write_json, Progress, RankOutcome, Recompute, StepMetrics,
-    StepObserver, TrainConfig, TrainData, TrainError, TrainFlags, TrainMode,
+    check_resume, refuse_overwrite, run_summary, same_dir, train_rank, write_json, Progress,
+    RankOutcome, Recompute, StepMetrics, StepObserver, TrainConfig, TrainData, TrainError,
+    TrainFlags, TrainMode,
 };
 use clap::Parser;
 use serde_json::json;
@@ -34,7 +35,7 @@ struct Args {
     /// flex (CPU) | wgpu | cuda
     #[arg(long, default_value = "flex")]
     backend: String,
-    /// With --backend wgpu or cuda: burn's plain CubeBackend instead of the default Fusion<CubeBackend>
+    /// With --backend wgpu or cuda: burn's plain `CubeBackend` instead of the default `Fusion<CubeBackend>`
     /// (the type burn's default features make burn::backend::Wgpu and Cuda)
     #[arg(long)]
     no_fusion: bool,
@@ -97,8 +98,7 @@ fn run(args: &Args) -> Result<(), TrainError> {
         );
         return summarize(args, &config, (&[], None), 0.0, args.resume.as_deref());
     }
-    let ranks =
-        Ranks::new(config.world_size(), world_config(&config)?)?;
+    let ranks = Ranks::new(config.world_size(), world_config(&config)?)?;
     if args.backend == "flex" {
         let here = if ranks.is_distributed() {
             1

@@ -157,22 +157,24 @@ fn cp_logits(model: &str, sequences: &[Vec<i64>], strategy: Strategy, cp: usize)
     };
     let vocab = hf.model.vocab_size;
     let world = InProcessWorld::new(cp, WorldConfig::default()).unwrap();
-    let ranks = world.run(|comm| -> Result<(Vec<usize>, Vec<f32>), burn_dcp::CpError> {
-        let device = Default::default();
-        let (gpt, _) = load_hf::<Cp>(&dir, &device).unwrap();
-        let indices = batch.placement.packed_indices(comm.rank());
-        let pick = |values: &[i64]| -> Tensor<Cp, 1, Int> {
-            let local: Vec<i64> = indices.iter().map(|&i| values[i]).collect();
-            Tensor::from_data(TensorData::new(local, [indices.len()]), &device)
-        };
-        let context = set_context(CpContext {
-            group: CpGroup::new(comm.clone(), strategy)?,
-            batch: batch.clone(),
-        });
-        let logits = gpt.forward(pick(&ids), pick(&positions));
-        context.finish()?;
-        Ok((indices, logits.into_data().to_vec().unwrap()))
-    });
+    let ranks = world.run(
+        |comm| -> Result<(Vec<usize>, Vec<f32>), burn_dcp::CpError> {
+            let device = Default::default();
+            let (gpt, _) = load_hf::<Cp>(&dir, &device).unwrap();
+            let indices = batch.placement.packed_indices(comm.rank());
+            let pick = |values: &[i64]| -> Tensor<Cp, 1, Int> {
+                let local: Vec<i64> = indices.iter().map(|&i| values[i]).collect();
+                Tensor::from_data(TensorData::new(local, [indices.len()]), &device)
+            };
+            let context = set_context(CpContext {
+                group: CpGroup::new(comm.clone(), strategy)?,
+                batch: batch.clone(),
+            });
+            let logits = gpt.forward(pick(&ids), pick(&positions));
+            context.finish()?;
+            Ok((indices, logits.into_data().to_vec().unwrap()))
+        },
+    );
     let mut packed = vec![f32::NAN; ids.len() * vocab];
     for rank in ranks {
         let (indices, logits) = rank.unwrap();
@@ -365,6 +367,9 @@ fn a_trained_model_exports_and_reloads_with_the_same_loss() {
     std::fs::remove_dir_all(&scratch).unwrap();
 }
 
+/// A bad checkpoint: its name, how it is spoiled, and what the error must say.
+type Case<'a> = (&'a str, &'a dyn Fn(&Path), &'a str);
+
 /// A bad checkpoint is refused before anything is written, naming what is wrong.
 #[test]
 fn bad_checkpoints_are_named() {
@@ -384,7 +389,7 @@ fn bad_checkpoints_are_named() {
         assert!(text.contains(from));
         std::fs::write(dir.join("config.json"), text.replace(from, to)).unwrap();
     };
-    let cases: [(&str, &dyn Fn(&Path), &str); 5] = [
+    let cases: [Case<'_>; 5] = [
         (
             "truncated",
             &|d| {

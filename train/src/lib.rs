@@ -78,6 +78,6 @@ pub use optim::{
 pub use plan::{AutoRecord, PlannedBatch, StepPlan};
 pub use planning::plan_step;
 pub use run::{ModelInit, RankOutcome, TrainBackend, Trainer};
-pub use summary::run_summary;
 pub use step::{rank_peak_gpu_memory_mb, rank_peak_memory_mb, step_gradients, AXES};
+pub use summary::run_summary;
 pub use tensor_parallel::TpGroup;

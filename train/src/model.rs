@@ -260,3 +260,119 @@ pub fn cast_model<B: Backend, M: burn::module::Module<B>>(
     }
     model.map(&mut CastParams(dtype))
 }
+
+/// The step's copy of `model` in the compute dtype: every float parameter cast to `dtype` as a
+/// leaf of its own (the same parameter id; a leaf requires its gradient where the parameter
+/// does). Made once per optimizer step, it serves every micro-batch's forward — one cast per
+/// parameter per step, where [`cast_model`] casts per forward — and [`master_grads`] brings a
+/// backward's gradients of it to the f32 parameters: the same values as through `cast_model`'s
+/// differentiable casts (a cast's backward only widens its bf16 gradient).
+pub(crate) fn step_copy<B: AutodiffBackend, M: burn::module::Module<B>>(
+    model: &M,
+    dtype: burn::tensor::FloatDType,
+) -> M {
+    struct Leaves(burn::tensor::FloatDType);
+    impl<B: AutodiffBackend> burn::module::ModuleMapper<B> for Leaves {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<Tensor<B, D>>,
+        ) -> burn::module::Param<Tensor<B, D>> {
+            let dtype = self.0;
+            param.map(|tensor| {
+                let trained = tensor.is_require_grad();
+                let leaf = Tensor::from_inner(tensor.inner().cast(dtype));
+                match trained {
+                    true => leaf.require_grad(),
+                    false => leaf,
+                }
+            })
+        }
+    }
+    model.clone().map(&mut Leaves(dtype))
+}
+
+/// `grads` of a [`step_copy`] of `model` as gradients of `model`'s f32 parameters (each cast to
+/// f32; the parameters share their ids).
+pub(crate) fn master_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    mut grads: burn::optim::GradientsParams,
+) -> burn::optim::GradientsParams {
+    struct ToF32<'a>(&'a mut burn::optim::GradientsParams);
+    impl<B: AutodiffBackend> burn::module::ModuleVisitor<B> for ToF32<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+            if let Some(grad) = self.0.remove::<B::InnerBackend, D>(param.id) {
+                self.0
+                    .register(param.id, grad.cast(burn::tensor::FloatDType::F32));
+            }
+        }
+    }
+    model.visit(&mut ToF32(&mut grads));
+    grads
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, Flex};
+    use burn::module::{Module, Param};
+    use burn::optim::{GradientsAccumulator, GradientsParams};
+    use burn::tensor::{DType, Distribution, FloatDType};
+
+    use super::*;
+
+    type A = Autodiff<Flex>;
+
+    #[derive(Module, Debug)]
+    struct Tiny<B: Backend> {
+        w: Param<Tensor<B, 2>>,
+        gain: Param<Tensor<B, 1>>,
+    }
+
+    fn forward(model: &Tiny<A>, x: &Tensor<A, 2>) -> Tensor<A, 1> {
+        let h = x.clone().cast(FloatDType::BF16).matmul(model.w.val());
+        let h = h * model.gain.val().unsqueeze_dim(0);
+        (h.clone() * h).sum().cast(FloatDType::F32)
+    }
+
+    /// The f32 gradients of `model` accumulated over `inputs`, through a cast copy per forward
+    /// (`per_forward`) or the step's one copy.
+    fn accumulated(model: &Tiny<A>, inputs: &[Tensor<A, 2>], per_forward: bool) -> Vec<Vec<f32>> {
+        let mut accumulator = GradientsAccumulator::new();
+        let step = step_copy(model, FloatDType::BF16);
+        for x in inputs {
+            let grads = if per_forward {
+                let copy = cast_model(model.clone(), FloatDType::BF16);
+                GradientsParams::from_grads(forward(&copy, x).backward(), model)
+            } else {
+                let grads = GradientsParams::from_grads(forward(&step, x).backward(), &step);
+                master_grads(model, grads)
+            };
+            accumulator.accumulate(model, grads);
+        }
+        let grads = accumulator.grads();
+        let w = grads.get::<Flex, 2>(model.w.id).unwrap();
+        let gain = grads.get::<Flex, 1>(model.gain.id).unwrap();
+        assert_eq!((w.dtype(), gain.dtype()), (DType::F32, DType::F32));
+        vec![
+            w.into_data().to_vec().unwrap(),
+            gain.into_data().to_vec().unwrap(),
+        ]
+    }
+
+    /// The step's one bf16 copy gives the f32 parameters exactly the gradients a cast per forward
+    /// gives them, accumulated over three micro-batches.
+    #[test]
+    fn one_copy_per_step_gives_the_gradients_of_a_copy_per_forward() {
+        let device = Default::default();
+        let random = |shape: [usize; 2]| {
+            Tensor::<A, 2>::random(shape, Distribution::Normal(0.0, 1.0), &device)
+        };
+        let model = Tiny {
+            w: Param::from_tensor(random([8, 6])),
+            gain: Param::from_tensor(random([1, 6]).reshape([6])),
+        };
+        let inputs: Vec<_> = (0..3).map(|_| random([4, 8])).collect();
+        let per_step = accumulated(&model, &inputs, false);
+        assert_eq!(per_step, accumulated(&model, &inputs, true));
+        assert!(per_step.iter().flatten().any(|g| *g != 0.0));
+    }
+}

@@ -27,9 +27,9 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::{Int, Tensor, TensorData, ToElement};
 use burn::tensor::backend::AutodiffBackend;
 use burn_dcp::backend::{set_context, CpContext};
+use burn_dcp::batch::shard::RankShard;
 use burn_dcp::comm::{Comm, Payload, PendingSend};
 use burn_dcp::kernels::FlashOps;
-use burn_dcp::batch::shard::RankShard;
 use burn_dcp::{CpError, CpGroup};
 
 use crate::config::{Precision, Recompute};

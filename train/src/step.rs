@@ -19,7 +19,7 @@ use crate::data::TrainData;
 use crate::error::{forward_failed, TrainError};
 use crate::gradients::{clip_grad_norm, global_grad_norm, reduce_step, sum_losses};
 use crate::groups::RankGroups;
-use crate::model::{cast_model, CpTrain, ShardInput, TrainModel};
+use crate::model::{master_grads, step_copy, CpTrain, ShardInput, TrainModel};
 use crate::pipeline::{stage_passes, Pass, StageRun};
 use crate::plan::{PlannedBatch, ScheduleStats, StepPlan, StepSequences};
 use crate::planning::plan_step;
@@ -194,7 +194,7 @@ fn run_plan<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>>(
         sequences,
         global_labels,
         device,
-        compute: config.precision.compute_dtype(),
+        copy: (config.precision.compute_dtype()).map(|dtype| step_copy(model, dtype)),
         accumulator: GradientsAccumulator::new(),
         losses: Vec::new(),
         sync: config.sync_phases,
@@ -296,8 +296,9 @@ struct SingleStage<'a, B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain
     sequences: &'a StepSequences<'a>,
     global_labels: usize,
     device: &'a B::Device,
-    /// The dtype each forward's copy of the model is cast to (`None`: f32, the model itself).
-    compute: Option<FloatDType>,
+    /// The step's copy of the model in the compute dtype (`None`: f32, the model itself), made
+    /// once for all of the step's micro-batches.
+    copy: Option<M>,
     accumulator: GradientsAccumulator<M>,
     /// The unscaled losses of the micro-batches, on the device (read back once, after the last
     /// backward: the step queues its backward passes without waiting for its forwards).
@@ -327,7 +328,7 @@ impl<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> SingleSta
 
     /// The forward of `planned` (sub-step `unit`) in its CP group, its loss, and (`backward`) the
     /// backward of `loss / global_labels` into the accumulated gradients. Under a low precision the forward
-    /// runs a fresh copy of the model cast to it, whose gradients reach the f32 parameters.
+    /// runs the step's copy of the model in it, whose gradients are accumulated in f32.
     fn forward_backward(
         &mut self,
         unit: usize,
@@ -340,10 +341,7 @@ impl<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> SingleSta
             let _span = micro_batch_span(unit, "forward", planned);
             let (shard, batch) = planned.rank_input(self.sequences, me, M::INPUT_ROWS)?;
             let group = self.groups.group(&planned.ranks, planned.strategy)?;
-            let copy = self
-                .compute
-                .map(|dtype| cast_model(self.model.clone(), dtype));
-            let model = copy.as_ref().unwrap_or(self.model);
+            let model = self.copy.as_ref().unwrap_or(self.model);
             let input = ShardInput::new(&shard, &batch, me - planned.ranks.start, self.device)?;
             let context = set_context(CpContext { group, batch });
             let loss = model
@@ -365,7 +363,10 @@ impl<B: FlashOps, C: CheckpointStrategy, M: TrainModel<CpTrain<B, C>>> SingleSta
         }
         let _span = micro_batch_span(unit, "backward", planned);
         let grads = (loss / self.global_labels as f64).backward();
-        let grads = GradientsParams::from_grads(grads, self.model);
+        let grads = match &self.copy {
+            Some(copy) => master_grads(self.model, GradientsParams::from_grads(grads, copy)),
+            None => GradientsParams::from_grads(grads, self.model),
+        };
         self.accumulator.accumulate(self.model, grads);
         if self.sync {
             device_sync::<B>(self.device)?;

@@ -112,4 +112,3 @@ fn mean(values: impl Iterator<Item = f64>) -> f64 {
         sum / count as f64
     }
 }
-

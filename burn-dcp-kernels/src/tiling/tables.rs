@@ -4,7 +4,6 @@ use crate::definition::KernelError;
 use crate::spans::QuerySpans;
 use crate::VarlenAttention;
 
-
 /// Per query, its allowed packed key spans, padded to the same count.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DenseSpans {

@@ -33,8 +33,8 @@ use crate::backend::context::{intercept, CpContext};
 use crate::backend::timing::timed;
 use crate::batch::rows::LocalRows;
 use crate::error::CpError;
-use crate::tensors::{exact_reshape, repeat_kv_heads};
 use crate::strategy::{cp_attention_backward, cp_attention_forward, BackwardInputs};
+use crate::tensors::{exact_reshape, repeat_kv_heads};
 
 /// Backends `ContextParallel` can wrap: they know how to run CP attention on their primitives.
 /// Implemented for `Autodiff<B: FlashOps>` (one autodiff node whose backward runs the strategy's

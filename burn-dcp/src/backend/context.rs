@@ -249,11 +249,11 @@ impl std::fmt::Debug for CpContextGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::{InProcessWorld, WorldConfig};
-    use burn_dcp_kernels::MaskSpec;
     use crate::batch::layout::Layout;
     use crate::batch::placement::Placement;
+    use crate::comm::{InProcessWorld, WorldConfig};
     use crate::strategy::Strategy;
+    use burn_dcp_kernels::MaskSpec;
 
     static LOGGED: Mutex<Vec<String>> = Mutex::new(Vec::new());
 

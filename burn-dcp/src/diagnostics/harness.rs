@@ -358,7 +358,11 @@ struct RunParts<'a, B: FlashOps> {
 }
 
 impl<'a, B: FlashOps> RunParts<'a, B> {
-    fn new(device: &'a B::Device, inputs: &'a PackedInputs, spec: &'a RunSpec) -> Result<Self, CpError> {
+    fn new(
+        device: &'a B::Device,
+        inputs: &'a PackedInputs,
+        spec: &'a RunSpec,
+    ) -> Result<Self, CpError> {
         Ok(Self {
             device,
             inputs,

@@ -8,9 +8,9 @@ use burn::tensor::activation::{quiet_softmax, softmax};
 use burn::tensor::ops::AttentionModuleOptions;
 
 use super::attention::grouped_attention;
+use crate::backend::{current_context, is_context_parallel, CpContext};
 use crate::error::HeadError;
 use crate::tensors::{bool_values, exact_reshape, repeat_kv_heads};
-use crate::backend::{current_context, is_context_parallel, CpContext};
 use burn_dcp_kernels::heads::Heads;
 
 /// Configuration of a [`MultiHeadAttention`]: burn-nn 0.21's `MultiHeadAttentionConfig` (same

@@ -27,14 +27,14 @@ mod pos_encoding;
 mod positions;
 mod rope;
 
+pub use crate::error::HeadError;
+pub use crate::tensors::repeat_kv_heads;
 pub use attention::grouped_attention;
 pub use encoder::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput, TransformerEncoderLayer,
 };
-pub use crate::error::HeadError;
 pub use mha::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
 pub use pos_encoding::{PositionalEncoding, PositionalEncodingConfig};
 pub(crate) use positions::context_positions;
 pub use positions::lengths_from_mask_pad;
 pub use rope::{RotaryEncoding, RotaryEncodingConfig};
-pub use crate::tensors::repeat_kv_heads;

@@ -12,8 +12,8 @@
 use std::ops::Add;
 
 use crate::error::CpError;
-use burn_dcp_kernels::heads::{HeadParts, HeadSplitError, Heads};
 use crate::planner::topology::attention_flops;
+use burn_dcp_kernels::heads::{HeadParts, HeadSplitError, Heads};
 
 /// Bytes of the LSE per query head and token (always f32).
 pub const LSE_BYTES: u64 = 4;

@@ -37,12 +37,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::CpError;
 pub use crate::planner::bytes::{AttentionDims, Pass, Side, UnitSizes};
+use crate::planner::hypergraph::FastMap;
+use crate::planner::plan::{BlockProblem, DataKind, Plan, TileGrid};
 pub use crate::planner::routes::{
     direct_transfers, hop_bytes, route_transfers, routes, unit_move_transfers, unit_moves, Hop,
     Route,
 };
-use crate::planner::hypergraph::FastMap;
-use crate::planner::plan::{BlockProblem, DataKind, Plan, TileGrid};
 pub use crate::planner::topology::BACKWARD_FLOPS_FACTOR;
 use crate::planner::topology::{LinkClass, Topology};
 

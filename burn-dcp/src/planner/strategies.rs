@@ -28,7 +28,6 @@ use burn_dcp_kernels::{mask_of, MaskSpec};
 
 use crate::batch::layout::Layout;
 use crate::error::CpError;
-use burn_dcp_kernels::heads::HeadParts;
 use crate::planner::cost::{AttentionDims, Pass, Ready, RoutedPlan, Transfer, UnitSizes, POST};
 use crate::planner::dcp::DcpConfig;
 use crate::planner::dynamic::{schedule_with, DynamicCpConfig, DynamicCpSchedule};
@@ -37,6 +36,7 @@ use crate::planner::plan::{
 };
 use crate::planner::topology::Topology;
 use crate::strategy::StrategyKind;
+use burn_dcp_kernels::heads::HeadParts;
 
 /// Most (q, kv) block pairs (full-mask count) a static strategy's plan may have.
 pub const STATIC_TILE_BUDGET: usize = 1 << 21;

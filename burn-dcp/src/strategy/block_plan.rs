@@ -45,9 +45,7 @@ use crate::comm::LinkBytes;
 use crate::error::CpError;
 use crate::planner::bytes::RankVolume;
 use crate::planner::cost::unit_moves;
-use crate::planner::cost::{
-    route_transfers, routes, AttentionDims, Pass, Route, Side, Transfer,
-};
+use crate::planner::cost::{route_transfers, routes, AttentionDims, Pass, Route, Side, Transfer};
 use crate::planner::plan::{token_homes, BlockProblem, Plan};
 use crate::planner::topology::Topology;
 

@@ -31,7 +31,6 @@ use burn_dcp_kernels::{
 use crate::batch::placement::Placement;
 use crate::comm::{Comm, CommError, Payload, PendingSend};
 use crate::error::CpError;
-use burn_dcp_kernels::heads::HeadParts;
 use crate::planner::bytes::{RankVolume, VolumeShape};
 use crate::planner::cost::{Pass, Side};
 use crate::planner::dcp::dcp_plan;
@@ -42,6 +41,7 @@ use crate::strategy::exchange::{
     accumulator_dtype, cat_tokens, filled, narrow, split_sizes, widened,
 };
 use crate::strategy::{AttentionStrategy, BackwardInputs, CpBatch, CpCall, Qkv};
+use burn_dcp_kernels::heads::HeadParts;
 
 mod attend;
 mod blocks;
@@ -441,6 +441,4 @@ impl<'a, B: FlashOps> Run<'a, B> {
         }
         Ok(parts)
     }
-
 }
-

@@ -5,8 +5,8 @@ use std::fmt;
 use crate::batch::layout::Layout;
 use crate::comm::Comm;
 use crate::error::CpError;
-use burn_dcp_kernels::heads::{HeadParts, Heads};
 use crate::strategy::StrategyKind;
+use burn_dcp_kernels::heads::{HeadParts, Heads};
 
 /// Which algorithm computes attention across the CP group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]

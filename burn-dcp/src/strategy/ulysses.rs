@@ -19,7 +19,6 @@ use burn_dcp_kernels::{AttentionShape, FlashGradients, FlashOps, FlashOutput};
 use crate::batch::placement::Placement;
 use crate::comm::Comm;
 use crate::error::CpError;
-use burn_dcp_kernels::heads::HeadParts;
 use crate::planner::bytes::{rank_tokens, Pass, RankVolume, TokenBytes, VolumeShape};
 use crate::planner::{strategies, PlanInput, RoutedPlan};
 use crate::strategy::exchange::{
@@ -29,6 +28,7 @@ use crate::strategy::exchange::{
 use crate::strategy::{
     AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv, StrategyKind,
 };
+use burn_dcp_kernels::heads::HeadParts;
 
 /// Which heads each rank of a Ulysses group computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -446,7 +446,11 @@ impl AttentionStrategy for Ulysses {
 
     /// The query heads split evenly over the group ([`burn_dcp_kernels::heads`]' rule).
     fn validate_call(&self, call: CpCall<'_>, shape: AttentionShape) -> Result<(), CpError> {
-        crate::strategy::Strategy::Ulysses.validate_heads(shape.heads, shape.kv_heads, call.group.cp())
+        crate::strategy::Strategy::Ulysses.validate_heads(
+            shape.heads,
+            shape.kv_heads,
+            call.group.cp(),
+        )
     }
 
     fn forward<B: FlashOps>(

@@ -15,7 +15,6 @@ use burn_dcp_kernels::{AttentionShape, FlashGradients, FlashOps, FlashOutput};
 
 use crate::batch::placement::Placement;
 use crate::error::CpError;
-use burn_dcp_kernels::heads::HeadParts;
 use crate::planner::bytes::{rank_tokens, RankVolume, VolumeShape};
 use crate::planner::{strategies, PlanInput, RoutedPlan};
 use crate::strategy::exchange::concat_segments;
@@ -24,6 +23,7 @@ use crate::strategy::ulysses::{ulysses_volume, HeadSplit, UlyssesStage};
 use crate::strategy::{
     AttentionStrategy, BackwardInputs, CpBatch, CpCall, CpGroup, Qkv, Strategy, StrategyKind,
 };
+use burn_dcp_kernels::heads::HeadParts;
 
 /// Ulysses inside groups of `ulysses_degree` ranks, ring across `ring_degree` such groups.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

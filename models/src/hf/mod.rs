@@ -5,6 +5,7 @@
 //! what transformers' `save_pretrained` writes, with no conversion script.
 //!
 //! [`Gpt`]: crate::Gpt
+//! [`GptConfig`]: crate::GptConfig
 
 pub mod check;
 pub mod config;

@@ -26,7 +26,7 @@ struct Args {
     /// flex | cuda | wgpu
     #[arg(long, default_value = "flex")]
     backend: String,
-    /// burn's plain CubeBackend instead of Fusion<CubeBackend>
+    /// burn's plain `CubeBackend` instead of `Fusion<CubeBackend>`
     #[arg(long)]
     no_fusion: bool,
     /// A model preset (tiny, small, base, llama-125m, llama-350m, llama-1b)

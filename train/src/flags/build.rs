@@ -5,13 +5,13 @@ use std::path::Path;
 
 use burn_dcp::StrategyKind;
 
+use super::args::TrainFlags;
+use super::mode::mode_from_args;
+use super::resume::resumed_config;
 use crate::config::{PpSchedule, Precision, Recompute, TrainConfig, TrainMode, MAX_SEQ_LEN};
 use crate::error::TrainError;
 use crate::optim::{LrScheduleKind, LrScheduleSettings, OptimizerKind, OptimizerSettings};
 use crate::settings::EmulatedLinks;
-use super::mode::mode_from_args;
-use super::resume::resumed_config;
-use super::args::TrainFlags;
 
 impl TrainFlags {
     /// The configuration of a new run.

@@ -63,7 +63,11 @@ impl<B: FlashOps> Run<'_, B> {
 
     /// Merges a partial output into the unit's, kept in the accumulator dtype (f32 for half
     /// inputs: one rounding, when the result is sent or returned).
-    pub(super) fn merge_output(&mut self, key: Key, partial: FlashOutput<B>) -> Result<(), CpError> {
+    pub(super) fn merge_output(
+        &mut self,
+        key: Key,
+        partial: FlashOutput<B>,
+    ) -> Result<(), CpError> {
         let partial = FlashOutput {
             out: widened(partial.out),
             lse: partial.lse,

@@ -9,7 +9,12 @@ impl<B: FlashOps> Run<'_, B> {
         self.schedule.block_tokens(block).len()
     }
 
-    pub(super) fn copy_shapes(&self, side: Side, block: BlockId, backward: bool) -> Vec<Vec<usize>> {
+    pub(super) fn copy_shapes(
+        &self,
+        side: Side,
+        block: BlockId,
+        backward: bool,
+    ) -> Vec<Vec<usize>> {
         let t = self.tokens(block);
         let (h, kv, d) = self.heads.unit_dims();
         match (side, backward) {
@@ -21,7 +26,12 @@ impl<B: FlashOps> Run<'_, B> {
         }
     }
 
-    pub(super) fn result_shapes(&self, side: Side, block: BlockId, backward: bool) -> Vec<Vec<usize>> {
+    pub(super) fn result_shapes(
+        &self,
+        side: Side,
+        block: BlockId,
+        backward: bool,
+    ) -> Vec<Vec<usize>> {
         let t = self.tokens(block);
         let (h, kv, d) = self.heads.unit_dims();
         match (side, backward) {
@@ -40,7 +50,12 @@ impl<B: FlashOps> Run<'_, B> {
         ))
     }
 
-    pub(super) fn copy_of(&self, side: Side, key: Key, backward: bool) -> Result<Vec<Payload>, CpError> {
+    pub(super) fn copy_of(
+        &self,
+        side: Side,
+        key: Key,
+        backward: bool,
+    ) -> Result<Vec<Payload>, CpError> {
         match side {
             Side::QueryOutput => {
                 let query = self
@@ -74,7 +89,12 @@ impl<B: FlashOps> Run<'_, B> {
         }
     }
 
-    pub(super) fn store_copy(&mut self, side: Side, key: Key, parts: Vec<Payload>) -> Result<(), CpError> {
+    pub(super) fn store_copy(
+        &mut self,
+        side: Side,
+        key: Key,
+        parts: Vec<Payload>,
+    ) -> Result<(), CpError> {
         let mut parts = parts.into_iter();
         match side {
             Side::QueryOutput => {
@@ -116,7 +136,12 @@ impl<B: FlashOps> Run<'_, B> {
             .map_err(|e| invalid(e.to_string()))
     }
 
-    pub(super) fn result_of(&self, side: Side, key: Key, backward: bool) -> Result<Vec<Payload>, CpError> {
+    pub(super) fn result_of(
+        &self,
+        side: Side,
+        key: Key,
+        backward: bool,
+    ) -> Result<Vec<Payload>, CpError> {
         match (side, backward) {
             (Side::QueryOutput, false) => {
                 let output = self
@@ -353,7 +378,11 @@ impl<B: FlashOps> Run<'_, B> {
 }
 
 /// Adds `value` into the map's accumulator of `key` (kept in the accumulator dtype).
-pub(super) fn add_into<B: FlashOps>(map: &mut HashMap<Key, Tensor<B, 3>>, key: Key, value: Tensor<B, 3>) {
+pub(super) fn add_into<B: FlashOps>(
+    map: &mut HashMap<Key, Tensor<B, 3>>,
+    key: Key,
+    value: Tensor<B, 3>,
+) {
     let value = widened(value);
     let sum = match map.remove(&key) {
         Some(previous) => previous + value,

@@ -202,7 +202,11 @@ pub(crate) fn read_inputs(path: &Path) -> Result<PackedInputs, String> {
     })
 }
 
-pub(crate) fn write_outputs(path: &Path, x: &PackedInputs, outputs: &PackedOutputs) -> Result<(), String> {
+pub(crate) fn write_outputs(
+    path: &Path,
+    x: &PackedInputs,
+    outputs: &PackedOutputs,
+) -> Result<(), String> {
     let t = x.tokens();
     let bytes = |values: &[f32]| {
         values

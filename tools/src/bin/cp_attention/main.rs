@@ -493,4 +493,3 @@ fn report_run(
     }
     Ok(())
 }
-
