@@ -36,3 +36,8 @@ impl From<ModelError> for String {
         error.to_string()
     }
 }
+
+/// A file operation on a checkpoint that failed: `action` (`read`, `write`, …), the path and why.
+pub(crate) fn io(action: &str, path: &std::path::Path, error: impl fmt::Display) -> ModelError {
+    ModelError::Checkpoint(format!("{action} {}: {error}", path.display()))
+}

@@ -11,14 +11,14 @@
 //! holds non-contiguous tokens), `labels [T]` with `-1` where there is no next token.
 
 use crate::error::ModelError;
-use crate::presets::preset;
 use crate::rope::{Rope, RopeScaling, RopeSettings};
+pub use crate::tensors::reshape;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
-use burn::prelude::{Backend, Config, Int, Shape, Tensor, TensorData};
+use burn::prelude::{Backend, Config, Int, Tensor, TensorData};
 use burn::tensor::activation::{gelu, log_softmax, silu};
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{BasicOps, FloatDType};
+use burn::tensor::FloatDType;
 use burn_dcp::heads::Heads;
 use burn_dcp::nn::grouped_attention;
 use rand::rngs::SmallRng;
@@ -75,13 +75,6 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
-    /// Named sizes: `tiny`, `small`, `base` (the GPT, the tokenizer's `vocab_size`) and
-    /// `llama-125m`, `llama-350m`, `llama-1b` (Llama-shaped, their own vocabulary, which must hold
-    /// the tokenizer's); see [`crate::presets`].
-    pub fn sized(name: &str, vocab_size: usize) -> Result<Self, ModelError> {
-        preset(name, vocab_size)
-    }
-
     /// The query and kv heads ([`Heads`]' rules: kv heads divide the query heads).
     pub fn heads(&self) -> Result<Heads, ModelError> {
         Heads::new(self.n_heads, self.n_kv_heads).map_err(|e| ModelError::Config(e.to_string()))
@@ -377,24 +370,6 @@ pub struct Gpt<B: Backend> {
     pub(crate) head_dim: usize,
     pub(crate) rope_theta: f64,
     pub(crate) rope_scaling: Option<RopeScaling>,
-}
-
-/// `tensor.reshape(dims)` that also works when a dim of `dims` is 0 (a CP rank holding no token):
-/// burn 0.21's `Tensor::reshape` reads a 0 in the target as "keep the source's dim at this index"
-/// (ONNX style), so `[0, 8] → [1, 1, 0, 8]` panics and `[1, 0, 8] → [0, 8]` picks the wrong dims.
-/// The backend op takes the shape as given (and autodiff records it as usual).
-pub fn reshape<B: Backend, const D1: usize, const D2: usize, K: BasicOps<B>>(
-    tensor: Tensor<B, D1, K>,
-    dims: [usize; D2],
-) -> Tensor<B, D2, K> {
-    let elements: usize = dims.iter().product();
-    assert_eq!(
-        tensor.shape().num_elements(),
-        elements,
-        "reshape of a {:?} tensor to {dims:?}",
-        tensor.dims()
-    );
-    Tensor::from_primitive(K::reshape(tensor.into_primitive(), Shape::from(dims)))
 }
 
 impl<B: Backend> Block<B> {

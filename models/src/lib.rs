@@ -8,6 +8,7 @@ pub mod hf;
 pub mod presets;
 pub mod rope;
 pub mod tensor_parallel;
+mod tensors;
 
 pub use error::ModelError;
 pub use gpt::{Gpt, GptConfig, Mlp};

@@ -76,6 +76,15 @@ pub fn preset(name: &str, tokenizer_vocab: usize) -> Result<GptConfig, ModelErro
     Ok(config)
 }
 
+impl GptConfig {
+    /// Named sizes: `tiny`, `small`, `base` (the GPT, the tokenizer's `vocab_size`) and
+    /// `llama-125m`, `llama-350m`, `llama-1b` (Llama-shaped, their own vocabulary, which must hold
+    /// the tokenizer's); see [`crate::presets`].
+    pub fn sized(name: &str, vocab_size: usize) -> Result<Self, ModelError> {
+        preset(name, vocab_size)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,7 +10,7 @@ use burn::prelude::{Backend, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ModelError;
-use crate::gpt::reshape;
+use crate::tensors::reshape;
 
 /// How the inverse frequencies are rescaled for a longer context (Hugging Face's
 /// `rope_scaling`, of the types this model supports).

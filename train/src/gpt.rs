@@ -55,7 +55,9 @@ fn init_gpt<B: FlashOps, C: CheckpointStrategy>(
 ) -> Result<TrainGpt<B, C>, TrainError> {
     let model_config = config.model_config()?;
     let full = match &config.hf_checkpoint {
-        Some(dir) => crate::hf::load_initial::<CpTrain<B, C>>(config, Path::new(dir), device)?,
+        Some(dir) => {
+            crate::hf::load::load_initial::<CpTrain<B, C>>(config, Path::new(dir), device)?
+        }
         None => model_config
             .init::<CpTrain<B, C>>(config.seed, device)
             .map_err(TrainError::from)?,

@@ -29,6 +29,7 @@ mod checkpoint;
 mod config;
 mod data;
 mod error;
+mod files;
 mod flags;
 mod gpt;
 mod gradients;
@@ -53,9 +54,7 @@ mod summary;
 mod tensor_parallel;
 
 // What users of the engine use; everything else is the engine's own (`pub(crate)`).
-pub use checkpoint::{
-    check_resume, refuse_overwrite, same_dir, saved_checkpoint, write_json, TrainState,
-};
+pub use checkpoint::{check_resume, saved_checkpoint, TrainState};
 pub use config::{
     AutoSettings, CpSizes, DcpSettings, DynamicSettings, EmulatedLinks, GroupStrategy, PpSchedule,
     Precision, Recompute, TrainConfig, TrainMode, DEFAULT_PLAN_AHEAD, MAX_CHUNK_BYTES,
@@ -63,6 +62,7 @@ pub use config::{
 };
 pub use data::TrainData;
 pub use error::TrainError;
+pub use files::{refuse_overwrite, same_dir, write_json};
 pub use flags::TrainFlags;
 pub use gpt::{init_model, train_rank, TrainGpt};
 pub use gradients::{all_reduce_grads, gradient_values, GRADIENT_BUCKET_BYTES};

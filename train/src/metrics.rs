@@ -12,8 +12,8 @@ use burn_dcp::comm::LinkBytes;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::write_atomically;
 use crate::error::TrainError;
+use crate::files::write_atomically;
 use crate::plan::AutoRecord;
 
 /// One optimizer step's measurements (a line of `metrics.jsonl`).

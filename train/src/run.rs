@@ -14,12 +14,13 @@ use burn_dcp::kernels::FlashOps;
 use burn_dcp::CpError;
 
 use crate::checkpoint::{
-    check_data_state, load_model, read_json, save_checkpoint, saved_checkpoint, Checkpoint,
-    CheckpointFiles, Recorder_, TrainState,
+    check_data_state, load_model, save_checkpoint, saved_checkpoint, Checkpoint, CheckpointFiles,
+    Recorder_, TrainState,
 };
 use crate::config::{Precision, Recompute, TrainConfig};
 use crate::data::TrainData;
 use crate::error::TrainError;
+use crate::files::read_json;
 use crate::groups::RankGroups;
 use crate::metrics::{StepMetrics, StepObserver};
 use crate::model::{CpTrain, InputRows, TrainModel};

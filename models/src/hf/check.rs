@@ -6,9 +6,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::error::ModelError;
+use crate::error::{io, ModelError};
 use crate::gpt::{GptConfig, Mlp};
-use crate::hf::weights::io;
 
 /// The safetensors files of `dir`: those the index names, or `model.safetensors`.
 pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {

@@ -17,7 +17,7 @@ use burn::prelude::{Backend, Tensor, TensorData};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde_json::{json, Value};
 
-use crate::error::ModelError;
+use crate::error::{io, ModelError};
 use crate::gpt::{Block, Gpt};
 use crate::hf::check::safetensors_files;
 use crate::hf::config::HfConfig;
@@ -71,10 +71,6 @@ fn f32_to_bf16(value: f32) -> u16 {
     }
     let rounding = 0x7fff + ((bits >> 16) & 1);
     (bits.wrapping_add(rounding) >> 16) as u16
-}
-
-pub(crate) fn io(action: &str, path: &Path, error: impl std::fmt::Display) -> ModelError {
-    ModelError::Checkpoint(format!("{action} {}: {error}", path.display()))
 }
 
 /// One tensor in transformers' layout, as f32 values.

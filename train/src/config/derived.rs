@@ -20,7 +20,7 @@ impl TrainConfig {
     /// preset `model_size` (the GPT's with the tokenizer's vocabulary), with `--rope-theta` and
     /// `--rope-scaling` over it.
     pub fn model_config(&self) -> Result<GptConfig, TrainError> {
-        crate::hf::model_config(self)
+        crate::hf::load::model_config(self)
     }
 
     /// The shape of the model trained: `model_shape`, or the GPT's of `model_size`.

@@ -7,7 +7,6 @@ use burn_dcp::StrategyKind;
 
 use super::args::TrainFlags;
 use super::mode::mode_from_args;
-use super::resume::resumed_config;
 use crate::config::{PpSchedule, Precision, Recompute, TrainConfig, TrainMode, MAX_SEQ_LEN};
 use crate::error::TrainError;
 use crate::optim::{LrScheduleKind, LrScheduleSettings, OptimizerKind, OptimizerSettings};
@@ -17,12 +16,6 @@ impl TrainFlags {
     /// The configuration of a new run.
     pub fn config(&self) -> Result<TrainConfig, TrainError> {
         config_from_args(self)
-    }
-
-    /// The configuration of the run saved in `dir` (its `config.json`), `--steps` the new total;
-    /// every other flag given must agree with it (an error names the flag and both values).
-    pub fn resume(&self, dir: &Path) -> Result<TrainConfig, TrainError> {
-        resumed_config(self, dir)
     }
 }
 
@@ -152,7 +145,7 @@ fn hf_architecture(args: &TrainFlags, config: &mut TrainConfig) -> Result<(), Tr
         (Some(file), None, None) => Path::new(file).to_path_buf(),
         (None, Some(dir), None) => Path::new(dir).join("config.json"),
     };
-    let hf = crate::hf::read_hf_config(&file)?;
+    let hf = crate::hf::load::read_hf_config(&file)?;
     if let Some(dir) = &args.hf_checkpoint {
         // Every tensor there with its shape, no file truncated: checked before anything is
         // written or allocated.

@@ -7,12 +7,20 @@ use burn_dcp::StrategyKind;
 
 use super::build::config_from_args;
 use super::TrainFlags;
-use crate::checkpoint::read_json;
 use crate::config::TrainConfig;
 use crate::error::TrainError;
+use crate::files::read_json;
+
+impl TrainFlags {
+    /// The configuration of the run saved in `dir` (its `config.json`), `--steps` the new total;
+    /// every other flag given must agree with it (an error names the flag and both values).
+    pub fn resume(&self, dir: &Path) -> Result<TrainConfig, TrainError> {
+        resumed_config(self, dir)
+    }
+}
 
 /// On resume: the saved config, with `--steps` as the new total; any other flag must agree.
-pub(super) fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainError> {
+fn resumed_config(args: &TrainFlags, dir: &Path) -> Result<TrainConfig, TrainError> {
     let saved: TrainConfig = read_json(&dir.join("config.json"))?;
     let mut config = saved.clone();
     if let Some(steps) = args.steps {
