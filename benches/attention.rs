@@ -479,10 +479,7 @@ fn cuda(c: &mut Criterion) {
         group.throughput(Throughput::Elements(forward_flops));
         let kernels = [
             ("vector", AttentionKernel::Vector),
-            (
-                "tensor-cores",
-                AttentionKernel::MatrixTiles { tensor_cores: true },
-            ),
+            ("flash", AttentionKernel::Flash { tensor_cores: true }),
         ];
         for (label, kernel) in kernels {
             let run = || {
@@ -517,9 +514,9 @@ fn cuda(c: &mut Criterion) {
         group.throughput(Throughput::Elements(
             ((1.0 + BACKWARD_FLOPS_FACTOR) * forward_flops as f64) as u64,
         ));
-        let tensor_cores = AttentionKernel::MatrixTiles { tensor_cores: true };
+        let tensor_cores = AttentionKernel::Flash { tensor_cores: true };
         group.bench_function(
-            BenchmarkId::new("forward+backward/tensor-cores-cuda", shape.name),
+            BenchmarkId::new("forward+backward/flash-cuda", shape.name),
             |b| {
                 b.iter(|| {
                     let primitive = |t: &Tensor<B, 3>| t.clone().into_primitive().tensor();

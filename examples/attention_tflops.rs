@@ -6,7 +6,7 @@
 //! cargo run --release --features cuda --example attention_tflops -- --impl ours
 //! ```
 //!
-//! `--impl` is `ours` (the flash kernels), `old-tiles` (the 16 × 16 `wmma` tiles) or `burn`
+//! `--impl` is `ours` (the flash kernels) or `burn`
 //! (burn's `attention` on `[1, H, T, D]`, kv heads repeated for GQA; forward + backward under
 //! `Autodiff`, where burn runs matmul, softmax, matmul). Each line: `shape`, `pass`
 //! (`forward`, `forward+backward`), `impl`, `ms` (median of `--reps` timed calls after
@@ -117,9 +117,9 @@ fn parse_args() -> Result<Args, String> {
             }
         }
     }
-    if !["ours", "old-tiles", "burn"].contains(&args.implementation.as_str()) {
+    if !["ours", "burn"].contains(&args.implementation.as_str()) {
         return Err(format!(
-            "--impl {:?}: expected ours, old-tiles or burn",
+            "--impl {:?}: expected ours or burn",
             args.implementation
         ));
     }
@@ -220,12 +220,8 @@ fn run(args: &Args) {
         let problem = VarlenAttention::packed(vec![t], vec![mask]);
         let primitive = |x: &Tensor<B, 3>| x.clone().into_primitive().tensor();
         match args.implementation.as_str() {
-            "ours" | "old-tiles" => {
-                let kernel = if args.implementation == "ours" {
-                    AttentionKernel::Flash { tensor_cores: true }
-                } else {
-                    AttentionKernel::MatrixTiles { tensor_cores: true }
-                };
+            "ours" => {
+                let kernel = AttentionKernel::Flash { tensor_cores: true };
                 let forward = || {
                     forward_with(
                         primitive(&q),

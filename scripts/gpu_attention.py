@@ -1,13 +1,11 @@
 #!/usr/bin/env python3
-"""Issue 47's side-by-side on one GPU, in one run: our flash kernels, the old 16 x 16 wmma tiles
-and burn's `attention` (examples/attention_tflops, one process each, so that one running out of
+"""Issue 47's side-by-side on one GPU, in one run: our flash kernels and burn's `attention` (examples/attention_tflops, one process each, so that one running out of
 memory loses only its own lines) and torch's scaled_dot_product_attention on its flash backend
 (here, in this process), bf16, on 1 x 32 heads x 8192 x 128 (causal, full) and GQA 32/8 heads x
 16384 (causal), forward and forward + backward. TFLOP/s by FlashAttention's FLOP count.
 
 Writes OUT_DIR/<date>-<gpu>.json: a list, one object per shape x pass, with `shape`, `pass`,
-`ours_tflops`, `torch_flash_tflops`, `burn_tflops`, `old_tiles_tflops` (null where a side could
-not run; its error under `errors`), the milliseconds behind them and the ratios; prints the
+`ours_tflops`, `torch_flash_tflops`, `burn_tflops` (null where a side could not run; its error under `errors`), the milliseconds behind them and the ratios; prints the
 table for benches/RESULTS.md.
 
     python3 scripts/gpu_attention.py BIN_DIR [OUT_DIR] [--reps N]
@@ -20,7 +18,7 @@ SHAPES = {
     "gqa-causal-1x16384-h32k8-d128": dict(tokens=16384, heads=32, kv_heads=8, dim=128, causal=True),
 }
 PASSES = {"forward": 1.0, "forward+backward": 3.5}
-KEYS = {"ours": "ours_tflops", "old-tiles": "old_tiles_tflops", "burn": "burn_tflops", "torch": "torch_flash_tflops"}
+KEYS = {"ours": "ours_tflops", "burn": "burn_tflops", "torch": "torch_flash_tflops"}
 
 
 def flops(shape, factor):
@@ -119,7 +117,7 @@ def main():
     bins, out_dir, reps = a.bins, a.out_dir, a.reps
     results = []
     binary = os.path.join(bins, "attention_tflops")
-    for impl, limit in [("ours", 150), ("old-tiles", 150), ("burn", 200)]:
+    for impl, limit in [("ours", 150), ("burn", 200)]:
         results += ours(binary, impl, reps, limit)
     # Ours with the cube size pinned (no measuring at run time: `ours` picks the forward's
     # per shape), in the same run (reported under `ours_variants`).
@@ -162,12 +160,12 @@ def main():
         json.dump(rows, f, indent=1)
         f.write("\n")
     print(f"# {gpu}, torch {torch_version}, bf16, median of {reps}; written to {path}")
-    print("| shape | pass | ours | torch flash | burn | old tiles | ours/torch | ours/burn |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | pass | ours | torch flash | burn | ours/torch | ours/burn |")
+    print("|---|---|---|---|---|---|---|")
     fmt = lambda x: "—" if x is None else f"{x}"
     for r in rows:
         print(f"| {r['shape']} | {r['pass']} | {fmt(r['ours_tflops'])} | {fmt(r['torch_flash_tflops'])} | "
-              f"{fmt(r['burn_tflops'])} | {fmt(r['old_tiles_tflops'])} | {fmt(r['ours_vs_torch_flash'])} | "
+              f"{fmt(r['burn_tflops'])} | {fmt(r['ours_vs_torch_flash'])} | "
               f"{fmt(r['ours_vs_burn'])} |")
 
 

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine with an NVIDIA GPU, CUDA (nvcc's headers, NVRTC) and NCCL, from a
 # bundle that scripts/gpu_bundle.sh built elsewhere: no Rust toolchain needed here.
-#   1. the kernels on CUDA against the f64 oracle: vector kernels (f32), matrix tiles on tensor
-#      cores (f16, bf16), forward and backward (burn-dcp-kernels/tests/cube_cuda.rs);
+#   1. the kernels on CUDA against the f64 oracle: vector kernels (f32), the flash kernels on
+#      tensor cores (f16, bf16), forward and backward (burn-dcp-kernels/tests/cube_cuda.rs);
 #   2. NCCL: a world of one moves device tensors (burn-dcp/tests/nccl.rs; one GPU allows no more:
 #      NCCL refuses two ranks on one device);
 #   3. every CP strategy on CUDA (threads as ranks on the one GPU) against the CPU reference,
 #      max_rel_err <= 1e-5 (scripts/check_wgpu.py --backend cuda);
 #   4. gpt_longctx on CUDA: cp 4 (ring zigzag, ulysses, dcp) against cp 1, per-step loss <= 1e-4;
 #   5. the benchmark group `cuda` (1 x 32 heads x 8192 x 128, bf16);
-#   6. step 3 on the matrix-tile kernels (BURN_DCP_ATTENTION_KERNEL=tiles: f32, ordinary units);
-#   7. the side-by-side: the flash kernels, the old tiles, burn's attention and torch's
+#   6. step 3 on the flash kernels' plain bodies (BURN_DCP_ATTENTION_KERNEL=flash-plain: f32);
+#   7. the side-by-side: the flash kernels, burn's attention and torch's
 #      flash attention, bf16, TFLOP/s (scripts/gpu_attention.py: $OUT/<date>-<gpu>.json);
 #   8. bf16 training on CUDA: gpt_longctx --precision bf16 (the flash kernels) at cp 1
 #      against f32 (relative loss <= 2e-2) and cp 4 (ring zigzag, ulysses, dcp) against bf16 cp 1
@@ -90,7 +90,7 @@ print(f"cuda vs flex at cp1: max rel {max(abs(a - b) / abs(b) for a, b in zip(re
 sys.exit(0 if worst <= 1e-4 else f"cp 4 on CUDA differs from cp 1 by {worst:.2e} > 1e-4")
 PY
        ;;
-    6) step "every strategy on CUDA, matrix-tile kernels" 120 env BURN_DCP_ATTENTION_KERNEL=tiles \
+    6) step "every strategy on CUDA, flash kernels' plain bodies" 120 env BURN_DCP_ATTENTION_KERNEL=flash-plain \
          python3 "$dir/check_wgpu.py" "$bin/cp_attention" --backend cuda ;;
     5) step "benchmark group cuda" 150 "$bin/attention" --bench cuda --warm-up-time 1 --measurement-time 3 ;;
     8) step "bf16 training on CUDA" 150 python3 - "$bin/gpt_longctx" <<'PY'

@@ -1,4 +1,4 @@
-//! The cubecl kernels on CUDA, including the tensor-core (`cmma`) forward, against the f64
+//! The cubecl kernels on CUDA, including the flash kernels on tensor cores, against the f64
 //! oracle. They need an NVIDIA GPU, so every test is `#[ignore]`d (CI has none); run them with
 //!
 //! ```text
@@ -6,8 +6,9 @@
 //! ```
 //!
 //! **Status:** all pass on an NVIDIA H100 (2026-11-26, `scripts/gpu_check.sh`, 58 s). CI has no
-//! GPU: there the same kernels with their tile products on ordinary units are tested on lavapipe
-//! (`cube_wgpu.rs`, module `matrix_tiles`).
+//! GPU: there the same kernels with their plain bodies are tested on lavapipe (`cube_wgpu.rs`,
+//! module `flash_plain`). (The run of 2026-11-26 was on the matrix-tile kernels these tests
+//! named then; they were retired for the flash kernels, which these tests now run.)
 #![cfg(feature = "cuda")]
 
 use burn::prelude::Tensor;
@@ -99,7 +100,7 @@ fn check_half(case: &Case, seed: u64, dtype: DType, kernel: AttentionKernel, wha
     assert!(lse_err <= 1e-5, "{what}: lse {lse_err}");
 }
 
-const TENSOR_CORES: AttentionKernel = AttentionKernel::MatrixTiles { tensor_cores: true };
+const TENSOR_CORES: AttentionKernel = AttentionKernel::Flash { tensor_cores: true };
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -140,14 +141,14 @@ fn tensor_cores_match_the_oracle_for_every_mask_in_f16_and_bf16() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn tensor_cores_agree_with_the_same_tiles_on_ordinary_units() {
+fn tensor_cores_agree_with_the_same_kernels_on_plain_units() {
     let case = long_case(vec![MaskSpec::Causal], 8, 2, (128, 128));
-    let tiles = AttentionKernel::MatrixTiles {
+    let plain = AttentionKernel::Flash {
         tensor_cores: false,
     };
     for (dtype, unit_roundoff) in [(DType::F16, 2f32.powi(-11)), (DType::BF16, 2f32.powi(-8))] {
         let (_, cores_out, cores_lse) = forward(&case, 40, dtype, TENSOR_CORES);
-        let (_, plain_out, plain_lse) = forward(&case, 40, dtype, tiles);
+        let (_, plain_out, plain_lse) = forward(&case, 40, dtype, plain);
         // Same operands, same roundings (P and out); only the f32 summation order differs, which
         // may flip a rounding of P or out: at most an ulp (2u) of the largest output.
         assert!(rel_err(&cores_lse, &plain_lse) <= 1e-5, "{dtype:?} lse");

@@ -557,20 +557,14 @@ fn fusion_rejects_bad_calls_before_queueing() {
     assert!(err.contains("merge needs equal shapes"), "{err}");
 }
 
-/// The matrix-tile kernels (`cube::forward_with` / `backward_with`) with their tile products on
-/// ordinary units: the structure of the tensor-core kernels (staging, zero padding, per-plane
-/// score tiles, online softmax, `O += P·V`, the recomputed `S`/`dP` and the `dQ`, `dK`, `dV`
-/// products, write-back) on lavapipe. In f32 nothing is rounded on the way, so they must match
-/// the oracle as tightly as the vector kernels.
-mod matrix_tiles {
+/// Forward and backward on a chosen kernel (`cube::forward_with` / `backward_with`) in any
+/// dtype, on the burn backend without fusion.
+mod device_calls {
     use super::*;
     use burn::tensor::{DType, TensorPrimitive};
     use burn_dcp_kernels::cube::{backward_with, forward_with, AttentionKernel};
 
     type B = WgpuPlain;
-    const TILES: AttentionKernel = AttentionKernel::MatrixTiles {
-        tensor_cores: false,
-    };
 
     pub(super) fn upload(values: &[f32], dims: [usize; 3], dtype: DType) -> Tensor<B, 3> {
         Tensor::<B, 3>::from_data(
@@ -588,7 +582,7 @@ mod matrix_tiles {
             .unwrap()
     }
 
-    /// `(out, lse)` of the matrix-tile forward, and the inputs as the device holds them (rounded
+    /// `(out, lse)` of the forward on `kernel`, and the inputs as the device holds them (rounded
     /// to `dtype`).
     pub(super) fn run(
         case: &Case,
@@ -616,7 +610,7 @@ mod matrix_tiles {
         Ok((read(out), read(lse), rounded))
     }
 
-    /// `[dq, dk, dv]` of the matrix-tile backward (after its forward), and the inputs as the
+    /// `[dq, dk, dv]` of the backward on `kernel` (after its forward), and the inputs as the
     /// device holds them.
     pub(super) fn run_backward(
         case: &Case,
@@ -656,148 +650,13 @@ mod matrix_tiles {
         });
         Ok((grads, rounded))
     }
-
-    fn check_f32(case: &Case, seed: u64, what: &str) {
-        let (out, lse, x) = run(case, seed, DType::F32, TILES).unwrap();
-        let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
-        let errors = [rel_err(&out, &want.out), rel_err(&lse, &want.lse)];
-        assert!(
-            errors.iter().all(|&e| e <= 1e-5),
-            "matrix tiles {what}: out/lse errors {errors:?}"
-        );
-        check_gradients(case, seed, DType::F32, 1e-5, what);
-    }
-
-    /// The matrix-tile gradients of `case` in `dtype` against the oracle on the rounded
-    /// inputs: dq, dk and dv within `bound` (relative to their largest magnitude).
-    fn check_gradients(case: &Case, seed: u64, dtype: DType, bound: f32, what: &str) {
-        let ([dq, dk, dv], x) = run_backward(case, seed, dtype, TILES).unwrap();
-        let want =
-            reference::backward(&x.q, &x.k, &x.v, &x.dout, &case.problem, &case.shape).unwrap();
-        let errors = [
-            rel_err(&dq, &want.dq),
-            rel_err(&dk, &want.dk),
-            rel_err(&dv, &want.dv),
-        ];
-        assert!(
-            errors.iter().all(|&e| e <= bound),
-            "matrix tiles {what}: dq/dk/dv errors {errors:?}"
-        );
-    }
-
-    #[test]
-    fn every_mask_on_ragged_gqa_batches_matches_the_reference() {
-        for (index, mask) in masks().into_iter().enumerate() {
-            for (heads, kv_heads) in [(2, 2), (3, 1)] {
-                let case = ragged_case(mask.clone(), heads, kv_heads);
-                check_f32(
-                    &case,
-                    100 + index as u64,
-                    &format!("{mask} H{heads} K{kv_heads}"),
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn several_query_and_key_tiles_and_padded_dims_match_the_reference() {
-        // Sequences of 200, 37 and 130 tokens span several cubes and key tiles, per-sequence
-        // masks (key ranges, causal, sliding) give runs of tiles; head dim 40 is three 16-column
-        // chunks, the last zero-padded, value dim 8 one padded chunk.
-        let case = long_case(long_mixed_masks(), 2, 1, (40, 8));
-        check_f32(&case, 120, "per-sequence masks with key ranges, D40/8");
-    }
-
-    #[test]
-    fn half_precision_rounds_only_where_tensor_cores_would() {
-        // f16 inputs (burn's own cast to bf16 yields NaNs on wgpu/lavapipe, which has no bf16;
-        // the tensor-core test on CUDA covers bf16); the oracle runs in f64 on the same rounded
-        // values. D = 48: three 16-column chunks, four planes per forward cube, two per dq and
-        // dk/dv cube on lavapipe's 32 KiB.
-        let case = long_case(vec![MaskSpec::Causal], 4, 2, (48, 48));
-        let unit_roundoff = 2f32.powi(-11);
-
-        // Forward: S, O and the LSE accumulate in f32, so the LSE is as exact as in f32. `P`
-        // is stored in f16 before `P·V` (as on tensor cores) and `out` is stored in f16: with
-        // u the unit roundoff, |out − exact| ≤ u·max|v| + u·|out|, up to f32 sums.
-        let (out, lse, x) = run(&case, 130, DType::F16, TILES).unwrap();
-        let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
-        let max_v = x.v.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let max_out = want.out.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let worst = out
-            .iter()
-            .zip(&want.out)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        let bound = unit_roundoff * (max_v + max_out) * 1.01;
-        assert!(worst <= bound, "|out - oracle| {worst} > {bound}");
-        let lse_err = rel_err(&lse, &want.lse);
-        assert!(lse_err <= 1e-5, "lse {lse_err}");
-
-        // Backward: as in the vector kernels' f16 test, the gradients are stored in f16 and
-        // inherit `out`'s rounding through delta; here P and dS are also rounded to f16 before
-        // their products. Same bound: 2e-3 relative to the largest magnitude.
-        check_gradients(&case, 130, DType::F16, 2e-3, "f16 causal D48");
-    }
-
-    #[test]
-    fn fully_masked_rows_and_nan_scores_keep_their_meaning() {
-        let (out, lse, _) = run(&fully_masked_case(), 140, DType::F32, TILES).unwrap();
-        assert!(out.iter().all(|&x| x == 0.0), "{out:?}");
-        assert!(lse.iter().all(|&x| x == f32::NEG_INFINITY), "{lse:?}");
-        let (grads, _) = run_backward(&fully_masked_case(), 140, DType::F32, TILES).unwrap();
-        for (name, values) in ["dq", "dk", "dv"].iter().zip(&grads) {
-            assert!(values.iter().all(|&x| x == 0.0), "{name}: {values:?}");
-        }
-
-        let (heads, dim) = (2, 4);
-        let problem = VarlenAttention::packed(vec![5, 3], vec![MaskSpec::Causal]);
-        let mut rng = SmallRng::seed_from_u64(141);
-        let mut q = random(&mut rng, 8 * heads * dim);
-        let (k, v) = (
-            random(&mut rng, 8 * heads * dim),
-            random(&mut rng, 8 * heads * dim),
-        );
-        q[2 * heads * dim] = f32::NAN; // token 2 (sequence 0), head 0
-        let primitive = |values: &[f32]| upload(values, [8, heads, dim], DType::F32);
-        let (out, lse) = forward_with(
-            primitive(&q).into_primitive().tensor(),
-            primitive(&k).into_primitive().tensor(),
-            primitive(&v).into_primitive().tensor(),
-            &problem,
-            TILES,
-        )
-        .unwrap();
-        let out = read(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out)));
-        let lse = read(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse)));
-        let row = 2 * heads * dim;
-        assert!(out[row..row + dim].iter().all(|x| x.is_nan()), "{out:?}");
-        assert!(lse[2].is_nan(), "lse of the NaN row: {}", lse[2]);
-        // Sequence 1 shares the cube but not the NaN query's keys.
-        assert!(out[5 * heads * dim..].iter().all(|x| x.is_finite()));
-    }
-
-    #[test]
-    fn tensor_cores_are_refused_with_the_reason_where_the_device_lacks_them() {
-        // lavapipe has no cooperative-matrix support; CUDA devices are tested in cube_cuda.rs.
-        let case = long_case(vec![MaskSpec::Causal], 2, 1, (16, 16));
-        let cores = AttentionKernel::MatrixTiles { tensor_cores: true };
-        let err = run(&case, 150, DType::F16, cores).unwrap_err().to_string();
-        assert!(err.contains("cmma") && err.contains("F16"), "{err}");
-        let err = run(&case, 150, DType::F32, cores).unwrap_err().to_string();
-        assert!(err.contains("f16 or bf16") && err.contains("F32"), "{err}");
-        // Auto falls back to the vector kernel there, with the same result as asking for it.
-        let (auto, _, _) = run(&case, 151, DType::F32, AttentionKernel::Auto).unwrap();
-        let (vector, _, _) = run(&case, 151, DType::F32, AttentionKernel::Vector).unwrap();
-        assert_eq!(auto, vector);
-    }
 }
 
 /// The flash kernels ([`burn_dcp_kernels::cube::flash`]) with their plain bodies (products,
 /// fragment loads and row reductions on ordinary units, plain copies): everything but
 /// `ldmatrix`, `mma.sync`, `cp.async` and the shuffles, which `cube_cuda.rs` runs on a GPU.
 mod flash_plain {
-    use super::matrix_tiles::{read, run, run_backward, upload};
+    use super::device_calls::{read, run, run_backward, upload};
     use super::*;
     use burn::tensor::{DType, TensorPrimitive};
     use burn_dcp_kernels::cube::{forward_with, AttentionKernel};
@@ -881,8 +740,30 @@ mod flash_plain {
         // As the matrix tiles' test: P and dS are rounded to f16 before their products, the
         // LSE and every accumulator stay f32.
         let case = long_case(vec![MaskSpec::Causal], 4, 2, (48, 48));
+        check_f16(&case, 230, "f16 causal D48");
+    }
+
+    #[test]
+    fn dims_that_are_not_multiples_of_16_are_padded_inside() {
+        // Zeros fill the columns up to the next multiple of 16 in shared memory; the writes
+        // skip them. f32 (lavapipe's 32 KiB fits f32 up to about dim 100 in dq), then f16 up
+        // to wide dims.
+        let dims = [(40, 24), (100, 36)];
+        for (index, (head_dim, value_dim)) in dims.into_iter().enumerate() {
+            let case = with_dims(ragged_case(MaskSpec::Causal, 4, 2), head_dim, value_dim);
+            let what = format!("causal D{head_dim}/{value_dim}");
+            check_f32(&case, 270 + index as u64, &what);
+        }
+        let case = long_case(long_mixed_masks(), 2, 1, (40, 8));
+        check_f32(&case, 275, "per-sequence masks with key ranges, D40/8");
+        let case = with_dims(ragged_case(MaskSpec::Causal, 2, 1), 192, 168);
+        check_f16(&case, 276, "f16 causal D192/168");
+    }
+
+    /// Forward within f16's rounding of P (the oracle's f64 result), gradients within 2e-3.
+    fn check_f16(case: &Case, seed: u64, what: &str) {
         let unit_roundoff = 2f32.powi(-11);
-        let (out, lse, x) = run(&case, 230, DType::F16, FLASH).unwrap();
+        let (out, lse, x) = run(case, seed, DType::F16, FLASH).unwrap();
         let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
         let max_v = x.v.iter().fold(0f32, |m, v| m.max(v.abs()));
         let max_out = want.out.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -894,8 +775,8 @@ mod flash_plain {
         let bound = unit_roundoff * (max_v + max_out) * 1.01;
         assert!(worst <= bound, "|out - oracle| {worst} > {bound}");
         let lse_err = rel_err(&lse, &want.lse);
-        assert!(lse_err <= 1e-5, "lse {lse_err}");
-        check_gradients(&case, 230, DType::F16, 2e-3, "f16 causal D48");
+        assert!(lse_err <= 1e-5, "{what}: lse {lse_err}");
+        check_gradients(case, seed, DType::F16, 2e-3, what);
     }
 
     #[test]
@@ -1000,14 +881,20 @@ mod flash_plain {
         assert!(err.contains("mma.sync") && err.contains("F16"), "{err}");
         let err = run(&case, 250, DType::F32, cores).unwrap_err().to_string();
         assert!(err.contains("f16 or bf16") && err.contains("F32"), "{err}");
-        let odd = long_case(vec![MaskSpec::Causal], 2, 1, (40, 16));
-        let err = run(&odd, 250, DType::F32, FLASH).unwrap_err().to_string();
+        let wide = long_case(vec![MaskSpec::Causal], 2, 1, (16, 264));
+        let err = run(&wide, 250, DType::F32, FLASH).unwrap_err().to_string();
+        assert!(err.contains("1 to 256") && err.contains("264"), "{err}");
+        // Auto takes the vector kernels where there are no tensor cores, with the same
+        // result as asking for them.
+        let (auto, _, _) = run(&case, 251, DType::F32, AttentionKernel::Auto).unwrap();
+        let (vector, _, _) = run(&case, 251, DType::F32, AttentionKernel::Vector).unwrap();
+        assert_eq!(auto, vector);
+        // f32 at dim 256 needs more than lavapipe's 32 KiB per cube: the error says how much.
+        let big = long_case(vec![MaskSpec::Causal], 2, 1, (256, 256));
+        let err = run(&big, 250, DType::F32, FLASH).unwrap_err().to_string();
         assert!(
-            err.contains("multiples of 16") && err.contains("40"),
+            err.contains("shared memory") && err.contains("256"),
             "{err}"
         );
-        let wide = long_case(vec![MaskSpec::Causal], 2, 1, (16, 256));
-        let err = run(&wide, 250, DType::F32, FLASH).unwrap_err().to_string();
-        assert!(err.contains("up to 128") && err.contains("256"), "{err}");
     }
 }

@@ -303,10 +303,11 @@ fn plan_sim_and_dataset_stats_refuse_sizes_with_limits() {
 
 /// The kernel choice of `BURN_DCP_ATTENTION_KERNEL` on wgpu (lavapipe): a bad value and a kernel
 /// the device cannot run are one-line errors naming the rule, before anything is queued on
-/// burn-fusion's stream; `tiles` runs every rank on the matrix-tile kernels within 1e-5.
+/// burn-fusion's stream; `flash-plain` runs every rank on the flash kernels' plain bodies within
+/// 1e-5.
 #[cfg(feature = "wgpu")]
 #[test]
-fn cp_attention_kernel_choice_is_checked_and_tiles_run() {
+fn cp_attention_kernel_choice_is_checked_and_flash_plain_runs() {
     let with_kernel = |kernel: &str, extra: &[&str]| {
         let mut args = vec!["--backend", "wgpu", "--cp", "2", "--head-dim", "16"];
         args.extend([
@@ -325,10 +326,11 @@ fn cp_attention_kernel_choice_is_checked_and_tiles_run() {
             .unwrap()
     };
     for (kernel, expected) in [
-        ("cmma", "expected one of vector, auto, tiles, tensor-cores"),
+        ("cmma", "expected one of vector, auto, flash, flash-plain"),
+        ("tiles", "the matrix-tile kernels were retired"),
         (
-            "tensor-cores",
-            "tensor cores take f16 or bf16 inputs, not F32",
+            "flash",
+            "the flash kernels' tensor cores take f16 or bf16 inputs, not F32",
         ),
     ] {
         for extra in [&[][..], &["--no-fusion"][..]] {
@@ -339,7 +341,7 @@ fn cp_attention_kernel_choice_is_checked_and_tiles_run() {
             assert!(text.contains(expected), "{kernel} {extra:?}: {text}");
         }
     }
-    let output = with_kernel("tiles", &["--json"]);
+    let output = with_kernel("flash-plain", &["--json"]);
     assert!(output.status.success(), "{}", cli::stderr(&output));
     let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     for (name, error) in report["max_rel_err"].as_object().unwrap() {

@@ -4,8 +4,8 @@ use burn::prelude::Tensor;
 use burn::tensor::DType;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
+use super::choice::AttentionKernel;
 use super::launch::{backward, forward, merge};
-use super::matrix_launch::{choose, AttentionKernel, TilesKernel};
 use super::support::{primitive, tensor, LIMITS};
 use crate::definition::{AttentionShape, KernelError, VarlenAttention};
 use crate::ops::KernelLimits;
@@ -30,24 +30,22 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FlashOps
         shape: &AttentionShape,
         dtype: DType,
         problem: &VarlenAttention,
-        backward: bool,
+        // The forward and the backward kernels come from one plan: the same check.
+        _backward: bool,
     ) -> Result<(), KernelError> {
         let kernel = AttentionKernel::from_env()?;
         if kernel == AttentionKernel::Vector || shape.q_tokens == 0 || shape.kv_tokens == 0 {
             return Ok(());
         }
-        let client = R::client(device);
         let dense = DenseSpans::build(problem)?;
-        let kernels = TilesKernel::of_pass(backward);
-        choose(
-            kernel,
-            client.properties(),
-            dtype,
-            shape,
-            dense.max_spans,
-            kernels,
-        )
-        .map(|_| ())
+        kernel
+            .flash_plan(
+                R::client(device).properties(),
+                dtype,
+                shape,
+                dense.max_spans,
+            )
+            .map(|_| ())
     }
 
     fn flash_forward(

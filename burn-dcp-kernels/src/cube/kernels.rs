@@ -106,25 +106,6 @@ fn allowed(spans: &Array<u32>, slot: usize, key: usize, #[comptime] max_spans: u
     allowed
 }
 
-/// [`allowed`] for spans staged in shared memory (the matrix-tile kernel's).
-#[cube]
-pub(super) fn allowed_in(
-    spans: &SharedMemory<u32>,
-    slot: usize,
-    key: usize,
-    #[comptime] max_spans: usize,
-) -> bool {
-    let mut allowed = false;
-    #[unroll]
-    for s in 0..max_spans {
-        let at = slot * 2 * max_spans + 2 * s;
-        if key >= spans[at] as usize && key < spans[at + 1] as usize {
-            allowed = true;
-        }
-    }
-    allowed
-}
-
 /// Zeroed f32 vectors.
 #[cube]
 fn zero_vectors<N: Size>(#[comptime] len: usize) -> Array<Vector<f32, N>> {

@@ -5,11 +5,9 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
 
+use super::choice::AttentionKernel;
 use super::flash::{backward_flash, forward_flash};
 use super::kernels;
-use super::matrix_launch::{
-    backward_on_tiles, choose, choose_flash, forward_on_tiles, AttentionKernel, TilesKernel,
-};
 use super::support::*;
 use crate::definition::{KernelError, VarlenAttention};
 use crate::ops::{check_backward, check_forward, check_merge};
@@ -46,12 +44,8 @@ pub fn forward_with<R: CubeRuntime>(
     }
     let dense = DenseSpans::build(problem)?;
     let properties = q.client.properties();
-    if let Some(plan) = choose_flash(kernel, properties, dtype, &s, dense.max_spans)? {
+    if let Some(plan) = kernel.flash_plan(properties, dtype, &s, dense.max_spans)? {
         return Ok(forward_flash(q, k, v, problem, &s, dtype, &dense, &plan));
-    }
-    let kernels = TilesKernel::of_pass(false);
-    if let Some(tiles) = choose(kernel, properties, dtype, &s, dense.max_spans, kernels)? {
-        return forward_on_tiles(q, k, v, problem, &s, dtype, dense, tiles[0]);
     }
     let geometry = Geometry::of(s.head_dim, s.value_dim);
     let tables = QueryTables::build(&q, dense, CUBE_ROWS, geometry.block);
@@ -140,13 +134,7 @@ pub fn backward_with<R: CubeRuntime>(
         ));
     }
     let dense = DenseSpans::build(problem)?;
-    let kernels = TilesKernel::of_pass(true);
-    let properties = q.client.properties();
-    let flash = choose_flash(kernel, properties, dtype, &s, dense.max_spans)?;
-    let tiles = match flash {
-        Some(_) => None,
-        None => choose(kernel, properties, dtype, &s, dense.max_spans, kernels)?,
-    };
+    let flash = kernel.flash_plan(q.client.properties(), dtype, &s, dense.max_spans)?;
     let client = q.client.clone();
     let storage = storage(dtype);
     let scale = problem.softmax_scale(s.head_dim) as f32;
@@ -171,13 +159,6 @@ pub fn backward_with<R: CubeRuntime>(
     if let Some(plan) = flash {
         let inputs = [q, k, v, dout, lse, delta];
         return Ok(backward_flash(inputs, problem, &s, dtype, &dense, &plan));
-    }
-    if let Some(tiles) = tiles {
-        let inputs = [q, k, v, dout, lse, delta];
-        let geometries = [tiles[0], tiles[1]];
-        return Ok(backward_on_tiles(
-            inputs, problem, &s, dtype, dense, geometries,
-        ));
     }
 
     let geometry = Geometry::of(s.head_dim, s.value_dim);

@@ -19,20 +19,20 @@
 //!
 //! Limits (checked, with errors): f32 / f16 / bf16 inputs, head and value dims in `1..=256`.
 //!
-//! Why the vector kernels are shaped so (lavapipe's loads and loop cap): [`kernels`]. The
-//! matrix-tile kernels, tensor cores and what has run where: [`matrix`].
+//! Which kernels run ([`AttentionKernel`], [`KERNEL_ENV`]): the flash kernels ([`flash`]) on
+//! tensor cores where the device and the problem allow (f16/bf16 on CUDA sm_80+), else these
+//! vector kernels; why they are shaped so (lavapipe's loads and loop cap): [`kernels`].
 
+mod choice;
 pub mod flash;
 mod flash_ops;
 pub mod kernels;
 mod launch;
-pub mod matrix;
-mod matrix_launch;
 mod support;
 
+pub use choice::{AttentionKernel, KERNEL_ENV};
 pub(crate) use launch::Gradients;
 pub use launch::{backward, backward_with, forward, forward_with, merge};
-pub use matrix_launch::{AttentionKernel, KERNEL_ENV};
 pub use support::{LIMITS, MAX_HEAD_DIM};
-// The kernels' and the matrix launches' `super::` helpers.
-use support::{empty, storage, upload_u32, QueryTables};
+// The kernels' and the launches' `super::` helpers.
+use support::{empty, storage, upload_u32};

@@ -87,7 +87,8 @@ pub fn mask_columns(
 }
 
 /// Writes `factor ·` the plane's accumulators (`dim / 8` fragments, rows `first + g + 8v`) to
-/// `target [tokens, heads, dim]` at head `head`, skipping rows past the end.
+/// `target [tokens, heads, dim]` at head `head`, skipping rows past the end and, unless
+/// `exact` (the target's dim is `dim`), the padding columns past the target's dim.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn write_rows<F: Float>(
@@ -97,6 +98,7 @@ pub fn write_rows<F: Float>(
     head: usize,
     factor: f32,
     #[comptime] dim: usize,
+    #[comptime] exact: bool,
     #[comptime] unrolled: bool,
 ) {
     let (_lane, g, t) = lane_coords();
@@ -109,7 +111,9 @@ pub fn write_rows<F: Float>(
             #[unroll]
             for e in 0..2usize {
                 let col = 8 * (i / 2) + 2 * t + e;
-                target[base + col * target.stride(2)] = F::cast_from(pair[e] * factor);
+                if exact || col < target.shape(2) {
+                    target[base + col * target.stride(2)] = F::cast_from(pair[e] * factor);
+                }
             }
         }
     }

@@ -368,6 +368,7 @@ pub fn flash_dkdv_kernel<F: Float>(
         }
     }
     let tc = comptime!(config.tensor_cores);
-    write_rows::<F>(&dk_acc, dk, plane_key, kv_head, scale, head_dim, tc);
-    write_rows::<F>(&dv_acc, dv, plane_key, kv_head, 1.0, value_dim, tc);
+    let exact = comptime!(config.exact_dims);
+    write_rows::<F>(&dk_acc, dk, plane_key, kv_head, scale, head_dim, exact, tc);
+    write_rows::<F>(&dv_acc, dv, plane_key, kv_head, 1.0, value_dim, exact, tc);
 }

@@ -305,5 +305,14 @@ pub fn flash_dq_kernel<F: Float>(
             cursor.advance(tile_runs, first_run, end_run);
         }
     }
-    write_rows::<F>(&dq_acc, dq, first_row, head, scale, head_dim, tensor_cores);
+    write_rows::<F>(
+        &dq_acc,
+        dq,
+        first_row,
+        head,
+        scale,
+        head_dim,
+        config.exact_dims,
+        tensor_cores,
+    );
 }

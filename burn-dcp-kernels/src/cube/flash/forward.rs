@@ -478,9 +478,12 @@ pub fn flash_forward_kernel<F: Float>(
                 let pair = state.out[out_at + 2 * n];
                 #[unroll]
                 for e in 0..2usize {
-                    // A query without any key writes 0.
+                    // A query without any key writes 0; padding columns are not written.
                     let value = select(seen, pair[e] / sum, 0.0f32);
-                    out[base + (8 * n + 2 * t + e) * out.stride(2)] = F::cast_from(value);
+                    let col = 8 * n + 2 * t + e;
+                    if comptime!(config.exact_dims) || col < out.shape(2) {
+                        out[base + col * out.stride(2)] = F::cast_from(value);
+                    }
                 }
             }
             if t == 0 {

@@ -14,10 +14,13 @@ use crate::definition::{AttentionShape, KernelError};
 /// The comptime shape of one launch.
 #[derive(CubeType, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FlashConfig {
-    /// Head dim of q and k, a multiple of 16.
+    /// Head dim of q and k, rounded up to a multiple of 16 (the loads fill the padding with
+    /// zeros, the writes skip it).
     pub head_dim: usize,
-    /// Head dim of v, a multiple of 16.
+    /// Head dim of v, rounded up to a multiple of 16.
     pub value_dim: usize,
+    /// Whether both dims are multiples of 16 (no padding: no bounds on the columns).
+    pub exact_dims: bool,
     /// Planes (warps of 32 units) per cube, each owning `16 · row_tiles` rows.
     pub planes: usize,
     /// Row tiles of 16 per plane (forward: 1 or 2; the backward kernels: 1). Two halve the
@@ -34,7 +37,7 @@ pub struct FlashConfig {
     pub max_spans: usize,
     /// `ldmatrix` and `mma.sync` (CUDA, sm_80+), or the plain bodies.
     pub tensor_cores: bool,
-    /// Double-buffered `cp.async` copies (CUDA, sm_80+), or plain loads.
+    /// Double-buffered `cp.async` copies (CUDA, sm_80+, dims multiples of 16), or plain loads.
     pub async_copy: bool,
     /// Row reductions by plane shuffles, or through shared memory.
     pub shuffles: bool,
@@ -62,7 +65,7 @@ impl FlashConfig {
 }
 
 /// Largest head or value dim of these kernels (their accumulators live in registers).
-pub const FLASH_MAX_DIM: usize = 128;
+pub const FLASH_MAX_DIM: usize = 256;
 /// Planes per cube (each owns 16 rows) of the backward kernels and of the plain bodies unless
 /// [`PLANES_ENV`] says otherwise.
 const PLANES: usize = 4;
@@ -78,7 +81,7 @@ pub const PLANES_ENV: &str = "BURN_DCP_FLASH_PLANES";
 /// Row tiles per plane of the forward unless [`ROW_TILES_ENV`] says otherwise.
 const ROW_TILES: usize = 2;
 /// A tuning knob, read once per process: the forward's row tiles of 16 per plane (1 or 2;
-/// default 2).
+/// default 2; always 1 above dim 128).
 pub const ROW_TILES_ENV: &str = "BURN_DCP_FLASH_ROW_TILES";
 
 type Knob = std::sync::OnceLock<Result<usize, KernelError>>;
@@ -209,6 +212,7 @@ impl FlashPlan {
             }
         }
         let (head_dim, value_dim) = (shape.head_dim, shape.value_dim);
+        let exact_dims = head_dim.is_multiple_of(16) && value_dim.is_multiple_of(16);
         let group = shape.heads / shape.kv_heads;
         // Query heads of one kv head share a cube's key and value tiles.
         let heads_per_cube = |most: usize| {
@@ -219,15 +223,16 @@ impl FlashPlan {
         };
         let widest = head_dim.max(value_dim);
         let config = |planes: usize, row_tiles: usize, block: usize, heads: usize| FlashConfig {
-            head_dim,
-            value_dim,
+            head_dim: head_dim.next_multiple_of(16),
+            value_dim: value_dim.next_multiple_of(16),
+            exact_dims,
             planes,
             row_tiles,
             heads_per_cube: heads.min(planes),
             block,
             max_spans,
             tensor_cores,
-            async_copy: tensor_cores,
+            async_copy: tensor_cores && exact_dims,
             shuffles: tensor_cores,
         };
         // Planes, row tiles and tiles, largest first, until the cube fits the device's shared
@@ -267,8 +272,9 @@ impl FlashPlan {
                     ))
                 })
         };
-        // Two row tiles per plane above dim 64 hold twice the accumulators: key tiles of 32.
-        let tiles = row_tiles()?;
+        // Two row tiles per plane above dim 64 hold twice the accumulators: key tiles of 32;
+        // above dim 128 one row tile (the registers of two would spill).
+        let tiles = if widest > 128 { 1 } else { row_tiles()? };
         let forward_block = if tiles > 1 && widest > 64 { 32 } else { 64 };
         Ok(Self {
             forward: pick(
@@ -332,7 +338,7 @@ fn scratch(config: &FlashConfig, dtype: DType) -> usize {
 }
 
 /// Whether the flash kernels take `shape` in `dtype` on this device: head and value dims
-/// multiples of 16 up to [`FLASH_MAX_DIM`]; with tensor cores f16/bf16 on a device with the
+/// up to [`FLASH_MAX_DIM`] (padded inside to multiples of 16); with tensor cores f16/bf16 on a device with the
 /// `m16n8k16` product into f32, `ldmatrix`, `cp.async` and plane shuffles on planes of 32.
 pub fn flash_fits(
     properties: &DeviceProperties,
@@ -341,10 +347,9 @@ pub fn flash_fits(
     tensor_cores: bool,
 ) -> Result<(), KernelError> {
     for (name, dim) in [("head", shape.head_dim), ("value", shape.value_dim)] {
-        if dim % 16 != 0 || dim > FLASH_MAX_DIM {
+        if dim == 0 || dim > FLASH_MAX_DIM {
             return Err(KernelError::Unsupported(format!(
-                "the flash kernels take {name} dims that are multiples of 16 up to \
-                 {FLASH_MAX_DIM}, not {dim}"
+                "the flash kernels take {name} dims from 1 to {FLASH_MAX_DIM}, not {dim}"
             )));
         }
     }

@@ -23,7 +23,8 @@ pub fn padded(dim: usize) -> usize {
 /// one's index among them: the cube's, or a plane's lanes for a plane's own rows). Rows past
 /// `rows_total` repeat the last row (their pairs are masked). With `async_copy` each unit issues
 /// 16-byte `cp.async` copies (the host checked the alignment: contiguous last dim, strides and
-/// offset multiples of 8 elements) that the caller commits to a barrier; otherwise plain loads.
+/// offset multiples of 8 elements, `dim` the source's) that the caller commits to a barrier;
+/// otherwise plain loads, which fill the columns from the source's dim to `dim` with zeros.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_rows<F: Float>(
@@ -58,9 +59,16 @@ pub fn stage_rows<F: Float>(
                     CHUNK as u32,
                 );
             } else {
+                // Columns past the source's dim (a `dim` padded to a multiple of 16) are zeros,
+                // which add nothing to any product.
+                let real = source.shape(2);
                 #[unroll]
                 for e in 0..CHUNK {
-                    tile[to + e] = source[from + e * source.stride(2)];
+                    let mut value = F::new(0.0);
+                    if col + e < real {
+                        value = source[from + e * source.stride(2)];
+                    }
+                    tile[to + e] = value;
                 }
             }
         }

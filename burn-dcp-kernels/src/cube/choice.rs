@@ -1,0 +1,122 @@
+//! Which kernels run: the flash kernels ([`super::flash`]) on tensor cores or on plain units,
+//! or the vector kernels ([`super::kernels`]); chosen per process by [`KERNEL_ENV`] or per call.
+
+use burn::tensor::DType;
+use cubecl::ir::DeviceProperties;
+
+use super::flash::FlashPlan;
+use crate::definition::{AttentionShape, KernelError};
+
+/// Which kernels [`super::forward_with`] and [`super::backward_with`] run; [`super::forward`]
+/// and [`super::backward`] (every `FlashOps` call, hence `ContextParallel`) take it from
+/// [`KERNEL_ENV`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// The vector kernels ([`super::kernels`]), on every device.
+    Vector,
+    /// The fastest kernels the device and the problem allow: the flash kernels on tensor cores
+    /// (f16/bf16 on CUDA sm_80+, head and value dims up to 256 within the device's shared
+    /// memory), else the vector kernels (f32; devices without `mma.sync`). The default.
+    #[default]
+    Auto,
+    /// The flash kernels ([`super::flash`]), or an error naming what the device or the problem
+    /// lacks. With `tensor_cores: false` their products, loads and reductions run on plain
+    /// units, on any device and for f32 too: the path CI tests on lavapipe.
+    Flash { tensor_cores: bool },
+}
+
+/// The environment variable [`super::forward`] and [`super::backward`] read their
+/// [`AttentionKernel`] from (once per process): `vector`, `auto` (also when unset), `flash` or
+/// `flash-plain` (the flash kernels without tensor cores).
+pub const KERNEL_ENV: &str = "BURN_DCP_ATTENTION_KERNEL";
+
+impl AttentionKernel {
+    /// The kernel [`KERNEL_ENV`] names ([`AttentionKernel::Auto`] when it is unset), read
+    /// once per process (at the first kernel call), so every call of the process agrees.
+    pub fn from_env() -> Result<Self, KernelError> {
+        static CHOICE: std::sync::OnceLock<Result<AttentionKernel, KernelError>> =
+            std::sync::OnceLock::new();
+        CHOICE.get_or_init(Self::read_env).clone()
+    }
+
+    fn read_env() -> Result<Self, KernelError> {
+        match std::env::var(KERNEL_ENV) {
+            Ok(value) => value.parse(),
+            Err(std::env::VarError::NotPresent) => Ok(Self::default()),
+            Err(std::env::VarError::NotUnicode(value)) => Err(KernelError::InvalidValue(format!(
+                "{KERNEL_ENV}={value:?} is not Unicode"
+            ))),
+        }
+    }
+
+    /// The flash kernels' plan for this choice, or `None` for the vector kernels: `Auto` takes
+    /// the flash kernels on tensor cores where they fit, a forced choice errors where they do
+    /// not.
+    pub(super) fn flash_plan(
+        self,
+        properties: &DeviceProperties,
+        dtype: DType,
+        shape: &AttentionShape,
+        max_spans: usize,
+    ) -> Result<Option<FlashPlan>, KernelError> {
+        match self {
+            Self::Vector => Ok(None),
+            Self::Auto => Ok(FlashPlan::new(properties, dtype, shape, max_spans, true).ok()),
+            Self::Flash { tensor_cores } => {
+                FlashPlan::new(properties, dtype, shape, max_spans, tensor_cores).map(Some)
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for AttentionKernel {
+    type Err = KernelError;
+
+    fn from_str(value: &str) -> Result<Self, KernelError> {
+        match value {
+            "vector" => Ok(Self::Vector),
+            "auto" => Ok(Self::Auto),
+            "flash" => Ok(Self::Flash { tensor_cores: true }),
+            "flash-plain" => Ok(Self::Flash {
+                tensor_cores: false,
+            }),
+            "tiles" | "tensor-cores" => Err(KernelError::InvalidValue(format!(
+                "{KERNEL_ENV}={value:?}: the matrix-tile kernels were retired (the flash \
+                 kernels cover them: `flash` on tensor cores, `flash-plain` on plain units)"
+            ))),
+            other => Err(KernelError::InvalidValue(format!(
+                "{KERNEL_ENV}={other:?}: expected one of vector, auto, flash, flash-plain"
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_names_parse_and_bad_ones_name_the_choices() {
+        assert_eq!("vector".parse(), Ok(AttentionKernel::Vector));
+        assert_eq!("auto".parse(), Ok(AttentionKernel::Auto));
+        assert_eq!(
+            "flash".parse(),
+            Ok(AttentionKernel::Flash { tensor_cores: true })
+        );
+        assert_eq!(
+            "flash-plain".parse(),
+            Ok(AttentionKernel::Flash {
+                tensor_cores: false
+            })
+        );
+        let err = "cmma".parse::<AttentionKernel>().unwrap_err().to_string();
+        assert!(
+            err.contains("BURN_DCP_ATTENTION_KERNEL=\"cmma\"") && err.contains("flash-plain"),
+            "{err}"
+        );
+        for retired in ["tiles", "tensor-cores"] {
+            let err = retired.parse::<AttentionKernel>().unwrap_err().to_string();
+            assert!(err.contains("retired") && err.contains(retired), "{err}");
+        }
+    }
+}
