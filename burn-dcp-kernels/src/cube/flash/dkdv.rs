@@ -98,13 +98,47 @@ struct QueryTiles<F: Float> {
     spans: SharedMemory<u32>,
 }
 
+/// `A·Bᵀ` of the plane's 16 rows against a staged tile: the rows are `held` in registers, or
+/// loaded from `rows` at `at` for this product alone (registers go to the accumulators).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn scores_of_rows<F: Float>(
+    held: &Array<Pair<F>>,
+    rows: &SharedMemory<F>,
+    at: usize,
+    tile: &SharedMemory<F>,
+    base: usize,
+    scratch: &mut SharedMemory<F>,
+    scratch_at: usize,
+    #[comptime] dim: usize,
+    #[comptime] block: usize,
+    #[comptime] is_held: bool,
+    #[comptime] tc: bool,
+) -> Array<Pair<f32>> {
+    if is_held {
+        scores_in_registers::<F>(held, tile, base, scratch, scratch_at, dim, block, tc)
+    } else {
+        let frags = load_rows_as_a::<F>(rows, at, dim, tc);
+        scores_in_registers::<F>(&frags, tile, base, scratch, scratch_at, dim, block, tc)
+    }
+}
+
+/// The plane's key and value rows: staged in shared memory for the copies (`k`, `v`: the
+/// cube's), or held in registers (`k_held`, `v_held`: the plane's) with plain loads.
+#[derive(CubeType)]
+struct KeyRows<F: Float> {
+    k: SharedMemory<F>,
+    v: SharedMemory<F>,
+    k_held: Array<Pair<F>>,
+    v_held: Array<Pair<F>>,
+}
+
 /// One query tile of the dk/dv kernel for the plane's 16 keys.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dkdv_tile<F: Float>(
     kv: &QueryTiles<F>,
-    k_tile: &SharedMemory<F>,
-    v_tile: &SharedMemory<F>,
+    keys: &KeyRows<F>,
     buffer: usize,
     first_key: usize,
     full: bool,
@@ -120,24 +154,34 @@ fn dkdv_tile<F: Float>(
     let tc = comptime!(config.tensor_cores);
     let plane = UNIT_POS_Y as usize;
     let base = buffer * block;
-    // The plane's keys and values, reloaded per tile (registers go to the accumulators).
-    let k_frags = load_rows_as_a::<F>(
-        k_tile,
+    // The plane's keys and values: staged ones reloaded per tile (registers go to the
+    // accumulators).
+    let held = comptime!(!config.async_copy);
+    let mut s = scores_of_rows::<F>(
+        &keys.k_held,
+        &keys.k,
         plane * comptime!(16 * padded(head_dim)),
+        &kv.q,
+        base,
+        scratch,
+        scratch_at,
         head_dim,
+        block,
+        held,
         tc,
     );
-    let mut s = scores_in_registers::<F>(
-        &k_frags, &kv.q, base, scratch, scratch_at, head_dim, block, tc,
-    );
-    let v_frags = load_rows_as_a::<F>(
-        v_tile,
+    let mut dp = scores_of_rows::<F>(
+        &keys.v_held,
+        &keys.v,
         plane * comptime!(16 * padded(value_dim)),
+        &kv.dout,
+        base,
+        scratch,
+        scratch_at,
         value_dim,
+        block,
+        held,
         tc,
-    );
-    let mut dp = scores_in_registers::<F>(
-        &v_frags, &kv.dout, base, scratch, scratch_at, value_dim, block, tc,
     );
     scale_scores(&mut s, scale, comptime!(block / 4), tc);
     if !full {
@@ -208,10 +252,28 @@ pub fn flash_dkdv_kernel<F: Float>(
     let first_key = key_tile * cube_keys;
     let plane_key = first_key + plane * 16;
 
-    let mut k_tile =
-        SharedMemory::<F>::new_aligned(comptime!(cube_keys * padded(head_dim)), 16usize);
-    let mut v_tile =
-        SharedMemory::<F>::new_aligned(comptime!(cube_keys * padded(value_dim)), 16usize);
+    // Key and value rows are staged for the copies; plain loads hold the plane's in registers.
+    let k_rows = comptime!(if copy {
+        cube_keys * padded(head_dim)
+    } else {
+        1
+    });
+    let v_rows = comptime!(if copy {
+        cube_keys * padded(value_dim)
+    } else {
+        1
+    });
+    let (held_k, held_v) = comptime!(if copy {
+        (1, 1)
+    } else {
+        (head_dim / 4, value_dim / 4)
+    });
+    let mut keys = KeyRows::<F> {
+        k: SharedMemory::<F>::new_aligned(k_rows, 16usize),
+        v: SharedMemory::<F>::new_aligned(v_rows, 16usize),
+        k_held: Array::<Pair<F>>::new(held_k),
+        v_held: Array::<Pair<F>>::new(held_v),
+    };
     let mut tiles = QueryTiles::<F> {
         q: SharedMemory::<F>::new_aligned(comptime!(buffers * block * padded(head_dim)), 16usize),
         dout: SharedMemory::<F>::new_aligned(
@@ -236,35 +298,42 @@ pub fn flash_dkdv_kernel<F: Float>(
     let mut dk_acc = zero_accumulators(head_dim / 8);
     let mut dv_acc = zero_accumulators(value_dim / 8);
 
-    if total > 0 {
-        let keys = cube_keys;
-        let kt = kv_tokens;
-        stage_rows::<F>(
-            k,
-            &mut k_tile,
-            0usize,
-            first_key,
-            kv_head,
-            kt,
-            unit,
-            keys,
-            head_dim,
-            units,
-            copy,
-        );
-        stage_rows::<F>(
-            v,
-            &mut v_tile,
-            0usize,
-            first_key,
-            kv_head,
-            kt,
-            unit,
-            keys,
-            value_dim,
-            units,
-            copy,
-        );
+    // The copies are waited for only when there is a tile.
+    if copy {
+        if total > 0 {
+            let kt = kv_tokens;
+            stage_rows::<F>(
+                k,
+                &mut keys.k,
+                0usize,
+                first_key,
+                kv_head,
+                kt,
+                unit,
+                cube_keys,
+                head_dim,
+                units,
+                copy,
+            );
+            stage_rows::<F>(
+                v,
+                &mut keys.v,
+                0usize,
+                first_key,
+                kv_head,
+                kt,
+                unit,
+                cube_keys,
+                value_dim,
+                units,
+                copy,
+            );
+        }
+    }
+    if !copy {
+        let tc = comptime!(config.tensor_cores);
+        load_rows_global_into::<F>(k, plane_key, kv_head, &mut keys.k_held, head_dim, tc);
+        load_rows_global_into::<F>(v, plane_key, kv_head, &mut keys.v_held, value_dim, tc);
     }
     if copy {
         let ready_0 = Barrier::shared(units as u32, UNIT_POS == 0);
@@ -318,8 +387,7 @@ pub fn flash_dkdv_kernel<F: Float>(
             }
             dkdv_tile::<F>(
                 &tiles,
-                &k_tile,
-                &v_tile,
+                &keys,
                 buffer,
                 plane_key,
                 full,
@@ -351,8 +419,7 @@ pub fn flash_dkdv_kernel<F: Float>(
             sync_cube();
             dkdv_tile::<F>(
                 &tiles,
-                &k_tile,
-                &v_tile,
+                &keys,
                 0usize,
                 plane_key,
                 full,

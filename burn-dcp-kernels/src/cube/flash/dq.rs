@@ -128,8 +128,12 @@ pub fn flash_dq_kernel<F: Float>(
     let do_size = comptime!(16 * padded(config.value_dim));
     let k_size = comptime!(config.block * padded(config.head_dim));
     let v_size = comptime!(config.block * padded(config.value_dim));
-    let mut q_tile = SharedMemory::<F>::new_aligned(planes * q_size, 16usize);
-    let mut do_tile = SharedMemory::<F>::new_aligned(planes * do_size, 16usize);
+    // The plane's Q and dO rows are staged for the copies; plain loads read their fragments
+    // from global memory once.
+    let q_rows = comptime!(if copy { planes * q_size } else { 1 });
+    let do_rows = comptime!(if copy { planes * do_size } else { 1 });
+    let mut q_tile = SharedMemory::<F>::new_aligned(q_rows, 16usize);
+    let mut do_tile = SharedMemory::<F>::new_aligned(do_rows, 16usize);
     let mut k_tile = SharedMemory::<F>::new_aligned(config.buffers() * k_size, 16usize);
     let mut v_tile = SharedMemory::<F>::new_aligned(config.buffers() * v_size, 16usize);
     let mut row_spans = SharedMemory::<u32>::new(tokens * 2 * max_spans);
@@ -164,32 +168,34 @@ pub fn flash_dq_kernel<F: Float>(
     let q_at = plane * q_size;
     let do_at = plane * do_size;
 
-    stage_rows::<F>(
-        q,
-        &mut q_tile,
-        q_at,
-        first_row,
-        head,
-        q_tokens,
-        lane,
-        16usize,
-        head_dim,
-        32usize,
-        copy,
-    );
-    stage_rows::<F>(
-        dout,
-        &mut do_tile,
-        do_at,
-        first_row,
-        head,
-        q_tokens,
-        lane,
-        16usize,
-        value_dim,
-        32usize,
-        copy,
-    );
+    if copy {
+        stage_rows::<F>(
+            q,
+            &mut q_tile,
+            q_at,
+            first_row,
+            head,
+            q_tokens,
+            lane,
+            16usize,
+            head_dim,
+            32usize,
+            copy,
+        );
+        stage_rows::<F>(
+            dout,
+            &mut do_tile,
+            do_at,
+            first_row,
+            head,
+            q_tokens,
+            lane,
+            16usize,
+            value_dim,
+            32usize,
+            copy,
+        );
+    }
     stage_spans(
         spans,
         &mut row_spans,
@@ -269,8 +275,8 @@ pub fn flash_dq_kernel<F: Float>(
         }
     } else {
         sync_cube();
-        let q_frags = load_rows_as_a::<F>(&q_tile, q_at, head_dim, tensor_cores);
-        let do_frags = load_rows_as_a::<F>(&do_tile, do_at, value_dim, tensor_cores);
+        let q_frags = load_rows_global::<F>(q, first_row, head, head_dim, tensor_cores);
+        let do_frags = load_rows_global::<F>(dout, first_row, head, value_dim, tensor_cores);
         for _ in 0..total {
             let key_tile = cursor.tile;
             let full = cursor.full(tile_runs);

@@ -309,7 +309,13 @@ pub fn flash_forward_kernel<F: Float>(
     let q_size = comptime!(16 * config.row_tiles * padded(config.head_dim));
     let k_size = comptime!(config.block * padded(config.head_dim));
     let v_size = comptime!(config.block * padded(config.value_dim));
-    let q_tile = SharedMemory::<F>::new_aligned(config.planes * q_size, 16usize);
+    // Q is staged for the copies and for two row tiles; one row tile with plain loads reads
+    // its fragments from global memory once.
+    let stage_q = comptime!(config.async_copy || config.row_tiles > 1);
+    let q_tile = SharedMemory::<F>::new_aligned(
+        comptime!(if stage_q { config.planes * q_size } else { 1 }),
+        16usize,
+    );
     let k_tile = SharedMemory::<F>::new_aligned(config.buffers() * k_size, 16usize);
     let v_tile = SharedMemory::<F>::new_aligned(config.buffers() * v_size, 16usize);
     let row_spans = SharedMemory::<u32>::new(tokens * 2 * max_spans);
@@ -353,19 +359,21 @@ pub fn flash_forward_kernel<F: Float>(
     }));
     let first_row = first_token + row0;
     let copy = comptime!(config.async_copy);
-    stage_rows::<F>(
-        q,
-        &mut tiles.q,
-        q_at,
-        first_row,
-        head,
-        q_tokens,
-        lane,
-        rows,
-        head_dim,
-        32usize,
-        copy,
-    );
+    if stage_q {
+        stage_rows::<F>(
+            q,
+            &mut tiles.q,
+            q_at,
+            first_row,
+            head,
+            q_tokens,
+            lane,
+            rows,
+            head_dim,
+            32usize,
+            copy,
+        );
+    }
     stage_spans(
         spans,
         &mut tiles.spans,
@@ -437,7 +445,7 @@ pub fn flash_forward_kernel<F: Float>(
     } else {
         sync_cube();
         if row_tiles == 1 {
-            load_rows_into::<F>(&tiles.q, q_at, &mut q_frags, head_dim, tensor_cores);
+            load_rows_global_into::<F>(q, first_row, head, &mut q_frags, head_dim, tensor_cores);
         }
         for _ in 0..total {
             let key_tile = cursor.tile;

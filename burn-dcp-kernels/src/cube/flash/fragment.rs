@@ -330,3 +330,54 @@ pub fn load_rows_as_a<F: Float>(
     load_rows_into::<F>(tile, at, &mut frags, dim, tensor_cores);
     frags
 }
+
+/// The plane's 16 rows `first_row..first_row + 16` of head `head` of `source` (`[tokens, heads,
+/// dim]`) as `dim / 16` A fragments, read from global memory by the table's layout (the one
+/// `ldmatrix` gives): rows past the source's end repeat its last row (their pairs are masked),
+/// columns past its dim are zeros. For kernels that hold their own rows in registers without
+/// staging them (plain loads: no `cp.async` to overlap), which saves their shared memory.
+#[cube]
+pub fn load_rows_global<F: Float>(
+    source: &Tensor<F>,
+    first_row: usize,
+    head: usize,
+    #[comptime] dim: usize,
+    #[comptime] unrolled: bool,
+) -> Array<Pair<F>> {
+    let mut frags = Array::<Pair<F>>::new(dim / 4);
+    load_rows_global_into::<F>(source, first_row, head, &mut frags, dim, unrolled);
+    frags
+}
+
+/// [`load_rows_global()`] into `frags`.
+#[cube]
+pub fn load_rows_global_into<F: Float>(
+    source: &Tensor<F>,
+    first_row: usize,
+    head: usize,
+    frags: &mut Array<Pair<F>>,
+    #[comptime] dim: usize,
+    #[comptime] unrolled: bool,
+) {
+    let (_lane, g, t) = lane_coords();
+    let (tokens, real) = (source.shape(0), source.shape(2));
+    #[unroll(unrolled)]
+    for kk in 0..dim / 16 {
+        #[unroll]
+        for v in 0..4usize {
+            let token = min(first_row + g + 8 * (v % 2), tokens - 1);
+            let base = token * source.stride(0) + head * source.stride(1);
+            let col = 16 * kk + 2 * t + 8 * (v / 2);
+            let mut pair = Pair::<F>::empty();
+            #[unroll]
+            for e in 0..2usize {
+                let mut value = F::new(0.0);
+                if col + e < real {
+                    value = source[base + (col + e) * source.stride(2)];
+                }
+                pair[e] = value;
+            }
+            frags[4 * kk + v] = pair;
+        }
+    }
+}

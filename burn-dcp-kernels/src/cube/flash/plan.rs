@@ -298,9 +298,20 @@ impl FlashPlan {
     }
 }
 
+/// Rows of its own side a cube of `c` stages (`rows` of them): for the copies, and for the
+/// forward's two row tiles; plain loads otherwise hold them in registers, read from global
+/// memory.
+fn staged_rows(c: &FlashConfig, rows: usize) -> usize {
+    if c.async_copy || c.row_tiles > 1 {
+        rows
+    } else {
+        0
+    }
+}
+
 /// Bytes of shared memory of one forward cube.
 fn forward_bytes(c: &FlashConfig, dtype: DType) -> usize {
-    let rows = 16 * c.row_tiles * c.planes;
+    let rows = staged_rows(c, 16 * c.row_tiles * c.planes);
     let inputs = rows * padded(c.head_dim)
         + c.buffers() * c.block * (padded(c.head_dim) + padded(c.value_dim));
     dtype.size() * inputs + 4 * (c.tokens_per_cube() * 2 * c.max_spans) + scratch(c, dtype)
@@ -308,7 +319,7 @@ fn forward_bytes(c: &FlashConfig, dtype: DType) -> usize {
 
 /// Bytes of shared memory of one dq cube.
 fn dq_bytes(c: &FlashConfig, dtype: DType) -> usize {
-    let rows = 16 * c.planes;
+    let rows = staged_rows(c, 16 * c.planes);
     let inputs = rows * (padded(c.head_dim) + padded(c.value_dim))
         + c.buffers() * c.block * (padded(c.head_dim) + padded(c.value_dim));
     dtype.size() * inputs + 4 * (c.tokens_per_cube() * 2 * c.max_spans) + scratch(c, dtype)
@@ -316,7 +327,7 @@ fn dq_bytes(c: &FlashConfig, dtype: DType) -> usize {
 
 /// Bytes of shared memory of one dk/dv cube.
 fn dkdv_bytes(c: &FlashConfig, dtype: DType) -> usize {
-    let rows = 16 * c.planes;
+    let rows = staged_rows(c, 16 * c.planes);
     let per_row = padded(c.head_dim) + padded(c.value_dim);
     let inputs = rows * per_row + c.buffers() * c.block * per_row;
     let values = c.buffers() * c.block * (2 + 2 * c.max_spans);
