@@ -145,9 +145,14 @@ fn train(
                 ranks.describe()
             )));
         };
-        let scale = burn_dcp_suite::train::links::emulate_links(config, world)?;
+        use burn_dcp_suite::train::links;
+        let scale = links::emulate_links(config, world)?;
+        let source = match config.emulate_links.and_then(|l| l.scale) {
+            Some(_) => "--link-scale".to_string(),
+            None => links::machine_attention_flops()?.describe(),
+        };
         eprintln!(
-            "links: emulated as {} × {} nodes, slowed {scale:.0}× to this CPU's compute",
+            "links: emulated as {} × {} nodes, slowed {scale:.0}× to this CPU's compute ({source})",
             config.topology, config.nodes
         );
     }

@@ -5,10 +5,12 @@
 //! `device FLOP/s` (e.g. 187 TFLOP/s for a100-p4d); a rank here computes it at the CPU's
 //! attention FLOP/s divided among the process's ranks. Links slowed by
 //! `time_scale = device FLOP/s ÷ CPU FLOP/s per rank` (bandwidth ÷ scale, latency × scale) keep
-//! communication's share of the step's time. `--link-scale F` sets it; by default it is measured
-//! at start ([`time_scale`]): the best of three runs of the portable flash-attention
-//! forward (1024 tokens, causal, 8 heads of dim 128, every core), its FLOP/s divided by the
-//! ranks of the process (they share the cores when they compute at once). Both rates are
+//! communication's share of the step's time. `--link-scale F` sets it; by default it comes from
+//! this machine's calibration ([`time_scale`]): the best of three runs of the portable
+//! flash-attention forward (1024 tokens, causal, 8 heads of dim 128, every core), its FLOP/s
+//! divided by the ranks of the process (they share the cores when they compute at once),
+//! measured once per machine and kept in [`calibration_file`] so that every run slows its links
+//! alike. Both rates are
 //! sustained rates at a large head dim (the presets' 60 % of peak is one), so a small model
 //! (the tiny GPT's head dim 16) is as inefficient here as it would be on the GPUs, and a small
 //! model is as communication-bound here as it would be there.
@@ -36,12 +38,130 @@ const CALIBRATION_HEADS: usize = 8;
 const CALIBRATION_HEAD_DIM: usize = 128;
 
 /// This machine's sustained attention FLOP/s per rank when `ranks` ranks of one process compute
-/// at once (see the module docs).
+/// at once (see the module docs): [`machine_attention_flops`] ÷ `ranks`.
 pub fn cpu_attention_flops_per_rank(ranks: usize) -> Result<f64, TrainError> {
+    Ok(machine_attention_flops()?.flops / ranks.max(1) as f64)
+}
+
+/// The calibration forward's FLOP/s on every core, measured now (best of three).
+fn measure_attention_flops() -> Result<f64, TrainError> {
     let (heads, head_dim) = (CALIBRATION_HEADS, CALIBRATION_HEAD_DIM);
     let n = CALIBRATION_TOKENS;
     let (forward, _) = best_causal_times(heads, heads, head_dim, n, false)?;
-    Ok(causal_forward_flops(n, heads, head_dim) / forward / ranks.max(1) as f64)
+    Ok(causal_forward_flops(n, heads, head_dim) / forward)
+}
+
+/// This machine's calibration: the portable forward's FLOP/s on every core, and where it came
+/// from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Calibration {
+    pub flops: f64,
+    /// The cache file it was read from or written to; `None`: no cache directory.
+    pub cache: Option<std::path::PathBuf>,
+    /// Whether it was measured by this process (else read from `cache`).
+    pub measured_now: bool,
+}
+
+impl Calibration {
+    /// Where the calibration came from, for a run's log.
+    pub fn describe(&self) -> String {
+        let when = if self.measured_now {
+            "calibrated now"
+        } else {
+            "calibration"
+        };
+        match &self.cache {
+            Some(path) => format!("{when}: {}", path.display()),
+            None => format!("{when}, not cached: no cache directory"),
+        }
+    }
+}
+
+/// The environment variable naming the directory of the calibration cache (default:
+/// `$XDG_CACHE_HOME/burn-dcp`, else `$HOME/.cache/burn-dcp`).
+pub const CACHE_DIR_ENV: &str = "BURN_DCP_CACHE_DIR";
+
+/// The calibration file: one per machine, so that every emulated run on it slows its links by
+/// the same factor (a calibration per run moved the links' speed, hence the measured
+/// attention time, by a few percent from run to run). Delete it to measure again, or pass
+/// `--link-scale`.
+pub fn calibration_file() -> Option<std::path::PathBuf> {
+    let var = |name| std::env::var_os(name).filter(|v| !v.is_empty());
+    let dir = var(CACHE_DIR_ENV)
+        .map(std::path::PathBuf::from)
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| std::path::Path::new(&d).join("burn-dcp")))
+        .or_else(|| var("HOME").map(|d| std::path::Path::new(&d).join(".cache/burn-dcp")))?;
+    Some(dir.join("link-calibration.json"))
+}
+
+/// What a cached calibration must match to be used: the CPU, its cores and the calibration's
+/// shape.
+fn machine_key() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    format!(
+        "{cpu}; {cores} cores; causal forward {CALIBRATION_TOKENS} tokens × {CALIBRATION_HEADS} \
+         heads × dim {CALIBRATION_HEAD_DIM}"
+    )
+}
+
+/// This machine's attention FLOP/s, measured once per machine: read from
+/// [`calibration_file`] when it holds this machine's, else measured and written there (once per
+/// process either way). A cache that cannot be read or written is measured around.
+pub fn machine_attention_flops() -> Result<Calibration, TrainError> {
+    static CALIBRATION: Mutex<Option<Calibration>> = Mutex::new(None);
+    let mut cached = CALIBRATION.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(calibration) = cached.as_ref() {
+        return Ok(calibration.clone());
+    }
+    let calibration = calibrate(calibration_file(), &machine_key())?;
+    *cached = Some(calibration.clone());
+    Ok(calibration)
+}
+
+/// The calibration of the machine `key` names: read from `file` when it holds that machine's,
+/// else measured and written there.
+fn calibrate(file: Option<std::path::PathBuf>, key: &str) -> Result<Calibration, TrainError> {
+    let read = file.as_ref().and_then(|path| {
+        let value: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+        let flops = value["attention_flops"].as_f64()?;
+        (value["machine"].as_str() == Some(key) && flops.is_finite() && flops > 0.0)
+            .then_some(flops)
+    });
+    Ok(match read {
+        Some(flops) => Calibration {
+            flops,
+            cache: file,
+            measured_now: false,
+        },
+        None => {
+            let flops = measure_attention_flops()?;
+            let text = serde_json::json!({"machine": key, "attention_flops": flops}).to_string();
+            // Through a file of this process's own and a rename: processes calibrating at
+            // once never read a half-written file.
+            let written = file.filter(|path| {
+                let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
+                path.parent()
+                    .is_some_and(|dir| std::fs::create_dir_all(dir).is_ok())
+                    && std::fs::write(&tmp, &text).is_ok()
+                    && std::fs::rename(&tmp, path).is_ok()
+            });
+            Calibration {
+                flops,
+                cache: written,
+                measured_now: true,
+            }
+        }
+    })
 }
 
 /// Forward FLOPs of causal attention over `n` tokens: 2 matmuls of 2·D FLOPs per allowed
@@ -157,28 +277,18 @@ pub fn emulated_topology(topology: &Topology, time_scale: f64, flops_per_rank: f
     }
 }
 
-/// The time scale of emulated `links` beside `topology`'s devices: `--link-scale`, or measured
-/// for `ranks` ranks of this process, once per process (the links and the prediction of one run
-/// use the same value).
+/// The time scale of emulated `links` beside `topology`'s devices: `--link-scale`, or from this
+/// machine's calibration ([`machine_attention_flops`]: measured once per machine) for `ranks`
+/// ranks of this process (the links and the prediction of one run use the same value).
 pub fn time_scale(
     links: EmulatedLinks,
     topology: &Topology,
     ranks: usize,
 ) -> Result<f64, TrainError> {
-    static MEASURED: Mutex<Vec<(usize, f64)>> = Mutex::new(Vec::new());
-    if let Some(scale) = links.scale {
-        return Ok(scale);
+    match links.scale {
+        Some(scale) => Ok(scale),
+        None => Ok(topology.device_flops / cpu_attention_flops_per_rank(ranks)?),
     }
-    let mut measured = MEASURED.lock().unwrap_or_else(|e| e.into_inner());
-    let flops = match measured.iter().find(|(r, _)| *r == ranks) {
-        Some(&(_, flops)) => flops,
-        None => {
-            let flops = cpu_attention_flops_per_rank(ranks)?;
-            measured.push((ranks, flops));
-            flops
-        }
-    };
-    Ok(topology.device_flops / flops)
 }
 
 /// Sets `config`'s emulated links on `world` (ranks as threads); returns the time scale used.
@@ -193,4 +303,38 @@ pub fn emulate_links(config: &TrainConfig, world: &InProcessWorld) -> Result<f64
         .map_err(|e| TrainError::Config(format!("--link-scale {scale}: {e}")))?;
     world.emulate_links(links)?;
     Ok(scale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_machine_is_calibrated_once_and_its_cache_checked() {
+        let dir = std::env::temp_dir().join(format!("burn-dcp-calibration-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let file = dir.join("nested").join("link-calibration.json");
+        // The first run measures and writes; the next reads the same value.
+        let first = calibrate(Some(file.clone()), "machine A").unwrap();
+        assert!(first.measured_now && first.flops > 0.0, "{first:?}");
+        assert_eq!(first.cache.as_deref(), Some(file.as_path()));
+        let second = calibrate(Some(file.clone()), "machine A").unwrap();
+        assert_eq!((second.flops, second.measured_now), (first.flops, false));
+        // Another machine's file, or a damaged one, is measured around and replaced.
+        let other = calibrate(Some(file.clone()), "machine B").unwrap();
+        assert!(other.measured_now);
+        let text = std::fs::read_to_string(&file).unwrap();
+        assert!(text.contains("machine B"), "{text}");
+        std::fs::write(&file, "{ not json").unwrap();
+        assert!(
+            calibrate(Some(file.clone()), "machine B")
+                .unwrap()
+                .measured_now
+        );
+        // No cache directory: measured, nothing written.
+        let none = calibrate(None, "machine A").unwrap();
+        assert!(none.measured_now && none.cache.is_none());
+        assert!(none.describe().contains("not cached"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
