@@ -156,7 +156,7 @@ fn dkdv_tile<F: Float>(
     let base = buffer * block;
     // The plane's keys and values: staged ones reloaded per tile (registers go to the
     // accumulators).
-    let held = comptime!(!config.async_copy);
+    let held = comptime!(!config.stages_own_rows());
     let mut s = scores_of_rows::<F>(
         &keys.k_held,
         &keys.k,
@@ -213,8 +213,7 @@ fn dkdv_tile<F: Float>(
 /// per key tile (the transpose of query tiles of `block` queries against key tiles of
 /// `16 · planes` keys), walked once per query head of the group.
 #[cube(launch_unchecked, fast_math = fast_exp())]
-// `copy` is a comptime flag, `total` a runtime value: two `if`s, not one condition.
-#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+#[allow(clippy::too_many_arguments)]
 pub fn flash_dkdv_kernel<F: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,
@@ -254,17 +253,18 @@ pub fn flash_dkdv_kernel<F: Float>(
     let plane_key = first_key + plane * 16;
 
     // Key and value rows are staged for the copies; plain loads hold the plane's in registers.
-    let k_rows = comptime!(if copy {
+    let staged = comptime!(config.stages_own_rows());
+    let k_rows = comptime!(if staged {
         cube_keys * padded(head_dim)
     } else {
         1
     });
-    let v_rows = comptime!(if copy {
+    let v_rows = comptime!(if staged {
         cube_keys * padded(value_dim)
     } else {
         1
     });
-    let (held_k, held_v) = comptime!(if copy {
+    let (held_k, held_v) = comptime!(if staged {
         (1, 1)
     } else {
         (head_dim / 4, value_dim / 4)
@@ -299,8 +299,8 @@ pub fn flash_dkdv_kernel<F: Float>(
     let mut dk_acc = zero_accumulators(head_dim / 8);
     let mut dv_acc = zero_accumulators(value_dim / 8);
 
-    // The copies are waited for only when there is a tile.
-    if copy {
+    // Staged rows are copies, waited for only when there is a tile.
+    if staged {
         if total > 0 {
             let kt = kv_tokens;
             stage_rows::<F>(
@@ -330,8 +330,7 @@ pub fn flash_dkdv_kernel<F: Float>(
                 copy,
             );
         }
-    }
-    if !copy {
+    } else {
         let tc = comptime!(config.tensor_cores);
         load_rows_global_into::<F>(k, plane_key, kv_head, &mut keys.k_held, head_dim, tc);
         load_rows_global_into::<F>(v, plane_key, kv_head, &mut keys.v_held, value_dim, tc);

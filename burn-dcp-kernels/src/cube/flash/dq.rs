@@ -130,8 +130,9 @@ pub fn flash_dq_kernel<F: Float>(
     let v_size = comptime!(config.block * padded(config.value_dim));
     // The plane's Q and dO rows are staged for the copies; plain loads read their fragments
     // from global memory once.
-    let q_rows = comptime!(if copy { planes * q_size } else { 1 });
-    let do_rows = comptime!(if copy { planes * do_size } else { 1 });
+    let staged = comptime!(config.stages_own_rows());
+    let q_rows = comptime!(if staged { planes * q_size } else { 1 });
+    let do_rows = comptime!(if staged { planes * do_size } else { 1 });
     let mut q_tile = SharedMemory::<F>::new_aligned(q_rows, 16usize);
     let mut do_tile = SharedMemory::<F>::new_aligned(do_rows, 16usize);
     let mut k_tile = SharedMemory::<F>::new_aligned(config.buffers() * k_size, 16usize);
@@ -168,7 +169,7 @@ pub fn flash_dq_kernel<F: Float>(
     let q_at = plane * q_size;
     let do_at = plane * do_size;
 
-    if copy {
+    if staged {
         stage_rows::<F>(
             q,
             &mut q_tile,

@@ -311,7 +311,7 @@ pub fn flash_forward_kernel<F: Float>(
     let v_size = comptime!(config.block * padded(config.value_dim));
     // Q is staged for the copies and for two row tiles; one row tile with plain loads reads
     // its fragments from global memory once.
-    let stage_q = comptime!(config.async_copy || config.row_tiles > 1);
+    let stage_q = comptime!(config.stages_own_rows());
     let q_tile = SharedMemory::<F>::new_aligned(
         comptime!(if stage_q { config.planes * q_size } else { 1 }),
         16usize,

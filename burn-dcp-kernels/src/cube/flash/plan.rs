@@ -54,6 +54,13 @@ impl FlashConfig {
         16 * self.row_tiles * self.planes / self.heads_per_cube
     }
 
+    /// Whether a cube stages its planes' own rows (the forward's Q, dq's Q and dO, dk/dv's K
+    /// and V) in shared memory: for the copies, and for the forward's two row tiles (read per
+    /// tile). Otherwise each plane reads them from global memory into registers once.
+    pub fn stages_own_rows(&self) -> bool {
+        self.async_copy || self.row_tiles > 1
+    }
+
     /// Buffers per staged tile: two when copies overlap the products.
     pub fn buffers(&self) -> usize {
         if self.async_copy {
@@ -298,11 +305,9 @@ impl FlashPlan {
     }
 }
 
-/// Rows of its own side a cube of `c` stages (`rows` of them): for the copies, and for the
-/// forward's two row tiles; plain loads otherwise hold them in registers, read from global
-/// memory.
+/// `rows` where a cube of `c` stages its own rows ([`FlashConfig::stages_own_rows`]), else 0.
 fn staged_rows(c: &FlashConfig, rows: usize) -> usize {
-    if c.async_copy || c.row_tiles > 1 {
+    if c.stages_own_rows() {
         rows
     } else {
         0
