@@ -1,7 +1,8 @@
 //! Naming the rank that stopped making progress, for the worlds whose ranks are processes (TCP,
 //! MPI): what a rank says it is doing when asked ([`Status`]), the chain of waits followed from
-//! the rank a timed-out wait was for ([`follow_waits`]), and the words of the report
-//! ([`stall_reason`]), the same in every world.
+//! the rank a timed-out wait was for ([`follow_waits`]), a cycle of waits looked at twice before
+//! it is believed ([`confirmed`]), and the words of the report ([`stall_reason`]), the same in
+//! every world.
 
 use std::time::Duration;
 
@@ -16,6 +17,13 @@ pub(crate) struct Status {
     pub(crate) last: Option<String>,
 }
 
+/// What [`follow_waits`] finds: `Ok((rank, what it last received, whether it answered))`, or
+/// `Err` with the chain of ranks when the waits form a cycle.
+pub(crate) type Found = Result<(usize, Option<String>, bool), Vec<usize>>;
+
+/// How long a rank lets the others move before it looks at a cycle of waits again.
+const SECOND_LOOK: Duration = Duration::from_millis(100);
+
 /// The rank at the end of the waits: from `sender` (the rank `me` timed out waiting for),
 /// each rank's status (`status_of`: `None` when it did not answer) says whom it waits for; the
 /// first that waits for nothing, or does not answer, made no progress. `Ok((rank, what it last
@@ -24,7 +32,7 @@ pub(crate) fn follow_waits(
     me: usize,
     sender: usize,
     mut status_of: impl FnMut(usize) -> Option<Status>,
-) -> Result<(usize, Option<String>, bool), Vec<usize>> {
+) -> Found {
     let mut chain = vec![me];
     let mut current = sender;
     loop {
@@ -44,11 +52,27 @@ pub(crate) fn follow_waits(
     }
 }
 
+/// `first`, or, when it is a cycle, what `again` finds after [`SECOND_LOOK`]. An answer can be
+/// stale: a rank that says it waits may already hold the message it waits for (taken in by the
+/// poll that answered, not yet by the thread that waits), and a stopped rank that the launcher
+/// resumes only to end it (Open MPI sends `SIGCONT` before `SIGTERM`) answers with the wait it
+/// was stopped in. A real cycle (ranks that wait for one another: a protocol mismatch) is found
+/// again; a stale one is not, and the second look names the rank that made no progress.
+pub(crate) fn confirmed(first: Found, again: impl FnOnce() -> Found) -> Found {
+    match first {
+        Err(_) => {
+            std::thread::sleep(SECOND_LOOK);
+            again()
+        }
+        found => found,
+    }
+}
+
 /// What a rank names after its wait for `what` from `sender` timed out (`timeout`, the error;
 /// `waited`, the world's timeout): the stalled rank of [`follow_waits`] first, or the cycle.
 /// `None` when the stalled rank is this rank itself (it answered its own chain's end).
 pub(crate) fn stall_reason(
-    found: Result<(usize, Option<String>, bool), Vec<usize>>,
+    found: Found,
     me: usize,
     sender: usize,
     what: &str,
@@ -120,5 +144,18 @@ mod tests {
             _ => waiting_for(1),
         });
         assert_eq!(found, Err(vec![0, 1, 2, 1]));
+    }
+
+    #[test]
+    fn a_cycle_is_believed_only_when_a_second_look_finds_it_again() {
+        let cycle = || follow_waits(0, 2, |_| waiting_for(0));
+        // rank 2 answered once from the wait it was stopped in, then no more
+        let found = confirmed(cycle(), || follow_waits(0, 2, |_| None));
+        assert_eq!(found, Ok((2, None, false)));
+        // a real protocol mismatch: found again
+        assert_eq!(confirmed(cycle(), cycle), Err(vec![0, 2, 0]));
+        // no cycle: no second look
+        let idle = Ok((2, None, true));
+        assert_eq!(confirmed(idle.clone(), || unreachable!()), idle);
     }
 }

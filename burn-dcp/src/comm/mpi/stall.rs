@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use mpi::ffi;
 
 use super::state::{mpi_lock, receive_arrived, Backoff, Shared};
-use crate::comm::stall::{follow_waits, Status};
+use crate::comm::stall::{confirmed, follow_waits, Found, Status};
 
 /// A query: "what are you doing?" (its body: the asker's query number, 8 bytes).
 const QUERY_TAG: c_int = 1;
@@ -107,13 +107,11 @@ impl Shared {
     }
 
     /// Who made no progress when this rank timed out waiting for global rank `sender`: the end
-    /// of the chain of waits from `sender` (see [`follow_waits`]).
-    pub(super) fn stalled(
-        &self,
-        sender: usize,
-        answer: Duration,
-    ) -> Result<(usize, Option<String>, bool), Vec<usize>> {
-        follow_waits(self.rank, sender, |rank| self.ask(rank, answer))
+    /// of the chain of waits from `sender` (see [`follow_waits`]; a cycle is asked twice,
+    /// [`confirmed`]).
+    pub(super) fn stalled(&self, sender: usize, answer: Duration) -> Found {
+        let look = || follow_waits(self.rank, sender, |rank| self.ask(rank, answer));
+        confirmed(look(), look)
     }
 
     /// Records that this rank waits for `what` from global rank `peer` (`None`: no longer).

@@ -13,7 +13,7 @@ use burn::tensor::DType;
 
 use crate::comm::common::unframe;
 use crate::comm::nodes::NodeMap;
-use crate::comm::stall::{follow_waits, Status};
+use crate::comm::stall::{confirmed, follow_waits, Found, Status};
 use crate::comm::{CommStats, WorldConfig};
 
 /// No frame is larger than this (a corrupt length must not allocate the machine's memory).
@@ -277,18 +277,17 @@ impl Shared {
     /// it waits for (its reader thread answers, whatever its main thread does), waits at most
     /// `answer` for the answers, then follows the waits from `sender` to the first rank that
     /// waits for nothing, or does not answer (a stopped process). `Err` with the chain when
-    /// the waits form a cycle.
-    pub(super) fn stalled(
-        &self,
-        sender: usize,
-        answer: Duration,
-    ) -> Result<(usize, Option<String>, bool), Vec<usize>> {
-        self.state().statuses.clear();
-        self.tell_all(Kind::Query, &[]);
-        let state = self.wait_until(Instant::now() + answer, |state| {
-            state.statuses.len() + 1 >= self.size
-        });
-        follow_waits(self.rank, sender, |rank| state.statuses.get(&rank).cloned())
+    /// the waits form a cycle twice ([`confirmed`]).
+    pub(super) fn stalled(&self, sender: usize, answer: Duration) -> Found {
+        let look = || {
+            self.state().statuses.clear();
+            self.tell_all(Kind::Query, &[]);
+            let state = self.wait_until(Instant::now() + answer, |state| {
+                state.statuses.len() + 1 >= self.size
+            });
+            follow_waits(self.rank, sender, |rank| state.statuses.get(&rank).cloned())
+        };
+        confirmed(look(), look)
     }
 
     /// Tells every peer `kind` (best effort: a peer that is gone is skipped).
