@@ -9,10 +9,10 @@
 
 use cubecl::prelude::*;
 
-use super::forward::scores;
 use super::fragment::*;
 use super::stage::*;
-use crate::cube::kernels::{NONE, NONE_LIMIT};
+use super::tile::scores;
+use crate::cube::elementwise::{NONE, NONE_LIMIT};
 
 /// Turns scaled, masked scores `s` into `P = exp(s − lse)` (0 where masked) and `dp` into
 /// `dS = P ∘ (dP − delta)`, in place. `row_values`: the lane's rows' `(lse, delta)`

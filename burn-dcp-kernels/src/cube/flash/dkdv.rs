@@ -7,13 +7,14 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::backward::{mask_columns, probabilities_and_ds, scores_in_registers, write_rows};
-use super::forward::{add_product, scale_scores};
 use super::fragment::*;
 use super::stage::*;
+use super::tile::{add_product, scale_scores};
 use super::{fast_exp, FlashConfig};
 
-/// Stages query tile `query_tile` of head `head` into buffer `buffer`: Q and dO rows (copies),
-/// and their lse, delta and spans (plain stores, visible after the buffer's barrier or sync).
+/// Stages query tile `query_tile` of head `head` into buffer `buffer`: Q and dO rows (copies;
+/// Q alone when staged in turn, [`FlashConfig::in_turn`]), and their lse, delta and spans
+/// (plain stores, visible after the buffer's barrier or sync).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage_query_tile<F: Float>(
@@ -28,41 +29,15 @@ fn stage_query_tile<F: Float>(
     head: usize,
     #[comptime] config: FlashConfig,
 ) {
-    let block = comptime!(config.block);
-    let units = comptime!(config.units());
+    let (block, units) = comptime!((config.block, config.units()));
     let max_spans = comptime!(config.max_spans);
-    let unit = UNIT_POS as usize;
     let first = query_tile * block;
     let q_tokens = q.shape(0);
-    let q_at = buffer * comptime!(config.block * padded(config.head_dim));
-    let do_at = buffer * comptime!(config.block * padded(config.value_dim));
-    let (hd, vd, copy) = comptime!((config.head_dim, config.value_dim, config.async_copy));
-    stage_rows::<F>(
-        q,
-        &mut tiles.q,
-        q_at,
-        first,
-        head,
-        q_tokens,
-        unit,
-        block,
-        hd,
-        units,
-        copy,
-    );
-    stage_rows::<F>(
-        dout,
-        &mut tiles.dout,
-        do_at,
-        first,
-        head,
-        q_tokens,
-        unit,
-        block,
-        vd,
-        units,
-        copy,
-    );
+    let (hd, vd) = comptime!((config.head_dim, config.value_dim));
+    stage_tile::<F>(q, &mut tiles.q, buffer, query_tile, head, hd, config);
+    if comptime!(!config.in_turn) {
+        stage_tile::<F>(dout, &mut tiles.dout, buffer, query_tile, head, vd, config);
+    }
     let at = buffer * block;
     stage_row_values(lse, &mut tiles.lse, at, head, first, q_tokens, block, units);
     stage_row_values(
@@ -133,52 +108,34 @@ struct KeyRows<F: Float> {
     v_held: Array<Pair<F>>,
 }
 
-/// One query tile of the dk/dv kernel for the plane's 16 keys.
+/// `Sᵀ = K·Qᵀ` of the plane's 16 keys against the staged Q tile, scaled and masked (partial
+/// tiles). Staged key rows are reloaded per tile (registers go to the accumulators).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn dkdv_tile<F: Float>(
+fn key_scores<F: Float>(
     kv: &QueryTiles<F>,
     keys: &KeyRows<F>,
     buffer: usize,
     first_key: usize,
     full: bool,
-    dk_acc: &mut Array<Pair<f32>>,
-    dv_acc: &mut Array<Pair<f32>>,
     scale: f32,
     scratch: &mut SharedMemory<F>,
     scratch_at: usize,
     #[comptime] config: FlashConfig,
-) {
-    let (head_dim, value_dim) = comptime!((config.head_dim, config.value_dim));
-    let block = comptime!(config.block);
-    let tc = comptime!(config.tensor_cores);
-    let plane = UNIT_POS_Y as usize;
+) -> Array<Pair<f32>> {
+    let (head_dim, block, tc) = comptime!((config.head_dim, config.block, config.tensor_cores));
     let base = buffer * block;
-    // The plane's keys and values: staged ones reloaded per tile (registers go to the
-    // accumulators).
+    let at = UNIT_POS_Y as usize * comptime!(16 * padded(head_dim));
     let held = comptime!(!config.stages_own_rows());
     let mut s = scores_of_rows::<F>(
         &keys.k_held,
         &keys.k,
-        plane * comptime!(16 * padded(head_dim)),
+        at,
         &kv.q,
         base,
         scratch,
         scratch_at,
         head_dim,
-        block,
-        held,
-        tc,
-    );
-    let mut dp = scores_of_rows::<F>(
-        &keys.v_held,
-        &keys.v,
-        plane * comptime!(16 * padded(value_dim)),
-        &kv.dout,
-        base,
-        scratch,
-        scratch_at,
-        value_dim,
         block,
         held,
         tc,
@@ -196,6 +153,61 @@ fn dkdv_tile<F: Float>(
             tc,
         );
     }
+    s
+}
+
+/// `dPᵀ = V·dOᵀ` of the plane's 16 values against the dO tile staged in `tile` from row `base`.
+#[cube]
+fn value_scores<F: Float>(
+    keys: &KeyRows<F>,
+    tile: &SharedMemory<F>,
+    base: usize,
+    scratch: &mut SharedMemory<F>,
+    scratch_at: usize,
+    #[comptime] config: FlashConfig,
+) -> Array<Pair<f32>> {
+    let (value_dim, block, tc) = comptime!((config.value_dim, config.block, config.tensor_cores));
+    let at = UNIT_POS_Y as usize * comptime!(16 * padded(value_dim));
+    let held = comptime!(!config.stages_own_rows());
+    scores_of_rows::<F>(
+        &keys.v_held,
+        &keys.v,
+        at,
+        tile,
+        base,
+        scratch,
+        scratch_at,
+        value_dim,
+        block,
+        held,
+        tc,
+    )
+}
+
+/// One query tile of the dk/dv kernel for the plane's 16 keys: [`key_scores`],
+/// [`value_scores`], `Pᵀ` and `dSᵀ`, `dV += Pᵀ·dO`, `dK += dSᵀ·Q`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dkdv_tile<F: Float>(
+    kv: &QueryTiles<F>,
+    keys: &KeyRows<F>,
+    buffer: usize,
+    first_key: usize,
+    full: bool,
+    dk_acc: &mut Array<Pair<f32>>,
+    dv_acc: &mut Array<Pair<f32>>,
+    scale: f32,
+    scratch: &mut SharedMemory<F>,
+    scratch_at: usize,
+    #[comptime] config: FlashConfig,
+) {
+    let (head_dim, value_dim) = comptime!((config.head_dim, config.value_dim));
+    let (block, tc) = comptime!((config.block, config.tensor_cores));
+    let base = buffer * block;
+    let mut s = key_scores::<F>(
+        kv, keys, buffer, first_key, full, scale, scratch, scratch_at, config,
+    );
+    let mut dp = value_scores::<F>(keys, &kv.dout, base, scratch, scratch_at, config);
     let none = Array::<f32>::new(2usize);
     probabilities_and_ds(
         &mut s, &mut dp, &none, &none, &kv.lse, &kv.delta, base, block, false, tc,
@@ -205,6 +217,50 @@ fn dkdv_tile<F: Float>(
     );
     add_product::<F>(
         &dp, &kv.q, base, dk_acc, scratch, scratch_at, head_dim, block, 1usize, tc,
+    );
+}
+
+/// [`dkdv_tile`] with Q and dO staged in turn in one buffer ([`FlashConfig::in_turn`]), after
+/// [`stage_query_tile`] staged Q: `Sᵀ`; dO over it for `dPᵀ` and `dV`; Q again for `dK`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dkdv_tile_in_turn<F: Float>(
+    q: &Tensor<F>,
+    dout: &Tensor<F>,
+    kv: &mut QueryTiles<F>,
+    keys: &KeyRows<F>,
+    query_tile: usize,
+    head: usize,
+    first_key: usize,
+    full: bool,
+    dk_acc: &mut Array<Pair<f32>>,
+    dv_acc: &mut Array<Pair<f32>>,
+    scale: f32,
+    scratch: &mut SharedMemory<F>,
+    scratch_at: usize,
+    #[comptime] config: FlashConfig,
+) {
+    let (head_dim, value_dim) = comptime!((config.head_dim, config.value_dim));
+    let (block, tc) = comptime!((config.block, config.tensor_cores));
+    let mut s = key_scores::<F>(
+        kv, keys, 0usize, first_key, full, scale, scratch, scratch_at, config,
+    );
+    sync_cube();
+    stage_tile::<F>(dout, &mut kv.q, 0usize, query_tile, head, value_dim, config);
+    sync_cube();
+    let mut dp = value_scores::<F>(keys, &kv.q, 0usize, scratch, scratch_at, config);
+    let none = Array::<f32>::new(2usize);
+    probabilities_and_ds(
+        &mut s, &mut dp, &none, &none, &kv.lse, &kv.delta, 0usize, block, false, tc,
+    );
+    add_product::<F>(
+        &s, &kv.q, 0usize, dv_acc, scratch, scratch_at, value_dim, block, 1usize, tc,
+    );
+    sync_cube();
+    stage_tile::<F>(q, &mut kv.q, 0usize, query_tile, head, head_dim, config);
+    sync_cube();
+    add_product::<F>(
+        &dp, &kv.q, 0usize, dk_acc, scratch, scratch_at, head_dim, block, 1usize, tc,
     );
 }
 
@@ -275,12 +331,15 @@ pub fn flash_dkdv_kernel<F: Float>(
         k_held: Array::<Pair<F>>::new(held_k),
         v_held: Array::<Pair<F>>::new(held_v),
     };
+    // Staged in turn, dO takes Q's buffer.
+    let (q_size, do_size) = comptime!(if config.in_turn {
+        (block * padded(head_dim).max(padded(value_dim)), 1)
+    } else {
+        (block * padded(head_dim), block * padded(value_dim))
+    });
     let mut tiles = QueryTiles::<F> {
-        q: SharedMemory::<F>::new_aligned(comptime!(buffers * block * padded(head_dim)), 16usize),
-        dout: SharedMemory::<F>::new_aligned(
-            comptime!(buffers * block * padded(value_dim)),
-            16usize,
-        ),
+        q: SharedMemory::<F>::new_aligned(comptime!(buffers * q_size), 16usize),
+        dout: SharedMemory::<F>::new_aligned(comptime!(buffers * do_size), 16usize),
         lse: SharedMemory::<f32>::new(buffers * block),
         delta: SharedMemory::<f32>::new(buffers * block),
         spans: SharedMemory::<u32>::new(buffers * block * 2 * max_spans),
@@ -417,19 +476,38 @@ pub fn flash_dkdv_kernel<F: Float>(
                 config,
             );
             sync_cube();
-            dkdv_tile::<F>(
-                &tiles,
-                &keys,
-                0usize,
-                plane_key,
-                full,
-                &mut dk_acc,
-                &mut dv_acc,
-                scale,
-                &mut scratch,
-                scratch_at,
-                config,
-            );
+            if comptime!(config.in_turn) {
+                dkdv_tile_in_turn::<F>(
+                    q,
+                    dout,
+                    &mut tiles,
+                    &keys,
+                    cursor.tile,
+                    head,
+                    plane_key,
+                    full,
+                    &mut dk_acc,
+                    &mut dv_acc,
+                    scale,
+                    &mut scratch,
+                    scratch_at,
+                    config,
+                );
+            } else {
+                dkdv_tile::<F>(
+                    &tiles,
+                    &keys,
+                    0usize,
+                    plane_key,
+                    full,
+                    &mut dk_acc,
+                    &mut dv_acc,
+                    scale,
+                    &mut scratch,
+                    scratch_at,
+                    config,
+                );
+            }
             sync_cube();
             cursor.advance(tile_runs, first_run, end_run);
         }

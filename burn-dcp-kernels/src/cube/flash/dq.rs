@@ -6,13 +6,13 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::backward::{probabilities_and_ds, scores_in_registers, write_rows};
-use super::forward::{add_product, mask_rows, scale_scores};
 use super::fragment::*;
 use super::stage::*;
+use super::tile::{add_product, mask_rows, scale_scores};
 use super::{fast_exp, FlashConfig};
 
-/// One key tile of the dq kernel for the plane's 16 rows: `S`, `dP`, mask (partial tiles),
-/// `P` and `dS` in registers, `dQ += dS·K`.
+/// One key tile of the dq kernel for the plane's 16 rows: `dP = dO·Vᵀ`, then
+/// [`dq_from_dp`].
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dq_tile<F: Float>(
@@ -31,15 +31,48 @@ fn dq_tile<F: Float>(
     scratch_at: usize,
     #[comptime] config: FlashConfig,
 ) {
-    let (head_dim, value_dim) = comptime!((config.head_dim, config.value_dim));
+    let (value_dim, block, tc) = comptime!((config.value_dim, config.block, config.tensor_cores));
+    let mut dp = scores_in_registers::<F>(
+        do_frags,
+        v_tile,
+        buffer * block,
+        scratch,
+        scratch_at,
+        value_dim,
+        block,
+        tc,
+    );
+    dq_from_dp::<F>(
+        q_frags, &mut dp, k_tile, buffer, key_tile, full, rows, row_spans, dq_acc, scale, scratch,
+        scratch_at, config,
+    );
+}
+
+/// The rest of one key tile of the dq kernel, given `dP`: `S` against the staged K tile, mask
+/// (partial tiles), `P` and `dS` in registers, `dQ += dS·K`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dq_from_dp<F: Float>(
+    q_frags: &Array<Pair<F>>,
+    dp: &mut Array<Pair<f32>>,
+    k_tile: &SharedMemory<F>,
+    buffer: usize,
+    key_tile: usize,
+    full: bool,
+    rows: &RowValues,
+    row_spans: &SharedMemory<u32>,
+    dq_acc: &mut Array<Pair<f32>>,
+    scale: f32,
+    scratch: &mut SharedMemory<F>,
+    scratch_at: usize,
+    #[comptime] config: FlashConfig,
+) {
+    let head_dim = comptime!(config.head_dim);
     let block = comptime!(config.block);
     let tc = comptime!(config.tensor_cores);
     let base = buffer * block;
     let mut s = scores_in_registers::<F>(
         q_frags, k_tile, base, scratch, scratch_at, head_dim, block, tc,
-    );
-    let mut dp = scores_in_registers::<F>(
-        do_frags, v_tile, base, scratch, scratch_at, value_dim, block, tc,
     );
     scale_scores(&mut s, scale, comptime!(block / 4), tc);
     if !full {
@@ -59,7 +92,7 @@ fn dq_tile<F: Float>(
     let unused = SharedMemory::<f32>::new(1usize);
     probabilities_and_ds(
         &mut s,
-        &mut dp,
+        dp,
         &rows.lse,
         &rows.delta,
         &unused,
@@ -70,7 +103,7 @@ fn dq_tile<F: Float>(
         tc,
     );
     add_product::<F>(
-        &dp, k_tile, base, dq_acc, scratch, scratch_at, head_dim, block, 1usize, tc,
+        dp, k_tile, base, dq_acc, scratch, scratch_at, head_dim, block, 1usize, tc,
     );
 }
 
@@ -135,6 +168,12 @@ pub fn flash_dq_kernel<F: Float>(
     let do_rows = comptime!(if staged { planes * do_size } else { 1 });
     let mut q_tile = SharedMemory::<F>::new_aligned(q_rows, 16usize);
     let mut do_tile = SharedMemory::<F>::new_aligned(do_rows, 16usize);
+    // Staged in turn, K takes V's buffer.
+    let (k_size, v_size) = comptime!(if config.in_turn {
+        (k_size.max(v_size), 1)
+    } else {
+        (k_size, v_size)
+    });
     let mut k_tile = SharedMemory::<F>::new_aligned(config.buffers() * k_size, 16usize);
     let mut v_tile = SharedMemory::<F>::new_aligned(config.buffers() * v_size, 16usize);
     let mut row_spans = SharedMemory::<u32>::new(tokens * 2 * max_spans);
@@ -281,33 +320,68 @@ pub fn flash_dq_kernel<F: Float>(
         for _ in 0..total {
             let key_tile = cursor.tile;
             let full = cursor.full(tile_runs);
-            stage_key_tile::<F>(
-                k,
-                v,
-                &mut k_tile,
-                &mut v_tile,
-                0usize,
-                key_tile,
-                kv_head,
-                config,
-            );
-            sync_cube();
-            dq_tile::<F>(
-                &q_frags,
-                &do_frags,
-                &k_tile,
-                &v_tile,
-                0usize,
-                key_tile,
-                full,
-                &rows,
-                &row_spans,
-                &mut dq_acc,
-                scale,
-                &mut scratch,
-                scratch_at,
-                config,
-            );
+            if comptime!(config.in_turn) {
+                // V first (for dP), then K into the same buffer (for S and dQ).
+                let (block, tc) = comptime!((config.block, config.tensor_cores));
+                stage_tile::<F>(v, &mut k_tile, 0usize, key_tile, kv_head, value_dim, config);
+                sync_cube();
+                let mut dp = scores_in_registers::<F>(
+                    &do_frags,
+                    &k_tile,
+                    0usize,
+                    &mut scratch,
+                    scratch_at,
+                    value_dim,
+                    block,
+                    tc,
+                );
+                sync_cube();
+                stage_tile::<F>(k, &mut k_tile, 0usize, key_tile, kv_head, head_dim, config);
+                sync_cube();
+                dq_from_dp::<F>(
+                    &q_frags,
+                    &mut dp,
+                    &k_tile,
+                    0usize,
+                    key_tile,
+                    full,
+                    &rows,
+                    &row_spans,
+                    &mut dq_acc,
+                    scale,
+                    &mut scratch,
+                    scratch_at,
+                    config,
+                );
+            } else {
+                stage_key_tile::<F>(
+                    k,
+                    v,
+                    &mut k_tile,
+                    &mut v_tile,
+                    0usize,
+                    key_tile,
+                    kv_head,
+                    config,
+                );
+                sync_cube();
+                dq_tile::<F>(
+                    &q_frags,
+                    &do_frags,
+                    &k_tile,
+                    &v_tile,
+                    0usize,
+                    key_tile,
+                    full,
+                    &rows,
+                    &row_spans,
+                    &mut dq_acc,
+                    scale,
+                    &mut scratch,
+                    scratch_at,
+                    config,
+                );
+            }
             sync_cube();
             cursor.advance(tile_runs, first_run, end_run);
         }

@@ -14,8 +14,9 @@ use cubecl::prelude::*;
 
 use super::fragment::*;
 use super::stage::*;
+use super::tile::{add_product, mask_rows, scale_scores, scores};
 use super::{fast_exp, FlashConfig};
-use crate::cube::kernels::{NONE, NONE_LIMIT};
+use crate::cube::elementwise::{NONE, NONE_LIMIT};
 
 /// The online softmax state of the lane's `2m` rows (`16i + g` and `16i + g + 8` of each of
 /// the plane's `m` row tiles): running max, the lane's part of the running sum, and the output
@@ -41,168 +42,6 @@ impl RowState {
             max,
             sum,
             out: zero_accumulators(row_tiles * value_dim / 8),
-        }
-    }
-}
-
-/// `S = A·Bᵀ` for the plane's `16 · row_tiles` rows against `block` rows of `tile` from row
-/// `base` (row-major, `padded(dim)` columns): `row_tiles · block / 8` accumulator fragments, row
-/// tile by row tile. The A fragments are `a` (`a_in_registers`, one row tile: `dim / 16`
-/// fragments) or are loaded per use from rows `a_row0..` of `a_tile` — each B fragment loaded
-/// from `tile` then serves every row tile, which is what more rows per plane buy.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn scores<F: Float>(
-    a: &Array<Pair<F>>,
-    a_tile: &SharedMemory<F>,
-    a_row0: usize,
-    tile: &SharedMemory<F>,
-    base: usize,
-    scratch: &mut SharedMemory<F>,
-    scratch_at: usize,
-    #[comptime] dim: usize,
-    #[comptime] block: usize,
-    #[comptime] row_tiles: usize,
-    #[comptime] a_in_registers: bool,
-    #[comptime] tensor_cores: bool,
-) -> Array<Pair<f32>> {
-    let mut s = zero_accumulators(row_tiles * block / 8);
-    let stride = comptime!(padded(dim));
-    #[unroll(tensor_cores)]
-    for kk in 0..dim / 16 {
-        let mut a_kk = Array::<Pair<F>>::new(4 * row_tiles);
-        if !a_in_registers {
-            #[unroll]
-            for mi in 0..row_tiles {
-                load_a::<F>(
-                    a_tile,
-                    a_row0 + 16 * mi,
-                    16 * kk,
-                    &mut a_kk,
-                    4 * mi,
-                    stride,
-                    tensor_cores,
-                );
-            }
-        }
-        #[unroll(tensor_cores)]
-        for np in 0..block / 16 {
-            let b = load_b_pair::<F>(tile, base + 16 * np, 16 * kk, stride, false, tensor_cores);
-            #[unroll]
-            for mi in 0..row_tiles {
-                let at = mi * (block / 4) + 4 * np;
-                if a_in_registers {
-                    mma_pair::<F>(a, 4 * kk, &b, &mut s, at, scratch, scratch_at, tensor_cores);
-                } else {
-                    mma_pair::<F>(
-                        &a_kk,
-                        4 * mi,
-                        &b,
-                        &mut s,
-                        at,
-                        scratch,
-                        scratch_at,
-                        tensor_cores,
-                    );
-                }
-            }
-        }
-    }
-    s
-}
-
-/// `acc += P·B` for the plane's `16 · row_tiles` rows: `p` holds `P` as accumulator fragments
-/// (`block / 8` per row tile, `block` columns), `tile` the `block` rows of B from row `base`
-/// (row-major, `dim` columns, `padded(dim)` stride); `acc` has `dim / 8` fragments per row tile.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn add_product<F: Float>(
-    p: &Array<Pair<f32>>,
-    tile: &SharedMemory<F>,
-    base: usize,
-    acc: &mut Array<Pair<f32>>,
-    scratch: &mut SharedMemory<F>,
-    scratch_at: usize,
-    #[comptime] dim: usize,
-    #[comptime] block: usize,
-    #[comptime] row_tiles: usize,
-    #[comptime] tensor_cores: bool,
-) {
-    #[unroll(tensor_cores)]
-    for kk in 0..block / 16 {
-        let mut a = Array::<Pair<F>>::new(4 * row_tiles);
-        #[unroll]
-        for mi in 0..row_tiles {
-            let part = accumulators_as_a::<F>(p, mi * (block / 16) + kk);
-            #[unroll]
-            for v in 0..4usize {
-                a[4 * mi + v] = part[v];
-            }
-        }
-        #[unroll(tensor_cores)]
-        for np in 0..dim / 16 {
-            let b = load_b_pair::<F>(
-                tile,
-                16 * np,
-                base + 16 * kk,
-                comptime!(padded(dim)),
-                true,
-                tensor_cores,
-            );
-            #[unroll]
-            for mi in 0..row_tiles {
-                let at = mi * (dim / 4) + 4 * np;
-                mma_pair::<F>(&a, 4 * mi, &b, acc, at, scratch, scratch_at, tensor_cores);
-            }
-        }
-    }
-}
-
-/// Multiplies the first `pairs` pairs of `s` by `scale`.
-#[cube]
-pub fn scale_scores(
-    s: &mut Array<Pair<f32>>,
-    scale: f32,
-    #[comptime] pairs: usize,
-    #[comptime] unrolled: bool,
-) {
-    #[unroll(unrolled)]
-    for i in 0..pairs {
-        s[i] = s[i] * Pair::<f32>::new(scale);
-    }
-}
-
-/// Sets the scores of the pairs the spans do not allow to `NONE`. The lane's rows are
-/// queries whose spans start at `spans_at[r]` of `spans` (`r = 2i + v` for row `16i + g + 8v`);
-/// its columns are keys `first_key + 8n + 2t + e`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn mask_rows(
-    s: &mut Array<Pair<f32>>,
-    spans: &SharedMemory<u32>,
-    spans_at: &Array<usize>,
-    first_key: usize,
-    #[comptime] block: usize,
-    #[comptime] row_tiles: usize,
-    #[comptime] max_spans: usize,
-    #[comptime] unrolled: bool,
-) {
-    let (_lane, _g, t) = lane_coords();
-    #[unroll]
-    for mi in 0..row_tiles {
-        #[unroll(unrolled)]
-        for i in 0..block / 4 {
-            // Pair `i` of the row tile: fragment `i / 2`, row `v = i % 2`.
-            let at = mi * (block / 4) + i;
-            let mut pair = s[at];
-            #[unroll]
-            for e in 0..2usize {
-                let key = first_key + 8 * (i / 2) + 2 * t + e;
-                if !allowed(spans, spans_at[2 * mi + i % 2], key, max_spans) {
-                    pair[e] = NONE;
-                }
-            }
-            s[at] = pair;
         }
     }
 }
@@ -316,6 +155,12 @@ pub fn flash_forward_kernel<F: Float>(
         comptime!(if stage_q { config.planes * q_size } else { 1 }),
         16usize,
     );
+    // Staged in turn, V takes K's buffer.
+    let (k_size, v_size) = comptime!(if config.in_turn {
+        (k_size.max(v_size), 1)
+    } else {
+        (k_size, v_size)
+    });
     let k_tile = SharedMemory::<F>::new_aligned(config.buffers() * k_size, 16usize);
     let v_tile = SharedMemory::<F>::new_aligned(config.buffers() * v_size, 16usize);
     let row_spans = SharedMemory::<u32>::new(tokens * 2 * max_spans);
@@ -461,10 +306,41 @@ pub fn flash_forward_kernel<F: Float>(
                 config,
             );
             sync_cube();
-            forward_tile::<F>(
-                &q_frags, &mut tiles, q_at, 0usize, key_tile, full, &spans_at, &mut state, scale,
-                scratch_at, reduce_at, config,
-            );
+            if comptime!(config.in_turn) {
+                let s = tile_probabilities::<F>(
+                    &q_frags, &mut tiles, q_at, 0usize, key_tile, full, &spans_at, &mut state,
+                    scale, scratch_at, reduce_at, config,
+                );
+                sync_cube();
+                stage_tile::<F>(
+                    v,
+                    &mut tiles.k,
+                    0usize,
+                    key_tile,
+                    kv_head,
+                    value_dim,
+                    config,
+                );
+                sync_cube();
+                let (block, m) = comptime!((config.block, config.row_tiles));
+                add_product::<F>(
+                    &s,
+                    &tiles.k,
+                    0usize,
+                    &mut state.out,
+                    &mut tiles.scratch,
+                    scratch_at,
+                    value_dim,
+                    block,
+                    m,
+                    tensor_cores,
+                );
+            } else {
+                forward_tile::<F>(
+                    &q_frags, &mut tiles, q_at, 0usize, key_tile, full, &spans_at, &mut state,
+                    scale, scratch_at, reduce_at, config,
+                );
+            }
             sync_cube();
             cursor.advance(tile_runs, first_run, end_run);
         }
@@ -514,8 +390,7 @@ pub struct ForwardTiles<F: Float> {
     reduce: SharedMemory<f32>,
 }
 
-/// One key tile of the forward for the plane's rows: scores, mask (partial tiles), softmax
-/// step, `acc += P·V`.
+/// One key tile of the forward for the plane's rows: [`tile_probabilities`], `acc += P·V`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn forward_tile<F: Float>(
@@ -532,6 +407,43 @@ fn forward_tile<F: Float>(
     reduce_at: usize,
     #[comptime] config: FlashConfig,
 ) {
+    let s = tile_probabilities::<F>(
+        q_frags, tiles, q_at, buffer, key_tile, full, spans_at, state, scale, scratch_at,
+        reduce_at, config,
+    );
+    let (block, m) = comptime!((config.block, config.row_tiles));
+    add_product::<F>(
+        &s,
+        &tiles.v,
+        buffer * block,
+        &mut state.out,
+        &mut tiles.scratch,
+        scratch_at,
+        config.value_dim,
+        block,
+        m,
+        config.tensor_cores,
+    );
+}
+
+/// One key tile's probabilities for the plane's rows: scores against the staged K tile, mask
+/// (partial tiles), softmax step (which rescales the output accumulators).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn tile_probabilities<F: Float>(
+    q_frags: &Array<Pair<F>>,
+    tiles: &mut ForwardTiles<F>,
+    q_at: usize,
+    buffer: usize,
+    key_tile: usize,
+    full: bool,
+    spans_at: &Array<usize>,
+    state: &mut RowState,
+    scale: f32,
+    scratch_at: usize,
+    reduce_at: usize,
+    #[comptime] config: FlashConfig,
+) -> Array<Pair<f32>> {
     let block = comptime!(config.block);
     let tc = comptime!(config.tensor_cores);
     let m = comptime!(config.row_tiles);
@@ -576,16 +488,5 @@ fn forward_tile<F: Float>(
         config.shuffles,
         tc,
     );
-    add_product::<F>(
-        &s,
-        &tiles.v,
-        base,
-        &mut state.out,
-        &mut tiles.scratch,
-        scratch_at,
-        config.value_dim,
-        block,
-        m,
-        tc,
-    );
+    s
 }

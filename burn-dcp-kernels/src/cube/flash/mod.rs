@@ -5,7 +5,8 @@
 //! `dP`, `dS` and gradients likewise), which are staged in shared memory — double-buffered
 //! `cp.async` copies on CUDA — and read with `ldmatrix`. Only the tiles the mask leaves anything
 //! in are visited, and only the partial ones are masked ([`crate::tiling::TileRuns`]). The
-//! pieces are in [`fragment`] (loads, product, row reductions) and [`stage`] (copies, spans,
+//! pieces are in [`fragment`] (loads, product, row reductions), [`tile`] (a tile's products and
+//! masks) and [`stage`] (copies, spans,
 //! tile cursor); [`forward`] and [`backward`] compose them. Each piece has a tensor-core body
 //! and a plain one that runs on any device, so CI runs these kernels on lavapipe; see
 //! `docs/flash-kernels.md` for the layouts, the choices and what has run where.
@@ -18,6 +19,7 @@ pub mod fragment;
 mod launch;
 mod plan;
 pub mod stage;
+pub mod tile;
 
 pub use launch::{backward_flash, forward_flash};
 pub use plan::{flash_fits, FlashConfig, FlashPlan, Planes, FLASH_MAX_DIM, PLANES_ENV};

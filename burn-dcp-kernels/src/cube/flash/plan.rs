@@ -41,6 +41,11 @@ pub struct FlashConfig {
     pub async_copy: bool,
     /// Row reductions by plane shuffles, or through shared memory.
     pub shuffles: bool,
+    /// The other side's two tiles (K and V; dk/dv: Q and dO) staged one after the other in
+    /// one buffer, each when its product needs it, instead of side by side: plain loads only,
+    /// where both at once do not fit the device's shared memory (f32 at dims above ~220 on
+    /// 32 KiB devices). One more `sync_cube` per tile (dk/dv: one more staging of Q).
+    pub in_turn: bool,
 }
 
 impl FlashConfig {
@@ -59,6 +64,16 @@ impl FlashConfig {
     /// tile). Otherwise each plane reads them from global memory into registers once.
     pub fn stages_own_rows(&self) -> bool {
         self.async_copy || self.row_tiles > 1
+    }
+
+    /// Columns of the staged tiles of `block` rows: both tiles' side by side, or the wider
+    /// one's when they are staged in turn.
+    pub fn staged_columns(&self) -> usize {
+        if self.in_turn {
+            padded(self.head_dim).max(padded(self.value_dim))
+        } else {
+            padded(self.head_dim) + padded(self.value_dim)
+        }
     }
 
     /// Buffers per staged tile: two when copies overlap the products.
@@ -229,7 +244,9 @@ impl FlashPlan {
                 .unwrap_or(1)
         };
         let widest = head_dim.max(value_dim);
-        let config = |planes: usize, row_tiles: usize, block: usize, heads: usize| FlashConfig {
+        let config = |(planes, row_tiles, block): (usize, usize, usize),
+                      heads: usize,
+                      in_turn: bool| FlashConfig {
             head_dim: head_dim.next_multiple_of(16),
             value_dim: value_dim.next_multiple_of(16),
             exact_dims,
@@ -241,6 +258,7 @@ impl FlashPlan {
             tensor_cores,
             async_copy: tensor_cores && exact_dims,
             shuffles: tensor_cores,
+            in_turn,
         };
         // Planes, row tiles and tiles, largest first, until the cube fits the device's shared
         // memory: key tiles of 64 in the forward; 32 in dq above dim 64 (its S, dP and dQ share
@@ -264,13 +282,21 @@ impl FlashPlan {
                     tiles: usize,
                     heads: usize,
                     bytes: fn(&FlashConfig, DType) -> usize| {
-            shapes(most, block, tiles)
+            let fitting = shapes(most, block, tiles)
                 .into_iter()
-                .filter(|&(planes, _, b)| planes <= most && b <= block)
-                .map(|(planes, tiles, block)| config(planes, tiles, block, heads))
+                .filter(|&(planes, _, b)| planes <= most && b <= block);
+            // The tiles in turn only where no shape fits them side by side (plain loads).
+            let turns: &[bool] = if tensor_cores && exact_dims {
+                &[false]
+            } else {
+                &[false, true]
+            };
+            turns
+                .iter()
+                .flat_map(|&turn| fitting.clone().map(move |shape| config(shape, heads, turn)))
                 .find(|c| bytes(c, dtype) <= limit)
                 .ok_or_else(|| {
-                    let smallest = config(1, 1, 16, 1);
+                    let smallest = config((1, 1, 16), 1, turns[turns.len() - 1]);
                     KernelError::Unsupported(format!(
                         "the flash {name} kernel at head dim {head_dim} and value dim \
                          {value_dim} ({dtype:?}, {max_spans} span slots) needs {} bytes of \
@@ -317,8 +343,7 @@ fn staged_rows(c: &FlashConfig, rows: usize) -> usize {
 /// Bytes of shared memory of one forward cube.
 fn forward_bytes(c: &FlashConfig, dtype: DType) -> usize {
     let rows = staged_rows(c, 16 * c.row_tiles * c.planes);
-    let inputs = rows * padded(c.head_dim)
-        + c.buffers() * c.block * (padded(c.head_dim) + padded(c.value_dim));
+    let inputs = rows * padded(c.head_dim) + c.buffers() * c.block * c.staged_columns();
     dtype.size() * inputs + 4 * (c.tokens_per_cube() * 2 * c.max_spans) + scratch(c, dtype)
 }
 
@@ -326,7 +351,7 @@ fn forward_bytes(c: &FlashConfig, dtype: DType) -> usize {
 fn dq_bytes(c: &FlashConfig, dtype: DType) -> usize {
     let rows = staged_rows(c, 16 * c.planes);
     let inputs = rows * (padded(c.head_dim) + padded(c.value_dim))
-        + c.buffers() * c.block * (padded(c.head_dim) + padded(c.value_dim));
+        + c.buffers() * c.block * c.staged_columns();
     dtype.size() * inputs + 4 * (c.tokens_per_cube() * 2 * c.max_spans) + scratch(c, dtype)
 }
 
@@ -334,7 +359,7 @@ fn dq_bytes(c: &FlashConfig, dtype: DType) -> usize {
 fn dkdv_bytes(c: &FlashConfig, dtype: DType) -> usize {
     let rows = staged_rows(c, 16 * c.planes);
     let per_row = padded(c.head_dim) + padded(c.value_dim);
-    let inputs = rows * per_row + c.buffers() * c.block * per_row;
+    let inputs = rows * per_row + c.buffers() * c.block * c.staged_columns();
     let values = c.buffers() * c.block * (2 + 2 * c.max_spans);
     dtype.size() * inputs + 4 * values + scratch(c, dtype)
 }
@@ -426,6 +451,37 @@ mod tests {
             head_dim: dim,
             value_dim,
         }
+    }
+
+    #[test]
+    fn tiles_are_staged_in_turn_only_where_side_by_side_does_not_fit() {
+        // f32 at dim 256 on lavapipe's 32 KiB: K and V (dk/dv: Q and dO) one after the other.
+        let wide = shape(256, 256, 2, 1);
+        let plan = FlashPlan::sized(32_768, DType::F32, &wide, 1, false).unwrap();
+        let sizes = [forward_bytes, dq_bytes, dkdv_bytes];
+        for (c, bytes) in [plan.forward, plan.dq, plan.dkdv].iter().zip(sizes) {
+            assert!(c.in_turn && bytes(c, DType::F32) <= 32_768, "{c:?}");
+        }
+        // Side by side where they fit: f16 at 256, f32 at 200/136, f32 256 on 64 KiB.
+        let side_by_side = [
+            (32_768, DType::F16, wide),
+            (32_768, DType::F32, shape(200, 136, 2, 1)),
+            (65_536, DType::F32, wide),
+        ];
+        for (limit, dtype, shape) in side_by_side {
+            let plan = FlashPlan::sized(limit, dtype, &shape, 1, false).unwrap();
+            let turns = [plan.forward, plan.dq, plan.dkdv].map(|c| c.in_turn);
+            assert_eq!(turns, [false; 3], "{limit} {dtype:?} {shape:?}");
+        }
+        // The copies never take turns; nothing fits 8 KiB, and the error says what it needs.
+        let copies = FlashPlan::sized(232_448, DType::BF16, &wide, 1, true).unwrap();
+        assert!(!copies.forward.in_turn && copies.forward.async_copy);
+        let err = FlashPlan::sized(8_192, DType::F32, &wide, 1, false).unwrap_err();
+        let err = err.to_string();
+        assert!(
+            err.contains("shared memory") && err.contains("8192"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -215,7 +215,40 @@ pub fn count_tiles(runs: &Tensor<u32>, first_run: usize, end_run: usize) -> usiz
     total
 }
 
-/// Stages key tile `key_tile` (`block` keys of `kv_head`) of K and V into buffer `buffer`.
+/// Stages tile `tile_index` of the other side (`block` rows of head `head`, `dim` columns) of
+/// `source` into buffer `buffer` of `tile`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_tile<F: Float>(
+    source: &Tensor<F>,
+    tile: &mut SharedMemory<F>,
+    buffer: usize,
+    tile_index: usize,
+    head: usize,
+    #[comptime] dim: usize,
+    #[comptime] config: FlashConfig,
+) {
+    let (block, units, copy) = comptime!((config.block, config.units(), config.async_copy));
+    let at = buffer * comptime!(config.block * padded(dim));
+    let rows_total = source.shape(0);
+    let unit = UNIT_POS as usize;
+    stage_rows::<F>(
+        source,
+        tile,
+        at,
+        tile_index * block,
+        head,
+        rows_total,
+        unit,
+        block,
+        dim,
+        units,
+        copy,
+    );
+}
+
+/// Stages key tile `key_tile` (`block` keys of `kv_head`) of K and V into buffer `buffer`; K
+/// alone when the tiles are staged in turn ([`FlashConfig::in_turn`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_key_tile<F: Float>(
@@ -228,20 +261,9 @@ pub fn stage_key_tile<F: Float>(
     kv_head: usize,
     #[comptime] config: FlashConfig,
 ) {
-    let block = comptime!(config.block);
-    let units = comptime!(config.units());
-    let unit = UNIT_POS as usize;
-    let first = key_tile * block;
-    let kv_tokens = k.shape(0);
-    let k_rows = comptime!(config.block * (config.head_dim + CHUNK));
-    let v_rows = comptime!(config.block * (config.value_dim + CHUNK));
-    let k_at = buffer * k_rows;
-    let v_at = buffer * v_rows;
-    let (hd, vd, copy) = comptime!((config.head_dim, config.value_dim, config.async_copy));
-    stage_rows::<F>(
-        k, k_tile, k_at, first, kv_head, kv_tokens, unit, block, hd, units, copy,
-    );
-    stage_rows::<F>(
-        v, v_tile, v_at, first, kv_head, kv_tokens, unit, block, vd, units, copy,
-    );
+    let (hd, vd) = comptime!((config.head_dim, config.value_dim));
+    stage_tile::<F>(k, k_tile, buffer, key_tile, kv_head, hd, config);
+    if comptime!(!config.in_turn) {
+        stage_tile::<F>(v, v_tile, buffer, key_tile, kv_head, vd, config);
+    }
 }

@@ -1,8 +1,42 @@
-//! The merge of two partial results `(out, lse)`: one unit per (head, query).
+//! The element-wise kernels beside the flash kernels, one unit per (head, query): the
+//! backward's `delta = rowsum(dO ∘ O)` and the merge of two partial results `(out, lse)`.
+//!
+//! No infinity is ever written as a literal (WGSL forbids it): "no key yet" is the finite
+//! sentinel [`NONE`], and the `-inf` of fully masked rows comes in as a runtime scalar.
 
 use cubecl::prelude::*;
 
-use super::NONE_LIMIT;
+/// The running maximum before any key: far below any real score, still finite.
+pub(crate) const NONE: f32 = -3.0e38;
+/// Scores and LSE values below this are "no key" (the sentinel or `-inf`).
+pub(crate) const NONE_LIMIT: f32 = -1.0e38;
+
+/// Backward preprocess: `delta [H, Tq] = rowsum(dout ∘ out)` in f32. One unit per (head, query).
+#[cube(launch_unchecked)]
+pub fn delta_kernel<F: Float>(
+    out: &Tensor<F>,
+    dout: &Tensor<F>,
+    delta: &mut Tensor<f32>,
+    #[comptime] value_dim: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let tokens = out.shape(0);
+    let index = ABSOLUTE_POS;
+    if index >= tokens * out.shape(1) {
+        terminate!();
+    }
+    let head = index / tokens;
+    let query = index % tokens;
+    let out_base = query * out.stride(0) + head * out.stride(1);
+    let dout_base = query * dout.stride(0) + head * dout.stride(1);
+    let mut total = f32::new(0.0);
+    #[unroll]
+    for d in 0..value_dim {
+        total += f32::cast_from(out[out_base + d * out.stride(2)])
+            * f32::cast_from(dout[dout_base + d * dout.stride(2)]);
+    }
+    delta[head * delta.stride(0) + query * delta.stride(1)] = total;
+}
 
 /// The merge weights of two partial results: `(w_a, w_b, lse)` with `w_a + w_b = 1`, or zeros
 /// and the (−∞) input when neither part saw a key.
