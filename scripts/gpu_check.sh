@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine with an NVIDIA GPU, CUDA (nvcc's headers, NVRTC) and NCCL, from a
 # bundle that scripts/gpu_bundle.sh built elsewhere: no Rust toolchain needed here.
-#   1. the kernels on CUDA against the f64 oracle: the flash kernels' plain bodies (f32) and
+#   1. the kernels on CUDA against the f64 oracle: vector kernels (f32), the flash kernels on
 #      tensor cores (f16, bf16), forward and backward (burn-dcp-kernels/tests/cube_cuda.rs);
 #   2. NCCL: a world of one moves device tensors (burn-dcp/tests/nccl.rs; one GPU allows no more:
 #      NCCL refuses two ranks on one device);

@@ -230,7 +230,7 @@ fn tensor_core_gradients_match_the_oracle_in_f16_and_bf16() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn f32_on_the_default_kernels_matches_the_oracle_on_cuda() {
+fn the_vector_kernels_match_the_oracle_on_cuda() {
     for (index, mask) in masks().into_iter().enumerate() {
         let case = ragged_case(mask.clone(), 4, 2);
         let s = &case.shape;

@@ -748,9 +748,8 @@ mod flash_plain {
         // Zeros fill the columns up to the next multiple of 16 in shared memory; the writes
         // skip them. Plain loads hold each plane's own rows in registers, so on lavapipe's
         // 32 KiB f32 fits K and V side by side up to about dim 220, f16 up to 256; above, f32
-        // stages them in turn (FlashConfig::in_turn): 256/256 and 232/256 here, the latter
-        // over several tiles with per-sequence masks.
-        let dims = [(40, 24), (200, 136), (256, 256)];
+        // stages them in turn (FlashConfig::in_turn): 256/256 here, over several tiles.
+        let dims = [(40, 24), (200, 136)];
         for (index, (head_dim, value_dim)) in dims.into_iter().enumerate() {
             let case = with_dims(ragged_case(MaskSpec::Causal, 4, 2), head_dim, value_dim);
             let what = format!("causal D{head_dim}/{value_dim}");
@@ -758,12 +757,8 @@ mod flash_plain {
         }
         let case = long_case(long_mixed_masks(), 2, 1, (40, 8));
         check_f32(&case, 275, "per-sequence masks with key ranges, D40/8");
-        let case = long_case(long_mixed_masks(), 2, 1, (232, 256));
-        check_f32(
-            &case,
-            277,
-            "per-sequence masks with key ranges, D232/256 in turn",
-        );
+        let case = long_case(vec![MaskSpec::Causal], 2, 1, (256, 256));
+        check_f32(&case, 277, "causal D256/256, K and V in turn");
         let case = with_dims(ragged_case(MaskSpec::Causal, 2, 1), 256, 248);
         check_f16(&case, 276, "f16 causal D256/248");
     }
@@ -892,10 +887,10 @@ mod flash_plain {
         let wide = long_case(vec![MaskSpec::Causal], 2, 1, (16, 264));
         let err = run(&wide, 250, DType::F32, FLASH).unwrap_err().to_string();
         assert!(err.contains("1 to 256") && err.contains("264"), "{err}");
-        // Auto takes the plain bodies where there are no tensor cores, with the same result as
-        // asking for them.
+        // Auto takes the vector kernels where there are no tensor cores, with the same
+        // result as asking for them.
         let (auto, _, _) = run(&case, 251, DType::F32, AttentionKernel::Auto).unwrap();
-        let (plain, _, _) = run(&case, 251, DType::F32, FLASH).unwrap();
-        assert_eq!(auto, plain);
+        let (vector, _, _) = run(&case, 251, DType::F32, AttentionKernel::Vector).unwrap();
+        assert_eq!(auto, vector);
     }
 }

@@ -1,5 +1,5 @@
-//! Which bodies the flash kernels ([`super::flash`]) run: tensor cores or plain units; chosen
-//! per process by [`KERNEL_ENV`] or per call.
+//! Which kernels run: the flash kernels ([`super::flash`]) on tensor cores or on plain units,
+//! or the vector kernels ([`super::kernels`]); chosen per process by [`KERNEL_ENV`] or per call.
 
 use burn::tensor::DType;
 use cubecl::ir::DeviceProperties;
@@ -7,14 +7,16 @@ use cubecl::ir::DeviceProperties;
 use super::flash::FlashPlan;
 use crate::definition::{AttentionShape, KernelError};
 
-/// Which bodies of the flash kernels [`super::forward_with`] and [`super::backward_with`] run;
-/// [`super::forward`] and [`super::backward`] (every `FlashOps` call, hence `ContextParallel`)
-/// take it from [`KERNEL_ENV`].
+/// Which kernels [`super::forward_with`] and [`super::backward_with`] run; [`super::forward`]
+/// and [`super::backward`] (every `FlashOps` call, hence `ContextParallel`) take it from
+/// [`KERNEL_ENV`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttentionKernel {
-    /// Tensor cores where the device and the problem allow them (f16/bf16 on CUDA sm_80+,
-    /// within the device's shared memory), else the plain bodies (f32; devices without
-    /// `mma.sync`). The default.
+    /// The vector kernels ([`super::kernels`]), on every device.
+    Vector,
+    /// The fastest kernels the device and the problem allow: the flash kernels on tensor cores
+    /// (f16/bf16 on CUDA sm_80+, head and value dims up to 256 within the device's shared
+    /// memory), else the vector kernels (f32; devices without `mma.sync`). The default.
     #[default]
     Auto,
     /// The flash kernels ([`super::flash`]), or an error naming what the device or the problem
@@ -24,7 +26,7 @@ pub enum AttentionKernel {
 }
 
 /// The environment variable [`super::forward`] and [`super::backward`] read their
-/// [`AttentionKernel`] from (once per process): `auto` (also when unset), `flash` or
+/// [`AttentionKernel`] from (once per process): `vector`, `auto` (also when unset), `flash` or
 /// `flash-plain` (the flash kernels without tensor cores).
 pub const KERNEL_ENV: &str = "BURN_DCP_ATTENTION_KERNEL";
 
@@ -47,19 +49,22 @@ impl AttentionKernel {
         }
     }
 
-    /// The flash kernels' plan for this choice: `Auto` takes tensor cores where they fit, else
-    /// the plain bodies; a forced choice errors where it does not fit, naming what is missing.
+    /// The flash kernels' plan for this choice, or `None` for the vector kernels: `Auto` takes
+    /// the flash kernels on tensor cores where they fit, a forced choice errors where they do
+    /// not.
     pub(super) fn flash_plan(
         self,
         properties: &DeviceProperties,
         dtype: DType,
         shape: &AttentionShape,
         max_spans: usize,
-    ) -> Result<FlashPlan, KernelError> {
-        let plan = |tensor_cores| FlashPlan::new(properties, dtype, shape, max_spans, tensor_cores);
+    ) -> Result<Option<FlashPlan>, KernelError> {
         match self {
-            Self::Auto => plan(true).or_else(|_| plan(false)),
-            Self::Flash { tensor_cores } => plan(tensor_cores),
+            Self::Vector => Ok(None),
+            Self::Auto => Ok(FlashPlan::new(properties, dtype, shape, max_spans, true).ok()),
+            Self::Flash { tensor_cores } => {
+                FlashPlan::new(properties, dtype, shape, max_spans, tensor_cores).map(Some)
+            }
         }
     }
 }
@@ -69,18 +74,18 @@ impl std::str::FromStr for AttentionKernel {
 
     fn from_str(value: &str) -> Result<Self, KernelError> {
         match value {
+            "vector" => Ok(Self::Vector),
             "auto" => Ok(Self::Auto),
             "flash" => Ok(Self::Flash { tensor_cores: true }),
             "flash-plain" => Ok(Self::Flash {
                 tensor_cores: false,
             }),
-            "tiles" | "tensor-cores" | "vector" => Err(KernelError::InvalidValue(format!(
-                "{KERNEL_ENV}={value:?}: the matrix-tile and vector kernels were retired (the \
-                 flash kernels cover them: `flash` on tensor cores, `flash-plain` on plain \
-                 units, `auto` the first that fits)"
+            "tiles" | "tensor-cores" => Err(KernelError::InvalidValue(format!(
+                "{KERNEL_ENV}={value:?}: the matrix-tile kernels were retired (the flash \
+                 kernels cover them: `flash` on tensor cores, `flash-plain` on plain units)"
             ))),
             other => Err(KernelError::InvalidValue(format!(
-                "{KERNEL_ENV}={other:?}: expected one of auto, flash, flash-plain"
+                "{KERNEL_ENV}={other:?}: expected one of vector, auto, flash, flash-plain"
             ))),
         }
     }
@@ -92,6 +97,7 @@ mod tests {
 
     #[test]
     fn kernel_names_parse_and_bad_ones_name_the_choices() {
+        assert_eq!("vector".parse(), Ok(AttentionKernel::Vector));
         assert_eq!("auto".parse(), Ok(AttentionKernel::Auto));
         assert_eq!(
             "flash".parse(),
@@ -108,7 +114,7 @@ mod tests {
             err.contains("BURN_DCP_ATTENTION_KERNEL=\"cmma\"") && err.contains("flash-plain"),
             "{err}"
         );
-        for retired in ["tiles", "tensor-cores", "vector"] {
+        for retired in ["tiles", "tensor-cores"] {
             let err = retired.parse::<AttentionKernel>().unwrap_err().to_string();
             assert!(err.contains("retired") && err.contains(retired), "{err}");
         }

@@ -3,17 +3,17 @@
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
-use cubecl::{calculate_cube_count_elemwise, CubeDim};
+use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
 
 use super::choice::AttentionKernel;
-use super::elementwise;
 use super::flash::{backward_flash, forward_flash};
 use super::support::*;
+use super::{elementwise, kernels};
 use crate::definition::{KernelError, VarlenAttention};
 use crate::ops::{check_backward, check_forward, check_merge};
-use crate::tiling::DenseSpans;
+use crate::tiling::{DenseSpans, TileIntervals};
 
-/// Forward on device tensors: `(out [Tq, H, Dv], lse [H, Tq] f32)`, on the bodies
+/// Forward on device tensors: `(out [Tq, H, Dv], lse [H, Tq] f32)`, on the kernels
 /// [`KERNEL_ENV`](super::KERNEL_ENV) names ([`AttentionKernel::Auto`] when unset).
 pub fn forward<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -24,7 +24,7 @@ pub fn forward<R: CubeRuntime>(
     forward_with(q, k, v, problem, AttentionKernel::from_env()?)
 }
 
-/// [`forward`] on chosen bodies. Errors when the device cannot run them (tensor cores it lacks,
+/// [`forward`] on a chosen kernel. Errors when the device cannot run it (tensor cores it lacks,
 /// tiles beyond its shared memory), naming what is missing.
 pub fn forward_with<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -43,15 +43,50 @@ pub fn forward_with<R: CubeRuntime>(
         ));
     }
     let dense = DenseSpans::build(problem)?;
-    let plan = kernel.flash_plan(q.client.properties(), dtype, &s, dense.max_spans)?;
-    Ok(forward_flash(q, k, v, problem, &s, dtype, &dense, &plan))
+    let properties = q.client.properties();
+    if let Some(plan) = kernel.flash_plan(properties, dtype, &s, dense.max_spans)? {
+        return Ok(forward_flash(q, k, v, problem, &s, dtype, &dense, &plan));
+    }
+    let geometry = Geometry::of(s.head_dim, s.value_dim);
+    let tables = QueryTables::build(&q, dense, CUBE_ROWS, geometry.block);
+    let out = empty(&q, out_dims.to_vec(), dtype);
+    let lse = empty(&q, lse_dims.to_vec(), DType::F32);
+    let vector = vector_size(&[&q, &k, &v, &out], &[s.head_dim, s.value_dim]);
+    let client = q.client.clone();
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::forward_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(s.q_tokens.div_ceil(CUBE_ROWS) as u32, s.heads as u32, 1),
+            CubeDim::new_1d(geometry.units as u32),
+            vector,
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            tables.spans.into_tensor_arg(),
+            tables.offsets.into_tensor_arg(),
+            tables.runs.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            problem.softmax_scale(s.head_dim) as f32,
+            f32::NEG_INFINITY,
+            s.head_dim / vector,
+            s.value_dim / vector,
+            geometry.rows,
+            geometry.units,
+            geometry.block,
+            tables.max_spans,
+            storage(dtype),
+        );
+    }
+    Ok((out, lse))
 }
 
 /// `(dq, dk, dv)` on the device.
 pub(crate) type Gradients<R> = (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>);
 
-/// Backward on device tensors: `(dq, dk, dv)`, on the bodies [`KERNEL_ENV`](super::KERNEL_ENV)
-/// names ([`AttentionKernel::Auto`] when unset).
+/// Backward on device tensors: `(dq, dk, dv)`, on the kernels [`KERNEL_ENV`](super::KERNEL_ENV) names
+/// ([`AttentionKernel::Auto`] when unset).
 pub fn backward<R: CubeRuntime>(
     q: CubeTensor<R>,
     k: CubeTensor<R>,
@@ -65,9 +100,8 @@ pub fn backward<R: CubeRuntime>(
     backward_with(q, k, v, out, lse, dout, problem, kernel)
 }
 
-/// [`backward`] on chosen bodies: `delta = rowsum(dO ∘ O)`, then the flash dq and dk/dv kernels.
-/// Errors when the device cannot run them (tensor cores it lacks, tiles beyond its shared
-/// memory), naming what is missing.
+/// [`backward`] on chosen kernels. Errors when the device cannot run them (tensor cores it
+/// lacks, tiles beyond its shared memory), naming what is missing.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_with<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -100,25 +134,103 @@ pub fn backward_with<R: CubeRuntime>(
         ));
     }
     let dense = DenseSpans::build(problem)?;
-    let plan = kernel.flash_plan(q.client.properties(), dtype, &s, dense.max_spans)?;
+    let flash = kernel.flash_plan(q.client.properties(), dtype, &s, dense.max_spans)?;
     let client = q.client.clone();
+    let storage = storage(dtype);
+    let scale = problem.softmax_scale(s.head_dim) as f32;
+
     let delta = empty(&q, vec![s.heads, s.q_tokens], DType::F32);
+    let rows = s.heads * s.q_tokens;
     let unit_dim = CubeDim::new_1d(ELEMENTWISE_UNITS);
-    // SAFETY: every index the kernel reads or writes is bounded by the shapes checked above.
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
     unsafe {
         elementwise::delta_kernel::launch_unchecked::<R>(
             &client,
-            calculate_cube_count_elemwise(&client, s.heads * s.q_tokens, unit_dim),
+            calculate_cube_count_elemwise(&client, rows, unit_dim),
             unit_dim,
             out.into_tensor_arg(),
             dout.clone().into_tensor_arg(),
             delta.clone().into_tensor_arg(),
             s.value_dim,
-            storage(dtype),
+            storage,
         );
     }
-    let inputs = [q, k, v, dout, lse, delta];
-    Ok(backward_flash(inputs, problem, &s, dtype, &dense, &plan))
+
+    if let Some(plan) = flash {
+        let inputs = [q, k, v, dout, lse, delta];
+        return Ok(backward_flash(inputs, problem, &s, dtype, &dense, &plan));
+    }
+
+    let geometry = Geometry::of(s.head_dim, s.value_dim);
+    let tables = QueryTables::build(&q, dense, CUBE_ROWS, geometry.block);
+    // Key side: key tiles of `CUBE_ROWS` keys against query tiles of `block` queries.
+    let key_tiles = s.kv_tokens.div_ceil(CUBE_ROWS);
+    let by_key =
+        TileIntervals::by_query_tile(&tables.dense, geometry.block, CUBE_ROWS).transpose(key_tiles);
+    let dk = empty(&q, dk_dims.to_vec(), dtype);
+    let dv = empty(&q, dv_dims.to_vec(), dtype);
+    let dq = empty(&q, dq_dims.to_vec(), dtype);
+    let vector = vector_size(
+        &[&q, &k, &v, &dout, &dq, &dk, &dv],
+        &[s.head_dim, s.value_dim],
+    );
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::dkdv_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(key_tiles as u32, s.kv_heads as u32, 1),
+            CubeDim::new_1d(geometry.units as u32),
+            vector,
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            tables.spans.clone().into_tensor_arg(),
+            upload_u32(&client, &q.device, &by_key.offsets).into_tensor_arg(),
+            upload_u32(&client, &q.device, &by_key.intervals).into_tensor_arg(),
+            dk.clone().into_tensor_arg(),
+            dv.clone().into_tensor_arg(),
+            scale,
+            s.head_dim / vector,
+            s.value_dim / vector,
+            geometry.rows,
+            geometry.units,
+            geometry.block,
+            tables.max_spans,
+            storage,
+        );
+    }
+    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
+    unsafe {
+        kernels::dq_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(s.q_tokens.div_ceil(CUBE_ROWS) as u32, s.heads as u32, 1),
+            CubeDim::new_1d(geometry.units as u32),
+            vector,
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            dout.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            tables.spans.into_tensor_arg(),
+            tables.offsets.into_tensor_arg(),
+            tables.runs.into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            scale,
+            s.head_dim / vector,
+            s.value_dim / vector,
+            geometry.rows,
+            geometry.units,
+            geometry.block,
+            tables.max_spans,
+            storage,
+        );
+    }
+
+    Ok((dq, dk, dv))
 }
 
 /// Merge on device tensors; writes into `a`'s buffers when nothing else holds them.
