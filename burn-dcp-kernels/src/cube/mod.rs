@@ -15,7 +15,7 @@
 //! - **Vectors**: rows are loaded and stored as vectors of 4 (else 2, else 1) elements, the
 //!   widest every operand allows (`vector_size`: divisible dims, contiguous last dim, strides
 //!   and offsets that are multiples); f16/bf16 inputs are widened to f32 after the load.
-//! - **Merge** (and the backward's delta: [`elementwise`]): one unit per (head, query); in place
+//! - **Merge** (and the backward's delta: `elementwise.rs`): one unit per (head, query); in place
 //!   in `a`'s buffers when nothing else holds them.
 //!
 //! Limits (checked, with errors): f32 / f16 / bf16 inputs, head and value dims in `1..=256`.

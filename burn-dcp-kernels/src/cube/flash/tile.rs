@@ -1,6 +1,6 @@
 //! One tile's products and score fix-ups, shared by the three flash kernels: `S = A·Bᵀ`
-//! against a staged tile ([`scores`]), `acc += P·B` ([`add_product`]), the softmax scale
-//! ([`scale_scores`]) and the row-side mask ([`mask_rows`]).
+//! against a staged tile ([`scores()`]), `acc += P·B` ([`add_product()`]), the softmax scale
+//! ([`scale_scores()`]) and the row-side mask ([`mask_rows()`]).
 
 use cubecl::prelude::*;
 
