@@ -235,6 +235,8 @@ impl FlashPlan {
         }
         let (head_dim, value_dim) = (shape.head_dim, shape.value_dim);
         let exact_dims = head_dim.is_multiple_of(16) && value_dim.is_multiple_of(16);
+        // `cp.async` copies on tensor cores at dims that are multiples of 16; plain loads else.
+        let async_copy = tensor_cores && exact_dims;
         let group = shape.heads / shape.kv_heads;
         // Query heads of one kv head share a cube's key and value tiles.
         let heads_per_cube = |most: usize| {
@@ -256,7 +258,7 @@ impl FlashPlan {
             block,
             max_spans,
             tensor_cores,
-            async_copy: tensor_cores && exact_dims,
+            async_copy,
             shuffles: tensor_cores,
             in_turn,
         };
@@ -286,17 +288,13 @@ impl FlashPlan {
                 .into_iter()
                 .filter(|&(planes, _, b)| planes <= most && b <= block);
             // The tiles in turn only where no shape fits them side by side (plain loads).
-            let turns: &[bool] = if tensor_cores && exact_dims {
-                &[false]
-            } else {
-                &[false, true]
-            };
+            let turns: &[bool] = if async_copy { &[false] } else { &[false, true] };
             turns
                 .iter()
                 .flat_map(|&turn| fitting.clone().map(move |shape| config(shape, heads, turn)))
                 .find(|c| bytes(c, dtype) <= limit)
                 .ok_or_else(|| {
-                    let smallest = config((1, 1, 16), 1, turns[turns.len() - 1]);
+                    let smallest = config((1, 1, 16), 1, !async_copy);
                     KernelError::Unsupported(format!(
                         "the flash {name} kernel at head dim {head_dim} and value dim \
                          {value_dim} ({dtype:?}, {max_spans} span slots) needs {} bytes of \
