@@ -11,6 +11,19 @@ pub(crate) const NONE: f32 = -3.0e38;
 /// Scores and LSE values below this are "no key" (the sentinel or `-inf`).
 pub(crate) const NONE_LIMIT: f32 = -1.0e38;
 
+/// This unit's `(head, query)` of a `[tokens, heads, ..]` tensor, and whether the launch's
+/// `tokens · heads` units reach it (the last cube's extra units do not): one unit per row.
+#[cube]
+fn unit_row<F: Float>(rows: &Tensor<F>) -> (usize, usize, bool) {
+    let tokens = rows.shape(0);
+    let index = ABSOLUTE_POS;
+    (
+        index / tokens,
+        index % tokens,
+        index < tokens * rows.shape(1),
+    )
+}
+
 /// Backward preprocess: `delta [H, Tq] = rowsum(dout ∘ out)` in f32. One unit per (head, query).
 #[cube(launch_unchecked)]
 pub fn delta_kernel<F: Float>(
@@ -20,13 +33,10 @@ pub fn delta_kernel<F: Float>(
     #[comptime] value_dim: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let tokens = out.shape(0);
-    let index = ABSOLUTE_POS;
-    if index >= tokens * out.shape(1) {
+    let (head, query, live) = unit_row::<F>(out);
+    if !live {
         terminate!();
     }
-    let head = index / tokens;
-    let query = index % tokens;
     let out_base = query * out.stride(0) + head * out.stride(1);
     let dout_base = query * dout.stride(0) + head * dout.stride(1);
     let mut total = f32::new(0.0);
@@ -81,13 +91,10 @@ pub fn merge_kernel<F: Float>(
     #[comptime] value_dim: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let tokens = out_a.shape(0);
-    let index = ABSOLUTE_POS;
-    if index >= tokens * out_a.shape(1) {
+    let (head, query, live) = unit_row::<F>(out_a);
+    if !live {
         terminate!();
     }
-    let head = index / tokens;
-    let query = index % tokens;
     let a = lse_a[head * lse_a.stride(0) + query * lse_a.stride(1)];
     let b = lse_b[head * lse_b.stride(0) + query * lse_b.stride(1)];
     let (weight_a, weight_b, merged) = merge_weights(a, b);
@@ -113,13 +120,10 @@ pub fn merge_in_place_kernel<F: Float>(
     #[comptime] value_dim: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let tokens = out.shape(0);
-    let index = ABSOLUTE_POS;
-    if index >= tokens * out.shape(1) {
+    let (head, query, live) = unit_row::<F>(out);
+    if !live {
         terminate!();
     }
-    let head = index / tokens;
-    let query = index % tokens;
     let lse_at = head * lse.stride(0) + query * lse.stride(1);
     let a = lse[lse_at];
     let b = lse_b[head * lse_b.stride(0) + query * lse_b.stride(1)];
