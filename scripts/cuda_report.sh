@@ -39,10 +39,12 @@ if [ -z "$binary" ]; then
 fi
 BURN_DCP_DUMP_CUDA="$(pwd)/$out/kernels" "$binary" --quiet
 bash "$tools/setup.sh" >/dev/null
-status=0
-for source in "$out"/kernels.flash_*.cu; do
-  python3 "$tools/ptx_report.py" "$source" --arch sm_80,sm_90 | tee -a "$out/report.jsonl"
-done
+# One NVRTC + ptxas job per core (each kernel's lines stay together, in file order).
+jobs=$(nproc 2>/dev/null || echo 2)
+# shellcheck disable=SC2016
+printf '%s\0' "$out"/kernels.flash_*.cu |
+  xargs -0 -P "$jobs" -I{} sh -c 'python3 "$1" "$2" --arch sm_80,sm_90 >"$2.jsonl"' _ "$tools/ptx_report.py" {}
+cat "$out"/kernels.flash_*.cu.jsonl | tee "$out/report.jsonl"
 python3 - "$out/report.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]

@@ -10,7 +10,7 @@
 #![cfg(feature = "cuda")]
 
 use burn::tensor::DType;
-use burn_dcp_kernels::cube::flash::{backward, forward, FlashConfig, FlashPlan};
+use burn_dcp_kernels::cube::flash::{backward, forward, FlashBody, FlashConfig, FlashPlan};
 use burn_dcp_kernels::AttentionShape;
 use cubecl::cuda::{CudaCompiler, CudaRuntime};
 use cubecl::ir::{ElemType, FloatKind, StorageType};
@@ -37,7 +37,8 @@ fn plan(dtype: DType, dim: usize) -> FlashPlan {
         head_dim: dim,
         value_dim: dim,
     };
-    FlashPlan::sized(H100_SHARED, dtype, &shape, 1, true).expect("the H100 plan fits")
+    FlashPlan::sized(H100_SHARED, dtype, &shape, 1, FlashBody::TensorCores)
+        .expect("the H100 plan fits")
 }
 
 /// CUDA C++ of one pass, and its kernel's name.

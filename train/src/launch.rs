@@ -92,40 +92,38 @@ impl Ranks {
     /// have exactly `size` processes. The MPI check is the same on every rank, so a wrong `-n`
     /// fails everywhere with the same message.
     pub fn new(size: usize, config: WorldConfig) -> Result<Ranks, TrainError> {
-        Self::start(size, config).map_err(TrainError::Launch)
-    }
-
-    fn start(size: usize, config: WorldConfig) -> Result<Ranks, String> {
+        let launch = |message: String| TrainError::Launch(message);
         if launched_by_mpi() {
             #[cfg(not(feature = "mpi"))]
-            return Err(format!(
+            return Err(launch(format!(
                 "started by an MPI launcher as one of {} processes, but this binary was built without MPI: rebuild with `--features mpi`",
                 launcher_size()
-            ));
+            )));
             #[cfg(feature = "mpi")]
             {
                 let processes = launcher_size();
                 if processes != size {
-                    return Err(format!(
+                    return Err(launch(format!(
                         "the MPI job has {processes} processes but the configuration needs {size} ranks (one process per rank: mpirun -n {size})"
-                    ));
+                    )));
                 }
-                let world = burn_dcp::comm::MpiWorld::init(config).map_err(|e| e.to_string())?;
+                let world =
+                    burn_dcp::comm::MpiWorld::init(config).map_err(|e| launch(e.to_string()))?;
                 if world.size() != size {
-                    return Err(format!(
+                    return Err(launch(format!(
                         "MPI's world has {} ranks but the configuration needs {size}",
                         world.size()
-                    ));
+                    )));
                 }
                 return Ok(Ranks::Mpi(world));
             }
         }
-        if let Some(rendezvous) = Rendezvous::from_env()? {
+        if let Some(rendezvous) = Rendezvous::from_env().map_err(|e| launch(e.to_string()))? {
             if rendezvous.world_size != size {
-                return Err(format!(
+                return Err(launch(format!(
                     "WORLD_SIZE={} but the configuration needs {size} ranks (one process per rank)",
                     rendezvous.world_size
-                ));
+                )));
             }
             return TcpWorld::connect(&rendezvous, config)
                 .map(Ranks::Tcp)
@@ -137,12 +135,12 @@ impl Ranks {
                     if rendezvous.rank != 0 {
                         log::error!("{message}");
                     }
-                    message
+                    launch(message)
                 });
         }
         InProcessWorld::new(size, config)
             .map(Ranks::InProcess)
-            .map_err(|e| e.to_string())
+            .map_err(|e| launch(e.to_string()))
     }
 
     /// This process's rank on its node (the GPU it uses) when it is one rank of several

@@ -2,9 +2,10 @@
 //! or the vector kernels ([`super::kernels`]); chosen per process by [`KERNEL_ENV`] or per call.
 
 use burn::tensor::DType;
-use cubecl::ir::DeviceProperties;
+use burn_cubecl::CubeRuntime;
+use cubecl::prelude::ComputeClient;
 
-use super::flash::FlashPlan;
+use super::flash::{plain_body, FlashBody, FlashPlan};
 use crate::definition::{AttentionShape, KernelError};
 
 /// Which kernels [`super::forward_with`] and [`super::backward_with`] run; [`super::forward`]
@@ -21,13 +22,19 @@ pub enum AttentionKernel {
     Auto,
     /// The flash kernels ([`super::flash`]), or an error naming what the device or the problem
     /// lacks. With `tensor_cores: false` their products, loads and reductions run on plain
-    /// units, on any device and for f32 too: the path CI tests on lavapipe.
+    /// units, on any device and for f32 too: the path CI tests on lavapipe — by plane
+    /// shuffles where the device's planes shuffle ([`plain_body`]), else through shared memory.
     Flash { tensor_cores: bool },
+    /// The flash kernels on plain units exchanging through shared memory even where plane
+    /// shuffles would serve ([`FlashBody::Shared`]): for a device whose shuffles misbehave,
+    /// and to test that body anywhere.
+    FlashShared,
 }
 
 /// The environment variable [`super::forward`] and [`super::backward`] read their
-/// [`AttentionKernel`] from (once per process): `vector`, `auto` (also when unset), `flash` or
-/// `flash-plain` (the flash kernels without tensor cores).
+/// [`AttentionKernel`] from (once per process): `vector`, `auto` (also when unset), `flash`,
+/// `flash-plain` (the flash kernels without tensor cores) or `flash-plain-shared` (the same,
+/// exchanging through shared memory).
 pub const KERNEL_ENV: &str = "BURN_DCP_ATTENTION_KERNEL";
 
 impl AttentionKernel {
@@ -52,19 +59,23 @@ impl AttentionKernel {
     /// The flash kernels' plan for this choice, or `None` for the vector kernels: `Auto` takes
     /// the flash kernels on tensor cores where they fit, a forced choice errors where they do
     /// not.
-    pub(super) fn flash_plan(
+    pub(super) fn flash_plan<R: CubeRuntime>(
         self,
-        properties: &DeviceProperties,
+        client: &ComputeClient<R>,
         dtype: DType,
         shape: &AttentionShape,
         max_spans: usize,
     ) -> Result<Option<FlashPlan>, KernelError> {
+        let properties = client.properties();
+        let plan = |body| FlashPlan::new(properties, dtype, shape, max_spans, body);
         match self {
             Self::Vector => Ok(None),
-            Self::Auto => Ok(FlashPlan::new(properties, dtype, shape, max_spans, true).ok()),
-            Self::Flash { tensor_cores } => {
-                FlashPlan::new(properties, dtype, shape, max_spans, tensor_cores).map(Some)
-            }
+            Self::Auto => Ok(plan(FlashBody::TensorCores).ok()),
+            Self::Flash { tensor_cores: true } => plan(FlashBody::TensorCores).map(Some),
+            Self::Flash {
+                tensor_cores: false,
+            } => plan(plain_body(client)).map(Some),
+            Self::FlashShared => plan(FlashBody::Shared).map(Some),
         }
     }
 }
@@ -80,12 +91,14 @@ impl std::str::FromStr for AttentionKernel {
             "flash-plain" => Ok(Self::Flash {
                 tensor_cores: false,
             }),
+            "flash-plain-shared" => Ok(Self::FlashShared),
             "tiles" | "tensor-cores" => Err(KernelError::InvalidValue(format!(
                 "{KERNEL_ENV}={value:?}: the matrix-tile kernels were retired (the flash \
                  kernels cover them: `flash` on tensor cores, `flash-plain` on plain units)"
             ))),
             other => Err(KernelError::InvalidValue(format!(
-                "{KERNEL_ENV}={other:?}: expected one of vector, auto, flash, flash-plain"
+                "{KERNEL_ENV}={other:?}: expected one of vector, auto, flash, flash-plain, \
+                 flash-plain-shared"
             ))),
         }
     }
@@ -109,9 +122,14 @@ mod tests {
                 tensor_cores: false
             })
         );
+        assert_eq!(
+            "flash-plain-shared".parse(),
+            Ok(AttentionKernel::FlashShared)
+        );
         let err = "cmma".parse::<AttentionKernel>().unwrap_err().to_string();
         assert!(
-            err.contains("BURN_DCP_ATTENTION_KERNEL=\"cmma\"") && err.contains("flash-plain"),
+            err.contains("BURN_DCP_ATTENTION_KERNEL=\"cmma\"")
+                && err.contains("flash-plain-shared"),
             "{err}"
         );
         for retired in ["tiles", "tensor-cores"] {

@@ -39,12 +39,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FlashOps
         }
         let dense = DenseSpans::build(problem)?;
         kernel
-            .flash_plan(
-                R::client(device).properties(),
-                dtype,
-                shape,
-                dense.max_spans,
-            )
+            .flash_plan(&R::client(device), dtype, shape, dense.max_spans)
             .map(|_| ())
     }
 

@@ -43,8 +43,7 @@ pub fn forward_with<R: CubeRuntime>(
         ));
     }
     let dense = DenseSpans::build(problem)?;
-    let properties = q.client.properties();
-    if let Some(plan) = kernel.flash_plan(properties, dtype, &s, dense.max_spans)? {
+    if let Some(plan) = kernel.flash_plan(&q.client, dtype, &s, dense.max_spans)? {
         return Ok(forward_flash(q, k, v, problem, &s, dtype, &dense, &plan));
     }
     let geometry = Geometry::of(s.head_dim, s.value_dim);
@@ -134,7 +133,7 @@ pub fn backward_with<R: CubeRuntime>(
         ));
     }
     let dense = DenseSpans::build(problem)?;
-    let flash = kernel.flash_plan(q.client.properties(), dtype, &s, dense.max_spans)?;
+    let flash = kernel.flash_plan(&q.client, dtype, &s, dense.max_spans)?;
     let client = q.client.clone();
     let storage = storage(dtype);
     let scale = problem.softmax_scale(s.head_dim) as f32;

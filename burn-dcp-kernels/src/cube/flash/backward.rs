@@ -131,6 +131,7 @@ pub fn scores_in_registers<F: Float>(
     #[comptime] dim: usize,
     #[comptime] block: usize,
     #[comptime] tensor_cores: bool,
+    #[comptime] shuffles: bool,
 ) -> Array<Pair<f32>> {
     scores::<F>(
         a,
@@ -145,6 +146,7 @@ pub fn scores_in_registers<F: Float>(
         1usize,
         true,
         tensor_cores,
+        shuffles,
     )
 }
 

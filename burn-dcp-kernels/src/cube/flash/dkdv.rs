@@ -89,12 +89,17 @@ fn scores_of_rows<F: Float>(
     #[comptime] block: usize,
     #[comptime] is_held: bool,
     #[comptime] tc: bool,
+    #[comptime] shuffles: bool,
 ) -> Array<Pair<f32>> {
     if is_held {
-        scores_in_registers::<F>(held, tile, base, scratch, scratch_at, dim, block, tc)
+        scores_in_registers::<F>(
+            held, tile, base, scratch, scratch_at, dim, block, tc, shuffles,
+        )
     } else {
         let frags = load_rows_as_a::<F>(rows, at, dim, tc);
-        scores_in_registers::<F>(&frags, tile, base, scratch, scratch_at, dim, block, tc)
+        scores_in_registers::<F>(
+            &frags, tile, base, scratch, scratch_at, dim, block, tc, shuffles,
+        )
     }
 }
 
@@ -139,6 +144,7 @@ fn key_scores<F: Float>(
         block,
         held,
         tc,
+        config.shuffles,
     );
     scale_scores(&mut s, scale, comptime!(block / 4), tc);
     if !full {
@@ -181,6 +187,7 @@ fn value_scores<F: Float>(
         block,
         held,
         tc,
+        config.shuffles,
     )
 }
 
@@ -213,10 +220,30 @@ fn dkdv_tile<F: Float>(
         &mut s, &mut dp, &none, &none, &kv.lse, &kv.delta, base, block, false, tc,
     );
     add_product::<F>(
-        &s, &kv.dout, base, dv_acc, scratch, scratch_at, value_dim, block, 1usize, tc,
+        &s,
+        &kv.dout,
+        base,
+        dv_acc,
+        scratch,
+        scratch_at,
+        value_dim,
+        block,
+        1usize,
+        tc,
+        config.shuffles,
     );
     add_product::<F>(
-        &dp, &kv.q, base, dk_acc, scratch, scratch_at, head_dim, block, 1usize, tc,
+        &dp,
+        &kv.q,
+        base,
+        dk_acc,
+        scratch,
+        scratch_at,
+        head_dim,
+        block,
+        1usize,
+        tc,
+        config.shuffles,
     );
 }
 
@@ -254,13 +281,33 @@ fn dkdv_tile_in_turn<F: Float>(
         &mut s, &mut dp, &none, &none, &kv.lse, &kv.delta, 0usize, block, false, tc,
     );
     add_product::<F>(
-        &s, &kv.q, 0usize, dv_acc, scratch, scratch_at, value_dim, block, 1usize, tc,
+        &s,
+        &kv.q,
+        0usize,
+        dv_acc,
+        scratch,
+        scratch_at,
+        value_dim,
+        block,
+        1usize,
+        tc,
+        config.shuffles,
     );
     sync_cube();
     stage_tile::<F>(q, &mut kv.q, 0usize, query_tile, head, head_dim, config);
     sync_cube();
     add_product::<F>(
-        &dp, &kv.q, 0usize, dk_acc, scratch, scratch_at, head_dim, block, 1usize, tc,
+        &dp,
+        &kv.q,
+        0usize,
+        dk_acc,
+        scratch,
+        scratch_at,
+        head_dim,
+        block,
+        1usize,
+        tc,
+        config.shuffles,
     );
 }
 

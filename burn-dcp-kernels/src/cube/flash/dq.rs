@@ -41,6 +41,7 @@ fn dq_tile<F: Float>(
         value_dim,
         block,
         tc,
+        config.shuffles,
     );
     dq_from_dp::<F>(
         q_frags, &mut dp, k_tile, buffer, key_tile, full, rows, row_spans, dq_acc, scale, scratch,
@@ -72,7 +73,15 @@ fn dq_from_dp<F: Float>(
     let tc = comptime!(config.tensor_cores);
     let base = buffer * block;
     let mut s = scores_in_registers::<F>(
-        q_frags, k_tile, base, scratch, scratch_at, head_dim, block, tc,
+        q_frags,
+        k_tile,
+        base,
+        scratch,
+        scratch_at,
+        head_dim,
+        block,
+        tc,
+        config.shuffles,
     );
     scale_scores(&mut s, scale, comptime!(block / 4), tc);
     if !full {
@@ -103,7 +112,17 @@ fn dq_from_dp<F: Float>(
         tc,
     );
     add_product::<F>(
-        dp, k_tile, base, dq_acc, scratch, scratch_at, head_dim, block, 1usize, tc,
+        dp,
+        k_tile,
+        base,
+        dq_acc,
+        scratch,
+        scratch_at,
+        head_dim,
+        block,
+        1usize,
+        tc,
+        config.shuffles,
     );
 }
 
@@ -334,6 +353,7 @@ pub fn flash_dq_kernel<F: Float>(
                     value_dim,
                     block,
                     tc,
+                    config.shuffles,
                 );
                 sync_cube();
                 stage_tile::<F>(k, &mut k_tile, 0usize, key_tile, kv_head, head_dim, config);

@@ -334,6 +334,7 @@ pub fn flash_forward_kernel<F: Float>(
                     block,
                     m,
                     tensor_cores,
+                    config.shuffles,
                 );
             } else {
                 forward_tile::<F>(
@@ -423,6 +424,7 @@ fn forward_tile<F: Float>(
         block,
         m,
         config.tensor_cores,
+        config.shuffles,
     );
 }
 
@@ -462,6 +464,7 @@ fn tile_probabilities<F: Float>(
         m,
         comptime!(m == 1),
         tc,
+        config.shuffles,
     );
     scale_scores(&mut s, scale, comptime!(m * block / 4), tc);
     if !full {

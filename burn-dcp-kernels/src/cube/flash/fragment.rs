@@ -15,12 +15,17 @@
 //! The C layout of two adjacent `n = 8` tiles is the A layout of one `k = 16` tile, so scores
 //! become the next product's A operand in registers ([`accumulators_as_a()`]).
 //!
-//! Every piece has two bodies chosen at compile time. With `tensor_cores` (CUDA, sm_80+):
-//! `ldmatrix` loads and `mma.sync`. Without: the same fragments loaded element by element by the
-//! table above, and the product computed by the plane's units through a shared scratch tile,
-//! which runs on every device (lavapipe in CI) — so everything but the two instructions and
-//! their lane layout is tested without a GPU. The row reductions likewise: plane shuffles
-//! (`shuffles`) or shared memory.
+//! Every piece has its bodies chosen at compile time. With `tensor_cores` (CUDA, sm_80+):
+//! `ldmatrix` loads and `mma.sync`. Without, the same fragments loaded element by element by the
+//! table above and the product computed by the plane's units, in one of two ways:
+//! - `shuffles` (devices whose planes shuffle within groups of four lanes, lavapipe among them):
+//!   each lane gathers its two rows of A from the three other lanes of its row (`t ^ 1`,
+//!   `t ^ 2`, `t ^ 3`) and reads its four columns of B from the staged tile ([`load_b_pair()`]
+//!   loads them in that order). No barrier: lavapipe compiles every `sync_cube` as a coroutine
+//!   suspend point, and the shared-memory form below takes it about 3.5 times longer to compile;
+//! - otherwise, through a shared scratch tile with two barriers per product, on any device.
+//! So everything but the two instructions and their lane layout is tested without a GPU. The
+//! row reductions likewise: plane shuffles (`shuffles`) or shared memory.
 
 use cubecl::prelude::*;
 
@@ -90,6 +95,8 @@ pub fn load_a<F: Float>(
 /// Two B fragments, for the `n` tiles `n0..n0 + 8` (pairs 0, 1) and `n0 + 8..n0 + 16` (pairs 2,
 /// 3), over `k0..k0 + 16`. `transposed = false`: `tile` is row-major in `n` (row `n`, col `k`:
 /// a K tile for `Q·Kᵀ`); `true`: row-major in `k` (row `k`, col `n`: a V tile for `P·V`).
+/// With `shuffles` (and no tensor cores), the lane's four columns whole instead (32 pairs, the
+/// order [`mma_pair()`]'s shuffles deliver A in).
 #[cube]
 pub fn load_b_pair<F: Float>(
     tile: &SharedMemory<F>,
@@ -98,6 +105,7 @@ pub fn load_b_pair<F: Float>(
     #[comptime] stride: usize,
     #[comptime] transposed: bool,
     #[comptime] tensor_cores: bool,
+    #[comptime] shuffles: bool,
 ) -> Array<Pair<F>> {
     let (lane, g, t) = lane_coords();
     if tensor_cores {
@@ -117,6 +125,8 @@ pub fn load_b_pair<F: Float>(
             4usize,
             transposed,
         )
+    } else if shuffles {
+        load_b_columns::<F>(tile, n0, k0, stride, transposed)
     } else {
         let mut b = Array::<Pair<F>>::new(4usize);
         #[unroll]
@@ -140,6 +150,42 @@ pub fn load_b_pair<F: Float>(
     }
 }
 
+/// The lane's columns `8·(c / 2) + 2t + c % 2` (`c` = 0..3) of B over all 16 `k`, as pairs of
+/// adjacent `k` in the order the quad's shuffles deliver A: pair `8c + m` holds `k = 2·(t ^ m)`
+/// and the next, pair `8c + 4 + m` holds `k = 8 + 2·(t ^ m)` and the next.
+#[cube]
+fn load_b_columns<F: Float>(
+    tile: &SharedMemory<F>,
+    n0: usize,
+    k0: usize,
+    #[comptime] stride: usize,
+    #[comptime] transposed: bool,
+) -> Array<Pair<F>> {
+    let (_lane, _g, t) = lane_coords();
+    let mut b = Array::<Pair<F>>::new(32usize);
+    #[unroll]
+    for c in 0..4usize {
+        let n = n0 + 8 * (c / 2) + 2 * t + c % 2;
+        #[unroll]
+        for m in 0..4usize {
+            #[unroll]
+            for half in 0..2usize {
+                let k = k0 + 8 * half + 2 * (t ^ m);
+                let mut pair = Pair::<F>::empty();
+                if transposed {
+                    pair[0] = tile[k * stride + n];
+                    pair[1] = tile[(k + 1) * stride + n];
+                } else {
+                    pair[0] = tile[n * stride + k];
+                    pair[1] = tile[n * stride + k + 1];
+                }
+                b[8 * c + 4 * half + m] = pair;
+            }
+        }
+    }
+    b
+}
+
 /// `len` accumulator fragments of zeros (`2 · len` pairs).
 #[cube]
 pub fn zero_accumulators(#[comptime] len: usize) -> Array<Pair<f32>> {
@@ -153,8 +199,9 @@ pub fn zero_accumulators(#[comptime] len: usize) -> Array<Pair<f32>> {
 
 /// `C_h += A · B_h` for both B fragments `h` of a [`load_b_pair()`] result: `A` is pairs
 /// `a_at..a_at + 4` of `a`, `C_0` pairs `c_at..c_at + 2` of `c` and `C_1` the next two.
-/// `scratch` is the plane's [`PRODUCT_SCRATCH`] elements at `scratch_at` (unused with tensor
-/// cores). Every unit of the cube calls it together (the scratch form synchronises the cube).
+/// `scratch` is the plane's [`PRODUCT_SCRATCH`] elements at `scratch_at` (used by the
+/// shared-memory form only). Every unit of the cube calls it together (the shuffles exchange
+/// within the plane; the scratch form synchronises the cube).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn mma_pair<F: Float>(
@@ -166,6 +213,7 @@ pub fn mma_pair<F: Float>(
     scratch: &mut SharedMemory<F>,
     scratch_at: usize,
     #[comptime] tensor_cores: bool,
+    #[comptime] shuffles: bool,
 ) {
     if tensor_cores {
         let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
@@ -189,6 +237,8 @@ pub fn mma_pair<F: Float>(
                 c[c_at + 2 * h + v] = c_frag[v];
             }
         }
+    } else if shuffles {
+        mma_by_shuffles::<F>(a, a_at, b, c, c_at);
     } else {
         let (_lane, g, t) = lane_coords();
         let a_base = scratch_at;
@@ -228,6 +278,47 @@ pub fn mma_pair<F: Float>(
             c[c_at + i] = pair;
         }
         sync_cube();
+    }
+}
+
+/// [`mma_pair()`] on plain units without barriers: A's rows `g` and `g + 8` over all 16 `k`
+/// from the quad (lane `t ^ m` gives `k = 2·(t ^ m)`, `8 + 2·(t ^ m)` and the next of each),
+/// B's columns from [`load_b_columns()`].
+#[cube]
+fn mma_by_shuffles<F: Float>(
+    a: &Array<Pair<F>>,
+    a_at: usize,
+    b: &Array<Pair<F>>,
+    c: &mut Array<Pair<f32>>,
+    c_at: usize,
+) {
+    #[unroll]
+    for m in 0..4usize {
+        #[unroll]
+        for r in 0..2usize {
+            // Pair `r` of A: row `g + 8r`, k from `2t`; pair `2 + r`: the same row, k from 8 + 2t.
+            let mut low = Pair::<f32>::cast_from(a[a_at + r]);
+            let mut high = Pair::<f32>::cast_from(a[a_at + 2 + r]);
+            if m > 0 {
+                low = plane_shuffle_xor(low, m as u32);
+                high = plane_shuffle_xor(high, m as u32);
+            }
+            #[unroll]
+            for h in 0..2usize {
+                // Pair `2h + r` of C: fragment `h`, row `g + 8r`, columns `8h + 2t + e`.
+                let mut pair = c[c_at + 2 * h + r];
+                #[unroll]
+                for e in 0..2usize {
+                    let low_b = Pair::<f32>::cast_from(b[8 * (2 * h + e) + m]);
+                    let high_b = Pair::<f32>::cast_from(b[8 * (2 * h + e) + 4 + m]);
+                    pair[e] += low[0] * low_b[0]
+                        + low[1] * low_b[1]
+                        + high[0] * high_b[0]
+                        + high[1] * high_b[1];
+                }
+                c[c_at + 2 * h + r] = pair;
+            }
+        }
     }
 }
 

@@ -18,11 +18,13 @@ pub mod forward;
 pub mod fragment;
 mod launch;
 mod plan;
+mod quad;
 pub mod stage;
 pub mod tile;
 
 pub use launch::{backward_flash, forward_flash};
-pub use plan::{flash_fits, FlashConfig, FlashPlan, Planes, FLASH_MAX_DIM, PLANES_ENV};
+pub use plan::{flash_fits, FlashBody, FlashConfig, FlashPlan, Planes, FLASH_MAX_DIM, PLANES_ENV};
+pub use quad::plain_body;
 
 use cubecl::prelude::*;
 

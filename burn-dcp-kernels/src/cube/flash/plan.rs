@@ -39,7 +39,8 @@ pub struct FlashConfig {
     pub tensor_cores: bool,
     /// Double-buffered `cp.async` copies (CUDA, sm_80+, dims multiples of 16), or plain loads.
     pub async_copy: bool,
-    /// Row reductions by plane shuffles, or through shared memory.
+    /// Products (without tensor cores) and row reductions by plane shuffles, or through
+    /// shared memory ([`FlashBody`]).
     pub shuffles: bool,
     /// The other side's two tiles (K and V; dk/dv: Q and dO) staged one after the other in
     /// one buffer, each when its product needs it, instead of side by side: plain loads only,
@@ -149,6 +150,33 @@ fn pinned_planes() -> Result<Option<usize>, KernelError> {
         .clone()
 }
 
+/// How the flash kernels' planes compute their products and row reductions (comptime: each
+/// body is its own kernel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FlashBody {
+    /// `ldmatrix`, `mma.sync`, `cp.async` copies and plane shuffles: f16/bf16 on CUDA sm_80+.
+    TensorCores,
+    /// Plain units whose rows of four lanes exchange values by plane shuffles, without a
+    /// barrier: devices with plane (subgroup) shuffles, lavapipe among them
+    /// ([`plain_body`](super::plain_body)).
+    Shuffles,
+    /// Plain units exchanging through shared memory (two barriers per product and per row
+    /// reduction): any device.
+    Shared,
+}
+
+impl FlashBody {
+    /// Whether this body runs on tensor cores.
+    pub fn tensor_cores(self) -> bool {
+        self == Self::TensorCores
+    }
+
+    /// Whether this body's rows exchange values by plane shuffles.
+    pub fn shuffles(self) -> bool {
+        self != Self::Shared
+    }
+}
+
 /// The most planes per cube of the forward and of the backward kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Planes {
@@ -187,19 +215,19 @@ pub struct FlashPlan {
 }
 
 impl FlashPlan {
-    /// The plan for `shape` in `dtype` with `max_spans` span slots, on tensor cores
-    /// (`ldmatrix`, `mma.sync`, `cp.async`, plane shuffles: CUDA sm_80+) or, with
-    /// `tensor_cores: false`, on the plain bodies (any device). Errors name what is missing.
+    /// The plan for `shape` in `dtype` with `max_spans` span slots in `body`: on tensor cores
+    /// (`ldmatrix`, `mma.sync`, `cp.async`, plane shuffles: CUDA sm_80+) or on plain units.
+    /// Errors name what is missing.
     pub fn new(
         properties: &DeviceProperties,
         dtype: DType,
         shape: &AttentionShape,
         max_spans: usize,
-        tensor_cores: bool,
+        body: FlashBody,
     ) -> Result<Self, KernelError> {
-        flash_fits(properties, dtype, shape, tensor_cores)?;
+        flash_fits(properties, dtype, shape, body.tensor_cores())?;
         let limit = properties.hardware.max_shared_memory_size;
-        Self::sized(limit, dtype, shape, max_spans, tensor_cores)
+        Self::sized(limit, dtype, shape, max_spans, body)
     }
 
     /// The plan for a device with `limit` bytes of shared memory per cube (the features
@@ -209,10 +237,10 @@ impl FlashPlan {
         dtype: DType,
         shape: &AttentionShape,
         max_spans: usize,
-        tensor_cores: bool,
+        body: FlashBody,
     ) -> Result<Self, KernelError> {
-        let planes = Planes::from_env(tensor_cores)?;
-        Self::sized_with_planes(limit, dtype, shape, max_spans, tensor_cores, planes)
+        let planes = Planes::from_env(body.tensor_cores())?;
+        Self::sized_with_planes(limit, dtype, shape, max_spans, body, planes)
     }
 
     /// [`Self::sized`] with at most `planes` planes per cube (1, 2, 4 or 8) instead of
@@ -223,9 +251,10 @@ impl FlashPlan {
         dtype: DType,
         shape: &AttentionShape,
         max_spans: usize,
-        tensor_cores: bool,
+        body: FlashBody,
         planes: Planes,
     ) -> Result<Self, KernelError> {
+        let tensor_cores = body.tensor_cores();
         for most in [planes.forward, planes.backward] {
             if ![1, 2, 4, 8].contains(&most) {
                 return Err(KernelError::InvalidValue(format!(
@@ -259,7 +288,7 @@ impl FlashPlan {
             max_spans,
             tensor_cores,
             async_copy,
-            shuffles: tensor_cores,
+            shuffles: body.shuffles(),
             in_turn,
         };
         // Planes, row tiles and tiles, largest first, until the cube fits the device's shared
@@ -363,7 +392,7 @@ fn dkdv_bytes(c: &FlashConfig, dtype: DType) -> usize {
 }
 /// Bytes of the plain bodies' scratch, the barriers and alignment.
 fn scratch(config: &FlashConfig, dtype: DType) -> usize {
-    let product = if config.tensor_cores {
+    let product = if config.shuffles {
         0
     } else {
         config.planes * super::fragment::PRODUCT_SCRATCH * dtype.size()
@@ -455,7 +484,7 @@ mod tests {
     fn tiles_are_staged_in_turn_only_where_side_by_side_does_not_fit() {
         // f32 at dim 256 on lavapipe's 32 KiB: K and V (dk/dv: Q and dO) one after the other.
         let wide = shape(256, 256, 2, 1);
-        let plan = FlashPlan::sized(32_768, DType::F32, &wide, 1, false).unwrap();
+        let plan = FlashPlan::sized(32_768, DType::F32, &wide, 1, FlashBody::Shuffles).unwrap();
         let sizes = [forward_bytes, dq_bytes, dkdv_bytes];
         for (c, bytes) in [plan.forward, plan.dq, plan.dkdv].iter().zip(sizes) {
             assert!(c.in_turn && bytes(c, DType::F32) <= 32_768, "{c:?}");
@@ -467,14 +496,15 @@ mod tests {
             (65_536, DType::F32, wide),
         ];
         for (limit, dtype, shape) in side_by_side {
-            let plan = FlashPlan::sized(limit, dtype, &shape, 1, false).unwrap();
+            let plan = FlashPlan::sized(limit, dtype, &shape, 1, FlashBody::Shuffles).unwrap();
             let turns = [plan.forward, plan.dq, plan.dkdv].map(|c| c.in_turn);
             assert_eq!(turns, [false; 3], "{limit} {dtype:?} {shape:?}");
         }
         // The copies never take turns; nothing fits 8 KiB, and the error says what it needs.
-        let copies = FlashPlan::sized(232_448, DType::BF16, &wide, 1, true).unwrap();
+        let copies =
+            FlashPlan::sized(232_448, DType::BF16, &wide, 1, FlashBody::TensorCores).unwrap();
         assert!(!copies.forward.in_turn && copies.forward.async_copy);
-        let err = FlashPlan::sized(8_192, DType::F32, &wide, 1, false).unwrap_err();
+        let err = FlashPlan::sized(8_192, DType::F32, &wide, 1, FlashBody::Shuffles).unwrap_err();
         let err = err.to_string();
         assert!(
             err.contains("shared memory") && err.contains("8192"),
@@ -487,8 +517,14 @@ mod tests {
         // An H100 (227 KiB), bf16, dim 128: the forward takes 8 planes of two row tiles and
         // key tiles of 32, dq 4 planes and key tiles of 32, dk/dv 4 planes and query tiles of
         // 32; GQA groups of 4 share cubes. (This test runs with PLANES_ENV unset.)
-        let h100 =
-            FlashPlan::sized(232_448, DType::BF16, &shape(128, 128, 32, 8), 1, true).unwrap();
+        let h100 = FlashPlan::sized(
+            232_448,
+            DType::BF16,
+            &shape(128, 128, 32, 8),
+            1,
+            FlashBody::TensorCores,
+        )
+        .unwrap();
         let f = h100.forward;
         assert_eq!(
             (f.planes, f.row_tiles, f.block, f.heads_per_cube),
@@ -509,8 +545,14 @@ mod tests {
         );
         assert_eq!((h100.dkdv.planes, h100.dkdv.block), (4, 32));
         // An A100's 163 KiB still takes the forward's 8 planes; 4 planes everywhere when pinned.
-        let a100 =
-            FlashPlan::sized(166_912, DType::BF16, &shape(128, 128, 32, 32), 1, true).unwrap();
+        let a100 = FlashPlan::sized(
+            166_912,
+            DType::BF16,
+            &shape(128, 128, 32, 32),
+            1,
+            FlashBody::TensorCores,
+        )
+        .unwrap();
         assert_eq!((a100.forward.planes, a100.forward.row_tiles), (8, 2));
         let pinned = |planes| {
             let shape = shape(128, 128, 32, 8);
@@ -519,7 +561,7 @@ mod tests {
                 DType::BF16,
                 &shape,
                 1,
-                true,
+                FlashBody::TensorCores,
                 Planes::both(planes),
             )
         };
@@ -534,23 +576,44 @@ mod tests {
             "{err}"
         );
         // Dim 64: key tiles of 64 everywhere.
-        let d64 = FlashPlan::sized(232_448, DType::F16, &shape(64, 64, 8, 8), 1, true).unwrap();
+        let d64 = FlashPlan::sized(
+            232_448,
+            DType::F16,
+            &shape(64, 64, 8, 8),
+            1,
+            FlashBody::TensorCores,
+        )
+        .unwrap();
         assert_eq!(
             (d64.forward.block, d64.dq.block, d64.forward.row_tiles),
             (64, 64, 2)
         );
-        // lavapipe's 32 KiB in f32 (the plain bodies CI runs): two row tiles on two planes.
-        let small = FlashPlan::sized(32_768, DType::F32, &shape(16, 32, 3, 1), 1, false).unwrap();
-        let f = small.forward;
+        // lavapipe's 32 KiB in f32 (the plain bodies CI runs): by shuffles, four planes of two
+        // row tiles; through shared memory (its scratch takes room), two planes.
+        let f32_small = |body| {
+            FlashPlan::sized(32_768, DType::F32, &shape(16, 32, 3, 1), 1, body)
+                .unwrap()
+                .forward
+        };
+        let f = f32_small(FlashBody::Shuffles);
         assert_eq!(
             (f.planes, f.row_tiles, f.block, f.heads_per_cube),
-            (2, 2, 64, 1)
+            (4, 2, 64, 1)
         );
+        assert!(!f.async_copy && !f.tensor_cores && f.shuffles);
+        let f = f32_small(FlashBody::Shared);
+        assert_eq!((f.planes, f.row_tiles, f.block), (2, 2, 64));
         assert!(!f.async_copy && !f.tensor_cores && !f.shuffles);
         // Nothing fits: the error says how much the smallest cube needs.
-        let err = FlashPlan::sized(1_000, DType::F32, &shape(128, 128, 1, 1), 1, false)
-            .unwrap_err()
-            .to_string();
+        let err = FlashPlan::sized(
+            1_000,
+            DType::F32,
+            &shape(128, 128, 1, 1),
+            1,
+            FlashBody::Shuffles,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             err.contains("flash forward") && err.contains("1000"),
             "{err}"

@@ -28,6 +28,7 @@ pub fn scores<F: Float>(
     #[comptime] row_tiles: usize,
     #[comptime] a_in_registers: bool,
     #[comptime] tensor_cores: bool,
+    #[comptime] shuffles: bool,
 ) -> Array<Pair<f32>> {
     let mut s = zero_accumulators(row_tiles * block / 8);
     let stride = comptime!(padded(dim));
@@ -50,12 +51,30 @@ pub fn scores<F: Float>(
         }
         #[unroll(tensor_cores)]
         for np in 0..block / 16 {
-            let b = load_b_pair::<F>(tile, base + 16 * np, 16 * kk, stride, false, tensor_cores);
+            let b = load_b_pair::<F>(
+                tile,
+                base + 16 * np,
+                16 * kk,
+                stride,
+                false,
+                tensor_cores,
+                shuffles,
+            );
             #[unroll]
             for mi in 0..row_tiles {
                 let at = mi * (block / 4) + 4 * np;
                 if a_in_registers {
-                    mma_pair::<F>(a, 4 * kk, &b, &mut s, at, scratch, scratch_at, tensor_cores);
+                    mma_pair::<F>(
+                        a,
+                        4 * kk,
+                        &b,
+                        &mut s,
+                        at,
+                        scratch,
+                        scratch_at,
+                        tensor_cores,
+                        shuffles,
+                    );
                 } else {
                     mma_pair::<F>(
                         &a_kk,
@@ -66,6 +85,7 @@ pub fn scores<F: Float>(
                         scratch,
                         scratch_at,
                         tensor_cores,
+                        shuffles,
                     );
                 }
             }
@@ -90,6 +110,7 @@ pub fn add_product<F: Float>(
     #[comptime] block: usize,
     #[comptime] row_tiles: usize,
     #[comptime] tensor_cores: bool,
+    #[comptime] shuffles: bool,
 ) {
     #[unroll(tensor_cores)]
     for kk in 0..block / 16 {
@@ -111,11 +132,22 @@ pub fn add_product<F: Float>(
                 comptime!(padded(dim)),
                 true,
                 tensor_cores,
+                shuffles,
             );
             #[unroll]
             for mi in 0..row_tiles {
                 let at = mi * (dim / 4) + 4 * np;
-                mma_pair::<F>(&a, 4 * mi, &b, acc, at, scratch, scratch_at, tensor_cores);
+                mma_pair::<F>(
+                    &a,
+                    4 * mi,
+                    &b,
+                    acc,
+                    at,
+                    scratch,
+                    scratch_at,
+                    tensor_cores,
+                    shuffles,
+                );
             }
         }
     }

@@ -1,0 +1,287 @@
+//! The flash kernels ([`burn_dcp_kernels::cube::flash`]) with their plain bodies (products,
+//! fragment loads and row reductions on ordinary units, plain copies): everything but
+//! `ldmatrix`, `mma.sync` and `cp.async`, which `cube_cuda.rs` runs on a GPU. The products and
+//! row reductions exchange by plane shuffles (lavapipe's planes of 8 shuffle) and, chosen by
+//! name, through shared memory.
+
+use super::device_calls::{read, run, run_backward, upload};
+use super::*;
+use burn::tensor::{DType, TensorPrimitive};
+use burn_dcp_kernels::cube::{forward_with, AttentionKernel};
+
+type B = WgpuPlain;
+const FLASH: AttentionKernel = AttentionKernel::Flash {
+    tensor_cores: false,
+};
+
+fn with_dims(mut case: Case, head_dim: usize, value_dim: usize) -> Case {
+    case.shape.head_dim = head_dim;
+    case.shape.value_dim = value_dim;
+    case
+}
+
+/// Forward and gradients in f32 within 1e-5 of the oracle.
+fn check_f32(case: &Case, seed: u64, what: &str) {
+    let (out, lse, x) = run(case, seed, DType::F32, FLASH).unwrap();
+    let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
+    let errors = [rel_err(&out, &want.out), rel_err(&lse, &want.lse)];
+    assert!(
+        errors.iter().all(|&e| e <= 1e-5),
+        "flash {what}: out/lse errors {errors:?}"
+    );
+    check_gradients(case, seed, DType::F32, 1e-5, what);
+}
+
+fn check_gradients(case: &Case, seed: u64, dtype: DType, bound: f32, what: &str) {
+    let ([dq, dk, dv], x) = run_backward(case, seed, dtype, FLASH).unwrap();
+    let want = reference::backward(&x.q, &x.k, &x.v, &x.dout, &case.problem, &case.shape).unwrap();
+    let errors = [
+        rel_err(&dq, &want.dq),
+        rel_err(&dk, &want.dk),
+        rel_err(&dv, &want.dv),
+    ];
+    assert!(
+        errors.iter().all(|&e| e <= bound),
+        "flash {what}: dq/dk/dv errors {errors:?}"
+    );
+}
+
+#[test]
+fn every_mask_on_ragged_gqa_batches_matches_the_reference() {
+    // Groups of 1, 3 (one head per cube) and 4 (four heads share a cube's key tiles).
+    for (index, mask) in masks().into_iter().enumerate() {
+        for (heads, kv_heads) in [(2, 2), (3, 1), (4, 1)] {
+            let case = with_dims(ragged_case(mask.clone(), heads, kv_heads), 16, 32);
+            let what = format!("{mask} H{heads} K{kv_heads}");
+            check_f32(&case, 200 + index as u64, &what);
+        }
+    }
+}
+
+/// The shared-memory body (devices whose planes do not shuffle; here chosen by name): a ragged
+/// GQA batch, and several tiles (whole and partial) under a key-range, a causal and a sliding
+/// mask, forward and gradients within 1e-5 of the oracle.
+#[test]
+fn the_shared_memory_body_matches_the_reference() {
+    let shared = AttentionKernel::FlashShared;
+    let cases = [
+        with_dims(ragged_case(MaskSpec::Sliding { window: 3 }, 3, 1), 16, 32),
+        long_case(long_mixed_masks(), 2, 1, (16, 16)),
+    ];
+    for (index, case) in cases.iter().enumerate() {
+        let seed = 300 + index as u64;
+        let (out, lse, x) = run(case, seed, DType::F32, shared).unwrap();
+        let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
+        let errors = [rel_err(&out, &want.out), rel_err(&lse, &want.lse)];
+        assert!(
+            errors.iter().all(|&e| e <= 1e-5),
+            "case {index}: {errors:?}"
+        );
+        let ([dq, dk, dv], x) = run_backward(case, seed, DType::F32, shared).unwrap();
+        let want =
+            reference::backward(&x.q, &x.k, &x.v, &x.dout, &case.problem, &case.shape).unwrap();
+        let errors = [
+            rel_err(&dq, &want.dq),
+            rel_err(&dk, &want.dk),
+            rel_err(&dv, &want.dv),
+        ];
+        assert!(
+            errors.iter().all(|&e| e <= 1e-5),
+            "case {index}: {errors:?}"
+        );
+    }
+}
+
+#[test]
+fn several_tiles_whole_and_partial_match_the_reference() {
+    // Sequences of 200, 37 and 130 tokens: several cubes and key tiles, runs of whole and
+    // partial tiles (a diagonal, a window with a sink: two spans, blocks); two heads per
+    // cube (group 2). Every mask on the ragged batches above.
+    let masks = [
+        MaskSpec::Causal,
+        MaskSpec::Lambda {
+            sink: 8,
+            window: 30,
+        },
+        MaskSpec::Blockwise {
+            block: 16,
+            local_blocks: 2,
+        },
+    ];
+    for (index, mask) in masks.into_iter().enumerate() {
+        let case = long_case(vec![mask.clone()], 4, 2, (16, 16));
+        check_f32(&case, 210 + index as u64, &format!("{mask} long"));
+    }
+    let case = long_case(long_mixed_masks(), 2, 1, (32, 16));
+    check_f32(&case, 220, "per-sequence masks with key ranges, D32/16");
+}
+
+#[test]
+fn half_precision_rounds_only_where_tensor_cores_would() {
+    // As the matrix tiles' test: P and dS are rounded to f16 before their products, the
+    // LSE and every accumulator stay f32.
+    let case = long_case(vec![MaskSpec::Causal], 4, 2, (48, 48));
+    check_f16(&case, 230, "f16 causal D48");
+}
+
+#[test]
+fn dims_that_are_not_multiples_of_16_are_padded_inside() {
+    // Zeros fill the columns up to the next multiple of 16 in shared memory; the writes
+    // skip them. Plain loads hold each plane's own rows in registers, so on lavapipe's
+    // 32 KiB f32 fits K and V side by side up to about dim 220, f16 up to 256; above, f32
+    // stages them in turn (FlashConfig::in_turn): 256/256 here, over several tiles.
+    let dims = [(40, 24), (200, 136)];
+    for (index, (head_dim, value_dim)) in dims.into_iter().enumerate() {
+        let case = with_dims(ragged_case(MaskSpec::Causal, 4, 2), head_dim, value_dim);
+        let what = format!("causal D{head_dim}/{value_dim}");
+        check_f32(&case, 270 + index as u64, &what);
+    }
+    let case = long_case(long_mixed_masks(), 2, 1, (40, 8));
+    check_f32(&case, 275, "per-sequence masks with key ranges, D40/8");
+    let case = long_case(vec![MaskSpec::Causal], 2, 1, (256, 256));
+    check_f32(&case, 277, "causal D256/256, K and V in turn");
+    let case = with_dims(ragged_case(MaskSpec::Causal, 2, 1), 256, 248);
+    check_f16(&case, 276, "f16 causal D256/248");
+}
+
+/// Forward within f16's rounding of P (the oracle's f64 result), gradients within 2e-3.
+fn check_f16(case: &Case, seed: u64, what: &str) {
+    let unit_roundoff = 2f32.powi(-11);
+    let (out, lse, x) = run(case, seed, DType::F16, FLASH).unwrap();
+    let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
+    let max_v = x.v.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let max_out = want.out.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = out
+        .iter()
+        .zip(&want.out)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    let bound = unit_roundoff * (max_v + max_out) * 1.01;
+    assert!(worst <= bound, "|out - oracle| {worst} > {bound}");
+    let lse_err = rel_err(&lse, &want.lse);
+    assert!(lse_err <= 1e-5, "{what}: lse {lse_err}");
+    check_gradients(case, seed, DType::F16, 2e-3, what);
+}
+
+#[test]
+fn fully_masked_rows_and_nan_scores_keep_their_meaning() {
+    let case = with_dims(fully_masked_case(), 16, 16);
+    let (out, lse, _) = run(&case, 240, DType::F32, FLASH).unwrap();
+    assert!(out.iter().all(|&x| x == 0.0), "{out:?}");
+    assert!(lse.iter().all(|&x| x == f32::NEG_INFINITY), "{lse:?}");
+    let (grads, _) = run_backward(&case, 240, DType::F32, FLASH).unwrap();
+    for (name, values) in ["dq", "dk", "dv"].iter().zip(&grads) {
+        assert!(values.iter().all(|&x| x == 0.0), "{name}: {values:?}");
+    }
+
+    // Two query heads on one kv head: the launch of the fully masked case above.
+    let (heads, dim) = (2, 16);
+    let problem = VarlenAttention::packed(vec![5, 3], vec![MaskSpec::Causal]);
+    let mut rng = SmallRng::seed_from_u64(241);
+    let mut q = random(&mut rng, 8 * heads * dim);
+    let (k, v) = (random(&mut rng, 8 * dim), random(&mut rng, 8 * dim));
+    q[2 * heads * dim] = f32::NAN; // token 2 (sequence 0), head 0
+    let primitive = |values: &[f32], heads| upload(values, [8, heads, dim], DType::F32);
+    let (out, lse) = forward_with(
+        primitive(&q, heads).into_primitive().tensor(),
+        primitive(&k, 1).into_primitive().tensor(),
+        primitive(&v, 1).into_primitive().tensor(),
+        &problem,
+        FLASH,
+    )
+    .unwrap();
+    let out = read(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out)));
+    let lse = read(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse)));
+    let row = 2 * heads * dim;
+    assert!(out[row..row + dim].iter().all(|x| x.is_nan()), "{out:?}");
+    assert!(lse[2].is_nan(), "lse of the NaN row: {}", lse[2]);
+    // Sequence 1 shares the cube but not the NaN query's keys.
+    assert!(out[5 * heads * dim..].iter().all(|x| x.is_finite()));
+}
+
+#[test]
+fn cube_sizes_change_the_time_never_the_result() {
+    // The forward's cube size differs by device and by BURN_DCP_FLASH_PLANES (8 planes on
+    // tensor cores, 4 elsewhere): every size must give the same bits. Here 1 and 2 planes
+    // per cube (one and two query tiles of 32 rows), causal and per-sequence masks, GQA.
+    use burn_dcp_kernels::cube::flash::{forward_flash, FlashBody, FlashPlan, Planes};
+    use burn_dcp_kernels::tiling::DenseSpans;
+    let cases = [
+        long_case(vec![MaskSpec::Causal], 4, 2, (16, 16)),
+        long_case(long_mixed_masks(), 2, 1, (32, 16)),
+    ];
+    for (index, case) in cases.iter().enumerate() {
+        let mut rng = SmallRng::seed_from_u64(260 + index as u64);
+        let x = inputs(&mut rng, &case.shape);
+        let s = &case.shape;
+        let dense = DenseSpans::build(&case.problem).unwrap();
+        let results: Vec<(Vec<f32>, Vec<f32>)> = [1, 2]
+            .into_iter()
+            .map(|planes| {
+                let plan = FlashPlan::sized_with_planes(
+                    32_768,
+                    DType::F32,
+                    s,
+                    dense.max_spans,
+                    FlashBody::Shuffles,
+                    Planes::both(planes),
+                )
+                .unwrap();
+                assert_eq!(plan.forward.planes, planes);
+                let tensor = |values: &[f32], tokens, heads, dim| {
+                    upload(values, [tokens, heads, dim], DType::F32)
+                        .into_primitive()
+                        .tensor()
+                };
+                let (out, lse) = forward_flash(
+                    tensor(&x.q, s.q_tokens, s.heads, s.head_dim),
+                    tensor(&x.k, s.kv_tokens, s.kv_heads, s.head_dim),
+                    tensor(&x.v, s.kv_tokens, s.kv_heads, s.value_dim),
+                    &case.problem,
+                    s,
+                    DType::F32,
+                    &dense,
+                    &plan,
+                );
+                (
+                    read(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out))),
+                    read(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse))),
+                )
+            })
+            .collect();
+        assert!(results[0].0.iter().all(|x| x.is_finite()));
+        assert_eq!(
+            results[0], results[1],
+            "case {index}: 1 and 2 planes differ"
+        );
+    }
+}
+
+#[test]
+fn what_the_flash_kernels_cannot_run_is_refused_with_the_reason() {
+    let case = long_case(vec![MaskSpec::Causal], 2, 1, (16, 16));
+    let cores = AttentionKernel::Flash { tensor_cores: true };
+    let err = run(&case, 250, DType::F16, cores).unwrap_err().to_string();
+    assert!(err.contains("mma.sync") && err.contains("F16"), "{err}");
+    let err = run(&case, 250, DType::F32, cores).unwrap_err().to_string();
+    assert!(err.contains("f16 or bf16") && err.contains("F32"), "{err}");
+    let wide = long_case(vec![MaskSpec::Causal], 2, 1, (16, 264));
+    let err = run(&wide, 250, DType::F32, FLASH).unwrap_err().to_string();
+    assert!(err.contains("1 to 256") && err.contains("264"), "{err}");
+    // Auto takes the vector kernels where there are no tensor cores, with the same
+    // result as asking for them.
+    let (auto, _, _) = run(&case, 251, DType::F32, AttentionKernel::Auto).unwrap();
+    let (vector, _, _) = run(&case, 251, DType::F32, AttentionKernel::Vector).unwrap();
+    assert_eq!(auto, vector);
+}
+
+#[test]
+fn the_plain_bodies_shuffle_on_lavapipe() {
+    // cubecl advertises no plane operations on CPU adapters; the device's own answer (its
+    // planes of 8 shuffle within rows of four lanes) picks the barrier-free body.
+    use burn::backend::wgpu::WgpuRuntime;
+    use cubecl::Runtime;
+    use burn_dcp_kernels::cube::flash::{plain_body, FlashBody};
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    assert_eq!(plain_body(&client), FlashBody::Shuffles);
+}
