@@ -24,7 +24,7 @@
 //!
 //! With `--features cuda` (an NVIDIA GPU), the group `cuda` times the GPU shape (1 × 32
 //! heads × 8192 tokens × 128 dims, bf16, causal and full): our forward and forward + backward on
-//! the vector kernels and on tensor cores, and burn's attention:
+//! the flash kernels' plain bodies and on tensor cores, and burn's attention:
 //!
 //!     cargo bench --features cuda --bench attention -- cuda
 
@@ -443,7 +443,7 @@ fn wgpu(_: &mut Criterion) {}
 
 /// The GPU shape (FlashAttention-3 reports 740 TFLOP/s forward on an H100 in
 /// bf16 at this size): 1 × 32 heads × 8192 tokens × 128 dims, bf16, causal and full. Our
-/// forward and forward + backward on the vector kernels and on tensor cores, and burn's attention;
+/// forward and forward + backward on the plain bodies and on tensor cores, and burn's attention;
 /// the throughput is in FLOP/s (criterion's "elem/s"). Each timed call ends with a device
 /// sync, not a read-back. Results of an H100: `benches/RESULTS.md` ("CUDA").
 #[cfg(feature = "cuda")]
@@ -478,7 +478,12 @@ fn cuda(c: &mut Criterion) {
         let forward_flops = flops(&shape, &x.problem);
         group.throughput(Throughput::Elements(forward_flops));
         let kernels = [
-            ("vector", AttentionKernel::Vector),
+            (
+                "flash-plain",
+                AttentionKernel::Flash {
+                    tensor_cores: false,
+                },
+            ),
             ("flash", AttentionKernel::Flash { tensor_cores: true }),
         ];
         for (label, kernel) in kernels {
@@ -545,7 +550,7 @@ fn cuda(c: &mut Criterion) {
             },
         );
         group.bench_function(
-            BenchmarkId::new("forward+backward/vector-cuda", shape.name),
+            BenchmarkId::new("forward+backward/auto-cuda", shape.name),
             |b| {
                 b.iter(|| {
                     let fwd = B::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)

@@ -141,8 +141,7 @@ macro_rules! suite {
 
             #[test]
             fn head_dims_64_and_128_stay_exact() {
-                // The dims are unrolled in the kernels (see `cube/mod.rs`); lavapipe compiles the D128
-                // backward kernels in about a minute the first time (Mesa's disk cache keeps them).
+                // Each dim is its own kernel build (comptime shapes); Mesa's disk cache keeps them.
                 let case = long_case(vec![MaskSpec::Causal], 2, 2, (64, 64));
                 check_against_reference(&case, 30, "causal D64");
                 let case = long_case(vec![MaskSpec::Causal], 2, 1, (128, 128));
@@ -175,19 +174,8 @@ macro_rules! suite {
             }
 
             #[test]
-            fn every_vector_width_and_rows_per_unit_match_the_reference() {
-                // The launch picks vectors of 4, 2 or 1 elements from the dims and strides, and
-                // 4, 2 or 1 rows per unit (with 16- or 8-row tiles) from the dims: dims 6/10
-                // read pairs, 5/3 single elements, 136/136 one row per unit with 8-row tiles.
-                for (index, dims) in [(6, 10), (5, 3), (136, 136)].into_iter().enumerate() {
-                    let case = long_case(vec![MaskSpec::Causal], 2, 1, dims);
-                    check_against_reference(&case, 70 + index as u64, &format!("dims {dims:?}"));
-                }
-            }
-
-            #[test]
             fn a_non_contiguous_last_dim_is_read_element_by_element() {
-                // `[T, D, H]` swapped to `[T, H, D]`: the head dim has stride H, so no vectors.
+                // `[T, D, H]` swapped to `[T, H, D]`: the head dim has stride H.
                 let transposed = |values: &[f32], [tokens, heads, dim]: [usize; 3]| {
                     let mut dim_major = vec![0.0; values.len()];
                     for t in 0..tokens {

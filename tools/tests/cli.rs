@@ -326,8 +326,12 @@ fn cp_attention_kernel_choice_is_checked_and_flash_plain_runs() {
             .unwrap()
     };
     for (kernel, expected) in [
-        ("cmma", "expected one of vector, auto, flash, flash-plain"),
+        (
+            "cmma",
+            "expected one of auto, flash, flash-plain, flash-plain-shared",
+        ),
         ("tiles", "the matrix-tile kernels were retired"),
+        ("vector", "the vector kernels were retired"),
         (
             "flash",
             "the flash kernels' tensor cores take f16 or bf16 inputs, not F32",

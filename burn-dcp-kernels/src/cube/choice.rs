@@ -1,5 +1,5 @@
-//! Which kernels run: the flash kernels ([`super::flash`]) on tensor cores or on plain units,
-//! or the vector kernels ([`super::kernels`]); chosen per process by [`KERNEL_ENV`] or per call.
+//! Which body of the flash kernels ([`super::flash`]) runs: tensor cores or plain units;
+//! chosen per process by [`KERNEL_ENV`] or per call.
 
 use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
@@ -13,11 +13,9 @@ use crate::definition::{AttentionShape, KernelError};
 /// [`KERNEL_ENV`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttentionKernel {
-    /// The vector kernels ([`super::kernels`]), on every device.
-    Vector,
-    /// The fastest kernels the device and the problem allow: the flash kernels on tensor cores
-    /// (f16/bf16 on CUDA sm_80+, head and value dims up to 256 within the device's shared
-    /// memory), else the vector kernels (f32; devices without `mma.sync`). The default.
+    /// The fastest body the device and the problem allow: tensor cores (f16/bf16 on CUDA
+    /// sm_80+, head and value dims up to 256 within the device's shared memory), else plain
+    /// units (f32; devices without `mma.sync`), as `Flash { tensor_cores: false }`. The default.
     #[default]
     Auto,
     /// The flash kernels ([`super::flash`]), or an error naming what the device or the problem
@@ -32,7 +30,7 @@ pub enum AttentionKernel {
 }
 
 /// The environment variable [`super::forward`] and [`super::backward`] read their
-/// [`AttentionKernel`] from (once per process): `vector`, `auto` (also when unset), `flash`,
+/// [`AttentionKernel`] from (once per process): `auto` (also when unset), `flash`,
 /// `flash-plain` (the flash kernels without tensor cores) or `flash-plain-shared` (the same,
 /// exchanging through shared memory).
 pub const KERNEL_ENV: &str = "BURN_DCP_ATTENTION_KERNEL";
@@ -56,26 +54,24 @@ impl AttentionKernel {
         }
     }
 
-    /// The flash kernels' plan for this choice, or `None` for the vector kernels: `Auto` takes
-    /// the flash kernels on tensor cores where they fit, a forced choice errors where they do
-    /// not.
+    /// The flash kernels' plan for this choice: `Auto` takes tensor cores where they fit and
+    /// plain units else; a forced choice errors where it does not fit.
     pub(super) fn flash_plan<R: CubeRuntime>(
         self,
         client: &ComputeClient<R>,
         dtype: DType,
         shape: &AttentionShape,
         max_spans: usize,
-    ) -> Result<Option<FlashPlan>, KernelError> {
+    ) -> Result<FlashPlan, KernelError> {
         let properties = client.properties();
         let plan = |body| FlashPlan::new(properties, dtype, shape, max_spans, body);
         match self {
-            Self::Vector => Ok(None),
-            Self::Auto => Ok(plan(FlashBody::TensorCores).ok()),
-            Self::Flash { tensor_cores: true } => plan(FlashBody::TensorCores).map(Some),
+            Self::Auto => plan(FlashBody::TensorCores).or_else(|_| plan(plain_body(client))),
+            Self::Flash { tensor_cores: true } => plan(FlashBody::TensorCores),
             Self::Flash {
                 tensor_cores: false,
-            } => plan(plain_body(client)).map(Some),
-            Self::FlashShared => plan(FlashBody::Shared).map(Some),
+            } => plan(plain_body(client)),
+            Self::FlashShared => plan(FlashBody::Shared),
         }
     }
 }
@@ -85,19 +81,22 @@ impl std::str::FromStr for AttentionKernel {
 
     fn from_str(value: &str) -> Result<Self, KernelError> {
         match value {
-            "vector" => Ok(Self::Vector),
             "auto" => Ok(Self::Auto),
             "flash" => Ok(Self::Flash { tensor_cores: true }),
             "flash-plain" => Ok(Self::Flash {
                 tensor_cores: false,
             }),
             "flash-plain-shared" => Ok(Self::FlashShared),
+            "vector" => Err(KernelError::InvalidValue(format!(
+                "{KERNEL_ENV}={value:?}: the vector kernels were retired (the flash kernels' \
+                 plain bodies cover them: `auto` or `flash-plain`)"
+            ))),
             "tiles" | "tensor-cores" => Err(KernelError::InvalidValue(format!(
                 "{KERNEL_ENV}={value:?}: the matrix-tile kernels were retired (the flash \
                  kernels cover them: `flash` on tensor cores, `flash-plain` on plain units)"
             ))),
             other => Err(KernelError::InvalidValue(format!(
-                "{KERNEL_ENV}={other:?}: expected one of vector, auto, flash, flash-plain, \
+                "{KERNEL_ENV}={other:?}: expected one of auto, flash, flash-plain, \
                  flash-plain-shared"
             ))),
         }
@@ -110,7 +109,6 @@ mod tests {
 
     #[test]
     fn kernel_names_parse_and_bad_ones_name_the_choices() {
-        assert_eq!("vector".parse(), Ok(AttentionKernel::Vector));
         assert_eq!("auto".parse(), Ok(AttentionKernel::Auto));
         assert_eq!(
             "flash".parse(),
@@ -132,7 +130,7 @@ mod tests {
                 && err.contains("flash-plain-shared"),
             "{err}"
         );
-        for retired in ["tiles", "tensor-cores"] {
+        for retired in ["tiles", "tensor-cores", "vector"] {
             let err = retired.parse::<AttentionKernel>().unwrap_err().to_string();
             assert!(err.contains("retired") && err.contains(retired), "{err}");
         }

@@ -34,7 +34,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FlashOps
         _backward: bool,
     ) -> Result<(), KernelError> {
         let kernel = AttentionKernel::from_env()?;
-        if kernel == AttentionKernel::Vector || shape.q_tokens == 0 || shape.kv_tokens == 0 {
+        if shape.q_tokens == 0 || shape.kv_tokens == 0 {
             return Ok(());
         }
         let dense = DenseSpans::build(problem)?;

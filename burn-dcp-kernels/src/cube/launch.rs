@@ -3,15 +3,15 @@
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
-use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
+use cubecl::{calculate_cube_count_elemwise, CubeDim};
 
 use super::choice::AttentionKernel;
+use super::elementwise;
 use super::flash::{backward_flash, forward_flash};
 use super::support::*;
-use super::{elementwise, kernels};
 use crate::definition::{KernelError, VarlenAttention};
 use crate::ops::{check_backward, check_forward, check_merge};
-use crate::tiling::{DenseSpans, TileIntervals};
+use crate::tiling::DenseSpans;
 
 /// Forward on device tensors: `(out [Tq, H, Dv], lse [H, Tq] f32)`, on the kernels
 /// [`KERNEL_ENV`](super::KERNEL_ENV) names ([`AttentionKernel::Auto`] when unset).
@@ -43,42 +43,8 @@ pub fn forward_with<R: CubeRuntime>(
         ));
     }
     let dense = DenseSpans::build(problem)?;
-    if let Some(plan) = kernel.flash_plan(&q.client, dtype, &s, dense.max_spans)? {
-        return Ok(forward_flash(q, k, v, problem, &s, dtype, &dense, &plan));
-    }
-    let geometry = Geometry::of(s.head_dim, s.value_dim);
-    let tables = QueryTables::build(&q, dense, CUBE_ROWS, geometry.block);
-    let out = empty(&q, out_dims.to_vec(), dtype);
-    let lse = empty(&q, lse_dims.to_vec(), DType::F32);
-    let vector = vector_size(&[&q, &k, &v, &out], &[s.head_dim, s.value_dim]);
-    let client = q.client.clone();
-    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
-    unsafe {
-        kernels::forward_kernel::launch_unchecked::<R>(
-            &client,
-            CubeCount::Static(s.q_tokens.div_ceil(CUBE_ROWS) as u32, s.heads as u32, 1),
-            CubeDim::new_1d(geometry.units as u32),
-            vector,
-            q.into_tensor_arg(),
-            k.into_tensor_arg(),
-            v.into_tensor_arg(),
-            tables.spans.into_tensor_arg(),
-            tables.offsets.into_tensor_arg(),
-            tables.runs.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            problem.softmax_scale(s.head_dim) as f32,
-            f32::NEG_INFINITY,
-            s.head_dim / vector,
-            s.value_dim / vector,
-            geometry.rows,
-            geometry.units,
-            geometry.block,
-            tables.max_spans,
-            storage(dtype),
-        );
-    }
-    Ok((out, lse))
+    let plan = kernel.flash_plan(&q.client, dtype, &s, dense.max_spans)?;
+    Ok(forward_flash(q, k, v, problem, &s, dtype, &dense, &plan))
 }
 
 /// `(dq, dk, dv)` on the device.
@@ -133,10 +99,9 @@ pub fn backward_with<R: CubeRuntime>(
         ));
     }
     let dense = DenseSpans::build(problem)?;
-    let flash = kernel.flash_plan(&q.client, dtype, &s, dense.max_spans)?;
+    let plan = kernel.flash_plan(&q.client, dtype, &s, dense.max_spans)?;
     let client = q.client.clone();
     let storage = storage(dtype);
-    let scale = problem.softmax_scale(s.head_dim) as f32;
 
     let delta = empty(&q, vec![s.heads, s.q_tokens], DType::F32);
     let rows = s.heads * s.q_tokens;
@@ -155,81 +120,8 @@ pub fn backward_with<R: CubeRuntime>(
         );
     }
 
-    if let Some(plan) = flash {
-        let inputs = [q, k, v, dout, lse, delta];
-        return Ok(backward_flash(inputs, problem, &s, dtype, &dense, &plan));
-    }
-
-    let geometry = Geometry::of(s.head_dim, s.value_dim);
-    let tables = QueryTables::build(&q, dense, CUBE_ROWS, geometry.block);
-    // Key side: key tiles of `CUBE_ROWS` keys against query tiles of `block` queries.
-    let key_tiles = s.kv_tokens.div_ceil(CUBE_ROWS);
-    let by_key =
-        TileIntervals::by_query_tile(&tables.dense, geometry.block, CUBE_ROWS).transpose(key_tiles);
-    let dk = empty(&q, dk_dims.to_vec(), dtype);
-    let dv = empty(&q, dv_dims.to_vec(), dtype);
-    let dq = empty(&q, dq_dims.to_vec(), dtype);
-    let vector = vector_size(
-        &[&q, &k, &v, &dout, &dq, &dk, &dv],
-        &[s.head_dim, s.value_dim],
-    );
-    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
-    unsafe {
-        kernels::dkdv_kernel::launch_unchecked::<R>(
-            &client,
-            CubeCount::Static(key_tiles as u32, s.kv_heads as u32, 1),
-            CubeDim::new_1d(geometry.units as u32),
-            vector,
-            q.clone().into_tensor_arg(),
-            k.clone().into_tensor_arg(),
-            v.clone().into_tensor_arg(),
-            dout.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            delta.clone().into_tensor_arg(),
-            tables.spans.clone().into_tensor_arg(),
-            upload_u32(&client, &q.device, &by_key.offsets).into_tensor_arg(),
-            upload_u32(&client, &q.device, &by_key.intervals).into_tensor_arg(),
-            dk.clone().into_tensor_arg(),
-            dv.clone().into_tensor_arg(),
-            scale,
-            s.head_dim / vector,
-            s.value_dim / vector,
-            geometry.rows,
-            geometry.units,
-            geometry.block,
-            tables.max_spans,
-            storage,
-        );
-    }
-    // SAFETY: every index the kernel reads or writes is bounded by the shapes and tables checked above.
-    unsafe {
-        kernels::dq_kernel::launch_unchecked::<R>(
-            &client,
-            CubeCount::Static(s.q_tokens.div_ceil(CUBE_ROWS) as u32, s.heads as u32, 1),
-            CubeDim::new_1d(geometry.units as u32),
-            vector,
-            q.into_tensor_arg(),
-            k.into_tensor_arg(),
-            v.into_tensor_arg(),
-            dout.into_tensor_arg(),
-            lse.into_tensor_arg(),
-            delta.into_tensor_arg(),
-            tables.spans.into_tensor_arg(),
-            tables.offsets.into_tensor_arg(),
-            tables.runs.into_tensor_arg(),
-            dq.clone().into_tensor_arg(),
-            scale,
-            s.head_dim / vector,
-            s.value_dim / vector,
-            geometry.rows,
-            geometry.units,
-            geometry.block,
-            tables.max_spans,
-            storage,
-        );
-    }
-
-    Ok((dq, dk, dv))
+    let inputs = [q, k, v, dout, lse, delta];
+    Ok(backward_flash(inputs, problem, &s, dtype, &dense, &plan))
 }
 
 /// Merge on device tensors; writes into `a`'s buffers when nothing else holds them.

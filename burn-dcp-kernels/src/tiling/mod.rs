@@ -6,13 +6,13 @@
 //!
 //! - `spans [q_tokens, max_spans, 2]` (`u32`, half-open `[start, end)`, unused slots `[0, 0)`) is
 //!   the per-element predicate of partially masked tiles;
-//! - for a tile geometry (`rows` queries × `cols` keys), [`TileIntervals`] lists per row tile the
-//!   runs of column tiles holding at least one allowed pair, and its transpose lists per key tile
-//!   the query tiles. Kernels loop over these lists only, so fully masked tiles cost nothing: they
-//!   are never loaded, never computed.
+//! - for a tile geometry (`rows` queries × `cols` keys), [`TileRuns`] lists per row tile the
+//!   runs of column tiles holding at least one allowed pair (marking the whole ones, which need
+//!   no mask), and its transpose lists per key tile the query tiles. Kernels loop over these
+//!   lists only, so fully masked tiles cost nothing: they are never loaded, never computed.
 
 mod runs;
 mod tables;
 
 pub use runs::TileRuns;
-pub use tables::{DenseSpans, TileIntervals};
+pub use tables::DenseSpans;

@@ -59,37 +59,31 @@ fn every_mask_on_ragged_gqa_batches_matches_the_reference() {
 }
 
 /// The shared-memory body (devices whose planes do not shuffle; here chosen by name): a ragged
-/// GQA batch, and several tiles (whole and partial) under a key-range, a causal and a sliding
-/// mask, forward and gradients within 1e-5 of the oracle.
+/// batch over several tiles (whole and partial), GQA 2:1, under a key-range, a causal and a
+/// sliding mask, forward and gradients within 1e-5 of the oracle. (One shape: lavapipe compiles
+/// this body about 50 s per shape.)
 #[test]
 fn the_shared_memory_body_matches_the_reference() {
     let shared = AttentionKernel::FlashShared;
-    let cases = [
-        with_dims(ragged_case(MaskSpec::Sliding { window: 3 }, 3, 1), 16, 32),
-        long_case(long_mixed_masks(), 2, 1, (16, 16)),
+    let case = long_case(long_mixed_masks(), 2, 1, (16, 16));
+    let (out, lse, x) = run(&case, 300, DType::F32, shared).unwrap();
+    let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
+    let errors = [rel_err(&out, &want.out), rel_err(&lse, &want.lse)];
+    assert!(
+        errors.iter().all(|&e| e <= 1e-5),
+        "out/lse errors {errors:?}"
+    );
+    let ([dq, dk, dv], x) = run_backward(&case, 300, DType::F32, shared).unwrap();
+    let want = reference::backward(&x.q, &x.k, &x.v, &x.dout, &case.problem, &case.shape).unwrap();
+    let errors = [
+        rel_err(&dq, &want.dq),
+        rel_err(&dk, &want.dk),
+        rel_err(&dv, &want.dv),
     ];
-    for (index, case) in cases.iter().enumerate() {
-        let seed = 300 + index as u64;
-        let (out, lse, x) = run(case, seed, DType::F32, shared).unwrap();
-        let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
-        let errors = [rel_err(&out, &want.out), rel_err(&lse, &want.lse)];
-        assert!(
-            errors.iter().all(|&e| e <= 1e-5),
-            "case {index}: {errors:?}"
-        );
-        let ([dq, dk, dv], x) = run_backward(case, seed, DType::F32, shared).unwrap();
-        let want =
-            reference::backward(&x.q, &x.k, &x.v, &x.dout, &case.problem, &case.shape).unwrap();
-        let errors = [
-            rel_err(&dq, &want.dq),
-            rel_err(&dk, &want.dk),
-            rel_err(&dv, &want.dv),
-        ];
-        assert!(
-            errors.iter().all(|&e| e <= 1e-5),
-            "case {index}: {errors:?}"
-        );
-    }
+    assert!(
+        errors.iter().all(|&e| e <= 1e-5),
+        "dq/dk/dv errors {errors:?}"
+    );
 }
 
 #[test]
@@ -268,11 +262,11 @@ fn what_the_flash_kernels_cannot_run_is_refused_with_the_reason() {
     let wide = long_case(vec![MaskSpec::Causal], 2, 1, (16, 264));
     let err = run(&wide, 250, DType::F32, FLASH).unwrap_err().to_string();
     assert!(err.contains("1 to 256") && err.contains("264"), "{err}");
-    // Auto takes the vector kernels where there are no tensor cores, with the same
-    // result as asking for them.
+    // Auto takes the plain bodies where there are no tensor cores, with the same result as
+    // asking for them.
     let (auto, _, _) = run(&case, 251, DType::F32, AttentionKernel::Auto).unwrap();
-    let (vector, _, _) = run(&case, 251, DType::F32, AttentionKernel::Vector).unwrap();
-    assert_eq!(auto, vector);
+    let (plain, _, _) = run(&case, 251, DType::F32, FLASH).unwrap();
+    assert_eq!(auto, plain);
 }
 
 #[test]
@@ -280,8 +274,8 @@ fn the_plain_bodies_shuffle_on_lavapipe() {
     // cubecl advertises no plane operations on CPU adapters; the device's own answer (its
     // planes of 8 shuffle within rows of four lanes) picks the barrier-free body.
     use burn::backend::wgpu::WgpuRuntime;
-    use cubecl::Runtime;
     use burn_dcp_kernels::cube::flash::{plain_body, FlashBody};
+    use cubecl::Runtime;
     let client = WgpuRuntime::client(&WgpuDevice::default());
     assert_eq!(plain_body(&client), FlashBody::Shuffles);
 }

@@ -1,5 +1,5 @@
-//! The backward, FlashAttention-2's split: `delta = rowsum(dO ∘ O)` first (the vector
-//! kernels' prepass), then a dk/dv kernel per key tile walking the query tiles of every query
+//! The backward, FlashAttention-2's split: `delta = rowsum(dO ∘ O)` first (`elementwise.rs`'s
+//! prepass), then a dk/dv kernel per key tile walking the query tiles of every query
 //! head of its GQA group, and a dq kernel per query tile walking the key tiles, both on the
 //! forward's pieces. Recomputing `S` in both costs one extra `Q·Kᵀ` per pair; in exchange there
 //! are no atomics and the results are deterministic.

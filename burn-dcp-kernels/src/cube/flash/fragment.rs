@@ -24,6 +24,7 @@
 //!   loads them in that order). No barrier: lavapipe compiles every `sync_cube` as a coroutine
 //!   suspend point, and the shared-memory form below takes it about 3.5 times longer to compile;
 //! - otherwise, through a shared scratch tile with two barriers per product, on any device.
+//!
 //! So everything but the two instructions and their lane layout is tested without a GPU. The
 //! row reductions likewise: plane shuffles (`shuffles`) or shared memory.
 
