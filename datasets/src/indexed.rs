@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::DataError;
+use crate::error::DataError;
 
 mod token_type;
 mod writer;

@@ -13,10 +13,10 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::corpus::Document;
+use crate::error::DataError;
 use crate::indexed::{indexed_paths, IndexedWriter, TokenType};
 use crate::tokenizer::Tokenizer;
 use crate::tokens::mask_path;
-use crate::DataError;
 
 /// Which token file to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

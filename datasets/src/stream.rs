@@ -26,9 +26,9 @@ use std::sync::Mutex;
 use burn_dcp_kernels::{MicroBatch, Piece};
 use serde::{Deserialize, Serialize};
 
+use crate::error::DataError;
 use crate::masks::MaskPolicy;
 use crate::tokens::{FlatFormat, LossMask, TokenFile};
-use crate::DataError;
 
 /// `--data-path` as Megatron-LM reads it: `PATH`, or weight/path pairs `W1 PATH1 W2 PATH2 …`.
 #[derive(Clone, Debug, PartialEq)]

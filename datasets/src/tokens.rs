@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
+use crate::error::DataError;
 use crate::indexed::{decode_tokens, indexed_paths, map, IndexedDataset, TokenType};
-use crate::DataError;
 
 /// How a flat token file is read: its token type and end-of-document id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

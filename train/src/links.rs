@@ -319,7 +319,13 @@ mod tests {
         assert!(first.measured_now && first.flops > 0.0, "{first:?}");
         assert_eq!(first.cache.as_deref(), Some(file.as_path()));
         let second = calibrate(Some(file.clone()), "machine A").unwrap();
-        assert_eq!((second.flops, second.measured_now), (first.flops, false));
+        // The cached value, not a new measurement (those differ by percents): serde_json's
+        // parser (without its `float_roundtrip` feature) may read the last bit differently.
+        assert!(!second.measured_now, "{second:?}");
+        assert!(
+            (second.flops - first.flops).abs() <= 1e-12 * first.flops,
+            "{second:?} against {first:?}"
+        );
         // Another machine's file, or a damaged one, is measured around and replaced.
         let other = calibrate(Some(file.clone()), "machine B").unwrap();
         assert!(other.measured_now);

@@ -20,12 +20,12 @@ use burn_dcp::{CpError, Strategy};
 
 use crate::config::TrainConfig;
 use crate::data::TrainData;
+use crate::error::TrainError;
 use crate::links::{cpu_compute, emulated_topology, time_scale, CpuCompute};
 use crate::model::ModelShape;
 use crate::plan::{PlannedBatch, StepPlan, StepSequences};
 use crate::planning::{plan_input, plan_step};
 use crate::settings::DcpSettings;
-use crate::TrainError;
 
 /// What predicting a step needs: the links' time scale and this machine's measured kernels.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -6,7 +6,9 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
-use crate::{StepMetrics, TrainConfig, AXES};
+use crate::config::TrainConfig;
+use crate::metrics::StepMetrics;
+use crate::step::AXES;
 
 /// The summary of `metrics` (the steps run, in order), `eval_loss` (`--eval-only`), `wall`
 /// seconds of the run and its output directory. The caller adds what only it knows (the

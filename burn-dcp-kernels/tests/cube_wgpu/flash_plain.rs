@@ -22,18 +22,34 @@ fn with_dims(mut case: Case, head_dim: usize, value_dim: usize) -> Case {
 
 /// Forward and gradients in f32 within 1e-5 of the oracle.
 fn check_f32(case: &Case, seed: u64, what: &str) {
-    let (out, lse, x) = run(case, seed, DType::F32, FLASH).unwrap();
+    check_f32_on(case, seed, what, FLASH);
+}
+
+/// [`check_f32`] on `kernel`.
+fn check_f32_on(case: &Case, seed: u64, what: &str, kernel: AttentionKernel) {
+    let (out, lse, x) = run(case, seed, DType::F32, kernel).unwrap();
     let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
     let errors = [rel_err(&out, &want.out), rel_err(&lse, &want.lse)];
     assert!(
         errors.iter().all(|&e| e <= 1e-5),
         "flash {what}: out/lse errors {errors:?}"
     );
-    check_gradients(case, seed, DType::F32, 1e-5, what);
+    check_gradients_on(case, seed, DType::F32, 1e-5, what, kernel);
 }
 
 fn check_gradients(case: &Case, seed: u64, dtype: DType, bound: f32, what: &str) {
-    let ([dq, dk, dv], x) = run_backward(case, seed, dtype, FLASH).unwrap();
+    check_gradients_on(case, seed, dtype, bound, what, FLASH);
+}
+
+fn check_gradients_on(
+    case: &Case,
+    seed: u64,
+    dtype: DType,
+    bound: f32,
+    what: &str,
+    kernel: AttentionKernel,
+) {
+    let ([dq, dk, dv], x) = run_backward(case, seed, dtype, kernel).unwrap();
     let want = reference::backward(&x.q, &x.k, &x.v, &x.dout, &case.problem, &case.shape).unwrap();
     let errors = [
         rel_err(&dq, &want.dq),
@@ -64,26 +80,9 @@ fn every_mask_on_ragged_gqa_batches_matches_the_reference() {
 /// this body about 50 s per shape.)
 #[test]
 fn the_shared_memory_body_matches_the_reference() {
-    let shared = AttentionKernel::FlashShared;
     let case = long_case(long_mixed_masks(), 2, 1, (16, 16));
-    let (out, lse, x) = run(&case, 300, DType::F32, shared).unwrap();
-    let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
-    let errors = [rel_err(&out, &want.out), rel_err(&lse, &want.lse)];
-    assert!(
-        errors.iter().all(|&e| e <= 1e-5),
-        "out/lse errors {errors:?}"
-    );
-    let ([dq, dk, dv], x) = run_backward(&case, 300, DType::F32, shared).unwrap();
-    let want = reference::backward(&x.q, &x.k, &x.v, &x.dout, &case.problem, &case.shape).unwrap();
-    let errors = [
-        rel_err(&dq, &want.dq),
-        rel_err(&dk, &want.dk),
-        rel_err(&dv, &want.dv),
-    ];
-    assert!(
-        errors.iter().all(|&e| e <= 1e-5),
-        "dq/dk/dv errors {errors:?}"
-    );
+    let what = "shared memory, key ranges, causal, sliding";
+    check_f32_on(&case, 300, what, AttentionKernel::FlashShared);
 }
 
 #[test]

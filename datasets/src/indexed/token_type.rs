@@ -1,6 +1,6 @@
 //! The token types of an indexed dataset: Megatron-LM's `DType` codes, widths and decoding.
 
-use crate::DataError;
+use crate::error::DataError;
 
 /// A token type of an indexed dataset (the integer codes of Megatron-LM's `DType`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

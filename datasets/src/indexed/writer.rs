@@ -5,7 +5,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use super::{indexed_paths, TokenType, HEADER, MAGIC};
-use crate::DataError;
+use crate::error::DataError;
 
 /// Writes a Megatron-LM indexed dataset: one sequence per document (as Megatron's
 /// `preprocess_data.py` writes unsplit documents), the index at [`Self::finish`].

@@ -6,8 +6,9 @@
 //! operations does this in hardware. cubecl does not advertise them on CPU adapters
 //! (lavapipe), whose subgroups of 8 do shuffle all the same, so there a tiny kernel asks the
 //! device once: each lane of two planes shuffles an f32 and a pair of f32 with its three
-//! row-mates, and the results are checked. A device that fails the test, or cannot compile or
-//! run it, gets the shared-memory body.
+//! row-mates, and the results are checked. A device that fails the test, or whose test panics
+//! on this thread, gets the shared-memory body. (Only lavapipe has been asked so far; a CPU
+//! adapter whose compiler rejects subgroup operations has not been tried.)
 
 use std::collections::HashMap;
 use std::sync::Mutex;
