@@ -136,19 +136,32 @@ pub fn load_b_pair<F: Float>(
             for v in 0..2usize {
                 let n = n0 + 8 * h + g;
                 let k = k0 + 2 * t + 8 * v;
-                let mut pair = Pair::<F>::empty();
-                if transposed {
-                    pair[0] = tile[k * stride + n];
-                    pair[1] = tile[(k + 1) * stride + n];
-                } else {
-                    pair[0] = tile[n * stride + k];
-                    pair[1] = tile[n * stride + k + 1];
-                }
-                b[2 * h + v] = pair;
+                b[2 * h + v] = b_pair::<F>(tile, k, n, stride, transposed);
             }
         }
         b
     }
+}
+
+/// B's elements `(k, n)` and `(k + 1, n)` of a staged tile, row-major in `n` (`transposed =
+/// false`: row `n`, col `k`) or in `k`.
+#[cube]
+fn b_pair<F: Float>(
+    tile: &SharedMemory<F>,
+    k: usize,
+    n: usize,
+    #[comptime] stride: usize,
+    #[comptime] transposed: bool,
+) -> Pair<F> {
+    let mut pair = Pair::<F>::empty();
+    if transposed {
+        pair[0] = tile[k * stride + n];
+        pair[1] = tile[(k + 1) * stride + n];
+    } else {
+        pair[0] = tile[n * stride + k];
+        pair[1] = tile[n * stride + k + 1];
+    }
+    pair
 }
 
 /// The lane's columns `8·(c / 2) + 2t + c % 2` (`c` = 0..3) of B over all 16 `k`, as pairs of
@@ -172,15 +185,7 @@ fn load_b_columns<F: Float>(
             #[unroll]
             for half in 0..2usize {
                 let k = k0 + 8 * half + 2 * (t ^ m);
-                let mut pair = Pair::<F>::empty();
-                if transposed {
-                    pair[0] = tile[k * stride + n];
-                    pair[1] = tile[(k + 1) * stride + n];
-                } else {
-                    pair[0] = tile[n * stride + k];
-                    pair[1] = tile[n * stride + k + 1];
-                }
-                b[8 * c + 4 * half + m] = pair;
+                b[8 * c + 4 * half + m] = b_pair::<F>(tile, k, n, stride, transposed);
             }
         }
     }

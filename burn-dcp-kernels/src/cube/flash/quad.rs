@@ -64,10 +64,11 @@ fn quad_shuffle_test(out: &mut Tensor<f32>) {
     out[8 * lane + 4] = pair[1];
     #[unroll]
     for m in 1..4u32 {
-        out[8 * lane + m as usize] = plane_shuffle_xor(value, m);
+        let scalar = plane_shuffle_xor(value, m);
         let got = plane_shuffle_xor(pair, m);
+        out[8 * lane + m as usize] = scalar;
         // The pair's first half must match the scalar, the second half carries `+ 0.5`.
-        out[8 * lane + 4 + m as usize] = got[1] + (got[0] - plane_shuffle_xor(value, m));
+        out[8 * lane + 4 + m as usize] = got[1] + (got[0] - scalar);
     }
 }
 
