@@ -168,16 +168,7 @@ impl TrainData {
             return Err(too_few(pieces.len()));
         }
         pieces.truncate(windows);
-        Ok(Self {
-            validation: None,
-            source: Source::Corpus {
-                corpus,
-                built: (0..pieces.len()).map(|_| OnceLock::new()).collect(),
-                pieces,
-                masks: config.mask_policy()?,
-                seed: config.seed,
-            },
-        })
+        Self::from_pieces(corpus, pieces, config)
     }
 
     /// `--data-path`: the token files opened (headers and sizes only).
@@ -231,6 +222,24 @@ impl TrainData {
         }
     }
 
+    /// Micro-batches of `pieces` of `corpus`, each built when first read.
+    fn from_pieces(
+        corpus: TokenizedCorpus,
+        pieces: Vec<Vec<Piece>>,
+        config: &TrainConfig,
+    ) -> Result<Self, TrainError> {
+        Ok(Self {
+            validation: None,
+            source: Source::Corpus {
+                corpus,
+                built: (0..pieces.len()).map(|_| OnceLock::new()).collect(),
+                pieces,
+                masks: config.mask_policy()?,
+                seed: config.seed,
+            },
+        })
+    }
+
     /// `corpus` packed into micro-batches of at most `seq_len` tokens.
     fn packed(corpus: TokenizedCorpus, config: &TrainConfig) -> Result<Self, TrainError> {
         let packing = PackingConfig {
@@ -254,16 +263,7 @@ impl TrainData {
                 config.corpus
             )));
         }
-        Ok(Self {
-            validation: None,
-            source: Source::Corpus {
-                corpus,
-                built: (0..pieces.len()).map(|_| OnceLock::new()).collect(),
-                pieces,
-                masks: config.mask_policy()?,
-                seed: config.seed,
-            },
-        })
+        Self::from_pieces(corpus, pieces, config)
     }
 
     /// The micro-batches of optimizer step `step` (1-based); an error names a token file's

@@ -62,18 +62,6 @@ fn check_gradients_on(
     );
 }
 
-#[test]
-fn every_mask_on_ragged_gqa_batches_matches_the_reference() {
-    // Groups of 1, 3 (one head per cube) and 4 (four heads share a cube's key tiles).
-    for (index, mask) in masks().into_iter().enumerate() {
-        for (heads, kv_heads) in [(2, 2), (3, 1), (4, 1)] {
-            let case = with_dims(ragged_case(mask.clone(), heads, kv_heads), 16, 32);
-            let what = format!("{mask} H{heads} K{kv_heads}");
-            check_f32(&case, 200 + index as u64, &what);
-        }
-    }
-}
-
 /// The shared-memory body (devices whose planes do not shuffle; here chosen by name): a ragged
 /// batch over several tiles (whole and partial), GQA 2:1, under a key-range, a causal and a
 /// sliding mask, forward and gradients within 1e-5 of the oracle. (One shape: lavapipe compiles
@@ -89,7 +77,7 @@ fn the_shared_memory_body_matches_the_reference() {
 fn several_tiles_whole_and_partial_match_the_reference() {
     // Sequences of 200, 37 and 130 tokens: several cubes and key tiles, runs of whole and
     // partial tiles (a diagonal, a window with a sink: two spans, blocks); two heads per
-    // cube (group 2). Every mask on the ragged batches above.
+    // cube (group 2), by name rather than `auto` (the suite's shapes: the same kernel builds).
     let masks = [
         MaskSpec::Causal,
         MaskSpec::Lambda {
@@ -102,19 +90,19 @@ fn several_tiles_whole_and_partial_match_the_reference() {
         },
     ];
     for (index, mask) in masks.into_iter().enumerate() {
-        let case = long_case(vec![mask.clone()], 4, 2, (16, 16));
+        let case = long_case(vec![mask.clone()], 4, 2, (16, 24));
         check_f32(&case, 210 + index as u64, &format!("{mask} long"));
     }
-    let case = long_case(long_mixed_masks(), 2, 1, (32, 16));
-    check_f32(&case, 220, "per-sequence masks with key ranges, D32/16");
+    let case = long_case(long_mixed_masks(), 2, 1, (32, 8));
+    check_f32(&case, 220, "per-sequence masks with key ranges, D32/8");
 }
 
 #[test]
 fn half_precision_rounds_only_where_tensor_cores_would() {
-    // As the matrix tiles' test: P and dS are rounded to f16 before their products, the
-    // LSE and every accumulator stay f32.
-    let case = long_case(vec![MaskSpec::Causal], 4, 2, (48, 48));
-    check_f16(&case, 230, "f16 causal D48");
+    // P and dS are rounded to f16 before their products, the LSE and every accumulator stay
+    // f32 (the suite's f16 shape: the same kernel builds; f16 at padded dims below).
+    let case = long_case(vec![MaskSpec::Causal], 4, 2, (16, 16));
+    check_f16(&case, 230, "f16 causal D16");
 }
 
 #[test]

@@ -506,24 +506,16 @@ mod tests {
             validate_plan(&plan, &p).unwrap();
             let json = serde_json::to_string(&plan).unwrap();
             assert_eq!(serde_json::from_str::<Plan>(&json).unwrap(), plan);
+            let refusal = |broken: Plan| validate_plan(&broken, &p).unwrap_err().to_string();
             let mut twice = plan.clone();
             twice.blocks.push(plan.blocks[0]);
-            assert!(validate_plan(&twice, &p)
-                .unwrap_err()
-                .to_string()
-                .contains("computed 2 times"));
+            assert!(refusal(twice).contains("computed 2 times"));
             let mut missing = plan.clone();
             missing.blocks.pop();
-            assert!(validate_plan(&missing, &p)
-                .unwrap_err()
-                .to_string()
-                .contains("never computed"));
+            assert!(refusal(missing).contains("never computed"));
             let mut homeless = plan.clone();
             homeless.data.pop();
-            assert!(validate_plan(&homeless, &p)
-                .unwrap_err()
-                .to_string()
-                .contains("has no home"));
+            assert!(refusal(homeless).contains("has no home"));
         }
     }
 

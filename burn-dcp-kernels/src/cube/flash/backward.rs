@@ -11,7 +11,6 @@ use cubecl::prelude::*;
 
 use super::fragment::*;
 use super::stage::*;
-use super::tile::scores;
 use crate::cube::elementwise::{NONE, NONE_LIMIT};
 
 /// Turns scaled, masked scores `s` into `P = exp(s − lse)` (0 where masked) and `dp` into
@@ -117,37 +116,6 @@ pub fn write_rows<F: Float>(
             }
         }
     }
-}
-
-/// [`scores()`] of one row tile whose A fragments are in registers.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn scores_in_registers<F: Float>(
-    a: &Array<Pair<F>>,
-    tile: &SharedMemory<F>,
-    base: usize,
-    scratch: &mut SharedMemory<F>,
-    scratch_at: usize,
-    #[comptime] dim: usize,
-    #[comptime] block: usize,
-    #[comptime] tensor_cores: bool,
-    #[comptime] shuffles: bool,
-) -> Array<Pair<f32>> {
-    scores::<F>(
-        a,
-        tile,
-        0usize,
-        tile,
-        base,
-        scratch,
-        scratch_at,
-        dim,
-        block,
-        1usize,
-        true,
-        tensor_cores,
-        shuffles,
-    )
 }
 
 pub use super::dkdv::flash_dkdv_kernel;

@@ -19,13 +19,15 @@ use super::{fast_exp, FlashConfig};
 use crate::cube::elementwise::{NONE, NONE_LIMIT};
 
 /// The online softmax state of the lane's `2m` rows (`16i + g` and `16i + g + 8` of each of
-/// the plane's `m` row tiles): running max, the lane's part of the running sum, and the output
-/// accumulators (`m · value_dim / 8` fragments, row tile by row tile).
+/// the plane's `m` row tiles): running max, the lane's part of the running sum, the output
+/// accumulators (`m · value_dim / 8` fragments, row tile by row tile), and where the rows'
+/// spans start in the cube's.
 #[derive(CubeType)]
 pub struct RowState {
     pub max: Array<f32>,
     pub sum: Array<f32>,
     pub out: Array<Pair<f32>>,
+    pub spans_at: Array<usize>,
 }
 
 #[cube]
@@ -42,6 +44,7 @@ impl RowState {
             max,
             sum,
             out: zero_accumulators(row_tiles * value_dim / 8),
+            spans_at: Array::<usize>::new(2 * row_tiles),
         }
     }
 }
@@ -54,8 +57,7 @@ impl RowState {
 pub fn softmax_step(
     s: &mut Array<Pair<f32>>,
     state: &mut RowState,
-    reduce: &mut SharedMemory<f32>,
-    reduce_at: usize,
+    reduce: &mut Scratch<f32>,
     #[comptime] block: usize,
     #[comptime] value_dim: usize,
     #[comptime] row_tiles: usize,
@@ -72,7 +74,7 @@ pub fn softmax_step(
             let pair = s[s_at + 2 * n];
             tile_max = max(tile_max, max(pair[0], pair[1]));
         }
-        let tile_max = row_max(tile_max, reduce, reduce_at, shuffles);
+        let tile_max = row_max(tile_max, reduce, shuffles);
         let new_max = max(state.max[r], tile_max);
         // `exp(NONE - x)` is 0 for a real x; equal maxima (also NONE and NONE) give 1.
         let alpha = (state.max[r] - new_max).exp();
@@ -121,33 +123,20 @@ pub fn flash_forward_kernel<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let units = comptime!(config.units());
-    let head_dim = comptime!(config.head_dim);
-    let value_dim = comptime!(config.value_dim);
-    let max_spans = comptime!(config.max_spans);
-    let tensor_cores = comptime!(config.tensor_cores);
-    let shuffles = comptime!(config.shuffles);
-    let row_tiles = comptime!(config.row_tiles);
-    let rows = comptime!(16 * config.row_tiles);
+    let (head_dim, value_dim) = comptime!((config.head_dim, config.value_dim));
+    let (max_spans, row_tiles) = comptime!((config.max_spans, config.row_tiles));
+    let (tensor_cores, shuffles) = comptime!((config.tensor_cores, config.shuffles));
     let tokens = comptime!(config.tokens_per_cube());
-    let per_head = comptime!(config.planes / config.heads_per_cube);
-    let (lane, g, t) = lane_coords();
+    let (_lane, g, t) = lane_coords();
     let plane = UNIT_POS_Y as usize;
-    let slot = launch_slot();
-    let groups = q.shape(1) / config.heads_per_cube;
-    if slot >= order.len() * groups {
-        terminate!();
-    }
-    let head = (slot % groups) * config.heads_per_cube + plane / per_head;
-    let kv_head = head / (q.shape(1) / k.shape(1));
+    let cube = query_cube::<F>(q, k, order, config);
+    let head = cube.head;
+    let kv_head = cube.kv_head;
+    let row0 = cube.row0;
+    let first_token = cube.first_token;
     let q_tokens = q.shape(0);
-    let q_tile_index = order[slot / groups] as usize;
-    let first_token = q_tile_index * tokens;
-    // The plane's first row among the cube's tokens.
-    let row0 = (plane % per_head) * rows;
 
     let q_size = comptime!(16 * config.row_tiles * padded(config.head_dim));
-    let k_size = comptime!(config.block * padded(config.head_dim));
-    let v_size = comptime!(config.block * padded(config.value_dim));
     // Q is staged for the copies and for two row tiles; one row tile with plain loads reads
     // its fragments from global memory once.
     let stage_q = comptime!(config.stages_own_rows());
@@ -156,45 +145,25 @@ pub fn flash_forward_kernel<F: Float>(
         16usize,
     );
     // Staged in turn, V takes K's buffer.
-    let (k_size, v_size) = comptime!(if config.in_turn {
-        (k_size.max(v_size), 1)
-    } else {
-        (k_size, v_size)
-    });
-    let k_tile = SharedMemory::<F>::new_aligned(config.buffers() * k_size, 16usize);
-    let v_tile = SharedMemory::<F>::new_aligned(config.buffers() * v_size, 16usize);
-    let row_spans = SharedMemory::<u32>::new(tokens * 2 * max_spans);
-    let scratch = SharedMemory::<F>::new(comptime!(if config.tensor_cores {
-        1
-    } else {
-        config.planes * PRODUCT_SCRATCH
-    }));
-    let reduce = SharedMemory::<f32>::new(comptime!(if config.shuffles {
-        1
-    } else {
-        config.planes * REDUCE_SCRATCH
-    }));
+    let (k_size, v_size) = comptime!(config.key_tile_sizes());
     let mut tiles = ForwardTiles::<F> {
         q: q_tile,
-        k: k_tile,
-        v: v_tile,
-        spans: row_spans,
-        scratch,
-        reduce,
+        k: SharedMemory::<F>::new_aligned(k_size, 16usize),
+        v: SharedMemory::<F>::new_aligned(v_size, 16usize),
+        spans: SharedMemory::<u32>::new(tokens * 2 * max_spans),
+        scratch: Scratch::<F>::products(config),
+        reduce: Scratch::<f32>::reductions(config),
     };
-    let scratch_at = plane * PRODUCT_SCRATCH;
-    let reduce_at = plane * REDUCE_SCRATCH;
     let q_at = plane * q_size;
 
-    let first_run = tile_offsets[q_tile_index] as usize;
-    let end_run = tile_offsets[q_tile_index + 1] as usize;
+    let first_run = tile_offsets[cube.tile] as usize;
+    let end_run = tile_offsets[cube.tile + 1] as usize;
     let total = count_tiles(tile_runs, first_run, end_run);
     let mut cursor = Cursor::start(tile_runs, first_run, end_run);
     let mut state = RowState::new(value_dim, row_tiles);
-    let mut spans_at = Array::<usize>::new(2 * row_tiles);
     #[unroll]
     for r in 0..2 * row_tiles {
-        spans_at[r] = (row0 + 16 * (r / 2) + g + 8 * (r % 2)) * 2 * max_spans;
+        state.spans_at[r] = (row0 + 16 * (r / 2) + g + 8 * (r % 2)) * 2 * max_spans;
     }
     // One row tile per plane keeps its Q fragments in registers; more read them per tile.
     let mut q_frags = Array::<Pair<F>>::new(comptime!(if config.row_tiles == 1 {
@@ -203,21 +172,8 @@ pub fn flash_forward_kernel<F: Float>(
         1
     }));
     let first_row = first_token + row0;
-    let copy = comptime!(config.async_copy);
     if stage_q {
-        stage_rows::<F>(
-            q,
-            &mut tiles.q,
-            q_at,
-            first_row,
-            head,
-            q_tokens,
-            lane,
-            rows,
-            head_dim,
-            32usize,
-            copy,
-        );
+        stage_plane_rows::<F>(q, &mut tiles.q, q_at, first_row, head, head_dim, config);
     }
     stage_spans(
         spans,
@@ -230,22 +186,14 @@ pub fn flash_forward_kernel<F: Float>(
         units,
     );
 
-    if copy {
+    if comptime!(config.async_copy) {
         let q_ready = Barrier::shared(units as u32, UNIT_POS == 0);
         let ready_0 = Barrier::shared(units as u32, UNIT_POS == 0);
         let ready_1 = Barrier::shared(units as u32, UNIT_POS == 0);
         q_ready.commit_copy_async();
         if total > 0 {
-            stage_key_tile::<F>(
-                k,
-                v,
-                &mut tiles.k,
-                &mut tiles.v,
-                0usize,
-                cursor.tile,
-                kv_head,
-                config,
-            );
+            let tile = Listed::at(&cursor, tile_runs, 0usize, kv_head);
+            stage_key_tile::<F>(k, v, &mut tiles.k, &mut tiles.v, &tile, config);
             ready_0.commit_copy_async();
         }
         q_ready.arrive_and_wait();
@@ -254,21 +202,11 @@ pub fn flash_forward_kernel<F: Float>(
         }
         for i in 0..total {
             let buffer = i % 2;
-            let key_tile = cursor.tile;
-            let full = cursor.full(tile_runs);
+            let tile = Listed::at(&cursor, tile_runs, buffer, kv_head);
             if i + 1 < total {
                 cursor.advance(tile_runs, first_run, end_run);
-                let next = cursor.tile;
-                stage_key_tile::<F>(
-                    k,
-                    v,
-                    &mut tiles.k,
-                    &mut tiles.v,
-                    1 - buffer,
-                    next,
-                    kv_head,
-                    config,
-                );
+                let next = Listed::at(&cursor, tile_runs, 1 - buffer, kv_head);
+                stage_key_tile::<F>(k, v, &mut tiles.k, &mut tiles.v, &next, config);
                 if buffer == 0 {
                     ready_1.commit_copy_async();
                 } else {
@@ -280,10 +218,7 @@ pub fn flash_forward_kernel<F: Float>(
             } else {
                 ready_1.arrive_and_wait();
             }
-            forward_tile::<F>(
-                &q_frags, &mut tiles, q_at, buffer, key_tile, full, &spans_at, &mut state, scale,
-                scratch_at, reduce_at, config,
-            );
+            forward_tile::<F>(v, &q_frags, &mut tiles, &tile, &mut state, scale, config);
             // Nobody reads this buffer any more when the next iteration refills it.
             sync_cube();
         }
@@ -293,55 +228,10 @@ pub fn flash_forward_kernel<F: Float>(
             load_rows_global_into::<F>(q, first_row, head, &mut q_frags, head_dim, tensor_cores);
         }
         for _ in 0..total {
-            let key_tile = cursor.tile;
-            let full = cursor.full(tile_runs);
-            stage_key_tile::<F>(
-                k,
-                v,
-                &mut tiles.k,
-                &mut tiles.v,
-                0usize,
-                key_tile,
-                kv_head,
-                config,
-            );
+            let tile = Listed::at(&cursor, tile_runs, 0usize, kv_head);
+            stage_key_tile::<F>(k, v, &mut tiles.k, &mut tiles.v, &tile, config);
             sync_cube();
-            if comptime!(config.in_turn) {
-                let s = tile_probabilities::<F>(
-                    &q_frags, &mut tiles, q_at, 0usize, key_tile, full, &spans_at, &mut state,
-                    scale, scratch_at, reduce_at, config,
-                );
-                sync_cube();
-                stage_tile::<F>(
-                    v,
-                    &mut tiles.k,
-                    0usize,
-                    key_tile,
-                    kv_head,
-                    value_dim,
-                    config,
-                );
-                sync_cube();
-                let (block, m) = comptime!((config.block, config.row_tiles));
-                add_product::<F>(
-                    &s,
-                    &tiles.k,
-                    0usize,
-                    &mut state.out,
-                    &mut tiles.scratch,
-                    scratch_at,
-                    value_dim,
-                    block,
-                    m,
-                    tensor_cores,
-                    config.shuffles,
-                );
-            } else {
-                forward_tile::<F>(
-                    &q_frags, &mut tiles, q_at, 0usize, key_tile, full, &spans_at, &mut state,
-                    scale, scratch_at, reduce_at, config,
-                );
-            }
+            forward_tile::<F>(v, &q_frags, &mut tiles, &tile, &mut state, scale, config);
             sync_cube();
             cursor.advance(tile_runs, first_run, end_run);
         }
@@ -351,7 +241,7 @@ pub fn flash_forward_kernel<F: Float>(
     #[unroll]
     for r in 0..2 * row_tiles {
         let (mi, v) = comptime!((r / 2, r % 2));
-        let sum = row_sum(state.sum[r], &mut tiles.reduce, reduce_at, shuffles);
+        let sum = row_sum(state.sum[r], &mut tiles.reduce, shuffles);
         // A row that attended a key has a real max, or a NaN sum (a NaN score).
         let seen = state.max[r] > NONE_LIMIT || !(sum == 0.0);
         let token = first_row + 16 * mi + g + 8 * v;
@@ -380,77 +270,34 @@ pub fn flash_forward_kernel<F: Float>(
 }
 
 /// The forward's shared memory: Q rows, K and V tiles (one or two buffers), the cube's spans,
-/// and the plain bodies' scratch.
+/// and the plain bodies' scratch for products and row reductions.
 #[derive(CubeType)]
 pub struct ForwardTiles<F: Float> {
     q: SharedMemory<F>,
     k: SharedMemory<F>,
     v: SharedMemory<F>,
     spans: SharedMemory<u32>,
-    scratch: SharedMemory<F>,
-    reduce: SharedMemory<f32>,
+    scratch: Scratch<F>,
+    reduce: Scratch<f32>,
 }
 
-/// One key tile of the forward for the plane's rows: [`tile_probabilities`], `acc += P·V`.
+/// One key tile of the forward for the plane's rows: scores against the staged K tile, mask
+/// (partial tiles), softmax step (which rescales the output accumulators), `acc += P·V`.
+/// Staged in turn ([`FlashConfig::in_turn`]): V over K for the product.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 fn forward_tile<F: Float>(
+    v: &Tensor<F>,
     q_frags: &Array<Pair<F>>,
     tiles: &mut ForwardTiles<F>,
-    q_at: usize,
-    buffer: usize,
-    key_tile: usize,
-    full: bool,
-    spans_at: &Array<usize>,
+    tile: &Listed,
     state: &mut RowState,
     scale: f32,
-    scratch_at: usize,
-    reduce_at: usize,
     #[comptime] config: FlashConfig,
 ) {
-    let s = tile_probabilities::<F>(
-        q_frags, tiles, q_at, buffer, key_tile, full, spans_at, state, scale, scratch_at,
-        reduce_at, config,
-    );
-    let (block, m) = comptime!((config.block, config.row_tiles));
-    add_product::<F>(
-        &s,
-        &tiles.v,
-        buffer * block,
-        &mut state.out,
-        &mut tiles.scratch,
-        scratch_at,
-        config.value_dim,
-        block,
-        m,
-        config.tensor_cores,
-        config.shuffles,
-    );
-}
-
-/// One key tile's probabilities for the plane's rows: scores against the staged K tile, mask
-/// (partial tiles), softmax step (which rescales the output accumulators).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn tile_probabilities<F: Float>(
-    q_frags: &Array<Pair<F>>,
-    tiles: &mut ForwardTiles<F>,
-    q_at: usize,
-    buffer: usize,
-    key_tile: usize,
-    full: bool,
-    spans_at: &Array<usize>,
-    state: &mut RowState,
-    scale: f32,
-    scratch_at: usize,
-    reduce_at: usize,
-    #[comptime] config: FlashConfig,
-) -> Array<Pair<f32>> {
-    let block = comptime!(config.block);
-    let tc = comptime!(config.tensor_cores);
-    let m = comptime!(config.row_tiles);
-    let q_row0 = q_at / comptime!(padded(config.head_dim));
-    let base = buffer * block;
+    let (block, tc, m) = comptime!((config.block, config.tensor_cores, config.row_tiles));
+    let (head_dim, value_dim) = comptime!((config.head_dim, config.value_dim));
+    let q_row0 = UNIT_POS_Y as usize * comptime!(16 * m);
+    let base = tile.buffer * block;
     let mut s = scores::<F>(
         q_frags,
         &tiles.q,
@@ -458,25 +305,21 @@ fn tile_probabilities<F: Float>(
         &tiles.k,
         base,
         &mut tiles.scratch,
-        scratch_at,
-        config.head_dim,
-        block,
-        m,
-        comptime!(m == 1),
-        tc,
-        config.shuffles,
+        head_dim,
+        config,
     );
     scale_scores(&mut s, scale, comptime!(m * block / 4), tc);
-    if !full {
-        let first_key = key_tile * block;
+    if !tile.full {
+        let first_key = tile.index * block;
+        let max_spans = comptime!(config.max_spans);
         mask_rows(
             &mut s,
             &tiles.spans,
-            spans_at,
+            &state.spans_at,
             first_key,
             block,
             m,
-            config.max_spans,
+            max_spans,
             tc,
         );
     }
@@ -484,12 +327,42 @@ fn tile_probabilities<F: Float>(
         &mut s,
         state,
         &mut tiles.reduce,
-        reduce_at,
         block,
-        config.value_dim,
+        value_dim,
         m,
         config.shuffles,
         tc,
     );
-    s
+    if comptime!(config.in_turn) {
+        sync_cube();
+        stage_tile::<F>(
+            v,
+            &mut tiles.k,
+            0usize,
+            tile.index,
+            tile.head,
+            value_dim,
+            config,
+        );
+        sync_cube();
+        add_product::<F>(
+            &s,
+            &tiles.k,
+            0usize,
+            &mut state.out,
+            &mut tiles.scratch,
+            value_dim,
+            config,
+        );
+    } else {
+        add_product::<F>(
+            &s,
+            &tiles.v,
+            base,
+            &mut state.out,
+            &mut tiles.scratch,
+            value_dim,
+            config,
+        );
+    }
 }

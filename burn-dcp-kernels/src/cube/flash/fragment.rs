@@ -31,6 +31,7 @@
 use cubecl::prelude::*;
 
 use super::stage::padded;
+use super::FlashConfig;
 
 /// Pairs of adjacent elements: one 32-bit register of f16/bf16, two of f32. Fragments live in
 /// flat arrays of pairs: A fragment `j` is pairs `4j..4j + 4`, accumulator fragment `n` pairs
@@ -43,6 +44,46 @@ pub type Pair<T> = Vector<T, Const<2>>;
 pub const PRODUCT_SCRATCH: usize = 16 * 16 + 16 * 16;
 /// Elements of the scratch one plane's reductions use without shuffles.
 pub const REDUCE_SCRATCH: usize = 32;
+
+/// A plane's part of a cube's scratch tile: `tile` from element `at` (the plain bodies'
+/// products through shared memory, [`PRODUCT_SCRATCH`], and their row reductions,
+/// [`REDUCE_SCRATCH`]; a one-element stand-in where the body needs none).
+#[derive(CubeType)]
+pub struct Scratch<E: CubePrimitive> {
+    pub tile: SharedMemory<E>,
+    pub at: usize,
+}
+
+#[cube]
+impl<E: CubePrimitive> Scratch<E> {
+    /// The plane's [`PRODUCT_SCRATCH`] elements (one element on tensor cores).
+    pub fn products(#[comptime] config: FlashConfig) -> Scratch<E> {
+        let len = comptime!(if config.tensor_cores {
+            1
+        } else {
+            config.planes * PRODUCT_SCRATCH
+        });
+        let tile = SharedMemory::<E>::new(len);
+        Scratch::<E> {
+            tile,
+            at: UNIT_POS_Y as usize * PRODUCT_SCRATCH,
+        }
+    }
+
+    /// The plane's [`REDUCE_SCRATCH`] elements (one element with shuffles).
+    pub fn reductions(#[comptime] config: FlashConfig) -> Scratch<E> {
+        let len = comptime!(if config.shuffles {
+            1
+        } else {
+            config.planes * REDUCE_SCRATCH
+        });
+        let tile = SharedMemory::<E>::new(len);
+        Scratch::<E> {
+            tile,
+            at: UNIT_POS_Y as usize * REDUCE_SCRATCH,
+        }
+    }
+}
 
 /// The lane and its `(g, t)` of the table above.
 #[cube]
@@ -105,11 +146,10 @@ pub fn load_b_pair<F: Float>(
     k0: usize,
     #[comptime] stride: usize,
     #[comptime] transposed: bool,
-    #[comptime] tensor_cores: bool,
-    #[comptime] shuffles: bool,
+    #[comptime] config: FlashConfig,
 ) -> Array<Pair<F>> {
     let (lane, g, t) = lane_coords();
-    if tensor_cores {
+    if comptime!(config.tensor_cores) {
         let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
         // Matrix j = lane / 8 is register j: (n tile 0, k 0-7), (n tile 0, k 8-15), (n tile
         // 1, k 0-7), (n tile 1, k 8-15); `.trans` reads the k-major tile as its transpose.
@@ -126,7 +166,7 @@ pub fn load_b_pair<F: Float>(
             4usize,
             transposed,
         )
-    } else if shuffles {
+    } else if comptime!(config.shuffles) {
         load_b_columns::<F>(tile, n0, k0, stride, transposed)
     } else {
         let mut b = Array::<Pair<F>>::new(4usize);
@@ -205,23 +245,20 @@ pub fn zero_accumulators(#[comptime] len: usize) -> Array<Pair<f32>> {
 
 /// `C_h += A · B_h` for both B fragments `h` of a [`load_b_pair()`] result: `A` is pairs
 /// `a_at..a_at + 4` of `a`, `C_0` pairs `c_at..c_at + 2` of `c` and `C_1` the next two.
-/// `scratch` is the plane's [`PRODUCT_SCRATCH`] elements at `scratch_at` (used by the
-/// shared-memory form only). Every unit of the cube calls it together (the shuffles exchange
-/// within the plane; the scratch form synchronises the cube).
+/// `scratch`: the plane's [`PRODUCT_SCRATCH`] elements (used by the shared-memory form only).
+/// Every unit of the cube calls it together (the shuffles exchange within the plane; the
+/// scratch form synchronises the cube).
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub fn mma_pair<F: Float>(
     a: &Array<Pair<F>>,
     a_at: usize,
     b: &Array<Pair<F>>,
     c: &mut Array<Pair<f32>>,
     c_at: usize,
-    scratch: &mut SharedMemory<F>,
-    scratch_at: usize,
-    #[comptime] tensor_cores: bool,
-    #[comptime] shuffles: bool,
+    scratch: &mut Scratch<F>,
+    #[comptime] config: FlashConfig,
 ) {
-    if tensor_cores {
+    if comptime!(config.tensor_cores) {
         let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
         let mut a_frag = Array::<Pair<F>>::new(4usize);
         #[unroll]
@@ -243,18 +280,18 @@ pub fn mma_pair<F: Float>(
                 c[c_at + 2 * h + v] = c_frag[v];
             }
         }
-    } else if shuffles {
+    } else if comptime!(config.shuffles) {
         mma_by_shuffles::<F>(a, a_at, b, c, c_at);
     } else {
         let (_lane, g, t) = lane_coords();
-        let a_base = scratch_at;
-        let b_base = scratch_at + 16 * 16;
+        let a_base = scratch.at;
+        let b_base = scratch.at + 16 * 16;
         #[unroll]
         for v in 0..4usize {
             let at = a_base + (g + 8 * (v % 2)) * 16 + 2 * t + 8 * (v / 2);
             let pair = a[a_at + v];
-            scratch[at] = pair[0];
-            scratch[at + 1] = pair[1];
+            scratch.tile[at] = pair[0];
+            scratch.tile[at + 1] = pair[1];
         }
         // B as 16 rows (k) of 16 columns (n: both fragments).
         #[unroll]
@@ -262,8 +299,8 @@ pub fn mma_pair<F: Float>(
             let k = 2 * t + 8 * (i % 2);
             let n = 8 * (i / 2) + g;
             let pair = b[i];
-            scratch[b_base + k * 16 + n] = pair[0];
-            scratch[b_base + (k + 1) * 16 + n] = pair[1];
+            scratch.tile[b_base + k * 16 + n] = pair[0];
+            scratch.tile[b_base + (k + 1) * 16 + n] = pair[1];
         }
         sync_cube();
         for i in 0..4usize {
@@ -275,9 +312,9 @@ pub fn mma_pair<F: Float>(
             let mut second = pair[1];
             #[unroll]
             for k in 0..16usize {
-                let x = f32::cast_from(scratch[a_base + row * 16 + k]);
-                first += x * f32::cast_from(scratch[b_base + k * 16 + col]);
-                second += x * f32::cast_from(scratch[b_base + k * 16 + col + 1]);
+                let x = f32::cast_from(scratch.tile[a_base + row * 16 + k]);
+                first += x * f32::cast_from(scratch.tile[b_base + k * 16 + col]);
+                second += x * f32::cast_from(scratch.tile[b_base + k * 16 + col + 1]);
             }
             pair[0] = first;
             pair[1] = second;
@@ -344,25 +381,20 @@ pub fn accumulators_as_a<F: Float>(p: &Array<Pair<f32>>, j: usize) -> Array<Pair
 }
 
 /// The maximum of `value` over the four lanes of the row (`t = 0..3` of one `g`). `scratch`:
-/// the plane's [`REDUCE_SCRATCH`] f32 at `scratch_at` (unused with `shuffles`). Every unit of
+/// the plane's [`REDUCE_SCRATCH`] f32 (unused with `shuffles`). Every unit of
 /// the cube calls it together.
 #[cube]
-pub fn row_max(
-    value: f32,
-    scratch: &mut SharedMemory<f32>,
-    scratch_at: usize,
-    #[comptime] shuffles: bool,
-) -> f32 {
+pub fn row_max(value: f32, scratch: &mut Scratch<f32>, #[comptime] shuffles: bool) -> f32 {
     if shuffles {
         let value = max(value, plane_shuffle_xor(value, 1));
         max(value, plane_shuffle_xor(value, 2))
     } else {
         let (lane, g, _t) = lane_coords();
-        scratch[scratch_at + lane] = value;
+        scratch.tile[scratch.at + lane] = value;
         sync_cube();
-        let base = scratch_at + 4 * g;
-        let first = max(scratch[base], scratch[base + 1]);
-        let result = max(first, max(scratch[base + 2], scratch[base + 3]));
+        let base = scratch.at + 4 * g;
+        let first = max(scratch.tile[base], scratch.tile[base + 1]);
+        let result = max(first, max(scratch.tile[base + 2], scratch.tile[base + 3]));
         sync_cube();
         result
     }
@@ -370,21 +402,17 @@ pub fn row_max(
 
 /// The sum of `value` over the four lanes of the row; as [`row_max()`].
 #[cube]
-pub fn row_sum(
-    value: f32,
-    scratch: &mut SharedMemory<f32>,
-    scratch_at: usize,
-    #[comptime] shuffles: bool,
-) -> f32 {
+pub fn row_sum(value: f32, scratch: &mut Scratch<f32>, #[comptime] shuffles: bool) -> f32 {
     if shuffles {
         let value = value + plane_shuffle_xor(value, 1);
         value + plane_shuffle_xor(value, 2)
     } else {
         let (lane, g, _t) = lane_coords();
-        scratch[scratch_at + lane] = value;
+        scratch.tile[scratch.at + lane] = value;
         sync_cube();
-        let base = scratch_at + 4 * g;
-        let result = (scratch[base] + scratch[base + 1]) + (scratch[base + 2] + scratch[base + 3]);
+        let base = scratch.at + 4 * g;
+        let first = scratch.tile[base] + scratch.tile[base + 1];
+        let result = first + (scratch.tile[base + 2] + scratch.tile[base + 3]);
         sync_cube();
         result
     }
@@ -429,24 +457,10 @@ pub fn load_rows_as_a<F: Float>(
 }
 
 /// The plane's 16 rows `first_row..first_row + 16` of head `head` of `source` (`[tokens, heads,
-/// dim]`) as `dim / 16` A fragments, read from global memory by the table's layout (the one
-/// `ldmatrix` gives): rows past the source's end repeat its last row (their pairs are masked),
-/// columns past its dim are zeros. For kernels that hold their own rows in registers without
-/// staging them (plain loads: no `cp.async` to overlap), which saves their shared memory.
-#[cube]
-pub fn load_rows_global<F: Float>(
-    source: &Tensor<F>,
-    first_row: usize,
-    head: usize,
-    #[comptime] dim: usize,
-    #[comptime] unrolled: bool,
-) -> Array<Pair<F>> {
-    let mut frags = Array::<Pair<F>>::new(dim / 4);
-    load_rows_global_into::<F>(source, first_row, head, &mut frags, dim, unrolled);
-    frags
-}
-
-/// [`load_rows_global()`] into `frags`.
+/// dim]`) as `dim / 16` A fragments into `frags`, read from global memory by the table's layout
+/// (the one `ldmatrix` gives): rows past the source's end repeat its last row (their pairs are
+/// masked), columns past its dim are zeros. For kernels that hold their own rows in registers
+/// without staging them (plain loads: no `cp.async` to overlap), which saves their shared memory.
 #[cube]
 pub fn load_rows_global_into<F: Float>(
     source: &Tensor<F>,

@@ -67,6 +67,15 @@ impl FlashConfig {
         self.async_copy || self.row_tiles > 1
     }
 
+    /// Elements of the staged key and value tiles, all buffers (dk/dv: query and dO tiles): side
+    /// by side, or, staged in turn, one as wide as the wider tile and a one-element stand-in.
+    pub fn key_tile_sizes(&self) -> (usize, usize) {
+        let k = self.block * padded(self.head_dim);
+        let v = self.block * padded(self.value_dim);
+        let (k, v) = if self.in_turn { (k.max(v), 1) } else { (k, v) };
+        (self.buffers() * k, self.buffers() * v)
+    }
+
     /// Columns of the staged tiles of `block` rows: both tiles' side by side, or the wider
     /// one's when they are staged in turn.
     pub fn staged_columns(&self) -> usize {

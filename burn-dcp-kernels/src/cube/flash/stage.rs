@@ -21,25 +21,25 @@ pub fn padded(dim: usize) -> usize {
 /// Copies rows `first_row..first_row + rows` of head `head` of `source` (`[tokens, heads, dim]`)
 /// into `tile` at `at` (row-major, `padded(dim)` columns), by `units` units (`unit` is this
 /// one's index among them: the cube's, or a plane's lanes for a plane's own rows). Rows past
-/// `rows_total` repeat the last row (their pairs are masked). With `async_copy` each unit issues
+/// the source's end repeat its last row (their pairs are masked). With `async_copy` each unit issues
 /// 16-byte `cp.async` copies (the host checked the alignment: contiguous last dim, strides and
 /// offset multiples of 8 elements, `dim` the source's) that the caller commits to a barrier;
 /// otherwise plain loads, which fill the columns from the source's dim to `dim` with zeros.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn stage_rows<F: Float>(
+fn stage_rows_by<F: Float>(
     source: &Tensor<F>,
     tile: &mut SharedMemory<F>,
     at: usize,
     first_row: usize,
     head: usize,
-    rows_total: usize,
     unit: usize,
     #[comptime] rows: usize,
     #[comptime] dim: usize,
     #[comptime] units: usize,
     #[comptime] async_copy: bool,
 ) {
+    let rows_total = source.shape(0);
     let per_row = comptime!(dim / CHUNK);
     let chunks = comptime!(rows * per_row);
     let stride = comptime!(padded(dim));
@@ -73,6 +73,44 @@ pub fn stage_rows<F: Float>(
             }
         }
     }
+}
+
+/// [`stage_rows_by`] the cube's units, with the config's copies or plain loads.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_rows<F: Float>(
+    source: &Tensor<F>,
+    tile: &mut SharedMemory<F>,
+    at: usize,
+    first_row: usize,
+    head: usize,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] config: FlashConfig,
+) {
+    let (units, copy) = comptime!((config.units(), config.async_copy));
+    let unit = UNIT_POS as usize;
+    stage_rows_by::<F>(
+        source, tile, at, first_row, head, unit, rows, dim, units, copy,
+    );
+}
+
+/// The plane's own `16 · row_tiles` rows from `first_row`, [`stage_rows_by`] its 32 lanes.
+#[cube]
+pub fn stage_plane_rows<F: Float>(
+    source: &Tensor<F>,
+    tile: &mut SharedMemory<F>,
+    at: usize,
+    first_row: usize,
+    head: usize,
+    #[comptime] dim: usize,
+    #[comptime] config: FlashConfig,
+) {
+    let (rows, copy) = comptime!((16 * config.row_tiles, config.async_copy));
+    let lane = UNIT_POS_X as usize;
+    stage_rows_by::<F>(
+        source, tile, at, first_row, head, lane, rows, dim, 32usize, copy,
+    );
 }
 
 /// The spans of tokens `first..first + rows` into `into` at `at` (empty past `tokens`, so that
@@ -228,42 +266,96 @@ pub fn stage_tile<F: Float>(
     #[comptime] dim: usize,
     #[comptime] config: FlashConfig,
 ) {
-    let (block, units, copy) = comptime!((config.block, config.units(), config.async_copy));
-    let at = buffer * comptime!(config.block * padded(dim));
-    let rows_total = source.shape(0);
-    let unit = UNIT_POS as usize;
+    let block = comptime!(config.block);
+    let at = buffer * comptime!(block * padded(dim));
     stage_rows::<F>(
         source,
         tile,
         at,
         tile_index * block,
         head,
-        rows_total,
-        unit,
         block,
         dim,
-        units,
-        copy,
+        config,
     );
 }
 
-/// Stages key tile `key_tile` (`block` keys of `kv_head`) of K and V into buffer `buffer`; K
-/// alone when the tiles are staged in turn ([`FlashConfig::in_turn`]).
+/// Stages key tile `tile` (`block` keys of its head) of K and V into its buffer; K alone when
+/// the tiles are staged in turn ([`FlashConfig::in_turn`]).
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub fn stage_key_tile<F: Float>(
     k: &Tensor<F>,
     v: &Tensor<F>,
     k_tile: &mut SharedMemory<F>,
     v_tile: &mut SharedMemory<F>,
-    buffer: usize,
-    key_tile: usize,
-    kv_head: usize,
+    tile: &Listed,
     #[comptime] config: FlashConfig,
 ) {
     let (hd, vd) = comptime!((config.head_dim, config.value_dim));
-    stage_tile::<F>(k, k_tile, buffer, key_tile, kv_head, hd, config);
+    stage_tile::<F>(k, k_tile, tile.buffer, tile.index, tile.head, hd, config);
     if comptime!(!config.in_turn) {
-        stage_tile::<F>(v, v_tile, buffer, key_tile, kv_head, vd, config);
+        stage_tile::<F>(v, v_tile, tile.buffer, tile.index, tile.head, vd, config);
+    }
+}
+
+/// One listed tile of the other side (key tiles; query tiles in the dk/dv kernel): the buffer
+/// it is staged into, its index, the head it is staged from, and whether all its pairs are
+/// allowed (no mask to apply).
+#[derive(CubeType)]
+pub struct Listed {
+    pub buffer: usize,
+    pub index: usize,
+    pub head: usize,
+    pub full: bool,
+}
+
+#[cube]
+impl Listed {
+    /// The cursor's tile, of head `first_head + round`, into `buffer`.
+    pub fn at(cursor: &Cursor, runs: &Tensor<u32>, buffer: usize, first_head: usize) -> Listed {
+        Listed {
+            buffer,
+            index: cursor.tile,
+            head: first_head + cursor.round,
+            full: cursor.full(runs),
+        }
+    }
+}
+
+/// Where a cube of the forward or the dq kernel works, from its place in the launch
+/// ([`launch_slot`](fn@launch_slot)): its query tile (`order`'s entry), first token, and the
+/// plane's query head, kv head and first row among the cube's tokens. Ends the cube past the
+/// launch's last slot.
+#[derive(CubeType)]
+pub struct QueryCube {
+    pub tile: usize,
+    pub first_token: usize,
+    pub head: usize,
+    pub kv_head: usize,
+    pub row0: usize,
+}
+
+#[cube]
+pub fn query_cube<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    order: &Tensor<u32>,
+    #[comptime] config: FlashConfig,
+) -> QueryCube {
+    let per_head = comptime!(config.planes / config.heads_per_cube);
+    let plane = UNIT_POS_Y as usize;
+    let slot = launch_slot();
+    let groups = q.shape(1) / config.heads_per_cube;
+    if slot >= order.len() * groups {
+        terminate!();
+    }
+    let head = (slot % groups) * config.heads_per_cube + plane / per_head;
+    let tile = order[slot / groups] as usize;
+    QueryCube {
+        tile,
+        first_token: tile * comptime!(config.tokens_per_cube()),
+        head,
+        kv_head: head / (q.shape(1) / k.shape(1)),
+        row0: (plane % per_head) * comptime!(16 * config.row_tiles),
     }
 }

@@ -1,17 +1,19 @@
 //! One tile's products and score fix-ups, shared by the three flash kernels: `S = A·Bᵀ`
-//! against a staged tile ([`scores()`]), `acc += P·B` ([`add_product()`]), the softmax scale
+//! against a staged tile ([`scores()`], [`scores_in_registers()`]), `acc += P·B`
+//! ([`add_product()`]), the softmax scale
 //! ([`scale_scores()`]) and the row-side mask ([`mask_rows()`]).
 
 use cubecl::prelude::*;
 
 use super::fragment::*;
 use super::stage::*;
+use super::FlashConfig;
 use crate::cube::elementwise::NONE;
 
 /// `S = A·Bᵀ` for the plane's `16 · row_tiles` rows against `block` rows of `tile` from row
 /// `base` (row-major, `padded(dim)` columns): `row_tiles · block / 8` accumulator fragments, row
-/// tile by row tile. The A fragments are `a` (`a_in_registers`, one row tile: `dim / 16`
-/// fragments) or are loaded per use from rows `a_row0..` of `a_tile` — each B fragment loaded
+/// tile by row tile. The A fragments are `a` (one row tile: `dim / 16` fragments held in
+/// registers) or are loaded per use from rows `a_row0..` of `a_tile` — each B fragment loaded
 /// from `tile` then serves every row tile, which is what more rows per plane buy.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -21,21 +23,17 @@ pub fn scores<F: Float>(
     a_row0: usize,
     tile: &SharedMemory<F>,
     base: usize,
-    scratch: &mut SharedMemory<F>,
-    scratch_at: usize,
+    scratch: &mut Scratch<F>,
     #[comptime] dim: usize,
-    #[comptime] block: usize,
-    #[comptime] row_tiles: usize,
-    #[comptime] a_in_registers: bool,
-    #[comptime] tensor_cores: bool,
-    #[comptime] shuffles: bool,
+    #[comptime] config: FlashConfig,
 ) -> Array<Pair<f32>> {
+    let (block, row_tiles, tc) = comptime!((config.block, config.row_tiles, config.tensor_cores));
     let mut s = zero_accumulators(row_tiles * block / 8);
     let stride = comptime!(padded(dim));
-    #[unroll(tensor_cores)]
+    #[unroll(tc)]
     for kk in 0..dim / 16 {
         let mut a_kk = Array::<Pair<F>>::new(4 * row_tiles);
-        if !a_in_registers {
+        if comptime!(row_tiles > 1) {
             #[unroll]
             for mi in 0..row_tiles {
                 load_a::<F>(
@@ -45,48 +43,20 @@ pub fn scores<F: Float>(
                     &mut a_kk,
                     4 * mi,
                     stride,
-                    tensor_cores,
+                    tc,
                 );
             }
         }
-        #[unroll(tensor_cores)]
+        #[unroll(tc)]
         for np in 0..block / 16 {
-            let b = load_b_pair::<F>(
-                tile,
-                base + 16 * np,
-                16 * kk,
-                stride,
-                false,
-                tensor_cores,
-                shuffles,
-            );
+            let b = load_b_pair::<F>(tile, base + 16 * np, 16 * kk, stride, false, config);
             #[unroll]
             for mi in 0..row_tiles {
                 let at = mi * (block / 4) + 4 * np;
-                if a_in_registers {
-                    mma_pair::<F>(
-                        a,
-                        4 * kk,
-                        &b,
-                        &mut s,
-                        at,
-                        scratch,
-                        scratch_at,
-                        tensor_cores,
-                        shuffles,
-                    );
+                if comptime!(row_tiles == 1) {
+                    mma_pair::<F>(a, 4 * kk, &b, &mut s, at, scratch, config);
                 } else {
-                    mma_pair::<F>(
-                        &a_kk,
-                        4 * mi,
-                        &b,
-                        &mut s,
-                        at,
-                        scratch,
-                        scratch_at,
-                        tensor_cores,
-                        shuffles,
-                    );
+                    mma_pair::<F>(&a_kk, 4 * mi, &b, &mut s, at, scratch, config);
                 }
             }
         }
@@ -94,25 +64,34 @@ pub fn scores<F: Float>(
     s
 }
 
+/// [`scores()`] of one row tile whose A fragments are in registers.
+#[cube]
+pub fn scores_in_registers<F: Float>(
+    a: &Array<Pair<F>>,
+    tile: &SharedMemory<F>,
+    base: usize,
+    scratch: &mut Scratch<F>,
+    #[comptime] dim: usize,
+    #[comptime] config: FlashConfig,
+) -> Array<Pair<f32>> {
+    scores::<F>(a, tile, 0usize, tile, base, scratch, dim, config)
+}
+
 /// `acc += P·B` for the plane's `16 · row_tiles` rows: `p` holds `P` as accumulator fragments
 /// (`block / 8` per row tile, `block` columns), `tile` the `block` rows of B from row `base`
 /// (row-major, `dim` columns, `padded(dim)` stride); `acc` has `dim / 8` fragments per row tile.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub fn add_product<F: Float>(
     p: &Array<Pair<f32>>,
     tile: &SharedMemory<F>,
     base: usize,
     acc: &mut Array<Pair<f32>>,
-    scratch: &mut SharedMemory<F>,
-    scratch_at: usize,
+    scratch: &mut Scratch<F>,
     #[comptime] dim: usize,
-    #[comptime] block: usize,
-    #[comptime] row_tiles: usize,
-    #[comptime] tensor_cores: bool,
-    #[comptime] shuffles: bool,
+    #[comptime] config: FlashConfig,
 ) {
-    #[unroll(tensor_cores)]
+    let (block, row_tiles, tc) = comptime!((config.block, config.row_tiles, config.tensor_cores));
+    #[unroll(tc)]
     for kk in 0..block / 16 {
         let mut a = Array::<Pair<F>>::new(4 * row_tiles);
         #[unroll]
@@ -123,30 +102,20 @@ pub fn add_product<F: Float>(
                 a[4 * mi + v] = part[v];
             }
         }
-        #[unroll(tensor_cores)]
+        #[unroll(tc)]
         for np in 0..dim / 16 {
-            let b = load_b_pair::<F>(
-                tile,
-                16 * np,
-                base + 16 * kk,
-                comptime!(padded(dim)),
-                true,
-                tensor_cores,
-                shuffles,
-            );
+            let stride = comptime!(padded(dim));
+            let b = load_b_pair::<F>(tile, 16 * np, base + 16 * kk, stride, true, config);
             #[unroll]
             for mi in 0..row_tiles {
-                let at = mi * (dim / 4) + 4 * np;
                 mma_pair::<F>(
                     &a,
                     4 * mi,
                     &b,
                     acc,
-                    at,
+                    mi * (dim / 4) + 4 * np,
                     scratch,
-                    scratch_at,
-                    tensor_cores,
-                    shuffles,
+                    config,
                 );
             }
         }
