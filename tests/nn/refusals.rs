@@ -257,17 +257,22 @@ fn lengths_from_mask_pad_read_right_padding() {
     );
 }
 
+/// burn's causal attention op on zeros of `dims` (`[batch, heads, tokens, dim]`).
+fn causal_self_attention(dims: [usize; 4]) {
+    let x = Tensor::<Cp, 4>::zeros(dims, &Default::default());
+    let options = burn::tensor::ops::AttentionModuleOptions {
+        scale: None,
+        softcap: None,
+        is_causal: true,
+    };
+    burn::tensor::module::attention(x.clone(), x.clone(), x, None, None, options);
+}
+
 #[test]
 fn rows_that_do_not_fit_the_context_are_refused() {
     let results = under_context(|_, _guard| {
         // Three rows under a context of two.
-        let x = Tensor::<Cp, 4>::zeros([3, 2, 3, 4], &Default::default());
-        let options = burn::tensor::ops::AttentionModuleOptions {
-            scale: None,
-            softcap: None,
-            is_causal: true,
-        };
-        burn::tensor::module::attention(x.clone(), x.clone(), x, None, None, options);
+        causal_self_attention([3, 2, 3, 4]);
         Ok(())
     });
     for result in results {
@@ -286,13 +291,7 @@ fn rows_that_do_not_fit_the_context_are_refused() {
             group,
             batch: CpBatch::new(placement, vec![MaskSpec::Causal]),
         });
-        let x = Tensor::<Cp, 4>::zeros([2, 2, 3, 4], &Default::default());
-        let options = burn::tensor::ops::AttentionModuleOptions {
-            scale: None,
-            softcap: None,
-            is_causal: true,
-        };
-        burn::tensor::module::attention(x.clone(), x.clone(), x, None, None, options);
+        causal_self_attention([2, 2, 3, 4]);
         Ok(())
     });
     for result in results {

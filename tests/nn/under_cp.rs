@@ -100,6 +100,20 @@ struct Run {
     dweights: Vec<f32>,
 }
 
+impl Run {
+    /// Adds one rank's (or row's) weight gradients to the sum.
+    fn add_weight_grads(&mut self, dweights: Vec<f32>) {
+        if self.dweights.is_empty() {
+            self.dweights = dweights;
+        } else {
+            self.dweights
+                .iter_mut()
+                .zip(dweights)
+                .for_each(|(a, b)| *a += b);
+        }
+    }
+}
+
 /// One rank's run: the full-batch token index at each local slot (`usize::MAX` at padding), its
 /// outputs and input gradients there, its share of the weight gradients.
 struct RankRun {
@@ -164,14 +178,7 @@ fn per_sequence(data: &Data, bytes: &[u8]) -> Run {
         run.out.extend(values(out));
         run.dx.extend(values(x.grad(&grads).unwrap()));
         let dweights = UserModel::<Plain>::grads(&model, &grads);
-        if run.dweights.is_empty() {
-            run.dweights = dweights;
-        } else {
-            run.dweights
-                .iter_mut()
-                .zip(dweights)
-                .for_each(|(a, b)| *a += b);
-        }
+        run.add_weight_grads(dweights);
     }
     run
 }
@@ -300,14 +307,7 @@ fn context_parallel(
             run.out[to..to + D_MODEL].copy_from_slice(&out[from..from + D_MODEL]);
             run.dx[to..to + D_MODEL].copy_from_slice(&dx[from..from + D_MODEL]);
         }
-        if run.dweights.is_empty() {
-            run.dweights = dweights;
-        } else {
-            run.dweights
-                .iter_mut()
-                .zip(dweights)
-                .for_each(|(a, b)| *a += b);
-        }
+        run.add_weight_grads(dweights);
     }
     run
 }

@@ -27,39 +27,23 @@ fn stage_query_tile<F: Float>(
     tile: &Listed,
     #[comptime] config: FlashConfig,
 ) {
-    let (block, units, max_spans) = comptime!((config.block, config.units(), config.max_spans));
-    let buffer = tile.buffer;
-    let index = tile.index;
-    let head = tile.head;
-    let first = index * block;
-    let q_tokens = q.shape(0);
+    let (block, max_spans) = comptime!((config.block, config.max_spans));
     let (hd, vd) = comptime!((config.head_dim, config.value_dim));
-    stage_tile::<F>(q, &mut tiles.q, buffer, index, head, hd, config);
+    stage_tile::<F>(q, &mut tiles.q, tile, hd, config);
     if comptime!(!config.in_turn) {
-        stage_tile::<F>(dout, &mut tiles.dout, buffer, index, head, vd, config);
+        stage_tile::<F>(dout, &mut tiles.dout, tile, vd, config);
     }
-    let at = buffer * block;
-    stage_row_values(lse, &mut tiles.lse, at, head, first, q_tokens, block, units);
-    stage_row_values(
-        delta,
-        &mut tiles.delta,
-        at,
-        head,
-        first,
-        q_tokens,
-        block,
-        units,
-    );
-    let spans_at = at * 2 * max_spans;
+    let at = tile.buffer * block;
+    let first = tile.index * block;
+    stage_row_values(lse, &mut tiles.lse, at, tile.head, first, block, config);
+    stage_row_values(delta, &mut tiles.delta, at, tile.head, first, block, config);
     stage_spans(
         spans,
         &mut tiles.spans,
-        spans_at,
+        at * 2 * max_spans,
         first,
-        q_tokens,
         block,
-        max_spans,
-        units,
+        config,
     );
 }
 
@@ -248,13 +232,11 @@ fn dkdv_tile<F: Float>(
 ) {
     let (head_dim, value_dim) = comptime!((config.head_dim, config.value_dim));
     let (block, tc, in_turn) = comptime!((config.block, config.tensor_cores, config.in_turn));
-    let index = tile.index;
-    let head = tile.head;
     let base = tile.buffer * block;
     let mut s = key_scores::<F>(kv, keys, tile, scale, scratch, config);
     let mut dp = if in_turn {
         sync_cube();
-        stage_tile::<F>(dout, &mut kv.q, 0usize, index, head, value_dim, config);
+        stage_tile::<F>(dout, &mut kv.q, tile, value_dim, config);
         sync_cube();
         value_scores::<F>(keys, &kv.q, base, scratch, config)
     } else {
@@ -267,7 +249,7 @@ fn dkdv_tile<F: Float>(
     if in_turn {
         add_product::<F>(&s, &kv.q, base, &mut keys.dv, scratch, value_dim, config);
         sync_cube();
-        stage_tile::<F>(q, &mut kv.q, 0usize, index, head, head_dim, config);
+        stage_tile::<F>(q, &mut kv.q, tile, head_dim, config);
         sync_cube();
     } else {
         add_product::<F>(&s, &kv.dout, base, &mut keys.dv, scratch, value_dim, config);

@@ -30,27 +30,11 @@ fn dq_tile<F: Float>(
     let (block, tc, in_turn) = comptime!((config.block, config.tensor_cores, config.in_turn));
     let base = tile.buffer * block;
     let mut dp = if in_turn {
-        stage_tile::<F>(
-            v,
-            &mut tiles.k,
-            0usize,
-            tile.index,
-            tile.head,
-            value_dim,
-            config,
-        );
+        stage_tile::<F>(v, &mut tiles.k, tile, value_dim, config);
         sync_cube();
         let dp = scores_in_registers::<F>(&rows.dout, &tiles.k, 0usize, scratch, value_dim, config);
         sync_cube();
-        stage_tile::<F>(
-            k,
-            &mut tiles.k,
-            0usize,
-            tile.index,
-            tile.head,
-            head_dim,
-            config,
-        );
+        stage_tile::<F>(k, &mut tiles.k, tile, head_dim, config);
         sync_cube();
         dp
     } else {
@@ -198,16 +182,7 @@ pub fn flash_dq_kernel<F: Float>(
             config,
         );
     }
-    stage_spans(
-        spans,
-        &mut tiles.spans,
-        0usize,
-        first_token,
-        q_tokens,
-        tokens,
-        max_spans,
-        units,
-    );
+    stage_spans(spans, &mut tiles.spans, 0usize, first_token, tokens, config);
     if comptime!(config.async_copy) {
         let rows_ready = Barrier::shared(units as u32, UNIT_POS == 0);
         let ready_0 = Barrier::shared(units as u32, UNIT_POS == 0);

@@ -175,16 +175,7 @@ pub fn flash_forward_kernel<F: Float>(
     if stage_q {
         stage_plane_rows::<F>(q, &mut tiles.q, q_at, first_row, head, head_dim, config);
     }
-    stage_spans(
-        spans,
-        &mut tiles.spans,
-        0usize,
-        first_token,
-        q_tokens,
-        tokens,
-        max_spans,
-        units,
-    );
+    stage_spans(spans, &mut tiles.spans, 0usize, first_token, tokens, config);
 
     if comptime!(config.async_copy) {
         let q_ready = Barrier::shared(units as u32, UNIT_POS == 0);
@@ -335,15 +326,7 @@ fn forward_tile<F: Float>(
     );
     if comptime!(config.in_turn) {
         sync_cube();
-        stage_tile::<F>(
-            v,
-            &mut tiles.k,
-            0usize,
-            tile.index,
-            tile.head,
-            value_dim,
-            config,
-        );
+        stage_tile::<F>(v, &mut tiles.k, tile, value_dim, config);
         sync_cube();
         add_product::<F>(
             &s,

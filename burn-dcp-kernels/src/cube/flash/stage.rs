@@ -113,20 +113,19 @@ pub fn stage_plane_rows<F: Float>(
     );
 }
 
-/// The spans of tokens `first..first + rows` into `into` at `at` (empty past `tokens`, so that
-/// no key is allowed), all `units` units together.
+/// The spans of tokens `first..first + rows` into `into` at `at` (empty past the last token, so
+/// that no key is allowed), all the cube's units together.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub fn stage_spans(
     spans: &Tensor<u32>,
     into: &mut SharedMemory<u32>,
     at: usize,
     first: usize,
-    tokens: usize,
     #[comptime] rows: usize,
-    #[comptime] max_spans: usize,
-    #[comptime] units: usize,
+    #[comptime] config: FlashConfig,
 ) {
+    let (max_spans, units) = comptime!((config.max_spans, config.units()));
+    let tokens = spans.len() / comptime!(2 * max_spans);
     let unit = UNIT_POS as usize;
     let len = comptime!(rows * 2 * max_spans);
     #[unroll]
@@ -144,19 +143,18 @@ pub fn stage_spans(
 }
 
 /// Per-token f32 values `source [H, T]` of head `head`, tokens `first..first + rows`, into
-/// `into` at `at` (0 past `tokens`), all `units` units together.
+/// `into` at `at` (0 past the last token), all the cube's units together.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub fn stage_row_values(
     source: &Tensor<f32>,
     into: &mut SharedMemory<f32>,
     at: usize,
     head: usize,
     first: usize,
-    tokens: usize,
     #[comptime] rows: usize,
-    #[comptime] units: usize,
+    #[comptime] config: FlashConfig,
 ) {
+    let units = comptime!(config.units());
     let unit = UNIT_POS as usize;
     #[unroll]
     for pass in 0..rows.div_ceil(units) {
@@ -164,7 +162,7 @@ pub fn stage_row_values(
         if index < rows {
             let token = first + index;
             let mut value = 0.0f32;
-            if token < tokens {
+            if token < source.shape(1) {
                 value = source[head * source.stride(0) + token * source.stride(1)];
             }
             into[at + index] = value;
@@ -253,27 +251,24 @@ pub fn count_tiles(runs: &Tensor<u32>, first_run: usize, end_run: usize) -> usiz
     total
 }
 
-/// Stages tile `tile_index` of the other side (`block` rows of head `head`, `dim` columns) of
-/// `source` into buffer `buffer` of `tile`.
+/// Stages listed tile `tile` (`block` rows of its head) of `source` into its buffer of
+/// `into` (`padded(dim)` columns).
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub fn stage_tile<F: Float>(
     source: &Tensor<F>,
-    tile: &mut SharedMemory<F>,
-    buffer: usize,
-    tile_index: usize,
-    head: usize,
+    into: &mut SharedMemory<F>,
+    tile: &Listed,
     #[comptime] dim: usize,
     #[comptime] config: FlashConfig,
 ) {
     let block = comptime!(config.block);
-    let at = buffer * comptime!(block * padded(dim));
+    let at = tile.buffer * comptime!(block * padded(dim));
     stage_rows::<F>(
         source,
-        tile,
+        into,
         at,
-        tile_index * block,
-        head,
+        tile.index * block,
+        tile.head,
         block,
         dim,
         config,
@@ -292,9 +287,9 @@ pub fn stage_key_tile<F: Float>(
     #[comptime] config: FlashConfig,
 ) {
     let (hd, vd) = comptime!((config.head_dim, config.value_dim));
-    stage_tile::<F>(k, k_tile, tile.buffer, tile.index, tile.head, hd, config);
+    stage_tile::<F>(k, k_tile, tile, hd, config);
     if comptime!(!config.in_turn) {
-        stage_tile::<F>(v, v_tile, tile.buffer, tile.index, tile.head, vd, config);
+        stage_tile::<F>(v, v_tile, tile, vd, config);
     }
 }
 
