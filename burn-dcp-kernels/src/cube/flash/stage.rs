@@ -75,7 +75,7 @@ fn stage_rows_by<F: Float>(
     }
 }
 
-/// [`stage_rows_by`] the cube's units, with the config's copies or plain loads.
+/// `stage_rows_by` the cube's units, with the config's copies or plain loads.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_rows<F: Float>(
@@ -95,7 +95,7 @@ pub fn stage_rows<F: Float>(
     );
 }
 
-/// The plane's own `16 · row_tiles` rows from `first_row`, [`stage_rows_by`] its 32 lanes.
+/// The plane's own `16 · row_tiles` rows from `first_row`, `stage_rows_by` its 32 lanes.
 #[cube]
 pub fn stage_plane_rows<F: Float>(
     source: &Tensor<F>,
