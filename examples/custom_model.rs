@@ -22,17 +22,16 @@ use std::time::Duration;
 use burn::backend::Flex;
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::prelude::{Backend, Int, Tensor};
+use burn::prelude::{Backend, Tensor};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use burn::tensor::activation::log_softmax;
 use burn_dcp::comm::WorldConfig;
 use burn_dcp::nn::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
 use burn_dcp::StrategyKind;
 use burn_dcp_suite::train::launch::Ranks;
 use burn_dcp_suite::train::metrics::truncate_metrics;
 use burn_dcp_suite::train::{
-    check_resume, CpTrain, InputRows, ModelShape, Precision, Progress, ShardInput, TpGroup,
-    TrainConfig, TrainData, TrainError, TrainMode, TrainModel, Trainer,
+    check_resume, cross_entropy_sum, CpTrain, InputRows, ModelShape, Precision, Progress,
+    ShardInput, TpGroup, TrainConfig, TrainData, TrainError, TrainMode, TrainModel, Trainer,
 };
 use clap::Parser;
 
@@ -176,23 +175,6 @@ impl<B: Backend> BurnNnLm<B> {
     }
 }
 
-/// Next-token cross-entropy summed over the labelled tokens of `[B, W, V]` logits.
-fn loss_sum<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-    let [rows, width, vocab] = logits.dims();
-    let n = rows * width;
-    // The softmax and the loss in f32, whatever the model computes in (`--precision`).
-    let logits = logits
-        .reshape([n, vocab])
-        .cast(burn::tensor::FloatDType::F32);
-    let log_probs = log_softmax(logits, 1);
-    let labels = labels.reshape([n]);
-    let valid = labels.clone().greater_equal_elem(0);
-    let picked = log_probs
-        .gather(1, labels.clamp_min(0).reshape([n, 1]))
-        .reshape([n]);
-    picked.zeros_like().mask_where(valid, picked).sum().neg()
-}
-
 impl TrainModel<B> for CausalLm<B> {
     const INPUT_ROWS: InputRows = InputRows::OnePerSequence;
 
@@ -204,7 +186,7 @@ impl TrainModel<B> for CausalLm<B> {
                 .causal()
                 .rotary(10_000.0),
         );
-        Ok(loss_sum(
+        Ok(cross_entropy_sum(
             self.head.forward(self.norm.forward(x)),
             input.labels,
         ))
@@ -224,7 +206,7 @@ impl TrainModel<B> for BurnNnLm<B> {
                 .mask_pad(input.mask_pad)
                 .mask_attn(causal),
         );
-        Ok(loss_sum(self.head.forward(x), input.labels))
+        Ok(cross_entropy_sum(self.head.forward(x), input.labels))
     }
 }
 

@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use burn_dcp::comm::WorldConfig;
+use burn_dcp::comm::{Comm, WorldConfig};
 #[cfg(feature = "wgpu")]
 use burn_dcp::kernels::backends::{WgpuFusion, WgpuPlain};
 use burn_dcp::kernels::FlashOps;
@@ -235,7 +235,6 @@ fn train(
             loading.elapsed().as_secs_f64()
         );
     }
-    let resume = args.resume.as_deref();
     let tracing = args.trace.clone().map(Tracing::new);
     let exporting = export.map(|export| Exporting {
         inner: &reporter,
@@ -245,27 +244,27 @@ fn train(
         Some(exporting) => exporting,
         None => &reporter,
     };
+    let inputs = RankInputs {
+        config,
+        data: &data,
+        resume: args.resume.as_deref(),
+        out: out.as_deref(),
+        reporter: observer,
+        tracing: tracing.as_ref(),
+    };
     let results = match args.backend.as_str() {
         #[cfg(feature = "wgpu")]
-        "wgpu" if args.no_fusion => {
-            train_world::<WgpuPlain>(ranks, config, &data, resume, &out, observer, &tracing)
-        }
+        "wgpu" if args.no_fusion => train_world::<WgpuPlain>(ranks, &inputs),
         #[cfg(feature = "wgpu")]
-        "wgpu" => {
-            train_world::<WgpuFusion>(ranks, config, &data, resume, &out, observer, &tracing)
-        }
+        "wgpu" => train_world::<WgpuFusion>(ranks, &inputs),
         #[cfg(feature = "cuda")]
         "cuda" if !args.no_fusion => match ranks.local_rank() {
-            None => train_world::<burn_dcp::kernels::backends::CudaFusion>(
-                ranks, config, &data, resume, &out, observer, &tracing,
-            ),
+            None => train_world::<burn_dcp::kernels::backends::CudaFusion>(ranks, &inputs),
             Some(_) => Err(TrainError::Config("--backend cuda with one process per rank moves tensors with NCCL, which reads the plain backend's device memory: add --no-fusion (burn-fusion's tensors at NCCL's collectives are not supported yet)".to_string())),
         },
         #[cfg(feature = "cuda")]
-        "cuda" => train_world_cuda(ranks, config, &data, resume, &out, observer, &tracing),
-        _ => train_world::<burn::backend::Flex>(
-            ranks, config, &data, resume, &out, observer, &tracing,
-        ),
+        "cuda" => train_world_cuda(ranks, &inputs),
+        _ => train_world::<burn::backend::Flex>(ranks, &inputs),
     };
     if let Some(tracing) = &tracing {
         tracing.write_threads(ranks)?;
@@ -291,35 +290,44 @@ fn train(
     )
 }
 
+/// What every rank of a run trains with.
+struct RankInputs<'a> {
+    config: &'a TrainConfig,
+    data: &'a TrainData,
+    resume: Option<&'a Path>,
+    out: Option<&'a Path>,
+    reporter: &'a dyn StepObserver,
+    tracing: Option<&'a Tracing>,
+}
+
+impl RankInputs<'_> {
+    /// Rank `rank`'s training on `device`, over the communicator `comm` makes (traced from
+    /// there on); its trace written where ranks are processes.
+    fn train<B: FlashOps>(
+        &self,
+        rank: usize,
+        device: &B::Device,
+        processes: bool,
+        comm: impl FnOnce() -> Result<Comm, TrainError>,
+    ) -> Result<RankOutcome, TrainError> {
+        let _trace = self.tracing.map(|t| t.enter(rank));
+        let (config, data, resume, out) = (self.config, self.data, self.resume, self.out);
+        let outcome = train_rank::<B>(comm()?, config, data, resume, out, self.reporter, device)?;
+        if let Some(tracing) = self.tracing {
+            tracing.write_rank(processes, rank)?;
+        }
+        Ok(outcome)
+    }
+}
+
 /// Runs every rank's training on `ContextParallel<Autodiff<B>>` (`B`'s default device).
 fn train_world<B: FlashOps>(
     ranks: &Ranks,
-    config: &TrainConfig,
-    data: &TrainData,
-    resume: Option<&Path>,
-    out: &Option<PathBuf>,
-    reporter: &dyn StepObserver,
-    tracing: &Option<Tracing>,
+    inputs: &RankInputs<'_>,
 ) -> Result<Option<RankOutcome>, TrainError> {
     let device = B::Device::default();
     let processes = ranks.is_distributed();
-    ranks.run(|comm| {
-        let rank = comm.rank();
-        let _trace = tracing.as_ref().map(|t| t.enter(rank));
-        let outcome = train_rank::<B>(
-            comm,
-            config,
-            data,
-            resume,
-            out.as_deref(),
-            reporter,
-            &device,
-        )?;
-        if let Some(tracing) = tracing {
-            tracing.write_rank(processes, rank)?;
-        }
-        Ok::<_, TrainError>(outcome)
-    })
+    ranks.run(|comm| inputs.train::<B>(comm.rank(), &device, processes, || Ok(comm)))
 }
 
 /// [`train_world`] on burn-cuda's plain backend (`--no-fusion`). With one process per rank (MPI or TCP launch) each rank uses
@@ -328,38 +336,19 @@ fn train_world<B: FlashOps>(
 #[cfg(feature = "cuda")]
 fn train_world_cuda(
     ranks: &Ranks,
-    config: &TrainConfig,
-    data: &TrainData,
-    resume: Option<&Path>,
-    out: &Option<PathBuf>,
-    reporter: &dyn StepObserver,
-    tracing: &Option<Tracing>,
+    inputs: &RankInputs<'_>,
 ) -> Result<Option<RankOutcome>, TrainError> {
     type Cuda = burn_dcp::kernels::backends::CudaPlain;
     let Some(local_rank) = ranks.local_rank() else {
-        return train_world::<Cuda>(ranks, config, data, resume, out, reporter, tracing);
+        return train_world::<Cuda>(ranks, inputs);
     };
     let device = burn::backend::cuda::CudaDevice::new(local_rank);
-    let world_config = world_config(config)?;
+    let world_config = world_config(inputs.config)?;
     ranks.run(|control| {
-        let rank = control.rank();
-        let _trace = tracing.as_ref().map(|t| t.enter(rank));
-        let comm =
+        inputs.train::<Cuda>(control.rank(), &device, true, || {
             burn_dcp::comm::NcclWorld::init::<Cuda>(control, device.clone(), world_config.clone())
-                .map_err(|e| TrainError::Launch(format!("NCCL on GPU {local_rank}: {e}")))?;
-        let outcome = train_rank::<Cuda>(
-            comm,
-            config,
-            data,
-            resume,
-            out.as_deref(),
-            reporter,
-            &device,
-        )?;
-        if let Some(tracing) = tracing {
-            tracing.write_rank(true, rank)?;
-        }
-        Ok::<_, TrainError>(outcome)
+                .map_err(|e| TrainError::Launch(format!("NCCL on GPU {local_rank}: {e}")))
+        })
     })
 }
 

@@ -2,7 +2,8 @@
 """Generates the plain-forwarding op files of `ContextParallel<B>` from burn-backend 0.21.0's traits.
 
 Every method of every op trait (required and defaulted, so the inner backend's fast paths survive)
-becomes `fn m(args) -> R { B::m(args) }`. Types generic over the backend (not plain associated
+becomes `fn m(args) -> R { B::m(args) }`, written as a row of the `forward!` table (`ops/mod.rs`):
+one row per signature, naming the methods that share it (`=> convert` where the result converts). Types generic over the backend (not plain associated
 types) get converted by helpers in `burn-dcp/src/backend/convert.rs`. `ModuleOps::attention` is
 routed to the hand-written interception in `burn-dcp/src/backend/attention.rs`, and
 `FloatTensorOps::float_matmul` through `crate::backend::context::matmul`, which watches for
@@ -129,32 +130,30 @@ def split_top(text, sep=","):
     return [p.replace("\u2192", "->").strip() for p in parts]
 
 
+def closing(text, open_, close):
+    """The index of the `close` that matches the `open_` at the start of `text`."""
+    depth = 0
+    for k, c in enumerate(text):
+        if c == open_:
+            depth += 1
+        elif c == close:
+            depth -= 1
+            if depth == 0:
+                return k
+    raise SystemExit(f"unbalanced {open_}{close}: {text}")
+
+
 def parse(signature):
     m = re.match(r"fn\s+(\w+)\s*", signature)
     name = m.group(1)
     rest = signature[m.end():]
     generics = ""
     if rest.startswith("<"):
-        depth, k = 0, 0
-        tmp = rest.replace("->", "\u2192")
-        for k, c in enumerate(tmp):
-            if c == "<":
-                depth += 1
-            elif c == ">":
-                depth -= 1
-                if depth == 0:
-                    break
+        k = closing(rest.replace("->", "\u2192"), "<", ">")
         generics = rest[:k + 1]
         rest = rest[k + 1:].lstrip()
     assert rest.startswith("("), signature
-    depth = 0
-    for k, c in enumerate(rest):
-        if c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-            if depth == 0:
-                break
+    k = closing(rest, "(", ")")
     params = split_top(rest[1:k])
     tail = rest[k + 1:].strip()
     ret, where = "", ""
@@ -172,48 +171,69 @@ def to_self(text):
 
 
 def render(trait, signature):
+    """A method as `(key, text)`: plain forwards (their result converted or not) get the key of
+    their signature (to share a `forward!` row with the methods of the same signature) and the
+    method's name; converted arguments and interceptions get no key and their whole `fn`."""
     name, generics, params, ret, where = parse(signature)
-    args, decls = [], []
+    args, decls, converted = [], [], False
     for p in params:
         pname, ptype = [x.strip() for x in p.split(":", 1)]
         pname = pname.replace("mut ", "").strip()
         ptype = to_self(ptype)
         decls.append(f"{pname}: {ptype}")
         conv = CONVERSIONS.get(ptype, (None, None))[0]
+        converted |= conv is not None
         args.append(f"{conv}({pname})" if conv else pname)
-    ret = to_self(ret)
+    ret = to_self(ret) or "()"
     call = f"B::{name}({', '.join(args)})"
     if (trait, name) in INTERCEPTED:
         call = f"{INTERCEPTED[(trait, name)]}({', '.join(args)})"
+        converted = True
+    wrapper = ""
     for ty, (_, out) in CONVERSIONS.items():
         if out and ret == ty:
             call = f"{out}({call})"
+            wrapper = f" => {out}"
     if ret.startswith("Option<") and ret[7:-1] in CONVERSIONS and CONVERSIONS[ret[7:-1]][1]:
         call = f"{call}.map({CONVERSIONS[ret[7:-1]][1]})"
-    head = f"fn {name}{to_self(generics)}({', '.join(decls)})"
-    if ret:
-        head += f" -> {ret}"
+        converted = True
+    if not converted and not generics and not where:
+        return f"({', '.join(decls)}) -> {ret}{wrapper}", name
+    head = f"fn {name}{to_self(generics)}({', '.join(decls)}) -> {ret}"
     if where:
         head += f" {to_self(where)}"
-    return f"    {head} {{\n        {call}\n    }}\n"
+    return None, f"    {head} {{\n        {call}\n    }}\n"
+
+
+def table(rendered):
+    """The plain forwards as `forward!` rows, one per signature in the trait's order: the
+    signature on one line, the names wrapped at 100 columns."""
+    rows = {}
+    for key, name in rendered:
+        if key is not None:
+            rows.setdefault(key, []).append(name)
+    if not rows:
+        return ""
+    lines = ["    forward! {"]
+    for key, names in rows.items():
+        line = f"        {key}: "
+        for i, name in enumerate(names):
+            word = name + (";" if i == len(names) - 1 else ",")
+            if len(line) + len(word) > 100 and not line.endswith(": "):
+                lines.append(line.rstrip())
+                line = "            "
+            line += word + " "
+        lines.append(line.rstrip())
+    lines.append("    }")
+    return "\n".join(lines) + "\n"
 
 
 HEADER = """//! Generated by `scripts/gen_forwarding.py` from burn-backend 0.21.0: every method of `{trait}`
-//! (required and defaulted) forwards to the inner backend `B`.{extra}
+//! (required and defaulted) forwards to the inner backend `B` (a `forward!` row per signature:
+//! `(parameters) -> return type: methods;`).{extra}
 //! Do not edit by hand; rerun the script.
 
-#![allow(unused_imports, clippy::too_many_arguments, clippy::type_complexity)]
-
-use burn_backend::ops::*;
-use burn_backend::quantization::*;
-use burn_backend::tensor::Device;
-use burn_backend::tensor::*;
-use burn_backend::*;
-use burn_std::*;
-use std::future::Future;
-use std::ops::Range;
-
-use crate::backend::{{convert, ContextParallel, CpInner}};
+use super::prelude::*;
 
 impl<B: CpInner> {trait}<Self> for ContextParallel<B> {{
 """
@@ -228,6 +248,7 @@ def generate(out):
         text = strip_comments(open(os.path.join(SRC, source)).read())
         body = find_trait_body(text, trait)
         rendered = [render(trait, s) for s in methods(body)]
+        explicit = [text for key, text in rendered if key is None]
         extra = ""
         if trait == "ModuleOps":
             extra = "\n//! Except `attention`, which `crate::backend::attention` intercepts for context parallelism."
@@ -236,7 +257,8 @@ def generate(out):
         names.append(output)
         with open(os.path.join(out, output), "w") as f:
             f.write(HEADER.format(trait=trait, extra=extra))
-            f.write("\n".join(rendered))
+            f.write(table(rendered))
+            f.write("".join("\n" + text for text in explicit))
             f.write("}\n")
         total += len(rendered)
         if not CHECK:

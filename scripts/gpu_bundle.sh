@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 dir=${1:-.gpu}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/gpu}
 # FEATURES=cuda,autotune builds with burn-cubecl's autotune (burn-dcp's feature `autotune`).
-features=${FEATURES:-cuda}
+# gpu-tests: the GPU-only test binaries (cube_cuda, nccl), which no other build makes.
+features=${FEATURES:-cuda},gpu-tests
 export CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=true
 tests=(cargo test --release -p burn-dcp-suite -p burn-dcp-kernels -p burn-dcp
   --features "$features" --test cube_cuda --test nccl --no-run)

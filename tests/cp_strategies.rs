@@ -1,7 +1,7 @@
 //! Every strategy × layout × mask × {MHA, GQA} × {even, ragged} batch: CP forward and backward
 //! against the single-device run, and the single-device run against the naive dense oracle.
 
-mod common;
+use crate::common;
 
 use burn_dcp::diagnostics::harness::{
     run_context_parallel, run_single_device, PackedInputs, PackedOutputs,

@@ -1,7 +1,7 @@
 //! Bytes sent per rank against the analytic volume of each strategy; validation errors; a failing
 //! rank makes its peers fail (no hang).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

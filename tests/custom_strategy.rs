@@ -3,7 +3,7 @@
 //! [`run_context_parallel_of`] runs it on in-process ranks (the same checks, agreement and
 //! failure handling as every strategy), [`plan_with`] plans it for the cost model.
 
-mod common;
+use crate::common;
 #[path = "custom_strategy/fused_gather.rs"]
 mod fused_gather;
 

@@ -2,7 +2,7 @@
 //! 2 to 16 ranks, one node and several: forward and backward equal the single-device reference,
 //! and every rank sends exactly the bytes the plan predicts.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

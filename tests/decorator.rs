@@ -1,7 +1,7 @@
 //! `ContextParallel<Autodiff<Flex>>`: burn's own `attention` call runs the CP strategy (bytes are
 //! communicated, exactly the analytic volume) and its gradients equal the single-device ones.
 
-mod common;
+use crate::common;
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::module::attention;

@@ -8,7 +8,7 @@
 //!   no trial hangs, no rank returns `Ok` with a wrong result, and every failed rank's error
 //!   names the rank that failed first.
 
-mod common;
+use crate::common;
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};

@@ -2,14 +2,14 @@
 //! oracle. They need an NVIDIA GPU, so every test is `#[ignore]`d (CI has none); run them with
 //!
 //! ```text
-//! cargo test --release -p burn-dcp-kernels --features cuda --test cube_cuda -- --ignored
+//! cargo test --release -p burn-dcp-kernels --features gpu-tests --test cube_cuda -- --ignored
 //! ```
 //!
 //! **Status:** all pass on an NVIDIA H100 (2026-11-26, `scripts/gpu_check.sh`, 58 s). CI has no
 //! GPU: there the same kernels with their plain bodies are tested on lavapipe (`cube_wgpu.rs`,
 //! module `flash_plain`). (The run of 2026-11-26 was on the matrix-tile kernels these tests
 //! named then; they were retired for the flash kernels, which these tests now run.)
-#![cfg(feature = "cuda")]
+#![cfg(feature = "gpu-tests")]
 
 use burn::prelude::Tensor;
 use burn::tensor::{DType, TensorData, TensorPrimitive};

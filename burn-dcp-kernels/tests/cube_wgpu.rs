@@ -2,13 +2,14 @@
 //! the portable implementation: every mask, ragged GQA batches, offsets, strided segments,
 //! several tiles, fully masked rows, the merge (in place and not), strided views and errors —
 //! each on burn's plain `CubeBackend` and on burn-fusion's `Fusion<CubeBackend>` (burn's default
-//! `Wgpu`), where the kernels run as custom operations of the fusion stream.
+//! `Wgpu`), where the kernels run as custom operations of the fusion stream; head dims 64 and
+//! 128 and the agreement with the portable implementation (the kernels' arithmetic, not the
+//! backend's plumbing) on the plain backend only.
 //!
 //! Run with `cargo test -p burn-dcp-kernels --features wgpu`. Without a Vulkan/Metal/DX12
 //! adapter these tests fail (they never pass silently); CI installs lavapipe.
 #![cfg(feature = "wgpu")]
 
-use burn::backend::wgpu::WgpuDevice;
 use burn::prelude::Tensor;
 use burn::tensor::TensorData;
 use burn_dcp_kernels::backends::{WgpuFusion, WgpuPlain};
@@ -23,6 +24,46 @@ use common::{
     fully_masked_case, long_case, long_masks, long_mixed_masks, masks, ragged_case, random,
     rel_err, Case,
 };
+
+/// The wgpu devices the tests run on ([`wgpu_devices`](burn_dcp_kernels::backends::wgpu_devices)),
+/// each test's thread leasing one for its whole run. This suite's time is lavapipe compiling
+/// kernel shapes, one at a time per device: with two devices two tests compile at once, and a
+/// shape one device built is a hit in Mesa's disk cache on the other.
+mod devices {
+    use std::sync::{Mutex, OnceLock};
+
+    use burn::backend::wgpu::WgpuDevice;
+    use burn_dcp_kernels::backends::wgpu_devices;
+
+    fn free() -> &'static Mutex<Vec<WgpuDevice>> {
+        static FREE: OnceLock<Mutex<Vec<WgpuDevice>>> = OnceLock::new();
+        FREE.get_or_init(|| Mutex::new(wgpu_devices()))
+    }
+
+    /// A device held by one test's thread, given back when the thread ends.
+    struct Lease(WgpuDevice);
+
+    impl Drop for Lease {
+        fn drop(&mut self) {
+            let mut free = free().lock().unwrap_or_else(|p| p.into_inner());
+            free.push(self.0.clone());
+        }
+    }
+
+    thread_local! {
+        static LEASE: Lease = {
+            let mut free = free().lock().unwrap_or_else(|p| p.into_inner());
+            // More tests at once than devices: they share the default one.
+            Lease(free.pop().unwrap_or_default())
+        };
+    }
+
+    /// This test's device.
+    pub fn device() -> WgpuDevice {
+        LEASE.with(|lease| lease.0.clone())
+    }
+}
+use devices::device;
 
 #[derive(Debug)]
 struct Inputs {
@@ -42,16 +83,14 @@ fn inputs(rng: &mut SmallRng, s: &AttentionShape) -> Inputs {
 }
 
 /// The kernel tests on one backend type.
+/// (`$kernel_only`: tests of the kernels' arithmetic rather than of the backend's plumbing, run
+/// on one backend: each shape is another lavapipe build on each.)
 macro_rules! suite {
-    ($name:ident, $backend:ty) => {
+    ($name:ident, $backend:ty $(, { $($kernel_only:item)* })?) => {
         mod $name {
             use super::*;
 
             type B = $backend;
-
-            fn device() -> WgpuDevice {
-                WgpuDevice::default()
-            }
 
             fn upload(values: &[f32], dims: [usize; 3]) -> Tensor<B, 3> {
                 Tensor::from_data(TensorData::new(values.to_vec(), dims), &device())
@@ -141,40 +180,6 @@ macro_rules! suite {
                     20,
                     "per-sequence masks with key ranges, H2 K1 D32/8",
                 );
-            }
-
-            #[test]
-            fn head_dims_64_and_128_stay_exact() {
-                // Each dim is its own kernel build (comptime shapes); Mesa's disk cache keeps them.
-                let case = long_case(vec![MaskSpec::Causal], 2, 2, (64, 64));
-                check_against_reference(&case, 30, "causal D64");
-                let case = long_case(vec![MaskSpec::Causal], 2, 1, (128, 128));
-                check_against_reference(&case, 31, "causal H2 K1 D128");
-            }
-
-            #[test]
-            fn results_agree_with_the_portable_implementation() {
-                let case = long_case(
-                    vec![MaskSpec::Lambda {
-                        sink: 4,
-                        window: 50,
-                    }],
-                    3,
-                    3,
-                    (20, 20),
-                );
-                let Case { problem, shape: s } = &case;
-                let x = inputs(&mut SmallRng::seed_from_u64(40), s);
-                let forward = B::flash_forward(
-                    upload(&x.q, [s.q_tokens, s.heads, s.head_dim]),
-                    upload(&x.k, [s.kv_tokens, s.kv_heads, s.head_dim]),
-                    upload(&x.v, [s.kv_tokens, s.kv_heads, s.value_dim]),
-                    problem,
-                )
-                .unwrap();
-                let host = portable::forward(&x.q, &x.k, &x.v, s, problem).unwrap();
-                assert!(rel_err(&read(forward.out), &host.out) <= 1e-5);
-                assert!(rel_err(&read(forward.lse), &host.lse) <= 1e-5);
             }
 
             #[test]
@@ -472,11 +477,47 @@ macro_rules! suite {
                 assert!(lse[2].is_nan() && out[row..row + dim].iter().all(|x| x.is_nan()));
                 assert!(lse[6].is_finite());
             }
+
+            $($($kernel_only)*)?
         }
     };
 }
 
-suite!(plain, WgpuPlain);
+suite!(plain, WgpuPlain, {
+    #[test]
+    fn head_dims_64_and_128_stay_exact() {
+        // Each dim is its own kernel build (comptime shapes); Mesa's disk cache keeps them.
+        let case = long_case(vec![MaskSpec::Causal], 2, 2, (64, 64));
+        check_against_reference(&case, 30, "causal D64");
+        let case = long_case(vec![MaskSpec::Causal], 2, 1, (128, 128));
+        check_against_reference(&case, 31, "causal H2 K1 D128");
+    }
+
+    #[test]
+    fn results_agree_with_the_portable_implementation() {
+        let case = long_case(
+            vec![MaskSpec::Lambda {
+                sink: 4,
+                window: 50,
+            }],
+            3,
+            3,
+            (20, 20),
+        );
+        let Case { problem, shape: s } = &case;
+        let x = inputs(&mut SmallRng::seed_from_u64(40), s);
+        let forward = B::flash_forward(
+            upload(&x.q, [s.q_tokens, s.heads, s.head_dim]),
+            upload(&x.k, [s.kv_tokens, s.kv_heads, s.head_dim]),
+            upload(&x.v, [s.kv_tokens, s.kv_heads, s.value_dim]),
+            problem,
+        )
+        .unwrap();
+        let host = portable::forward(&x.q, &x.k, &x.v, s, problem).unwrap();
+        assert!(rel_err(&read(forward.out), &host.out) <= 1e-5);
+        assert!(rel_err(&read(forward.lse), &host.lse) <= 1e-5);
+    }
+});
 suite!(fusion, WgpuFusion);
 
 /// On the fusion backend the kernels sit in a stream of lazily recorded operations: element-wise
@@ -484,7 +525,7 @@ suite!(fusion, WgpuFusion);
 #[test]
 fn fused_work_around_the_kernels_sees_their_inputs_and_outputs() {
     type B = WgpuFusion;
-    let device = WgpuDevice::default();
+    let device = device();
     let case = long_case(vec![MaskSpec::Causal], 4, 2, (16, 16));
     let Case { problem, shape: s } = &case;
     let x = inputs(&mut SmallRng::seed_from_u64(60), s);
@@ -516,7 +557,7 @@ fn fused_work_around_the_kernels_sees_their_inputs_and_outputs() {
 #[test]
 fn fusion_rejects_bad_calls_before_queueing() {
     type B = WgpuFusion;
-    let device = WgpuDevice::default();
+    let device = device();
     let problem = VarlenAttention::packed(vec![3], vec![MaskSpec::Causal]);
     let q = Tensor::<B, 3>::zeros([3, 2, 4], &device);
     let half = Tensor::<B, 3>::zeros([3, 2, 4], (&device, burn::tensor::DType::F16));

@@ -13,7 +13,7 @@ use burn::prelude::{Backend, Tensor};
 
 use crate::error::ModelError;
 use crate::gpt::{Block, Gpt, GptConfig};
-use crate::tensor_parallel::{TpBlock, TpGpt};
+use crate::tensor_parallel::TpGpt;
 
 fn cat_weights<B: Backend>(parts: &[&Linear<B>], dim: usize) -> Linear<B> {
     // Leaves of their own (`detach`): on an autodiff backend a parameter must not be the output
@@ -47,17 +47,17 @@ fn norm_of<B: Backend>(norm: &RmsNorm<B>) -> RmsNorm<B> {
 }
 
 /// The block of `ranks` (one per TP rank, in order): the whole block of the plain model.
-fn whole_block<B: Backend>(ranks: &[&TpBlock<B>], kv_ranks: &[usize]) -> Block<B> {
-    let columns = |pick: fn(&TpBlock<B>) -> &Linear<B>| {
+fn whole_block<B: Backend>(ranks: &[&Block<B>], kv_ranks: &[usize]) -> Block<B> {
+    let columns = |pick: fn(&Block<B>) -> &Linear<B>| {
         cat_weights(&ranks.iter().map(|b| pick(b)).collect::<Vec<_>>(), 1)
     };
-    let kv = |pick: fn(&TpBlock<B>) -> &Linear<B>| {
+    let kv = |pick: fn(&Block<B>) -> &Linear<B>| {
         cat_weights(
             &kv_ranks.iter().map(|&r| pick(ranks[r])).collect::<Vec<_>>(),
             1,
         )
     };
-    let rows = |pick: fn(&TpBlock<B>) -> &Linear<B>| {
+    let rows = |pick: fn(&Block<B>) -> &Linear<B>| {
         cat_weights(&ranks.iter().map(|b| pick(b)).collect::<Vec<_>>(), 0)
     };
     let gates: Option<Vec<&Linear<B>>> = ranks.iter().map(|b| b.gate.as_ref()).collect();
@@ -95,7 +95,7 @@ impl<B: Backend> Gpt<B> {
         let mut blocks = Vec::with_capacity(config.n_layers);
         for stage in stages {
             for index in 0..stage[0].blocks.len() {
-                let ranks: Vec<&TpBlock<B>> = stage.iter().map(|s| &s.blocks[index]).collect();
+                let ranks: Vec<&Block<B>> = stage.iter().map(|s| &s.blocks[index]).collect();
                 blocks.push(whole_block(&ranks, &kv_ranks));
             }
         }

@@ -343,6 +343,23 @@ fn normal_values(seed: u64, count: usize, std: f64) -> Vec<f32> {
 /// Values per independently seeded chunk of [`normal_values`].
 const NORMAL_CHUNK: usize = 1 << 16;
 
+/// Sum of the cross-entropy of `[n, vocab]` logits against `[n]` labels over the labels `≥ 0`
+/// (labels `< 0` are ignored), as a `[1]` tensor; the softmax and the loss in f32, whatever the
+/// model computes in. Divide by the step's *global* label count (all CP and DP ranks) for the
+/// mean loss: gradients summed over ranks are then the mean's gradients.
+pub fn cross_entropy_sum<B: Backend>(
+    logits: Tensor<B, 2>,
+    labels: Tensor<B, 1, Int>,
+) -> Tensor<B, 1> {
+    let count = labels.dims()[0];
+    let log_probs = log_softmax(logits.cast(FloatDType::F32), 1);
+    let valid = labels.clone().greater_equal_elem(0);
+    let targets = reshape(labels.clamp_min(0), [count, 1]);
+    let picked = reshape(log_probs.gather(1, targets), [count]);
+    let zeros = picked.zeros_like();
+    zeros.mask_where(valid, picked).sum().neg()
+}
+
 /// One pre-norm transformer block.
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
@@ -477,15 +494,7 @@ impl<B: Backend> Gpt<B> {
         positions: Tensor<B, 1, Int>,
         labels: Tensor<B, 1, Int>,
     ) -> Tensor<B, 1> {
-        let count = tokens.dims()[0];
-        // The softmax and the loss in f32, whatever the model computes in.
-        let logits = self.forward(tokens, positions).cast(FloatDType::F32);
-        let log_probs = log_softmax(logits, 1);
-        let valid = labels.clone().greater_equal_elem(0);
-        let targets = reshape(labels.clamp_min(0), [count, 1]);
-        let picked = reshape(log_probs.gather(1, targets), [count]);
-        let zeros = picked.zeros_like();
-        zeros.mask_where(valid, picked).sum().neg()
+        cross_entropy_sum(self.forward(tokens, positions), labels)
     }
 
     fn d_model(&self) -> usize {

@@ -11,7 +11,7 @@ pub mod tensor_parallel;
 mod tensors;
 
 pub use error::ModelError;
-pub use gpt::{Gpt, GptConfig, Mlp};
+pub use gpt::{cross_entropy_sum, Gpt, GptConfig, Mlp};
 pub use presets::{preset, PRESETS};
 pub use rope::RopeScaling;
 pub use tensor_parallel::{TensorParallel, TpGpt};

@@ -26,7 +26,7 @@ use burn::tensor::FloatDType;
 use burn_dcp::heads::{HeadParts, Heads};
 
 use crate::error::ModelError;
-use crate::gpt::{mlp, reshape, self_attention, Gpt, GptConfig};
+use crate::gpt::{mlp, reshape, self_attention, Block, Gpt, GptConfig};
 use crate::rope::{Rope, RopeSettings};
 
 /// The TP group's communication, as the model needs it. Every TP rank calls the same ops in the
@@ -98,20 +98,6 @@ pub fn validate_stages(config: &GptConfig, stages: usize) -> Result<(), ModelErr
         .map_err(|e| ModelError::Config(e.to_string()))
 }
 
-/// One TP rank's transformer block.
-#[derive(Module, Debug)]
-pub struct TpBlock<B: Backend> {
-    pub(crate) attn_norm: RmsNorm<B>,
-    pub(crate) q: Linear<B>,
-    pub(crate) k: Linear<B>,
-    pub(crate) v: Linear<B>,
-    pub(crate) o: Linear<B>,
-    pub(crate) mlp_norm: RmsNorm<B>,
-    pub(crate) gate: Option<Linear<B>>,
-    pub(crate) up: Linear<B>,
-    pub(crate) down: Linear<B>,
-}
-
 /// One TP rank's shard of one pipeline stage of the GPT (the whole depth when there is one
 /// stage): the first stage holds the embedding, the last the final norm and the LM head (with a
 /// copy of the embedding when tied, like Megatron-LM's last stage), every stage `layers / pp`
@@ -122,7 +108,8 @@ pub struct TpGpt<B: Backend> {
     /// the last. A burn `Embedding` like the plain GPT's, so that at tp 1, pp 1 the two save the
     /// same record (an `Option` that is `Some` records as its value).
     pub(crate) embedding: Option<Embedding<B>>,
-    pub(crate) blocks: Vec<TpBlock<B>>,
+    /// Blocks with this rank's columns of q/k/v, gate and up and rows of o and down.
+    pub(crate) blocks: Vec<Block<B>>,
     /// Final norm (last stage).
     pub(crate) norm: Option<RmsNorm<B>>,
     /// Untied LM head: this rank's vocabulary columns (last stage).
@@ -221,7 +208,7 @@ impl<B: Backend> TpGpt<B> {
         let per_stage = config.n_layers / stages;
         let blocks = full.blocks[stage * per_stage..(stage + 1) * per_stage]
             .iter()
-            .map(|b| TpBlock {
+            .map(|b| Block {
                 attn_norm: own_norm(&b.attn_norm),
                 q: columns(&b.q, q_cols.clone()),
                 k: columns(&b.k, kv_cols.clone()),
@@ -367,7 +354,7 @@ impl<B: Backend> TpGpt<B> {
     ) -> Result<Tensor<B, 3>, ModelError> {
         let rope = Rope::new(&positions, self.head_dim, &self.rope());
         for block in &self.blocks {
-            x = block.forward(x, &rope, self.heads, self.kv_heads, self.head_dim, tp)?;
+            x = block.forward_tp(x, &rope, self.heads, self.kv_heads, self.head_dim, tp)?;
         }
         Ok(x)
     }
@@ -392,7 +379,7 @@ impl<B: Backend> TpGpt<B> {
             )));
         };
         let rope = Rope::new(&positions, self.head_dim, &self.rope());
-        block.forward(x, &rope, self.heads, self.kv_heads, self.head_dim, tp)
+        block.forward_tp(x, &rope, self.heads, self.kv_heads, self.head_dim, tp)
     }
 
     /// The vocabulary-parallel logits `[T, V / tp]` of the last stage's output `x [1, T, d]`.
@@ -455,8 +442,10 @@ impl<B: Backend> TpGpt<B> {
     }
 }
 
-impl<B: Backend> TpBlock<B> {
-    fn forward<T: TensorParallel<B>>(
+impl<B: Backend> Block<B> {
+    /// The block on one TP rank's shard: the norms' outputs copied into the column-parallel
+    /// projections, the row-parallel ones' outputs reduced.
+    fn forward_tp<T: TensorParallel<B>>(
         &self,
         x: Tensor<B, 3>,
         rope: &Rope<B>,

@@ -69,7 +69,8 @@ pub use gradients::{all_reduce_grads, gradient_values, GRADIENT_BUCKET_BYTES};
 pub use groups::RankGroups;
 pub use metrics::{Progress, StepMetrics, StepObserver};
 pub use model::{
-    cast_model, CpTrain, InputRows, ModelShape, PipelineStage, ShardInput, TrainModel,
+    cast_model, cross_entropy_sum, CpTrain, InputRows, ModelShape, PipelineStage, ShardInput,
+    TrainModel,
 };
 pub use optim::{
     LrSchedule, LrScheduleKind, LrScheduleSettings, OptimizerKind, OptimizerSettings, SteppedLr,

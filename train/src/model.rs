@@ -94,6 +94,19 @@ impl InputRows {
     }
 }
 
+/// The loss a [`TrainModel::loss_sum`] returns, from the model's logits `[rows, width, vocab]`
+/// and the shard's labels `[rows, width]` ([`ShardInput::labels`]): the cross-entropy summed
+/// over the labelled tokens (labels `< 0`, padding included, are ignored), in f32
+/// ([`burn_dcp_models::cross_entropy_sum`]).
+pub fn cross_entropy_sum<B: Backend>(
+    logits: Tensor<B, 3>,
+    labels: Tensor<B, 2, Int>,
+) -> Tensor<B, 1> {
+    let [rows, width, vocab] = logits.dims();
+    let n = rows * width;
+    burn_dcp_models::cross_entropy_sum(logits.reshape([n, vocab]), labels.reshape([n]))
+}
+
 /// A rank's share of a planned micro-batch as tensors `[rows, width]` (see [`InputRows`]).
 pub struct ShardInput<B: Backend> {
     /// Token ids (0 at padding).

@@ -7,15 +7,14 @@ use burn::backend::flex::FlexDevice;
 use burn::backend::Flex;
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::prelude::{Backend, Int, Tensor};
+use burn::prelude::{Backend, Tensor};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use burn::tensor::activation::log_softmax;
 use burn_dcp::comm::{InProcessWorld, WorldConfig};
 use burn_dcp::nn::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_train::{
-    CpTrain, InputRows, ModelShape, ShardInput, StepMetrics, StepObserver, TpGroup, TrainConfig,
-    TrainData, TrainError, TrainModel, Trainer,
+    cross_entropy_sum, CpTrain, InputRows, ModelShape, ShardInput, StepMetrics, StepObserver,
+    TpGroup, TrainConfig, TrainData, TrainError, TrainModel, Trainer,
 };
 
 type B = CpTrain<Flex>;
@@ -58,19 +57,6 @@ impl<B: Backend> TinyLm<B> {
     }
 }
 
-/// Cross-entropy summed over the labelled tokens of `[B, W, V]` logits.
-fn loss_sum<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-    let [rows, width, vocab] = logits.dims();
-    let n = rows * width;
-    let log_probs = log_softmax(logits.reshape([n, vocab]), 1);
-    let labels = labels.reshape([n]);
-    let valid = labels.clone().greater_equal_elem(0);
-    let picked = log_probs
-        .gather(1, labels.clamp_min(0).reshape([n, 1]))
-        .reshape([n]);
-    picked.zeros_like().mask_where(valid, picked).sum().neg()
-}
-
 impl TrainModel<B> for TinyLm<B> {
     const INPUT_ROWS: InputRows = InputRows::OnePerSequence;
 
@@ -82,7 +68,7 @@ impl TrainModel<B> for TinyLm<B> {
                 .causal()
                 .rotary(10_000.0),
         );
-        Ok(loss_sum(
+        Ok(cross_entropy_sum(
             self.head.forward(self.norm.forward(x)),
             input.labels,
         ))
@@ -110,7 +96,7 @@ impl TrainModel<B> for BurnNnLm<B> {
                 .mask_pad(input.mask_pad)
                 .mask_attn(causal),
         );
-        Ok(loss_sum(self.head.forward(x), input.labels))
+        Ok(cross_entropy_sum(self.head.forward(x), input.labels))
     }
 }
 

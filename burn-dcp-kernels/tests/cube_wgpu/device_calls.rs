@@ -8,11 +8,7 @@ use burn_dcp_kernels::cube::{backward_with, forward_with, AttentionKernel};
 type B = WgpuPlain;
 
 pub(super) fn upload(values: &[f32], dims: [usize; 3], dtype: DType) -> Tensor<B, 3> {
-    Tensor::<B, 3>::from_data(
-        TensorData::new(values.to_vec(), dims),
-        &WgpuDevice::default(),
-    )
-    .cast(dtype)
+    Tensor::<B, 3>::from_data(TensorData::new(values.to_vec(), dims), &device()).cast(dtype)
 }
 
 pub(super) fn read<const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {

@@ -263,6 +263,6 @@ fn the_plain_bodies_shuffle_on_lavapipe() {
     use burn::backend::wgpu::WgpuRuntime;
     use burn_dcp_kernels::cube::flash::{plain_body, FlashBody};
     use cubecl::Runtime;
-    let client = WgpuRuntime::client(&WgpuDevice::default());
+    let client = WgpuRuntime::client(&device());
     assert_eq!(plain_body(&client), FlashBody::Shuffles);
 }

@@ -109,15 +109,23 @@ fn strategy_forward<B: FlashOps>(
     .unwrap_or_else(|error| fail(pass, context, shape, error))
 }
 
+/// [`CpInner::cp_attention`] of a plain [`FlashOps`] backend: [`cp_attention_forward_only`].
+macro_rules! forward_only {
+    () => {
+        fn cp_attention(
+            query: FloatTensor<Self>,
+            key: FloatTensor<Self>,
+            value: FloatTensor<Self>,
+            context: Arc<CpContext>,
+        ) -> FloatTensor<Self> {
+            cp_attention_forward_only::<Self>(query, key, value, context)
+        }
+    };
+}
+
+/// burn's CPU backend without autodiff: forward only.
 impl CpInner for burn::backend::Flex {
-    fn cp_attention(
-        query: FloatTensor<Self>,
-        key: FloatTensor<Self>,
-        value: FloatTensor<Self>,
-        context: Arc<CpContext>,
-    ) -> FloatTensor<Self> {
-        cp_attention_forward_only::<Self>(query, key, value, context)
-    }
+    forward_only!();
 }
 
 /// The cubecl backends (wgpu, CUDA) without autodiff: forward only, on the cubecl kernels.
@@ -129,28 +137,14 @@ where
     I: burn_cubecl::IntElement,
     BT: burn_cubecl::BoolElement,
 {
-    fn cp_attention(
-        query: FloatTensor<Self>,
-        key: FloatTensor<Self>,
-        value: FloatTensor<Self>,
-        context: Arc<CpContext>,
-    ) -> FloatTensor<Self> {
-        cp_attention_forward_only::<Self>(query, key, value, context)
-    }
+    forward_only!();
 }
 
 /// burn-fusion's backends (`Fusion<CubeBackend<…>>`, burn's default `Wgpu` and `Cuda`) without
 /// autodiff: forward only, the kernels queued on the fusion stream.
 #[cfg(feature = "fusion")]
 impl<B: burn_fusion::FusionBackend + FlashOps> CpInner for burn_fusion::Fusion<B> {
-    fn cp_attention(
-        query: FloatTensor<Self>,
-        key: FloatTensor<Self>,
-        value: FloatTensor<Self>,
-        context: Arc<CpContext>,
-    ) -> FloatTensor<Self> {
-        cp_attention_forward_only::<Self>(query, key, value, context)
-    }
+    forward_only!();
 }
 
 /// What the backward of one CP attention call needs: its inputs (through burn's checkpointer, so

@@ -342,7 +342,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     unit,
                     from,
                 } => {
-                    let shapes = self.copy_shapes(side, block, backward);
+                    let shapes = self.shapes(side, block, backward, false);
                     let parts = self.receive(from, &shapes, "a block copy")?;
                     self.store_copy(side, (block, unit), parts)?;
                 }
@@ -365,7 +365,7 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     unit,
                     from,
                 } => {
-                    let shapes = self.result_shapes(side, block, backward);
+                    let shapes = self.shapes(side, block, backward, true);
                     let parts = self.receive(from, &shapes, "a block result")?;
                     self.merge_result(side, (block, unit), parts, backward)?;
                 }
@@ -381,9 +381,9 @@ impl<'a, B: FlashOps> Run<'a, B> {
                     self.send(to, parts, &mut sends)?;
                 }
                 Instruction::ReceiveUnitResult { block, unit, from } => {
-                    let mut shapes = self.result_shapes(Side::QueryOutput, block, backward);
+                    let mut shapes = self.shapes(Side::QueryOutput, block, backward, true);
                     if backward {
-                        shapes.extend(self.result_shapes(Side::KeyValue, block, backward));
+                        shapes.extend(self.shapes(Side::KeyValue, block, backward, true));
                     }
                     let parts = self.receive(from, &shapes, "a head unit's results")?;
                     self.replace_results((block, unit), parts, backward)?;

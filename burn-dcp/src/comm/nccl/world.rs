@@ -92,3 +92,51 @@ impl NcclWorld {
         NcclComm::create(shared, control, RawNccl(raw), name, Arc::from(""))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::InProcessWorld;
+
+    type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+
+    /// Without a GPU (or without NCCL), initialisation is an error naming what is missing — not a
+    /// panic inside cudarc. Runs everywhere; on a GPU machine it checks nothing and says so.
+    #[test]
+    fn without_cuda_init_is_a_clear_error() {
+        // libcuda where the loader finds it: its cache, the usual directories, LD_LIBRARY_PATH.
+        let in_cache = std::process::Command::new("ldconfig")
+            .arg("-p")
+            .output()
+            .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains("libcuda.so"));
+        let library_path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        let cuda_present = in_cache
+            || [
+                "/usr/lib/x86_64-linux-gnu",
+                "/usr/lib64",
+                "/usr/local/nvidia/lib64",
+            ]
+            .into_iter()
+            .chain(library_path.split(':'))
+            .filter(|dir| !dir.is_empty())
+            .any(|dir| std::path::Path::new(dir).join("libcuda.so.1").exists());
+        if cuda_present {
+            eprintln!("libcuda is installed: this check only applies to machines without it");
+            return;
+        }
+        let control = InProcessWorld::new(1, WorldConfig::default()).unwrap();
+        let results = control.run(|control| -> Result<(), String> {
+            let error =
+                NcclWorld::init::<Cuda>(control, CudaDevice { index: 0 }, WorldConfig::default())
+                    .err()
+                    .ok_or("initialisation succeeded without CUDA")?
+                    .to_string();
+            assert!(
+                error.contains("libcuda") && error.contains("could not be loaded"),
+                "{error}"
+            );
+            Ok(())
+        });
+        results.into_iter().for_each(|r| r.unwrap());
+    }
+}

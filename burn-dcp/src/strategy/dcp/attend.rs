@@ -35,12 +35,7 @@ impl<B: FlashOps> Run<'_, B> {
         let mut vs = Vec::with_capacity(kv.len());
         for &block in kv {
             let key = (BlockId { seq, block }, unit);
-            let (k, v) = self
-                .blocks
-                .keys
-                .get(&key)
-                .cloned()
-                .ok_or_else(|| self.missing("the keys", key))?;
+            let (k, v) = self.block_keys(key)?;
             ks.push(k);
             vs.push(v);
         }

@@ -9,36 +9,37 @@ impl<B: FlashOps> Run<'_, B> {
         self.schedule.block_tokens(block).len()
     }
 
-    pub(super) fn copy_shapes(
+    /// The shapes of a block's copy (`result`: false) or result (true) on `side`: what a
+    /// receive of it expects.
+    pub(super) fn shapes(
         &self,
         side: Side,
         block: BlockId,
         backward: bool,
+        result: bool,
     ) -> Vec<Vec<usize>> {
         let t = self.tokens(block);
         let (h, kv, d) = self.heads.unit_dims();
-        match (side, backward) {
-            (Side::QueryOutput, false) => vec![vec![t, h, d]],
-            (Side::QueryOutput, true) => {
+        match (side, backward, result) {
+            // A forward's copy: Q; a backward's result: dQ.
+            (Side::QueryOutput, false, false) | (Side::QueryOutput, true, true) => {
+                vec![vec![t, h, d]]
+            }
+            // A backward's copy: Q, out, LSE and dO.
+            (Side::QueryOutput, true, false) => {
                 vec![vec![t, h, d], vec![t, h, d], vec![h, t], vec![t, h, d]]
             }
-            (Side::KeyValue, _) => vec![vec![t, kv, d]; 2],
+            // A forward's result: out and LSE.
+            (Side::QueryOutput, false, true) => vec![vec![t, h, d], vec![h, t]],
+            // K and V, or dK and dV.
+            (Side::KeyValue, ..) => vec![vec![t, kv, d]; 2],
         }
     }
 
-    pub(super) fn result_shapes(
-        &self,
-        side: Side,
-        block: BlockId,
-        backward: bool,
-    ) -> Vec<Vec<usize>> {
-        let t = self.tokens(block);
-        let (h, kv, d) = self.heads.unit_dims();
-        match (side, backward) {
-            (Side::QueryOutput, false) => vec![vec![t, h, d], vec![h, t]],
-            (Side::QueryOutput, true) => vec![vec![t, h, d]],
-            (Side::KeyValue, _) => vec![vec![t, kv, d]; 2],
-        }
+    /// The keys and values of `key` this rank holds.
+    pub(super) fn block_keys(&self, key: Key) -> Result<(Tensor<B, 3>, Tensor<B, 3>), CpError> {
+        let keys = self.blocks.keys.get(&key).cloned();
+        keys.ok_or_else(|| self.missing("the keys", key))
     }
 
     pub(super) fn missing(&self, what: &str, (block, unit): Key) -> CpError {
@@ -78,12 +79,7 @@ impl<B: FlashOps> Run<'_, B> {
                 Ok(parts)
             }
             Side::KeyValue => {
-                let (k, v) = self
-                    .blocks
-                    .keys
-                    .get(&key)
-                    .cloned()
-                    .ok_or_else(|| self.missing("the keys", key))?;
+                let (k, v) = self.block_keys(key)?;
                 Ok(vec![Payload::device(k), Payload::device(v)])
             }
         }
@@ -367,9 +363,9 @@ impl<B: FlashOps> Run<'_, B> {
         from: usize,
         backward: bool,
     ) -> Result<(), CpError> {
-        let mut shapes = self.copy_shapes(Side::QueryOutput, block, backward);
+        let mut shapes = self.shapes(Side::QueryOutput, block, backward, false);
         let queries = shapes.len();
-        shapes.extend(self.copy_shapes(Side::KeyValue, block, backward));
+        shapes.extend(self.shapes(Side::KeyValue, block, backward, false));
         let mut parts = self.receive(from, &shapes, "a head unit")?;
         let keys = parts.split_off(queries);
         self.store_copy(Side::QueryOutput, (block, unit), parts)?;
