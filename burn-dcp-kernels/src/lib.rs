@@ -53,22 +53,4 @@ pub mod backends {
     /// CUDA with burn-fusion (burn's default `Cuda`).
     #[cfg(feature = "cuda")]
     pub type CudaFusion = burn_fusion::Fusion<CudaPlain>;
-
-    /// wgpu devices to spread independent work over (a device builds one kernel at a time, on
-    /// its server's thread): the default device and, where every adapter is a CPU (Mesa's
-    /// lavapipe, as in CI), a second device on it (`WgpuDevice::Cpu`), so that two threads can
-    /// compile kernels at once. Finds the adapters without starting a device.
-    #[cfg(feature = "wgpu")]
-    pub fn wgpu_devices() -> Vec<burn::backend::wgpu::WgpuDevice> {
-        use burn::backend::wgpu::graphics::{AutoGraphicsApi, GraphicsApi};
-        use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
-        use cubecl::Runtime;
-        // Type 4 lists every adapter; a CPU adapter's id has type 3.
-        let adapters = WgpuRuntime::enumerate_devices(4, &AutoGraphicsApi::backend());
-        let cpus_only = !adapters.is_empty() && adapters.iter().all(|id| id.type_id == 3);
-        match cpus_only {
-            true => vec![WgpuDevice::DefaultDevice, WgpuDevice::Cpu],
-            false => vec![WgpuDevice::DefaultDevice],
-        }
-    }
 }

@@ -25,19 +25,29 @@ use common::{
     rel_err, Case,
 };
 
-/// The wgpu devices the tests run on ([`wgpu_devices`](burn_dcp_kernels::backends::wgpu_devices)),
-/// each test's thread leasing one for its whole run. This suite's time is lavapipe compiling
-/// kernel shapes, one at a time per device: with two devices two tests compile at once, and a
-/// shape one device built is a hit in Mesa's disk cache on the other.
+/// The wgpu devices the tests run on, each test's thread leasing one for its whole run. This
+/// suite's time is lavapipe compiling kernel shapes, one at a time per device (on its server's
+/// thread): where every adapter is a CPU (Mesa's lavapipe, as in CI), a second device on it
+/// (`WgpuDevice::Cpu`) lets two tests compile at once, and a shape one device built is in part a
+/// hit in Mesa's disk cache on the other.
 mod devices {
     use std::sync::{Mutex, OnceLock};
 
-    use burn::backend::wgpu::WgpuDevice;
-    use burn_dcp_kernels::backends::wgpu_devices;
+    use burn::backend::wgpu::graphics::{AutoGraphicsApi, GraphicsApi};
+    use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
+    use cubecl::Runtime;
 
     fn free() -> &'static Mutex<Vec<WgpuDevice>> {
         static FREE: OnceLock<Mutex<Vec<WgpuDevice>>> = OnceLock::new();
-        FREE.get_or_init(|| Mutex::new(wgpu_devices()))
+        FREE.get_or_init(|| {
+            // Type 4 lists every adapter (without starting a device); a CPU's id has type 3.
+            let adapters = WgpuRuntime::enumerate_devices(4, &AutoGraphicsApi::backend());
+            let cpus_only = !adapters.is_empty() && adapters.iter().all(|id| id.type_id == 3);
+            Mutex::new(match cpus_only {
+                true => vec![WgpuDevice::DefaultDevice, WgpuDevice::Cpu],
+                false => vec![WgpuDevice::DefaultDevice],
+            })
+        })
     }
 
     /// A device held by one test's thread, given back when the thread ends.
