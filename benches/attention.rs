@@ -34,8 +34,13 @@ use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Distribution, TensorData};
 use burn_dcp::planner::cost::BACKWARD_FLOPS_FACTOR;
-use burn_dcp_kernels::{FlashOps, MaskSpec, VarlenAttention};
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use burn_dcp_kernels::{
+    FlashBackward, FlashGradients, FlashOps, FlashOutput, MaskSpec, VarlenAttention,
+};
+use criterion::measurement::WallTime;
+use criterion::{
+    criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput,
+};
 
 /// One benchmark shape.
 struct Shape {
@@ -152,8 +157,21 @@ fn burn_attention<B: Backend>(shape: &Shape, x: &Inputs<B>) -> Vec<Tensor<B, 4>>
     outs
 }
 
+/// burn's attention, each sequence's output read back to the host.
+fn burn_forward<B: Backend>(shape: &Shape, x: &Inputs<B>) -> Vec<TensorData> {
+    burn_attention(shape, x)
+        .into_iter()
+        .map(|o| o.into_data())
+        .collect()
+}
+
 fn flops(shape: &Shape, x: &VarlenAttention) -> u64 {
     x.allowed_pairs() * 4 * shape.head_dim as u64 * shape.heads as u64
+}
+
+/// The FLOPs of a forward and its backward, from those of the forward.
+fn forward_backward_flops(forward_flops: u64) -> u64 {
+    ((1.0 + BACKWARD_FLOPS_FACTOR) * forward_flops as f64) as u64
 }
 
 /// This machine's practical f32 peak on the same run: a plain square matmul on Flex (burn's
@@ -204,52 +222,42 @@ fn forward(c: &mut Criterion) {
         let x = inputs::<Flex>(&shape, &device);
         group.throughput(Throughput::Elements(flops(&shape, &x.problem)));
         group.bench_function(BenchmarkId::new("portable-flex", shape.name), |b| {
-            b.iter(|| {
-                let out = Flex::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
-                    .expect("valid problem");
-                out.out.into_data()
-            })
+            b.iter(|| ours_forward(&x).out.into_data())
         });
         // The same on one thread, as burn's attention on Flex runs here.
         std::env::set_var(burn_dcp_kernels::portable::THREADS_VAR, "1");
         group.bench_function(
             BenchmarkId::new("portable-flex-1-thread", shape.name),
-            |b| {
-                b.iter(|| {
-                    let out =
-                        Flex::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
-                            .expect("valid problem");
-                    out.out.into_data()
-                })
-            },
+            |b| b.iter(|| ours_forward(&x).out.into_data()),
         );
         std::env::remove_var(burn_dcp_kernels::portable::THREADS_VAR);
         group.bench_function(BenchmarkId::new("burn-attention-flex", shape.name), |b| {
-            b.iter(|| {
-                burn_attention(&shape, &x)
-                    .into_iter()
-                    .map(|o| o.into_data())
-                    .collect::<Vec<_>>()
-            })
+            b.iter(|| burn_forward(&shape, &x))
         });
     }
     group.finish();
 }
 
-/// Our forward then backward (what a CP step runs), read back to the host.
-fn ours_forward_backward<B: FlashOps>(x: &Inputs<B>) -> [TensorData; 3] {
-    let fwd =
-        B::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem).expect("valid problem");
-    let grads = B::flash_backward(
+/// Our forward, left on the device.
+fn ours_forward<B: FlashOps>(x: &Inputs<B>) -> FlashOutput<B> {
+    B::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem).expect("valid problem")
+}
+
+/// Our forward then backward (what a CP step runs), left on the device.
+fn ours_gradients<B: FlashOps>(x: &Inputs<B>) -> FlashGradients<B> {
+    let inputs = FlashBackward::new(
         x.q.clone(),
         x.k.clone(),
         x.v.clone(),
-        fwd.out,
-        fwd.lse,
+        ours_forward(x),
         x.dout.clone(),
-        &x.problem,
-    )
-    .expect("valid problem");
+    );
+    B::flash_backward(inputs, &x.problem).expect("valid problem")
+}
+
+/// [`ours_gradients`] read back to the host.
+fn ours_forward_backward<B: FlashOps>(x: &Inputs<B>) -> [TensorData; 3] {
+    let grads = ours_gradients(x);
     [
         grads.dq.into_data(),
         grads.dk.into_data(),
@@ -291,25 +299,58 @@ fn burn_forward_backward<B: Backend>(
     ]
 }
 
+/// Ours (id `ours`) and burn's attention on `Autodiff<B>` (id `burn`), forward + backward.
+fn bench_forward_backward<B: FlashOps>(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    [ours, burn]: [&str; 2],
+    shape: &Shape,
+    x: &Inputs<B>,
+) {
+    group.throughput(Throughput::Elements(forward_backward_flops(flops(
+        shape, &x.problem,
+    ))));
+    group.bench_function(BenchmarkId::new(ours, shape.name), |b| {
+        b.iter(|| ours_forward_backward(x))
+    });
+    let xa = autodiff_inputs(x);
+    group.bench_function(BenchmarkId::new(burn, shape.name), |b| {
+        b.iter(|| burn_forward_backward(shape, &xa))
+    });
+}
+
 fn forward_backward(c: &mut Criterion) {
     let device = Default::default();
     let mut group = c.benchmark_group("forward+backward");
     group.sample_size(10);
     for shape in shapes() {
         let x = inputs::<Flex>(&shape, &device);
-        group.throughput(Throughput::Elements(
-            ((1.0 + BACKWARD_FLOPS_FACTOR) * flops(&shape, &x.problem) as f64) as u64,
-        ));
-        group.bench_function(BenchmarkId::new("portable-flex", shape.name), |b| {
-            b.iter(|| ours_forward_backward(&x))
-        });
-        let xa = autodiff_inputs(&x);
-        group.bench_function(
-            BenchmarkId::new("burn-attention-autodiff-flex", shape.name),
-            |b| b.iter(|| burn_forward_backward(&shape, &xa)),
-        );
+        let ids = ["portable-flex", "burn-attention-autodiff-flex"];
+        bench_forward_backward(&mut group, ids, &shape, &x);
     }
     group.finish();
+}
+
+/// Our merge of two forwards over the same queries (the second with k and v swapped).
+fn bench_merge<B: FlashOps>(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    id: &str,
+    shape: &Shape,
+    x: &Inputs<B>,
+) {
+    let a = ours_forward(x);
+    let b_part =
+        B::flash_forward(x.q.clone(), x.v.clone(), x.k.clone(), &x.problem).expect("valid problem");
+    let [t, h, d] = a.out.dims();
+    // bytes read and written per merge, as elements: two partial outs and lses in, one out
+    group.throughput(Throughput::Elements((3 * t * h * d + 3 * t * h) as u64));
+    group.bench_function(BenchmarkId::new(id, shape.name), |bench| {
+        bench.iter(|| {
+            B::flash_merge(a.clone(), b_part.clone())
+                .expect("same shapes")
+                .out
+                .into_data()
+        })
+    });
 }
 
 fn merge(c: &mut Criterion) {
@@ -318,21 +359,7 @@ fn merge(c: &mut Criterion) {
     group.sample_size(10);
     for shape in shapes() {
         let x = inputs::<Flex>(&shape, &device);
-        let a = Flex::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
-            .expect("valid problem");
-        let b_part = Flex::flash_forward(x.q.clone(), x.v.clone(), x.k.clone(), &x.problem)
-            .expect("valid problem");
-        let [t, h, d] = a.out.dims();
-        // bytes read and written per merge, as elements: two partial outs and lses in, one out
-        group.throughput(Throughput::Elements((3 * t * h * d + 3 * t * h) as u64));
-        group.bench_function(BenchmarkId::new("portable-flex", shape.name), |bench| {
-            bench.iter(|| {
-                Flex::flash_merge(a.clone(), b_part.clone())
-                    .expect("same shapes")
-                    .out
-                    .into_data()
-            })
-        });
+        bench_merge(&mut group, "portable-flex", &shape, &x);
     }
     group.finish();
 }
@@ -388,52 +415,23 @@ fn wgpu(c: &mut Criterion) {
         // Compile the kernels of this shape outside the timed region (on lavapipe a first call
         // compiles for tens of seconds).
         ours_forward_backward(&x);
-        let forward_flops = flops(&shape, &x.problem);
-        group.throughput(Throughput::Elements(forward_flops));
+        group.throughput(Throughput::Elements(flops(&shape, &x.problem)));
         group.bench_function(BenchmarkId::new("forward/cube-wgpu", shape.name), |b| {
             b.iter(|| {
-                let out = Wgpu::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
-                    .expect("valid problem");
+                let out = ours_forward(&x);
                 (out.out.into_data(), out.lse.into_data())
             })
         });
         group.bench_function(
             BenchmarkId::new("forward/burn-attention-wgpu", shape.name),
-            |b| {
-                b.iter(|| {
-                    burn_attention(&shape, &x)
-                        .into_iter()
-                        .map(|o| o.into_data())
-                        .collect::<Vec<_>>()
-                })
-            },
+            |b| b.iter(|| burn_forward(&shape, &x)),
         );
-        group.throughput(Throughput::Elements(
-            ((1.0 + BACKWARD_FLOPS_FACTOR) * forward_flops as f64) as u64,
-        ));
-        group.bench_function(
-            BenchmarkId::new("forward+backward/cube-wgpu", shape.name),
-            |b| b.iter(|| ours_forward_backward(&x)),
-        );
-        let xa = autodiff_inputs(&x);
-        group.bench_function(
-            BenchmarkId::new("forward+backward/burn-attention-autodiff-wgpu", shape.name),
-            |b| b.iter(|| burn_forward_backward(&shape, &xa)),
-        );
-        let a = Wgpu::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
-            .expect("valid problem");
-        let b_part = Wgpu::flash_forward(x.q.clone(), x.v.clone(), x.k.clone(), &x.problem)
-            .expect("valid problem");
-        let [t, h, d] = a.out.dims();
-        group.throughput(Throughput::Elements((3 * t * h * d + 3 * t * h) as u64));
-        group.bench_function(BenchmarkId::new("merge/cube-wgpu", shape.name), |bench| {
-            bench.iter(|| {
-                Wgpu::flash_merge(a.clone(), b_part.clone())
-                    .expect("same shapes")
-                    .out
-                    .into_data()
-            })
-        });
+        let ids = [
+            "forward+backward/cube-wgpu",
+            "forward+backward/burn-attention-autodiff-wgpu",
+        ];
+        bench_forward_backward(&mut group, ids, &shape, &x);
+        bench_merge(&mut group, "merge/cube-wgpu", &shape, &x);
     }
     group.finish();
 }
@@ -451,6 +449,7 @@ fn cuda(c: &mut Criterion) {
     use burn::tensor::{DType, TensorPrimitive};
     use burn_dcp_kernels::backends::CudaPlain as B;
     use burn_dcp_kernels::cube::{backward_with, forward_with, AttentionKernel};
+    use burn_dcp_kernels::BackwardTensors;
     let device = Default::default();
     let mut group = c.benchmark_group("cuda");
     group.sample_size(10);
@@ -486,17 +485,14 @@ fn cuda(c: &mut Criterion) {
             ),
             ("flash", AttentionKernel::Flash { tensor_cores: true }),
         ];
+        let primitive = |t: &Tensor<B, 3>| t.clone().into_primitive().tensor();
+        let forward = |kernel| {
+            let (q, k, v) = (primitive(&x.q), primitive(&x.k), primitive(&x.v));
+            forward_with(q, k, v, &x.problem, kernel).expect("the device runs this kernel")
+        };
         for (label, kernel) in kernels {
             let run = || {
-                let primitive = |t: &Tensor<B, 3>| t.clone().into_primitive().tensor();
-                let (out, _lse) = forward_with(
-                    primitive(&x.q),
-                    primitive(&x.k),
-                    primitive(&x.v),
-                    &x.problem,
-                    kernel,
-                )
-                .expect("the device runs this kernel");
+                let (out, _lse) = forward(kernel);
                 B::sync(&device).expect("device sync");
                 Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out))
             };
@@ -516,34 +512,23 @@ fn cuda(c: &mut Criterion) {
                 })
             },
         );
-        group.throughput(Throughput::Elements(
-            ((1.0 + BACKWARD_FLOPS_FACTOR) * forward_flops as f64) as u64,
-        ));
+        group.throughput(Throughput::Elements(forward_backward_flops(forward_flops)));
         let tensor_cores = AttentionKernel::Flash { tensor_cores: true };
         group.bench_function(
             BenchmarkId::new("forward+backward/flash-cuda", shape.name),
             |b| {
                 b.iter(|| {
-                    let primitive = |t: &Tensor<B, 3>| t.clone().into_primitive().tensor();
-                    let (out, lse) = forward_with(
-                        primitive(&x.q),
-                        primitive(&x.k),
-                        primitive(&x.v),
-                        &x.problem,
-                        tensor_cores,
-                    )
-                    .expect("the device runs this kernel");
-                    let grads = backward_with(
-                        primitive(&x.q),
-                        primitive(&x.k),
-                        primitive(&x.v),
+                    let (out, lse) = forward(tensor_cores);
+                    let inputs = BackwardTensors {
+                        q: primitive(&x.q),
+                        k: primitive(&x.k),
+                        v: primitive(&x.v),
                         out,
                         lse,
-                        primitive(&x.dout),
-                        &x.problem,
-                        tensor_cores,
-                    )
-                    .expect("the device runs this kernel");
+                        dout: primitive(&x.dout),
+                    };
+                    let grads = backward_with(inputs, &x.problem, tensor_cores)
+                        .expect("the device runs this kernel");
                     B::sync(&device).expect("device sync");
                     grads
                 })
@@ -553,18 +538,7 @@ fn cuda(c: &mut Criterion) {
             BenchmarkId::new("forward+backward/auto-cuda", shape.name),
             |b| {
                 b.iter(|| {
-                    let fwd = B::flash_forward(x.q.clone(), x.k.clone(), x.v.clone(), &x.problem)
-                        .expect("valid problem");
-                    let grads = B::flash_backward(
-                        x.q.clone(),
-                        x.k.clone(),
-                        x.v.clone(),
-                        fwd.out,
-                        fwd.lse,
-                        x.dout.clone(),
-                        &x.problem,
-                    )
-                    .expect("valid problem");
+                    let grads = ours_gradients(&x);
                     B::sync(&device).expect("device sync");
                     grads
                 })

@@ -193,7 +193,7 @@ fn run(args: &Args) {
     use burn::tensor::{DType, Distribution};
     use burn_dcp_kernels::backends::CudaPlain as B;
     use burn_dcp_kernels::cube::{backward_with, forward_with, AttentionKernel};
-    use burn_dcp_kernels::{MaskSpec, VarlenAttention};
+    use burn_dcp_kernels::{BackwardTensors, MaskSpec, VarlenAttention};
 
     let device = Default::default();
     let sync = || B::sync(&device).expect("device sync");
@@ -242,17 +242,16 @@ fn run(args: &Args) {
                 let result = catch(&mut || {
                     time(args.warmup, args.reps, || {
                         let (out, lse) = forward();
-                        let grads = backward_with(
-                            primitive(&q),
-                            primitive(&k),
-                            primitive(&v),
+                        let inputs = BackwardTensors {
+                            q: primitive(&q),
+                            k: primitive(&k),
+                            v: primitive(&v),
                             out,
                             lse,
-                            primitive(&dout),
-                            &problem,
-                            kernel,
-                        )
-                        .expect("the device runs this kernel");
+                            dout: primitive(&dout),
+                        };
+                        let grads = backward_with(inputs, &problem, kernel)
+                            .expect("the device runs this kernel");
                         sync();
                         drop(grads);
                     })

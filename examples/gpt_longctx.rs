@@ -1,8 +1,10 @@
 //! Long-context GPT training with context parallelism, threads as ranks, on the CPU (burn Flex).
 //!
-//!     cargo run --release --example gpt_longctx      # defaults: cp 4, ring zigzag, Vim help corpus
-//!     cargo run --release --example gpt_longctx -- --cp 4 --strategy usp --ulysses-degree 2 \
-//!         --steps 30 --out runs/usp --json
+//! ```text
+//! cargo run --release --example gpt_longctx      # defaults: cp 4, ring zigzag, Vim help corpus
+//! cargo run --release --example gpt_longctx -- --cp 4 --strategy usp --ulysses-degree 2 \
+//!     --steps 30 --out runs/usp --json
+//! ```
 //!
 //! The model is an ordinary burn GPT; context parallelism comes from the backend type
 //! `ContextParallel<Autodiff<Flex>>` and the per-rank CP context the training loop sets.
@@ -63,16 +65,7 @@ static ALLOCATOR: burn_dcp::kernels::memory::TrackingAllocator =
 
 fn main() {
     burn_dcp_suite::launch::init_logging();
-    let args = Args::parse();
-    if let Err(message) = run(&args) {
-        // With several processes (MPI or TCP) every rank finds the same configuration error:
-        // rank 0 alone prints it (a rank's own failure during training is printed by that rank
-        // as it aborts the job).
-        if burn_dcp_suite::launch::launcher_rank() == 0 {
-            eprintln!("error: {message}");
-        }
-        std::process::exit(2);
-    }
+    burn_dcp_suite::launch::exit_on_error(run(&Args::parse()));
 }
 
 fn run(args: &Args) -> Result<(), TrainError> {

@@ -10,7 +10,7 @@ use burn::prelude::Tensor;
 use burn::tensor::TensorData;
 use burn_dcp::comm::{CommError, InProcessWorld, Payload, WorldConfig};
 use burn_dcp::diagnostics::harness::run_context_parallel;
-use burn_dcp::diagnostics::volume::{analytic_volume, VolumeShape};
+use burn_dcp::diagnostics::volume::analytic_volume;
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::{CpError, Layout, Placement, Strategy};
 use common::*;
@@ -48,13 +48,7 @@ fn bytes_sent_match_the_analytic_volume() {
                 )
                 .unwrap();
                 let placement = Placement::of_layout(&inputs.seq_lens, cp, layout).unwrap();
-                let shape = VolumeShape {
-                    heads,
-                    kv_heads,
-                    head_dim: 8,
-                    value_dim: 8,
-                    element_bytes: 4,
-                };
+                let shape = f32_volume_shape(heads, kv_heads, 8);
                 let expected = analytic_volume(strategy, &placement, &shape);
                 for (rank, expected) in expected.iter().enumerate() {
                     let what = format!("{strategy} {layout} H{heads} K{kv_heads} rank {rank}");
@@ -209,14 +203,7 @@ fn a_world_of_the_wrong_size_is_rejected() {
 #[test]
 fn a_failing_rank_makes_its_peers_fail_instead_of_hanging() {
     let timeout = Duration::from_secs(20);
-    let world = InProcessWorld::new(
-        4,
-        WorldConfig {
-            timeout,
-            ..WorldConfig::default()
-        },
-    )
-    .unwrap();
+    let world = world_with_timeout(4, timeout);
     let started = Instant::now();
     let results = world.run(|comm| -> Result<(), CommError> {
         if comm.rank() == 2 {
@@ -242,14 +229,7 @@ fn a_failing_rank_makes_its_peers_fail_instead_of_hanging() {
 
 #[test]
 fn an_erroring_rank_fails_pending_receives_of_its_peers() {
-    let world = InProcessWorld::new(
-        3,
-        WorldConfig {
-            timeout: Duration::from_secs(20),
-            ..WorldConfig::default()
-        },
-    )
-    .unwrap();
+    let world = world_with_timeout(3, Duration::from_secs(20));
     let started = Instant::now();
     let results = world.run(|comm| -> Result<(), String> {
         match comm.rank() {
@@ -274,14 +254,7 @@ fn an_erroring_rank_fails_pending_receives_of_its_peers() {
 
 #[test]
 fn a_missing_peer_times_out_with_an_error_naming_it() {
-    let world = InProcessWorld::new(
-        2,
-        WorldConfig {
-            timeout: Duration::from_millis(200),
-            ..WorldConfig::default()
-        },
-    )
-    .unwrap();
+    let world = world_with_timeout(2, Duration::from_millis(200));
     let comms = world.communicators();
     let err = comms[0].irecv(1).unwrap().wait().unwrap_err().to_string();
     assert!(

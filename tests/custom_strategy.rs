@@ -9,7 +9,6 @@ mod fused_gather;
 
 use burn_dcp::comm::OpKind;
 use burn_dcp::diagnostics::harness::{run_context_parallel, run_context_parallel_of};
-use burn_dcp::diagnostics::volume::VolumeShape;
 use burn_dcp::planner::cost::evaluate;
 use burn_dcp::planner::{plan_strategy, AttentionDims, DcpConfig, PlanInput, Topology};
 use burn_dcp::strategy::{plan_with, AttentionStrategy};
@@ -51,13 +50,7 @@ fn a_strategy_defined_in_a_test_runs_exactly_with_its_own_collectives() {
                     }
                     // its closed-form bytes are what it sends
                     let placement = Placement::of_layout(seq_lens, cp, layout).unwrap();
-                    let shape = VolumeShape {
-                        heads,
-                        kv_heads,
-                        head_dim: 8,
-                        value_dim: 8,
-                        element_bytes: 4,
-                    };
+                    let shape = f32_volume_shape(heads, kv_heads, 8);
                     let volume = FusedAllGather.volume(&placement, &shape);
                     for (rank, v) in volume.iter().enumerate() {
                         let sent = |stats: &burn_dcp::comm::CommStats| -> u64 {

@@ -11,7 +11,7 @@ use burn_dcp::backend::{set_context, ContextParallel, CpContext};
 use burn_dcp::batch::shard::unshard_rows;
 use burn_dcp::comm::{InProcessWorld, WorldConfig};
 use burn_dcp::diagnostics::harness::{max_rel_err, run_single_device, PackedInputs};
-use burn_dcp::diagnostics::volume::{analytic_volume, VolumeShape};
+use burn_dcp::diagnostics::volume::analytic_volume;
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::{CpBatch, CpGroup, Layout, Placement, Strategy};
 use common::*;
@@ -156,13 +156,7 @@ fn decorated_attention_gradients_equal_single_device() {
             }
             // The strategy really ran: every rank sent exactly its analytic forward + backward volume.
             let placement = Placement::of_layout(&inputs.seq_lens, cp, layout).unwrap();
-            let shape = VolumeShape {
-                heads: 4,
-                kv_heads: 4,
-                head_dim: 8,
-                value_dim: 8,
-                element_bytes: 4,
-            };
+            let shape = f32_volume_shape(4, 4, 8);
             let expected = analytic_volume(strategy, &placement, &shape);
             for (rank, r) in ranks.iter().enumerate() {
                 assert!(r.bytes > 0, "{what}: rank {rank} sent nothing");
@@ -301,13 +295,7 @@ fn grouped_query_heads_move_only_the_real_kv_heads() {
             assert!(err <= TOLERANCE, "{what}: {name} max_rel_err {err:e}");
         }
         let placement = Placement::of_layout(&inputs.seq_lens, cp, layout).unwrap();
-        let shape = |kv_heads| VolumeShape {
-            heads,
-            kv_heads,
-            head_dim: 8,
-            value_dim: 8,
-            element_bytes: 4,
-        };
+        let shape = |kv_heads| f32_volume_shape(heads, kv_heads, 8);
         let real = analytic_volume(strategy, &placement, &shape(kv_heads));
         let repeated = analytic_volume(strategy, &placement, &shape(heads));
         let total = |v: &[burn_dcp::diagnostics::volume::RankVolume]| -> u64 {

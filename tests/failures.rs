@@ -143,14 +143,7 @@ fn run_world(
 ) -> Outcome {
     let (sender, receiver) = mpsc::channel();
     std::thread::spawn(move || {
-        let world = InProcessWorld::new(
-            setups.len(),
-            WorldConfig {
-                timeout,
-                ..WorldConfig::default()
-            },
-        )
-        .unwrap();
+        let world = world_with_timeout(setups.len(), timeout);
         world.inject_faults(faults);
         let started = Instant::now();
         let results = world.run(|comm| {
@@ -299,14 +292,7 @@ fn invalid_inputs_on_one_rank_fail_every_rank_at_once() {
 
 #[test]
 fn a_rank_that_returns_early_is_named_at_once() {
-    let world = InProcessWorld::new(
-        4,
-        WorldConfig {
-            timeout: Duration::from_secs(60),
-            ..WorldConfig::default()
-        },
-    )
-    .unwrap();
+    let world = world_with_timeout(4, Duration::from_secs(60));
     let started = Instant::now();
     let results = world.run(|comm| -> Result<(), CommError> {
         if comm.rank() == 3 {

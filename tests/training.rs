@@ -9,7 +9,7 @@ use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
 use burn_dcp_suite::models::Gpt;
 use burn_dcp_suite::train::{
-    gradient_values, init_model, step_gradients, CpTrain, DynamicSettings, GroupStrategy,
+    gradient_values, init_model, step_gradients, CpSizes, CpTrain, DynamicSettings, GroupStrategy,
     RankGroups, TrainConfig, TrainData, TrainMode,
 };
 
@@ -34,14 +34,24 @@ fn with_dynamic(config: &mut TrainConfig, settings: DynamicSettings) {
     };
 }
 
+/// `config` under dynamic CP over power-of-two groups (of one rank or more), each rank holding
+/// at most `max_tokens_per_rank` tokens (see [`with_dynamic`]).
+fn dynamic_pow2(mut config: TrainConfig, max_tokens_per_rank: usize) -> TrainConfig {
+    with_dynamic(
+        &mut config,
+        DynamicSettings {
+            max_tokens_per_rank,
+            min_cp_size: 1,
+            cp_sizes: CpSizes::Pow2,
+        },
+    );
+    config
+}
+
 fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) -> TrainConfig {
     TrainConfig {
         cp,
         dp,
-        tp: 1,
-        pp: 1,
-        pp_schedule: Default::default(),
-        vpp: 1,
         // Strategy dcp: the test gives its settings (`TrainMode::Dcp`).
         mode: TrainMode::Static { strategy, layout },
         seq_len: 150,
@@ -50,37 +60,10 @@ fn config(cp: usize, dp: usize, strategy: Strategy, layout: Layout, mask: &str) 
         model_size: "tiny".into(),
         seed: 5,
         learning_rate: 1e-3,
-        optimizer: Default::default(),
-        lr_schedule: Default::default(),
-        clip_grad_norm: None,
-        eval_every: None,
-        eval_tokens: 4096,
-        checkpoint_every: None,
-        keep_checkpoints: 1,
-        checkpoint_chunk_bytes: 256 << 20,
-        checkpoint_timeout_secs: 3600,
         mask: mask.into(),
         corpus: "builtin".into(),
-        tokenizer: "bytes".into(),
-        tokenizer_file: None,
-        data_path: Vec::new(),
-        eod_token: None,
-        token_dtype: "uint16".into(),
-        lengths_from: None,
         timeout_secs: 60,
-        plan_ahead: 2,
-        topology: "a100-p4d".into(),
-        nodes: 1,
-        emulate_links: None,
-        model_shape: None,
-        recompute: Default::default(),
-        precision: Default::default(),
-        sync_phases: false,
-        eval_only: false,
-        architecture: None,
-        hf_checkpoint: None,
-        rope_theta: None,
-        rope_scaling: None,
+        ..TrainConfig::default()
     }
 }
 
@@ -100,14 +83,7 @@ fn step_on<B: FlashOps>(
     step: usize,
     device: &B::Device,
 ) -> (f64, Vec<Vec<f32>>, u64) {
-    let world = InProcessWorld::new(
-        config.world_size(),
-        WorldConfig {
-            timeout: Duration::from_secs(60),
-            ..WorldConfig::default()
-        },
-    )
-    .unwrap();
+    let world = crate::common::world_with_timeout(config.world_size(), Duration::from_secs(60));
     let data = TrainData::load(config).unwrap();
     let results = world.run(|comm| -> Result<_, String> {
         let groups = RankGroups::new(comm, config).map_err(|e| e.to_string())?;
@@ -170,14 +146,30 @@ fn max_rel(a: &[f32], b: &[f32]) -> f64 {
     }
 }
 
-fn assert_same_step(got: &(f64, Vec<Vec<f32>>, u64), want: &(f64, Vec<Vec<f32>>, u64), what: &str) {
-    let loss_err = ((got.0 - want.0) / want.0).abs();
+/// `got` within `tolerance` relative of `want`.
+fn assert_loss_close(got: f64, want: f64, tolerance: f64, what: &str) {
+    let err = ((got - want) / want).abs();
     assert!(
-        loss_err <= 1e-5,
-        "{what}: loss {} vs {} (rel {loss_err:e})",
-        got.0,
-        want.0
+        err <= tolerance,
+        "{what}: loss {got} vs {want} (rel {err:e})"
     );
+}
+
+/// Per-step losses: as many as `want`'s, each within `tolerance` relative.
+fn assert_losses(got: &[f64], want: &[f64], tolerance: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (step, (got, want)) in got.iter().zip(want).enumerate() {
+        assert_loss_close(
+            *got,
+            *want,
+            tolerance,
+            &format!("{what}: step {}", step + 1),
+        );
+    }
+}
+
+fn assert_same_step(got: &(f64, Vec<Vec<f32>>, u64), want: &(f64, Vec<Vec<f32>>, u64), what: &str) {
+    assert_loss_close(got.0, want.0, 1e-5, what);
     assert_eq!(got.1.len(), want.1.len());
     for (index, (g, w)) in got.1.iter().zip(&want.1).enumerate() {
         assert!(
@@ -300,12 +292,11 @@ where
         // 2e-4, so that gap is burn's wgpu vs Flex elementwise backward, not the kernels (which
         // the CP-vs-CP-1 check above and the kernel tests pin to ~1e-6).
         let flex = one_step(&config(1, 1, Strategy::Ring, Layout::Zigzag, mask));
-        let loss_err = ((got.0 - flex.0) / flex.0).abs();
-        assert!(
-            loss_err <= 1e-5,
-            "wgpu loss {} vs Flex {} (rel {loss_err:e})",
+        assert_loss_close(
             got.0,
-            flex.0
+            flex.0,
+            1e-5,
+            &format!("wgpu {strategy} {mask} vs Flex"),
         );
         let errors: Vec<f64> = got
             .1
@@ -382,12 +373,7 @@ fn ranks_without_tokens_train_and_match_cp1() {
                 let got = one_step(&cp4);
                 let what = format!("seq_len {seq_len}, {strategy} {layout}");
                 let largest = want.1.iter().flatten().fold(0.0f32, |m, &x| m.max(x.abs()));
-                assert!(
-                    ((got.0 - want.0) / want.0).abs() <= 1e-5,
-                    "{what}: loss {} vs {}",
-                    got.0,
-                    want.0
-                );
+                assert_loss_close(got.0, want.0, 1e-5, &what);
                 for (index, (g, w)) in got.1.iter().zip(&want.1).enumerate() {
                     let err = max_rel_floored(g, w, largest);
                     assert!(
@@ -466,8 +452,7 @@ fn assert_same_loss_and_norms(
     want: &(f64, Vec<Vec<f32>>, u64),
     what: &str,
 ) {
-    let loss_err = ((got.0 - want.0) / want.0).abs();
-    assert!(loss_err <= 1e-5, "{what}: loss {} vs {}", got.0, want.0);
+    assert_loss_close(got.0, want.0, 1e-5, what);
     for index in [1, got.1.len() - 1] {
         let err = max_rel(&got.1[index], &want.1[index]);
         assert!(err <= 1e-4, "{what}: parameter {index} gradient {err:e}");

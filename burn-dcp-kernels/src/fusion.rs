@@ -17,15 +17,16 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use burn::prelude::{Backend, Tensor};
+use burn::prelude::Tensor;
 use burn::tensor::{DType, Shape, TensorPrimitive};
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
-use crate::definition::{KernelError, VarlenAttention};
+use crate::cube::{gradients, output, primitive};
+use crate::definition::{BackwardTensors, KernelError, VarlenAttention};
 use crate::ops::{check_backward, check_forward, check_merge, KernelLimits, Operand};
-use crate::{FlashGradients, FlashOps, FlashOutput};
+use crate::{FlashBackward, FlashGradients, FlashOps, FlashOutput};
 
 type Handles<B> =
     HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
@@ -77,36 +78,20 @@ impl<B: FusionBackend + FlashOps> FlashOps for Fusion<B> {
         );
         let op = Queued::<B>::new(desc.clone(), Kind::Forward(Arc::new(problem.clone())));
         let [out, lse] = two(client.register(streams, OperationIr::Custom(desc), op));
-        Ok(FlashOutput {
-            out: tensor(out),
-            lse: tensor(lse),
-        })
+        Ok(output(out, lse))
     }
 
     fn flash_backward(
-        q: Tensor<Self, 3>,
-        k: Tensor<Self, 3>,
-        v: Tensor<Self, 3>,
-        out: Tensor<Self, 3>,
-        lse: Tensor<Self, 2>,
-        dout: Tensor<Self, 3>,
+        inputs: FlashBackward<Self>,
         problem: &VarlenAttention,
     ) -> Result<FlashGradients<Self>, KernelError> {
-        let [q, k, v, out, dout] = [q, k, v, out, dout].map(primitive);
-        let lse = primitive(lse);
-        let (s, dtype) = check_backward(
-            &B::LIMITS,
-            operand(&q),
-            operand(&k),
-            operand(&v),
-            operand(&out),
-            operand(&lse),
-            operand(&dout),
-            problem,
-        )?;
-        B::check_kernels(q.client.device(), &s, dtype, problem, true)?;
-        let client = q.client.clone();
-        let streams = OperationStreams::with_inputs([&q, &k, &v, &out, &lse, &dout]);
+        let inputs = inputs.map(primitive, primitive);
+        let (s, dtype) =
+            check_backward(&B::LIMITS, inputs.as_ref().map(operand, operand), problem)?;
+        B::check_kernels(inputs.q.client.device(), &s, dtype, problem, true)?;
+        let client = inputs.q.client.clone();
+        let tensors = inputs.into_array();
+        let streams = OperationStreams::with_inputs(tensors.each_ref());
         let outputs = [
             [s.q_tokens, s.heads, s.head_dim],
             [s.kv_tokens, s.kv_heads, s.head_dim],
@@ -115,14 +100,7 @@ impl<B: FusionBackend + FlashOps> FlashOps for Fusion<B> {
         .map(|dims| TensorIr::uninit(client.create_empty_handle(), Shape::from(dims), dtype));
         let desc = CustomOpIr::new(
             "burn_dcp_flash_backward",
-            &[
-                q.into_ir(),
-                k.into_ir(),
-                v.into_ir(),
-                out.into_ir(),
-                lse.into_ir(),
-                dout.into_ir(),
-            ],
+            &tensors.map(FusionTensor::into_ir),
             &outputs,
         );
         let op = Queued::<B>::new(desc.clone(), Kind::Backward(Arc::new(problem.clone())));
@@ -130,11 +108,7 @@ impl<B: FusionBackend + FlashOps> FlashOps for Fusion<B> {
             .register(streams, OperationIr::Custom(desc), op)
             .try_into()
             .expect("the backward registers three outputs");
-        Ok(FlashGradients {
-            dq: tensor(dq),
-            dk: tensor(dk),
-            dv: tensor(dv),
-        })
+        Ok(gradients(dq, dk, dv))
     }
 
     fn flash_merge(
@@ -172,10 +146,7 @@ impl<B: FusionBackend + FlashOps> FlashOps for Fusion<B> {
         );
         let op = Queued::<B>::new(desc.clone(), Kind::Merge);
         let [out, lse] = two(client.register(streams, OperationIr::Custom(desc), op));
-        Ok(FlashOutput {
-            out: tensor(out),
-            lse: tensor(lse),
-        })
+        Ok(output(out, lse))
     }
 }
 
@@ -224,11 +195,15 @@ impl<B: FusionBackend + FlashOps> Operation<B::FusionRuntime> for Queued<B> {
             }
             Kind::Backward(problem) => {
                 let ([q, k, v, out, lse, dout], [_, _, _]) = self.desc.as_fixed();
-                let [q, k, v, out, dout] =
-                    [q, k, v, out, dout].map(|ir| input::<B, 3>(handles, ir));
-                let lse = input::<B, 2>(handles, lse);
-                let grads = B::flash_backward(q, k, v, out, lse, dout, problem)
-                    .unwrap_or_else(|e| unreachable(e));
+                let inputs = BackwardTensors {
+                    q: input(handles, q),
+                    k: input(handles, k),
+                    v: input(handles, v),
+                    out: input(handles, out),
+                    lse: input(handles, lse),
+                    dout: input(handles, dout),
+                };
+                let grads = B::flash_backward(inputs, problem).unwrap_or_else(|e| unreachable(e));
                 vec![
                     primitive(grads.dq),
                     primitive(grads.dk),
@@ -272,18 +247,6 @@ fn input<B: FusionBackend, const D: usize>(
 
 fn operand<R: FusionRuntime>(tensor: &FusionTensor<R>) -> Operand<'_> {
     Operand::new(tensor.shape.as_slice(), tensor.dtype)
-}
-
-fn primitive<B: Backend, const D: usize>(
-    tensor: Tensor<B, D>,
-) -> burn::tensor::ops::FloatTensor<B> {
-    tensor.into_primitive().tensor()
-}
-
-fn tensor<B: Backend, const D: usize>(
-    primitive: burn::tensor::ops::FloatTensor<B>,
-) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
 
 fn two<T>(outputs: Vec<T>) -> [T; 2] {

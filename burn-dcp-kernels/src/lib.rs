@@ -28,13 +28,13 @@ pub mod cube;
 pub mod fusion;
 
 pub use definition::{
-    mask_of, validate_cu_seqlens, validate_masks, validate_scale, AttentionShape, KernelError,
-    KeyRanges, MaskSpec, MicroBatch, Piece, Segment, TokenPositions, VarlenAttention,
+    mask_of, validate_cu_seqlens, validate_masks, validate_scale, AttentionShape, BackwardTensors,
+    KernelError, KeyRanges, MaskSpec, MicroBatch, Piece, Segment, TokenPositions, VarlenAttention,
     MAX_SOFTMAX_SCALE,
 };
 pub use ops::{
-    check_backward, check_forward, check_merge, filled, DeviceMemory, FlashGradients, FlashOps,
-    FlashOutput, KernelLimits, Operand,
+    check_backward, check_forward, check_merge, filled, DeviceMemory, FlashBackward,
+    FlashGradients, FlashOps, FlashOutput, KernelLimits, Operand,
 };
 
 /// burn's GPU backends spelled out, whichever of them burn's own `fusion` feature makes

@@ -8,7 +8,7 @@
 use burn::prelude::{Backend, Tensor};
 use burn::tensor::{DType, TensorCreationOptions, TensorData};
 
-use crate::definition::{AttentionShape, KernelError, VarlenAttention};
+use crate::definition::{AttentionShape, BackwardTensors, KernelError, VarlenAttention};
 use crate::portable;
 
 /// A tensor of `dims` filled with `value`; one with no elements is allocated without a launch
@@ -50,6 +50,30 @@ pub struct FlashGradients<B: Backend> {
     pub dq: Tensor<B, 3>,
     pub dk: Tensor<B, 3>,
     pub dv: Tensor<B, 3>,
+}
+
+/// A backward pass's burn tensors: `lse [heads, q_tokens]`, the others `[tokens, heads, dim]`.
+pub type FlashBackward<B> = BackwardTensors<Tensor<B, 3>, Tensor<B, 2>>;
+
+impl<B: Backend> FlashBackward<B> {
+    /// The backward of `forward`, the output of `q`, `k`, `v` (after any merge), for `dout`.
+    pub fn new(
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+        forward: FlashOutput<B>,
+        dout: Tensor<B, 3>,
+    ) -> Self {
+        let FlashOutput { out, lse } = forward;
+        Self {
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+        }
+    }
 }
 
 /// Attention with LSE over packed varlen sequences (see [`VarlenAttention`] for the layout).
@@ -94,17 +118,11 @@ pub trait FlashOps: Backend {
     /// Gradients of the forward pass given the *final* `out`/`lse` (after any merge) and `dout`.
     /// With a subset of the keys (a ring step) it returns that subset's exact share of the
     /// gradients: `dq` partial sums, `dk`/`dv` for those keys.
-    #[allow(clippy::too_many_arguments)]
     fn flash_backward(
-        q: Tensor<Self, 3>,
-        k: Tensor<Self, 3>,
-        v: Tensor<Self, 3>,
-        out: Tensor<Self, 3>,
-        lse: Tensor<Self, 2>,
-        dout: Tensor<Self, 3>,
+        inputs: FlashBackward<Self>,
         problem: &VarlenAttention,
     ) -> Result<FlashGradients<Self>, KernelError> {
-        host_backward(q, k, v, out, lse, dout, problem)
+        host_backward(inputs, problem)
     }
 
     /// Merges two partial results over disjoint key sets of the same queries.
@@ -208,17 +226,19 @@ pub fn check_forward(
 
 /// Every check of a backward call: those of [`check_forward`], `out`/`dout` in the inputs' dtype
 /// and `lse` in f32, with the shapes of [`check_backward_shapes`].
-#[allow(clippy::too_many_arguments)]
 pub fn check_backward(
     limits: &KernelLimits,
-    q: Operand<'_>,
-    k: Operand<'_>,
-    v: Operand<'_>,
-    out: Operand<'_>,
-    lse: Operand<'_>,
-    dout: Operand<'_>,
+    inputs: BackwardTensors<Operand<'_>>,
     problem: &VarlenAttention,
 ) -> Result<(AttentionShape, DType), KernelError> {
+    let BackwardTensors {
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+    } = inputs;
     let (shape, dtype) = check_forward(limits, q, k, v, problem)?;
     common_float_dtype(&[("q", dtype), ("out", out.dtype), ("dout", dout.dtype)])?;
     check_lse_dtype("lse", lse.dtype)?;
@@ -361,34 +381,22 @@ pub fn host_forward<B: Backend>(
 
 /// [`FlashOps::flash_backward`] on the host: reads the tensors, runs [`portable::backward`].
 pub fn host_backward<B: Backend>(
-    q: Tensor<B, 3>,
-    k: Tensor<B, 3>,
-    v: Tensor<B, 3>,
-    out: Tensor<B, 3>,
-    lse: Tensor<B, 2>,
-    dout: Tensor<B, 3>,
+    inputs: FlashBackward<B>,
     problem: &VarlenAttention,
 ) -> Result<FlashGradients<B>, KernelError> {
+    let x = &inputs;
     let dtype = common_float_dtype(&[
-        ("q", q.dtype()),
-        ("k", k.dtype()),
-        ("v", v.dtype()),
-        ("out", out.dtype()),
-        ("dout", dout.dtype()),
+        ("q", x.q.dtype()),
+        ("k", x.k.dtype()),
+        ("v", x.v.dtype()),
+        ("out", x.out.dtype()),
+        ("dout", x.dout.dtype()),
     ])?;
-    let shape = shape_of(&q, &k, &v)?;
-    check_backward_shapes(&shape, &out.dims(), &dout.dims(), &lse.dims())?;
-    let device = q.device();
-    let grads = portable::backward(
-        &host_f32(q),
-        &host_f32(k),
-        &host_f32(v),
-        &host_f32(out),
-        &host_f32(lse),
-        &host_f32(dout),
-        &shape,
-        problem,
-    )?;
+    let shape = shape_of(&x.q, &x.k, &x.v)?;
+    check_backward_shapes(&shape, &x.out.dims(), &x.dout.dims(), &x.lse.dims())?;
+    let device = x.q.device();
+    let h = inputs.map(host_f32, host_f32);
+    let grads = portable::backward(&h.q, &h.k, &h.v, &h.out, &h.lse, &h.dout, &shape, problem)?;
     let q_dims = [shape.q_tokens, shape.heads, shape.head_dim];
     Ok(FlashGradients {
         dq: from_host(grads.dq, q_dims, dtype, &device),

@@ -14,14 +14,16 @@ use burn::prelude::Tensor;
 use burn::tensor::TensorData;
 use burn_dcp_kernels::backends::{WgpuFusion, WgpuPlain};
 use burn_dcp_kernels::{
-    portable, reference, AttentionShape, FlashOps, FlashOutput, MaskSpec, Segment, VarlenAttention,
+    portable, reference, AttentionShape, BackwardTensors, FlashBackward, FlashOps, FlashOutput,
+    MaskSpec, VarlenAttention,
 };
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
 mod common;
 use common::{
-    fully_masked_case, long_case, long_masks, long_mixed_masks, masks, ragged_case, random,
+    assert_forward_near, assert_gradients_near, check_uploaded, fully_masked_case, inputs,
+    key_half, long_case, long_masks, long_mixed_masks, masks, pick_rows, ragged_case, random, read,
     rel_err, Case,
 };
 
@@ -75,23 +77,6 @@ mod devices {
 }
 use devices::device;
 
-#[derive(Debug)]
-struct Inputs {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    dout: Vec<f32>,
-}
-
-fn inputs(rng: &mut SmallRng, s: &AttentionShape) -> Inputs {
-    Inputs {
-        q: random(rng, s.q_tokens * s.heads * s.head_dim),
-        k: random(rng, s.kv_tokens * s.kv_heads * s.head_dim),
-        v: random(rng, s.kv_tokens * s.kv_heads * s.value_dim),
-        dout: random(rng, s.q_tokens * s.heads * s.value_dim),
-    }
-}
-
 /// The kernel tests on one backend type.
 /// (`$kernel_only`: tests of the kernels' arithmetic rather than of the backend's plumbing, run
 /// on one backend: each shape is another lavapipe build on each.)
@@ -103,57 +88,12 @@ macro_rules! suite {
             type B = $backend;
 
             fn upload(values: &[f32], dims: [usize; 3]) -> Tensor<B, 3> {
-                Tensor::from_data(TensorData::new(values.to_vec(), dims), &device())
-            }
-
-            fn read<const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
-                tensor
-                    .into_data()
-                    .convert::<f32>()
-                    .into_vec::<f32>()
-                    .unwrap()
+                common::upload(values, dims, &device())
             }
 
             /// Forward and backward on wgpu against the f64 oracle (≤ 1e-5 relative, as the portable one).
             fn check_against_reference(case: &Case, seed: u64, what: &str) {
                 check_uploaded(case, seed, what, upload);
-            }
-
-            /// [`check_against_reference`] with the `[tokens, heads, dim]` inputs put on the
-            /// device by `upload` (which may hand over any strided view of them).
-            fn check_uploaded(
-                case: &Case,
-                seed: u64,
-                what: &str,
-                upload: impl Fn(&[f32], [usize; 3]) -> Tensor<B, 3>,
-            ) {
-                let Case { problem, shape: s } = case;
-                let x = inputs(&mut SmallRng::seed_from_u64(seed), s);
-                let q = upload(&x.q, [s.q_tokens, s.heads, s.head_dim]);
-                let k = upload(&x.k, [s.kv_tokens, s.kv_heads, s.head_dim]);
-                let v = upload(&x.v, [s.kv_tokens, s.kv_heads, s.value_dim]);
-                let forward = B::flash_forward(q.clone(), k.clone(), v.clone(), problem).unwrap();
-                let (out, lse) = (read(forward.out.clone()), read(forward.lse.clone()));
-                let want = reference::forward(&x.q, &x.k, &x.v, problem, s).unwrap();
-                let errors = [rel_err(&out, &want.out), rel_err(&lse, &want.lse)];
-                assert!(
-                    errors.iter().all(|&e| e <= 1e-5),
-                    "forward {what}: out/lse errors {errors:?}"
-                );
-
-                let dout = upload(&x.dout, [s.q_tokens, s.heads, s.value_dim]);
-                let grads =
-                    B::flash_backward(q, k, v, forward.out, forward.lse, dout, problem).unwrap();
-                let want = reference::backward(&x.q, &x.k, &x.v, &x.dout, problem, s).unwrap();
-                let errors = [
-                    rel_err(&read(grads.dq), &want.dq),
-                    rel_err(&read(grads.dk), &want.dk),
-                    rel_err(&read(grads.dv), &want.dv),
-                ];
-                assert!(
-                    errors.iter().all(|&e| e <= 1e-5),
-                    "backward {what}: dq/dk/dv errors {errors:?}"
-                );
             }
 
             #[test]
@@ -163,8 +103,7 @@ macro_rules! suite {
                 // builds; padded and unequal dims have their own tests).
                 for (index, mask) in masks().into_iter().enumerate() {
                     for (heads, kv_heads) in [(2, 2), (4, 2), (3, 1), (4, 1)] {
-                        let mut case = ragged_case(mask.clone(), heads, kv_heads);
-                        (case.shape.head_dim, case.shape.value_dim) = (16, 16);
+                        let case = ragged_case(mask.clone(), heads, kv_heads).with_dims((16, 16));
                         check_against_reference(
                             &case,
                             index as u64,
@@ -240,17 +179,10 @@ macro_rules! suite {
                     "out {out_err}, lse {lse_err}"
                 );
                 let grads =
-                    B::flash_backward(q, k, v, forward.out, forward.lse, dout, problem).unwrap();
+                    B::flash_backward(FlashBackward::new(q, k, v, forward, dout), problem).unwrap();
                 let want = reference::backward(&hq, &hk, &hv, &hdout, problem, s).unwrap();
-                let errors = [
-                    rel_err(&read(grads.dq), &want.dq),
-                    rel_err(&read(grads.dk), &want.dk),
-                    rel_err(&read(grads.dv), &want.dv),
-                ];
-                assert!(
-                    errors.iter().all(|&e| e <= 2e-3),
-                    "dq/dk/dv errors {errors:?}"
-                );
+                let [dq, dk, dv] = [grads.dq, grads.dk, grads.dv].map(read);
+                assert_gradients_near([&dq, &dk, &dv], &want, 2e-3, "f16");
             }
 
             #[test]
@@ -277,8 +209,7 @@ macro_rules! suite {
                 )
                 .unwrap();
                 let want = reference::forward(&x.q, &x.k, &x.v, problem, s).unwrap();
-                assert!(rel_err(&read(got.out), &want.out) <= 1e-5);
-                assert!(rel_err(&read(got.lse), &want.lse) <= 1e-5);
+                assert_forward_near(&read(got.out), &read(got.lse), &want, 1e-5, "strided views");
             }
 
             #[test]
@@ -294,7 +225,7 @@ macro_rules! suite {
                 assert!(lse.iter().all(|&x| x == f32::NEG_INFINITY), "{lse:?}");
                 let dout = upload(&random(&mut rng, 32), [4, 2, 4]);
                 let grads =
-                    B::flash_backward(q, k, v, forward.out, forward.lse, dout, &problem).unwrap();
+                    B::flash_backward(FlashBackward::new(q, k, v, forward, dout), &problem).unwrap();
                 for (name, values) in [
                     ("dq", read(grads.dq)),
                     ("dk", read(grads.dk)),
@@ -334,25 +265,8 @@ macro_rules! suite {
                 );
                 let want = reference::forward(&q, &k, &v, &all, &shape).unwrap();
                 let half = |first: bool| {
-                    let mut problem = all.clone();
-                    problem.kv_segments = if first {
-                        vec![Segment::contiguous(0, 0, 50), Segment::contiguous(1, 0, 30)]
-                    } else {
-                        vec![
-                            Segment::contiguous(0, 50, 50),
-                            Segment::contiguous(1, 30, 40),
-                        ]
-                    };
-                    let rows: Vec<usize> = if first {
-                        (0..50).chain(100..130).collect()
-                    } else {
-                        (50..100).chain(130..170).collect()
-                    };
-                    let pick = |x: &[f32]| {
-                        rows.iter()
-                            .flat_map(|&t| x[t * 16..(t + 1) * 16].to_vec())
-                            .collect::<Vec<_>>()
-                    };
+                    let (problem, rows) = key_half(&all, [50, 30], first);
+                    let pick = |x: &[f32]| pick_rows(x, &rows, 16);
                     B::flash_forward(
                         upload(&q, [170, 2, 8]),
                         upload(&pick(&k), [rows.len(), 2, 8]),
@@ -363,13 +277,11 @@ macro_rules! suite {
                 };
                 // In place (nothing else holds `a`) and into fresh buffers (a clone of `a` is alive).
                 let merged = B::flash_merge(half(true), half(false)).unwrap();
-                assert!(rel_err(&read(merged.out), &want.out) <= 1e-5);
-                assert!(rel_err(&read(merged.lse), &want.lse) <= 1e-5);
+                assert_forward_near(&read(merged.out), &read(merged.lse), &want, 1e-5, "in place");
                 let a = half(true);
                 let kept: FlashOutput<B> = a.clone();
                 let merged = B::flash_merge(a, half(false)).unwrap();
-                assert!(rel_err(&read(merged.out), &want.out) <= 1e-5);
-                assert!(rel_err(&read(merged.lse), &want.lse) <= 1e-5);
+                assert_forward_near(&read(merged.out), &read(merged.lse), &want, 1e-5, "fresh");
                 let untouched = half(true);
                 assert_eq!(
                     read(kept.lse),
@@ -451,16 +363,8 @@ macro_rules! suite {
                     .iter()
                     .all(|x| x.is_finite()));
                 let dout = upload(&random(&mut rng, 8 * heads * dim), [8, heads, dim]);
-                let grads = B::flash_backward(
-                    q,
-                    k,
-                    v,
-                    forward.out.clone(),
-                    forward.lse.clone(),
-                    dout,
-                    &problem,
-                )
-                .unwrap();
+                let inputs = FlashBackward::new(q, k, v, forward.clone(), dout);
+                let grads = B::flash_backward(inputs, &problem).unwrap();
                 let (dq, dk, dv) = (read(grads.dq), read(grads.dk), read(grads.dv));
                 assert!(dq[row..row + dim].iter().all(|x| x.is_nan()), "{dq:?}");
                 for key in 0..=2 {
@@ -524,8 +428,13 @@ suite!(plain, WgpuPlain, {
         )
         .unwrap();
         let host = portable::forward(&x.q, &x.k, &x.v, s, problem).unwrap();
-        assert!(rel_err(&read(forward.out), &host.out) <= 1e-5);
-        assert!(rel_err(&read(forward.lse), &host.lse) <= 1e-5);
+        assert_forward_near(
+            &read(forward.out),
+            &read(forward.lse),
+            &host,
+            1e-5,
+            "portable",
+        );
     }
 });
 suite!(fusion, WgpuFusion);
@@ -539,9 +448,7 @@ fn fused_work_around_the_kernels_sees_their_inputs_and_outputs() {
     let case = long_case(vec![MaskSpec::Causal], 4, 2, (16, 16));
     let Case { problem, shape: s } = &case;
     let x = inputs(&mut SmallRng::seed_from_u64(60), s);
-    let upload = |values: &[f32], dims: [usize; 3]| {
-        Tensor::<B, 3>::from_data(TensorData::new(values.to_vec(), dims), &device)
-    };
+    let upload = |values: &[f32], dims| common::upload::<B>(values, dims, &device);
     // q is built by fused element-wise ops (q = (2·x − x)·1 = x); out goes through more of them.
     let q = upload(&x.q, [s.q_tokens, s.heads, s.head_dim]);
     let q = (q.clone() * 2.0 - q).mul_scalar(1.0);
@@ -549,13 +456,12 @@ fn fused_work_around_the_kernels_sees_their_inputs_and_outputs() {
     let v = upload(&x.v, [s.kv_tokens, s.kv_heads, s.value_dim]);
     let forward = B::flash_forward(q.clone(), k.clone(), v.clone(), problem).unwrap();
     let out = (forward.out.clone() * 3.0 + 1.0) / 3.0 - 1.0 / 3.0;
-    let read = |t: Tensor<B, 3>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
     let want = reference::forward(&x.q, &x.k, &x.v, problem, s).unwrap();
     assert!(rel_err(&read(out), &want.out) <= 1e-5);
     let dout = upload(&x.dout, [s.q_tokens, s.heads, s.value_dim])
         .exp()
         .log();
-    let grads = B::flash_backward(q, k, v, forward.out, forward.lse, dout, problem).unwrap();
+    let grads = B::flash_backward(FlashBackward::new(q, k, v, forward, dout), problem).unwrap();
     let want = reference::backward(&x.q, &x.k, &x.v, &x.dout, problem, s).unwrap();
     assert!(rel_err(&read(grads.dq * 1.0), &want.dq) <= 1e-5);
     assert!(rel_err(&read(grads.dk + 0.0), &want.dk) <= 1e-5);
@@ -580,17 +486,17 @@ fn fusion_rejects_bad_calls_before_queueing() {
     );
     let forward = B::flash_forward(q.clone(), q.clone(), q.clone(), &problem).unwrap();
     let wrong_lse = Tensor::<B, 2>::zeros([2, 4], &device);
-    let err = B::flash_backward(
-        q.clone(),
-        q.clone(),
-        q.clone(),
-        forward.out.clone(),
-        wrong_lse,
-        forward.out.clone(),
-        &problem,
-    )
-    .unwrap_err()
-    .to_string();
+    let inputs = BackwardTensors {
+        lse: wrong_lse,
+        ..FlashBackward::new(
+            q.clone(),
+            q.clone(),
+            q.clone(),
+            forward.clone(),
+            forward.out.clone(),
+        )
+    };
+    let err = B::flash_backward(inputs, &problem).unwrap_err().to_string();
     assert!(err.contains("lse [2, 4]"), "{err}");
     let other = FlashOutput {
         out: Tensor::<B, 3>::zeros([4, 2, 4], &device),
@@ -599,9 +505,6 @@ fn fusion_rejects_bad_calls_before_queueing() {
     let err = B::flash_merge(forward, other).unwrap_err().to_string();
     assert!(err.contains("merge needs equal shapes"), "{err}");
 }
-
-#[path = "cube_wgpu/device_calls.rs"]
-mod device_calls;
 
 #[path = "cube_wgpu/flash_plain.rs"]
 mod flash_plain;

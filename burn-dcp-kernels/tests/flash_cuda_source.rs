@@ -41,6 +41,27 @@ fn plan(dtype: DType, dim: usize) -> FlashPlan {
         .expect("the H100 plan fits")
 }
 
+type Expand<T> = <T as CubeType>::ExpandType;
+
+/// The inputs of both backward passes: `q, k, v, dout` of float type `F` (registered as
+/// `storage`), `lse, delta` in f32, and the four tile tables.
+#[allow(clippy::type_complexity)]
+fn backward_inputs<F: Float>(
+    builder: &mut KernelBuilder,
+    storage: StorageType,
+) -> (
+    [Expand<Tensor<F>>; 4],
+    [Expand<Tensor<f32>>; 2],
+    [Expand<Tensor<u32>>; 4],
+) {
+    let arg = TensorCompilationArg { inplace: None };
+    builder.scope.register_type::<F>(storage);
+    let floats = [(); 4].map(|_| <Tensor<F> as LaunchArg>::expand(&arg, builder));
+    let f32s = [(); 2].map(|_| <Tensor<f32> as LaunchArg>::expand(&arg, builder));
+    let tables = [(); 4].map(|_| <Tensor<u32> as LaunchArg>::expand(&arg, builder));
+    (floats, f32s, tables)
+}
+
 /// CUDA C++ of one pass, and its kernel's name.
 fn cuda_source(pass: Pass, kind: FloatKind, dim: usize) -> (String, String) {
     let dtype = match kind {
@@ -85,13 +106,8 @@ fn cuda_source(pass: Pass, kind: FloatKind, dim: usize) -> (String, String) {
         }
         Pass::Dq => {
             use backward::flash_dq_kernel as kernel;
-            builder.scope.register_type::<kernel::F>(storage);
-            let [q, k, v, dout] =
-                [(); 4].map(|_| <Tensor<kernel::F> as LaunchArg>::expand(&arg, &mut builder));
-            let [lse, delta] =
-                [(); 2].map(|_| <Tensor<f32> as LaunchArg>::expand(&arg, &mut builder));
-            let [spans, offsets, runs, order] =
-                [(); 4].map(|_| <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder));
+            let ([q, k, v, dout], [lse, delta], [spans, offsets, runs, order]) =
+                backward_inputs::<kernel::F>(&mut builder, storage);
             let dq = <Tensor<kernel::F> as LaunchArg>::expand_output(&arg, &mut builder);
             let scale = <f32 as LaunchArg>::expand(&(), &mut builder);
             kernel::expand::<kernel::F>(
@@ -115,13 +131,8 @@ fn cuda_source(pass: Pass, kind: FloatKind, dim: usize) -> (String, String) {
         }
         Pass::Dkdv => {
             use backward::flash_dkdv_kernel as kernel;
-            builder.scope.register_type::<kernel::F>(storage);
-            let [q, k, v, dout] =
-                [(); 4].map(|_| <Tensor<kernel::F> as LaunchArg>::expand(&arg, &mut builder));
-            let [lse, delta] =
-                [(); 2].map(|_| <Tensor<f32> as LaunchArg>::expand(&arg, &mut builder));
-            let [spans, offsets, runs, order] =
-                [(); 4].map(|_| <Tensor<u32> as LaunchArg>::expand(&arg, &mut builder));
+            let ([q, k, v, dout], [lse, delta], [spans, offsets, runs, order]) =
+                backward_inputs::<kernel::F>(&mut builder, storage);
             let [dk, dv] = [(); 2]
                 .map(|_| <Tensor<kernel::F> as LaunchArg>::expand_output(&arg, &mut builder));
             let scale = <f32 as LaunchArg>::expand(&(), &mut builder);

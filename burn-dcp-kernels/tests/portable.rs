@@ -10,9 +10,22 @@ use rand::SeedableRng;
 
 mod common;
 use common::{
-    fully_masked_case, long_case, long_masks, long_mixed_masks, masks, ragged_case, random,
-    rel_err, Case,
+    assert_forward_near, assert_gradients_near, fully_masked_case, inputs, key_half, long_case,
+    long_masks, long_mixed_masks, masks, pick_rows, ragged_case, random, Case,
 };
+
+/// The portable forward and backward on `case` against the naive reference (≤ 1e-5 relative).
+fn check_against_reference(rng: &mut SmallRng, case: &Case, what: &str) {
+    let Case { problem, shape: s } = case;
+    let x = inputs(rng, s);
+    let got = portable::forward(&x.q, &x.k, &x.v, s, problem).unwrap();
+    let want = reference::forward(&x.q, &x.k, &x.v, problem, s).unwrap();
+    assert_forward_near(&got.out, &got.lse, &want, 1e-5, what);
+    let grads = portable::backward(&x.q, &x.k, &x.v, &got.out, &got.lse, &x.dout, s, problem);
+    let want = reference::backward(&x.q, &x.k, &x.v, &x.dout, problem, s).unwrap();
+    let grads = grads.unwrap();
+    assert_gradients_near([&grads.dq, &grads.dk, &grads.dv], &want, 1e-5, what);
+}
 
 #[test]
 fn key_ranges_agree_with_the_mask_rule() {
@@ -72,23 +85,8 @@ fn forward_and_backward_match_the_naive_reference() {
     let mut rng = SmallRng::seed_from_u64(7);
     for mask in masks() {
         for (heads, kv_heads) in [(2, 2), (4, 2), (3, 1)] {
-            let Case { problem, shape } = ragged_case(mask.clone(), heads, kv_heads);
-            let s = &shape;
-            let q = random(&mut rng, s.q_tokens * s.heads * s.head_dim);
-            let k = random(&mut rng, s.kv_tokens * s.kv_heads * s.head_dim);
-            let v = random(&mut rng, s.kv_tokens * s.kv_heads * s.value_dim);
-            let dout = random(&mut rng, s.q_tokens * s.heads * s.value_dim);
-            let got = portable::forward(&q, &k, &v, s, &problem).unwrap();
-            let want = reference::forward(&q, &k, &v, &problem, s).unwrap();
-            let what = format!("{mask} H{heads} K{kv_heads}");
-            assert!(rel_err(&got.out, &want.out) <= 1e-5, "out {what}");
-            assert!(rel_err(&got.lse, &want.lse) <= 1e-5, "lse {what}");
-            let grads =
-                portable::backward(&q, &k, &v, &got.out, &got.lse, &dout, s, &problem).unwrap();
-            let want = reference::backward(&q, &k, &v, &dout, &problem, s).unwrap();
-            assert!(rel_err(&grads.dq, &want.dq) <= 1e-5, "dq {what}");
-            assert!(rel_err(&grads.dk, &want.dk) <= 1e-5, "dk {what}");
-            assert!(rel_err(&grads.dv, &want.dv) <= 1e-5, "dv {what}");
+            let case = ragged_case(mask.clone(), heads, kv_heads);
+            check_against_reference(&mut rng, &case, &format!("{mask} H{heads} K{kv_heads}"));
         }
     }
 }
@@ -109,22 +107,9 @@ fn long_segments_match_the_naive_reference() {
         }
     }
     cases.push(("mixed".into(), long_case(long_mixed_masks(), 2, 1, (33, 8))));
-    for (what, Case { problem, shape }) in cases {
-        let s = &shape;
-        let q = random(&mut rng, s.q_tokens * s.heads * s.head_dim);
-        let k = random(&mut rng, s.kv_tokens * s.kv_heads * s.head_dim);
-        let v = random(&mut rng, s.kv_tokens * s.kv_heads * s.value_dim);
-        let got = portable::forward(&q, &k, &v, s, &problem).unwrap();
-        let want = reference::forward(&q, &k, &v, &problem, s).unwrap();
-        assert!(rel_err(&got.out, &want.out) <= 1e-5, "out {what}");
-        assert!(rel_err(&got.lse, &want.lse) <= 1e-5, "lse {what}");
-        // The tiled backward: dense and partial tiles, several parts per kv head.
-        let dout = random(&mut rng, s.q_tokens * s.heads * s.value_dim);
-        let grads = portable::backward(&q, &k, &v, &got.out, &got.lse, &dout, s, &problem).unwrap();
-        let want = reference::backward(&q, &k, &v, &dout, &problem, s).unwrap();
-        assert!(rel_err(&grads.dq, &want.dq) <= 1e-5, "dq {what}");
-        assert!(rel_err(&grads.dk, &want.dk) <= 1e-5, "dk {what}");
-        assert!(rel_err(&grads.dv, &want.dv) <= 1e-5, "dv {what}");
+    // The tiled backward: dense and partial tiles, several parts per kv head.
+    for (what, case) in cases {
+        check_against_reference(&mut rng, &case, &what);
     }
 }
 
@@ -227,22 +212,8 @@ fn merging_two_key_halves_equals_attention_over_all_keys() {
         let want = portable::forward(&q, &k, &v, &shape_all, &all).unwrap();
         // First half of the keys: positions 0..5 of seq 0 and 0..3 of seq 1 (8 tokens).
         let split = |first: bool| {
-            let mut problem = all.clone();
-            problem.kv_segments = if first {
-                vec![Segment::contiguous(0, 0, 5), Segment::contiguous(1, 0, 3)]
-            } else {
-                vec![Segment::contiguous(0, 5, 5), Segment::contiguous(1, 3, 4)]
-            };
-            let rows: Vec<usize> = if first {
-                (0..5).chain(10..13).collect()
-            } else {
-                (5..10).chain(13..17).collect()
-            };
-            let pick = |x: &[f32]| {
-                rows.iter()
-                    .flat_map(|&t| x[t * 16..(t + 1) * 16].to_vec())
-                    .collect::<Vec<_>>()
-            };
+            let (problem, rows) = key_half(&all, [5, 3], first);
+            let pick = |x: &[f32]| pick_rows(x, &rows, 16);
             let shape = AttentionShape {
                 kv_tokens: rows.len(),
                 ..shape_all
@@ -251,8 +222,7 @@ fn merging_two_key_halves_equals_attention_over_all_keys() {
         };
         let (mut a, b) = (split(true), split(false));
         portable::merge(&mut a.out, &mut a.lse, &b.out, &b.lse, 2, 8).unwrap();
-        assert!(rel_err(&a.out, &want.out) <= 1e-5, "{mask}");
-        assert!(rel_err(&a.lse, &want.lse) <= 1e-5, "{mask}");
+        assert_forward_near(&a.out, &a.lse, &want, 1e-5, &mask.to_string());
     }
 }
 
@@ -413,18 +383,14 @@ fn tiny_offset_pieces_match_the_naive_reference() {
                     head_dim: 8,
                     value_dim: 8,
                 };
-                let q = random(&mut rng, s.q_tokens * heads * 8);
-                let k = random(&mut rng, s.kv_tokens * kv_heads * 8);
-                let v = random(&mut rng, s.kv_tokens * kv_heads * 8);
-                let dout = random(&mut rng, s.q_tokens * heads * 8);
-                let got = portable::forward(&q, &k, &v, &s, &problem).unwrap();
-                let grads = portable::backward(&q, &k, &v, &got.out, &got.lse, &dout, &s, &problem)
-                    .unwrap();
-                let want = reference::backward(&q, &k, &v, &dout, &problem, &s).unwrap();
+                let x = inputs(&mut rng, &s);
+                let got = portable::forward(&x.q, &x.k, &x.v, &s, &problem).unwrap();
+                let grads =
+                    portable::backward(&x.q, &x.k, &x.v, &got.out, &got.lse, &x.dout, &s, &problem);
+                let want = reference::backward(&x.q, &x.k, &x.v, &x.dout, &problem, &s).unwrap();
                 let what = format!("{mask} len {len} H{heads}/{kv_heads}");
-                assert!(rel_err(&grads.dq, &want.dq) <= 1e-5, "dq {what}");
-                assert!(rel_err(&grads.dk, &want.dk) <= 1e-5, "dk {what}");
-                assert!(rel_err(&grads.dv, &want.dv) <= 1e-5, "dv {what}");
+                let grads = grads.unwrap();
+                assert_gradients_near([&grads.dq, &grads.dk, &grads.dv], &want, 1e-5, &what);
             }
         }
     }
@@ -490,10 +456,7 @@ fn backward_over_key_pieces_sums_to_the_whole() {
                 first += len;
             }
             let _ = first;
-            let what = format!("{mask} {lens:?}");
-            assert!(rel_err(&dq, &want.dq) <= 1e-5, "dq {what}");
-            assert!(rel_err(&dk, &want.dk) <= 1e-5, "dk {what}");
-            assert!(rel_err(&dv, &want.dv) <= 1e-5, "dv {what}");
+            assert_gradients_near([&dq, &dk, &dv], &want, 1e-5, &format!("{mask} {lens:?}"));
         }
     }
 }

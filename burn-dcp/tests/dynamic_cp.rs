@@ -183,27 +183,28 @@ fn megatron(world: usize, budget: usize) -> DynamicCpConfig {
     }
 }
 
+/// Schedules `lengths` with Megatron's config of `world` ranks and `budget` tokens per rank and
+/// checks the result is one micro-batch of one group holding every sequence on all `world` ranks.
+fn assert_one_group_on_all_ranks(lengths: &[usize], world: usize, budget: usize) {
+    let plan = schedule(lengths, &megatron(world, budget)).unwrap();
+    assert_eq!(plan.micro_batches.len(), 1);
+    let groups = &plan.micro_batches[0].groups;
+    assert_eq!(groups.len(), 1);
+    assert_eq!(groups[0].ranks, 0..world);
+    assert_eq!(groups[0].sequences, (0..lengths.len()).collect::<Vec<_>>());
+}
+
 /// Megatron `dev` `tests/unit_tests/test_sequence_packing.py`: the 2048-token sequence joins the
 /// 6144-token one's group (3072 + 1024 tokens per rank).
 #[test]
 fn megatron_vector_6144_2048_on_2_ranks() {
-    let plan = schedule(&[6144, 2048], &megatron(2, 4096)).unwrap();
-    assert_eq!(plan.micro_batches.len(), 1);
-    let groups = &plan.micro_batches[0].groups;
-    assert_eq!(groups.len(), 1);
-    assert_eq!(groups[0].ranks, 0..2);
-    assert_eq!(groups[0].sequences, vec![0, 1]);
+    assert_one_group_on_all_ranks(&[6144, 2048], 2, 4096);
 }
 
 /// Megatron `dev`: two 50-token sequences on 14 ranks run on all 14 ranks.
 #[test]
 fn megatron_vector_50_50_on_14_ranks() {
-    let plan = schedule(&[50, 50], &megatron(14, 100)).unwrap();
-    assert_eq!(plan.micro_batches.len(), 1);
-    let groups = &plan.micro_batches[0].groups;
-    assert_eq!(groups.len(), 1);
-    assert_eq!(groups[0].ranks, 0..14);
-    assert_eq!(groups[0].sequences, vec![0, 1]);
+    assert_one_group_on_all_ranks(&[50, 50], 14, 100);
 }
 
 #[test]

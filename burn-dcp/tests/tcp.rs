@@ -157,17 +157,22 @@ fn a_failed_rank_fails_its_peers_naming_it() {
     });
     assert!(results[2].is_ok());
     for result in &results[..2] {
-        match result {
-            Err(CommError::PeerFailed {
-                failed_global,
-                reason,
-                ..
-            }) => {
-                assert_eq!(*failed_global, 2);
-                assert!(reason.contains("rank 2 gives up"), "{reason}");
-            }
-            other => panic!("expected PeerFailed naming rank 2, got {other:?}"),
+        assert_peer_failed(result, 2, "rank 2 gives up");
+    }
+}
+
+/// `result` is a `PeerFailed` naming global rank `failed` with a reason containing `reason`.
+fn assert_peer_failed(result: &Result<(), CommError>, failed: usize, reason: &str) {
+    match result {
+        Err(CommError::PeerFailed {
+            failed_global,
+            reason: given,
+            ..
+        }) => {
+            assert_eq!(*failed_global, failed);
+            assert!(given.contains(reason), "{given}");
         }
+        other => panic!("expected PeerFailed naming rank {failed}, got {other:?}"),
     }
 }
 
@@ -183,17 +188,7 @@ fn a_rank_that_leaves_early_is_named_at_once() {
         comm.irecv(1)?.wait().map(|_| ())
     });
     assert!(started.elapsed() < Duration::from_secs(30));
-    match &results[0] {
-        Err(CommError::PeerFailed {
-            failed_global,
-            reason,
-            ..
-        }) => {
-            assert_eq!(*failed_global, 1);
-            assert!(reason.contains("left the job"), "{reason}");
-        }
-        other => panic!("expected PeerFailed naming rank 1, got {other:?}"),
-    }
+    assert_peer_failed(&results[0], 1, "left the job");
 }
 
 #[test]

@@ -4,7 +4,7 @@
 
 use std::io::Write;
 
-use burn_dcp_datasets::corpus::{jsonl_documents, read_text_file, text_directory};
+use burn_dcp_datasets::corpus::{jsonl_documents, read_text_file, text_directory, Document};
 use burn_dcp_datasets::masks::{blockwise_default, lambda_default, shared_question_default};
 use burn_dcp_datasets::packing::{pack_pieces, split_documents};
 use burn_dcp_datasets::{pack_corpus, MaskPolicy, MaskSpec, PackingConfig, TokenizedCorpus};
@@ -121,26 +121,26 @@ fn temp(name: &str, content: &[u8]) -> std::path::PathBuf {
     path
 }
 
+/// Every document of the JSON lines `content`, written to the temporary file `name`.
+fn jsonl(name: &str, content: &[u8]) -> Vec<Document> {
+    jsonl_documents(&temp(name, content))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
 #[test]
 fn jsonl_loader_reads_text_and_chat_and_names_bad_lines() {
-    let path = temp(
+    let docs = jsonl(
         "good.jsonl",
         b"{\"text\": \"hello\"}\n\n{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n",
     );
-    let docs: Vec<_> = jsonl_documents(&path)
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
     assert_eq!(docs[0].text, "hello");
     assert_eq!(docs[1].text, "user: hi\n\nassistant: yo");
-    let pair = temp(
+    let pair = jsonl(
         "pair.jsonl",
         b"{\"prompt\": \"Q: 2+2?\", \"completion\": \" A: 4\"}\n",
     );
-    let pair: Vec<_> = jsonl_documents(&pair)
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
     assert_eq!(
         (pair[0].prompt.as_deref(), pair[0].text.as_str()),
         (Some("Q: 2+2?"), " A: 4")

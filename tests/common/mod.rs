@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use burn::backend::Flex;
+use burn_dcp::comm::{InProcessWorld, WorldConfig};
 use burn_dcp::diagnostics::harness::{max_rel_err, PackedInputs, PackedOutputs, RunSpec};
+use burn_dcp::diagnostics::volume::VolumeShape;
 use burn_dcp::kernels::MaskSpec;
 use burn_dcp::{Layout, Strategy};
 use rand::rngs::SmallRng;
@@ -13,6 +15,30 @@ use rand::{Rng, SeedableRng};
 pub type B = Flex;
 
 pub const TOLERANCE: f64 = 1e-5;
+
+/// The byte model's shape of f32 attention inputs with `head_dim` values per query, key and
+/// value head.
+pub fn f32_volume_shape(heads: usize, kv_heads: usize, head_dim: usize) -> VolumeShape {
+    VolumeShape {
+        heads,
+        kv_heads,
+        head_dim,
+        value_dim: head_dim,
+        element_bytes: 4,
+    }
+}
+
+/// An in-process world of `size` ranks whose waits fail after `timeout`.
+pub fn world_with_timeout(size: usize, timeout: Duration) -> InProcessWorld {
+    InProcessWorld::new(
+        size,
+        WorldConfig {
+            timeout,
+            ..WorldConfig::default()
+        },
+    )
+    .unwrap()
+}
 
 pub fn masks() -> Vec<MaskSpec> {
     [

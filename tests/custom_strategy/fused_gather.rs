@@ -79,7 +79,7 @@ impl AttentionStrategy for FusedAllGather {
         let device = x.q.device();
         let [k, v] = Self::gather(call, x.k, x.v)?;
         let problem = Self::problem(call);
-        let grads = B::flash_backward(x.q, k, v, x.out, x.lse, x.dout, &problem)?;
+        let grads = B::flash_backward(BackwardInputs { k, v, ..x }, &problem)?;
         let [_, kv_heads, head_dim] = grads.dk.dims();
         let value_dim = grads.dv.dims()[2];
         let dtype = grads.dk.dtype();

@@ -3,9 +3,6 @@
 
 use super::*;
 
-/// burn-nn's and the drop-in's outputs of one case.
-type Pair<B> = Box<dyn Fn() -> (Tensor<B, 3>, Tensor<B, 3>)>;
-
 fn mha_equals_burn_nn<B: Backend>(backend: &str) {
     let device = Default::default();
     B::seed(&device, 5);
@@ -22,129 +19,62 @@ fn mha_equals_burn_nn<B: Backend>(backend: &str) {
     let x = input::<B>(3, 7, 16, 1);
     let pad = padding_mask::<B>(&lens, 7);
     let causal = generate_autoregressive_mask::<B>(3, 7, &device);
-    let cases: Vec<(&str, Pair<B>)> = vec![
-        ("no mask", {
-            let (theirs, ours, x) = (theirs.clone(), ours.clone(), x.clone());
-            Box::new(move || {
-                (
-                    theirs
-                        .forward(burn::nn::attention::MhaInput::self_attn(x.clone()))
-                        .context,
-                    ours.forward(MhaInput::self_attn(x.clone())).context,
-                )
-            })
-        }),
-        ("mask_pad", {
-            let (theirs, ours, x, pad) = (theirs.clone(), ours.clone(), x.clone(), pad.clone());
-            Box::new(move || {
-                (
-                    theirs
-                        .forward(
-                            burn::nn::attention::MhaInput::self_attn(x.clone())
-                                .mask_pad(pad.clone()),
-                        )
-                        .context,
-                    ours.forward(MhaInput::self_attn(x.clone()).mask_pad(pad.clone()))
-                        .context,
-                )
-            })
-        }),
-        ("mask_pad + causal mask_attn", {
-            let (theirs, ours, x, pad, causal) = (
-                theirs.clone(),
-                ours.clone(),
-                x.clone(),
-                pad.clone(),
-                causal.clone(),
-            );
-            Box::new(move || {
-                (
-                    theirs
-                        .forward(
-                            burn::nn::attention::MhaInput::self_attn(x.clone())
-                                .mask_pad(pad.clone())
-                                .mask_attn(causal.clone()),
-                        )
-                        .context,
-                    ours.forward(
-                        MhaInput::self_attn(x.clone())
-                            .mask_pad(pad.clone())
-                            .mask_attn(causal.clone()),
-                    )
-                    .context,
-                )
-            })
-        }),
-        ("causal() extension", {
-            let (theirs, ours, x, causal) =
-                (theirs.clone(), ours.clone(), x.clone(), causal.clone());
-            Box::new(move || {
-                (
-                    theirs
-                        .forward(
-                            burn::nn::attention::MhaInput::self_attn(x.clone())
-                                .mask_attn(causal.clone()),
-                        )
-                        .context,
-                    ours.forward(MhaInput::self_attn(x.clone()).causal())
-                        .context,
-                )
-            })
-        }),
-        ("a non-causal mask_attn (sliding window of 2)", {
-            let window: Vec<bool> = (0..3 * 7 * 7)
-                .map(|i| {
-                    let (q, k) = ((i / 7) % 7, i % 7);
-                    k > q || q - k >= 2
-                })
-                .collect();
-            let window =
-                Tensor::<B, 3, Bool>::from_data(TensorData::new(window, [3, 7, 7]), &device);
-            let (theirs, ours, x, pad) = (theirs.clone(), ours.clone(), x.clone(), pad.clone());
-            Box::new(move || {
-                (
-                    theirs
-                        .forward(
-                            burn::nn::attention::MhaInput::self_attn(x.clone())
-                                .mask_pad(pad.clone())
-                                .mask_attn(window.clone()),
-                        )
-                        .context,
-                    ours.forward(
-                        MhaInput::self_attn(x.clone())
-                            .mask_pad(pad.clone())
-                            .mask_attn(window.clone()),
-                    )
-                    .context,
-                )
-            })
-        }),
-        ("cross-attention of 7 queries on 5 keys", {
-            let memory = input::<B>(3, 5, 16, 9);
-            let (theirs, ours, x) = (theirs.clone(), ours.clone(), x.clone());
-            Box::new(move || {
-                (
-                    theirs
-                        .forward(burn::nn::attention::MhaInput::new(
-                            x.clone(),
-                            memory.clone(),
-                            memory.clone(),
-                        ))
-                        .context,
-                    ours.forward(MhaInput::new(x.clone(), memory.clone(), memory.clone()))
-                        .context,
-                )
-            })
-        }),
+    let window: Vec<bool> = (0..3 * 7 * 7)
+        .map(|i| {
+            let (q, k) = ((i / 7) % 7, i % 7);
+            k > q || q - k >= 2
+        })
+        .collect();
+    let window = Tensor::<B, 3, Bool>::from_data(TensorData::new(window, [3, 7, 7]), &device);
+    let cases = [
+        ("no mask", None, None),
+        ("mask_pad", Some(pad.clone()), None),
+        (
+            "mask_pad + causal mask_attn",
+            Some(pad.clone()),
+            Some(causal.clone()),
+        ),
+        (
+            "a non-causal mask_attn (sliding window of 2)",
+            Some(pad.clone()),
+            Some(window),
+        ),
     ];
-    for (what, run) in cases {
-        let (want, got) = run();
+    for (what, mask_pad, mask_attn) in cases {
+        let mut want = burn::nn::attention::MhaInput::self_attn(x.clone());
+        let mut got = MhaInput::self_attn(x.clone());
+        if let Some(mask) = mask_pad {
+            (want, got) = (want.mask_pad(mask.clone()), got.mask_pad(mask));
+        }
+        if let Some(mask) = mask_attn {
+            (want, got) = (want.mask_attn(mask.clone()), got.mask_attn(mask));
+        }
         assert_close(
-            &values(got),
-            &values(want),
+            &values(ours.forward(got).context),
+            &values(theirs.forward(want).context),
             &format!("{backend}: MHA {what}"),
         );
     }
+    let want =
+        theirs.forward(burn::nn::attention::MhaInput::self_attn(x.clone()).mask_attn(causal));
+    let got = ours.forward(MhaInput::self_attn(x.clone()).causal());
+    assert_close(
+        &values(got.context),
+        &values(want.context),
+        &format!("{backend}: MHA causal() extension"),
+    );
+    let memory = input::<B>(3, 5, 16, 9);
+    let want = theirs.forward(burn::nn::attention::MhaInput::new(
+        x.clone(),
+        memory.clone(),
+        memory.clone(),
+    ));
+    let got = ours.forward(MhaInput::new(x.clone(), memory.clone(), memory));
+    assert_close(
+        &values(got.context),
+        &values(want.context),
+        &format!("{backend}: MHA cross-attention of 7 queries on 5 keys"),
+    );
     // Quiet softmax takes burn-nn's matmul path (and returns the weights).
     let config = burn::nn::attention::MultiHeadAttentionConfig::new(16, 4)
         .with_dropout(0.0)

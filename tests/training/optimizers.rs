@@ -191,7 +191,7 @@ fn validation_loss_matches_cp1_across_the_mesh() {
         let mut config = config(cp, 1, Strategy::Ring, Layout::Zigzag, "causal");
         config.steps = 3;
         config.eval_every = Some(2);
-        config.eval_tokens = 1500;
+        config.eval_tokens = 700;
         config
     };
     let reference = recorded(&with_eval(1));

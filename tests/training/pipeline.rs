@@ -9,7 +9,7 @@ use super::*;
 /// put together; the tied embedding's two copies summed).
 #[test]
 fn pipeline_steps_match_cp1() {
-    use burn_dcp_suite::train::{CpSizes, DcpSettings, DynamicSettings, PpSchedule};
+    use burn_dcp_suite::train::{DcpSettings, PpSchedule};
     let base = |cp: usize, dp: usize| {
         let mut config = config(cp, dp, Strategy::Ring, Layout::Zigzag, "mixed");
         config.micro_batches = 4;
@@ -22,32 +22,38 @@ fn pipeline_steps_match_cp1() {
         config.pp = 2;
         config
     };
-    let mut configs = vec![
+    let configs = [
         ("pp 2 cp 2", pp_config(1, 2, 1)),
         ("tp 2 pp 2 cp 2", pp_config(2, 2, 1)),
+        (
+            "pp 2 cp 2 gpipe",
+            TrainConfig {
+                pp_schedule: PpSchedule::Gpipe,
+                ..pp_config(1, 2, 1)
+            },
+        ),
+        (
+            "pp 2 cp 2 dp 2 dynamic",
+            dynamic_pow2(pp_config(1, 2, 2), 60),
+        ),
+        (
+            "pp 2 dcp",
+            TrainConfig {
+                mode: TrainMode::Dcp(DcpSettings {
+                    block: 16,
+                    stages: 2,
+                }),
+                ..pp_config(1, 2, 1)
+            },
+        ),
+        (
+            "pp 2 auto",
+            TrainConfig {
+                mode: every_candidate(16, 2),
+                ..pp_config(1, 2, 1)
+            },
+        ),
     ];
-    let mut gpipe = pp_config(1, 2, 1);
-    gpipe.pp_schedule = PpSchedule::Gpipe;
-    configs.push(("pp 2 cp 2 gpipe", gpipe));
-    let mut dynamic = pp_config(1, 2, 2);
-    with_dynamic(
-        &mut dynamic,
-        DynamicSettings {
-            max_tokens_per_rank: 60,
-            min_cp_size: 1,
-            cp_sizes: CpSizes::Pow2,
-        },
-    );
-    configs.push(("pp 2 cp 2 dp 2 dynamic", dynamic));
-    let mut dcp = pp_config(1, 2, 1);
-    dcp.mode = TrainMode::Dcp(DcpSettings {
-        block: 16,
-        stages: 2,
-    });
-    configs.push(("pp 2 dcp", dcp));
-    let mut auto = pp_config(1, 2, 1);
-    auto.mode = every_candidate(16, 2);
-    configs.push(("pp 2 auto", auto));
     for (what, config) in configs {
         config.validate().unwrap();
         let got = one_step(&config);
@@ -71,34 +77,24 @@ fn pipeline_training_follows_cp1_over_8_steps() {
     };
     let reference = train(&base(1, 1), None, None);
     assert_eq!(reference.len(), 8);
-    let mut pp_cp = base(2, 1);
-    pp_cp.pp = 2;
-    let mut tp_pp_cp = pp_cp.clone();
-    tp_pp_cp.tp = 2;
-    let mut dynamic = base(2, 2);
-    dynamic.pp = 2;
-    with_dynamic(
-        &mut dynamic,
-        burn_dcp_suite::train::DynamicSettings {
-            max_tokens_per_rank: 60,
-            min_cp_size: 1,
-            cp_sizes: burn_dcp_suite::train::CpSizes::Pow2,
-        },
-    );
+    let pp_cp = TrainConfig {
+        pp: 2,
+        ..base(2, 1)
+    };
     for (what, config) in [
-        ("pp 2 cp 2", pp_cp),
-        ("tp 2 pp 2 cp 2", tp_pp_cp),
-        ("pp 2 cp 2 dp 2 dynamic", dynamic),
+        ("pp 2 cp 2", pp_cp.clone()),
+        ("tp 2 pp 2 cp 2", TrainConfig { tp: 2, ..pp_cp }),
+        (
+            "pp 2 cp 2 dp 2 dynamic",
+            dynamic_pow2(
+                TrainConfig {
+                    pp: 2,
+                    ..base(2, 2)
+                },
+                60,
+            ),
+        ),
     ] {
-        let losses = train(&config, None, None);
-        assert_eq!(losses.len(), 8, "{what}");
-        for (step, (got, want)) in losses.iter().zip(&reference).enumerate() {
-            let err = ((got - want) / want).abs();
-            assert!(
-                err <= 1e-4,
-                "{what}: step {} loss {got} vs {want} (rel {err:e})",
-                step + 1
-            );
-        }
+        assert_losses(&train(&config, None, None), &reference, 1e-4, what);
     }
 }

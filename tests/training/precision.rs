@@ -110,27 +110,21 @@ fn bf16_cp4_matches_bf16_cp1_for_every_strategy() {
 /// strategies.
 #[test]
 fn bf16_dynamic_cp_matches_bf16_cp1() {
-    use burn_dcp_suite::train::{CpSizes, DynamicSettings};
     let (base, step) = mixed_lengths_step();
     let flex = burn::backend::flex::FlexDevice;
     let f32_reference = step_on::<burn::backend::Flex>(&base, step, &flex);
     let base = at(Precision::Bf16, base);
     let reference = step_on::<burn::backend::Flex>(&base, step, &flex);
     let precision_err = worst_gradient_err(&reference, &f32_reference);
-    let mut dynamic = base.clone();
-    dynamic.cp = 4;
-    dynamic.mode = TrainMode::Static {
-        strategy: Strategy::Ulysses,
-        layout: Layout::Zigzag,
-    };
-    with_dynamic(
-        &mut dynamic,
-        DynamicSettings {
-            max_tokens_per_rank: 512,
-            min_cp_size: 1,
-            cp_sizes: CpSizes::Pow2,
+    let ulysses_cp4 = TrainConfig {
+        cp: 4,
+        mode: TrainMode::Static {
+            strategy: Strategy::Ulysses,
+            layout: Layout::Zigzag,
         },
-    );
+        ..base
+    };
+    let dynamic = dynamic_pow2(ulysses_cp4, 512);
     let got = step_on::<burn::backend::Flex>(&dynamic, step, &flex);
     let (r, f) = (&reference, &f32_reference);
     assert_as_accurate(

@@ -113,7 +113,6 @@ fn tensor_parallel_gpt_matches_the_full_model() {
 /// and TP rank 0's gradients of the replicated parameters (norms) equal cp 1's.
 #[test]
 fn tensor_parallel_steps_match_cp1() {
-    use burn_dcp_suite::train::{CpSizes, DynamicSettings};
     let flex = burn::backend::flex::FlexDevice;
     let reference = one_step(&config(1, 1, Strategy::Ring, Layout::Zigzag, "mixed"));
     let tp_config = |tp: usize, cp: usize, dp: usize| {
@@ -121,25 +120,19 @@ fn tensor_parallel_steps_match_cp1() {
         config.tp = tp;
         config
     };
-    let mut configs = vec![
+    for (what, config) in [
         ("tp 2 cp 2", tp_config(2, 2, 1)),
         ("tp 2 cp 2 dp 2", tp_config(2, 2, 2)),
         ("tp 4", tp_config(4, 1, 1)),
-    ];
-    let mut dynamic = tp_config(2, 2, 1);
-    with_dynamic(
-        &mut dynamic,
-        DynamicSettings {
-            max_tokens_per_rank: 100,
-            min_cp_size: 1,
-            cp_sizes: CpSizes::Pow2,
-        },
-    );
-    configs.push(("tp 2 dynamic pool 2", dynamic));
-    let mut auto = tp_config(2, 2, 1);
-    auto.mode = every_candidate(16, 2);
-    configs.push(("tp 2 auto", auto));
-    for (what, config) in configs {
+        ("tp 2 dynamic pool 2", dynamic_pow2(tp_config(2, 2, 1), 100)),
+        (
+            "tp 2 auto",
+            TrainConfig {
+                mode: every_candidate(16, 2),
+                ..tp_config(2, 2, 1)
+            },
+        ),
+    ] {
         config.validate().unwrap();
         let got = step_on::<burn::backend::Flex>(&config, 1, &flex);
         assert_same_loss_and_norms(&got, &reference, what);

@@ -3,8 +3,8 @@
 //! or sampled batches, without running attention; `--svg`/`--png`: a picture of the plans),
 //! `dataset_stats` (a corpus's document lengths and packing), `prepare_data` (token files) and
 //! `plot_metrics` (runs' curves). This library holds what they share with the examples: the
-//! `--backend` flag's check, how a tool ends on an error ([`exit_on_error`]) and the pictures
-//! ([`pictures`]).
+//! `--backend` flag's check and its type ([`on_backend`]), how a tool ends on an error
+//! ([`exit_on_error`]) and the pictures ([`pictures`]).
 //!
 //! ```text
 //! cargo run --release -p burn-dcp-tools --bin cp_attention -- --strategy ring --cp 4 --json
@@ -53,6 +53,30 @@ pub fn backend_type(backend: &str, no_fusion: bool, program: &str) -> Result<&'s
         )),
         _ => Ok("flex"),
     }
+}
+
+/// `$body` with the type `$B` set to the backend of `--backend $backend` and `--no-fusion
+/// $no_fusion` (checked first by [`backend_type`]): burn-fusion's `WgpuFusion` or `CudaFusion`,
+/// the plain `WgpuPlain` or `CudaPlain` (`--no-fusion`), or `Flex`.
+#[macro_export]
+macro_rules! on_backend {
+    (@as $backend:ty, $B:ident => $body:expr) => {{
+        type $B = $backend;
+        $body
+    }};
+    ($backend:expr, $no_fusion:expr, $B:ident => $body:expr) => {
+        match ($backend, $no_fusion) {
+            #[cfg(feature = "wgpu")]
+            ("wgpu", true) => $crate::on_backend!(@as ::burn_dcp_kernels::backends::WgpuPlain, $B => $body),
+            #[cfg(feature = "wgpu")]
+            ("wgpu", false) => $crate::on_backend!(@as ::burn_dcp_kernels::backends::WgpuFusion, $B => $body),
+            #[cfg(feature = "cuda")]
+            ("cuda", true) => $crate::on_backend!(@as ::burn_dcp_kernels::backends::CudaPlain, $B => $body),
+            #[cfg(feature = "cuda")]
+            ("cuda", false) => $crate::on_backend!(@as ::burn_dcp_kernels::backends::CudaFusion, $B => $body),
+            _ => $crate::on_backend!(@as ::burn::backend::Flex, $B => $body),
+        }
+    };
 }
 
 /// Ends a tool whose `run` failed: the message on stderr after `error: `, exit status 2 (the

@@ -49,6 +49,18 @@ pub fn launcher_rank() -> usize {
         .unwrap_or(0)
 }
 
+/// Ends a program whose `run` failed. Every rank of a job (MPI or TCP processes) finds the same
+/// configuration error: rank 0 alone prints `error: MESSAGE` (a rank's own failure during
+/// training is printed by that rank as it aborts the job); every rank exits with status 2.
+pub fn exit_on_error<E: std::fmt::Display>(result: Result<(), E>) {
+    if let Err(message) = result {
+        if launcher_rank() == 0 {
+            eprintln!("error: {message}");
+        }
+        std::process::exit(2);
+    }
+}
+
 /// The number of processes the launcher started (1 when none did).
 #[cfg_attr(feature = "mpi", allow(dead_code))]
 fn launcher_size() -> usize {

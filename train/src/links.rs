@@ -22,7 +22,7 @@ use burn::backend::flex::FlexDevice;
 use burn::backend::Flex;
 use burn::tensor::{Distribution, Tensor};
 use burn_dcp::comm::{InProcessWorld, LinkEmulation};
-use burn_dcp::kernels::{FlashOps, MaskSpec, VarlenAttention};
+use burn_dcp::kernels::{BackwardTensors, FlashOps, MaskSpec, VarlenAttention};
 use burn_dcp::planner::cost::ComputeModel;
 use burn_dcp::planner::topology::Topology;
 
@@ -198,16 +198,15 @@ fn best_causal_times(
         if backward {
             let dout = tensor(heads);
             let started = Instant::now();
-            let grads = Flex::flash_backward(
-                q.clone(),
-                k.clone(),
-                v.clone(),
-                out.out,
-                out.lse,
+            let inputs = BackwardTensors {
+                q: q.clone(),
+                k: k.clone(),
+                v: v.clone(),
+                out: out.out,
+                lse: out.lse,
                 dout,
-                &problem,
-            )
-            .map_err(failed)?;
+            };
+            let grads = Flex::flash_backward(inputs, &problem).map_err(failed)?;
             let _ = grads.dq.into_data();
             best_backward = best_backward.min(started.elapsed().as_secs_f64());
         }

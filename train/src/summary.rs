@@ -61,19 +61,9 @@ pub fn run_summary(
         // With a pipeline: the ranks' mean wait for other stages, summed over the steps.
         "pipeline_bubble_ms": metrics.iter().map(|m| m.pipeline_bubble_ms).sum::<Option<f64>>(),
         // The largest of every rank's peak (MiB), or null when the ranks cannot tell.
-        "peak_memory_mb": metrics
-            .iter()
-            .filter_map(|m| m.peak_memory_mb.as_ref())
-            .flatten()
-            .copied()
-            .reduce(f64::max),
+        "peak_memory_mb": largest(metrics.iter().map(|m| &m.peak_memory_mb)),
         // The largest of every rank's device memory (MiB; CUDA, wgpu), or null on the CPU.
-        "peak_gpu_memory_mb": metrics
-            .iter()
-            .filter_map(|m| m.peak_gpu_memory_mb.as_ref())
-            .flatten()
-            .copied()
-            .reduce(f64::max),
+        "peak_gpu_memory_mb": largest(metrics.iter().map(|m| &m.peak_gpu_memory_mb)),
         // The cost model's time of the same steps on the emulated machine (--emulate-links;
         // null without it, or where a step's strategy has no plan in the cost model).
         "predicted_attention_ms": metrics
@@ -104,6 +94,11 @@ fn totals<'a, V: Copy + Default + std::ops::AddAssign + 'a>(
         *totals.entry(key.clone()).or_default() += *value;
     }
     totals
+}
+
+/// The largest value of every step's per-rank list, or `None` when no step has one.
+fn largest<'a>(per_rank: impl Iterator<Item = &'a Option<Vec<f64>>>) -> Option<f64> {
+    per_rank.flatten().flatten().copied().reduce(f64::max)
 }
 
 fn mean(values: impl Iterator<Item = f64>) -> f64 {

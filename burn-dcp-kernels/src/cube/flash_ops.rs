@@ -6,11 +6,11 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 use super::choice::AttentionKernel;
 use super::launch::{backward, forward, merge};
-use super::support::{primitive, tensor, LIMITS};
+use super::support::{gradients, output, primitive, LIMITS};
 use crate::definition::{AttentionShape, KernelError, VarlenAttention};
 use crate::ops::KernelLimits;
 use crate::tiling::DenseSpans;
-use crate::{DeviceMemory, FlashGradients, FlashOps, FlashOutput};
+use crate::{DeviceMemory, FlashBackward, FlashGradients, FlashOps, FlashOutput};
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FlashOps
     for CubeBackend<R, F, I, BT>
@@ -50,35 +50,15 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FlashOps
         problem: &VarlenAttention,
     ) -> Result<FlashOutput<Self>, KernelError> {
         let (out, lse) = forward::<R>(primitive(q), primitive(k), primitive(v), problem)?;
-        Ok(FlashOutput {
-            out: tensor(out),
-            lse: tensor(lse),
-        })
+        Ok(output(out, lse))
     }
 
     fn flash_backward(
-        q: Tensor<Self, 3>,
-        k: Tensor<Self, 3>,
-        v: Tensor<Self, 3>,
-        out: Tensor<Self, 3>,
-        lse: Tensor<Self, 2>,
-        dout: Tensor<Self, 3>,
+        inputs: FlashBackward<Self>,
         problem: &VarlenAttention,
     ) -> Result<FlashGradients<Self>, KernelError> {
-        let (dq, dk, dv) = backward::<R>(
-            primitive(q),
-            primitive(k),
-            primitive(v),
-            primitive(out),
-            primitive(lse),
-            primitive(dout),
-            problem,
-        )?;
-        Ok(FlashGradients {
-            dq: tensor(dq),
-            dk: tensor(dk),
-            dv: tensor(dv),
-        })
+        let (dq, dk, dv) = backward::<R>(inputs.map(primitive, primitive), problem)?;
+        Ok(gradients(dq, dk, dv))
     }
 
     fn flash_merge(
@@ -91,9 +71,6 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FlashOps
             primitive(b.out),
             primitive(b.lse),
         )?;
-        Ok(FlashOutput {
-            out: tensor(out),
-            lse: tensor(lse),
-        })
+        Ok(output(out, lse))
     }
 }

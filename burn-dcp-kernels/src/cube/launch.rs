@@ -9,7 +9,7 @@ use super::choice::AttentionKernel;
 use super::elementwise;
 use super::flash::{backward_flash, forward_flash};
 use super::support::*;
-use crate::definition::{KernelError, VarlenAttention};
+use crate::definition::{BackwardTensors, KernelError, VarlenAttention};
 use crate::ops::{check_backward, check_forward, check_merge};
 use crate::tiling::DenseSpans;
 
@@ -53,41 +53,28 @@ pub(crate) type Gradients<R> = (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>);
 /// Backward on device tensors: `(dq, dk, dv)`, on the kernels [`KERNEL_ENV`](super::KERNEL_ENV) names
 /// ([`AttentionKernel::Auto`] when unset).
 pub fn backward<R: CubeRuntime>(
-    q: CubeTensor<R>,
-    k: CubeTensor<R>,
-    v: CubeTensor<R>,
-    out: CubeTensor<R>,
-    lse: CubeTensor<R>,
-    dout: CubeTensor<R>,
+    inputs: BackwardTensors<CubeTensor<R>>,
     problem: &VarlenAttention,
 ) -> Result<Gradients<R>, KernelError> {
-    let kernel = AttentionKernel::from_env()?;
-    backward_with(q, k, v, out, lse, dout, problem, kernel)
+    backward_with(inputs, problem, AttentionKernel::from_env()?)
 }
 
 /// [`backward`] on chosen kernels. Errors when the device cannot run them (tensor cores it
 /// lacks, tiles beyond its shared memory), naming what is missing.
-#[allow(clippy::too_many_arguments)]
 pub fn backward_with<R: CubeRuntime>(
-    q: CubeTensor<R>,
-    k: CubeTensor<R>,
-    v: CubeTensor<R>,
-    out: CubeTensor<R>,
-    lse: CubeTensor<R>,
-    dout: CubeTensor<R>,
+    inputs: BackwardTensors<CubeTensor<R>>,
     problem: &VarlenAttention,
     kernel: AttentionKernel,
 ) -> Result<Gradients<R>, KernelError> {
-    let (s, dtype) = check_backward(
-        &LIMITS,
-        operand(&q),
-        operand(&k),
-        operand(&v),
-        operand(&out),
-        operand(&lse),
-        operand(&dout),
-        problem,
-    )?;
+    let (s, dtype) = check_backward(&LIMITS, inputs.as_ref().map(operand, operand), problem)?;
+    let BackwardTensors {
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+    } = inputs;
     let dq_dims = [s.q_tokens, s.heads, s.head_dim];
     let dk_dims = [s.kv_tokens, s.kv_heads, s.head_dim];
     let dv_dims = [s.kv_tokens, s.kv_heads, s.value_dim];

@@ -21,5 +21,7 @@ pub use choice::{AttentionKernel, KERNEL_ENV};
 pub(crate) use launch::Gradients;
 pub use launch::{backward, backward_with, forward, forward_with, merge};
 pub use support::{LIMITS, MAX_HEAD_DIM};
+// burn-fusion's backends convert their tensors as the plain backends do.
+pub(crate) use support::{gradients, output, primitive};
 // The kernels' and the launches' `super::` helpers.
 use support::{empty, storage, upload_u32};

@@ -1,29 +1,49 @@
 //! What the launches share: dtypes and limits, device buffers and tensors.
 
-use burn::prelude::Tensor;
+use burn::prelude::{Backend, Tensor};
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, TensorCreationOptions, TensorPrimitive};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime};
 use cubecl::prelude::*;
 
-use crate::ops::{KernelLimits, Operand};
+use crate::ops::{FlashGradients, FlashOutput, KernelLimits, Operand};
 
 /// Largest head or value dim the kernels take ([`FLASH_MAX_DIM`](super::flash::FLASH_MAX_DIM)).
 pub const MAX_HEAD_DIM: usize = super::flash::FLASH_MAX_DIM;
 /// Units per cube of the element-wise kernels (delta, merge).
 pub(super) const ELEMENTWISE_UNITS: u32 = 256;
 
-pub(super) fn primitive<B: burn::prelude::Backend, const D: usize>(
-    tensor: Tensor<B, D>,
-) -> burn::tensor::ops::FloatTensor<B> {
+/// A float tensor's primitive (what the launches take).
+pub(crate) fn primitive<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> FloatTensor<B> {
     tensor.into_primitive().tensor()
 }
 
-pub(super) fn tensor<B: burn::prelude::Backend, const D: usize>(
-    primitive: burn::tensor::ops::FloatTensor<B>,
-) -> Tensor<B, D> {
+/// A float primitive as a tensor.
+pub(crate) fn tensor<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(primitive))
+}
+
+/// A forward's result from its primitives.
+pub(crate) fn output<B: Backend>(out: FloatTensor<B>, lse: FloatTensor<B>) -> FlashOutput<B> {
+    FlashOutput {
+        out: tensor(out),
+        lse: tensor(lse),
+    }
+}
+
+/// A backward's result from its primitives.
+pub(crate) fn gradients<B: Backend>(
+    dq: FloatTensor<B>,
+    dk: FloatTensor<B>,
+    dv: FloatTensor<B>,
+) -> FlashGradients<B> {
+    FlashGradients {
+        dq: tensor(dq),
+        dk: tensor(dk),
+        dv: tensor(dv),
+    }
 }
 
 /// The dtypes the kernels take (f32 accumulation and LSE whatever the input).

@@ -11,4 +11,6 @@ pub use batch::{MicroBatch, Piece};
 pub use error::KernelError;
 pub use mask::{mask_of, validate_masks, KeyRanges, MaskSpec};
 pub use packing::{validate_cu_seqlens, Segment, TokenPositions};
-pub use problem::{validate_scale, AttentionShape, VarlenAttention, MAX_SOFTMAX_SCALE};
+pub use problem::{
+    validate_scale, AttentionShape, BackwardTensors, VarlenAttention, MAX_SOFTMAX_SCALE,
+};

@@ -29,6 +29,53 @@ pub struct VarlenAttention {
     pub scale: Option<f64>,
 }
 
+/// What a backward pass takes: the forward's inputs `q`, `k`, `v`, its *final* `out` and `lse`
+/// (after any merge) and `dout`, the gradient of `out` — named, as six tensors of two shapes are
+/// easy to pass in the wrong order. `T` is how a tensor is held (burn tensors, cubecl tensors,
+/// host slices, [`Operand`](crate::ops::Operand)s), `L` the LSE's when it differs (burn's rank).
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardTensors<T, L = T> {
+    pub q: T,
+    pub k: T,
+    pub v: T,
+    pub out: T,
+    pub lse: L,
+    pub dout: T,
+}
+
+impl<T, L> BackwardTensors<T, L> {
+    /// Each tensor through `f`, the LSE through `g`.
+    pub fn map<U, M>(self, f: impl Fn(T) -> U, g: impl FnOnce(L) -> M) -> BackwardTensors<U, M> {
+        BackwardTensors {
+            q: f(self.q),
+            k: f(self.k),
+            v: f(self.v),
+            out: f(self.out),
+            lse: g(self.lse),
+            dout: f(self.dout),
+        }
+    }
+
+    /// Borrows each tensor.
+    pub fn as_ref(&self) -> BackwardTensors<&T, &L> {
+        BackwardTensors {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            out: &self.out,
+            lse: &self.lse,
+            dout: &self.dout,
+        }
+    }
+}
+
+impl<T> BackwardTensors<T> {
+    /// The six in the order `q, k, v, out, lse, dout`.
+    pub fn into_array(self) -> [T; 6] {
+        [self.q, self.k, self.v, self.out, self.lse, self.dout]
+    }
+}
+
 /// Shapes of the tensors of an attention call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionShape {

@@ -154,30 +154,13 @@ struct PartGradients {
     dv: Vec<f32>,
 }
 
-fn part_backward(
-    x: &Inputs<'_>,
-    nonfinite: &NonFinite,
-    kv: usize,
-    blocks: &[Range<usize>],
-) -> PartGradients {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked just above).
-        return unsafe { part_backward_avx2(x, nonfinite, kv, blocks) };
-    }
-    part_backward_any(x, nonfinite, kv, blocks)
-}
-
-/// [`part_backward_any`] compiled with AVX2 (the elementwise loops eight lanes wide).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn part_backward_avx2(
-    x: &Inputs<'_>,
-    nonfinite: &NonFinite,
-    kv: usize,
-    blocks: &[Range<usize>],
-) -> PartGradients {
-    part_backward_any(x, nonfinite, kv, blocks)
+with_avx2! {
+    fn part_backward / part_backward_avx2 => part_backward_any(
+        x: &Inputs<'_>,
+        nonfinite: &NonFinite,
+        kv: usize,
+        blocks: &[Range<usize>],
+    ) -> PartGradients
 }
 
 #[inline(always)]

@@ -201,32 +201,15 @@ pub(super) fn classify(
     TileKind::Partial
 }
 
-/// One key/value head × one query block: the block's rows, ordered (token, head of the group),
-/// as `(out [tokens · group, value_dim], lse [tokens · group])`.
-fn block_forward(
-    x: &Inputs<'_>,
-    nonfinite_v: &[u32],
-    kv: usize,
-    block: Range<usize>,
-) -> (Vec<f32>, Vec<f32>) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked just above).
-        return unsafe { block_forward_avx2(x, nonfinite_v, kv, block) };
-    }
-    block_forward_any(x, nonfinite_v, kv, block)
-}
-
-/// [`block_forward_any`] compiled with AVX2 (the softmax loops eight lanes wide).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn block_forward_avx2(
-    x: &Inputs<'_>,
-    nonfinite_v: &[u32],
-    kv: usize,
-    block: Range<usize>,
-) -> (Vec<f32>, Vec<f32>) {
-    block_forward_any(x, nonfinite_v, kv, block)
+with_avx2! {
+    /// One key/value head × one query block: the block's rows, ordered (token, head of the
+    /// group), as `(out [tokens · group, value_dim], lse [tokens · group])`.
+    fn block_forward / block_forward_avx2 => block_forward_any(
+        x: &Inputs<'_>,
+        nonfinite_v: &[u32],
+        kv: usize,
+        block: Range<usize>,
+    ) -> (Vec<f32>, Vec<f32>)
 }
 
 #[inline(always)]

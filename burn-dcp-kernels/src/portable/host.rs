@@ -33,6 +33,18 @@ fn check_len(name: &str, data: &[f32], expected: usize) -> Result<(), KernelErro
     Ok(())
 }
 
+/// Checks the problem against the shape, then the lengths of `q`, `k` and `v` against it.
+fn check_inputs(
+    problem: &VarlenAttention,
+    s: &AttentionShape,
+    [q, k, v]: [&[f32]; 3],
+) -> Result<(), KernelError> {
+    problem.validate(s)?;
+    check_len("q", q, s.q_tokens * s.heads * s.head_dim)?;
+    check_len("k", k, s.kv_tokens * s.kv_heads * s.head_dim)?;
+    check_len("v", v, s.kv_tokens * s.kv_heads * s.value_dim)
+}
+
 /// Forward attention with LSE. Inputs are token-major f32 (see [`VarlenAttention`]).
 pub fn forward(
     q: &[f32],
@@ -41,11 +53,8 @@ pub fn forward(
     shape: &AttentionShape,
     problem: &VarlenAttention,
 ) -> Result<HostForward, KernelError> {
-    problem.validate(shape)?;
     let s = shape;
-    check_len("q", q, s.q_tokens * s.heads * s.head_dim)?;
-    check_len("k", k, s.kv_tokens * s.kv_heads * s.head_dim)?;
-    check_len("v", v, s.kv_tokens * s.kv_heads * s.value_dim)?;
+    check_inputs(problem, s, [q, k, v])?;
     let spans = QuerySpans::build(problem);
     let scale = problem.softmax_scale(s.head_dim) as f32;
     let (out, lse) = super::forward::tiled(super::forward::Inputs {
@@ -73,11 +82,8 @@ pub fn backward(
     shape: &AttentionShape,
     problem: &VarlenAttention,
 ) -> Result<HostGradients, KernelError> {
-    problem.validate(shape)?;
     let s = shape;
-    check_len("q", q, s.q_tokens * s.heads * s.head_dim)?;
-    check_len("k", k, s.kv_tokens * s.kv_heads * s.head_dim)?;
-    check_len("v", v, s.kv_tokens * s.kv_heads * s.value_dim)?;
+    check_inputs(problem, s, [q, k, v])?;
     check_len("out", out, s.q_tokens * s.heads * s.value_dim)?;
     check_len("dout", dout, s.q_tokens * s.heads * s.value_dim)?;
     check_len("lse", lse, s.heads * s.q_tokens)?;

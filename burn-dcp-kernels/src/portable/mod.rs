@@ -21,6 +21,29 @@
 //!   (both parts are softmax-normalised over disjoint key sets, so re-weighting by their share of
 //!   the total mass gives the softmax over the union).
 
+/// `fn $name($args) -> $ret` calling `$body` (an `#[inline(always)]` function of the same
+/// arguments) compiled with AVX2 where the CPU has it (its loops eight lanes wide), else as
+/// compiled for the target.
+macro_rules! with_avx2 {
+    ($(#[$attr:meta])* fn $name:ident / $avx2:ident => $body:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty) => {
+        $(#[$attr])*
+        fn $name($($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2 (checked just above).
+                return unsafe { $avx2($($arg),*) };
+            }
+            $body($($arg),*)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2")]
+        unsafe fn $avx2($($arg: $ty),*) -> $ret {
+            $body($($arg),*)
+        }
+    };
+}
+
 mod backward;
 mod forward;
 mod host;

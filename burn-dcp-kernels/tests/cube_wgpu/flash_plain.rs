@@ -4,20 +4,19 @@
 //! row reductions exchange by plane shuffles (lavapipe's planes of 8 shuffle) and, chosen by
 //! name, through shared memory.
 
-use super::device_calls::{read, run, run_backward, upload};
 use super::*;
-use burn::tensor::{DType, TensorPrimitive};
+use burn::tensor::DType;
 use burn_dcp_kernels::cube::{forward_with, AttentionKernel};
+use common::cube::{tensor, KernelRun};
 
 type B = WgpuPlain;
 const FLASH: AttentionKernel = AttentionKernel::Flash {
     tensor_cores: false,
 };
 
-fn with_dims(mut case: Case, head_dim: usize, value_dim: usize) -> Case {
-    case.shape.head_dim = head_dim;
-    case.shape.value_dim = value_dim;
-    case
+/// A run of `kernel` on this test's device.
+fn on(case: &Case, seed: u64, dtype: DType, kernel: AttentionKernel) -> KernelRun<'_, B> {
+    KernelRun::new(case, seed, dtype, kernel, device())
 }
 
 /// Forward and gradients in f32 within 1e-5 of the oracle.
@@ -27,39 +26,12 @@ fn check_f32(case: &Case, seed: u64, what: &str) {
 
 /// [`check_f32`] on `kernel`.
 fn check_f32_on(case: &Case, seed: u64, what: &str, kernel: AttentionKernel) {
-    let (out, lse, x) = run(case, seed, DType::F32, kernel).unwrap();
+    let run = on(case, seed, DType::F32, kernel);
+    let (out, lse, x) = run.forward().unwrap();
     let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
-    let errors = [rel_err(&out, &want.out), rel_err(&lse, &want.lse)];
-    assert!(
-        errors.iter().all(|&e| e <= 1e-5),
-        "flash {what}: out/lse errors {errors:?}"
-    );
-    check_gradients_on(case, seed, DType::F32, 1e-5, what, kernel);
-}
-
-fn check_gradients(case: &Case, seed: u64, dtype: DType, bound: f32, what: &str) {
-    check_gradients_on(case, seed, dtype, bound, what, FLASH);
-}
-
-fn check_gradients_on(
-    case: &Case,
-    seed: u64,
-    dtype: DType,
-    bound: f32,
-    what: &str,
-    kernel: AttentionKernel,
-) {
-    let ([dq, dk, dv], x) = run_backward(case, seed, dtype, kernel).unwrap();
-    let want = reference::backward(&x.q, &x.k, &x.v, &x.dout, &case.problem, &case.shape).unwrap();
-    let errors = [
-        rel_err(&dq, &want.dq),
-        rel_err(&dk, &want.dk),
-        rel_err(&dv, &want.dv),
-    ];
-    assert!(
-        errors.iter().all(|&e| e <= bound),
-        "flash {what}: dq/dk/dv errors {errors:?}"
-    );
+    let what = format!("flash {what}");
+    assert_forward_near(&out, &lse, &want, 1e-5, &what);
+    run.check_gradients(1e-5, &what);
 }
 
 /// The shared-memory body (devices whose planes do not shuffle; here chosen by name): a ragged
@@ -78,18 +50,13 @@ fn several_tiles_whole_and_partial_match_the_reference() {
     // Sequences of 200, 37 and 130 tokens: several cubes and key tiles, runs of whole and
     // partial tiles (a diagonal, a window with a sink: two spans, blocks); two heads per
     // cube (group 2), by name rather than `auto` (the suite's shapes: the same kernel builds).
-    let masks = [
-        MaskSpec::Causal,
-        MaskSpec::Lambda {
-            sink: 8,
-            window: 30,
-        },
-        MaskSpec::Blockwise {
-            block: 16,
-            local_blocks: 2,
-        },
-    ];
-    for (index, mask) in masks.into_iter().enumerate() {
+    let masks = long_masks().into_iter().filter(|mask| {
+        matches!(
+            mask,
+            MaskSpec::Causal | MaskSpec::Lambda { .. } | MaskSpec::Blockwise { .. }
+        )
+    });
+    for (index, mask) in masks.enumerate() {
         let case = long_case(vec![mask.clone()], 4, 2, (16, 24));
         check_f32(&case, 210 + index as u64, &format!("{mask} long"));
     }
@@ -113,7 +80,7 @@ fn dims_that_are_not_multiples_of_16_are_padded_inside() {
     // stages them in turn (FlashConfig::in_turn): 256/256 here, over several tiles.
     let dims = [(40, 24), (200, 136)];
     for (index, (head_dim, value_dim)) in dims.into_iter().enumerate() {
-        let case = with_dims(ragged_case(MaskSpec::Causal, 4, 2), head_dim, value_dim);
+        let case = ragged_case(MaskSpec::Causal, 4, 2).with_dims((head_dim, value_dim));
         let what = format!("causal D{head_dim}/{value_dim}");
         check_f32(&case, 270 + index as u64, &what);
     }
@@ -121,36 +88,25 @@ fn dims_that_are_not_multiples_of_16_are_padded_inside() {
     check_f32(&case, 275, "per-sequence masks with key ranges, D40/8");
     let case = long_case(vec![MaskSpec::Causal], 2, 1, (256, 256));
     check_f32(&case, 277, "causal D256/256, K and V in turn");
-    let case = with_dims(ragged_case(MaskSpec::Causal, 2, 1), 256, 248);
+    let case = ragged_case(MaskSpec::Causal, 2, 1).with_dims((256, 248));
     check_f16(&case, 276, "f16 causal D256/248");
 }
 
 /// Forward within f16's rounding of P (the oracle's f64 result), gradients within 2e-3.
 fn check_f16(case: &Case, seed: u64, what: &str) {
-    let unit_roundoff = 2f32.powi(-11);
-    let (out, lse, x) = run(case, seed, DType::F16, FLASH).unwrap();
-    let want = reference::forward(&x.q, &x.k, &x.v, &case.problem, &case.shape).unwrap();
-    let max_v = x.v.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let max_out = want.out.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let worst = out
-        .iter()
-        .zip(&want.out)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
-    let bound = unit_roundoff * (max_v + max_out) * 1.01;
-    assert!(worst <= bound, "|out - oracle| {worst} > {bound}");
-    let lse_err = rel_err(&lse, &want.lse);
-    assert!(lse_err <= 1e-5, "{what}: lse {lse_err}");
-    check_gradients(case, seed, DType::F16, 2e-3, what);
+    let run = on(case, seed, DType::F16, FLASH);
+    run.check_half_forward(what);
+    run.check_gradients(2e-3, &format!("flash {what}"));
 }
 
 #[test]
 fn fully_masked_rows_and_nan_scores_keep_their_meaning() {
-    let case = with_dims(fully_masked_case(), 16, 16);
-    let (out, lse, _) = run(&case, 240, DType::F32, FLASH).unwrap();
+    let case = fully_masked_case().with_dims((16, 16));
+    let run = on(&case, 240, DType::F32, FLASH);
+    let (out, lse, _) = run.forward().unwrap();
     assert!(out.iter().all(|&x| x == 0.0), "{out:?}");
     assert!(lse.iter().all(|&x| x == f32::NEG_INFINITY), "{lse:?}");
-    let (grads, _) = run_backward(&case, 240, DType::F32, FLASH).unwrap();
+    let (grads, _) = run.backward().unwrap();
     for (name, values) in ["dq", "dk", "dv"].iter().zip(&grads) {
         assert!(values.iter().all(|&x| x == 0.0), "{name}: {values:?}");
     }
@@ -162,17 +118,19 @@ fn fully_masked_rows_and_nan_scores_keep_their_meaning() {
     let mut q = random(&mut rng, 8 * heads * dim);
     let (k, v) = (random(&mut rng, 8 * dim), random(&mut rng, 8 * dim));
     q[2 * heads * dim] = f32::NAN; // token 2 (sequence 0), head 0
-    let primitive = |values: &[f32], heads| upload(values, [8, heads, dim], DType::F32);
+    let primitive = |values: &[f32], heads| {
+        let tensor = common::upload::<B>(values, [8, heads, dim], &device());
+        tensor.into_primitive().tensor()
+    };
     let (out, lse) = forward_with(
-        primitive(&q, heads).into_primitive().tensor(),
-        primitive(&k, 1).into_primitive().tensor(),
-        primitive(&v, 1).into_primitive().tensor(),
+        primitive(&q, heads),
+        primitive(&k, 1),
+        primitive(&v, 1),
         &problem,
         FLASH,
     )
     .unwrap();
-    let out = read(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out)));
-    let lse = read(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse)));
+    let (out, lse) = (read(tensor::<B, 3>(out)), read(tensor::<B, 2>(lse)));
     let row = 2 * heads * dim;
     assert!(out[row..row + dim].iter().all(|x| x.is_nan()), "{out:?}");
     assert!(lse[2].is_nan(), "lse of the NaN row: {}", lse[2]);
@@ -209,25 +167,21 @@ fn cube_sizes_change_the_time_never_the_result() {
                 )
                 .unwrap();
                 assert_eq!(plan.forward.planes, planes);
-                let tensor = |values: &[f32], tokens, heads, dim| {
-                    upload(values, [tokens, heads, dim], DType::F32)
-                        .into_primitive()
-                        .tensor()
+                let primitive = |values: &[f32], dims| {
+                    let tensor = common::upload::<B>(values, dims, &device());
+                    tensor.into_primitive().tensor()
                 };
                 let (out, lse) = forward_flash(
-                    tensor(&x.q, s.q_tokens, s.heads, s.head_dim),
-                    tensor(&x.k, s.kv_tokens, s.kv_heads, s.head_dim),
-                    tensor(&x.v, s.kv_tokens, s.kv_heads, s.value_dim),
+                    primitive(&x.q, [s.q_tokens, s.heads, s.head_dim]),
+                    primitive(&x.k, [s.kv_tokens, s.kv_heads, s.head_dim]),
+                    primitive(&x.v, [s.kv_tokens, s.kv_heads, s.value_dim]),
                     &case.problem,
                     s,
                     DType::F32,
                     &dense,
                     &plan,
                 );
-                (
-                    read(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out))),
-                    read(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse))),
-                )
+                (read(tensor::<B, 3>(out)), read(tensor::<B, 2>(lse)))
             })
             .collect();
         assert!(results[0].0.iter().all(|x| x.is_finite()));
@@ -242,17 +196,20 @@ fn cube_sizes_change_the_time_never_the_result() {
 fn what_the_flash_kernels_cannot_run_is_refused_with_the_reason() {
     let case = long_case(vec![MaskSpec::Causal], 2, 1, (16, 16));
     let cores = AttentionKernel::Flash { tensor_cores: true };
-    let err = run(&case, 250, DType::F16, cores).unwrap_err().to_string();
+    let refusal = |case, dtype, kernel| on(case, 250, dtype, kernel).forward().unwrap_err();
+    let err = refusal(&case, DType::F16, cores).to_string();
     assert!(err.contains("mma.sync") && err.contains("F16"), "{err}");
-    let err = run(&case, 250, DType::F32, cores).unwrap_err().to_string();
+    let err = refusal(&case, DType::F32, cores).to_string();
     assert!(err.contains("f16 or bf16") && err.contains("F32"), "{err}");
     let wide = long_case(vec![MaskSpec::Causal], 2, 1, (16, 264));
-    let err = run(&wide, 250, DType::F32, FLASH).unwrap_err().to_string();
+    let err = refusal(&wide, DType::F32, FLASH).to_string();
     assert!(err.contains("1 to 256") && err.contains("264"), "{err}");
     // Auto takes the plain bodies where there are no tensor cores, with the same result as
     // asking for them.
-    let (auto, _, _) = run(&case, 251, DType::F32, AttentionKernel::Auto).unwrap();
-    let (plain, _, _) = run(&case, 251, DType::F32, FLASH).unwrap();
+    let (auto, _, _) = on(&case, 251, DType::F32, AttentionKernel::Auto)
+        .forward()
+        .unwrap();
+    let (plain, _, _) = on(&case, 251, DType::F32, FLASH).forward().unwrap();
     assert_eq!(auto, plain);
 }
 

@@ -154,7 +154,15 @@ pub fn run_single_device_in<B: FlashOps>(
     let v = tensor(&x.v, [t, x.kv_heads, x.value_dim]);
     let dout = tensor(&x.dout, [t, x.heads, x.value_dim]);
     let fwd = B::flash_forward(q.clone(), k.clone(), v.clone(), &problem)?;
-    let grads = B::flash_backward(q, k, v, fwd.out.clone(), fwd.lse.clone(), dout, &problem)?;
+    let inputs = BackwardInputs {
+        q,
+        k,
+        v,
+        out: fwd.out.clone(),
+        lse: fwd.lse.clone(),
+        dout,
+    };
+    let grads = B::flash_backward(inputs, &problem)?;
     Ok(PackedOutputs {
         out: host(fwd.out),
         lse: host(fwd.lse),

@@ -7,7 +7,9 @@ use burn::nn::transformer::{PositionWiseFeedForward, PositionWiseFeedForwardConf
 use burn::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig};
 use burn::prelude::{Backend, Bool, Tensor};
 
-use super::mha::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+use super::mha::{
+    input_options, InputOptions, Masks, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
+};
 
 /// Configuration of a [`TransformerEncoder`]: burn-nn 0.21's `TransformerEncoderConfig` (same
 /// fields, defaults and builders) plus `n_kv_heads` (grouped-query attention).
@@ -71,10 +73,7 @@ pub struct TransformerEncoder<B: Backend> {
 #[derive(Debug)]
 pub struct TransformerEncoderInput<B: Backend> {
     tensor: Tensor<B, 3>,
-    mask_pad: Option<Tensor<B, 2, Bool>>,
-    mask_attn: Option<Tensor<B, 3, Bool>>,
-    causal: bool,
-    rope_theta: Option<f32>,
+    options: InputOptions<B>,
 }
 
 impl<B: Backend> TransformerEncoderInput<B> {
@@ -82,37 +81,11 @@ impl<B: Backend> TransformerEncoderInput<B> {
     pub fn new(tensor: Tensor<B, 3>) -> Self {
         Self {
             tensor,
-            mask_pad: None,
-            mask_attn: None,
-            causal: false,
-            rope_theta: None,
+            options: InputOptions::default(),
         }
     }
 
-    /// Register the padding mask.
-    pub fn mask_pad(mut self, mask_pad: Tensor<B, 2, Bool>) -> Self {
-        self.mask_pad = Some(mask_pad);
-        self
-    }
-
-    /// Register the attention mask.
-    pub fn mask_attn(mut self, mask_attn: Tensor<B, 3, Bool>) -> Self {
-        self.mask_attn = Some(mask_attn);
-        self
-    }
-
-    /// Extension: causal attention without a dense `[B, S, S]` mask (see [`MhaInput::causal`]).
-    pub fn causal(mut self) -> Self {
-        self.causal = true;
-        self
-    }
-
-    /// Extension: rotary position embeddings in every layer's attention (see
-    /// [`MhaInput::rotary`]).
-    pub fn rotary(mut self, theta: f32) -> Self {
-        self.rope_theta = Some(theta);
-        self
-    }
+    input_options!();
 }
 
 impl TransformerEncoderConfig {
@@ -144,12 +117,7 @@ impl<B: Backend> TransformerEncoder<B> {
     pub fn forward(&self, input: TransformerEncoderInput<B>) -> Tensor<B, 3> {
         let mut x = input.tensor;
         for layer in &self.layers {
-            x = layer.forward_masks(
-                x,
-                input.mask_pad.clone(),
-                input.mask_attn.clone(),
-                (input.causal, input.rope_theta),
-            );
+            x = layer.forward_options(x, input.options.clone());
         }
         x
     }
@@ -212,35 +180,26 @@ impl<B: Backend> TransformerEncoderLayer<B> {
         mask_pad: Option<Tensor<B, 2, Bool>>,
         mask_attn: Option<Tensor<B, 3, Bool>>,
     ) -> Tensor<B, 3> {
-        self.forward_masks(input, mask_pad, mask_attn, (false, None))
+        let masks = Masks {
+            pad: mask_pad,
+            attn: mask_attn,
+            causal: false,
+        };
+        let options = InputOptions {
+            masks,
+            rope_theta: None,
+        };
+        self.forward_options(input, options)
     }
 
-    fn forward_masks(
-        &self,
-        input: Tensor<B, 3>,
-        mask_pad: Option<Tensor<B, 2, Bool>>,
-        mask_attn: Option<Tensor<B, 3, Bool>>,
-        (causal, rope_theta): (bool, Option<f32>),
-    ) -> Tensor<B, 3> {
+    fn forward_options(&self, input: Tensor<B, 3>, options: InputOptions<B>) -> Tensor<B, 3> {
         let x = input;
         let residual = if self.norm_first {
             self.norm_2.forward(x.clone())
         } else {
             x.clone()
         };
-        let mut attention_input = MhaInput::self_attn(residual);
-        if let Some(mask_pad) = mask_pad {
-            attention_input = attention_input.mask_pad(mask_pad);
-        }
-        if let Some(mask_attn) = mask_attn {
-            attention_input = attention_input.mask_attn(mask_attn);
-        }
-        if causal {
-            attention_input = attention_input.causal();
-        }
-        if let Some(theta) = rope_theta {
-            attention_input = attention_input.rotary(theta);
-        }
+        let attention_input = MhaInput::self_attn(residual).with_options(options);
         let residual = self.mha.forward(attention_input).context;
         let mut x = x + self.dropout.forward(residual);
 

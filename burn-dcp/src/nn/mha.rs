@@ -138,11 +138,56 @@ pub struct MhaInput<B: Backend> {
     key: Tensor<B, 3>,
     /// Shape `[batch_size, seq_length_2, d_model]`
     value: Tensor<B, 3>,
-    mask_pad: Option<Tensor<B, 2, Bool>>,
-    mask_attn: Option<Tensor<B, 3, Bool>>,
-    causal: bool,
-    rope_theta: Option<f32>,
+    options: InputOptions<B>,
 }
+
+/// What an attention input holds beside its tensors, set by the builders of [`MhaInput`] and
+/// [`TransformerEncoderInput`](super::TransformerEncoderInput).
+#[derive(Debug, Clone, Default)]
+pub(super) struct InputOptions<B: Backend> {
+    pub(super) masks: Masks<B>,
+    /// The base of the rotary embeddings, if any.
+    pub(super) rope_theta: Option<f32>,
+}
+
+/// The builders of an input's [`InputOptions`], the same on [`MhaInput`] and
+/// [`TransformerEncoderInput`](super::TransformerEncoderInput).
+macro_rules! input_options {
+    () => {
+        /// Register the padding mask `[batch_size, seq_length_2]` (`true` at padding).
+        pub fn mask_pad(mut self, mask_pad: Tensor<B, 2, Bool>) -> Self {
+            self.options.masks.pad = Some(mask_pad);
+            self
+        }
+
+        /// Register the attention mask `[batch_size, seq_length_1, seq_length_2]` (`true` = masked).
+        /// burn-nn's `generate_autoregressive_mask` becomes the op's `is_causal`.
+        pub fn mask_attn(mut self, mask_attn: Tensor<B, 3, Bool>) -> Self {
+            self.options.masks.attn = Some(mask_attn);
+            self
+        }
+
+        /// Extension: causal attention without a dense `[B, S, S]` mask (what
+        /// `mask_attn(generate_autoregressive_mask(..))` means, at any length).
+        pub fn causal(mut self) -> Self {
+            self.options.masks.causal = true;
+            self
+        }
+
+        /// Extension: rotary position embedding (RoFormer) of the queries and keys of every head,
+        /// with base `theta` (10000 in most models), each token at its position — its global
+        /// position under a CP context. An input option rather than a config field, so that the
+        /// module's record keeps burn-nn's layout.
+        ///
+        /// # Panics
+        /// In `forward`, when `theta` is not a positive number or the head dim is odd.
+        pub fn rotary(mut self, theta: f32) -> Self {
+            self.options.rope_theta = Some(theta);
+            self
+        }
+    };
+}
+pub(super) use input_options;
 
 impl<B: Backend> MhaInput<B> {
     /// Query, key and value all `tensor` (`[batch_size, seq_length, d_model]`).
@@ -156,44 +201,18 @@ impl<B: Backend> MhaInput<B> {
             query,
             key,
             value,
-            mask_pad: None,
-            mask_attn: None,
-            causal: false,
-            rope_theta: None,
+            options: InputOptions::default(),
         }
     }
 
-    /// Register the padding mask `[batch_size, seq_length_2]` (`true` at padding).
-    pub fn mask_pad(mut self, mask_pad: Tensor<B, 2, Bool>) -> Self {
-        self.mask_pad = Some(mask_pad);
+    /// The masks, causality and rotary base of another input (a layer's share of a
+    /// [`TransformerEncoderInput`](super::TransformerEncoderInput)).
+    pub(super) fn with_options(mut self, options: InputOptions<B>) -> Self {
+        self.options = options;
         self
     }
 
-    /// Register the attention mask `[batch_size, seq_length_1, seq_length_2]` (`true` = masked).
-    /// burn-nn's `generate_autoregressive_mask` becomes the op's `is_causal`.
-    pub fn mask_attn(mut self, mask_attn: Tensor<B, 3, Bool>) -> Self {
-        self.mask_attn = Some(mask_attn);
-        self
-    }
-
-    /// Extension: causal attention without a dense `[B, S, S]` mask (what
-    /// `mask_attn(generate_autoregressive_mask(..))` means, at any length).
-    pub fn causal(mut self) -> Self {
-        self.causal = true;
-        self
-    }
-
-    /// Extension: rotary position embedding (RoFormer) of the queries and keys of every head,
-    /// with base `theta` (10000 in most models), each token at its position — its global
-    /// position under a CP context. An input option rather than a config field, so that the
-    /// module's record keeps burn-nn's layout.
-    ///
-    /// # Panics
-    /// In `forward`, when `theta` is not a positive number or the head dim is odd.
-    pub fn rotary(mut self, theta: f32) -> Self {
-        self.rope_theta = Some(theta);
-        self
-    }
+    input_options!();
 }
 
 /// [Multihead attention](MultiHeadAttention) outputs.
@@ -228,18 +247,16 @@ impl<B: Backend> MultiHeadAttention<B> {
     pub fn forward(&self, input: MhaInput<B>) -> MhaOutput<B> {
         let [batch_size, seq_length_1, _] = input.query.dims();
         let kv_heads = self.n_kv_heads();
-        let rope = input.rope_theta;
+        let InputOptions { masks, rope_theta } = input.options;
         let query = self.rotate(
             self.attention_linear(input.query, &self.query, self.n_heads),
-            rope,
+            rope_theta,
         );
-        let key = self.rotate(self.attention_linear(input.key, &self.key, kv_heads), rope);
+        let key = self.rotate(
+            self.attention_linear(input.key, &self.key, kv_heads),
+            rope_theta,
+        );
         let value = self.attention_linear(input.value, &self.value, kv_heads);
-        let masks = Masks {
-            pad: input.mask_pad,
-            attn: input.mask_attn,
-            causal: input.causal,
-        };
         let (context, weights) = match current_context() {
             Some(cp) => (self.attend_cp(&cp, query, key, value, masks), None),
             None => self.attend(query, key, value, masks),
@@ -446,10 +463,11 @@ impl<B: Backend> MultiHeadAttention<B> {
 }
 
 /// The masks of one call.
-struct Masks<B: Backend> {
-    pad: Option<Tensor<B, 2, Bool>>,
-    attn: Option<Tensor<B, 3, Bool>>,
-    causal: bool,
+#[derive(Debug, Clone, Default)]
+pub(super) struct Masks<B: Backend> {
+    pub(super) pad: Option<Tensor<B, 2, Bool>>,
+    pub(super) attn: Option<Tensor<B, 3, Bool>>,
+    pub(super) causal: bool,
 }
 
 /// The masks read back to the host (once per call; `[B, S]` and `[B, S1, S2]` booleans).

@@ -415,16 +415,28 @@ mod tests {
         }
     }
 
+    /// One causal sequence of 3 tokens.
+    fn three_causal_tokens(head_groups: usize, block: usize) -> BlockProblem {
+        BlockProblem {
+            seq_lens: vec![3],
+            masks: vec![MaskSpec::Causal],
+            head_groups,
+            block,
+        }
+    }
+
+    /// One mask of each kind the planners cut differently.
+    const MASKS: [&str; 5] = [
+        "causal",
+        "full",
+        "lambda:64,256",
+        "blockwise:128,2",
+        "shared-question:0.2,4",
+    ];
+
     #[test]
     fn nonempty_tiles_match_a_scan() {
-        for mask in [
-            "causal",
-            "full",
-            "lambda:64,256",
-            "blockwise:128,2",
-            "shared-question:0.2,4",
-            "sliding:100",
-        ] {
+        for mask in MASKS.into_iter().chain(["sliding:100"]) {
             let p = problem(mask);
             for seq in 0..3 {
                 let grid = TileGrid::new(&p, seq);
@@ -489,13 +501,7 @@ mod tests {
 
     #[test]
     fn validator_accepts_a_ring_plan_and_rejects_broken_ones() {
-        for mask in [
-            "causal",
-            "full",
-            "lambda:64,256",
-            "blockwise:128,2",
-            "shared-question:0.2,4",
-        ] {
+        for mask in MASKS {
             let input = plan_input(vec![1000, 300, 2049], mask.parse().unwrap(), 4);
             let routed = crate::planner::by_strategy::plan_strategy(
                 crate::strategy::StrategyKind::RING_ZIGZAG,
@@ -523,12 +529,7 @@ mod tests {
     /// validates and serializes back unchanged; plans of ours parse into their typed stats.
     #[test]
     fn plans_with_foreign_statistics_round_trip() {
-        let problem = BlockProblem {
-            seq_lens: vec![3],
-            masks: vec![MaskSpec::Causal],
-            head_groups: 1,
-            block: 2,
-        };
+        let problem = three_causal_tokens(1, 2);
         let text = r#"{"ranks": 2,
             "blocks": [{"seq": 0, "head": 0, "q_block": 0, "kv_block": 0, "rank": 0, "stage": 0},
                        {"seq": 0, "head": 0, "q_block": 1, "kv_block": 0, "rank": 1, "stage": 1},
@@ -564,12 +565,7 @@ mod tests {
     /// lowest unit's.
     #[test]
     fn token_homes_follow_the_most_units() {
-        let problem = BlockProblem {
-            seq_lens: vec![3],
-            masks: vec![MaskSpec::Causal],
-            head_groups: 4,
-            block: 1,
-        };
+        let problem = three_causal_tokens(4, 1);
         let mut plan = Plan::new(4, PlanStats::RingZigzag { block: 1 });
         for (block, homes) in [[2, 1, 1, 3], [0, 1, 2, 3], [3, 0, 3, 0]]
             .iter()

@@ -66,15 +66,8 @@ impl AttentionStrategy for AllGatherKv {
         let device = x.q.device();
         let k = gather_tokens(group, batch, x.k, "k")?;
         let v = gather_tokens(group, batch, x.v, "v")?;
-        let grads = B::flash_backward(
-            x.q,
-            k,
-            v,
-            x.out,
-            x.lse,
-            x.dout,
-            &Self::problem(group, batch),
-        )?;
+        let x = BackwardInputs { k, v, ..x };
+        let grads = B::flash_backward(x, &Self::problem(group, batch))?;
         let sizes: Vec<usize> = (0..group.cp()).map(|r| batch.placement.tokens(r)).collect();
         let scatter = |full: Tensor<B, 3>, what: &str| -> Result<Tensor<B, 3>, CpError> {
             let [_, heads, dim] = full.dims();

@@ -3,8 +3,7 @@
 
 use std::sync::Arc;
 
-use burn::prelude::Tensor;
-use burn_dcp_kernels::{FlashOps, MaskSpec, Segment, VarlenAttention};
+use burn_dcp_kernels::{MaskSpec, Segment, VarlenAttention};
 
 use crate::batch::placement::Placement;
 use crate::batch::rows::{BatchRows, LocalRows};
@@ -95,13 +94,6 @@ impl CpBatch {
 }
 
 /// Inputs of a backward pass, all local to this rank: `q [T, H, D]`, `k`/`v [T, K, D]`,
-/// `out`/`dout [T, H, Dv]`, `lse [H, T]` (the forward's final output and LSE).
-#[derive(Clone, Debug)]
-pub struct BackwardInputs<B: FlashOps> {
-    pub q: Tensor<B, 3>,
-    pub k: Tensor<B, 3>,
-    pub v: Tensor<B, 3>,
-    pub out: Tensor<B, 3>,
-    pub lse: Tensor<B, 2>,
-    pub dout: Tensor<B, 3>,
-}
+/// `out`/`dout [T, H, Dv]`, `lse [H, T]` (the forward's final output and LSE), as the kernels'
+/// [`FlashOps::flash_backward`](burn_dcp_kernels::FlashOps::flash_backward) takes them.
+pub type BackwardInputs<B> = burn_dcp_kernels::FlashBackward<B>;

@@ -68,6 +68,14 @@ impl InFlight<'_> {
         }
         Ok(received)
     }
+
+    /// [`Self::wait`] for a block of two pieces (k and v, or dk and dv).
+    fn wait_pair<B: FlashOps>(self, device: &B::Device) -> Result<[Tensor<B, 3>; 2], CpError> {
+        let pieces = self.wait(device)?;
+        Ok(pieces.try_into().unwrap_or_else(|pieces: Vec<_>| {
+            panic!("ring: two pieces posted, {} received", pieces.len())
+        }))
+    }
 }
 
 impl RingPass<'_> {
@@ -120,6 +128,20 @@ impl RingPass<'_> {
         })
     }
 
+    /// Starts passing this step's k/v block on to the next rank (none after the last step).
+    fn pass_on_kv<B: FlashOps>(
+        &self,
+        step: usize,
+        k: &Tensor<B, 3>,
+        v: &Tensor<B, 3>,
+    ) -> Result<Option<InFlight<'_>>, CpError> {
+        if step + 1 == self.comm.size() {
+            return Ok(None);
+        }
+        let in_flight = self.rotate(&[k, v], self.owner(step + 1), "ring k/v block")?;
+        Ok(Some(in_flight))
+    }
+
     fn step_problem(&self, owner: usize) -> burn_dcp_kernels::VarlenAttention {
         let me = self.comm.rank();
         self.batch
@@ -138,12 +160,7 @@ impl RingPass<'_> {
         let mut merged: Option<FlashOutput<B>> = None;
         let (mut k, mut v) = (k, v);
         for step in 0..self.comm.size() {
-            let last = step + 1 == self.comm.size();
-            let in_flight = if last {
-                None
-            } else {
-                Some(self.rotate(&[&k, &v], self.owner(step + 1), "ring k/v block")?)
-            };
+            let in_flight = self.pass_on_kv(step, &k, &v)?;
             let problem = self.step_problem(self.owner(step));
             if problem.has_work() {
                 let part = B::flash_forward(q.clone(), k.clone(), v.clone(), &problem)?;
@@ -158,11 +175,7 @@ impl RingPass<'_> {
                 });
             }
             if let Some(in_flight) = in_flight {
-                let mut block = in_flight.wait::<B>(&device)?.into_iter();
-                (k, v) = (
-                    block.next().expect("k received"),
-                    block.next().expect("v received"),
-                );
+                [k, v] = in_flight.wait_pair::<B>(&device)?;
             }
         }
         let dtype = q.dtype();
@@ -194,23 +207,15 @@ impl RingPass<'_> {
         let (mut k, mut v) = (x.k.clone(), x.v.clone());
         let (mut dk, mut dv) = (zeros(&x.k), zeros(&x.v));
         for step in 0..self.comm.size() {
-            let last = step + 1 == self.comm.size();
-            let kv_in_flight = if last {
-                None
-            } else {
-                Some(self.rotate(&[&k, &v], self.owner(step + 1), "ring k/v block")?)
-            };
+            let kv_in_flight = self.pass_on_kv(step, &k, &v)?;
             let problem = self.step_problem(self.owner(step));
             if problem.has_work() {
-                let part = B::flash_backward(
-                    x.q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    x.out.clone(),
-                    x.lse.clone(),
-                    x.dout.clone(),
-                    &problem,
-                )?;
+                let inputs = BackwardInputs {
+                    k: k.clone(),
+                    v: v.clone(),
+                    ..x.clone()
+                };
+                let part = B::flash_backward(inputs, &problem)?;
                 dq = dq + widened(part.dq);
                 dk = (widened(dk) + widened(part.dk)).cast(dtype);
                 dv = (widened(dv) + widened(part.dv)).cast(dtype);
@@ -219,17 +224,9 @@ impl RingPass<'_> {
             let grads_in_flight =
                 self.rotate(&[&dk, &dv], self.owner(step + 1), "ring dk/dv accumulators")?;
             if let Some(in_flight) = kv_in_flight {
-                let mut block = in_flight.wait::<B>(&device)?.into_iter();
-                (k, v) = (
-                    block.next().expect("k received"),
-                    block.next().expect("v received"),
-                );
+                [k, v] = in_flight.wait_pair::<B>(&device)?;
             }
-            let mut grads = grads_in_flight.wait::<B>(&device)?.into_iter();
-            (dk, dv) = (
-                grads.next().expect("dk received"),
-                grads.next().expect("dv received"),
-            );
+            [dk, dv] = grads_in_flight.wait_pair::<B>(&device)?;
         }
         Ok(FlashGradients {
             dq: dq.cast(dtype),

@@ -471,7 +471,7 @@ impl AttentionStrategy for Ulysses {
         let stage = Self::stage(group, batch, x.q.dims()[1], x.k.dims()[1]);
         let x = stage.backward_inputs_to_heads(x)?;
         let problem = Self::problem(batch);
-        let grads = B::flash_backward(x.q, x.k, x.v, x.out, x.lse, x.dout, &problem)?;
+        let grads = B::flash_backward(x, &problem)?;
         stage.gradients_to_sequence(grads)
     }
 }

@@ -12,7 +12,6 @@
 
 use std::time::Instant;
 
-use burn::backend::Flex;
 use burn::nn::RmsNormConfig;
 use burn::prelude::{Backend, Tensor};
 use burn::tensor::activation::{log_softmax, silu};
@@ -170,21 +169,9 @@ fn run_on<B: Backend>(args: &Args, device: &B::Device) -> Result<Vec<Timed>, Str
 
 fn run(args: Args) -> Result<(), String> {
     burn_dcp_tools::backend_type(&args.backend, args.no_fusion, "--bin op_times")?;
-    let timed = match args.backend.as_str() {
-        #[cfg(feature = "cuda")]
-        "cuda" if args.no_fusion => {
-            run_on::<burn_dcp_kernels::backends::CudaPlain>(&args, &Default::default())?
-        }
-        #[cfg(feature = "cuda")]
-        "cuda" => run_on::<burn_dcp_kernels::backends::CudaFusion>(&args, &Default::default())?,
-        #[cfg(feature = "wgpu")]
-        "wgpu" if args.no_fusion => {
-            run_on::<burn_dcp_kernels::backends::WgpuPlain>(&args, &Default::default())?
-        }
-        #[cfg(feature = "wgpu")]
-        "wgpu" => run_on::<burn_dcp_kernels::backends::WgpuFusion>(&args, &Default::default())?,
-        _ => run_on::<Flex>(&args, &Default::default())?,
-    };
+    let timed = burn_dcp_tools::on_backend!(args.backend.as_str(), args.no_fusion, B => {
+        run_on::<B>(&args, &Default::default())?
+    });
     if args.json {
         let ops: Vec<_> = timed
             .iter()

@@ -59,35 +59,25 @@ impl ProgramBuilder<'_> {
     /// The moves of head units homed away from their token homes: to their homes before the
     /// pass, or (`results`) their results back after it; sends first, then receives.
     fn unit_moves(&self, rank: usize, results: bool, program: &mut Vec<Instruction>) {
-        for (block, unit, token_home, home) in self.moved_units() {
-            match results {
-                false if token_home == rank => program.push(Instruction::SendUnit {
-                    block,
-                    unit,
-                    to: home,
-                }),
-                true if home == rank => program.push(Instruction::SendUnitResult {
-                    block,
-                    unit,
-                    to: token_home,
-                }),
-                _ => {}
-            }
+        // (block, unit, from, to): a unit goes home before the pass, its results come back after.
+        let moves = || {
+            self.moved_units()
+                .map(move |(block, unit, token_home, home)| match results {
+                    false => (block, unit, token_home, home),
+                    true => (block, unit, home, token_home),
+                })
+        };
+        for (block, unit, _, to) in moves().filter(|&(_, _, from, _)| from == rank) {
+            program.push(match results {
+                false => Instruction::SendUnit { block, unit, to },
+                true => Instruction::SendUnitResult { block, unit, to },
+            });
         }
-        for (block, unit, token_home, home) in self.moved_units() {
-            match results {
-                false if home == rank => program.push(Instruction::ReceiveUnit {
-                    block,
-                    unit,
-                    from: token_home,
-                }),
-                true if token_home == rank => program.push(Instruction::ReceiveUnitResult {
-                    block,
-                    unit,
-                    from: home,
-                }),
-                _ => {}
-            }
+        for (block, unit, from, _) in moves().filter(|&(_, _, _, to)| to == rank) {
+            program.push(match results {
+                false => Instruction::ReceiveUnit { block, unit, from },
+                true => Instruction::ReceiveUnitResult { block, unit, from },
+            });
         }
     }
 
@@ -110,23 +100,41 @@ impl ProgramBuilder<'_> {
     }
 
     fn sends(&self, rank: usize, stage: usize, direct: bool, program: &mut Vec<Instruction>) {
-        for (route, hop) in self.hops(stage, direct).filter(|(_, h)| h.from == rank) {
-            program.push(Instruction::Send {
-                side: route.side,
-                block: id(route),
-                unit: route.head,
-                to: hop.to,
-            });
-        }
+        self.transfers(rank, stage, direct, true, program);
     }
 
     fn receives(&self, rank: usize, stage: usize, direct: bool, program: &mut Vec<Instruction>) {
-        for (route, hop) in self.hops(stage, direct).filter(|(_, h)| h.to == rank) {
-            program.push(Instruction::Receive {
-                side: route.side,
-                block: id(route),
-                unit: route.head,
-                from: hop.from,
+        self.transfers(rank, stage, direct, false, program);
+    }
+
+    /// The hops of `stage` that leave `rank` (`send`) or reach it, in route order.
+    fn transfers(
+        &self,
+        rank: usize,
+        stage: usize,
+        direct: bool,
+        send: bool,
+        program: &mut Vec<Instruction>,
+    ) {
+        let mine = |hop: &Hop| match send {
+            true => hop.from == rank,
+            false => hop.to == rank,
+        };
+        for (route, hop) in self.hops(stage, direct).filter(|(_, h)| mine(h)) {
+            let (side, block, unit) = (route.side, id(route), route.head);
+            program.push(match send {
+                true => Instruction::Send {
+                    side,
+                    block,
+                    unit,
+                    to: hop.to,
+                },
+                false => Instruction::Receive {
+                    side,
+                    block,
+                    unit,
+                    from: hop.from,
+                },
             });
         }
     }

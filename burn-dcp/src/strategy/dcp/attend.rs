@@ -45,10 +45,7 @@ impl<B: FlashOps> Run<'_, B> {
     pub(super) fn attend_forward(&mut self, key: Key, kv: &[usize]) -> Result<(), CpError> {
         let (q, unit) = key;
         let query = self
-            .blocks
-            .queries
-            .get(&key)
-            .ok_or_else(|| self.missing("the queries", key))?
+            .held(&self.blocks.queries, "the queries", key)?
             .q
             .clone();
         let (k, v) = self.keys_of(q.seq, unit, kv)?;
@@ -77,15 +74,18 @@ impl<B: FlashOps> Run<'_, B> {
 
     pub(super) fn attend_backward(&mut self, key: Key, kv: &[usize]) -> Result<(), CpError> {
         let (q, unit) = key;
-        let query = self
-            .blocks
-            .queries
-            .get(&key)
-            .cloned()
-            .ok_or_else(|| self.missing("the queries", key))?;
+        let query = self.held(&self.blocks.queries, "the queries", key)?.clone();
         let (out, lse, dout) = query.grads.ok_or_else(|| self.missing("the output", key))?;
         let (k, v) = self.keys_of(q.seq, unit, kv)?;
-        let grads = B::flash_backward(query.q, k, v, out, lse, dout, &self.problem(q, kv))?;
+        let inputs = BackwardInputs {
+            q: query.q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+        };
+        let grads = B::flash_backward(inputs, &self.problem(q, kv))?;
         add_into(&mut self.blocks.dq, key, grads.dq);
         let sizes: Vec<usize> = kv
             .iter()

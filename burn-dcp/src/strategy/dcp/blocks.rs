@@ -38,8 +38,17 @@ impl<B: FlashOps> Run<'_, B> {
 
     /// The keys and values of `key` this rank holds.
     pub(super) fn block_keys(&self, key: Key) -> Result<(Tensor<B, 3>, Tensor<B, 3>), CpError> {
-        let keys = self.blocks.keys.get(&key).cloned();
-        keys.ok_or_else(|| self.missing("the keys", key))
+        self.held(&self.blocks.keys, "the keys", key).cloned()
+    }
+
+    /// The entry of `key` in one of this rank's block maps, or the error naming `what` is missing.
+    pub(super) fn held<'m, T>(
+        &self,
+        map: &'m HashMap<Key, T>,
+        what: &str,
+        key: Key,
+    ) -> Result<&'m T, CpError> {
+        map.get(&key).ok_or_else(|| self.missing(what, key))
     }
 
     pub(super) fn missing(&self, what: &str, (block, unit): Key) -> CpError {
@@ -59,11 +68,7 @@ impl<B: FlashOps> Run<'_, B> {
     ) -> Result<Vec<Payload>, CpError> {
         match side {
             Side::QueryOutput => {
-                let query = self
-                    .blocks
-                    .queries
-                    .get(&key)
-                    .ok_or_else(|| self.missing("the queries", key))?;
+                let query = self.held(&self.blocks.queries, "the queries", key)?;
                 let mut parts = vec![Payload::device(query.q.clone())];
                 if backward {
                     let (out, lse, dout) = query
@@ -140,31 +145,18 @@ impl<B: FlashOps> Run<'_, B> {
     ) -> Result<Vec<Payload>, CpError> {
         match (side, backward) {
             (Side::QueryOutput, false) => {
-                let output = self
-                    .blocks
-                    .outputs
-                    .get(&key)
-                    .ok_or_else(|| self.missing("the partial output", key))?;
+                let output = self.held(&self.blocks.outputs, "the partial output", key)?;
                 Ok(vec![
                     self.sent(output.out.clone()),
                     Payload::device(output.lse.clone()),
                 ])
             }
             (Side::QueryOutput, true) => {
-                let dq = self
-                    .blocks
-                    .dq
-                    .get(&key)
-                    .ok_or_else(|| self.missing("the dq", key))?;
+                let dq = self.held(&self.blocks.dq, "the dq", key)?;
                 Ok(vec![self.sent(dq.clone())])
             }
             (Side::KeyValue, _) => {
-                let (dk, dv) = self
-                    .blocks
-                    .dkv
-                    .get(&key)
-                    .cloned()
-                    .ok_or_else(|| self.missing("the dk/dv", key))?;
+                let (dk, dv) = self.held(&self.blocks.dkv, "the dk/dv", key)?.clone();
                 Ok(vec![self.sent(dk), self.sent(dv)])
             }
         }

@@ -48,10 +48,7 @@ use burn_dcp::planner::topology::Topology;
 use burn_dcp::planner::{executed_plan, PlanInput};
 use burn_dcp::strategy::block_plan::BlockSchedule;
 use burn_dcp::{CpError, Layout, Placement, Strategy};
-#[cfg(feature = "cuda")]
-use burn_dcp_kernels::backends::{CudaFusion, CudaPlain};
-#[cfg(feature = "wgpu")]
-use burn_dcp_kernels::backends::{WgpuFusion, WgpuPlain};
+use burn_dcp_tools::on_backend;
 use burn_dcp_train::launch::Ranks;
 use burn_dcp_train::links::{cpu_compute, emulated_topology, time_scale, EmulatedLinks};
 use clap::Parser;
@@ -197,14 +194,7 @@ struct Emulation {
 
 fn main() {
     burn_dcp_train::launch::init_logging();
-    let args = Args::parse();
-    if let Err(message) = run(&args) {
-        // With several processes (MPI or TCP) every rank finds the same error: rank 0 alone prints it.
-        if burn_dcp_train::launch::launcher_rank() == 0 {
-            eprintln!("error: {message}");
-        }
-        std::process::exit(2);
-    }
+    burn_dcp_train::launch::exit_on_error(run(&Args::parse()));
 }
 
 fn run(args: &Args) -> Result<(), String> {
@@ -279,32 +269,9 @@ fn run(args: &Args) -> Result<(), String> {
         return run_distributed(args, &ranks, &inputs, &spec);
     }
     let links = emulation.as_ref().map(|e| e.links);
-    let device = Default::default();
-    let report = match args.backend.as_str() {
-        #[cfg(feature = "wgpu")]
-        "wgpu" if args.no_fusion => {
-            run_context_parallel_with_links::<WgpuPlain>(&Default::default(), &inputs, &spec, links)
-        }
-        #[cfg(feature = "wgpu")]
-        "wgpu" => run_context_parallel_with_links::<WgpuFusion>(
-            &Default::default(),
-            &inputs,
-            &spec,
-            links,
-        ),
-        #[cfg(feature = "cuda")]
-        "cuda" if args.no_fusion => {
-            run_context_parallel_with_links::<CudaPlain>(&Default::default(), &inputs, &spec, links)
-        }
-        #[cfg(feature = "cuda")]
-        "cuda" => run_context_parallel_with_links::<CudaFusion>(
-            &Default::default(),
-            &inputs,
-            &spec,
-            links,
-        ),
-        _ => run_context_parallel_with_links::<Flex>(&device, &inputs, &spec, links),
-    }
+    let report = on_backend!(args.backend.as_str(), args.no_fusion, B => {
+        run_context_parallel_with_links::<B>(&Default::default(), &inputs, &spec, links)
+    })
     .map_err(|e| e.to_string())?;
     report_run(args, &inputs, &spec, &report, emulation.as_ref())
 }
@@ -352,27 +319,10 @@ fn run_distributed(
     inputs: &PackedInputs,
     spec: &RunSpec,
 ) -> Result<(), String> {
-    let device = Default::default();
     let report = ranks.run(|comm| {
-        match args.backend.as_str() {
-            #[cfg(feature = "wgpu")]
-            "wgpu" if args.no_fusion => {
-                run_context_parallel_on::<WgpuPlain>(comm, &Default::default(), inputs, spec)
-            }
-            #[cfg(feature = "wgpu")]
-            "wgpu" => {
-                run_context_parallel_on::<WgpuFusion>(comm, &Default::default(), inputs, spec)
-            }
-            #[cfg(feature = "cuda")]
-            "cuda" if args.no_fusion => {
-                run_context_parallel_on::<CudaPlain>(comm, &Default::default(), inputs, spec)
-            }
-            #[cfg(feature = "cuda")]
-            "cuda" => {
-                run_context_parallel_on::<CudaFusion>(comm, &Default::default(), inputs, spec)
-            }
-            _ => run_context_parallel_on::<Flex>(comm, &device, inputs, spec),
-        }
+        on_backend!(args.backend.as_str(), args.no_fusion, B => {
+            run_context_parallel_on::<B>(comm, &Default::default(), inputs, spec)
+        })
         .map_err(|e| e.to_string())
     })?;
     match report.flatten() {
