@@ -18,12 +18,12 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use burn::prelude::Tensor;
-use burn::tensor::{DType, Shape, TensorPrimitive};
+use burn::tensor::{DType, Shape};
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
-use crate::cube::{gradients, output, primitive};
+use crate::cube::{gradients, output, primitive, tensor};
 use crate::definition::{BackwardTensors, KernelError, VarlenAttention};
 use crate::ops::{check_backward, check_forward, check_merge, KernelLimits, Operand};
 use crate::{FlashBackward, FlashGradients, FlashOps, FlashOutput};
@@ -242,7 +242,7 @@ fn input<B: FusionBackend, const D: usize>(
     handles: &mut Handles<B>,
     ir: &TensorIr,
 ) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(handles.get_float_tensor::<B>(ir)))
+    tensor(handles.get_float_tensor::<B>(ir))
 }
 
 fn operand<R: FusionRuntime>(tensor: &FusionTensor<R>) -> Operand<'_> {

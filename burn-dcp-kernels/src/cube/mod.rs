@@ -22,6 +22,6 @@ pub(crate) use launch::Gradients;
 pub use launch::{backward, backward_with, forward, forward_with, merge};
 pub use support::{LIMITS, MAX_HEAD_DIM};
 // burn-fusion's backends convert their tensors as the plain backends do.
-pub(crate) use support::{gradients, output, primitive};
+pub(crate) use support::{gradients, output, primitive, tensor};
 // The kernels' and the launches' `super::` helpers.
 use support::{empty, storage, upload_u32};
