@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+from gpu_training import model_arguments  # beside this script, in the bundle too
+
 
 def run(cmd, limit):
     print("$", " ".join(cmd), flush=True)
@@ -36,13 +38,9 @@ def run(cmd, limit):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("bin")
-    parser.add_argument("out")
-    parser.add_argument("--models", nargs="+", default=["llama-125m", "llama-1b"])
-    parser.add_argument("--seq-len", type=int, default=8192)
+    model_arguments(parser)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--limit", type=int, default=120)
-    parser.add_argument("--corpus", default="/tmp/gpu_training_corpus")
     parser.add_argument("--no-phases", action="store_true", help="skip gpt_longctx --sync-phases")
     args = parser.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))

@@ -96,19 +96,25 @@ def row_of(model, args, ours, torch_run):
     return row
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def model_arguments(parser):
+    """BIN_DIR OUT_DIR, the models, their length and the corpus: what every GPU step that trains
+    the presets takes (gpu_breakdown.py too)."""
     parser.add_argument("bin")
     parser.add_argument("out")
     parser.add_argument("--models", nargs="+", default=["llama-125m", "llama-1b"])
     parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--corpus", default="/tmp/gpu_training_corpus")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    model_arguments(parser)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--limit", type=int, default=200, help="seconds per run")
     parser.add_argument("--extras", nargs="*", default=["cp4", "no-fusion"],
                         help="runs after every model's pair, on the first model: cp4, no-fusion")
-    parser.add_argument("--corpus", default="/tmp/gpu_training_corpus")
     args = parser.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     os.makedirs(args.out, exist_ok=True)

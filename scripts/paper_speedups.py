@@ -17,10 +17,7 @@ over --seeds batches per scale.
 Usage: python3 scripts/paper_speedups.py [--binary target/release/plan_sim]
        [--seeds 0,1,2] [--scales 0.5,1,2,4]
 """
-import argparse
-import json
-import subprocess
-import sys
+from plan_table import plan_sim_parser, strategies  # beside this script
 
 MASKS = {"causal": "causal", "lambda": "lambda:64,4096", "blockwise": "blockwise:256,2",
          "shared-question": "shared-question:0.2,4"}
@@ -32,17 +29,12 @@ def plan_sim(binary, scale, seed, mask, strategies, extra=()):
                "--topology", "a100-p4d", "--nodes", "4", "--heads", "8", "--kv-heads", "2",
                "--head-dim", "128", "--element-bytes", "2", "--stages", "4", "--seed", str(seed),
                "--mask", mask, "--strategies", strategies, "--json", *extra]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed:\n{done.stderr}")
-    return {s["name"]: s["attention_fwd_ms"] + s["attention_bwd_ms"]
-            for s in json.loads(done.stdout)["strategies"]}
+    return {name: s["attention_fwd_ms"] + s["attention_bwd_ms"]
+            for name, s in strategies(command).items()}
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--binary", default="target/release/plan_sim")
-    parser.add_argument("--seeds", default="0,1,2")
+    parser = plan_sim_parser("0,1,2")
     parser.add_argument("--scales", default="0.5,1,2,4")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -20,14 +20,27 @@ def run(binary, mix, mask, seed, nodes=4, extra=()):
     cmd = [binary, "--lengths-from", mix, "--tokens", "131072", "--topology", "a100-p4d",
            "--nodes", str(nodes), "--mask", mask, "--heads", "8", "--kv-heads", "2",
            "--head-dim", "128", "--block", "512", "--seed", str(seed), "--json", *extra]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return {s["name"]: s for s in json.loads(out)["strategies"]}
+    return strategies(cmd)
+
+
+def strategies(command):
+    """plan_sim's `command` run: its strategies by name (exits naming the command if it fails)."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed:\n{done.stderr}")
+    return {s["name"]: s for s in json.loads(done.stdout)["strategies"]}
+
+
+def plan_sim_parser(seeds):
+    """The flags of every plan_sim script: --binary, and --seeds defaulting to `seeds`."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--binary", default="target/release/plan_sim")
+    parser.add_argument("--seeds", default=seeds)
+    return parser
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--binary", default="target/release/plan_sim")
-    parser.add_argument("--seeds", default="0")
+    parser = plan_sim_parser("0")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     failures = []

@@ -10,7 +10,7 @@ use std::process::{Command, Output, Stdio};
 #[allow(dead_code)] // each command-line test file uses a part of them
 #[path = "support/cli.rs"]
 mod cli;
-use cli::{example, refused, stderr, succeeded, temp_dir};
+use cli::{example, refused, refused_each, stderr, succeeded, temp_dir, words};
 
 const QUICK: [&str; 6] = [
     "--corpus",
@@ -33,92 +33,87 @@ fn refused_gpt(extra: &[&str], expected: &str) {
 
 #[test]
 fn gpt_longctx_refuses_bad_flags_with_the_rule() {
-    refused_gpt(
-        &["--lr", "nan"],
-        "learning rate NaN must be a finite number in (0, 1]",
-    );
-    refused_gpt(&["--lr=-1"], "learning rate -1 must be");
-    refused_gpt(&["--timeout-secs", "0"], "timeout 0 s must be between 1");
-    refused_gpt(&["--cp", "100000"], "exceed the 1024 ranks");
-    refused_gpt(&["--mask", "full"], "needs a causal-family mask");
-    refused(
+    refused_each(
         "gpt_longctx",
-        &["--corpus", "builtin", "--micro-batches=4000000000"],
-        "exceed the limit",
-    );
-    refused(
-        "gpt_longctx",
-        &["--max-tokens-per-rank", "9223372036854775808", "--cp", "2"],
-        "--max-tokens-per-rank 9223372036854775808 × --cp 2 overflows, far beyond the limit",
-    );
-    refused(
-        "gpt_longctx",
-        &["--max-tokens-per-rank", "9223372036854775807", "--cp", "2"],
-        "--max-tokens-per-rank 9223372036854775807 × --cp 2 exceeds the limit of 4294967295 tokens",
-    );
-    refused_gpt(&["--block", "16"], "--block only applies to --strategy dcp");
-    refused_gpt(
-        &["--lengths-from", "books"],
-        "--lengths-from: invalid setting: unknown length distribution 'books': expected longalign-like or ldc-like",
-    );
-    refused_gpt(
-        &["--link-scale", "10"],
-        "--link-scale 10 only applies with --emulate-links",
-    );
-    refused_gpt(
-        &["--emulate-links", "--link-scale", "0"],
-        "--link-scale 0 must be a positive number",
-    );
-    refused_gpt(
-        &["--cp", "4", "--nodes", "3"],
-        "--nodes 3 must divide the 4 ranks",
-    );
-    refused(
-        "gpt_longctx",
+        &QUICK,
         &[
-            "--corpus",
-            "builtin",
-            "--cp",
-            "4",
-            "--dp",
-            "3",
-            "--micro-batches",
-            "3",
-            "--nodes",
-            "2",
+            (
+                "--lr nan",
+                "learning rate NaN must be a finite number in (0, 1]",
+            ),
+            ("--lr=-1", "learning rate -1 must be"),
+            ("--timeout-secs 0", "timeout 0 s must be between 1"),
+            ("--cp 100000", "exceed the 1024 ranks"),
+            ("--mask full", "needs a causal-family mask"),
         ],
+    );
+    refused_each(
+        "gpt_longctx",
+        &[],
+        &[
+            ("--corpus builtin --micro-batches=4000000000", "exceed the limit"),
+            (
+                "--max-tokens-per-rank 9223372036854775808 --cp 2",
+                "--max-tokens-per-rank 9223372036854775808 × --cp 2 overflows, far beyond the limit",
+            ),
+            (
+                "--max-tokens-per-rank 9223372036854775807 --cp 2",
+                "--max-tokens-per-rank 9223372036854775807 × --cp 2 exceeds the limit of 4294967295 tokens",
+            ),
+        ],
+    );
+    refused_each(
+        "gpt_longctx",
+        &QUICK,
+        &[
+            ("--block 16", "--block only applies to --strategy dcp"),
+            (
+                "--lengths-from books",
+                "--lengths-from: invalid setting: unknown length distribution 'books': expected longalign-like or ldc-like",
+            ),
+            ("--link-scale 10", "--link-scale 10 only applies with --emulate-links"),
+            ("--emulate-links --link-scale 0", "--link-scale 0 must be a positive number"),
+            ("--cp 4 --nodes 3", "--nodes 3 must divide the 4 ranks"),
+        ],
+    );
+    refused(
+        "gpt_longctx",
+        &words("--corpus builtin --cp 4 --dp 3 --micro-batches 3 --nodes 2"),
         "a CP group of 4 ranks neither fills whole nodes of 6 ranks nor fits in one",
     );
-    refused_gpt(
-        &["--strategy", "dcp", "--block", "0"],
-        "--block 0 must be between 1",
-    );
-    refused_gpt(&["--strategy", "dcp", "--stages", "0"], "--stages 0");
-    refused_gpt(&["--topology", "tpu-pod"], "unknown topology 'tpu-pod'");
-    refused_gpt(
-        &["--strategy", "dynamic", "--block", "32"],
-        "--block only applies to --strategy dcp or auto",
-    );
-    refused_gpt(
-        &["--optimizer", "lion"],
-        "unknown --optimizer 'lion': expected adamw, adam, sgd",
-    );
-    refused_gpt(
-        &["--optimizer", "sgd", "--adam-beta1", "0.8"],
-        "--adam-beta1 does not apply to --optimizer sgd",
-    );
-    refused_gpt(&["--lr-schedule", "step"], "unknown --lr-schedule 'step'");
-    refused_gpt(
-        &["--warmup-steps", "50"],
-        "--warmup-steps 50 exceeds the 30 steps of the schedule",
-    );
-    refused_gpt(
-        &["--clip-grad-norm", "0"],
-        "--clip-grad-norm 0 must be a positive number",
-    );
-    refused_gpt(
-        &["--strategy", "dcp", "--layout", "stripe"],
-        "--layout stripe does not apply to --strategy dcp",
+    refused_each(
+        "gpt_longctx",
+        &QUICK,
+        &[
+            ("--strategy dcp --block 0", "--block 0 must be between 1"),
+            ("--strategy dcp --stages 0", "--stages 0"),
+            ("--topology tpu-pod", "unknown topology 'tpu-pod'"),
+            (
+                "--strategy dynamic --block 32",
+                "--block only applies to --strategy dcp or auto",
+            ),
+            (
+                "--optimizer lion",
+                "unknown --optimizer 'lion': expected adamw, adam, sgd",
+            ),
+            (
+                "--optimizer sgd --adam-beta1 0.8",
+                "--adam-beta1 does not apply to --optimizer sgd",
+            ),
+            ("--lr-schedule step", "unknown --lr-schedule 'step'"),
+            (
+                "--warmup-steps 50",
+                "--warmup-steps 50 exceeds the 30 steps of the schedule",
+            ),
+            (
+                "--clip-grad-norm 0",
+                "--clip-grad-norm 0 must be a positive number",
+            ),
+            (
+                "--strategy dcp --layout stripe",
+                "--layout stripe does not apply to --strategy dcp",
+            ),
+        ],
     );
 }
 
@@ -129,16 +124,7 @@ fn gpt_longctx_refuses_bad_flags_with_the_rule() {
 fn gpt_longctx_refuses_a_precision_the_backend_lacks() {
     refused(
         "gpt_longctx",
-        &[
-            "--backend",
-            "wgpu",
-            "--precision",
-            "bf16",
-            "--steps",
-            "1",
-            "--seq-len",
-            "256",
-        ],
+        &words("--backend wgpu --precision bf16 --steps 1 --seq-len 256"),
         "precision bf16: the backend fusion<cubecl<wgpu<wgsl>>> does not compute in BF16 on this \
          device; it supports --precision f32, f16",
     );
@@ -150,26 +136,35 @@ fn gpt_longctx_refuses_bad_data_flags_with_the_rule() {
         &["--eod-token", "0"],
         "--eod-token 0 ends the documents of a flat token file: it needs --data-path",
     );
-    refused(
+    refused_each(
         "gpt_longctx",
-        &["--data-path", "/nonexistent/prefix"],
-        "neither a Megatron prefix",
+        &[],
+        &[
+            (
+                "--data-path /nonexistent/prefix",
+                "neither a Megatron prefix",
+            ),
+            (
+                "--data-path 0.5 a 0.5",
+                "one path, or weight and path pairs",
+            ),
+            (
+                "--data-path 0 a 1 b",
+                "weight 0 of a must be a positive number",
+            ),
+        ],
     );
-    refused(
+    refused_each(
         "gpt_longctx",
-        &["--data-path", "0.5", "a", "0.5"],
-        "one path, or weight and path pairs",
-    );
-    refused(
-        "gpt_longctx",
-        &["--data-path", "0", "a", "1", "b"],
-        "weight 0 of a must be a positive number",
-    );
-    refused_gpt(&["--data-path", "x"], "give one source of training data");
-    refused_gpt(&["--token-dtype", "int8"], "uint16 or uint32");
-    refused_gpt(
-        &["--tokenizer-file", "/nonexistent/tokenizer.json"],
-        "/nonexistent/tokenizer.json",
+        &QUICK,
+        &[
+            ("--data-path x", "give one source of training data"),
+            ("--token-dtype int8", "uint16 or uint32"),
+            (
+                "--tokenizer-file /nonexistent/tokenizer.json",
+                "/nonexistent/tokenizer.json",
+            ),
+        ],
     );
     // A flat token file needs its end-of-document id; ids past the vocabulary are refused.
     let dir = std::env::temp_dir().join(format!("bdcp-cli-data-{}", std::process::id()));
@@ -202,28 +197,25 @@ fn gpt_longctx_refuses_bad_data_flags_with_the_rule() {
 
 #[test]
 fn gpt_longctx_refuses_what_vpp_cannot_run() {
-    refused_gpt(
-        &["--vpp", "2"],
-        "--vpp 2 interleaves the chunks of a pipeline: it needs --pp 2 or more",
-    );
-    refused_gpt(
-        &["--vpp", "2", "--pp", "2"],
-        "--vpp 2 splits the 2 layers into --pp 2 × --vpp 2 = 4 chunks: they must divide",
-    );
-    refused_gpt(
+    refused_each(
+        "gpt_longctx",
+        &QUICK,
         &[
-            "--vpp",
-            "2",
-            "--pp",
-            "2",
-            "--model-size",
-            "small",
-            "--pp-schedule",
-            "gpipe",
+            (
+                "--vpp 2",
+                "--vpp 2 interleaves the chunks of a pipeline: it needs --pp 2 or more",
+            ),
+            (
+                "--vpp 2 --pp 2",
+                "--vpp 2 splits the 2 layers into --pp 2 × --vpp 2 = 4 chunks: they must divide",
+            ),
+            (
+                "--vpp 2 --pp 2 --model-size small --pp-schedule gpipe",
+                "--pp-schedule gpipe has no virtual stages",
+            ),
+            ("--vpp 0", "--vpp 0 must be at least 1"),
         ],
-        "--pp-schedule gpipe has no virtual stages",
     );
-    refused_gpt(&["--vpp", "0"], "--vpp 0 must be at least 1");
 }
 
 /// Inside a Slurm allocation (an `sbatch` script or `salloc` shell: `SLURM_NTASKS` and

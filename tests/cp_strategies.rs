@@ -89,13 +89,7 @@ fn all_gather_matches_single_device() {
 
 #[test]
 fn usp_matches_single_device() {
-    check_strategy(
-        Strategy::Usp {
-            ulysses_degree: 2,
-            ring_degree: 2,
-        },
-        4,
-    );
+    check_strategy(USP_2X2, 4);
     check_strategy(
         Strategy::Usp {
             ulysses_degree: 4,
@@ -144,13 +138,7 @@ fn key_range_masks_with_fully_masked_rows() {
         (Strategy::Ulysses, 2),
         (Strategy::Ring, 4),
         (Strategy::AllGather, 3),
-        (
-            Strategy::Usp {
-                ulysses_degree: 2,
-                ring_degree: 2,
-            },
-            4,
-        ),
+        (USP_2X2, 4),
     ] {
         for layout in layouts() {
             let mut run = spec(cp, strategy, layout, &MaskSpec::Full);
@@ -184,10 +172,7 @@ fn half_precision_matches_single_device_within_transformer_engine_tolerances() {
     use burn::tensor::DType;
     use burn_dcp::diagnostics::harness::run_single_device_in;
     let device = Default::default();
-    let usp = Strategy::Usp {
-        ulysses_degree: 2,
-        ring_degree: 2,
-    };
+    let usp = USP_2X2;
     let mut seed = 500;
     for (dtype, tolerance) in [(DType::BF16, 2.5e-2f32), (DType::F16, 5e-3)] {
         for mask in masks() {

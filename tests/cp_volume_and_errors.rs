@@ -22,13 +22,7 @@ fn bytes_sent_match_the_analytic_volume() {
         (Strategy::Ulysses, 4),
         (Strategy::Ring, 4),
         (Strategy::AllGather, 4),
-        (
-            Strategy::Usp {
-                ulysses_degree: 2,
-                ring_degree: 2,
-            },
-            4,
-        ),
+        (USP_2X2, 4),
         (
             Strategy::Usp {
                 ulysses_degree: 4,

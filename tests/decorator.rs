@@ -123,14 +123,7 @@ fn decorated_attention_gradients_equal_single_device() {
         (Strategy::Ring, 4, Layout::Zigzag),
         (Strategy::Ring, 3, Layout::Stripe),
         (Strategy::AllGather, 2, Layout::Contiguous),
-        (
-            Strategy::Usp {
-                ulysses_degree: 2,
-                ring_degree: 2,
-            },
-            4,
-            Layout::Zigzag,
-        ),
+        (USP_2X2, 4, Layout::Zigzag),
     ];
     for mask in [
         MaskSpec::Causal,
@@ -266,14 +259,7 @@ fn grouped_query_heads_move_only_the_real_kv_heads() {
         (Strategy::Ring, 4, Layout::Zigzag),
         (Strategy::Ulysses, 4, Layout::Contiguous),
         (Strategy::Ulysses, 2, Layout::Zigzag),
-        (
-            Strategy::Usp {
-                ulysses_degree: 2,
-                ring_degree: 2,
-            },
-            4,
-            Layout::Zigzag,
-        ),
+        (USP_2X2, 4, Layout::Zigzag),
         (Strategy::AllGather, 3, Layout::Stripe),
     ];
     let mask = MaskSpec::Causal;

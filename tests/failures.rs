@@ -262,12 +262,7 @@ fn mismatched_ranks_fail_before_data_moves_naming_ranks_and_fields() {
 fn a_usp_rank_among_ring_ranks_fails_at_once() {
     // USP splits its group (a collective the ring ranks never call): the messages do not match.
     let ring = base_setup(Strategy::Ring, Layout::Zigzag, &[30, 18], 4, 4);
-    let outcome = mismatch(4, 1, ring, |s| {
-        s.strategy = Strategy::Usp {
-            ulysses_degree: 2,
-            ring_degree: 2,
-        }
-    });
+    let outcome = mismatch(4, 1, ring, |s| s.strategy = USP_2X2);
     assert!(
         outcome.elapsed < Duration::from_secs(5),
         "{:?}",

@@ -30,6 +30,8 @@ use burn_dcp::{BatchRows, CpBatch, CpGroup, Layout, Placement, Strategy};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use crate::common::USP_2X2;
+
 type Plain = Autodiff<Flex>;
 type Cp = ContextParallel<Autodiff<Flex>>;
 type Bytes = BinBytesRecorder<FullPrecisionSettings>;

@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use crate::common::USP_2X2;
+
 use burn_dcp::comm::{InProcessWorld, WorldConfig};
 use burn_dcp::kernels::FlashOps;
 use burn_dcp::{Layout, Strategy};
@@ -193,13 +195,7 @@ fn cp4_gradients_of_every_parameter_match_cp1() {
         (Strategy::Ring, Layout::Zigzag),
         (Strategy::Ring, Layout::Stripe),
         (Strategy::AllGather, Layout::Contiguous),
-        (
-            Strategy::Usp {
-                ulysses_degree: 2,
-                ring_degree: 2,
-            },
-            Layout::Zigzag,
-        ),
+        (USP_2X2, Layout::Zigzag),
     ] {
         let got = one_step(&config(4, 1, strategy, layout, "causal"));
         assert!(got.2 > 0, "{strategy}: CP 4 communicated nothing");
@@ -220,16 +216,7 @@ fn cp2_dp2_matches_cp1_dp1_at_the_same_global_batch() {
 fn sparse_masks_train_the_same_under_cp() {
     for mask in ["lambda:8,32", "blockwise:16,2", "shared-question:0.2,4"] {
         let reference = one_step(&config(1, 1, Strategy::Ring, Layout::Zigzag, mask));
-        let got = one_step(&config(
-            4,
-            1,
-            Strategy::Usp {
-                ulysses_degree: 2,
-                ring_degree: 2,
-            },
-            Layout::Zigzag,
-            mask,
-        ));
+        let got = one_step(&config(4, 1, USP_2X2, Layout::Zigzag, mask));
         assert_same_step(&got, &reference, mask);
     }
 }
@@ -243,15 +230,7 @@ fn wgpu_training_step_matches_flex() {
     use burn_dcp::kernels::backends::WgpuPlain;
     wgpu_steps_match_flex::<WgpuPlain>(&[
         (2, Strategy::Ring, Layout::Zigzag, "causal"),
-        (
-            4,
-            Strategy::Usp {
-                ulysses_degree: 2,
-                ring_degree: 2,
-            },
-            Layout::Zigzag,
-            "lambda:8,32",
-        ),
+        (4, USP_2X2, Layout::Zigzag, "lambda:8,32"),
     ]);
 }
 
@@ -359,10 +338,7 @@ fn ranks_without_tokens_train_and_match_cp1() {
             Strategy::Ring,
             Strategy::Ulysses,
             Strategy::AllGather,
-            Strategy::Usp {
-                ulysses_degree: 2,
-                ring_degree: 2,
-            },
+            USP_2X2,
         ] {
             for layout in [Layout::Zigzag, Layout::Stripe] {
                 if seq_len == 2 && (strategy != Strategy::Ring || layout != Layout::Zigzag) {

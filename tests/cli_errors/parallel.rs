@@ -8,19 +8,7 @@ use super::*;
 fn gpt_longctx_trains_with_ranks_that_hold_no_token() {
     let out = succeeded(
         "gpt_longctx",
-        &[
-            "--corpus",
-            "builtin",
-            "--cp",
-            "4",
-            "--seq-len",
-            "3",
-            "--micro-batches",
-            "1",
-            "--steps",
-            "2",
-            "--json",
-        ],
+        &words("--corpus builtin --cp 4 --seq-len 3 --micro-batches 1 --steps 2 --json"),
     );
     let summary: serde_json::Value = serde_json::from_str(&out).unwrap();
     let losses = summary["losses"].as_array().unwrap();
@@ -35,19 +23,9 @@ fn gpt_longctx_trains_with_ranks_that_hold_no_token() {
 
 #[test]
 fn gpt_longctx_counts_bytes_by_link_over_virtual_nodes() {
-    let args = gpt(&[
-        "--steps",
-        "1",
-        "--cp",
-        "4",
-        "--strategy",
-        "dcp",
-        "--block",
-        "16",
-        "--nodes",
-        "2",
-        "--json",
-    ]);
+    let args = gpt(&words(
+        "--steps 1 --cp 4 --strategy dcp --block 16 --nodes 2 --json",
+    ));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let report: serde_json::Value = serde_json::from_str(&succeeded("gpt_longctx", &args)).unwrap();
     let links = &report["bytes_by_link"];
@@ -79,15 +57,18 @@ fn axes_summing_to_the_total(
 
 #[test]
 fn gpt_longctx_tensor_parallel_flags_and_bytes_by_axis() {
-    refused_gpt(&["--tp", "3"], "--tp 3 must divide the 4 query heads");
-    refused_gpt(&["--tp", "0"], "must be at least 1");
-    refused_gpt(
-        &["--tp", "2", "--cp", "4", "--strategy", "ulysses"],
-        "the heads of one TP rank of 2",
-    );
-    refused_gpt(
-        &["--tp", "2", "--cp", "2", "--nodes", "4"],
-        "must hold whole TP groups of 2",
+    refused_each(
+        "gpt_longctx",
+        &QUICK,
+        &[
+            ("--tp 3", "--tp 3 must divide the 4 query heads"),
+            ("--tp 0", "must be at least 1"),
+            (
+                "--tp 2 --cp 4 --strategy ulysses",
+                "the heads of one TP rank of 2",
+            ),
+            ("--tp 2 --cp 2 --nodes 4", "must hold whole TP groups of 2"),
+        ],
     );
     let args = gpt(&["--steps", "1", "--tp", "2", "--cp", "2", "--json"]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();

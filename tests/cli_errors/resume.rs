@@ -247,18 +247,7 @@ fn killed_and_resumed(launcher: &[&str], name: &str, steps: u64) {
 /// another model is refused naming the difference.
 #[test]
 fn custom_model_checkpoints_and_resumes_exactly() {
-    let base = [
-        "--corpus",
-        "builtin",
-        "--seq-len",
-        "64",
-        "--cp",
-        "2",
-        "--d-model",
-        "32",
-        "--heads",
-        "4",
-    ];
+    let base = words("--corpus builtin --seq-len 64 --cp 2 --d-model 32 --heads 4");
     let run = |extra: &[&str]| {
         let args: Vec<&str> = base.iter().chain(extra).copied().collect();
         succeeded("custom_model", &args)

@@ -20,20 +20,10 @@ fn dynamic_cp_groups_run_dcp_plans_exactly() {
             .collect()
     };
     let reference = losses(&["--cp", "1"]);
-    let dynamic = losses(&[
-        "--cp",
-        "4",
-        "--nodes",
-        "2",
-        "--strategy",
-        "dynamic",
-        "--inner-strategy",
-        "dcp",
-        "--block",
-        "16",
-        "--max-tokens-per-rank",
-        "32",
-    ]);
+    let dynamic = losses(&words(
+        "--cp 4 --nodes 2 --strategy dynamic --inner-strategy dcp --block 16 \
+        --max-tokens-per-rank 32",
+    ));
     assert_eq!(dynamic.len(), reference.len());
     for (got, want) in dynamic.iter().zip(&reference) {
         assert!(
@@ -45,55 +35,39 @@ fn dynamic_cp_groups_run_dcp_plans_exactly() {
 
 #[test]
 fn gpt_longctx_dynamic_flags_are_checked() {
-    refused_gpt(
-        &["--inner-strategy", "ring"],
-        "--inner-strategy only applies to --strategy dynamic",
-    );
-    refused_gpt(
-        &["--cp-sizes", "pow2"],
-        "--cp-sizes only applies to --strategy dynamic",
-    );
-    refused_gpt(
-        &["--strategy", "dynamic", "--cp-sizes", "odd"],
-        "unknown --cp-sizes 'odd'",
-    );
-    refused_gpt(
+    refused_each(
+        "gpt_longctx",
+        &QUICK,
         &[
-            "--strategy",
-            "dynamic",
-            "--cp",
-            "2",
-            "--max-tokens-per-rank",
-            "16",
+            (
+                "--inner-strategy ring",
+                "--inner-strategy only applies to --strategy dynamic",
+            ),
+            (
+                "--cp-sizes pow2",
+                "--cp-sizes only applies to --strategy dynamic",
+            ),
+            (
+                "--strategy dynamic --cp-sizes odd",
+                "unknown --cp-sizes 'odd'",
+            ),
+            (
+                "--strategy dynamic --cp 2 --max-tokens-per-rank 16",
+                "does not fit the pool",
+            ),
+            (
+                "--strategy dynamic --cp 8 --inner-strategy ulysses",
+                "dynamic CP may use groups of 8 ranks",
+            ),
+            (
+                "--strategy dynamic --plan-ahead 0",
+                "--plan-ahead 0 must be between 1",
+            ),
         ],
-        "does not fit the pool",
     );
-    refused_gpt(
-        &[
-            "--strategy",
-            "dynamic",
-            "--cp",
-            "8",
-            "--inner-strategy",
-            "ulysses",
-        ],
-        "dynamic CP may use groups of 8 ranks",
-    );
-    refused_gpt(
-        &["--strategy", "dynamic", "--plan-ahead", "0"],
-        "--plan-ahead 0 must be between 1",
-    );
-    let args = gpt(&[
-        "--steps",
-        "2",
-        "--cp",
-        "4",
-        "--strategy",
-        "dynamic",
-        "--max-tokens-per-rank",
-        "16",
-        "--json",
-    ]);
+    let args = gpt(&words(
+        "--steps 2 --cp 4 --strategy dynamic --max-tokens-per-rank 16 --json",
+    ));
     let out = succeeded(
         "gpt_longctx",
         &args.iter().map(String::as_str).collect::<Vec<_>>(),
@@ -105,63 +79,57 @@ fn gpt_longctx_dynamic_flags_are_checked() {
 
 #[test]
 fn gpt_longctx_auto_flags_are_checked() {
-    refused_gpt(
-        &["--auto-candidates", "dcp"],
-        "--auto-candidates only applies to --strategy auto",
-    );
-    refused_gpt(
-        &["--strategy", "auto", "--auto-candidates", "dcp,ring"],
-        "unknown auto candidate 'ring'",
-    );
-    refused_gpt(
-        &["--strategy", "auto", "--layout", "stripe"],
-        "--layout stripe is not supported with it",
-    );
-    refused_gpt(
-        &["--strategy", "auto", "--ulysses-degree", "2"],
-        "--ulysses-degree 2 does not apply to --strategy auto",
-    );
-    refused_gpt(
+    refused_each(
+        "gpt_longctx",
+        &QUICK,
         &[
-            "--strategy",
-            "auto",
-            "--auto-candidates",
-            "ulysses",
-            "--cp",
-            "3",
+            (
+                "--auto-candidates dcp",
+                "--auto-candidates only applies to --strategy auto",
+            ),
+            (
+                "--strategy auto --auto-candidates dcp,ring",
+                "unknown auto candidate 'ring'",
+            ),
+            (
+                "--strategy auto --layout stripe",
+                "--layout stripe is not supported with it",
+            ),
+            (
+                "--strategy auto --ulysses-degree 2",
+                "--ulysses-degree 2 does not apply to --strategy auto",
+            ),
+            (
+                "--strategy auto --auto-candidates ulysses --cp 3",
+                "--auto-candidates ulysses alone cannot run on cp 3",
+            ),
+            (
+                "--strategy ring --block 16",
+                "only applies to --strategy dcp or auto",
+            ),
         ],
-        "--auto-candidates ulysses alone cannot run on cp 3",
     );
-    refused_gpt(
-        &["--strategy", "ring", "--block", "16"],
-        "only applies to --strategy dcp or auto",
-    );
-    refused(
+    refused_each(
         "plan_sim",
-        &["--lengths", "100", "--auto-candidates", "dcp"],
-        "--auto-candidates only applies with auto in --strategies",
-    );
-    refused(
-        "plan_sim",
+        &[],
         &[
-            "--lengths",
-            "100",
-            "--strategies",
-            "auto",
-            "--auto-candidates",
-            "usp,bogus",
+            (
+                "--lengths 100 --auto-candidates dcp",
+                "--auto-candidates only applies with auto in --strategies",
+            ),
+            (
+                "--lengths 100 --strategies auto --auto-candidates usp,bogus",
+                "unknown auto candidate 'bogus'",
+            ),
+            (
+                "--lengths 100,200 --masks causal",
+                "--masks gives 1 masks for 2 sequences",
+            ),
+            (
+                "--lengths 100 --masks causal --mask full",
+                "cannot be used with",
+            ),
         ],
-        "unknown auto candidate 'bogus'",
-    );
-    refused(
-        "plan_sim",
-        &["--lengths", "100,200", "--masks", "causal"],
-        "--masks gives 1 masks for 2 sequences",
-    );
-    refused(
-        "plan_sim",
-        &["--lengths", "100", "--masks", "causal", "--mask", "full"],
-        "cannot be used with",
     );
 }
 

@@ -18,10 +18,7 @@ struct Trial {
 fn strategies(cp: usize) -> Vec<Strategy> {
     let mut all = vec![Strategy::Ring, Strategy::Ulysses, Strategy::AllGather];
     if cp == 4 {
-        all.push(Strategy::Usp {
-            ulysses_degree: 2,
-            ring_degree: 2,
-        });
+        all.push(USP_2X2);
     }
     all
 }

@@ -345,14 +345,7 @@ fn strategies() -> Vec<(Strategy, usize, Layout)> {
         (Strategy::Ring, 2, Layout::Zigzag),
         (Strategy::Ring, 4, Layout::Zigzag),
         (Strategy::Ulysses, 4, Layout::Contiguous),
-        (
-            Strategy::Usp {
-                ulysses_degree: 2,
-                ring_degree: 2,
-            },
-            4,
-            Layout::Zigzag,
-        ),
+        (USP_2X2, 4, Layout::Zigzag),
         (Strategy::AllGather, 2, Layout::Stripe),
         (Strategy::Dcp, 4, Layout::Contiguous),
     ]

@@ -50,6 +50,20 @@ pub fn refused(name: &str, args: &[&str], expected: &str) {
     );
 }
 
+/// A command line's words: `line` split at whitespace.
+pub fn words(line: &str) -> Vec<&str> {
+    line.split_whitespace().collect()
+}
+
+/// Each `(args, expected)` of `cases` is [`refused`]: `name base args`, with `args` split at
+/// whitespace (so a case reads as its command line does).
+pub fn refused_each(name: &str, base: &[&str], cases: &[(&str, &str)]) {
+    for (args, expected) in cases {
+        let args: Vec<&str> = base.iter().copied().chain(words(args)).collect();
+        refused(name, &args, expected);
+    }
+}
+
 pub fn succeeded(name: &str, args: &[&str]) -> String {
     let output = run(name, args);
     assert!(

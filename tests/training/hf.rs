@@ -24,6 +24,8 @@ use burn_dcp_suite::train::{TrainConfig, TrainData, TrainFlags};
 use safetensors::SafeTensors;
 use serde_json::Value;
 
+use crate::common::USP_2X2;
+
 type Cp = ContextParallel<Autodiff<Flex>>;
 
 fn fixtures() -> PathBuf {
@@ -198,13 +200,7 @@ fn logits_under_context_parallelism_equal_transformers() {
         for (strategy, cp) in [
             (Strategy::Ring, 4),
             (Strategy::Ulysses, 4),
-            (
-                Strategy::Usp {
-                    ulysses_degree: 2,
-                    ring_degree: 2,
-                },
-                4,
-            ),
+            (USP_2X2, 4),
             (Strategy::AllGather, 2),
             (Strategy::Dcp, 4),
         ] {

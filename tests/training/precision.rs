@@ -80,10 +80,7 @@ fn bf16_cp4_matches_bf16_cp1_for_every_strategy() {
     let loss = loss_err(&reference, &f32_reference);
     eprintln!("bf16 cp 1 vs f32 cp 1: loss rel {loss:.2e}, gradients {precision_err:.2e}");
     assert!(loss <= BF16_TOLERANCE && precision_err <= BF16_TOLERANCE);
-    let usp = Strategy::Usp {
-        ulysses_degree: 2,
-        ring_degree: 2,
-    };
+    let usp = USP_2X2;
     let mut configs = vec![
         config(4, 1, Strategy::Ulysses, Layout::Zigzag, "causal"),
         config(4, 1, Strategy::Ring, Layout::Zigzag, "causal"),
@@ -215,10 +212,7 @@ fn bf16_ranks_without_tokens_train() {
         );
         reference.seq_len = seq_len;
         let want = one_step(&reference);
-        let usp = Strategy::Usp {
-            ulysses_degree: 2,
-            ring_degree: 2,
-        };
+        let usp = USP_2X2;
         for strategy in [Strategy::Ring, Strategy::Ulysses, Strategy::AllGather, usp] {
             let mut cp4 = at(
                 Precision::Bf16,

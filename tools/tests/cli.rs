@@ -9,29 +9,22 @@ use safetensors::tensor::{Dtype, TensorView};
 #[allow(dead_code)] // each command-line test file uses a part of them
 #[path = "../../tests/support/cli.rs"]
 mod cli;
-use cli::{refused, succeeded, temp_dir};
+use cli::{refused, refused_each, succeeded, temp_dir, words};
 
 #[test]
 fn cp_attention_refuses_sizes_it_cannot_hold_and_bad_values() {
-    refused(
+    refused_each(
         "cp_attention",
-        &["--seqlens", "4000000000"],
-        "GiB of memory, more than the",
-    );
-    refused(
-        "cp_attention",
-        &["--heads", "4000000000"],
-        "GiB of memory, more than the",
-    );
-    refused(
-        "cp_attention",
-        &["--seqlens", "18446744073709551615,1"],
-        "the total token count overflows",
-    );
-    refused(
-        "cp_attention",
-        &["--cp", "100000"],
-        "--cp 100000 must be between 1 and 1024",
+        &[],
+        &[
+            ("--seqlens 4000000000", "GiB of memory, more than the"),
+            ("--heads 4000000000", "GiB of memory, more than the"),
+            (
+                "--seqlens 18446744073709551615,1",
+                "the total token count overflows",
+            ),
+            ("--cp 100000", "--cp 100000 must be between 1 and 1024"),
+        ],
     );
     for scale in ["1e38", "nan", "inf", "0", "-1"] {
         refused(
@@ -40,65 +33,42 @@ fn cp_attention_refuses_sizes_it_cannot_hold_and_bad_values() {
             "softmax scale",
         );
     }
-    refused(
+    refused_each(
         "cp_attention",
-        &["--timeout-secs", "0"],
-        "--timeout-secs 0 must be between 1",
-    );
-    refused("cp_attention", &["--seqlens", "0,0"], "hold no token");
-    refused(
-        "cp_attention",
-        &["--strategy", "usp", "--ulysses-degree", "0"],
-        "ulysses degree must be at least 1",
+        &[],
+        &[
+            ("--timeout-secs 0", "--timeout-secs 0 must be between 1"),
+            ("--seqlens 0,0", "hold no token"),
+            (
+                "--strategy usp --ulysses-degree 0",
+                "ulysses degree must be at least 1",
+            ),
+        ],
     );
 }
 
 #[test]
 fn cp_attention_checks_the_dcp_and_topology_flags() {
-    refused(
+    refused_each(
         "cp_attention",
-        &["--block", "32"],
-        "--block only applies to --strategy dcp",
-    );
-    refused(
-        "cp_attention",
-        &["--cp", "4", "--nodes", "3"],
-        "3 nodes must divide the 4 ranks",
-    );
-    refused(
-        "cp_attention",
-        &["--topology", "tpu-pod"],
-        "unknown topology 'tpu-pod'",
-    );
-    refused(
-        "cp_attention",
-        &["--strategy", "dcp", "--block", "0"],
-        "block size (0)",
-    );
-    refused(
-        "cp_attention",
-        &["--strategy", "dcp", "--seqlens", "40,0", "--block", "8"],
-        "sequence 1 has length 0",
+        &[],
+        &[
+            ("--block 32", "--block only applies to --strategy dcp"),
+            ("--cp 4 --nodes 3", "3 nodes must divide the 4 ranks"),
+            ("--topology tpu-pod", "unknown topology 'tpu-pod'"),
+            ("--strategy dcp --block 0", "block size (0)"),
+            (
+                "--strategy dcp --seqlens 40,0 --block 8",
+                "sequence 1 has length 0",
+            ),
+        ],
     );
     let report = succeeded(
         "cp_attention",
-        &[
-            "--strategy",
-            "dcp",
-            "--cp",
-            "4",
-            "--nodes",
-            "2",
-            "--heads",
-            "2",
-            "--head-dim",
-            "8",
-            "--seqlens",
-            "70,9",
-            "--block",
-            "16",
-            "--json",
-        ],
+        &words(
+            "--strategy dcp --cp 4 --nodes 2 --heads 2 --head-dim 8 --seqlens 70,9 \
+            --block 16 --json",
+        ),
     );
     let report: serde_json::Value = serde_json::from_str(&report).unwrap();
     assert_eq!(
@@ -111,37 +81,24 @@ fn cp_attention_checks_the_dcp_and_topology_flags() {
     );
     // Head units placed apart by the plan: exact, bytes as predicted; units that do not fit
     // the heads are refused with the rule.
-    refused(
+    refused_each(
         "cp_attention",
-        &["--head-units", "2"],
-        "--head-units only applies to --strategy dcp",
+        &[],
+        &[
+            (
+                "--head-units 2",
+                "--head-units only applies to --strategy dcp",
+            ),
+            (
+                "--strategy dcp --heads 4 --head-units 3",
+                "3 head units do not divide 4 query heads",
+            ),
+        ],
     );
-    refused(
-        "cp_attention",
-        &["--strategy", "dcp", "--heads", "4", "--head-units", "3"],
-        "3 head units do not divide 4 query heads",
+    let flags = words(
+        "--strategy dcp --cp 4 --nodes 2 --heads 4 --kv-heads 2 --head-dim 8 --seqlens \
+        90,33 --block 16 --head-units 4 --json",
     );
-    let flags = [
-        "--strategy",
-        "dcp",
-        "--cp",
-        "4",
-        "--nodes",
-        "2",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "8",
-        "--seqlens",
-        "90,33",
-        "--block",
-        "16",
-        "--head-units",
-        "4",
-        "--json",
-    ];
     let report: serde_json::Value =
         serde_json::from_str(&succeeded("cp_attention", &flags)).unwrap();
     assert_eq!(report["head_units"], 4, "{report}");
@@ -268,36 +225,29 @@ fn cp_attention_mode2_validates_shapes_and_keeps_nan_visible() {
 
 #[test]
 fn plan_sim_and_dataset_stats_refuse_sizes_with_limits() {
-    refused("plan_sim", &["--lengths", "4000000000"], "block pairs");
-    refused(
+    refused_each(
         "plan_sim",
-        &["--nodes", "1000000", "--lengths", "4096"],
-        "exceed the 4096 ranks",
-    );
-    refused(
-        "plan_sim",
-        &["--stages", "18446744073709551615"],
-        "1 to 64 communication stages",
-    );
-    refused(
-        "plan_sim",
-        &["--compute-epsilon", "nan"],
-        "compute epsilon must be",
-    );
-    refused(
-        "dataset_stats",
+        &[],
         &[
-            "--max-tokens-per-rank",
-            "4611686018427387904",
-            "--ranks",
-            "4",
+            ("--lengths 4000000000", "block pairs"),
+            ("--nodes 1000000 --lengths 4096", "exceed the 4096 ranks"),
+            (
+                "--stages 18446744073709551615",
+                "1 to 64 communication stages",
+            ),
+            ("--compute-epsilon nan", "compute epsilon must be"),
         ],
-        "overflows the tokens of a micro-batch",
     );
-    refused(
+    refused_each(
         "dataset_stats",
-        &["--corpus", "ldc-like", "--samples", "1000000000000"],
-        "--samples",
+        &[],
+        &[
+            (
+                "--max-tokens-per-rank 4611686018427387904 --ranks 4",
+                "overflows the tokens of a micro-batch",
+            ),
+            ("--corpus ldc-like --samples 1000000000000", "--samples"),
+        ],
     );
 }
 
@@ -310,14 +260,7 @@ fn plan_sim_and_dataset_stats_refuse_sizes_with_limits() {
 fn cp_attention_kernel_choice_is_checked_and_flash_plain_runs() {
     let with_kernel = |kernel: &str, extra: &[&str]| {
         let mut args = vec!["--backend", "wgpu", "--cp", "2", "--head-dim", "16"];
-        args.extend([
-            "--seqlens",
-            "100,37",
-            "--strategy",
-            "ring",
-            "--mask",
-            "causal",
-        ]);
+        args.extend(words("--seqlens 100,37 --strategy ring --mask causal"));
         args.extend(extra);
         std::process::Command::new(cli::example("cp_attention"))
             .args(&args)
@@ -358,21 +301,8 @@ fn cp_attention_kernel_choice_is_checked_and_flash_plain_runs() {
 /// prediction is null; a bad scale is refused.
 #[test]
 fn cp_attention_emulated_links_report_measured_and_predicted_time() {
-    let base = [
-        "--cp",
-        "4",
-        "--nodes",
-        "2",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "16",
-        "--seqlens",
-        "300,100",
-        "--json",
-    ];
+    let base =
+        words("--cp 4 --nodes 2 --heads 4 --kv-heads 2 --head-dim 16 --seqlens 300,100 --json");
     let run = |extra: &[&str]| -> serde_json::Value {
         let args: Vec<&str> = base.iter().chain(extra).copied().collect();
         serde_json::from_str(&succeeded("cp_attention", &args)).unwrap()
@@ -405,15 +335,9 @@ fn cp_attention_emulated_links_report_measured_and_predicted_time() {
     assert_eq!(plain["emulate_links"], false);
     assert!(plain["predicted_attention_ms"].is_null(), "{plain}");
     assert!(plain["measured_attention_ms"].as_f64().unwrap() > 0.0);
-    let contiguous = run(&[
-        "--strategy",
-        "ring",
-        "--layout",
-        "contiguous",
-        "--emulate-links",
-        "--link-scale",
-        "10",
-    ]);
+    let contiguous = run(&words(
+        "--strategy ring --layout contiguous --emulate-links --link-scale 10",
+    ));
     assert!(
         contiguous["predicted_attention_ms"].is_null(),
         "{contiguous}"
@@ -449,45 +373,26 @@ fn prepare_data_refuses_bad_flags_and_dataset_stats_reads_its_files() {
     let input = input.to_str().unwrap();
     let prefix = dir.join("out");
     let prefix = prefix.to_str().unwrap();
+    // The input and output every case below shares, then each case's flags.
+    let with_io = |flags: &'static str| {
+        ["--input", input, "--output-prefix", prefix]
+            .into_iter()
+            .chain(words(flags))
+            .collect::<Vec<_>>()
+    };
     refused(
         "prepare_data",
-        &[
-            "--input",
-            input,
-            "--output-prefix",
-            prefix,
-            "--format",
-            "tar",
-        ],
+        &with_io("--format tar"),
         "--format tar: indexed or flat",
     );
     refused(
         "prepare_data",
-        &[
-            "--input",
-            input,
-            "--output-prefix",
-            prefix,
-            "--format",
-            "flat",
-            "--tokenizer",
-            "bytes",
-        ],
+        &with_io("--format flat --tokenizer bytes"),
         "--eod-token: which id ends a document with the bytes tokenizer?",
     );
     let written = succeeded(
         "prepare_data",
-        &[
-            "--input",
-            input,
-            "--output-prefix",
-            prefix,
-            "--tokenizer",
-            "bytes",
-            "--append-eod",
-            "--eod-token",
-            "0",
-        ],
+        &with_io("--tokenizer bytes --append-eod --eod-token 0"),
     );
     let written: serde_json::Value = serde_json::from_str(&written).unwrap();
     assert_eq!(

@@ -178,9 +178,9 @@ impl AttentionStrategy for Dcp {
     fn forward<B: FlashOps>(
         &self,
         CpCall { group, batch }: CpCall<'_>,
-        [q, k, v]: Qkv<B>,
+        qkv: Qkv<B>,
     ) -> Result<FlashOutput<B>, CpError> {
-        forward(&group.comm, batch, batch.schedule()?, q, k, v)
+        forward(&group.comm, batch, batch.schedule()?, qkv)
     }
 
     fn backward<B: FlashOps>(
@@ -192,15 +192,13 @@ impl AttentionStrategy for Dcp {
     }
 }
 
-/// DCP forward on this rank's home blocks: `q [T, H, D]`, `k`/`v [T, K, D]` in the placement's
-/// order → `out [T, H, D]`, `lse [H, T]`.
+/// DCP forward on this rank's home blocks: `[q, k, v]` (`q [T, H, D]`, `k`/`v [T, K, D]`) in the
+/// placement's order → `out [T, H, D]`, `lse [H, T]`.
 pub fn forward<B: FlashOps>(
     comm: &Comm,
     batch: &CpBatch,
     schedule: &BlockSchedule,
-    q: Tensor<B, 3>,
-    k: Tensor<B, 3>,
-    v: Tensor<B, 3>,
+    [q, k, v]: Qkv<B>,
 ) -> Result<FlashOutput<B>, CpError> {
     let mut run = Run::<B>::new(comm, batch, schedule, &q, &k)?;
     for (block, range) in run.home_ranges() {
